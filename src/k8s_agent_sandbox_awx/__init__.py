@@ -1,0 +1,103 @@
+"""Kubernetes agent sandboxes without a kubeconfig, through an OIDC identity broker.
+
+``import k8s_agent_sandbox_awx`` is cheap: the public names below are imported on first use
+(PEP 562), so the upstream client and httpx are loaded only when a sandbox is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+
+# public name -> private module that defines it
+_EXPORTS: dict[str, str] = {
+    # --- credential framework -------------------------------------------------------------
+    "Credential": "._credential",
+    "CredentialRequest": "._credential",
+    "ProviderInfo": "._credential",
+    "hookimpl": ".hookspecs",
+    "ENTRY_POINT_GROUP": ".hookspecs",
+    "KubernetesAuth": "._auth",
+    "OIDCTokenAuth": "._auth",
+    "CredentialSource": "._auth",
+    "DefaultCredentials": "._chain",
+    "explain": "._chain",
+    "Explanation": "._chain",
+    "clear_credential_cache": "._cache",
+    "CredentialError": "._credential_errors",
+    "NoCredentialsError": "._credential_errors",
+    "CredentialSourceError": "._credential_errors",
+    "EmptyCredentialError": "._credential_errors",
+    "UnreadableCredentialError": "._credential_errors",
+    "MalformedTokenError": "._credential_errors",
+    "TokenExpiredError": "._credential_errors",
+    "AudienceMismatchError": "._credential_errors",
+    "ForbiddenTokenSourceError": "._credential_errors",
+    # --- broker client (sync) -------------------------------------------------------------
+    "Sandbox": "._sandbox",
+    "BrokerSandboxClient": "._client",
+    "BrokerConnectionConfig": "._config",
+    "BrokerError": "._exceptions",
+    "BrokerAuthenticationError": "._exceptions",
+    "BrokerPermissionError": "._exceptions",
+    "BrokerQuotaError": "._exceptions",
+    "BrokerUnavailableError": "._exceptions",
+    "BrokerProtocolError": "._exceptions",
+    "BrokerRedirectError": "._exceptions",
+    "ConfigurationError": "._exceptions",
+    "SandboxReadyTimeoutError": "._exceptions",
+    "CommandTimeoutError": "._exceptions",
+    "RequestTimeoutError": "._exceptions",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
+    from ._cache import clear_credential_cache
+    from ._chain import DefaultCredentials, Explanation, explain
+    from ._client import BrokerSandboxClient
+    from ._config import BrokerConnectionConfig
+    from ._credential import Credential, CredentialRequest, ProviderInfo
+    from ._credential_errors import (
+        AudienceMismatchError,
+        CredentialError,
+        CredentialSourceError,
+        EmptyCredentialError,
+        ForbiddenTokenSourceError,
+        MalformedTokenError,
+        NoCredentialsError,
+        TokenExpiredError,
+        UnreadableCredentialError,
+    )
+    from ._exceptions import (
+        BrokerAuthenticationError,
+        BrokerError,
+        BrokerPermissionError,
+        BrokerProtocolError,
+        BrokerQuotaError,
+        BrokerRedirectError,
+        BrokerUnavailableError,
+        CommandTimeoutError,
+        ConfigurationError,
+        RequestTimeoutError,
+        SandboxReadyTimeoutError,
+    )
+    from ._sandbox import Sandbox
+    from .hookspecs import ENTRY_POINT_GROUP, hookimpl

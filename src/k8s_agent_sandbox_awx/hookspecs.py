@@ -1,0 +1,42 @@
+"""Hook specifications for credential provider plugins.
+
+A plugin is a module (or object) registered under the entry-point group
+``k8s_agent_sandbox_awx.providers`` that implements these hooks with
+:data:`k8s_agent_sandbox_awx.hookimpl`. See ``docs/writing-plugins.md``.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+from ._credential import Credential, CredentialRequest, ProviderInfo
+
+PROJECT_NAME = "k8s_agent_sandbox_awx"
+ENTRY_POINT_GROUP = "k8s_agent_sandbox_awx.providers"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def agent_sandbox_provider_info() -> ProviderInfo:  # type: ignore[empty-body]
+    """Describe this plugin's provider: its priority and a hint for users.
+
+    Called once, when the plugin is loaded. Optional: without it a provider has priority 0
+    and no hint.
+    """
+
+
+@hookspec
+def agent_sandbox_get_credential(request: CredentialRequest) -> Credential | None:
+    """Return a credential for ``request.audience``, or ``None`` when this provider does not apply.
+
+    - Not here (the environment this provider serves is absent): ``return request.not_here("why")``.
+    - Here: return a :class:`Credential` whose ``provider`` is this plugin's name.
+    - Here but broken (variable set but empty, endpoint failing, malformed token): raise a
+      :class:`~k8s_agent_sandbox_awx.CredentialSourceError`. That stops discovery with the error;
+      the host never falls through to another identity.
+
+    The host calls each provider individually in its own documented order; it never relies on
+    pluggy's registration order.
+    """
