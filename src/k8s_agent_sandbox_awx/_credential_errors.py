@@ -6,7 +6,7 @@ failure of the SDK. Messages name the input, the rule and the fix, and never con
 
 from __future__ import annotations
 
-from k8s_agent_sandbox.exceptions import SandboxError
+from ._upstream import SandboxError
 
 __all__ = [
     "AudienceMismatchError",
