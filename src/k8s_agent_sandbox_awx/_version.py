@@ -1,3 +1,3 @@
 """The single place the package version is defined."""
 
-__version__ = "0.5.0.dev0"
+__version__ = "0.5.0"
