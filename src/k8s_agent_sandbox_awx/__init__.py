@@ -46,6 +46,11 @@ _EXPORTS: dict[str, str] = {
     "BrokerUnavailableError": "._exceptions",
     "BrokerProtocolError": "._exceptions",
     "BrokerRedirectError": "._exceptions",
+    "BrokerNotFoundError": "._exceptions",
+    "BrokerTemplateNotFoundError": "._exceptions",
+    "BrokerConflictError": "._exceptions",
+    "SandboxFailedError": "._exceptions",
+    "SandboxInfo": "._sandbox",
     "ConfigurationError": "._exceptions",
     "SandboxReadyTimeoutError": "._exceptions",
     "CommandTimeoutError": "._exceptions",
@@ -88,16 +93,20 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     )
     from ._exceptions import (
         BrokerAuthenticationError,
+        BrokerConflictError,
         BrokerError,
+        BrokerNotFoundError,
         BrokerPermissionError,
         BrokerProtocolError,
         BrokerQuotaError,
         BrokerRedirectError,
+        BrokerTemplateNotFoundError,
         BrokerUnavailableError,
         CommandTimeoutError,
         ConfigurationError,
         RequestTimeoutError,
+        SandboxFailedError,
         SandboxReadyTimeoutError,
     )
-    from ._sandbox import Sandbox
+    from ._sandbox import Sandbox, SandboxInfo
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl

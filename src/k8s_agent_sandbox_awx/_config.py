@@ -1,0 +1,190 @@
+"""``BrokerConnectionConfig``: where the broker is and how to talk to it."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, model_validator
+
+from ._exceptions import ConfigurationError
+from ._upstream import SandboxDirectConnectionConfig
+
+__all__ = [
+    "ENV_BROKER_URL",
+    "ENV_CA_BUNDLE",
+    "ENV_TEMPLATE",
+    "BrokerConnectionConfig",
+    "normalize_broker_url",
+]
+
+ENV_BROKER_URL = "AGENT_SANDBOX_BROKER_URL"
+ENV_CA_BUNDLE = "AGENT_SANDBOX_CA_BUNDLE"
+ENV_TEMPLATE = "AGENT_SANDBOX_TEMPLATE"
+
+# Headers the client sets itself; an extra header must not replace them.
+_RESERVED_EXTRA_HEADERS = frozenset(
+    {"authorization", "host", "idempotency-key", "content-length", "transfer-encoding", "cookie"}
+)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def normalize_broker_url(url: str, *, allow_insecure_http: bool = False) -> str:
+    """Validate a broker URL and return it without a trailing slash.
+
+    The result is the only origin the client sends a token to, and the credential audience.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigurationError(
+            f"The broker URL is empty. Set {ENV_BROKER_URL} (or pass broker_url=) to the broker's "
+            "https:// URL, e.g. https://sandbox-broker.example."
+        )
+    raw = url.strip()
+    try:
+        parts = urlsplit(raw)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigurationError(f"The broker URL {raw!r} is not a valid URL: {exc}.") from exc
+    scheme = parts.scheme.lower()
+    host = parts.hostname or ""
+    if scheme not in ("https", "http") or not host:
+        raise ConfigurationError(
+            f"The broker URL {raw!r} must be an absolute https:// URL with a host, "
+            "e.g. https://sandbox-broker.example."
+        )
+    if parts.username is not None or parts.password is not None:
+        raise ConfigurationError(
+            "The broker URL must not contain a user name or password; credentials come from the "
+            "credential chain (see `agent-sandbox-awx doctor`)."
+        )
+    if parts.query or parts.fragment:
+        raise ConfigurationError(
+            f"The broker URL {raw!r} must not have a query or fragment; use the plain base URL."
+        )
+    if scheme == "http":
+        if not _is_loopback(host):
+            raise ConfigurationError(
+                f"The broker URL {raw!r} uses http://, which would send tokens in clear text. "
+                "Use https://; plain http:// is only allowed for a loopback host "
+                "(127.0.0.1, ::1, localhost) with allow_insecure_http=True."
+            )
+        if not allow_insecure_http:
+            raise ConfigurationError(
+                f"The broker URL {raw!r} uses http://. Use https://, or, for a broker on this "
+                "machine only, pass allow_insecure_http=True."
+            )
+    netloc = host.lower()
+    if ":" in netloc:
+        netloc = f"[{netloc}]"
+    if port is not None:
+        netloc = f"{netloc}:{port}"
+    path = parts.path.rstrip("/")
+    return urlunsplit((scheme, netloc, path, "", ""))
+
+
+class BrokerConnectionConfig(SandboxDirectConnectionConfig):
+    """How to reach the identity broker.
+
+    ``broker_url`` is the broker's https:// base URL (normalised without a trailing slash); it is
+    also the audience every token must carry. ``api_url`` (inherited from upstream's
+    ``SandboxDirectConnectionConfig``) defaults to it and must equal it: the data plane goes
+    through the broker too. ``ca_cert`` and ``client_cert`` are used for TLS to the broker.
+    """
+
+    broker_url: str = ""
+    api_url: str = ""
+    allow_insecure_http: bool = False
+    """Allow ``http://`` for a loopback broker (local development only)."""
+    template: str | None = None
+    """Template used when ``create`` gets none; ``None``: the broker policy's default."""
+    request_timeout: float = Field(default=30.0, gt=0)
+    """Seconds for one HTTP request (connect, and each read/write)."""
+    ready_timeout: float = Field(default=180.0, ge=0)
+    """Seconds ``create`` waits for the sandbox to become Ready."""
+    max_attempts: int = Field(default=4, ge=1, le=10)
+    """Attempts for a retryable request (the first one included)."""
+    backoff_base: float = Field(default=0.2, ge=0)
+    backoff_max: float = Field(default=10.0, ge=0)
+    """Exponential backoff with full jitter: ``uniform(0, min(max, base * 2**n))``; a
+    ``Retry-After`` is honoured up to ``backoff_max``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_api_url(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        broker = data.get("broker_url") or data.get("api_url")
+        if not broker:
+            raise ConfigurationError(
+                f"No broker URL: set {ENV_BROKER_URL} to the broker's https:// URL "
+                "(or pass broker_url=)."
+            )
+        insecure = bool(data.get("allow_insecure_http", False))
+        normalized = normalize_broker_url(str(broker), allow_insecure_http=insecure)
+        api_url = data.get("api_url")
+        if api_url:
+            api_normalized = normalize_broker_url(str(api_url), allow_insecure_http=insecure)
+            if api_normalized != normalized:
+                raise ConfigurationError(
+                    f"api_url {api_url!r} differs from the broker URL {normalized!r}. With the "
+                    "broker, api_url must be the broker URL (or be left out): any other URL would "
+                    "bypass the broker and talk to a sandbox router directly, without the "
+                    "broker's authentication and authorization."
+                )
+        data["broker_url"] = normalized
+        data["api_url"] = normalized
+        headers = data.get("extra_headers") or {}
+        for name in headers:
+            if str(name).lower() in _RESERVED_EXTRA_HEADERS:
+                raise ConfigurationError(
+                    f"extra_headers must not set {name!r}: the client sets it itself "
+                    "(the token comes from the credential chain; pass auth= to choose it)."
+                )
+        return data
+
+    @property
+    def audience(self) -> str:
+        """The audience a token for this broker must carry: the broker URL."""
+        return self.broker_url
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> BrokerConnectionConfig:
+        """Build from ``AGENT_SANDBOX_BROKER_URL``, ``AGENT_SANDBOX_CA_BUNDLE`` and
+        ``AGENT_SANDBOX_TEMPLATE``; keyword arguments that are not ``None`` win."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        if env.get(ENV_BROKER_URL):
+            values["broker_url"] = env[ENV_BROKER_URL]
+        if env.get(ENV_CA_BUNDLE):
+            values["ca_cert"] = env[ENV_CA_BUNDLE]
+        if env.get(ENV_TEMPLATE):
+            values["template"] = env[ENV_TEMPLATE]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if not values.get("broker_url") and not values.get("api_url"):
+            raise ConfigurationError(
+                f"No broker URL: set the environment variable {ENV_BROKER_URL} to the broker's "
+                "https:// URL (or pass broker_url=)."
+            )
+        ca = values.get("ca_cert")
+        if ca and not os.path.isfile(ca):
+            source = f"{ENV_CA_BUNDLE}" if "ca_cert" not in overrides else "ca_cert"
+            raise ConfigurationError(
+                f"The CA bundle {ca!r} (from {source}) is not a readable file. Point it at the PEM "
+                "file of the CA that signed the broker's certificate, or unset it to use the "
+                "system trust store."
+            )
+        return cls(**values)

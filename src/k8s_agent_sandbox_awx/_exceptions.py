@@ -1,0 +1,162 @@
+"""Typed errors of the broker client.
+
+Every class subclasses an upstream ``k8s_agent_sandbox`` exception, so code written against the
+upstream client keeps catching what it caught before (``SandboxRequestError``,
+``SandboxNotFoundError``, ...). Messages say what failed and what to do; they never contain a
+token or an ``Authorization`` header. Credential errors from the credential framework are not
+wrapped: they reach the caller as raised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._upstream import (
+    ExecutionResult,
+    SandboxClaimFailedError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxNotReadyError,
+    SandboxRequestError,
+    SandboxTemplateNotFoundError,
+)
+
+__all__ = [
+    "BrokerAuthenticationError",
+    "BrokerConflictError",
+    "BrokerError",
+    "BrokerNotFoundError",
+    "BrokerPermissionError",
+    "BrokerProtocolError",
+    "BrokerQuotaError",
+    "BrokerRedirectError",
+    "BrokerTemplateNotFoundError",
+    "BrokerUnavailableError",
+    "CommandTimeoutError",
+    "ConfigurationError",
+    "RequestTimeoutError",
+    "SandboxFailedError",
+    "SandboxReadyTimeoutError",
+]
+
+
+class ConfigurationError(SandboxError):
+    """The client configuration is invalid or incomplete (a URL, a variable, an argument)."""
+
+
+class BrokerError(SandboxRequestError):
+    """The broker (or a sandbox runtime behind it) answered with an error, or could not be reached.
+
+    ``status_code``: the HTTP status (``None`` when no response arrived); ``code``: the broker's
+    machine code (``None`` for errors passed through from the sandbox runtime); ``detail``: the
+    human-readable reason from the response body; ``method``/``path``: the request that failed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int | None = None,
+        code: str | None = None,
+        detail: str | None = None,
+        method: str | None = None,
+        path: str | None = None,
+        response: Any = None,
+    ) -> None:
+        super().__init__(message, status_code=status_code, response=response)
+        self.code = code
+        self.detail = detail
+        self.method = method
+        self.path = path
+
+
+class BrokerAuthenticationError(BrokerError):
+    """401: the broker rejected the token (after one re-read of the credential and one retry)."""
+
+
+class BrokerPermissionError(BrokerError):
+    """403: authenticated, but the caller's policy (or the sandbox's owner) forbids the request."""
+
+
+class BrokerNotFoundError(BrokerError, SandboxNotFoundError):
+    """404 ``not_found``: no such sandbox for this caller."""
+
+
+class BrokerTemplateNotFoundError(BrokerError, SandboxTemplateNotFoundError):
+    """404 ``template_not_found``: the broker knows no such template."""
+
+
+class BrokerConflictError(BrokerError):
+    """409: the request conflicts with the sandbox's state or an earlier idempotency key."""
+
+
+class BrokerQuotaError(BrokerError):
+    """429: too many sandboxes (``quota_exceeded``) or requests (``rate_limited``)."""
+
+
+class BrokerUnavailableError(BrokerError):
+    """The broker or the sandbox could not be reached (502/503/504, connection errors)."""
+
+
+class BrokerProtocolError(BrokerError):
+    """The response does not follow the broker API (unexpected status, body or content type)."""
+
+
+class BrokerRedirectError(BrokerError):
+    """The server answered with a redirect. Redirects are never followed: the ``Authorization``
+    header must not reach another origin, and a broker never redirects."""
+
+    def __init__(self, message: str, *, location: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.location = location
+
+
+class RequestTimeoutError(BrokerError):
+    """A request to the broker took longer than the request timeout."""
+
+    def __init__(self, message: str, *, timeout: float | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.timeout = timeout
+
+
+class CommandTimeoutError(SandboxError):
+    """A command ran longer than its time limit and was killed by the sandbox runtime.
+
+    ``result`` is the runtime's :class:`ExecutionResult` (``timed_out=True``, output up to the
+    limit) when one arrived, ``None`` when the answer itself never came back in time.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        command_timeout: float,
+        result: ExecutionResult | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.command_timeout = command_timeout
+        self.result = result
+
+
+class SandboxReadyTimeoutError(SandboxNotReadyError):
+    """The sandbox did not become Ready within the ready timeout (its claim was deleted)."""
+
+    def __init__(
+        self, message: str, *, name: str, ready_timeout: float, phase: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.name = name
+        self.ready_timeout = ready_timeout
+        self.phase = phase
+
+
+class SandboxFailedError(SandboxClaimFailedError):
+    """The sandbox reached the terminal ``Failed`` phase (its claim was deleted)."""
+
+    def __init__(
+        self, message: str, *, name: str, reason: str | None = None, detail: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.name = name
+        self.reason = reason
+        self.detail = detail
