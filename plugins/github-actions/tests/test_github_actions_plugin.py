@@ -274,6 +274,18 @@ def test_suspicious_request_urls_are_refused_before_sending_anything(url: str, e
     assert_no_secret(info.value)
 
 
+def test_loopback_endpoint_is_never_proxied(
+    endpoint: Any, jwt_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{dead}")
+    monkeypatch.setenv("ALL_PROXY", f"http://127.0.0.1:{dead}")
+    endpoint.add(json.dumps({"value": jwt_factory()}).encode())
+    assert ask(actions_env(token_url(endpoint))) is not None
+
+
 def test_nothing_secret_is_logged(
     endpoint: Any, jwt_factory: Callable[..., str], caplog: pytest.LogCaptureFixture
 ) -> None:

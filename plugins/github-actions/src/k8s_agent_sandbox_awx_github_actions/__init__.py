@@ -134,7 +134,12 @@ def fetch_token(request_url: str, request_token: str, audience: str, timeout: fl
             )
         _log.debug("requesting a GitHub Actions OIDC token from %s (attempt %d)", host, attempt)
         try:
-            with httpx.Client(timeout=httpx.Timeout(remaining), follow_redirects=False) as client:
+            with httpx.Client(
+                timeout=httpx.Timeout(remaining),
+                follow_redirects=False,
+                # Proxy variables apply (self-hosted runners behind a proxy), except to loopback.
+                trust_env=urlsplit(request_url).hostname not in _LOOPBACK_HOSTS,
+            ) as client:
                 response = client.get(url, headers=headers)
                 body = response.read()
         except httpx.TimeoutException:
