@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "DefaultCredentials": "._chain",
     "explain": "._chain",
     "Explanation": "._chain",
+    "ProviderDecision": "._chain",
     "clear_credential_cache": "._cache",
     "CredentialError": "._credential_errors",
     "NoCredentialsError": "._credential_errors",
@@ -35,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "TokenExpiredError": "._credential_errors",
     "AudienceMismatchError": "._credential_errors",
     "ForbiddenTokenSourceError": "._credential_errors",
+    "CredentialPluginWarning": "._credential_errors",
     # --- broker client (sync) -------------------------------------------------------------
     "Sandbox": "._sandbox",
     "BrokerSandboxClient": "._client",
@@ -76,13 +78,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
     from ._cache import clear_credential_cache
-    from ._chain import DefaultCredentials, Explanation, explain
+    from ._chain import DefaultCredentials, Explanation, ProviderDecision, explain
     from ._client import BrokerSandboxClient
     from ._config import BrokerConnectionConfig
     from ._credential import Credential, CredentialRequest, ProviderInfo
     from ._credential_errors import (
         AudienceMismatchError,
         CredentialError,
+        CredentialPluginWarning,
         CredentialSourceError,
         EmptyCredentialError,
         ForbiddenTokenSourceError,

@@ -65,11 +65,21 @@ class CredentialRequest:
     """
 
     audience: str
-    environ: Mapping[str, str]
+    environ: Mapping[str, str] = field(repr=False)
+    """Never shown in ``repr()``: the environment may hold tokens."""
     timeout: float = 5.0
     _reasons: list[str] = field(default_factory=list, repr=False, compare=False)
 
-    def not_here(self, reason: str) -> None:
-        """Record why this provider does not apply, and return ``None`` (its answer)."""
+    def not_here(self, reason: str) -> Credential | None:
+        """Record why this provider does not apply, and return ``None`` (its answer).
+
+        Always returns ``None``; it is typed ``Credential | None`` so that the idiom
+        ``return request.not_here("why")`` type-checks in a hook implementation.
+        """
         self._reasons.append(reason)
         return None
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """The reasons recorded by :meth:`not_here`, in order."""
+        return tuple(self._reasons)

@@ -6,11 +6,14 @@ failure of the SDK. Messages name the input, the rule and the fix, and never con
 
 from __future__ import annotations
 
-from ._upstream import SandboxError
+from collections.abc import Sequence
+
+from k8s_agent_sandbox.exceptions import SandboxError
 
 __all__ = [
     "AudienceMismatchError",
     "CredentialError",
+    "CredentialPluginWarning",
     "CredentialSourceError",
     "EmptyCredentialError",
     "ForbiddenTokenSourceError",
@@ -22,15 +25,12 @@ __all__ = [
 
 
 class CredentialError(SandboxError):
-    """Base class: no usable token could be produced for the broker."""
+    """Base class: no usable token could be produced for the broker.
 
-
-class NoCredentialsError(CredentialError):
-    """No provider applied; the message lists every provider tried and why."""
-
-
-class CredentialSourceError(CredentialError):
-    """A provider applies but is broken ("here but broken"); discovery stops with this error."""
+    ``provider`` is the name of the provider (or explicit source) concerned, ``source`` where it
+    looked (a variable name, a path, a URL); both are empty when not applicable. Neither is ever
+    the token.
+    """
 
     def __init__(self, message: str, *, provider: str = "", source: str = "") -> None:
         super().__init__(message)
@@ -38,16 +38,38 @@ class CredentialSourceError(CredentialError):
         self.source = source
 
 
+class NoCredentialsError(CredentialError):
+    """No provider applied; the message lists every provider tried and why.
+
+    ``tried`` holds ``(provider name, why it did not apply)`` pairs in discovery order.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tried: Sequence[tuple[str, str]] = (),
+        provider: str = "",
+        source: str = "",
+    ) -> None:
+        super().__init__(message, provider=provider, source=source)
+        self.tried: tuple[tuple[str, str], ...] = tuple(tried)
+
+
+class CredentialSourceError(CredentialError):
+    """A provider applies but is broken ("here but broken"); discovery stops with this error."""
+
+
 class EmptyCredentialError(CredentialSourceError):
     """A variable or file that should hold a token is set/present but empty."""
 
 
 class UnreadableCredentialError(CredentialSourceError):
-    """A token file is present but cannot be read."""
+    """A token file is present (or explicitly named) but cannot be read."""
 
 
 class MalformedTokenError(CredentialSourceError):
-    """A token looks like a JWT but its header or claims cannot be decoded."""
+    """A token looks like a JWT but its header or claims cannot be decoded, or it cannot be sent."""
 
 
 class TokenExpiredError(CredentialError):
@@ -60,3 +82,7 @@ class AudienceMismatchError(CredentialError):
 
 class ForbiddenTokenSourceError(CredentialError):
     """A source that must never be presented to the broker (the automounted API-server token)."""
+
+
+class CredentialPluginWarning(UserWarning):
+    """A credential provider plugin was refused or could not be loaded; it is skipped."""

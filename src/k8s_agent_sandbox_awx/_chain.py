@@ -1,0 +1,421 @@
+"""The zero-configuration discovery chain (:class:`DefaultCredentials`) and :func:`explain`.
+
+Order (decided here, never by registration or entry-point iteration order):
+
+1. ``agent-sandbox-token``: ``AGENT_SANDBOX_TOKEN`` (cached);
+2. ``agent-sandbox-token-file``: ``AGENT_SANDBOX_TOKEN_FILE`` (re-read on every request);
+3. third-party providers from entry points, by ``ProviderInfo.priority`` (higher first), then
+   by entry-point name;
+4. ``kubernetes-projected``: ``/var/run/secrets/tokens/agent-sandbox-token`` (re-read).
+
+The first provider that returns a credential wins; one that raises ("here but broken") stops
+discovery with its error. The winner is remembered per audience, so later requests call only
+that provider: file-backed ones read their file again, the others are served from the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import _cache
+from ._auth import CredentialSource, accept_credential, call_guarded
+from ._credential import Credential, CredentialRequest
+from ._credential_errors import (
+    CredentialError,
+    CredentialSourceError,
+    MalformedTokenError,
+    NoCredentialsError,
+)
+from ._jwt import DecodedToken, cache_deadline, decode_token
+from ._plugins import (
+    PluginProblem,
+    ProviderEntry,
+    ProviderRegistry,
+    default_registry,
+    load_providers,
+)
+from ._providers import DEFAULT_TOKEN_PATH, TOKEN_ENV, TOKEN_FILE_ENV
+
+__all__ = ["DefaultCredentials", "Explanation", "ProviderDecision", "explain"]
+
+logger = logging.getLogger("k8s_agent_sandbox_awx.credentials")
+
+Status = Literal["selected", "not here", "shadowed", "error", "failed to load"]
+
+
+@dataclass(frozen=True)
+class _Selection:
+    provider: ProviderEntry
+    file_backed: bool
+    key: _cache.CacheKey
+
+
+def _reason(provider: ProviderEntry, request: CredentialRequest) -> str:
+    """Why a provider did not apply: its ``not_here`` reasons, else its hint."""
+    reasons = "; ".join(request.reasons)
+    hint = provider.info.hint
+    if reasons and hint and not provider.builtin:
+        return f"{reasons} (to use it: {hint})"
+    if reasons:
+        return reasons
+    if hint:
+        return f"not here (to use it: {hint})"
+    return "not here (it gave no reason)"
+
+
+def _no_credentials(
+    audience: str,
+    tried: Sequence[tuple[str, str]],
+    problems: Iterable[PluginProblem],
+    token_path: str,
+) -> NoCredentialsError:
+    lines = [f"No credential found for the broker {audience!r}. Providers tried, in order:"]
+    lines += [f"  - {name}: {why}" for name, why in tried]
+    failed = [p for p in problems if p.status == "failed to load"]
+    if failed:
+        lines.append("Plugins not used:")
+        lines += [f"  - {p.name}: {p.detail}" for p in failed]
+    lines.append(
+        f"To fix it, do one of: set {TOKEN_ENV} to an OIDC token whose aud is {audience!r} "
+        f"(GitLab CI: id_tokens); set {TOKEN_FILE_ENV} to the path of such a token file; mount "
+        f"a projected ServiceAccount token with audience {audience!r} at {token_path}; install "
+        "a provider plugin for your platform; or pass auth= explicitly."
+    )
+    return NoCredentialsError("\n".join(lines), tried=tried)
+
+
+def _call(provider: ProviderEntry, request: CredentialRequest) -> object:
+    return call_guarded(
+        lambda: provider.get_credential(request),
+        provider=provider.name,
+        source=provider.origin,
+        secrets=(request.environ.get(TOKEN_ENV, ""),),
+    )
+
+
+class DefaultCredentials:
+    """The zero-config discovery chain; a :class:`CredentialSource`.
+
+    ``environ``: the environment to discover in (default: ``os.environ``, read when used).
+    Discovery (loading plugins, choosing a provider) happens lazily on first use and once per
+    audience; see the module docstring for the order.
+
+    ``_token_path`` and ``_plugins`` are for tests: they replace the default projected token path
+    and register extra ``(name, plugin)`` providers as third-party plugins.
+    """
+
+    def __init__(
+        self,
+        environ: Mapping[str, str] | None = None,
+        *,
+        timeout: float = 5.0,
+        _token_path: str | None = None,
+        _plugins: Sequence[tuple[str, object]] | None = None,
+    ) -> None:
+        self._environ_arg = environ
+        self._timeout = timeout
+        self._token_path = DEFAULT_TOKEN_PATH if _token_path is None else _token_path
+        self._plugins = tuple(_plugins or ())
+        self._custom = environ is not None or _token_path is not None or bool(self._plugins)
+        self._scope: object = (
+            _cache.new_instance_key("DefaultCredentials")
+            if self._custom
+            else ("DefaultCredentials")
+        )
+        self._registry: ProviderRegistry | None = None
+        self._selected: dict[str, _Selection] = {}
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        where = "os.environ" if self._environ_arg is None else "a custom environment"
+        return f"DefaultCredentials({where})"
+
+    @property
+    def environ(self) -> Mapping[str, str]:
+        return os.environ if self._environ_arg is None else self._environ_arg
+
+    def registry(self) -> ProviderRegistry:
+        """The loaded providers in consultation order (loads plugins on first call)."""
+        registry = self._registry
+        if registry is None:
+            with self._lock:
+                registry = self._registry
+                if registry is None:
+                    if self._custom:
+                        registry = load_providers(
+                            self.environ, plugins=self._plugins, token_path=self._token_path
+                        )
+                    else:
+                        registry = default_registry(self.environ)
+                    self._registry = registry
+        return registry
+
+    # -- per request ------------------------------------------------------------------------
+
+    def get_credential(self, audience: str) -> Credential:
+        selection = self._selected.get(audience)
+        if selection is None:
+            return self._discover(audience)
+        if selection.file_backed:
+            return self._fetch(selection.provider, audience)[0]
+        return _cache.get_or_fetch(selection.key, lambda: self._fetch_for_cache(selection))
+
+    def invalidate(self, audience: str) -> None:
+        """Drop the cached credential of the selected provider for ``audience`` (after a 401)."""
+        selection = self._selected.get(audience)
+        if selection is not None and not selection.file_backed:
+            _cache.invalidate(selection.key)
+
+    def _request(self, audience: str) -> CredentialRequest:
+        return CredentialRequest(audience, self.environ, self._timeout)
+
+    def _fetch(self, provider: ProviderEntry, audience: str) -> tuple[Credential, float]:
+        request = self._request(audience)
+        result = _call(provider, request)
+        if result is None:
+            raise CredentialSourceError(
+                f"The credential provider {provider.name!r} was selected for {audience!r} but no "
+                f"longer applies ({_reason(provider, request)}). Discovery is not repeated, so "
+                "that this process never switches identity silently; restore the source or "
+                "create a new credential source.",
+                provider=provider.name,
+            )
+        now = _cache.now()
+        credential, decoded = accept_credential(
+            result, provider=provider.name, audience=audience, now=now
+        )
+        return credential, cache_deadline(decoded, now)
+
+    def _fetch_for_cache(self, selection: _Selection) -> tuple[Credential, float]:
+        return self._fetch(selection.provider, selection.key[1])
+
+    # -- discovery --------------------------------------------------------------------------
+
+    def _discover(self, audience: str) -> Credential:
+        with self._lock:
+            if audience in self._selected:
+                return self.get_credential(audience)
+            registry = self.registry()
+            tried: list[tuple[str, str]] = []
+            for index, provider in enumerate(registry.providers):
+                request = self._request(audience)
+                result = _call(provider, request)
+                if result is None:
+                    tried.append((provider.name, _reason(provider, request)))
+                    continue
+                now = _cache.now()
+                credential, decoded = accept_credential(
+                    result, provider=provider.name, audience=audience, now=now
+                )
+                key: _cache.CacheKey = ((self._scope, provider.name), audience)
+                self._selected[audience] = _Selection(provider, credential.file_backed, key)
+                if not credential.file_backed:
+                    _cache.put(key, credential, cache_deadline(decoded, now))
+                logger.debug(
+                    "credential provider %r selected for %s (%s, %s)",
+                    provider.name,
+                    audience,
+                    credential.source,
+                    "file-backed, re-read on every request"
+                    if credential.file_backed
+                    else "cached until shortly before exp",
+                )
+                self._log_shadowed(registry.providers[index + 1 :], provider.name)
+                return credential
+            raise _no_credentials(audience, tried, registry.problems, self._token_path)
+
+    def _log_shadowed(self, rest: Iterable[ProviderEntry], winner: str) -> None:
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        for provider in rest:
+            if provider.present is not None:
+                why = provider.present(self.environ)
+                if why:
+                    logger.debug(
+                        "credential provider %r is shadowed by %r (%s)", provider.name, winner, why
+                    )
+
+    # -- diagnostics ------------------------------------------------------------------------
+
+    def explain(self, audience: str) -> Explanation:
+        """Consult every provider for ``audience`` and report each decision (no caching)."""
+        registry = self.registry()
+        decisions: list[ProviderDecision] = []
+        selected: str | None = None
+        claims: dict[str, dict[str, Any]] | None = None
+        error: CredentialError | None = None
+        stopped_by = ""
+        tried: list[tuple[str, str]] = []
+        for provider in registry.providers:
+            request = self._request(audience)
+            try:
+                result = _call(provider, request)
+            except CredentialError as exc:
+                if stopped_by:
+                    decisions.append(
+                        ProviderDecision(
+                            provider.name,
+                            "shadowed",
+                            f"present but broken, not consulted after {stopped_by!r}: "
+                            f"{type(exc).__name__}: {exc}",
+                        )
+                    )
+                else:
+                    stopped_by, error = provider.name, exc
+                    decisions.append(
+                        ProviderDecision(provider.name, "error", f"{type(exc).__name__}: {exc}")
+                    )
+                continue
+            if result is None:
+                why = _reason(provider, request)
+                tried.append((provider.name, why))
+                decisions.append(ProviderDecision(provider.name, "not here", why))
+                continue
+            source = result.source if isinstance(result, Credential) else ""
+            if stopped_by:
+                detail = f"also present ({source or provider.origin}); {stopped_by!r} comes first"
+                decisions.append(ProviderDecision(provider.name, "shadowed", detail))
+                logger.debug("credential provider %r is shadowed: %s", provider.name, detail)
+                continue
+            stopped_by = provider.name
+            try:
+                credential, decoded = accept_credential(
+                    result, provider=provider.name, audience=audience, now=_cache.now()
+                )
+            except CredentialError as exc:
+                error = exc
+                claims = _claims_for_diagnosis(result)
+                decisions.append(
+                    ProviderDecision(provider.name, "error", f"{type(exc).__name__}: {exc}")
+                )
+                continue
+            selected = provider.name
+            claims = decoded.claims() if decoded is not None else None
+            decisions.append(
+                ProviderDecision(provider.name, "selected", _selected_detail(credential, decoded))
+            )
+        for problem in registry.problems:
+            status: Status = "failed to load" if problem.status == "failed to load" else "not here"
+            origin = f" ({problem.origin})" if problem.origin else ""
+            decisions.append(ProviderDecision(problem.name, status, problem.detail + origin))
+        if selected is None and error is None:
+            error = _no_credentials(audience, tried, registry.problems, self._token_path)
+        return Explanation(audience, decisions, selected, claims, error)
+
+
+def _claims_for_diagnosis(result: object) -> dict[str, dict[str, Any]] | None:
+    if not isinstance(result, Credential):
+        return None
+    try:
+        decoded = decode_token(result.token.strip())
+    except MalformedTokenError:
+        return None
+    return decoded.claims() if decoded is not None else None
+
+
+def _selected_detail(credential: Credential, decoded: DecodedToken | None) -> str:
+    how = (
+        "file-backed: re-read on every request"
+        if credential.file_backed
+        else "cached until shortly before exp"
+    )
+    kind = "JWT" if decoded is not None else "opaque token (not a JWT: no audience check)"
+    return f"{credential.source or credential.provider}; {kind}; {how}"
+
+
+@dataclass(frozen=True)
+class ProviderDecision:
+    """What one provider did: ``status`` is selected / not here / shadowed / error /
+    failed to load; ``detail`` says why (never a token)."""
+
+    name: str
+    status: Status
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The result of :func:`explain`. ``str()`` renders a report for humans."""
+
+    audience: str
+    decisions: list[ProviderDecision] = field(default_factory=list)
+    selected: str | None = None
+    claims: dict[str, dict[str, Any]] | None = None
+    """The selected token's decoded ``{"header": ..., "payload": ...}`` (never the signature)."""
+    error: CredentialError | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "audience": self.audience,
+            "selected": self.selected,
+            "decisions": [
+                {"name": d.name, "status": d.status, "detail": d.detail} for d in self.decisions
+            ],
+            "claims": self.claims,
+            "error": None
+            if self.error is None
+            else {"type": type(self.error).__name__, "message": str(self.error)},
+        }
+
+    def __str__(self) -> str:
+        lines = [f"Credentials for {self.audience}:"]
+        width = max((len(d.name) for d in self.decisions), default=0)
+        for d in self.decisions:
+            lines.append(f"  {d.name:<{width}}  {d.status:<14}  {d.detail}")
+        if self.selected is not None:
+            lines.append(f"Selected: {self.selected}")
+        if self.claims is not None:
+            lines.append("Token claims (decoded, not verified; signature omitted):")
+            for part in ("header", "payload"):
+                for name, value in sorted(self.claims.get(part, {}).items()):
+                    lines.append(f"  {part}.{name} = {value!r}")
+        if self.error is not None:
+            lines.append(f"Error: {type(self.error).__name__}:")
+            lines += [f"  {line}" for line in str(self.error).splitlines()]
+        return "\n".join(lines)
+
+
+def explain(
+    audience: str,
+    *,
+    auth: CredentialSource | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Explanation:
+    """Report, for ``audience`` (the broker URL), what each credential provider decides.
+
+    Without ``auth``, the discovery chain for ``environ`` (default ``os.environ``) is explained:
+    every provider is consulted, including those after the winner (reported as "shadowed"), and
+    plugins that failed to load are listed. With ``auth=`` (explicit: the chain is bypassed),
+    that one source is reported; ``environ`` is then ignored.
+    """
+    if auth is None:
+        auth = DefaultCredentials(environ)
+    if isinstance(auth, DefaultCredentials):
+        return auth.explain(audience)
+    name = type(auth).__name__
+    try:
+        credential = auth.get_credential(audience)
+    except CredentialError as exc:
+        return Explanation(
+            audience,
+            [ProviderDecision(name, "error", f"{type(exc).__name__}: {exc}")],
+            None,
+            None,
+            exc,
+        )
+    decoded = decode_token(credential.token)
+    detail = "explicit auth= (the discovery chain is bypassed); " + _selected_detail(
+        credential, decoded
+    )
+    return Explanation(
+        audience,
+        [ProviderDecision(name, "selected", detail)],
+        name,
+        decoded.claims() if decoded is not None else None,
+        None,
+    )

@@ -1,0 +1,293 @@
+"""Plugin manager factory: built-ins first, then entry points, in the host's own order.
+
+- The built-in providers are registered first under reserved names (``RESERVED_NAMES``).
+- Entry points of the group ``k8s_agent_sandbox_awx.providers`` are loaded one by one, each in
+  its own ``try``: a plugin that fails to import, to register or to describe itself is skipped
+  with a :class:`CredentialPluginWarning` (and a log record) and reported by ``explain()``.
+- An entry point whose *name* is reserved, or repeats an already registered name, is refused
+  with a warning.
+- ``AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD`` (non-empty): no entry point is loaded.
+  ``AGENT_SANDBOX_LOAD_PLUGINS``: unset = all; a comma-separated list of **entry-point names**
+  = only those; empty = none. Both take entry-point names, never distribution or module names.
+- The order in which providers are consulted is decided by :func:`order_providers`, never by
+  pluggy's registration order or by entry-point iteration order.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pluggy
+
+from . import hookspecs
+from ._credential import CredentialRequest, ProviderInfo
+from ._credential_errors import CredentialPluginWarning
+from ._jwt import redact
+from ._providers import (
+    DEFAULT_TOKEN_PATH,
+    RESERVED_NAMES,
+    TOKEN_ENV,
+    EnvTokenProvider,
+    ProjectedTokenProvider,
+    TokenFileProvider,
+)
+
+__all__ = [
+    "DISABLE_AUTOLOAD_ENV",
+    "LOAD_PLUGINS_ENV",
+    "PluginProblem",
+    "ProviderEntry",
+    "ProviderRegistry",
+    "create_plugin_manager",
+    "load_providers",
+    "order_providers",
+    "plugin_selection",
+]
+
+logger = logging.getLogger("k8s_agent_sandbox_awx.credentials")
+
+DISABLE_AUTOLOAD_ENV = "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD"
+LOAD_PLUGINS_ENV = "AGENT_SANDBOX_LOAD_PLUGINS"
+
+ProviderCall = Callable[[CredentialRequest], object]
+
+
+@dataclass(frozen=True)
+class ProviderEntry:
+    """One provider as the host sees it."""
+
+    name: str
+    builtin: bool
+    info: ProviderInfo
+    origin: str
+    """Where it comes from, for humans (``built-in``, or the entry point and distribution)."""
+    get_credential: ProviderCall
+    """Calls this plugin's ``agent_sandbox_get_credential`` implementation (and only it)."""
+    present: Callable[[Mapping[str, str]], str | None] | None = None
+    """Built-ins only: a cheap presence test used to log shadowed sources without reading."""
+
+
+@dataclass(frozen=True)
+class PluginProblem:
+    """An entry point that was not used, and why."""
+
+    name: str
+    origin: str
+    status: Literal["failed to load", "not loaded"]
+    detail: str
+
+
+@dataclass(frozen=True)
+class ProviderRegistry:
+    """The result of the factory: the plugin manager and the providers in consultation order."""
+
+    plugin_manager: pluggy.PluginManager
+    providers: tuple[ProviderEntry, ...]
+    problems: tuple[PluginProblem, ...]
+
+
+def create_plugin_manager() -> pluggy.PluginManager:
+    """A bare plugin manager with this project's hook specifications."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def plugin_selection(environ: Mapping[str, str]) -> tuple[frozenset[str] | None, str]:
+    """Which entry points may load: ``(None, "")`` = all, else ``(allowed names, why)``.
+
+    Pure: reads only the two control variables from ``environ``.
+    """
+    if environ.get(DISABLE_AUTOLOAD_ENV, ""):
+        return frozenset(), f"{DISABLE_AUTOLOAD_ENV} is set"
+    value = environ.get(LOAD_PLUGINS_ENV)
+    if value is None:
+        return None, ""
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    if not names:
+        return frozenset(), f"{LOAD_PLUGINS_ENV} is empty"
+    return names, f"{LOAD_PLUGINS_ENV} does not name it"
+
+
+def order_providers(
+    builtins_first: Sequence[ProviderEntry],
+    third_party: Iterable[ProviderEntry],
+    builtins_last: Sequence[ProviderEntry],
+) -> tuple[ProviderEntry, ...]:
+    """The documented order: env token, token file, third party (priority desc, then entry-point
+    name), default projected path. Pure."""
+    ranked = sorted(third_party, key=lambda p: (-p.info.priority, p.name))
+    return (*builtins_first, *ranked, *builtins_last)
+
+
+def _warn(message: str) -> None:
+    logger.warning("%s", message)
+    warnings.warn(message, CredentialPluginWarning, stacklevel=4)
+
+
+def _describe_error(exc: BaseException, environ: Mapping[str, str]) -> str:
+    secrets = [environ.get(TOKEN_ENV, "")]
+    return f"{type(exc).__name__}: {redact(str(exc), secrets)}"
+
+
+def _impl_for(hook: Any, plugin_name: str) -> Any | None:
+    for impl in hook.get_hookimpls():
+        if impl.plugin_name == plugin_name and not (impl.hookwrapper or impl.wrapper):
+            return impl
+    return None
+
+
+def _bind(impl: Any) -> ProviderCall:
+    function = impl.function
+    argnames = tuple(impl.argnames)
+    if argnames == ("request",):
+        return function  # type: ignore[no-any-return]
+    if not argnames:
+        return lambda request: function()
+    return lambda request: function(**{name: request for name in argnames})
+
+
+def _register(
+    pm: pluggy.PluginManager,
+    name: str,
+    plugin: object,
+    *,
+    builtin: bool,
+    origin: str,
+) -> ProviderEntry:
+    """Register one plugin and build its entry; raises on any problem (caller reports it)."""
+    pm.register(plugin, name=name)
+    try:
+        impl = _impl_for(pm.hook.agent_sandbox_get_credential, name)
+        if impl is None:
+            raise TypeError("it implements no agent_sandbox_get_credential hook")
+        info_impl = _impl_for(pm.hook.agent_sandbox_provider_info, name)
+        info = ProviderInfo() if info_impl is None else info_impl.function()
+        if not isinstance(info, ProviderInfo):
+            raise TypeError(
+                f"agent_sandbox_provider_info returned {type(info).__name__}, not ProviderInfo"
+            )
+        if isinstance(info.priority, bool) or not isinstance(info.priority, int):
+            raise TypeError("ProviderInfo.priority must be an int")
+    except BaseException:
+        pm.unregister(name=name)
+        raise
+    present = getattr(plugin, "present", None) if builtin else None
+    return ProviderEntry(
+        name=name,
+        builtin=builtin,
+        info=info,
+        origin=origin,
+        get_credential=_bind(impl),
+        present=present,
+    )
+
+
+def _entry_point_origin(ep: importlib.metadata.EntryPoint) -> str:
+    dist = ep.dist
+    where = f" from distribution {dist.name} {dist.version}" if dist is not None else ""
+    return f"entry point {ep.name!r} = {ep.value!r}{where}"
+
+
+def load_providers(
+    environ: Mapping[str, str],
+    *,
+    plugins: Iterable[tuple[str, object]] = (),
+    token_path: str = DEFAULT_TOKEN_PATH,
+) -> ProviderRegistry:
+    """Build the plugin manager and the ordered provider list for ``environ``.
+
+    ``plugins``: ``(name, plugin)`` pairs registered as third-party providers before entry
+    points (for tests and embedding; not subject to the autoload controls, but reserved names
+    are refused). ``token_path`` replaces the default projected token path (tests).
+    """
+    pm = create_plugin_manager()
+    env_provider, file_provider = EnvTokenProvider(), TokenFileProvider()
+    projected = ProjectedTokenProvider(token_path)
+    first = [
+        _register(pm, p.name, p, builtin=True, origin="built-in")
+        for p in (env_provider, file_provider)
+    ]
+    last = [_register(pm, projected.name, projected, builtin=True, origin="built-in")]
+    third: list[ProviderEntry] = []
+    problems: list[PluginProblem] = []
+    names = set(RESERVED_NAMES)
+
+    def add(name: str, origin: str, load: Callable[[], object]) -> None:
+        if name in RESERVED_NAMES:
+            detail = (
+                f"refused: {name!r} is a reserved name of a built-in provider; the plugin must "
+                "use another entry-point name"
+            )
+            _warn(f"Credential provider plugin {origin} {detail}.")
+            problems.append(PluginProblem(name, origin, "failed to load", detail))
+            return
+        if name in names:
+            detail = f"refused: a provider named {name!r} is already registered"
+            _warn(f"Credential provider plugin {origin} {detail}.")
+            problems.append(PluginProblem(name, origin, "failed to load", detail))
+            return
+        try:
+            third.append(_register(pm, name, load(), builtin=False, origin=origin))
+        except Exception as exc:
+            detail = f"skipped: {_describe_error(exc, environ)}"
+            _warn(f"Credential provider plugin {origin} could not be loaded and is {detail}.")
+            problems.append(PluginProblem(name, origin, "failed to load", detail))
+            return
+        names.add(name)
+
+    for name, plugin in plugins:
+        add(name, "registered by the host", lambda plugin=plugin: plugin)  # type: ignore[misc]
+
+    allowed, why = plugin_selection(environ)
+    entry_points = sorted(
+        importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP),
+        key=lambda ep: (ep.name, ep.value),
+    )
+    seen_eps: set[str] = set()
+    for ep in entry_points:
+        origin = _entry_point_origin(ep)
+        if allowed is not None and ep.name not in allowed:
+            problems.append(PluginProblem(ep.name, origin, "not loaded", f"not loaded: {why}"))
+            continue
+        seen_eps.add(ep.name)
+        add(ep.name, origin, ep.load)
+    if allowed:
+        for missing in sorted(allowed - seen_eps):
+            detail = (
+                f"{LOAD_PLUGINS_ENV} names {missing!r}, but no installed distribution has an "
+                f"entry point of that name in the group {hookspecs.ENTRY_POINT_GROUP!r} (the "
+                "variable takes entry-point names, not distribution or module names)"
+            )
+            _warn(detail + ".")
+            problems.append(PluginProblem(missing, "", "failed to load", detail))
+    providers = order_providers(first, third, last)
+    logger.debug("credential providers in order: %s", ", ".join(p.name for p in providers))
+    return ProviderRegistry(pm, providers, tuple(problems))
+
+
+_default_registries: dict[tuple[str | None, str | None], ProviderRegistry] = {}
+_default_lock = threading.Lock()
+
+
+def default_registry(environ: Mapping[str, str]) -> ProviderRegistry:
+    """The registry for the process environment, built once per value of the control variables
+    (entry points are scanned and imported once per process, warnings are issued once)."""
+    key = (environ.get(DISABLE_AUTOLOAD_ENV), environ.get(LOAD_PLUGINS_ENV))
+    with _default_lock:
+        registry = _default_registries.get(key)
+        if registry is None:
+            registry = _default_registries[key] = load_providers(environ)
+        return registry
+
+
+def reset_default_registry() -> None:
+    """Forget the memoised process registry (tests; after installing a plugin at run time)."""
+    with _default_lock:
+        _default_registries.clear()

@@ -1,0 +1,257 @@
+"""The built-in credential providers: ordinary pluggy plugins under reserved names.
+
+==========================  ==============================================  ===========
+reserved name               looks at                                        file-backed
+==========================  ==============================================  ===========
+``agent-sandbox-token``     ``AGENT_SANDBOX_TOKEN`` (a token)               no (cached)
+``agent-sandbox-token-file`` ``AGENT_SANDBOX_TOKEN_FILE`` (a path)          yes
+``kubernetes-projected``    ``/var/run/secrets/tokens/agent-sandbox-token``  yes
+==========================  ==============================================  ===========
+
+The host (``_chain``) decides the order; the providers only answer. The file helpers here are
+also used by :class:`~k8s_agent_sandbox_awx.KubernetesAuth`.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from collections.abc import Mapping
+
+from ._credential import Credential, CredentialRequest, ProviderInfo
+from ._credential_errors import (
+    EmptyCredentialError,
+    ForbiddenTokenSourceError,
+    MalformedTokenError,
+    UnreadableCredentialError,
+)
+from ._jwt import MAX_TOKEN_CHARS, check_token_text
+from .hookspecs import hookimpl
+
+__all__ = [
+    "AUTOMOUNT_DIRS",
+    "DEFAULT_TOKEN_PATH",
+    "ENV_TOKEN_PROVIDER",
+    "PROJECTED_PROVIDER",
+    "RESERVED_NAMES",
+    "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
+    "TOKEN_FILE_PROVIDER",
+    "EnvTokenProvider",
+    "ProjectedTokenProvider",
+    "TokenFileProvider",
+    "check_not_automounted",
+    "read_token_file",
+]
+
+TOKEN_ENV = "AGENT_SANDBOX_TOKEN"  # noqa: S105
+TOKEN_FILE_ENV = "AGENT_SANDBOX_TOKEN_FILE"  # noqa: S105
+DEFAULT_TOKEN_PATH = "/var/run/secrets/tokens/agent-sandbox-token"  # noqa: S105
+
+ENV_TOKEN_PROVIDER = "agent-sandbox-token"  # noqa: S105
+TOKEN_FILE_PROVIDER = "agent-sandbox-token-file"  # noqa: S105
+PROJECTED_PROVIDER = "kubernetes-projected"
+RESERVED_NAMES = frozenset({ENV_TOKEN_PROVIDER, TOKEN_FILE_PROVIDER, PROJECTED_PROVIDER})
+
+AUTOMOUNT_DIRS = (
+    "/var/run/secrets/kubernetes.io/serviceaccount",
+    "/run/secrets/kubernetes.io/serviceaccount",
+)
+"""Where Kubernetes automounts the API-server token. Nothing under these is ever read."""
+
+_PROJECTED_HOWTO = (
+    "Mount a projected ServiceAccount token whose audience is the broker URL instead: a "
+    "'projected' volume with a 'serviceAccountToken' source (audience: <broker URL>, "
+    f"path: agent-sandbox-token) mounted at {os.path.dirname(DEFAULT_TOKEN_PATH)}."
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _forbidden_dirs() -> tuple[str, ...]:
+    dirs = set(AUTOMOUNT_DIRS)
+    dirs.update(os.path.realpath(d) for d in AUTOMOUNT_DIRS)
+    return tuple(sorted(dirs))
+
+
+@functools.lru_cache(maxsize=64)
+def _is_automounted(path: str) -> bool:
+    candidates = {os.path.normpath(os.path.abspath(path)), os.path.realpath(path)}
+    return any(c == d or c.startswith(d + os.sep) for c in candidates for d in _forbidden_dirs())
+
+
+def check_not_automounted(path: str, *, provider: str, source: str) -> None:
+    """Refuse a path in (or resolving into) the automounted ServiceAccount token directory.
+
+    The literal path and its ``realpath`` are both checked (memoised per path string).
+    """
+    if _is_automounted(path):
+        raise ForbiddenTokenSourceError(
+            f"{source or path} points into the automounted ServiceAccount directory "
+            f"({AUTOMOUNT_DIRS[0]}). That token's audience is the Kubernetes API server: "
+            "presenting it to the broker would hand a cluster credential to another service, "
+            f"so it is never read. {_PROJECTED_HOWTO}",
+            provider=provider,
+            source=source or path,
+        )
+
+
+def read_token_file(path: str, *, provider: str, source: str, missing_ok: bool) -> str | None:
+    """Read a token file afresh (one open/read/close); ``None`` if missing and ``missing_ok``.
+
+    Opening the path on each call follows the kubelet's ``..data`` symlink to whichever
+    timestamped directory is current, so a rotation is seen on the next read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        if missing_ok:
+            return None
+        if isinstance(exc, NotADirectoryError):
+            raise _unreadable(path, source, provider, exc) from None
+        raise UnreadableCredentialError(
+            f"The token file {path} ({source}) does not exist. Create it, point the setting at "
+            f"the right file, or remove the setting. {_PROJECTED_HOWTO}",
+            provider=provider,
+            source=source,
+        ) from None
+    except OSError as exc:
+        raise _unreadable(path, source, provider, exc) from None
+    try:
+        data = os.read(fd, MAX_TOKEN_CHARS + 2)
+    except OSError as exc:
+        raise _unreadable(path, source, provider, exc) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TOKEN_CHARS + 1:
+        raise MalformedTokenError(
+            f"The token file {path} ({source}) is larger than {MAX_TOKEN_CHARS} bytes; it must "
+            "hold a single OIDC token.",
+            provider=provider,
+            source=source,
+        )
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise MalformedTokenError(
+            f"The token file {path} ({source}) contains non-ASCII bytes; it must hold a single "
+            "OIDC token (a JWT) and nothing else.",
+            provider=provider,
+            source=source,
+        ) from None
+
+
+def _unreadable(path: str, source: str, provider: str, exc: OSError) -> UnreadableCredentialError:
+    code = errno.errorcode.get(exc.errno or 0, "error")
+    reason = exc.strerror or type(exc).__name__
+    return UnreadableCredentialError(
+        f"The token file {path} ({source}) exists but cannot be read: {reason} ({code}). "
+        "Check that it is a regular file readable by this process (user, group, fsGroup "
+        "and defaultMode of the volume).",
+        provider=provider,
+        source=source,
+    )
+
+
+class EnvTokenProvider:
+    """``AGENT_SANDBOX_TOKEN``: a token in the environment (GitLab CI ``id_tokens:``)."""
+
+    name = ENV_TOKEN_PROVIDER
+    file_backed = False
+
+    @hookimpl
+    def agent_sandbox_provider_info(self) -> ProviderInfo:
+        return ProviderInfo(
+            priority=0,
+            hint=f"set {TOKEN_ENV} to an OIDC token whose aud is the broker URL "
+            "(GitLab CI: 'id_tokens: AGENT_SANDBOX_TOKEN: aud: <broker URL>')",
+            description="a token in the environment variable AGENT_SANDBOX_TOKEN",
+        )
+
+    @hookimpl
+    def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
+        value = request.environ.get(TOKEN_ENV)
+        if value is None:
+            return request.not_here(f"{TOKEN_ENV} is not set")
+        if not value.strip():
+            raise EmptyCredentialError(
+                f"{TOKEN_ENV} is set but empty. Set it to an OIDC token whose aud is the broker "
+                "URL, or unset it so that discovery continues with the other providers.",
+                provider=self.name,
+                source=TOKEN_ENV,
+            )
+        token = check_token_text(value, provider=self.name, source=TOKEN_ENV)
+        return Credential(token, self.name, file_backed=False, source=TOKEN_ENV)
+
+    def present(self, environ: Mapping[str, str]) -> str | None:
+        """A cheap presence test (no read) used to log shadowed sources."""
+        return f"{TOKEN_ENV} is set" if TOKEN_ENV in environ else None
+
+
+class TokenFileProvider:
+    """``AGENT_SANDBOX_TOKEN_FILE``: an explicit token path, re-read on every request."""
+
+    name = TOKEN_FILE_PROVIDER
+    file_backed = True
+
+    @hookimpl
+    def agent_sandbox_provider_info(self) -> ProviderInfo:
+        return ProviderInfo(
+            priority=0,
+            hint=f"set {TOKEN_FILE_ENV} to the path of a file holding an OIDC token whose aud "
+            "is the broker URL",
+            description="a token file named by AGENT_SANDBOX_TOKEN_FILE",
+        )
+
+    @hookimpl
+    def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
+        path = request.environ.get(TOKEN_FILE_ENV)
+        if path is None:
+            return request.not_here(f"{TOKEN_FILE_ENV} is not set")
+        if not path.strip():
+            raise EmptyCredentialError(
+                f"{TOKEN_FILE_ENV} is set but empty. Set it to the path of a token file, or "
+                "unset it so that discovery continues with the other providers.",
+                provider=self.name,
+                source=TOKEN_FILE_ENV,
+            )
+        source = f"{TOKEN_FILE_ENV}={path}"
+        check_not_automounted(path, provider=self.name, source=source)
+        text = read_token_file(path, provider=self.name, source=source, missing_ok=False)
+        assert text is not None
+        token = check_token_text(text, provider=self.name, source=source)
+        return Credential(token, self.name, file_backed=True, source=path)
+
+    def present(self, environ: Mapping[str, str]) -> str | None:
+        return f"{TOKEN_FILE_ENV} is set" if TOKEN_FILE_ENV in environ else None
+
+
+class ProjectedTokenProvider:
+    """The default projected ServiceAccount token path, consulted last; re-read every request."""
+
+    name = PROJECTED_PROVIDER
+    file_backed = True
+
+    def __init__(self, path: str = DEFAULT_TOKEN_PATH) -> None:
+        self.path = path
+        check_not_automounted(path, provider=self.name, source=path)
+
+    @hookimpl
+    def agent_sandbox_provider_info(self) -> ProviderInfo:
+        return ProviderInfo(
+            priority=0,
+            hint=f"mount a projected ServiceAccount token with audience = the broker URL at "
+            f"{self.path}",
+            description="the projected ServiceAccount token at the default path",
+        )
+
+    @hookimpl
+    def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
+        text = read_token_file(self.path, provider=self.name, source=self.path, missing_ok=True)
+        if text is None:
+            return request.not_here(f"{self.path} does not exist")
+        token = check_token_text(text, provider=self.name, source=self.path)
+        return Credential(token, self.name, file_backed=True, source=self.path)
+
+    def present(self, environ: Mapping[str, str]) -> str | None:
+        return f"{self.path} exists" if os.path.exists(self.path) else None
