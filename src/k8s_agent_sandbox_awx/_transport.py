@@ -158,7 +158,13 @@ class BrokerTransport:
                 timeout=self._timeout(spec),
             )
             if body is not None:
-                request.stream = body()
+                request = httpx.Request(
+                    request.method,
+                    request.url,
+                    headers=request.headers,
+                    stream=body(),
+                    extensions=request.extensions,
+                )
             try:
                 response = self._client.send(request, stream=True, auth=auth)
             except httpx.TimeoutException as exc:

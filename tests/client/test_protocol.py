@@ -1,0 +1,156 @@
+"""The I/O-free protocol layer: request building, parsing, error mapping, retry decisions."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from k8s_agent_sandbox_awx import _protocol as proto
+from k8s_agent_sandbox_awx._exceptions import (
+    BrokerAuthenticationError,
+    BrokerNotFoundError,
+    BrokerPermissionError,
+    BrokerQuotaError,
+    BrokerRedirectError,
+    BrokerUnavailableError,
+)
+from k8s_agent_sandbox_awx._upstream import (
+    FileEntry,
+    SandboxNotFoundError,
+    SandboxRequestError,
+    SandboxTemplateNotFoundError,
+)
+
+ROUTER = proto.RouterTarget("sbx-1", "team-a", 8888)
+
+
+def test_create_request() -> None:
+    spec = proto.create(idempotency_key="k1", template="python", labels={"team": "ml"})
+    assert (spec.method, spec.path, spec.retryable) == ("POST", "/v1/sandboxes", True)
+    assert spec.headers["Idempotency-Key"] == "k1"
+    assert json.loads(spec.content or b"") == {"template": "python", "labels": {"team": "ml"}}
+
+
+def test_create_rejects_reserved_metadata() -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        proto.create(idempotency_key="k", labels={"broker.agent-sandbox-awx.io/x": "y"})
+
+
+def test_wait_request_is_a_bounded_long_poll() -> None:
+    spec = proto.get("sbx-1", wait_ready=500, request_timeout=10)
+    assert spec.params == {"wait": "ready", "timeout": "60"}
+    assert spec.read_timeout == 70
+
+
+def test_execute_is_never_retryable_and_carries_timeouts() -> None:
+    spec = proto.execute(ROUTER, "echo hi", command_timeout=30)
+    assert not spec.retryable
+    assert spec.headers["X-Sandbox-ID"] == "sbx-1"
+    assert spec.headers["X-Sandbox-Namespace"] == "team-a"
+    assert spec.headers["X-Sandbox-Port"] == "8888"
+    assert float(spec.headers["X-Sandbox-Timeout"]) >= 30
+    assert json.loads(spec.content or b"") == {"command": "echo hi", "timeout_seconds": 30}
+    assert (spec.read_timeout or 0) > 30
+
+
+def test_data_plane_paths_are_encoded() -> None:
+    assert proto.download(ROUTER, "a b/c.txt").path == "/download/a%20b%2Fc.txt"
+    assert proto.list_files(ROUTER, ".").path == "/list/."
+
+
+@pytest.mark.parametrize("bad", ["", "  ", "a/../b", "..", "a\x00b", "a\nb", "/"])
+def test_path_validation(bad: str) -> None:
+    with pytest.raises(ValueError):
+        proto.validate_sandbox_path(bad)
+
+
+def test_path_normalisation() -> None:
+    assert proto.validate_sandbox_path("/data//in.csv") == "data/in.csv"
+    assert proto.validate_sandbox_path("", allow_root=True) == "."
+
+
+def test_multipart_framing() -> None:
+    framing = proto.multipart_framing('dir/"x".bin', boundary="b0")
+    assert framing.prefix.startswith(b"--b0\r\n")
+    assert b'filename="dir/%22x%22.bin"' in framing.prefix
+    assert framing.suffix == b"\r\n--b0--\r\n"
+    assert framing.content_type == "multipart/form-data; boundary=b0"
+    assert framing.length(10) == len(framing.prefix) + 10 + len(framing.suffix)
+
+
+def test_parse_sandbox_and_list() -> None:
+    obj = {"name": "s", "phase": "Ready", "namespace": "n", "router": {"port": 9000}}
+    info = proto.parse_sandbox(obj)
+    assert info.ready and info.router == proto.RouterTarget("s", "n", 9000)
+    assert proto.parse_sandbox_list({"items": [obj]})[0].name == "s"
+    with pytest.raises(proto.BrokerProtocolError):
+        proto.parse_sandbox({"phase": "Ready"})
+
+
+def test_parse_results() -> None:
+    result = proto.parse_execution_result({"stdout": "o", "stderr": "", "exit_code": 3})
+    assert (result.stdout, result.exit_code, result.timed_out) == ("o", 3, False)
+    entries = proto.parse_file_entries(
+        [{"name": "a", "size": 1, "type": "file", "mod_time": 0.0}], "."
+    )
+    assert isinstance(entries[0], FileEntry)
+    assert proto.parse_exists({"path": "a", "exists": True}, "a") is True
+    with pytest.raises(proto.BrokerProtocolError, match="not JSON"):
+        proto.parse_json(b"<html>", "list my sandboxes")
+
+
+def _err(status: int, code: str | None, data_plane: bool = False, **headers: str) -> Exception:
+    body = json.dumps({"detail": "why", **({"code": code} if code else {})}).encode()
+    spec = proto.RequestSpec("GET", "/v1/sandboxes/x", "get sandbox 'x'", data_plane=data_plane)
+    return proto.error_from_response(status, headers, body, spec=spec)
+
+
+def test_error_mapping_types() -> None:
+    not_found = _err(404, "not_found")
+    assert isinstance(not_found, BrokerNotFoundError)
+    assert isinstance(not_found, SandboxNotFoundError)
+    assert isinstance(not_found, SandboxRequestError)
+    template = _err(404, "template_not_found")
+    assert isinstance(template, SandboxTemplateNotFoundError)
+    assert not isinstance(template, SandboxNotFoundError)
+    auth = _err(401, "token_expired")
+    assert isinstance(auth, BrokerAuthenticationError)
+    assert auth.code == "token_expired" and auth.status_code == 401 and auth.detail == "why"
+    assert "doctor" in str(auth)
+    assert isinstance(_err(403, "not_owner"), BrokerPermissionError)
+    quota = _err(429, "quota_exceeded")
+    assert isinstance(quota, BrokerQuotaError) and "kill" in str(quota)
+    assert isinstance(_err(503, "unavailable", **{"retry-after": "2"}), BrokerUnavailableError)
+    runtime = _err(404, None, data_plane=True)
+    assert not isinstance(runtime, SandboxNotFoundError)
+    assert "does not exist in the sandbox" in str(runtime)
+    redirect = _err(302, None, location="https://evil.example/")
+    assert isinstance(redirect, BrokerRedirectError)
+    assert redirect.location == "https://evil.example/"  # type: ignore[attr-defined]
+    assert "never followed" in str(redirect)
+
+
+def test_retry_after_parsing() -> None:
+    now = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+    assert proto.parse_retry_after("3", now) == 3.0
+    assert proto.parse_retry_after("Sun, 29 Nov 2026 12:00:05 GMT", now) == 5.0
+    assert proto.parse_retry_after("garbage", now) is None
+    assert proto.parse_retry_after(None, now) is None
+
+
+def test_retry_decisions() -> None:
+    policy = proto.RetryPolicy(max_attempts=3, backoff_base=1, backoff_max=4, rand=lambda a, b: b)
+    get = proto.get("x")
+    execute = proto.execute(ROUTER, "true", command_timeout=5)
+    assert policy.after_status(get, 1, 503, {}) == 1
+    assert policy.after_status(get, 2, 502, {}) == 2
+    assert policy.after_status(get, 3, 503, {}) is None  # bounded
+    assert policy.after_status(get, 1, 503, {"retry-after": "100"}) == 4  # capped
+    assert policy.after_status(get, 1, 429, {}) is None  # quota: no Retry-After
+    assert policy.after_status(get, 1, 429, {"retry-after": "1"}) == 1
+    assert policy.after_status(get, 1, 500, {}) is None
+    assert policy.after_status(execute, 1, 503, {"retry-after": "1"}) is None
+    assert policy.after_transport_error(execute, 1, request_sent=False) is None
+    assert policy.after_transport_error(get, 1, request_sent=True) == 1

@@ -1,0 +1,170 @@
+"""Sandbox lifecycle over a scripted broker (MockTransport): waiting, cleanup, commands, files."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from k8s_agent_sandbox_awx import (
+    CommandTimeoutError,
+    SandboxFailedError,
+    SandboxReadyTimeoutError,
+)
+from k8s_agent_sandbox_awx._upstream import (
+    ExecutionResult,
+    FileEntry,
+    SandboxClaimFailedError,
+    SandboxNotReadyError,
+)
+
+
+def test_create_waits_with_the_long_poll(make_client: Any, fake: Any) -> None:
+    fake.ready_after_polls = 3
+    sandbox = make_client().create_sandbox("python", labels={"team": "ml"})
+    polls = [r for r in fake.requests if r.method == "GET"]
+    assert len(polls) == 3
+    assert all(r.url.params["wait"] == "ready" for r in polls)
+    assert all(0 < float(r.url.params["timeout"]) <= 60 for r in polls)
+    assert sandbox.name == "sbx-1" and sandbox.info.ready and sandbox.namespace == "team-a"
+
+
+def test_ready_timeout_deletes_the_claim(make_client: Any, fake: Any) -> None:
+    fake.ready_after_polls = 10**9
+
+    @fake.route("GET", "/v1/sandboxes/sbx-1")
+    def pending(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=fake.sandboxes["sbx-1"])
+
+    fake.route("DELETE", "/v1/sandboxes/sbx-1")(lambda r: httpx.Response(204))
+    with pytest.raises(SandboxReadyTimeoutError) as info:
+        make_client().create_sandbox(sandbox_ready_timeout=0)
+    assert isinstance(info.value, SandboxNotReadyError)
+    assert "ready_timeout" in str(info.value)
+    assert fake.requests[-1].method == "DELETE"
+
+
+def test_failed_phase_deletes_the_claim(make_client: Any, fake: Any) -> None:
+    fake.final_phase = "Failed"
+    with pytest.raises(SandboxFailedError) as info:
+        make_client().create_sandbox()
+    assert isinstance(info.value, SandboxClaimFailedError)
+    assert info.value.reason == "ImagePull"
+    assert fake.deleted == ["sbx-1"]
+
+
+def test_interrupted_wait_deletes_the_claim(make_client: Any, fake: Any) -> None:
+    def interrupt(request: httpx.Request) -> httpx.Response:
+        raise KeyboardInterrupt
+
+    fake.route("GET", "/v1/sandboxes/sbx-1")(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        make_client().create_sandbox()
+    assert fake.deleted == ["sbx-1"]
+
+
+def test_failed_cleanup_is_reported_not_hidden(make_client: Any, fake: Any, kit: Any) -> None:
+    fake.final_phase = "Failed"
+    fake.route("DELETE", "/v1/sandboxes/sbx-1")(lambda r: kit.error(403, "not_owner", "no"))
+    with pytest.raises(SandboxFailedError) as info:
+        make_client().create_sandbox()
+    assert any("agent-sandbox-awx kill sbx-1" in n for n in info.value.__notes__)
+
+
+def test_with_block_kills_also_on_error(make_client: Any, fake: Any) -> None:
+    client = make_client()
+    with pytest.raises(RuntimeError, match="boom"), client.create_sandbox() as sandbox:
+        raise RuntimeError("boom")
+    assert fake.deleted == ["sbx-1"]
+    assert not sandbox.is_active
+    sandbox.kill()  # idempotent, no request
+    assert [r.method for r in fake.requests].count("DELETE") == 1
+
+
+def test_kill_of_a_gone_sandbox_is_fine(make_client: Any, fake: Any) -> None:
+    client = make_client()
+    sandbox = client.create_sandbox()
+    del fake.sandboxes["sbx-1"]
+    sandbox.kill()
+    assert not sandbox.is_active
+    client.delete_sandbox("never-existed")
+
+
+def test_upstream_style_client_methods(make_client: Any, fake: Any) -> None:
+    with make_client() as client:
+        a = client.create_sandbox("python")
+        client.create_sandbox("python")
+        assert client.list_active_sandboxes() == [("team-a", "sbx-1"), ("team-a", "sbx-2")]
+        assert client.list_all_sandboxes() == ["sbx-1", "sbx-2"]
+        assert client.get_sandbox("sbx-1") is a
+        client.delete_sandbox("sbx-1")
+        assert client.list_active_sandboxes() == [("team-a", "sbx-2")]
+    assert fake.deleted == ["sbx-1", "sbx-2"]
+
+
+def test_unsupported_upstream_options_are_refused(make_client: Any) -> None:
+    with pytest.raises(Exception, match="claim_name"):
+        make_client().create_sandbox("python", claim_name="mine")
+
+
+def test_commands_run(make_client: Any, fake: Any) -> None:
+    sandbox = make_client().create_sandbox()
+    result = sandbox.commands.run("echo hi", timeout=5)
+    assert isinstance(result, ExecutionResult)
+    assert result.stdout == "ran echo hi\n"
+    execute = fake.requests[-1]
+    assert execute.headers["X-Sandbox-ID"] == "sbx-1"
+    assert execute.headers["X-Sandbox-Namespace"] == "team-a"
+
+
+def test_command_timeout(make_client: Any, fake: Any) -> None:
+    sandbox = make_client().create_sandbox()
+    fake.route("POST", "/execute")(
+        lambda r: httpx.Response(
+            200, json={"stdout": "part", "stderr": "", "exit_code": 124, "timed_out": True}
+        )
+    )
+    with pytest.raises(CommandTimeoutError) as info:
+        sandbox.commands.run("sleep 10", timeout=1)
+    assert info.value.result is not None and info.value.result.stdout == "part"
+    result = sandbox.commands.run("sleep 10", timeout=1, raise_on_timeout=False)
+    assert result.timed_out
+
+    def hang(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no answer")
+
+    fake.route("POST", "/execute")(hang)
+    with pytest.raises(CommandTimeoutError, match="No answer"):
+        sandbox.commands.run("sleep 100", timeout=1)
+
+
+def test_files(make_client: Any, fake: Any, tmp_path: Path) -> None:
+    sandbox = make_client().create_sandbox()
+    fake.route("GET", "/list/data")(
+        lambda r: httpx.Response(
+            200, json=[{"name": "in.csv", "size": 3, "type": "file", "mod_time": 1.0}]
+        )
+    )
+    fake.route("GET", "/exists/data/in.csv")(
+        lambda r: httpx.Response(200, json={"path": "data/in.csv", "exists": True})
+    )
+    fake.route("GET", "/download/data/in.csv")(lambda r: httpx.Response(200, content=b"a,b"))
+    fake.route("GET", "/download/missing")(lambda r: httpx.Response(404, json={"detail": "nope"}))
+    entries = sandbox.files.list("data")
+    assert isinstance(entries[0], FileEntry) and entries[0].name == "in.csv"
+    assert sandbox.files.exists("data/in.csv") is True
+    assert sandbox.files.read("data/in.csv") == b"a,b"
+    sink = io.BytesIO()
+    assert sandbox.files.read_to("data/in.csv", sink) == 3 and sink.getvalue() == b"a,b"
+    assert sandbox.files.read_to("data/in.csv", tmp_path / "x.csv") == 3
+    assert (tmp_path / "x.csv").read_bytes() == b"a,b"
+    with pytest.raises(Exception, match="does not exist in the sandbox"):
+        sandbox.files.read_to("missing", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    with pytest.raises(ValueError, match=r"\.\."):
+        sandbox.files.write("../etc/passwd", b"x")
+    with pytest.raises(TypeError, match="binary"):
+        sandbox.files.write("t.txt", io.StringIO("text"))  # type: ignore[arg-type]

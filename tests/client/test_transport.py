@@ -1,0 +1,191 @@
+"""Transport rules with httpx.MockTransport: auth, 401 refresh, retries, redirects, timeouts."""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from k8s_agent_sandbox_awx import (
+    BrokerAuthenticationError,
+    BrokerRedirectError,
+    BrokerUnavailableError,
+    RequestTimeoutError,
+)
+from k8s_agent_sandbox_awx import _protocol as proto
+
+
+def test_token_is_fetched_for_the_broker_on_every_request(
+    make_client: Any, fake: Any, creds: Any, kit: Any
+) -> None:
+    client = make_client()
+    client.list_sandboxes()
+    client.list_sandboxes()
+    assert creds.calls == [kit.BROKER, kit.BROKER]
+    assert all(r.headers["Authorization"] == f"Bearer {kit.TOKEN}" for r in fake.requests)
+
+
+def test_healthz_sends_no_token(make_client: Any, fake: Any, kit: Any) -> None:
+    fake.route("GET", "/v1/healthz")(lambda r: httpx.Response(200, json={"status": "ok"}))
+    make_client().healthz()
+    assert "Authorization" not in fake.requests[0].headers
+
+
+def test_401_invalidates_and_retries_once(make_client: Any, fake: Any, kit: Any) -> None:
+    creds = kit.StubCredentials("old-token", "new-token")
+    client = make_client()
+    client.transport._client.auth._source = creds
+
+    @fake.route("GET", "/v1/whoami")
+    def whoami(request: httpx.Request) -> httpx.Response:
+        if request.headers["Authorization"] == "Bearer old-token":
+            return kit.error(401, "token_expired", "expired")
+        return httpx.Response(200, json={"subject": "me"})
+
+    assert client.whoami() == {"subject": "me"}
+    assert creds.invalidated == [kit.BROKER]
+    assert len(fake.requests) == 2
+
+
+def test_second_401_raises_with_the_brokers_reason(
+    make_client: Any, fake: Any, creds: Any, kit: Any, caplog: Any
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    fake.route("GET", "/v1/whoami")(lambda r: kit.error(401, "audience_mismatch", "bad aud"))
+    with pytest.raises(BrokerAuthenticationError) as info:
+        make_client().whoami()
+    assert info.value.code == "audience_mismatch"
+    assert "re-read" in str(info.value)
+    assert len(fake.requests) == 2 and len(creds.invalidated) == 1
+    assert kit.TOKEN not in str(info.value) and kit.TOKEN not in repr(info.value.__dict__)
+    assert kit.TOKEN not in caplog.text
+
+
+def test_redirect_is_not_followed(make_client: Any, fake: Any) -> None:
+    fake.route("GET", "/v1/sandboxes")(
+        lambda r: httpx.Response(307, headers={"Location": "https://other.example/v1/sandboxes"})
+    )
+    with pytest.raises(BrokerRedirectError, match="never followed"):
+        make_client().list_sandboxes()
+    assert len(fake.requests) == 1
+
+
+def test_token_is_never_sent_to_another_origin(creds: Any) -> None:
+    from k8s_agent_sandbox_awx._transport import BearerAuth
+
+    auth = BearerAuth(creds, "https://broker.test")
+    flow = auth.auth_flow(httpx.Request("GET", "https://other.example/"))
+    with pytest.raises(proto.BrokerError, match="Refusing"):
+        next(flow)
+    assert creds.calls == []
+
+
+def test_get_is_retried_on_503_and_connect_errors(make_client: Any, fake: Any) -> None:
+    answers = iter(
+        [
+            httpx.ConnectError("refused"),
+            httpx.Response(
+                503, json={"detail": "x", "code": "unavailable"}, headers={"Retry-After": "0"}
+            ),
+            httpx.Response(200, json={"items": []}),
+        ]
+    )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    fake.route("GET", "/v1/sandboxes")(handler)
+    assert make_client().list_sandboxes() == []
+    assert len(fake.requests) == 3
+
+
+def test_retries_are_bounded(make_client: Any, fake: Any, kit: Any) -> None:
+    fake.route("GET", "/v1/sandboxes")(lambda r: kit.error(502, "sandbox_unreachable", "down"))
+    with pytest.raises(BrokerUnavailableError):
+        make_client(max_attempts=3).list_sandboxes()
+    assert len(fake.requests) == 3
+
+
+def test_execute_is_never_retried(make_client: Any, fake: Any, kit: Any) -> None:
+    client = make_client()
+    sandbox = client.create_sandbox()
+    before = len(fake.requests)
+    fake.route("POST", "/execute")(
+        lambda r: kit.error(503, "unavailable", "busy", **{"Retry-After": "0"})
+    )
+    with pytest.raises(BrokerUnavailableError):
+        sandbox.commands.run("echo hi")
+    assert len(fake.requests) == before + 1
+
+    def drop(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("connection dropped")
+
+    fake.route("POST", "/execute")(drop)
+    with pytest.raises(BrokerUnavailableError, match="not idempotent"):
+        sandbox.commands.run("echo hi")
+    assert len(fake.requests) == before + 2
+
+
+def test_create_retries_reuse_the_idempotency_key(make_client: Any, fake: Any, kit: Any) -> None:
+    first = [True]
+
+    @fake.route("POST", "/v1/sandboxes")
+    def create(request: httpx.Request) -> httpx.Response:
+        if first[0]:
+            first[0] = False
+            return kit.error(503, "unavailable", "busy", **{"Retry-After": "0"})
+        fake.sandboxes["sbx-1"] = kit.sandbox_obj("sbx-1")
+        return httpx.Response(201, json=fake.sandboxes["sbx-1"])
+
+    make_client().create_sandbox()
+    keys = [r.headers["Idempotency-Key"] for r in fake.requests if r.method == "POST"]
+    assert len(keys) == 2 and keys[0] == keys[1] and len(keys[0]) >= 32
+
+
+def test_upload_retry_depends_on_replayable_body(make_client: Any, fake: Any, kit: Any) -> None:
+    client = make_client()
+    sandbox = client.create_sandbox()
+    calls: list[bytes] = []
+
+    @fake.route("POST", "/upload")
+    def upload(request: httpx.Request) -> httpx.Response:
+        calls.append(request.content)
+        if len(calls) % 2:
+            return kit.error(503, "unavailable", "busy", **{"Retry-After": "0"})
+        return httpx.Response(200, json={"path": "x", "size": 3})
+
+    source = io.BytesIO(b"xxabc")
+    source.seek(2)
+    sandbox.files.write("a/b.txt", source)  # seekable: rewound to position 2 and re-sent
+    assert len(calls) == 2 and calls[0] == calls[1] and b"\r\n\r\nabc\r\n--" in calls[1]
+    assert b'filename="a/b.txt"' in calls[1]
+
+    class Pipe(io.RawIOBase):
+        def __init__(self) -> None:
+            self.data = [b"abc"]
+
+        def readable(self) -> bool:
+            return True
+
+        def read(self, n: int = -1) -> bytes:
+            return self.data.pop() if self.data else b""
+
+    with pytest.raises(BrokerUnavailableError):
+        sandbox.files.write("c.txt", Pipe())  # type: ignore[arg-type]
+    assert len(calls) == 3
+    assert "chunked" in fake.requests[-1].headers.get("Transfer-Encoding", "")
+
+
+def test_request_timeout_is_named(make_client: Any, fake: Any) -> None:
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("slow")
+
+    fake.route("GET", "/v1/whoami")(slow)
+    with pytest.raises(RequestTimeoutError, match="request_timeout"):
+        make_client(request_timeout=2).whoami()
