@@ -1,0 +1,71 @@
+"""The local broker stack: OIDC issuers, the identity broker and local sandboxes on loopback.
+
+Install with the ``[local]`` extra. ``from k8s_agent_sandbox_awx.testing import LocalBroker``::
+
+    with LocalBroker() as broker:
+        token = broker.issue_kubernetes_token("team-a", "agent")
+        ...
+
+WARNING: local sandboxes are host processes with NO isolation. Use the local broker for
+development and tests only, never to run untrusted code.
+
+The names below are imported on first use (PEP 562), so the sandbox runtime
+(``python -m k8s_agent_sandbox_awx.testing._runtime``) starts without loading the broker.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+NO_ISOLATION_WARNING = (
+    "local sandboxes are host processes with NO isolation: commands run as your user on this "
+    "machine. Use the local broker for development and tests only, never for untrusted code."
+)
+EXTRA_HINT = 'the local broker needs the [local] extra: pip install "k8s-agent-sandbox-awx[local]"'
+
+_EXPORTS: dict[str, str] = {
+    "LocalBroker": "._broker",
+    "Issuer": "._issuers",
+    "Policy": "._policy",
+    "Caller": "._policy",
+    "SandboxBackend": "._backend",
+    "SandboxSpec": "._backend",
+    "RuntimeHandle": "._backend",
+    "RuntimeStartError": "._backend",
+    "LocalProcessBackend": "._backend",
+    "DEFAULT_RUNTIME_COMMAND": "._backend",
+    "RESERVED_PREFIX": "._policy",
+}
+
+__all__ = ["EXTRA_HINT", "NO_ISOLATION_WARNING", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module, __name__), name)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(f"{EXTRA_HINT} (missing module: {exc.name})") from exc
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._backend import DEFAULT_RUNTIME_COMMAND as DEFAULT_RUNTIME_COMMAND
+    from ._backend import LocalProcessBackend as LocalProcessBackend
+    from ._backend import RuntimeHandle as RuntimeHandle
+    from ._backend import RuntimeStartError as RuntimeStartError
+    from ._backend import SandboxBackend as SandboxBackend
+    from ._backend import SandboxSpec as SandboxSpec
+    from ._broker import LocalBroker as LocalBroker
+    from ._issuers import Issuer as Issuer
+    from ._policy import RESERVED_PREFIX as RESERVED_PREFIX
+    from ._policy import Caller as Caller
+    from ._policy import Policy as Policy

@@ -1,0 +1,898 @@
+"""The broker's ASGI application: issuers' documents, the control plane and the data plane.
+
+Everything here runs on the broker's event loop thread. State that the test thread reads or
+changes (faults, revocations, the claim list) is guarded by ``threading.Lock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import secrets
+import string
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Message, Receive, Scope, Send
+
+from ._backend import RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxSpec
+from ._issuers import Issuer
+from ._policy import RESERVED_PREFIX, Caller
+from ._verify import TokenRejected, TokenVerifier
+
+log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+
+API_VERSION = "v1"
+MAX_JSON_BODY = 1024 * 1024
+DEFAULT_PORT = 8888
+DEFAULT_DATA_PLANE_TIMEOUT = 300.0
+CLAIM_API_VERSION = "extensions.agents.x-k8s.io/v1beta1"
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDEMPOTENCY_KEY = re.compile(r"^[\x20-\x7e]{1,255}$")
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_CREATE_FIELDS = frozenset({"template", "labels", "annotations", "lifetime_seconds", "env"})
+_NAME_ALPHABET = string.ascii_lowercase + string.digits
+
+
+class ApiError(Exception):
+    """An error response of the broker API (``{"detail", "code"}``)."""
+
+    def __init__(
+        self, status: int, code: str, detail: str, headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(f"{status} {code}: {detail}")
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.headers = dict(headers or {})
+
+    def response(self) -> Response:
+        return JSONResponse(
+            {"detail": self.detail, "code": self.code}, self.status, headers=self.headers
+        )
+
+
+class _DroppedConnection(Exception):
+    """Raised after the response started, so the server drops the connection (fault injection)."""
+
+
+class _DropFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, _DroppedConnection)
+
+
+def install_log_filter() -> None:
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _DropFilter) for f in logger.filters):
+        logger.addFilter(_DropFilter())
+
+
+def _rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _auth_header(detail: str) -> str:
+    safe = detail.replace("\\", "\\\\").replace('"', "'")
+    safe = safe.encode("ascii", "replace").decode("ascii")
+    return f'Bearer error="invalid_token", error_description="{safe}"'
+
+
+@dataclass
+class SandboxRecord:
+    name: str
+    namespace: str
+    template: str
+    owner: Caller
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    stamps: dict[str, str]
+    env: dict[str, str]
+    created_at: float
+    expires_at: float
+    uid: str = field(default_factory=lambda: str(uuid.uuid4()))
+    phase: str = "Pending"
+    reason: str | None = None
+    message: str | None = None
+    transition_at: float = field(default_factory=time.time)
+    handle: RuntimeHandle | None = None
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    executions: int = 0
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    deleted: bool = False
+
+    def set_phase(self, phase: str, reason: str | None = None, message: str | None = None) -> None:
+        self.phase, self.reason, self.message = phase, reason, message
+        self.transition_at = time.time()
+        if phase != "Pending":
+            self.settled.set()
+
+    def api(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "namespace": self.namespace,
+            "template": self.template,
+            "phase": self.phase,
+            "ready": self.phase == "Ready",
+            "reason": self.reason,
+            "message": self.message,
+            "created_at": _rfc3339(self.created_at),
+            "expires_at": _rfc3339(self.expires_at),
+            "labels": dict(self.labels),
+            "annotations": {**self.annotations, **self.stamps},
+            "owner": {
+                "provider": self.owner.provider,
+                "issuer": self.owner.issuer,
+                "subject": self.owner.subject,
+            },
+            "router": {"sandbox_id": self.name, "namespace": self.namespace, "port": DEFAULT_PORT},
+        }
+
+    def manifest(self) -> dict[str, Any]:
+        ready = self.phase == "Ready"
+        metadata: dict[str, Any] = {
+            "name": self.name,
+            "namespace": self.namespace,
+            "uid": self.uid,
+            "creationTimestamp": _rfc3339(self.created_at),
+            "labels": {**self.labels, "app.kubernetes.io/managed-by": "agent-sandbox-awx-broker"},
+            "annotations": {**self.annotations, **self.stamps},
+        }
+        if self.deleted or self.phase == "Terminating":
+            metadata["deletionTimestamp"] = _rfc3339(self.transition_at)
+        return {
+            "apiVersion": CLAIM_API_VERSION,
+            "kind": "SandboxClaim",
+            "metadata": metadata,
+            "spec": {
+                "warmPoolRef": {"name": self.template},
+                "lifecycle": {
+                    "shutdownTime": _rfc3339(self.expires_at),
+                    "shutdownPolicy": "Delete",
+                },
+                "env": [{"name": k, "value": v} for k, v in self.env.items()],
+            },
+            "status": {
+                "sandbox": {"name": self.name},
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True" if ready else "False",
+                        "reason": self.reason or ("SandboxReady" if ready else self.phase),
+                        "message": self.message or "",
+                        "lastTransitionTime": _rfc3339(self.transition_at),
+                    }
+                ],
+            },
+        }
+
+
+@dataclass
+class _UnavailableRule:
+    remaining: int
+    retry_after: int
+    scope: str
+    path: str | None
+    sandbox: str | None
+
+
+class Faults:
+    """Failure injection, set from any thread (see ``LocalBroker`` for the public methods)."""
+
+    def __init__(self, readiness_delay: float = 0.0) -> None:
+        self.lock = threading.Lock()
+        self.readiness_delay = readiness_delay
+        self.unavailable: list[_UnavailableRule] = []
+        self.drops: list[list[Any]] = []  # [remaining, sandbox or None]
+
+    def take_unavailable(self, scope: str, path: str, sandbox: str | None) -> int | None:
+        with self.lock:
+            for rule in self.unavailable:
+                if rule.remaining <= 0:
+                    continue
+                if rule.scope not in ("any", scope):
+                    continue
+                if rule.path is not None and not path.startswith(rule.path):
+                    continue
+                if rule.sandbox is not None and rule.sandbox != sandbox:
+                    continue
+                rule.remaining -= 1
+                return rule.retry_after
+            return None
+
+    def take_drop(self, sandbox: str) -> bool:
+        with self.lock:
+            for rule in self.drops:
+                if rule[0] > 0 and rule[1] in (None, sandbox):
+                    rule[0] -= 1
+                    return True
+            return False
+
+    def clear(self) -> None:
+        with self.lock:
+            self.unavailable.clear()
+            self.drops.clear()
+
+
+class BrokerApp:
+    """The ASGI application of one local broker."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        issuers: Callable[[], Mapping[str, Issuer]],
+        issuer_by_name: Callable[[str], Issuer | None],
+        templates: Mapping[str, str | list[str] | None],
+        backend: SandboxBackend,
+        ca_bundle: str,
+        faults: Faults,
+        skew_seconds: int,
+        max_token_bytes: int,
+    ) -> None:
+        self.url = url
+        self.templates = dict(templates)
+        self.backend = backend
+        self.faults = faults
+        self.ca_bundle = ca_bundle
+        self._issuers = issuers
+        self._issuer_by_name = issuer_by_name
+        self.lock = threading.Lock()
+        self.sandboxes: dict[str, SandboxRecord] = {}
+        self.history: list[SandboxRecord] = []
+        self.idempotency: dict[tuple[str, str, str], tuple[str, str, float]] = {}
+        self.revoked: set[str] = set()
+        self._jwks_http: httpx.AsyncClient | None = None
+        self._router_http: httpx.AsyncClient | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.verifier = TokenVerifier(
+            audience=url,
+            issuers=issuers,
+            http=self._jwks_client,
+            skew_seconds=skew_seconds,
+            max_token_bytes=max_token_bytes,
+            is_revoked=self._is_revoked,
+        )
+
+    # -- shared clients ------------------------------------------------------------------------
+    def _jwks_client(self) -> httpx.AsyncClient:
+        if self._jwks_http is None:
+            self._jwks_http = httpx.AsyncClient(
+                verify=self.ca_bundle,
+                timeout=httpx.Timeout(5.0),
+                follow_redirects=False,
+                trust_env=False,
+            )
+        return self._jwks_http
+
+    def _router_client(self) -> httpx.AsyncClient:
+        if self._router_http is None:
+            self._router_http = httpx.AsyncClient(
+                follow_redirects=False,
+                trust_env=False,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=200),
+            )
+        return self._router_http
+
+    def _is_revoked(self, claims: Mapping[str, Any], token: str) -> bool:
+        jti = claims.get("jti")
+        with self.lock:
+            if isinstance(jti, str) and f"jti:{jti}" in self.revoked:
+                return True
+            return "sha256:" + hashlib.sha256(token.encode()).hexdigest() in self.revoked
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- ASGI entry ----------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        request = Request(scope, receive)
+        path: str = scope["path"]
+        is_control = path == "/v1" or path.startswith("/v1/")
+        try:
+            if not is_control and "x-sandbox-id" in request.headers:
+                await self._data_plane(request, send)
+                return
+            if path.startswith("/issuers/") and request.method == "GET":
+                response = self._issuer_document(path)
+            elif is_control:
+                response = await self._control_plane(request)
+            else:
+                raise ApiError(
+                    404,
+                    "not_found",
+                    f"no route for {request.method} {path}: the control plane is under /v1/ and "
+                    "data-plane requests carry X-Sandbox-ID",
+                )
+        except ApiError as exc:
+            response = exc.response()
+        except ClientDisconnect:
+            return
+        await response(scope, receive, send)
+
+    def _issuer_document(self, path: str) -> Response:
+        _, _, rest = path.partition("/issuers/")
+        name, _, doc = rest.partition("/")
+        issuer = self._issuer_by_name(name)
+        if issuer is not None and doc == ".well-known/openid-configuration":
+            return JSONResponse(issuer.openid_configuration())
+        if issuer is not None and doc == "jwks":
+            return JSONResponse(issuer.jwks())
+        raise ApiError(404, "not_found", f"no issuer document at {path}")
+
+    async def _authenticate(self, request: Request) -> tuple[Caller, Issuer]:
+        try:
+            return await self.verifier.verify(request.headers.get("authorization"))
+        except TokenRejected as exc:
+            raise ApiError(
+                401, exc.code, exc.detail, {"WWW-Authenticate": _auth_header(exc.detail)}
+            ) from None
+
+    def _check_unavailable(self, scope: str, path: str, sandbox: str | None = None) -> None:
+        retry_after = self.faults.take_unavailable(scope, path, sandbox)
+        if retry_after is not None:
+            raise ApiError(
+                503,
+                "unavailable",
+                f"the broker is temporarily unavailable (injected); retry after {retry_after} s",
+                {"Retry-After": str(retry_after)},
+            )
+
+    # -- control plane -------------------------------------------------------------------------
+    async def _control_plane(self, request: Request) -> Response:
+        path = request.url.path
+        method = request.method
+        if path == "/v1/healthz":
+            if method != "GET":
+                raise ApiError(404, "not_found", f"no route for {method} {path}")
+            return JSONResponse({"status": "ok", "api_version": API_VERSION})
+        self._check_unavailable("control", path)
+        if path == "/v1/whoami" and method == "GET":
+            caller, issuer = await self._authenticate(request)
+            return JSONResponse(self._whoami(caller, issuer))
+        if path == "/v1/sandboxes":
+            if method == "POST":
+                caller, issuer = await self._authenticate(request)
+                return await self._create(request, caller, issuer)
+            if method == "GET":
+                caller, _ = await self._authenticate(request)
+                return self._list(request, caller)
+        elif path.startswith("/v1/sandboxes/") and path.count("/") == 3:
+            name = path.rsplit("/", 1)[1]
+            if method == "GET":
+                caller, _ = await self._authenticate(request)
+                return await self._get(request, caller, name)
+            if method == "DELETE":
+                caller, _ = await self._authenticate(request)
+                return await self._delete(caller, name)
+        raise ApiError(404, "not_found", f"no route for {method} {path}")
+
+    def _whoami(self, caller: Caller, issuer: Issuer) -> dict[str, Any]:
+        return {
+            "provider": caller.provider,
+            "issuer": caller.issuer,
+            "subject": caller.subject,
+            "audience": caller.audience,
+            "expires_at": _rfc3339(caller.expires_at),
+            "attributes": dict(caller.attributes),
+            "policy": issuer.policy.describe(caller),
+        }
+
+    async def _json_body(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_JSON_BODY:
+            raise ApiError(413, "too_large", f"the body is over {MAX_JSON_BODY} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_JSON_BODY:
+                raise ApiError(413, "too_large", f"the body is over {MAX_JSON_BODY} bytes")
+        if not body.strip():
+            return {}
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", f"the body is not valid JSON: {exc}") from None
+
+    def _validate_create(self, body: Any, max_lifetime: int) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise ApiError(400, "invalid_request", "the body must be a JSON object")
+        unknown = sorted(set(body) - _CREATE_FIELDS)
+        if unknown:
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"unknown field(s) {unknown}; allowed: {sorted(_CREATE_FIELDS)}",
+            )
+        template = body.get("template")
+        if template is not None and (not isinstance(template, str) or not template):
+            raise ApiError(400, "invalid_request", "'template' must be a non-empty string or null")
+        labels = _string_map(body.get("labels"), "labels")
+        annotations = _string_map(body.get("annotations"), "annotations")
+        for kind, mapping in (("label", labels), ("annotation", annotations)):
+            for key in mapping:
+                if key.startswith(RESERVED_PREFIX):
+                    raise ApiError(
+                        403,
+                        "reserved_metadata",
+                        f"{kind} {key!r} is under the reserved prefix {RESERVED_PREFIX!r}, which "
+                        "only the broker sets; use another key",
+                    )
+        for key, value in labels.items():
+            _check_qualified_key(key, "label")
+            if len(value) > 63 or (value and not _QUALIFIED_NAME.match(value)):
+                raise ApiError(
+                    400,
+                    "invalid_request",
+                    f"label {key!r} has an invalid value: at most 63 characters, alphanumerics, "
+                    "'-', '_' or '.', beginning and ending with an alphanumeric",
+                )
+        for key in annotations:
+            _check_qualified_key(key, "annotation")
+        if sum(len(k) + len(v) for k, v in annotations.items()) > 256 * 1024:
+            raise ApiError(400, "invalid_request", "annotations are over 256 KiB in total")
+        lifetime = body.get("lifetime_seconds")
+        if lifetime is None:
+            lifetime = max_lifetime
+        if isinstance(lifetime, bool) or not isinstance(lifetime, int) or lifetime <= 0:
+            raise ApiError(400, "invalid_request", "'lifetime_seconds' must be a positive integer")
+        if lifetime > max_lifetime:
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"'lifetime_seconds' {lifetime} is over the policy maximum {max_lifetime}",
+            )
+        env = _string_map(body.get("env"), "env")
+        for name in env:
+            if not _ENV_NAME.match(name):
+                raise ApiError(
+                    400,
+                    "invalid_request",
+                    f"env name {name!r} is invalid: letters, digits and '_', not starting "
+                    "with a digit",
+                )
+        return {
+            "template": template,
+            "labels": labels,
+            "annotations": annotations,
+            "lifetime": lifetime,
+            "env": env,
+        }
+
+    async def _create(self, request: Request, caller: Caller, issuer: Issuer) -> Response:
+        key = request.headers.get("idempotency-key")
+        if key is not None and not _IDEMPOTENCY_KEY.match(key):
+            raise ApiError(
+                400,
+                "invalid_header",
+                "Idempotency-Key must be 1-255 printable ASCII characters",
+            )
+        raw = await self._json_body(request)
+        policy = issuer.policy
+        fields = self._validate_create(raw, policy.max_lifetime_seconds)
+        digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+        # From here to the insert there is no await: concurrent creates cannot interleave.
+        if key is not None:
+            remembered = self.idempotency.get((caller.issuer, caller.subject, key))
+            if remembered is not None and time.time() - remembered[2] < 86400:
+                if remembered[0] != digest:
+                    raise ApiError(
+                        409,
+                        "idempotency_conflict",
+                        "this Idempotency-Key was used with a different body; use a new key "
+                        "for a different create",
+                    )
+                with self.lock:
+                    record = self.sandboxes.get(remembered[1]) or next(
+                        (r for r in self.history if r.name == remembered[1]), None
+                    )
+                if record is not None:
+                    return JSONResponse(record.api(), 200, headers={"Idempotency-Replayed": "true"})
+        template = fields["template"] or policy.effective_default_template
+        if template not in self.templates:
+            raise ApiError(
+                404,
+                "template_not_found",
+                f"template {template!r} does not exist; known: {sorted(self.templates)}",
+            )
+        if template not in policy.templates:
+            raise ApiError(
+                403,
+                "template_not_allowed",
+                f"provider {caller.provider!r} may not use template {template!r}; allowed: "
+                f"{list(policy.templates)}",
+            )
+        try:
+            namespace = policy.namespace_for(caller)
+        except (ValueError, KeyError) as exc:
+            raise ApiError(403, "policy_denied", f"no namespace for this caller: {exc}") from None
+        with self.lock:
+            live = [
+                r
+                for r in self.sandboxes.values()
+                if r.owner.key == caller.key and r.phase in ("Pending", "Ready")
+            ]
+            if len(live) >= policy.max_sandboxes:
+                raise ApiError(
+                    429,
+                    "quota_exceeded",
+                    f"caller {caller.subject!r} holds {len(live)} sandboxes, the maximum of its "
+                    f"policy ({policy.max_sandboxes}); delete one first",
+                )
+            name = self._new_name()
+            now = time.time()
+            stamps = {
+                RESERVED_PREFIX + "issuer": caller.issuer,
+                RESERVED_PREFIX + "subject": caller.subject,
+                RESERVED_PREFIX + "provider": caller.provider,
+                RESERVED_PREFIX + "created-at": _rfc3339(now),
+            }
+            for attr, value in caller.attributes.items():
+                stamps[RESERVED_PREFIX + "attr." + attr] = (
+                    json.dumps(value) if not isinstance(value, str) else value
+                )
+            record = SandboxRecord(
+                name=name,
+                namespace=namespace,
+                template=template,
+                owner=caller,
+                labels=fields["labels"],
+                annotations=fields["annotations"],
+                stamps=stamps,
+                env=fields["env"],
+                created_at=now,
+                expires_at=now + fields["lifetime"],
+            )
+            self.sandboxes[name] = record
+            self.history.append(record)
+            if key is not None:
+                self.idempotency[(caller.issuer, caller.subject, key)] = (digest, name, now)
+        loop = asyncio.get_running_loop()
+        record.timers.append(
+            loop.call_later(
+                fields["lifetime"], lambda: self._spawn(self._terminate(record, "Expired"))
+            )
+        )
+        self._spawn(self._provision(record))
+        log.info("created sandbox %s for %s (%s)", name, caller.subject, caller.provider)
+        return JSONResponse(record.api(), 201)
+
+    def _new_name(self) -> str:
+        while True:
+            name = "sbx-" + "".join(secrets.choice(_NAME_ALPHABET) for _ in range(8))
+            if name not in self.sandboxes:
+                return name
+
+    async def _provision(self, record: SandboxRecord) -> None:
+        spec = SandboxSpec(
+            name=record.name,
+            namespace=record.namespace,
+            template=record.template,
+            env=record.env,
+            command=self.templates.get(record.template),
+        )
+        try:
+            handle = await self.backend.start(spec)
+        except RuntimeStartError as exc:
+            if record.phase == "Pending":
+                record.set_phase("Failed", exc.reason, exc.message)
+            return
+        except Exception as exc:  # a backend bug must still fail the sandbox visibly
+            log.exception("backend failed to start %s", record.name)
+            if record.phase == "Pending":
+                record.set_phase("Failed", "BackendError", f"{type(exc).__name__}: {exc}")
+            return
+        record.handle = handle
+        delay = self.faults.readiness_delay
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if record.phase != "Pending":  # deleted or expired while starting
+            await self.backend.stop(handle)
+            return
+        record.set_phase("Ready", "SandboxReady", "the sandbox runtime is ready")
+
+    async def _terminate(self, record: SandboxRecord, reason: str) -> None:
+        if record.deleted:
+            return
+        if record.phase != "Terminating":
+            record.set_phase("Terminating", reason, f"the sandbox is being deleted ({reason})")
+        for timer in record.timers:
+            timer.cancel()
+        handle = record.handle
+        if handle is not None:
+            try:
+                await self.backend.stop(handle)
+            except Exception:
+                log.exception("backend failed to stop %s", record.name)
+        with self.lock:
+            self.sandboxes.pop(record.name, None)
+        record.deleted = True
+
+    def _owned(self, caller: Caller, name: str) -> SandboxRecord:
+        with self.lock:
+            record = self.sandboxes.get(name)
+        if record is None or record.owner.key != caller.key:
+            raise ApiError(404, "not_found", f"sandbox {name!r} does not exist for this caller")
+        return record
+
+    async def _get(self, request: Request, caller: Caller, name: str) -> Response:
+        params = request.query_params
+        wait = params.get("wait")
+        if wait not in (None, "ready"):
+            raise ApiError(400, "invalid_request", f"wait={wait!r}: the only value is 'ready'")
+        timeout = 30.0
+        if "timeout" in params:
+            try:
+                timeout = float(params["timeout"])
+            except ValueError:
+                timeout = -1.0
+            if not 0 <= timeout <= 60:
+                raise ApiError(
+                    400, "invalid_request", "timeout must be a number of seconds from 0 to 60"
+                )
+        record = self._owned(caller, name)
+        if wait == "ready" and record.phase == "Pending" and timeout > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(record.settled.wait(), timeout)
+        self._check_alive(record)
+        return JSONResponse(record.api())
+
+    def _check_alive(self, record: SandboxRecord) -> None:
+        handle = record.handle
+        if record.phase == "Ready" and handle is not None and not self.backend.is_alive(handle):
+            record.set_phase("Failed", "RuntimeExited", "the sandbox runtime process exited")
+
+    def _list(self, request: Request, caller: Caller) -> Response:
+        selector: dict[str, str] = {}
+        raw = request.query_params.get("label_selector")
+        if raw:
+            for term in raw.split(","):
+                k, sep, v = term.partition("=")
+                if not sep or not k.strip() or v.startswith("="):
+                    raise ApiError(
+                        400,
+                        "invalid_request",
+                        f"label_selector term {term!r} is not 'key=value' (equality only)",
+                    )
+                selector[k.strip()] = v.strip()
+        with self.lock:
+            mine = [r for r in self.sandboxes.values() if r.owner.key == caller.key]
+        mine = [r for r in mine if all(r.labels.get(k) == v for k, v in selector.items())]
+        mine.sort(key=lambda r: r.created_at, reverse=True)
+        return JSONResponse({"items": [r.api() for r in mine]})
+
+    async def _delete(self, caller: Caller, name: str) -> Response:
+        record = self._owned(caller, name)
+        if record.phase != "Terminating":
+            record.set_phase("Terminating", "Deleted", "the sandbox is being deleted")
+            self._spawn(self._terminate(record, "Deleted"))
+        return JSONResponse(record.api(), 202)
+
+    # -- data plane ----------------------------------------------------------------------------
+    def _router_headers(self, request: Request) -> tuple[str, str, int, float]:
+        headers = request.headers
+        sandbox_id = headers.get("x-sandbox-id", "")
+        if len(sandbox_id) > 63 or not _DNS_LABEL.match(sandbox_id):
+            raise ApiError(
+                400,
+                "invalid_header",
+                "X-Sandbox-ID must be a DNS-1123 label (lowercase alphanumerics and '-', at most "
+                "63 characters)",
+            )
+        namespace = headers.get("x-sandbox-namespace", "default")
+        if len(namespace) > 63 or not _DNS_LABEL.match(namespace):
+            raise ApiError(400, "invalid_header", "X-Sandbox-Namespace must be a DNS-1123 label")
+        raw_port = headers.get("x-sandbox-port", str(DEFAULT_PORT))
+        if not raw_port.isdigit() or not 1 <= int(raw_port) <= 65535:
+            raise ApiError(
+                400, "invalid_header", "X-Sandbox-Port must be an integer from 1 to 65535"
+            )
+        timeout = DEFAULT_DATA_PLANE_TIMEOUT
+        raw_timeout = headers.get("x-sandbox-timeout")
+        if raw_timeout is not None:
+            try:
+                timeout = float(raw_timeout)
+            except ValueError:
+                timeout = -1.0
+            if not 0 < timeout <= 86400:
+                raise ApiError(
+                    400,
+                    "invalid_header",
+                    "X-Sandbox-Timeout must be a positive number of seconds (at most 86400)",
+                )
+        return sandbox_id, namespace, int(raw_port), timeout
+
+    async def _data_plane(self, request: Request, send: Send) -> None:
+        sandbox_id, namespace, port, timeout = self._router_headers(request)
+        self._check_unavailable("data", request.url.path, sandbox_id)
+        caller, _ = await self._authenticate(request)
+        with self.lock:
+            record = self.sandboxes.get(sandbox_id)
+        if record is None or record.namespace != namespace:
+            raise ApiError(
+                404, "not_found", f"no sandbox {sandbox_id!r} in namespace {namespace!r}"
+            )
+        if record.owner.key != caller.key:
+            raise ApiError(
+                403,
+                "not_owner",
+                f"sandbox {sandbox_id!r} belongs to another identity; only its owner may use it",
+            )
+        self._check_alive(record)
+        if record.phase == "Terminating":
+            raise ApiError(409, "terminating", f"sandbox {sandbox_id!r} is being deleted")
+        if record.phase != "Ready" or record.handle is None:
+            raise ApiError(
+                409,
+                "not_ready",
+                f"sandbox {sandbox_id!r} is {record.phase}, not Ready; wait for Ready first",
+            )
+        if port != DEFAULT_PORT:
+            raise ApiError(
+                502,
+                "sandbox_unreachable",
+                f"nothing listens on port {port} in sandbox {sandbox_id!r} (it serves "
+                f"{DEFAULT_PORT})",
+            )
+        await self._forward(request, send, record, record.handle, timeout)
+
+    async def _forward(
+        self,
+        request: Request,
+        send: Send,
+        record: SandboxRecord,
+        handle: RuntimeHandle,
+        read_timeout: float,
+    ) -> None:
+        scope = request.scope
+        raw_path = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string") or b""
+        url = f"http://{handle.host}:{handle.port}{raw_path.decode('latin-1')}"
+        if query:
+            url += "?" + query.decode("latin-1")
+        headers = [
+            (k, v)
+            for k, v in request.headers.raw
+            if k.decode("latin-1").lower() not in _HOP_BY_HOP
+            and k.lower() not in (b"authorization", b"host", b"cookie")
+            and not k.lower().startswith(b"x-sandbox-")
+        ]
+        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS")
+
+        async def body() -> AsyncIterator[bytes]:
+            async for chunk in request.stream():
+                if chunk:
+                    yield chunk
+
+        client = self._router_client()
+        upstream = client.build_request(
+            request.method,
+            url,
+            headers=headers,
+            content=body() if has_body else None,
+            timeout=httpx.Timeout(connect=5.0, read=read_timeout, write=300.0, pool=10.0),
+        )
+        is_execute = request.method == "POST" and request.url.path == "/execute"
+        if is_execute:
+            record.executions += 1
+        try:
+            response = await client.send(upstream, stream=True)
+        except httpx.ConnectError:
+            if is_execute:
+                record.executions -= 1
+            raise ApiError(
+                502, "sandbox_unreachable", f"cannot connect to sandbox {record.name!r}"
+            ) from None
+        except httpx.TimeoutException:
+            raise ApiError(
+                504,
+                "sandbox_timeout",
+                f"sandbox {record.name!r} did not answer within {read_timeout:g} s "
+                "(X-Sandbox-Timeout)",
+            ) from None
+        except httpx.HTTPError as exc:
+            raise ApiError(
+                502,
+                "sandbox_unreachable",
+                f"the connection to sandbox {record.name!r} failed: {type(exc).__name__}",
+            ) from None
+        try:
+            out_headers = [
+                (k.lower(), v)
+                for k, v in response.headers.raw
+                if k.decode("latin-1").lower() not in _HOP_BY_HOP
+                and k.lower() not in (b"date", b"server")
+            ]
+            if is_execute and self.faults.take_drop(record.name):
+                await response.aread()  # the command ran; now lose the answer
+                await send({"type": "http.response.start", "status": 200, "headers": out_headers})
+                raise _DroppedConnection("injected: connection dropped after the command ran")
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": out_headers,
+                }
+            )
+            async for chunk in response.aiter_raw():
+                if chunk:
+                    message: Message = {
+                        "type": "http.response.body",
+                        "body": chunk,
+                        "more_body": True,
+                    }
+                    await send(message)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await response.aclose()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def delete_all(self) -> None:
+        with self.lock:
+            records = list(self.sandboxes.values())
+        await asyncio.gather(*(self._terminate(r, "Deleted") for r in records))
+
+    async def shutdown(self) -> None:
+        await self.delete_all()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.backend.close()
+        for client in (self._jwks_http, self._router_http):
+            if client is not None:
+                await client.aclose()
+
+
+def _string_map(value: Any, what: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ApiError(400, "invalid_request", f"'{what}' must be an object of string values")
+    return dict(value)
+
+
+def _check_qualified_key(key: str, kind: str) -> None:
+    prefix, sep, name = key.rpartition("/")
+    ok = bool(name) and len(name) <= 63 and bool(_QUALIFIED_NAME.match(name))
+    if sep:
+        ok = ok and 0 < len(prefix) <= 253 and bool(_DNS_SUBDOMAIN.match(prefix))
+    if not ok:
+        raise ApiError(
+            400,
+            "invalid_request",
+            f"{kind} key {key!r} is invalid: [prefix/]name, name at most 63 characters of "
+            "alphanumerics, '-', '_', '.', prefix a DNS subdomain",
+        )

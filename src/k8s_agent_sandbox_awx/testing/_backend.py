@@ -1,0 +1,295 @@
+"""Sandbox backends: where a sandbox's runtime runs. The local one starts host processes.
+
+A backend turns a :class:`SandboxSpec` into a running runtime server that speaks the legacy
+python-runtime protocol and returns a :class:`RuntimeHandle` (host and port) once the runtime
+answers ``GET /``. :class:`LocalProcessBackend` starts one process per sandbox from a command
+line template, so any server that speaks the protocol can be plugged in.
+
+NO ISOLATION: local runtimes and the commands they run are ordinary host processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+
+from ._runtime import PARENT_PID_ENV
+
+DEFAULT_RUNTIME_COMMAND = (
+    "{python} -m k8s_agent_sandbox_awx.testing._runtime "
+    "--host {host} --port {port} --base-dir {base_dir}"
+)
+"""The default runtime command line. Placeholders: ``{python}`` (this interpreter), ``{host}``,
+``{port}`` (a free loopback port chosen by the broker), ``{base_dir}`` (the sandbox's own
+directory), ``{name}``, ``{namespace}``, ``{template}``. The environment also carries ``PORT``,
+``SANDBOX_BASE_DIR`` and the sandbox's ``env``."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What to start: the claim's name, namespace, template and environment."""
+
+    name: str
+    namespace: str
+    template: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    command: str | Sequence[str] | None = None
+    """Runtime command line for this template (``None``: the backend's default)."""
+
+
+@dataclass
+class RuntimeHandle:
+    """A running runtime: where the broker's router reaches it."""
+
+    name: str
+    host: str
+    port: int
+    base_dir: str
+    pid: int | None = None
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    root: str | None = field(default=None, repr=False)
+
+
+class RuntimeStartError(Exception):
+    """The runtime did not come up: ``reason`` is a CamelCase reason, ``message`` says why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+class SandboxBackend(Protocol):
+    """What the broker needs from a backend (all methods run on the broker's event loop)."""
+
+    async def start(self, spec: SandboxSpec) -> RuntimeHandle:
+        """Start the runtime and return once it answers ``GET /``; raise RuntimeStartError."""
+        ...
+
+    async def stop(self, handle: RuntimeHandle) -> None:
+        """Stop the runtime and remove everything it left behind."""
+        ...
+
+    def is_alive(self, handle: RuntimeHandle) -> bool: ...
+
+    async def close(self) -> None:
+        """Stop every runtime this backend started."""
+        ...
+
+    def kill_all_now(self) -> None:
+        """Synchronous last-resort cleanup (no event loop): kill and remove everything."""
+        ...
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class LocalProcessBackend:
+    """One runtime process per sandbox, on loopback, in its own process group and directory.
+
+    ``command``: a command line template (string, split with shell-like rules, or a list) with
+    the placeholders of :data:`DEFAULT_RUNTIME_COMMAND`. It runs without a shell. Runtimes get
+    ``AGENT_SANDBOX_RUNTIME_PARENT_PID`` so the default runtime dies with the broker process.
+    """
+
+    def __init__(
+        self,
+        command: str | Sequence[str] | None = None,
+        *,
+        root_dir: str | None = None,
+        host: str = "127.0.0.1",
+        startup_timeout: float = 20.0,
+    ) -> None:
+        self.command = command or DEFAULT_RUNTIME_COMMAND
+        self.host = host
+        self.startup_timeout = startup_timeout
+        self._own_root = root_dir is None
+        self.root_dir = root_dir or tempfile.mkdtemp(prefix="agent-sandbox-runtimes-")
+        self._handles: dict[str, RuntimeHandle] = {}
+        self._http: httpx.AsyncClient | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                timeout=httpx.Timeout(2.0), trust_env=False, follow_redirects=False
+            )
+        return self._http
+
+    def _argv(self, command: str | Sequence[str], values: Mapping[str, str]) -> list[str]:
+        parts = shlex.split(command) if isinstance(command, str) else list(command)
+        try:
+            return [part.format_map(values) for part in parts]
+        except (KeyError, IndexError, ValueError) as exc:
+            raise RuntimeStartError(
+                "InvalidRuntimeCommand",
+                f"runtime command {command!r} has an unknown placeholder ({exc}); use "
+                "{python} {host} {port} {base_dir} {name} {namespace} {template}",
+            ) from exc
+
+    async def start(self, spec: SandboxSpec) -> RuntimeHandle:
+        root = os.path.join(self.root_dir, spec.name)
+        base_dir = os.path.join(root, "work")
+        os.makedirs(base_dir, exist_ok=True)
+        log_path = os.path.join(root, "runtime.log")
+        last_error = ""
+        for _attempt in range(3):
+            port = _free_port(self.host)
+            values = {
+                "python": sys.executable,
+                "host": self.host,
+                "port": str(port),
+                "base_dir": base_dir,
+                "name": spec.name,
+                "namespace": spec.namespace,
+                "template": spec.template,
+            }
+            argv = self._argv(spec.command or self.command, values)
+            env = {
+                **os.environ,
+                **spec.env,
+                "PORT": str(port),
+                "SANDBOX_BASE_DIR": base_dir,
+                PARENT_PID_ENV: str(os.getpid()),
+            }
+            try:
+                proc = _spawn(argv, base_dir, env, log_path)
+            except OSError as exc:
+                shutil.rmtree(root, ignore_errors=True)
+                raise RuntimeStartError(
+                    "RuntimeStartFailed", f"cannot start runtime {argv[0]!r}: {exc}"
+                ) from exc
+            handle = RuntimeHandle(
+                spec.name, self.host, port, base_dir, proc.pid, process=proc, root=root
+            )
+            self._handles[spec.name] = handle
+            try:
+                await self._wait_ready(handle, log_path)
+                return handle
+            except RuntimeStartError as exc:
+                await self._terminate(handle, remove=False)
+                last_error = exc.message
+                if "Address already in use" not in last_error:
+                    shutil.rmtree(root, ignore_errors=True)
+                    self._handles.pop(spec.name, None)
+                    raise
+        shutil.rmtree(root, ignore_errors=True)
+        self._handles.pop(spec.name, None)
+        raise RuntimeStartError("RuntimeStartFailed", last_error)
+
+    async def _wait_ready(self, handle: RuntimeHandle, log_path: str) -> None:
+        assert handle.process is not None
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"http://{handle.host}:{handle.port}/"
+        delay = 0.005
+        while True:
+            code = handle.process.poll()
+            if code is not None:
+                tail = _tail(log_path)
+                raise RuntimeStartError(
+                    "RuntimeExited",
+                    f"the runtime exited with status {code} before it was ready"
+                    + (f": {tail}" if tail else ""),
+                )
+            try:
+                resp = await self._client().get(url)
+                if resp.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeStartError(
+                    "RuntimeStartTimeout",
+                    f"the runtime did not answer GET / within {self.startup_timeout:g} s",
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.05)
+
+    def is_alive(self, handle: RuntimeHandle) -> bool:
+        return handle.process is not None and handle.process.poll() is None
+
+    async def _terminate(self, handle: RuntimeHandle, *, remove: bool = True) -> None:
+        proc = handle.process
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(proc.wait, 2.0)
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.wait(timeout=2.0)
+        if remove:
+            self._handles.pop(handle.name, None)
+            if handle.root:
+                shutil.rmtree(handle.root, ignore_errors=True)
+
+    async def stop(self, handle: RuntimeHandle) -> None:
+        await self._terminate(handle)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self._terminate(h) for h in list(self._handles.values())))
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if self._own_root:
+            shutil.rmtree(self.root_dir, ignore_errors=True)
+
+    def kill_all_now(self) -> None:
+        for handle in list(self._handles.values()):
+            if handle.process is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(handle.process.pid, signal.SIGTERM)
+        for handle in list(self._handles.values()):
+            if handle.process is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    handle.process.wait(timeout=1.0)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(handle.process.pid, signal.SIGKILL)
+        self._handles.clear()
+        if self._own_root:
+            shutil.rmtree(self.root_dir, ignore_errors=True)
+
+
+def _spawn(
+    argv: list[str], cwd: str, env: dict[str, str], log_path: str
+) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _tail(path: str, limit: int = 2000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            return fh.read().decode("utf-8", errors="replace").strip()
+    except OSError:
+        return ""

@@ -1,0 +1,658 @@
+"""``LocalBroker``: the whole local stack (issuers, broker, sandboxes) in-process, on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import logging
+import os
+import re
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Mapping, Sequence
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, TypeVar
+
+import trustme
+import uvicorn
+
+from . import NO_ISOLATION_WARNING
+from ._app import BrokerApp, Faults, _UnavailableRule, install_log_filter
+from ._backend import LocalProcessBackend, SandboxBackend
+from ._issuers import (
+    GITLAB_ATTRIBUTES,
+    AttributesRule,
+    ClaimsRule,
+    Issuer,
+    kubernetes_attributes,
+)
+from ._policy import Policy, caller_namespace
+from ._verify import token_fingerprint
+
+log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+T = TypeVar("T")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+DEFAULT_KUBERNETES_POLICY = Policy(
+    templates=("python",), namespace=caller_namespace, max_sandboxes=5, max_lifetime_seconds=3600
+)
+DEFAULT_GITLAB_POLICY = Policy(
+    templates=("python",), namespace="gitlab-ci", max_sandboxes=5, max_lifetime_seconds=3600
+)
+
+
+class LocalBroker:
+    """The local broker stack: OIDC issuers, the broker and local sandboxes, on 127.0.0.1.
+
+    ``with LocalBroker() as broker:`` starts everything (HTTPS with a CA generated at start,
+    one uvicorn server on a background thread) and stops and cleans up on exit.
+
+    Arguments (all keyword-only, all optional):
+
+    - ``templates``: template name -> runtime command line (``None``: the backend default).
+      Default ``{"python": None}``.
+    - ``runtime_command``: the default runtime command line (see ``DEFAULT_RUNTIME_COMMAND``).
+    - ``backend``: a :class:`SandboxBackend` (default: :class:`LocalProcessBackend`).
+    - ``kubernetes_policy`` / ``gitlab_policy``: the built-in providers' policies.
+    - ``readiness_delay``: seconds a new sandbox stays ``Pending`` after its runtime is up.
+    - ``skew_seconds``: clock skew allowed on ``exp``/``nbf``/``iat``; ``max_token_bytes``.
+    - ``warn``: log the no-isolation warning at start.
+
+    WARNING: local sandboxes are host processes with NO isolation (development and tests only).
+    """
+
+    def __init__(
+        self,
+        *,
+        templates: Mapping[str, str | list[str] | None] | None = None,
+        runtime_command: str | Sequence[str] | None = None,
+        backend: SandboxBackend | None = None,
+        kubernetes_policy: Policy | None = None,
+        gitlab_policy: Policy | None = None,
+        readiness_delay: float = 0.0,
+        skew_seconds: int = 30,
+        max_token_bytes: int = 16 * 1024,
+        host: str = "127.0.0.1",
+        warn: bool = True,
+    ) -> None:
+        self._templates: dict[str, str | list[str] | None] = dict(templates or {"python": None})
+        self._runtime_command = runtime_command
+        self._backend = backend
+        self._kubernetes_policy = kubernetes_policy or DEFAULT_KUBERNETES_POLICY
+        self._gitlab_policy = gitlab_policy or DEFAULT_GITLAB_POLICY
+        self._faults = Faults(readiness_delay)
+        self._skew = skew_seconds
+        self._max_token_bytes = max_token_bytes
+        self._host = host
+        self._warn = warn
+        self._lock = threading.Lock()
+        self._issuers_by_url: dict[str, Issuer] = {}
+        self._issuers_by_name: dict[str, Issuer] = {}
+        self._uids: dict[tuple[str, ...], str] = {}
+        self._counter = itertools.count(1000)
+        self._rotators: list[tuple[threading.Event, threading.Thread]] = []
+        self._tmp: str | None = None
+        self._url: str | None = None
+        self._ca_bundle: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: uvicorn.Server | None = None
+        self._app: BrokerApp | None = None
+        self.startup_seconds: float | None = None
+
+    def __repr__(self) -> str:
+        return f"LocalBroker(url={self._url!r})"
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> LocalBroker:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> LocalBroker:
+        """Start the stack; returns ``self``. Takes a few hundred milliseconds."""
+        if self._thread is not None:
+            raise RuntimeError("this LocalBroker is already started")
+        started = time.perf_counter()
+        if self._warn:
+            log.warning("LocalBroker: %s", NO_ISOLATION_WARNING)
+        self._tmp = tempfile.mkdtemp(prefix="agent-sandbox-broker-")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self._host, 0))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        self._url = f"https://{self._host}:{port}"
+        ca = trustme.CA()
+        server_cert = ca.issue_cert(self._host, "localhost")
+        self._ca_bundle = os.path.join(self._tmp, "ca.pem")
+        ca.cert_pem.write_to_path(self._ca_bundle)
+        server_pem = os.path.join(self._tmp, "server.pem")
+        server_cert.private_key_and_cert_chain_pem.write_to_path(server_pem)
+        os.chmod(server_pem, 0o600)
+
+        self._add_issuer(
+            "kubernetes",
+            provider="kubernetes",
+            policy=self._kubernetes_policy,
+            attributes=kubernetes_attributes,
+            audience_as_list=True,
+        )
+        self._add_issuer(
+            "gitlab", provider="gitlab", policy=self._gitlab_policy, attributes=GITLAB_ATTRIBUTES
+        )
+        backend = self._backend or LocalProcessBackend(
+            self._runtime_command, root_dir=os.path.join(self._tmp, "sandboxes")
+        )
+        self._backend = backend
+        self._app = BrokerApp(
+            url=self._url,
+            issuers=self._issuer_snapshot,
+            issuer_by_name=self._issuer_named,
+            templates=self._templates,
+            backend=backend,
+            ca_bundle=self._ca_bundle,
+            faults=self._faults,
+            skew_seconds=self._skew,
+            max_token_bytes=self._max_token_bytes,
+        )
+        install_log_filter()
+        config = uvicorn.Config(
+            self._app,
+            ssl_certfile=server_pem,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            http="h11",
+            ws="none",
+            loop="asyncio",
+            server_header=False,
+            timeout_graceful_shutdown=2,
+            timeout_keep_alive=30,
+        )
+        self._server = uvicorn.Server(config)
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        server = self._server
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(server.serve(sockets=[sock]))
+            except BaseException as exc:  # reported to start() or logged at stop
+                failure.append(exc)
+            finally:
+                sock.close()
+
+        self._thread = threading.Thread(target=run, name="local-broker", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 15
+        while not server.started:
+            if failure or not self._thread.is_alive() or time.monotonic() > deadline:
+                self._cleanup_files()
+                raise RuntimeError(f"the local broker failed to start: {failure or 'timeout'}")
+            time.sleep(0.002)
+        atexit.register(self._atexit)
+        self.startup_seconds = time.perf_counter() - started
+        log.info("LocalBroker at %s started in %.3f s", self._url, self.startup_seconds)
+        return self
+
+    def stop(self) -> None:
+        """Delete every sandbox, stop the runtimes and the server, remove the temp files."""
+        for event, _thread in self._rotators:
+            event.set()
+        self._rotators.clear()
+        loop, thread, server, app = self._loop, self._thread, self._server, self._app
+        if loop is not None and thread is not None and thread.is_alive() and app is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(app.shutdown(), loop).result(30)
+            except Exception:
+                log.exception("LocalBroker: clean shutdown failed; killing the runtimes")
+                if self._backend is not None:
+                    self._backend.kill_all_now()
+        if server is not None:
+            server.should_exit = True
+            server.force_exit = True  # sandboxes are gone; do not wait for idle keep-alives
+        if thread is not None:
+            thread.join(10)
+        if loop is not None and not loop.is_running():
+            loop.close()
+        self._thread = None
+        self._loop = None
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._atexit)
+        self._cleanup_files()
+
+    def _atexit(self) -> None:
+        if self._backend is not None:
+            self._backend.kill_all_now()
+        self._cleanup_files()
+
+    def _cleanup_files(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        if self._loop is None or self._app is None:
+            coro.close()
+            raise RuntimeError("the LocalBroker is not running: use 'with LocalBroker() as b:'")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _require_app(self) -> BrokerApp:
+        if self._app is None or self._url is None:
+            raise RuntimeError("the LocalBroker is not running: use 'with LocalBroker() as b:'")
+        return self._app
+
+    # -- basic properties ----------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """The broker URL (``https://127.0.0.1:PORT``, no trailing slash); also the audience."""
+        if self._url is None:
+            raise RuntimeError("the LocalBroker is not started")
+        return self._url
+
+    @property
+    def ca_bundle(self) -> str:
+        """Path of the PEM CA bundle that verifies the broker's (and issuers') certificate."""
+        if self._ca_bundle is None:
+            raise RuntimeError("the LocalBroker is not started")
+        return self._ca_bundle
+
+    @property
+    def kubernetes(self) -> Issuer:
+        """The Kubernetes-like issuer (``<url>/issuers/kubernetes``)."""
+        return self._issuers_by_name["kubernetes"]
+
+    @property
+    def gitlab(self) -> Issuer:
+        """The GitLab-like issuer (``<url>/issuers/gitlab``)."""
+        return self._issuers_by_name["gitlab"]
+
+    @property
+    def issuers(self) -> dict[str, Issuer]:
+        with self._lock:
+            return dict(self._issuers_by_name)
+
+    # -- issuers -------------------------------------------------------------------------------
+    def _issuer_snapshot(self) -> Mapping[str, Issuer]:
+        with self._lock:
+            return dict(self._issuers_by_url)
+
+    def _issuer_named(self, name: str) -> Issuer | None:
+        with self._lock:
+            return self._issuers_by_name.get(name)
+
+    def _forget_keys(self, issuer: Issuer) -> None:
+        app = self._app
+        if app is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(app.verifier.forget, issuer.url)
+
+    def _add_issuer(
+        self,
+        name: str,
+        *,
+        provider: str,
+        policy: Policy,
+        claims: ClaimsRule = None,
+        attributes: AttributesRule = None,
+        algorithm: str = "RS256",
+        audience_as_list: bool = False,
+    ) -> Issuer:
+        if not _DNS_LABEL.match(name):
+            raise ValueError(f"issuer name {name!r} must be a DNS-1123 label")
+        issuer = Issuer(
+            name,
+            f"{self.url}/issuers/{name}",
+            provider=provider,
+            policy=policy,
+            default_audience=self.url,
+            algorithm=algorithm,
+            claims=claims,
+            attributes=attributes,
+            audience_as_list=audience_as_list,
+            on_keys_changed=self._forget_keys,
+        )
+        with self._lock:
+            if name in self._issuers_by_name:
+                raise ValueError(f"an issuer named {name!r} already exists")
+            self._issuers_by_name[name] = issuer
+            self._issuers_by_url[issuer.url] = issuer
+        return issuer
+
+    def add_issuer(
+        self,
+        name: str,
+        *,
+        claims: ClaimsRule = None,
+        policy: Policy | None = None,
+        provider: str | None = None,
+        attributes: AttributesRule = None,
+        algorithm: str = "RS256",
+        audience_as_list: bool = False,
+    ) -> Issuer:
+        """Add and trust a custom issuer at ``<url>/issuers/<name>``.
+
+        - ``claims``: extra claims of every token it issues (a mapping, or a callable of the
+          subject returning one); ``issue_token(..., claims=...)`` adds more per token.
+        - ``policy``: its callers' :class:`Policy` (default: template ``python``, namespace
+          ``name``).
+        - ``provider``: the provider name the broker derives from this issuer (default ``name``).
+        - ``attributes``: the claim names that are the provider's key attributes (or a callable
+          of the claims); default: every non-registered scalar claim.
+        - ``algorithm``: ``RS256`` or ``ES256``; ``audience_as_list``: ``aud`` as a list.
+        """
+        self._require_app()
+        return self._add_issuer(
+            name,
+            provider=provider or name,
+            policy=policy or Policy(templates=("python",), namespace=name),
+            claims=claims,
+            attributes=attributes,
+            algorithm=algorithm,
+            audience_as_list=audience_as_list,
+        )
+
+    def _stable_uid(self, *key: str) -> str:
+        with self._lock:
+            return self._uids.setdefault(key, str(uuid.uuid4()))
+
+    def issue_kubernetes_token(
+        self,
+        namespace: str,
+        service_account: str,
+        audience: str | Sequence[str] | None = None,
+        ttl: int = 3600,
+        *,
+        pod_name: str | None = None,
+        claims: Mapping[str, Any] | None = None,
+    ) -> str:
+        """A projected ServiceAccount token (RS256) as the kubelet would mount it.
+
+        Claims: ``iss``, ``sub`` = ``system:serviceaccount:NS:NAME``, ``aud`` (a list; default
+        ``[broker.url]``), ``exp``, ``iat``, ``nbf`` (= ``iat``), ``jti`` and ``kubernetes.io``
+        ``{namespace, serviceaccount{name, uid}, pod{name, uid}}``; ``claims`` overrides any.
+        """
+        pod = pod_name or f"{service_account}-local"
+        info = {
+            "namespace": namespace,
+            "serviceaccount": {
+                "name": service_account,
+                "uid": self._stable_uid("sa", namespace, service_account),
+            },
+            "pod": {"name": pod, "uid": self._stable_uid("pod", namespace, pod)},
+        }
+        payload: dict[str, Any] = {"kubernetes.io": info}
+        payload.update(claims or {})
+        return self.kubernetes.issue_token(
+            f"system:serviceaccount:{namespace}:{service_account}",
+            payload,
+            audience=audience,
+            ttl=ttl,
+        )
+
+    def issue_gitlab_token(
+        self,
+        project_path: str,
+        ref: str = "main",
+        audience: str | Sequence[str] | None = None,
+        ttl: int = 3600,
+        *,
+        ref_type: str = "branch",
+        user_login: str = "local-developer",
+        claims: Mapping[str, Any] | None = None,
+    ) -> str:
+        """A GitLab CI ``id_tokens`` token (RS256).
+
+        ``sub`` = ``project_path:GROUP/PROJECT:ref_type:branch:ref:REF``; claims as GitLab sends
+        them (ids as strings, ``ref_protected`` "true"/"false"); ``aud`` a string (default the
+        broker URL); ``claims`` overrides any.
+        """
+        if "/" not in project_path:
+            raise ValueError(f"project_path {project_path!r} must be GROUP/PROJECT")
+        namespace_path = project_path.rsplit("/", 1)[0]
+        pipeline_id = str(next(self._counter))
+        payload: dict[str, Any] = {
+            "namespace_id": self._numeric_id("ns", namespace_path),
+            "namespace_path": namespace_path,
+            "project_id": self._numeric_id("project", project_path),
+            "project_path": project_path,
+            "user_id": self._numeric_id("user", user_login),
+            "user_login": user_login,
+            "user_email": f"{user_login}@example.invalid",
+            "pipeline_id": pipeline_id,
+            "pipeline_source": "push",
+            "job_id": str(next(self._counter)),
+            "ref": ref,
+            "ref_type": ref_type,
+            "ref_path": f"refs/{'heads' if ref_type == 'branch' else 'tags'}/{ref}",
+            "ref_protected": "true" if ref in ("main", "master") else "false",
+            "runner_id": self._numeric_id("runner", "local"),
+            "runner_environment": "self-hosted",
+            "sha": secrets.token_hex(20),
+        }
+        payload.update(claims or {})
+        return self.gitlab.issue_token(
+            f"project_path:{project_path}:ref_type:{ref_type}:ref:{ref}",
+            payload,
+            audience=audience,
+            ttl=ttl,
+        )
+
+    def _numeric_id(self, *key: str) -> str:
+        with self._lock:
+            value = self._uids.get(key)
+            if value is None:
+                value = self._uids[key] = str(next(self._counter))
+            return value
+
+    def rotate_keys(self, issuer: str = "kubernetes", *, retire_old: bool = False) -> str:
+        """Rotate ``issuer``'s signing key (see :meth:`Issuer.rotate_key`); returns the new kid."""
+        target = self._issuer_named(issuer)
+        if target is None:
+            raise KeyError(f"no issuer named {issuer!r}; known: {sorted(self.issuers)}")
+        return target.rotate_key(retire_old=retire_old)
+
+    def revoke_token(self, token: str) -> None:
+        """Reject ``token`` from now on (``401 token_revoked``), by ``jti`` and by digest."""
+        app = self._require_app()
+        import jwt
+
+        with app.lock:
+            app.revoked.add("sha256:" + token_fingerprint(token))
+            with contextlib.suppress(jwt.PyJWTError):
+                jti = jwt.decode(token, options={"verify_signature": False}).get("jti")
+                if isinstance(jti, str):
+                    app.revoked.add(f"jti:{jti}")
+
+    # -- token files and environment -----------------------------------------------------------
+    def write_projected_token(
+        self,
+        path: str | os.PathLike[str],
+        namespace: str = "default",
+        service_account: str = "default",
+        ttl: int = 3600,
+        *,
+        audience: str | Sequence[str] | None = None,
+    ) -> str:
+        """Write a Kubernetes token to ``path`` the way the kubelet does; returns the token.
+
+        The directory gets a timestamped data directory, an atomically swapped ``..data``
+        symlink and ``path`` as a symlink through ``..data``. Call again to rotate.
+        """
+        token = self.issue_kubernetes_token(namespace, service_account, audience, ttl)
+        write_kubelet_style(os.fspath(path), token)
+        return token
+
+    def keep_projected_token_rotated(
+        self,
+        path: str | os.PathLike[str],
+        namespace: str = "default",
+        service_account: str = "default",
+        ttl: int = 3600,
+    ) -> str:
+        """Write the token now and rewrite it at 80 % of its lifetime until :meth:`stop`."""
+        token = self.write_projected_token(path, namespace, service_account, ttl)
+        stop = threading.Event()
+
+        def rotate() -> None:
+            while not stop.wait(ttl * 0.8):
+                try:
+                    self.write_projected_token(path, namespace, service_account, ttl)
+                except Exception:
+                    log.exception("LocalBroker: rotating the projected token failed")
+
+        thread = threading.Thread(target=rotate, name="token-rotator", daemon=True)
+        thread.start()
+        self._rotators.append((stop, thread))
+        return token
+
+    def environ(
+        self,
+        kind: str = "kubernetes",
+        *,
+        namespace: str = "default",
+        service_account: str = "default",
+        project_path: str = "group/project",
+        ref: str = "main",
+        ttl: int = 3600,
+        token_file: str | os.PathLike[str] | None = None,
+    ) -> dict[str, str]:
+        """Environment variables that make ``Sandbox.create()`` work with zero arguments.
+
+        Always ``AGENT_SANDBOX_BROKER_URL`` and ``AGENT_SANDBOX_CA_BUNDLE``; for
+        ``kind="kubernetes"`` also ``AGENT_SANDBOX_TOKEN_FILE`` (a projected token written
+        kubelet-style, to ``token_file`` or a fresh temp path); for ``kind="gitlab"``
+        ``AGENT_SANDBOX_TOKEN`` (the id token, as a CI job would have it).
+        """
+        env = {"AGENT_SANDBOX_BROKER_URL": self.url, "AGENT_SANDBOX_CA_BUNDLE": self.ca_bundle}
+        if kind == "kubernetes":
+            if token_file is None:
+                assert self._tmp is not None
+                token_dir = tempfile.mkdtemp(prefix="token-", dir=self._tmp)
+                token_file = os.path.join(token_dir, "agent-sandbox-token")
+            self.write_projected_token(token_file, namespace, service_account, ttl)
+            env["AGENT_SANDBOX_TOKEN_FILE"] = os.fspath(token_file)
+        elif kind == "gitlab":
+            env["AGENT_SANDBOX_TOKEN"] = self.issue_gitlab_token(project_path, ref, ttl=ttl)
+        else:
+            raise ValueError(f"kind must be 'kubernetes' or 'gitlab', not {kind!r}")
+        return env
+
+    # -- state and faults ----------------------------------------------------------------------
+    def claims(self, *, include_deleted: bool = False) -> list[dict[str, Any]]:
+        """The SandboxClaim manifests the broker created (live ones; all with include_deleted)."""
+        app = self._require_app()
+        with app.lock:
+            records = list(app.history) if include_deleted else list(app.sandboxes.values())
+        return [r.manifest() for r in records]
+
+    def sandboxes(self) -> list[dict[str, Any]]:
+        """Every live sandbox as the API returns it (all owners)."""
+        app = self._require_app()
+        with app.lock:
+            return [r.api() for r in app.sandboxes.values()]
+
+    def execution_count(self, name: str) -> int:
+        """How many ``POST /execute`` requests the broker forwarded to sandbox ``name``."""
+        app = self._require_app()
+        with app.lock:
+            record = app.sandboxes.get(name) or next(
+                (r for r in app.history if r.name == name), None
+            )
+        if record is None:
+            raise KeyError(f"no sandbox named {name!r}")
+        return record.executions
+
+    def runtime_pid(self, name: str) -> int | None:
+        """The pid of sandbox ``name``'s runtime process (``None`` before it started)."""
+        app = self._require_app()
+        with app.lock:
+            record = app.sandboxes.get(name)
+        return record.handle.pid if record is not None and record.handle is not None else None
+
+    def delete_all(self) -> None:
+        """Delete every sandbox now (all owners) and wait until their runtimes are gone."""
+        app = self._require_app()
+        self._call(app.delete_all())
+
+    def reset(self) -> None:
+        """Delete every sandbox and clear every injected fault (the fixture calls it per test)."""
+        self.delete_all()
+        self.clear_faults()
+
+    def set_readiness_delay(self, seconds: float) -> None:
+        """New sandboxes stay ``Pending`` this long after their runtime is up (slow readiness)."""
+        with self._faults.lock:
+            self._faults.readiness_delay = seconds
+
+    def inject_unavailable(
+        self,
+        count: int = 1,
+        *,
+        retry_after: int = 1,
+        scope: str = "data",
+        path: str | None = None,
+        sandbox: str | None = None,
+    ) -> None:
+        """The next ``count`` matching requests get ``503 unavailable`` with ``Retry-After``.
+
+        ``scope``: ``"data"`` (data plane), ``"control"`` (``/v1`` except healthz) or ``"any"``;
+        ``path``: only requests whose path starts with it; ``sandbox``: only that sandbox.
+        """
+        if scope not in ("data", "control", "any"):
+            raise ValueError("scope must be 'data', 'control' or 'any'")
+        with self._faults.lock:
+            self._faults.unavailable.append(
+                _UnavailableRule(count, retry_after, scope, path, sandbox)
+            )
+
+    def drop_connection_after_execute(self, count: int = 1, *, sandbox: str | None = None) -> None:
+        """The next ``count`` ``POST /execute``: the command runs, then the connection drops."""
+        with self._faults.lock:
+            self._faults.drops.append([count, sandbox])
+
+    def clear_faults(self) -> None:
+        """Remove injected 503s and drops and the readiness delay."""
+        self._faults.clear()
+        self.set_readiness_delay(0.0)
+
+
+def write_kubelet_style(path: str, token: str) -> None:
+    """Atomically (re)write ``path`` as the kubelet's projected volume does (``..data`` swap)."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    name = os.path.basename(path)
+    os.makedirs(directory, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("..%Y_%m_%d_%H_%M_%S.%f")
+    data_dir = tempfile.mkdtemp(prefix=stamp + "-", dir=directory)
+    with open(os.path.join(data_dir, name), "w") as fh:
+        fh.write(token)
+    os.chmod(os.path.join(data_dir, name), 0o600)
+    data_link = os.path.join(directory, "..data")
+    old_target = os.readlink(data_link) if os.path.islink(data_link) else None
+    tmp_link = os.path.join(directory, "..data_tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp_link)
+    os.symlink(os.path.basename(data_dir), tmp_link)
+    os.replace(tmp_link, data_link)
+    if not os.path.islink(path):
+        if os.path.exists(path):
+            os.unlink(path)
+        os.symlink(os.path.join("..data", name), path)
+    if old_target and old_target != os.path.basename(data_dir):
+        shutil.rmtree(os.path.join(directory, old_target), ignore_errors=True)

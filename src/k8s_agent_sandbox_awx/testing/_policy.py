@@ -1,0 +1,94 @@
+"""Verified callers and the per-provider policy the local broker applies."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+RESERVED_PREFIX = "broker.agent-sandbox-awx.io/"
+"""Metadata keys under this prefix are the broker's attribution stamps; clients cannot set them."""
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A caller as the broker verified it from its token."""
+
+    provider: str
+    issuer: str
+    subject: str
+    audience: str
+    expires_at: int
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The identity that owns sandboxes: (issuer, subject)."""
+        return (self.issuer, self.subject)
+
+
+NamespaceRule = str | Callable[[Caller], str]
+
+
+def caller_namespace(caller: Caller) -> str:
+    """Namespace rule: the caller's own namespace (the ``namespace`` attribute, Kubernetes)."""
+    namespace = caller.attributes.get("namespace")
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(
+            f"caller {caller.subject!r} has no 'namespace' attribute for the caller-namespace rule"
+        )
+    return namespace
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one provider's callers may do.
+
+    - ``templates``: the templates they may use; ``default_template`` (default: the first) is
+      used when a create names none.
+    - ``namespace``: the namespace their sandboxes go to: a fixed name, or a callable of the
+      :class:`Caller` (for example :func:`caller_namespace`, the Kubernetes default).
+    - ``max_sandboxes``: live sandboxes per caller (more is ``429 quota_exceeded``).
+    - ``max_lifetime_seconds``: the lifetime cap (and the default lifetime).
+    """
+
+    templates: tuple[str, ...] = ("python",)
+    default_template: str | None = None
+    namespace: NamespaceRule = "default"
+    max_sandboxes: int = 5
+    max_lifetime_seconds: int = 3600
+
+    def __post_init__(self) -> None:
+        if not self.templates:
+            raise ValueError("Policy.templates must name at least one template")
+        if self.default_template is not None and self.default_template not in self.templates:
+            raise ValueError(
+                f"Policy.default_template {self.default_template!r} is not in "
+                f"templates {list(self.templates)!r}"
+            )
+        if self.max_sandboxes < 0 or self.max_lifetime_seconds <= 0:
+            raise ValueError("Policy.max_sandboxes must be >= 0 and max_lifetime_seconds > 0")
+        if isinstance(self.namespace, str) and not _DNS_LABEL.match(self.namespace):
+            raise ValueError(f"Policy.namespace {self.namespace!r} is not a DNS-1123 label")
+
+    @property
+    def effective_default_template(self) -> str:
+        return self.default_template or self.templates[0]
+
+    def namespace_for(self, caller: Caller) -> str:
+        if isinstance(self.namespace, str):
+            return self.namespace
+        return self.namespace(caller)
+
+    def describe(self, caller: Caller) -> dict[str, Any]:
+        """The policy as ``GET /v1/whoami`` returns it."""
+        return {
+            "templates": list(self.templates),
+            "default_template": self.effective_default_template,
+            "namespace": self.namespace_for(caller),
+            "max_sandboxes": self.max_sandboxes,
+            "max_lifetime_seconds": self.max_lifetime_seconds,
+        }
