@@ -9,8 +9,11 @@ Order (decided here, never by registration or entry-point iteration order):
 4. ``kubernetes-projected``: ``/var/run/secrets/tokens/agent-sandbox-token`` (re-read).
 
 The first provider that returns a credential wins; one that raises ("here but broken") stops
-discovery with its error. The winner is remembered per audience, so later requests call only
-that provider: file-backed ones read their file again, the others are served from the cache.
+discovery with its error. A provider whose non-file credential for the audience is still in the
+process cache (selected earlier by another ``DefaultCredentials`` on ``os.environ``) is answered
+from the cache during discovery too. The winner is remembered per audience, so later requests
+call only that provider: file-backed ones read their file again, the others are served from the
+cache.
 """
 
 from __future__ import annotations
@@ -203,19 +206,22 @@ class DefaultCredentials:
             registry = self.registry()
             tried: list[tuple[str, str]] = []
             for index, provider in enumerate(registry.providers):
-                request = self._request(audience)
-                result = _call(provider, request)
-                if result is None:
-                    tried.append((provider.name, _reason(provider, request)))
-                    continue
-                now = _cache.now()
-                credential, decoded = accept_credential(
-                    result, provider=provider.name, audience=audience, now=now
-                )
                 key: _cache.CacheKey = ((self._scope, provider.name), audience)
+                credential = _cache.get_cached(key)
+                if credential is None:
+                    # Not cached (or file-backed): ask the provider.
+                    request = self._request(audience)
+                    result = _call(provider, request)
+                    if result is None:
+                        tried.append((provider.name, _reason(provider, request)))
+                        continue
+                    now = _cache.now()
+                    credential, decoded = accept_credential(
+                        result, provider=provider.name, audience=audience, now=now
+                    )
+                    if not credential.file_backed:
+                        _cache.put(key, credential, cache_deadline(decoded, now))
                 self._selected[audience] = _Selection(provider, credential.file_backed, key)
-                if not credential.file_backed:
-                    _cache.put(key, credential, cache_deadline(decoded, now))
                 logger.debug(
                     "credential provider %r selected for %s (%s, %s)",
                     provider.name,
