@@ -172,3 +172,41 @@ class Kit:
 @pytest.fixture
 def kit() -> type[Kit]:
     return Kit
+
+
+# ------------------------------------------------------------------------------ end-to-end
+
+_CLEAN_ENV = (
+    "AGENT_SANDBOX_BROKER_URL",
+    "AGENT_SANDBOX_CA_BUNDLE",
+    "AGENT_SANDBOX_TEMPLATE",
+    "AGENT_SANDBOX_TOKEN",
+    "AGENT_SANDBOX_TOKEN_FILE",
+    "GITHUB_ACTIONS",
+    "ACTIONS_ID_TOKEN_REQUEST_URL",
+    "ACTIONS_ID_TOKEN_REQUEST_TOKEN",
+)
+
+
+@pytest.fixture(scope="session")
+def session_broker() -> Any:
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    from k8s_agent_sandbox_awx.testing import LocalBroker
+
+    with LocalBroker(warn=False) as broker:
+        yield broker
+
+
+@pytest.fixture
+def broker(session_broker: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The shared local broker, reset, with a clean credential environment and cache."""
+    from k8s_agent_sandbox_awx import clear_credential_cache
+
+    for name in _CLEAN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
+    session_broker.reset()
+    clear_credential_cache()
+    yield session_broker
+    clear_credential_cache()
+    session_broker.reset()

@@ -1,0 +1,258 @@
+"""End-to-end: the client against the local broker over real HTTPS on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k8s_agent_sandbox_awx import (
+    BrokerAuthenticationError,
+    BrokerConnectionConfig,
+    BrokerSandboxClient,
+    BrokerUnavailableError,
+    CommandTimeoutError,
+    ConfigurationError,
+    KubernetesAuth,
+    OIDCTokenAuth,
+    Sandbox,
+    SandboxReadyTimeoutError,
+)
+from k8s_agent_sandbox_awx._upstream import (
+    ExecutionResult,
+    FileEntry,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxTemplateNotFoundError,
+)
+
+pytestmark = pytest.mark.e2e
+
+STAMP = "broker.agent-sandbox-awx.io/"
+
+
+def _live(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The broker's live claims once deletions have settled (a DELETE is asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        claims = [c for c in broker.claims() if not c["metadata"].get("deletionTimestamp")]
+        if not claims or time.monotonic() > deadline:
+            return claims
+        time.sleep(0.05)
+
+
+def _use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("kind", ["kubernetes", "gitlab"])
+def test_readme_example_zero_arg(broker: Any, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    monkeypatch.delenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD")  # truly zero-config
+    _use_env(monkeypatch, broker.environ(kind, namespace="team-a", service_account="agent"))
+
+    sandbox = Sandbox.create()
+    result = sandbox.commands.run('echo "Hello from Agent Sandbox!"')
+    assert isinstance(result, ExecutionResult)
+    assert (result.stdout, result.stderr, result.exit_code) == (
+        "Hello from Agent Sandbox!\n",
+        "",
+        0,
+    )
+    [claim] = broker.claims()
+    annotations = claim["metadata"]["annotations"]
+    assert annotations[STAMP + "provider"] == kind
+    expected = "system:serviceaccount:team-a:agent" if kind == "kubernetes" else "project_path:"
+    assert annotations[STAMP + "subject"].startswith(expected)
+    assert [i.name for i in Sandbox.list()] == [sandbox.name]
+    sandbox.kill()
+    sandbox.kill()  # idempotent
+    assert _live(broker) == []
+
+
+def test_with_block_files_and_cleanup(broker: Any, tmp_path: Path) -> None:
+    env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
+    auth = KubernetesAuth(env.pop("AGENT_SANDBOX_TOKEN_FILE"))
+    local_in = tmp_path / "in.csv"
+    local_in.write_bytes(b"a,b\n1,2\n" * 1000)
+    with (
+        pytest.raises(RuntimeError, match="user code failed"),
+        Sandbox.create(template="python", labels={"team": "ml"}, auth=auth, environ=env) as sandbox,
+    ):
+        assert sandbox.info.labels == {"team": "ml"}
+        with open(local_in, "rb") as fh:
+            sandbox.files.write("data/in.csv", fh)
+        sandbox.files.write("data/note.txt", "héllo")
+        assert sandbox.files.read("data/note.txt") == "héllo".encode()
+        assert sandbox.files.exists("data/in.csv") and not sandbox.files.exists("nope")
+        entries = sandbox.files.list("data")
+        assert all(isinstance(e, FileEntry) for e in entries)
+        assert sorted(e.name for e in entries) == ["in.csv", "note.txt"]
+        assert sandbox.files.read_to("data/in.csv", tmp_path / "out.csv") == 8000
+        assert (tmp_path / "out.csv").read_bytes() == local_in.read_bytes()
+        with pytest.raises(SandboxError, match="does not exist"):
+            sandbox.files.read("missing.bin")
+        assert sandbox.commands.run("sh -c 'exit 3'").exit_code == 3
+        with pytest.raises(CommandTimeoutError) as timeout:
+            sandbox.commands.run("sleep 5", timeout=0.5)
+        assert timeout.value.result is not None and timeout.value.result.timed_out
+        raise RuntimeError("user code failed")
+    assert _live(broker) == []  # killed although the block raised
+
+
+def test_token_file_rotation_between_two_commands(broker: Any, tmp_path: Path) -> None:
+    path = tmp_path / "tokens" / "agent-sandbox-token"
+    env = broker.environ("kubernetes", token_file=path, namespace="team-a")
+    old = path.read_text()
+    with Sandbox.create(environ=env) as sandbox:
+        assert sandbox.commands.run("echo one").stdout == "one\n"
+        broker.write_projected_token(path, namespace="team-a")  # kubelet-style ..data swap
+        broker.revoke_token(old)  # only a re-read token can work now
+        assert path.read_text() != old
+        assert sandbox.commands.run("echo two").stdout == "two\n"
+
+
+def test_401_refreshes_the_credential_once(broker: Any) -> None:
+    env = broker.environ("gitlab")
+    tokens = [
+        broker.issue_gitlab_token("group/project"),
+        broker.issue_gitlab_token("group/project"),
+    ]
+    calls: list[str] = []
+
+    def fetch() -> str:
+        calls.append("x")
+        return tokens[min(len(calls), 2) - 1]
+
+    auth = OIDCTokenAuth(fetch)
+    with Sandbox.create(auth=auth, environ=env) as sandbox:
+        assert len(calls) == 1
+        broker.revoke_token(tokens[0])
+        assert sandbox.commands.run("echo ok").stdout == "ok\n"
+        assert len(calls) == 2  # invalidated and fetched again after the 401
+        broker.revoke_token(tokens[1])
+        with pytest.raises(BrokerAuthenticationError) as info:
+            sandbox.commands.run("echo never")
+        assert info.value.status_code == 401 and info.value.code == "token_revoked"
+        assert tokens[1] not in str(info.value) and tokens[0] not in str(info.value)
+        sandbox._client.auth = OIDCTokenAuth(broker.issue_gitlab_token("group/project"))
+        sandbox._client.transport._client.auth._source = sandbox._client.auth
+
+
+def test_retries_never_run_a_command_twice(broker: Any) -> None:
+    env = broker.environ("kubernetes")
+    with Sandbox.create(environ=env) as sandbox:
+        name = sandbox.name
+        broker.drop_connection_after_execute(1, sandbox=name)
+        with pytest.raises(BrokerUnavailableError, match="not idempotent"):
+            sandbox.commands.run("echo once")
+        assert broker.execution_count(name) == 1
+        broker.inject_unavailable(1, retry_after=0, scope="data", path="/execute", sandbox=name)
+        with pytest.raises(BrokerUnavailableError):
+            sandbox.commands.run("echo never")
+        assert broker.execution_count(name) == 1
+        # idempotent requests are retried through a 503 burst
+        broker.inject_unavailable(2, retry_after=0, scope="data", sandbox=name)
+        assert sandbox.files.exists("x") is False
+        assert sandbox.commands.run("echo fine").stdout == "fine\n"
+        assert broker.execution_count(name) == 2
+
+
+def test_create_is_retried_with_its_idempotency_key(broker: Any) -> None:
+    env = broker.environ("kubernetes")
+    before = len(broker.claims(include_deleted=True))
+    broker.inject_unavailable(2, retry_after=0, scope="control", path="/v1/sandboxes")
+    with Sandbox.create(environ=env):
+        assert len(broker.claims(include_deleted=True)) == before + 1
+
+
+def test_ready_timeout_deletes_the_claim(broker: Any) -> None:
+    env = broker.environ("kubernetes")
+    before = len(broker.claims(include_deleted=True))
+    broker.set_readiness_delay(30)
+    with pytest.raises(SandboxReadyTimeoutError) as info:
+        Sandbox.create(environ=env, ready_timeout=1)
+    assert info.value.phase == "Pending"
+    assert _live(broker) == []
+    assert len(broker.claims(include_deleted=True)) == before + 1
+
+
+def test_connect_and_errors(broker: Any) -> None:
+    env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
+    with Sandbox.create(environ=env) as sandbox:
+        again = Sandbox.connect(sandbox.name, environ=env)
+        assert again.commands.run("echo hi").stdout == "hi\n"
+        again.close_connection()
+        other = broker.environ("kubernetes", namespace="team-b", service_account="intruder")
+        with pytest.raises(SandboxNotFoundError):
+            Sandbox.connect(sandbox.name, environ=other)
+    with pytest.raises(SandboxTemplateNotFoundError):
+        Sandbox.create(template="no-such-template", environ=env)
+    assert _live(broker) == []
+
+
+def test_api_url_pointing_elsewhere_is_rejected(broker: Any) -> None:
+    env = broker.environ("kubernetes")
+    before = len(broker.claims(include_deleted=True))
+    config = None
+    with pytest.raises(ConfigurationError, match="bypass the broker"):
+        config = BrokerConnectionConfig(broker_url=broker.url, api_url="https://127.0.0.1:1")
+    assert config is None
+    with pytest.raises(ConfigurationError, match="bypass the broker"):
+        BrokerSandboxClient(environ=env, api_url="https://127.0.0.1:1/")
+    assert len(broker.claims(include_deleted=True)) == before
+
+
+def test_http_broker_url_is_rejected(broker: Any) -> None:
+    env = broker.environ("kubernetes")
+    before = len(broker.claims(include_deleted=True))
+    plain = broker.url.replace("https://", "http://")
+    with pytest.raises(ConfigurationError, match="http://"):
+        Sandbox.create(broker_url=plain, environ=env)
+    with pytest.raises(ConfigurationError, match="clear text"):
+        Sandbox.create(
+            broker_url="http://sandbox-broker.example", environ=env, allow_insecure_http=True
+        )
+    assert len(broker.claims(include_deleted=True)) == before
+
+
+def test_tls_is_verified(broker: Any) -> None:
+    env = broker.environ("kubernetes")
+    del env["AGENT_SANDBOX_CA_BUNDLE"]
+    with pytest.raises(BrokerUnavailableError, match="CA"):
+        Sandbox.list(environ=env)
+
+
+def test_streamed_write_of_a_generated_stream(broker: Any) -> None:
+    class Generated(io.RawIOBase):
+        """A non-seekable 8 MiB stream."""
+
+        def __init__(self) -> None:
+            self.left = 8 * 1024 * 1024
+
+        def readable(self) -> bool:
+            return True
+
+        def read(self, n: int = -1) -> bytes:
+            n = self.left if n < 0 else min(n, self.left)
+            self.left -= n
+            return b"z" * n
+
+    env = broker.environ("kubernetes")
+    with Sandbox.create(environ=env) as sandbox:
+        sandbox.files.write("big/z.bin", Generated())  # type: ignore[arg-type]
+        digest = hashlib.sha256()
+
+        class Sink:
+            def write(self, data: bytes) -> int:
+                digest.update(data)
+                return len(data)
+
+        assert sandbox.files.read_to("big/z.bin", Sink()) == 8 * 1024 * 1024
+        assert digest.hexdigest() == hashlib.sha256(b"z" * 8 * 1024 * 1024).hexdigest()
+    assert os.environ.get("AGENT_SANDBOX_TOKEN") is None
