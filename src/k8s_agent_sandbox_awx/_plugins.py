@@ -4,8 +4,9 @@
 - Entry points of the group ``k8s_agent_sandbox_awx.providers`` are loaded one by one, each in
   its own ``try``: a plugin that fails to import, to register or to describe itself is skipped
   with a :class:`CredentialPluginWarning` (and a log record) and reported by ``explain()``.
-- An entry point whose *name* is reserved, or repeats an already registered name, is refused
-  with a warning.
+- An entry point whose *name* is reserved is refused with a warning. A name provided by more
+  than one installed entry point is ambiguous: all of them are refused with a warning (no
+  "first one wins", so that a package cannot squat another plugin's name).
 - ``AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD`` (non-empty): no entry point is loaded.
   ``AGENT_SANDBOX_LOAD_PLUGINS``: unset = all; a comma-separated list of **entry-point names**
   = only those; empty = none. Both take entry-point names, never distribution or module names.
@@ -250,6 +251,9 @@ def load_providers(
         importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP),
         key=lambda ep: (ep.name, ep.value),
     )
+    counts: dict[str, int] = {}
+    for ep in entry_points:
+        counts[ep.name] = counts.get(ep.name, 0) + 1
     seen_eps: set[str] = set()
     for ep in entry_points:
         origin = _entry_point_origin(ep)
@@ -257,6 +261,14 @@ def load_providers(
             problems.append(PluginProblem(ep.name, origin, "not loaded", f"not loaded: {why}"))
             continue
         seen_eps.add(ep.name)
+        if counts[ep.name] > 1 and ep.name not in RESERVED_NAMES:
+            detail = (
+                f"refused: {counts[ep.name]} installed entry points are named {ep.name!r}, so "
+                "none of them is loaded (uninstall all but one)"
+            )
+            _warn(f"Credential provider plugin {origin} {detail}.")
+            problems.append(PluginProblem(ep.name, origin, "failed to load", detail))
+            continue
         add(ep.name, origin, ep.load)
     if allowed:
         for missing in sorted(allowed - seen_eps):

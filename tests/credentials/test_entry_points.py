@@ -1,0 +1,281 @@
+"""Real installed distributions: built from source and pip-installed by the test into a target
+directory (offline, no build isolation, hatchling from this environment), then discovered
+through importlib.metadata exactly as in production."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from k8s_agent_sandbox_awx import (
+    ENTRY_POINT_GROUP,
+    CredentialPluginWarning,
+    DefaultCredentials,
+    NoCredentialsError,
+    explain,
+)
+
+BROKER = "https://sandbox-broker.example"
+
+PROVIDER_MODULE = """
+from __future__ import annotations
+
+from k8s_agent_sandbox_awx import Credential, CredentialRequest, ProviderInfo, hookimpl
+
+NAME = {name!r}
+VARIABLE = {variable!r}
+
+
+@hookimpl
+def agent_sandbox_provider_info() -> ProviderInfo:
+    return ProviderInfo(priority={priority}, hint=f"set {{VARIABLE}}", description=NAME)
+
+
+@hookimpl
+def agent_sandbox_get_credential(request: CredentialRequest) -> Credential | None:
+    value = request.environ.get(VARIABLE)
+    if value is None:
+        return request.not_here(f"{{VARIABLE}} is not set")
+    return Credential(value, NAME, file_backed=False, source=VARIABLE)
+"""
+
+
+def _write_package(
+    root: Path, dist: str, package: str, modules: dict[str, str], eps: dict[str, str]
+):
+    root.mkdir(parents=True)
+    (root / package).mkdir()
+    (root / package / "__init__.py").write_text("")
+    for module, source in modules.items():
+        (root / package / f"{module}.py").write_text(source)
+    entry_points = "\n".join(f'"{name}" = "{package}.{target}"' for name, target in eps.items())
+    (root / "pyproject.toml").write_text(
+        textwrap.dedent(
+            f"""\
+            [build-system]
+            requires = ["hatchling"]
+            build-backend = "hatchling.build"
+
+            [project]
+            name = "{dist}"
+            version = "1.0"
+            dependencies = []
+
+            [project.entry-points."{ENTRY_POINT_GROUP}"]
+            """
+        )
+        + entry_points
+        + f'\n\n[tool.hatch.build.targets.wheel]\npackages = ["{package}"]\n'
+    )
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Two distributions installed into a fresh target directory put on ``sys.path``."""
+    base = tmp_path_factory.mktemp("plugin-dists")
+    modules = {
+        "alpha": PROVIDER_MODULE.format(name="alpha", variable="SBX_TEST_ALPHA", priority=10),
+        "beta": PROVIDER_MODULE.format(name="beta", variable="SBX_TEST_BETA", priority=10),
+        "gamma": PROVIDER_MODULE.format(name="gamma", variable="SBX_TEST_GAMMA", priority=50),
+        "squatter": PROVIDER_MODULE.format(
+            name="kubernetes-projected", variable="SBX_TEST_SQUAT", priority=99
+        ),
+        "broken": 'raise ImportError("sbx_test_providers.broken needs the [extra] extra")\n',
+    }
+    _write_package(
+        base / "src-providers",
+        "sbx-test-providers",
+        "sbx_test_providers",
+        modules,
+        {
+            "alpha": "alpha",
+            "beta": "beta",
+            "gamma": "gamma",
+            "broken": "broken",
+            "kubernetes-projected": "squatter",
+            "epsilon": "alpha",
+        },
+    )
+    _write_package(
+        base / "src-dup",
+        "sbx-test-duplicate",
+        "sbx_test_duplicate",
+        {"epsilon": PROVIDER_MODULE.format(name="eps", variable="SBX_TEST_DUP", priority=0)},
+        {"epsilon": "epsilon"},
+    )
+    target = base / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--no-build-isolation",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(base / "src-providers"),
+            str(base / "src-dup"),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1", "HOME": str(base)},
+    )
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    try:
+        yield target
+    finally:
+        sys.path.remove(str(target))
+        for name in list(sys.modules):
+            if name.startswith(("sbx_test_providers", "sbx_test_duplicate")):
+                del sys.modules[name]
+        importlib.invalidate_caches()
+
+
+def _names(creds: DefaultCredentials) -> list[str]:
+    return [p.name for p in creds.registry().providers]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {"AGENT_SANDBOX_LOAD_PLUGINS": "alpha,beta,gamma", **extra}
+
+
+def test_the_distribution_is_really_installed(installed: Path) -> None:
+    dist = importlib.metadata.distribution("sbx-test-providers")
+    assert Path(str(dist.locate_file(""))).resolve() == installed.resolve()
+    eps = {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    assert {"alpha", "beta", "gamma", "broken", "kubernetes-projected"} <= eps
+
+
+def test_discovered_and_ordered_by_priority_then_name(installed, missing_path) -> None:
+    names = _names(DefaultCredentials(_env(), _token_path=missing_path))
+    assert names == [
+        "agent-sandbox-token",
+        "agent-sandbox-token-file",
+        "gamma",  # priority 50
+        "alpha",  # priority 10, name before beta
+        "beta",
+        "kubernetes-projected",
+    ]
+
+
+def test_the_highest_ranked_present_plugin_wins(installed, missing_path, mint) -> None:
+    tokens = {n: mint(sub=n) for n in ("alpha", "beta", "gamma")}
+    env = _env(SBX_TEST_ALPHA=tokens["alpha"], SBX_TEST_BETA=tokens["beta"])
+    cred = DefaultCredentials(env, _token_path=missing_path).get_credential(BROKER)
+    assert (cred.provider, cred.token) == ("alpha", tokens["alpha"])
+    env["SBX_TEST_GAMMA"] = tokens["gamma"]
+    result = explain(BROKER, auth=DefaultCredentials(env, _token_path=missing_path))
+    assert result.selected == "gamma"
+    statuses = {d.name: d.status for d in result.decisions}
+    assert statuses["alpha"] == statuses["beta"] == "shadowed"
+    assert "entry point 'gamma'" not in str(result)  # origin shown only for problems
+
+
+def test_load_plugins_limits_to_named_entry_points(installed, missing_path, mint) -> None:
+    token = mint()
+    env = {
+        "AGENT_SANDBOX_LOAD_PLUGINS": " beta ",
+        "SBX_TEST_ALPHA": mint(),
+        "SBX_TEST_BETA": token,
+    }
+    creds = DefaultCredentials(env, _token_path=missing_path)
+    assert "alpha" not in _names(creds) and "beta" in _names(creds)
+    assert creds.get_credential(BROKER).token == token
+    decisions = {d.name: d for d in explain(BROKER, auth=creds).decisions}
+    assert decisions["alpha"].status == "not here"
+    assert "AGENT_SANDBOX_LOAD_PLUGINS does not name it" in decisions["alpha"].detail
+    assert "sbx-test-providers 1.0" in decisions["alpha"].detail
+
+
+def test_load_plugins_empty_loads_none(installed, missing_path, mint) -> None:
+    env = {"AGENT_SANDBOX_LOAD_PLUGINS": "", "SBX_TEST_ALPHA": mint()}
+    creds = DefaultCredentials(env, _token_path=missing_path)
+    assert _names(creds) == [
+        "agent-sandbox-token",
+        "agent-sandbox-token-file",
+        "kubernetes-projected",
+    ]
+    with pytest.raises(NoCredentialsError):
+        creds.get_credential(BROKER)
+
+
+def test_disable_autoload_blocks_every_entry_point(installed, missing_path, mint) -> None:
+    env = {
+        "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "AGENT_SANDBOX_LOAD_PLUGINS": "alpha",  # the kill switch wins
+        "SBX_TEST_ALPHA": mint(),
+    }
+    creds = DefaultCredentials(env, _token_path=missing_path)
+    assert "alpha" not in _names(creds)
+    with pytest.raises(NoCredentialsError):
+        creds.get_credential(BROKER)
+    detail = {d.name: d.detail for d in explain(BROKER, auth=creds).decisions}["alpha"]
+    assert "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD is set" in detail
+
+
+def test_load_plugins_naming_a_missing_entry_point_warns(installed, missing_path) -> None:
+    env = {"AGENT_SANDBOX_LOAD_PLUGINS": "alpha,sbx-test-providers"}
+    with pytest.warns(CredentialPluginWarning, match="entry-point names, not distribution"):
+        creds = DefaultCredentials(env, _token_path=missing_path)
+        creds.registry()
+    assert {d.name: d.status for d in explain(BROKER, auth=creds).decisions}[
+        "sbx-test-providers"
+    ] == "failed to load"
+
+
+def test_broken_plugin_is_skipped_with_a_warning(installed, missing_path, mint, caplog) -> None:
+    token = mint()
+    env = {"AGENT_SANDBOX_LOAD_PLUGINS": "broken,alpha", "SBX_TEST_ALPHA": token}
+    with pytest.warns(CredentialPluginWarning, match="'broken'.*could not be loaded"):
+        creds = DefaultCredentials(env, _token_path=missing_path)
+        assert creds.get_credential(BROKER).token == token  # the SDK still works
+    assert any(r.levelno == logging.WARNING and "broken" in r.getMessage() for r in caplog.records)
+    decision = {d.name: d for d in explain(BROKER, auth=creds).decisions}["broken"]
+    assert decision.status == "failed to load"
+    assert "ImportError: sbx_test_providers.broken needs the [extra] extra" in decision.detail
+
+
+def test_reserved_name_squatter_and_duplicate_are_refused(installed, missing_path, mint):
+    env = {
+        "AGENT_SANDBOX_LOAD_PLUGINS": "alpha,kubernetes-projected,epsilon",
+        "SBX_TEST_SQUAT": mint(sub="squatter"),
+        "SBX_TEST_DUP": mint(sub="duplicate"),
+    }
+    with pytest.warns(CredentialPluginWarning) as record:
+        creds = DefaultCredentials(env, _token_path=missing_path)
+        names = _names(creds)
+    messages = [str(w.message) for w in record]
+    assert any("reserved name" in m and "sbx-test-providers" in m for m in messages)
+    # two distributions provide 'epsilon': ambiguous, so neither is loaded
+    assert any("2 installed entry points" in m and "sbx-test-duplicate" in m for m in messages)
+    assert any("2 installed entry points" in m and "sbx-test-providers" in m for m in messages)
+    assert names.count("kubernetes-projected") == 1 and "epsilon" not in names
+    assert "alpha" in names
+    with pytest.raises(NoCredentialsError):
+        creds.get_credential(BROKER)  # neither the squatter nor the duplicate answered
+    failed = [d for d in explain(BROKER, auth=creds).decisions if d.status == "failed to load"]
+    assert {d.name for d in failed} == {"kubernetes-projected", "epsilon"}
+
+
+def test_default_registry_loads_once_per_process(installed, monkeypatch, mint) -> None:
+    monkeypatch.setenv("AGENT_SANDBOX_LOAD_PLUGINS", "gamma")
+    monkeypatch.setenv("SBX_TEST_GAMMA", mint())
+    for name in ("AGENT_SANDBOX_TOKEN", "AGENT_SANDBOX_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    a, b = DefaultCredentials(), DefaultCredentials()
+    assert a.registry() is b.registry()
+    assert a.get_credential(BROKER).provider == "gamma"
