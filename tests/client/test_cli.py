@@ -1,0 +1,125 @@
+"""The agent-sandbox-awx command line, end to end against the local broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k8s_agent_sandbox_awx._cli import main
+
+CLI = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli"]
+
+
+def _env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_version_and_help_are_fast_imports() -> None:
+    code = (
+        "import sys; from k8s_agent_sandbox_awx import _cli; "
+        "print(','.join(m for m in ('httpx', 'k8s_agent_sandbox', 'uvicorn') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+    version = subprocess.run([*CLI, "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.startswith("agent-sandbox-awx ")
+
+
+def test_missing_broker_url_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.delenv("AGENT_SANDBOX_BROKER_URL", raising=False)
+    assert main(["ls"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "AGENT_SANDBOX_BROKER_URL" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.e2e
+def test_run_exit_code_becomes_the_process_exit_code(broker: Any) -> None:
+    env = {**os.environ, **broker.environ("kubernetes")}
+    out = subprocess.run(
+        [*CLI, "run", "--", "sh", "-c", "echo out; echo err >&2; exit 7"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (7, "out\n", "err\n")
+    ok = subprocess.run([*CLI, "run", "--", "true"], env=env, capture_output=True, timeout=60)
+    assert ok.returncode == 0
+
+
+@pytest.mark.e2e
+def test_whoami_ls_kill(broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
+    _env(monkeypatch, env)
+    token = Path(env["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
+
+    assert main(["whoami", "--json"]) == 0
+    who = json.loads(capsys.readouterr().out)
+    assert who["subject"] == "system:serviceaccount:team-a:agent"
+    assert main(["whoami"]) == 0
+    assert "provider:   kubernetes" in capsys.readouterr().out
+
+    from k8s_agent_sandbox_awx import Sandbox
+
+    sandbox = Sandbox.create()
+    assert main(["ls", "--json"]) == 0
+    [item] = json.loads(capsys.readouterr().out)
+    assert item["name"] == sandbox.name and item["phase"] == "Ready"
+    assert main(["ls"]) == 0
+    assert sandbox.name in capsys.readouterr().out
+    assert main(["kill", sandbox.name, "sbx-does-not-exist"]) == 0
+    out = capsys.readouterr().out
+    assert f"{sandbox.name}: deleted" in out and "sbx-does-not-exist: already gone" in out
+    sandbox.close_connection()
+    assert token not in out
+
+
+@pytest.mark.e2e
+def test_doctor_passes_and_redacts(
+    broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    env = broker.environ("gitlab")
+    _env(monkeypatch, env)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for check in (
+        "config",
+        "credentials",
+        "audience",
+        "expiry",
+        "reachability",
+        "tls",
+        "clock skew",
+        "authentication",
+    ):
+        assert f"PASS  {check}" in out, out
+    assert "signature = <redacted>" in out
+    assert env["AGENT_SANDBOX_TOKEN"] not in out
+    assert env["AGENT_SANDBOX_TOKEN"].rsplit(".", 1)[1] not in out
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and all(c["ok"] for c in report["checks"])
+
+
+@pytest.mark.e2e
+def test_doctor_fails_with_hints(broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    env = broker.environ("kubernetes")
+    del env["AGENT_SANDBOX_CA_BUNDLE"]
+    _env(monkeypatch, env)
+    wrong_aud = broker.issue_kubernetes_token("default", "default", audience="https://elsewhere")
+    token_file = Path(env["AGENT_SANDBOX_TOKEN_FILE"])
+    token_file.unlink()
+    token_file.write_text(wrong_aud)
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  credentials" in out and "hint:" in out
+    assert "FAIL  tls" in out and "AGENT_SANDBOX_CA_BUNDLE" in out
+    assert wrong_aud not in out
