@@ -188,12 +188,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_local(name: str, argv: list[str]) -> int:
     try:
         from .testing import _commands
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").startswith("k8s_agent_sandbox_awx"):
-            raise
+    except ImportError as exc:
         raise _CliError(
-            f"`{PROG} {name}` needs the local broker, whose dependency {exc.name!r} is not "
-            f"installed: {_LOCAL_EXTRA}"
+            f"`{PROG} {name}` needs the local broker, which could not be imported "
+            f"({exc.name or exc}): install the [local] extra: {_LOCAL_EXTRA}"
         ) from exc
     function = _commands.dev_main if name == "dev" else _commands.demo_main
     return int(function(argv))
@@ -374,6 +372,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments and arguments[0] in ("dev", "demo"):
+        # dispatched before parsing, so that `dev --help` reaches the dev command's own parser
+        try:
+            return _cmd_local(arguments[0], arguments[1:])
+        except _CliError as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return exc.code
     parser = _parser()
     args = parser.parse_args(arguments)
     if args.command is None:

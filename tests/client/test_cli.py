@@ -123,3 +123,17 @@ def test_doctor_fails_with_hints(broker: Any, monkeypatch: pytest.MonkeyPatch, c
     assert "FAIL  credentials" in out and "hint:" in out
     assert "FAIL  tls" in out and "AGENT_SANDBOX_CA_BUNDLE" in out
     assert wrong_aud not in out
+
+
+def test_dev_without_the_local_extra(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.setitem(sys.modules, "k8s_agent_sandbox_awx.testing._commands", None)
+    assert main(["dev"]) == 1
+    err = capsys.readouterr().err
+    assert 'pip install "k8s-agent-sandbox-awx[local]"' in err and "Traceback" not in err
+
+
+def test_dev_help_reaches_the_dev_parser(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["dev", "--help"])
+    assert info.value.code == 0
+    assert "agent-sandbox-awx dev" in capsys.readouterr().out
