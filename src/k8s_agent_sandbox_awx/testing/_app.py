@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import secrets
+import ssl
 import string
 import threading
 import time
@@ -285,7 +286,7 @@ class BrokerApp:
     def _jwks_client(self) -> httpx.AsyncClient:
         if self._jwks_http is None:
             self._jwks_http = httpx.AsyncClient(
-                verify=self.ca_bundle,
+                verify=ssl.create_default_context(cafile=self.ca_bundle),
                 timeout=httpx.Timeout(5.0),
                 follow_redirects=False,
                 trust_env=False,
@@ -685,6 +686,14 @@ class BrokerApp:
                         "invalid_request",
                         f"label_selector term {term!r} is not 'key=value' (equality only)",
                     )
+                try:
+                    _check_qualified_key(k.strip(), "label_selector")
+                except ApiError:
+                    raise ApiError(
+                        400,
+                        "invalid_request",
+                        f"label_selector term {term!r} is not 'key=value' (equality only)",
+                    ) from None
                 selector[k.strip()] = v.strip()
         with self.lock:
             mine = [r for r in self.sandboxes.values() if r.owner.key == caller.key]

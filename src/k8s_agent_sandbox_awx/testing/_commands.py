@@ -115,7 +115,9 @@ def demo_main(argv: list[str]) -> int:
                 os.environ.pop(name, None)
             _clear_cache()
             print("# running:")
-            print("\n".join(("#   " + line).rstrip() for line in DEMO_CODE.splitlines()), flush=True)
+            print(
+                "\n".join(("#   " + line).rstrip() for line in DEMO_CODE.splitlines()), flush=True
+            )
             namespace: dict[str, object] = {"__name__": "__agent_sandbox_demo__"}
             exec(compile(DEMO_CODE, "<agent-sandbox-awx demo>", "exec"), namespace)  # noqa: S102
     except Exception as exc:
