@@ -96,11 +96,12 @@ class Api:
 
 
 @pytest.fixture
-def api(broker: LocalBroker) -> Iterator[Callable[[str | None], Api]]:
+def api(broker: LocalBroker) -> Iterator[Callable[..., Api]]:
+    """``api(token, broker=None)``: an Api client (for another broker when given)."""
     clients: list[Api] = []
 
-    def make(token: str | None) -> Api:
-        client = Api(broker, token)
+    def make(token: str | None, other: LocalBroker | None = None) -> Api:
+        client = Api(other or broker, token)
         clients.append(client)
         return client
 
@@ -110,11 +111,11 @@ def api(broker: LocalBroker) -> Iterator[Callable[[str | None], Api]]:
 
 
 @pytest.fixture
-def alice(broker: LocalBroker, api: Callable[[str | None], Api]) -> Api:
+def alice(broker: LocalBroker, api: Callable[..., Api]) -> Api:
     return api(broker.issue_kubernetes_token("team-a", "alice"))
 
 
 @pytest.fixture
-def bob(broker: LocalBroker, api: Callable[[str | None], Api]) -> Api:
+def bob(broker: LocalBroker, api: Callable[..., Api]) -> Api:
     """Same provider and namespace as alice, another identity."""
     return api(broker.issue_kubernetes_token("team-a", "bob"))

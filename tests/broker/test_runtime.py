@@ -1,0 +1,136 @@
+"""The local runtime's semantics, through the broker: shlex without a shell, time limit, paths."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from k8s_agent_sandbox_awx.testing import LocalBroker
+
+
+@pytest.fixture
+def sandbox(alice: Any) -> dict[str, Any]:
+    sb: dict[str, Any] = alice.ready()
+    return sb
+
+
+def test_runs_without_a_shell(alice: Any, sandbox: dict[str, Any]) -> None:
+    out = alice.run(sandbox, "echo $HOME '|' `id` ; ls").json()
+    assert out == {
+        "stdout": "$HOME | `id` ; ls\n",
+        "stderr": "",
+        "exit_code": 0,
+        "timed_out": False,
+    }
+
+
+def test_shlex_quoting(alice: Any, sandbox: dict[str, Any]) -> None:
+    out = alice.run(sandbox, "python3 -c 'import sys; print(sys.argv[1:])' \"a b\" c").json()
+    assert out["stdout"] == "['a b', 'c']\n"
+
+
+def test_nonzero_exit_is_a_result(alice: Any, sandbox: dict[str, Any]) -> None:
+    out = alice.run(sandbox, "python3 -c 'import sys; sys.stderr.write(\"no\"); sys.exit(3)'")
+    assert out.status_code == 200
+    assert out.json()["exit_code"] == 3
+    assert out.json()["stderr"] == "no"
+
+
+@pytest.mark.parametrize(
+    ("command", "reason"),
+    [
+        ("definitely-not-a-command-xyz", "definitely-not-a-command-xyz"),
+        ("echo 'unbalanced", "cannot parse"),
+        ("", "empty command"),
+    ],
+)
+def test_unstartable_command_is_exit_1(
+    alice: Any, sandbox: dict[str, Any], command: str, reason: str
+) -> None:
+    resp = alice.run(sandbox, command)
+    assert resp.status_code == 200
+    out = resp.json()
+    assert out["exit_code"] == 1
+    assert reason in out["stderr"]
+    assert out["timed_out"] is False
+
+
+def test_time_limit_kills_the_process_group(alice: Any, sandbox: dict[str, Any]) -> None:
+    started = time.monotonic()
+    command = (
+        "python3 -c 'import subprocess, time; "
+        'subprocess.Popen(["sleep", "30"]); print("started", flush=True); time.sleep(30)\''
+    )
+    out = alice.run(sandbox, command, timeout_seconds=0.5).json()
+    assert out["timed_out"] is True
+    assert out["exit_code"] == 124
+    assert "started" in out["stdout"]
+    assert time.monotonic() - started < 5
+
+
+def test_commands_run_in_the_base_directory(alice: Any, sandbox: dict[str, Any]) -> None:
+    alice.run(sandbox, "python3 -c 'open(\"made-here.txt\", \"w\").write(\"x\")'")
+    exists = alice.http.get("/exists/made-here.txt", headers=alice.data_headers(sandbox))
+    assert exists.json() == {"path": "made-here.txt", "exists": True}
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", "a%2F..%2F..%2Fescape"],
+)
+@pytest.mark.parametrize("verb", ["download", "list", "exists"])
+def test_path_escape_is_403(alice: Any, sandbox: dict[str, Any], verb: str, path: str) -> None:
+    resp = alice.http.get(f"/{verb}/{path}", headers=alice.data_headers(sandbox))
+    assert resp.status_code == 403
+    assert "escapes" in resp.json()["detail"]
+    assert "code" not in resp.json()  # the runtime's own body, passed through
+
+
+def test_symlink_escape_is_403(alice: Any, sandbox: dict[str, Any]) -> None:
+    alice.run(sandbox, "ln -s /etc outside")
+    resp = alice.http.get("/download/outside%2Fpasswd", headers=alice.data_headers(sandbox))
+    assert resp.status_code == 403
+
+
+@pytest.mark.parametrize("name", ["../escape.txt", "/tmp/escape.txt"])
+def test_upload_escape_is_403(alice: Any, sandbox: dict[str, Any], name: str) -> None:
+    resp = alice.http.post(
+        "/upload", files={"file": (name, b"x")}, headers=alice.data_headers(sandbox)
+    )
+    assert resp.status_code == 403
+
+
+def test_files_round_trip(alice: Any, sandbox: dict[str, Any]) -> None:
+    headers = alice.data_headers(sandbox)
+    resp = alice.http.post("/upload", files={"file": ("a/b/c.txt", b"hello")}, headers=headers)
+    assert resp.json() == {"path": "a/b/c.txt", "size": 5}
+    assert alice.http.get("/download/a%2Fb%2Fc.txt", headers=headers).content == b"hello"
+    assert alice.http.get("/download/a/b/c.txt", headers=headers).content == b"hello"
+    listing = alice.http.get("/list/a", headers=headers).json()
+    assert [(e["name"], e["type"]) for e in listing] == [("b", "directory")]
+    (entry,) = alice.http.get("/list/a%2Fb", headers=headers).json()
+    assert entry["name"] == "c.txt"
+    assert entry["size"] == 5
+    assert entry["type"] == "file"
+    assert isinstance(entry["mod_time"], float)
+    assert alice.http.get("/download/missing", headers=headers).status_code == 404
+    assert alice.http.get("/list/a%2Fb%2Fc.txt", headers=headers).status_code == 404
+    assert alice.http.get("/exists/nope", headers=headers).json()["exists"] is False
+
+
+def test_custom_runtime_command(broker: LocalBroker, alice: Any) -> None:
+    sandbox = alice.ready(template="echo")
+    resp = alice.http.get("/whatever", headers=alice.data_headers(sandbox))
+    assert resp.json()["path"] == "/whatever"
+
+
+def test_broken_runtime_command_fails_the_sandbox(api: Any) -> None:
+    with LocalBroker(runtime_command="{python} -c 'import sys; sys.exit(7)'", warn=False) as b:
+        client = api(b.issue_kubernetes_token("team-a", "alice"), b)
+        name = client.create().json()["name"]
+        state = client.http.get(f"/v1/sandboxes/{name}", params={"wait": "ready"}).json()
+        assert state["phase"] == "Failed"
+        assert state["reason"] == "RuntimeExited"
+        assert "status 7" in state["message"]
