@@ -446,6 +446,7 @@ _HINTS: dict[str, str] = {
     "trusted issuer or ask the broker's operator to add it.",
     "bad_signature": "The token's signature does not verify (keys may have rotated); get a "
     "fresh token.",
+    "token_revoked": "The broker revoked this token; get a fresh one from its source.",
     "algorithm_not_allowed": "The token's signing algorithm is not allowed by the broker; use "
     "a token from a supported issuer.",
     "token_too_large": "The token is larger than the broker accepts; use a smaller token.",
