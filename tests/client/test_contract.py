@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx import BrokerConnectionConfig, BrokerSandboxClient
+from k8s_agent_sandbox_awx._upstream import SandboxNotFoundError
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +69,7 @@ def test_client_traffic_conforms_to_openapi(broker: Any) -> None:
         sandbox.files.list("d")
         sandbox.files.exists("d/a.txt")
         client.list_sandboxes({"team": "ml"})
-        with pytest.raises(Exception):
+        with pytest.raises(SandboxNotFoundError):
             client.get_info("sbx-unknown0")
     problems: list[str] = []
     for request, body, response, content in recording.exchanges:
