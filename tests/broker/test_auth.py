@@ -194,9 +194,7 @@ def test_never_redirects(broker: LocalBroker, api: Any) -> None:
         assert not 300 <= resp.status_code < 400, (path, resp.status_code)
 
 
-def test_no_token_in_logs(
-    broker: LocalBroker, api: Any, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_no_token_in_logs(broker: LocalBroker, api: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("DEBUG")
     token = broker.issue_kubernetes_token("team-a", "alice", ttl=-3600)
     api(token).http.get("/v1/whoami")

@@ -63,7 +63,9 @@ def test_data_plane_needs_a_valid_token(broker: LocalBroker, alice: Any, api: An
 
 
 def test_unknown_sandbox_wrong_namespace_and_not_ready(broker: LocalBroker, alice: Any) -> None:
-    resp = alice.http.get("/", headers={"X-Sandbox-ID": "sbx-nope", "X-Sandbox-Namespace": "team-a"})
+    resp = alice.http.get(
+        "/", headers={"X-Sandbox-ID": "sbx-nope", "X-Sandbox-Namespace": "team-a"}
+    )
     assert resp.status_code == 404
     assert resp.json()["code"] == "not_found"
     sandbox = alice.ready()
@@ -150,7 +152,7 @@ def test_streamed_upload_and_download_round_trip(alice: Any) -> None:
     total = 48 * 1024 * 1024
     boundary = "agent-sandbox-test-boundary"
     head = (
-        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
         f'filename="big/blob.bin"\r\nContent-Type: application/octet-stream\r\n\r\n'
     ).encode()
     tail = f"\r\n--{boundary}--\r\n".encode()

@@ -71,7 +71,7 @@ def test_time_limit_kills_the_process_group(alice: Any, sandbox: dict[str, Any])
 
 
 def test_commands_run_in_the_base_directory(alice: Any, sandbox: dict[str, Any]) -> None:
-    alice.run(sandbox, "python3 -c 'open(\"made-here.txt\", \"w\").write(\"x\")'")
+    alice.run(sandbox, 'python3 -c \'open("made-here.txt", "w").write("x")\'')
     exists = alice.http.get("/exists/made-here.txt", headers=alice.data_headers(sandbox))
     assert exists.json() == {"path": "made-here.txt", "exists": True}
 

@@ -130,7 +130,10 @@ class LocalBroker:
         started = time.perf_counter()
         if self._warn:
             log.warning("LocalBroker: %s", NO_ISOLATION_WARNING)
-        self._tmp = tempfile.mkdtemp(prefix="agent-sandbox-broker-")
+        _sweep_crashed_brokers()
+        self._tmp = tempfile.mkdtemp(prefix=_TMP_PREFIX)
+        with open(os.path.join(self._tmp, "broker.pid"), "w") as fh:
+            fh.write(str(os.getpid()))
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, 0))
@@ -631,6 +634,35 @@ class LocalBroker:
         """Remove injected 503s and drops and the readiness delay."""
         self._faults.clear()
         self.set_readiness_delay(0.0)
+
+
+_TMP_PREFIX = "agent-sandbox-broker-"
+
+
+def _sweep_crashed_brokers() -> None:
+    """Remove temp directories of brokers whose process died without stopping them."""
+    root = tempfile.gettempdir()
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.startswith(_TMP_PREFIX):
+            continue
+        path = os.path.join(root, entry)
+        try:
+            with open(os.path.join(path, "broker.pid")) as fh:
+                pid = int(fh.read().strip())
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            continue
 
 
 def write_kubelet_style(path: str, token: str) -> None:

@@ -1,0 +1,108 @@
+"""Runtimes and files are cleaned up on stop and when the process running the broker dies."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from k8s_agent_sandbox_awx.testing import LocalBroker
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def test_stop_kills_runtimes_and_removes_files(api: Any) -> None:
+    b = LocalBroker(warn=False).start()
+    client = api(b.issue_kubernetes_token("team-a", "alice"), b)
+    sandboxes = [client.ready() for _ in range(2)]
+    pids = [b.runtime_pid(s["name"]) for s in sandboxes]
+    assert all(pids)
+    tmp = os.path.dirname(b.ca_bundle)
+    assert os.path.isdir(tmp)
+
+    def long_command() -> None:  # still running when the broker stops
+        with contextlib.suppress(httpx.HTTPError):  # the broker goes away under it
+            client.run(sandboxes[0], "sleep 30")
+
+    runner = threading.Thread(target=long_command, daemon=True)
+    runner.start()
+    time.sleep(0.3)
+    b.stop()
+    assert _wait_dead([p for p in pids if p is not None], 5) == []
+    assert not os.path.exists(tmp)
+    runner.join(5)
+
+
+CRASHER = textwrap.dedent(
+    """
+    import os, signal, ssl, sys, threading, httpx
+    from k8s_agent_sandbox_awx.testing import LocalBroker
+
+    b = LocalBroker(warn=False).start()
+    token = b.issue_kubernetes_token("team-a", "alice")
+    http = httpx.Client(base_url=b.url, headers={"Authorization": "Bearer " + token},
+                        verify=ssl.create_default_context(cafile=b.ca_bundle), timeout=30)
+    name = http.post("/v1/sandboxes", json={}).json()["name"]
+    http.get(f"/v1/sandboxes/{name}", params={"wait": "ready"})
+    headers = {"X-Sandbox-ID": name, "X-Sandbox-Namespace": "team-a"}
+    def sleeper():
+        http.post("/execute", json={"command": "sleep 61.2345"}, headers=headers)
+    threading.Thread(target=sleeper, daemon=True).start()
+    import time; time.sleep(0.5)
+    print(b.runtime_pid(name), os.path.dirname(b.ca_bundle), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def _pids_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    cmdline = fh.read()
+            except OSError:
+                continue
+            if marker.encode() in cmdline:
+                found.append(int(entry))
+    return found
+
+
+def test_runtimes_die_when_the_test_process_crashes() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHER], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -9, proc.stderr
+    pid_text, _tmp = proc.stdout.split()
+    runtime = int(pid_text)
+    assert _wait_dead([runtime], 10) == [], "the runtime outlived the crashed broker"
+    leftovers = [p for p in _pids_with("61.2345") if _alive(p)]
+    assert _wait_dead(leftovers, 5) == [], "a command outlived the crashed broker"
+    # the next broker sweeps the crashed one's temp directory
+    assert os.path.isdir(_tmp)
+    with LocalBroker(warn=False):
+        assert not os.path.exists(_tmp)

@@ -1,0 +1,118 @@
+"""The broker's real responses conform to openapi.json, and the document to broker-api.md."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from k8s_agent_sandbox_awx.testing import LocalBroker
+from k8s_agent_sandbox_awx.testing._openapi import check_response, load_openapi, validate
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "broker-api.md"
+
+
+def test_document_is_openapi_31_and_self_consistent() -> None:
+    doc = load_openapi()
+    assert doc["openapi"].startswith("3.1")
+    refs = re.findall(r'"\$ref": "#/components/schemas/(\w+)"', str(doc).replace("'", '"'))
+    assert set(refs) <= set(doc["components"]["schemas"])
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert doc["paths"]["/v1/healthz"]["get"]["security"] == []
+
+
+def test_error_codes_match_the_prose_contract() -> None:
+    doc = load_openapi()
+    documented = set(doc["components"]["schemas"]["Error"]["properties"]["code"]["enum"])
+    table = DOCS.read_text()
+    section = table.split("## Errors", 1)[1].split("## Control plane", 1)[0]
+    prose = set(re.findall(r"`([a-z_]+)`", section))
+    assert documented == prose - {"detail", "code"}
+
+
+def test_checker_catches_violations() -> None:
+    doc = load_openapi()
+    sandbox = {"$ref": "#/components/schemas/Sandbox"}
+    assert validate({"name": "x"}, sandbox, doc)
+    assert check_response(doc, "GET", "/v1/healthz", 418, {})
+    assert check_response(doc, "GET", "/v1/whoami", 401, {"detail": "x", "code": "nope"})
+
+
+def test_broker_traffic_conforms(broker: LocalBroker) -> None:
+    doc = load_openapi()
+    problems: list[str] = []
+    seen: set[tuple[str, str, int]] = set()
+
+    def hook(response: httpx.Response) -> None:
+        response.read()
+        request = response.request
+        ctype = response.headers.get("content-type", "")
+        body: Any = response.json() if ctype.startswith("application/json") else response.content
+        if response.status_code == 204:
+            body = None
+        path = request.url.path
+        problems.extend(
+            check_response(doc, request.method, path, response.status_code, body, ctype or "")
+        )
+        seen.add((request.method, path, response.status_code))
+
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=broker.ca_bundle)
+    token = broker.issue_kubernetes_token("team-a", "openapi")
+    other = broker.issue_kubernetes_token("team-a", "someone-else")
+    with httpx.Client(
+        base_url=broker.url,
+        verify=ctx,
+        headers={"Authorization": f"Bearer {token}"},
+        event_hooks={"response": [hook]},
+        timeout=30,
+    ) as http:
+        http.get("/v1/healthz")
+        http.get("/v1/whoami")
+        http.get("/v1/whoami", headers={"Authorization": "Bearer x.y.z"})
+        key = str(uuid.uuid4())
+        created = http.post(
+            "/v1/sandboxes", json={"labels": {"a": "b"}}, headers={"Idempotency-Key": key}
+        ).json()
+        http.post("/v1/sandboxes", json={"labels": {"a": "b"}}, headers={"Idempotency-Key": key})
+        http.post("/v1/sandboxes", json={"labels": {"a": "c"}}, headers={"Idempotency-Key": key})
+        http.post("/v1/sandboxes", json={"template": "nope"})
+        http.post("/v1/sandboxes", json={"template": "restricted"})
+        http.post("/v1/sandboxes", json={"lifetime_seconds": -1})
+        http.post("/v1/sandboxes", json={"annotations": {"broker.agent-sandbox-awx.io/x": "y"}})
+        name = created["name"]
+        http.get(f"/v1/sandboxes/{name}", params={"wait": "ready", "timeout": 20})
+        http.get("/v1/sandboxes")
+        http.get("/v1/sandboxes/sbx-missing")
+        headers = {"X-Sandbox-ID": name, "X-Sandbox-Namespace": "team-a"}
+        http.get("/", headers=headers)
+        http.post("/execute", json={"command": "echo hi"}, headers=headers)
+        http.post("/upload", files={"file": ("d/f.txt", b"data")}, headers=headers)
+        http.get("/download/d%2Ff.txt", headers=headers)
+        http.get("/download/missing", headers=headers)
+        http.get("/download/..%2F..%2Fetc%2Fpasswd", headers=headers)
+        http.get("/list/d", headers=headers)
+        http.get("/exists/d%2Ff.txt", headers=headers)
+        http.get("/", headers={**headers, "X-Sandbox-Port": "0"})
+        http.get("/", headers={**headers, "X-Sandbox-Port": "9999"})
+        http.get("/", headers={**headers, "Authorization": f"Bearer {other}"})
+        http.get("/", headers={"X-Sandbox-ID": "sbx-missing"})
+        http.post(
+            "/execute",
+            json={"command": "sleep 3"},
+            headers={**headers, "X-Sandbox-Timeout": "0.2"},
+        )
+        for _ in range(3):
+            http.post("/v1/sandboxes", json={})
+        http.post("/v1/sandboxes", json={})  # quota
+        broker.inject_unavailable(1, scope="control")
+        http.get("/v1/sandboxes")
+        http.delete(f"/v1/sandboxes/{name}")
+        http.delete("/v1/sandboxes/sbx-missing")
+    assert problems == []
+    statuses = {status for _, _, status in seen}
+    assert statuses >= {200, 201, 202, 400, 401, 403, 404, 409, 429, 502, 503, 504}
