@@ -15,7 +15,13 @@ import httpx
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
-from ._exceptions import ConfigurationError, SandboxFailedError, SandboxReadyTimeoutError
+from ._exceptions import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    RequestTimeoutError,
+    SandboxFailedError,
+    SandboxReadyTimeoutError,
+)
 from ._transport import BrokerTransport
 
 if TYPE_CHECKING:
@@ -233,7 +239,13 @@ class BrokerSandboxClient:
             lifetime_seconds=shutdown_after_seconds,
             env=env,
         )
-        response = self._transport.send(spec)
+        try:
+            response = self._transport.send(spec)
+        except (KeyboardInterrupt, RequestTimeoutError, BrokerUnavailableError) as exc:
+            # The broker may have created the sandbox without us seeing the answer: replay the
+            # create with the same Idempotency-Key (which returns that sandbox) and delete it.
+            self._abandon_create(spec, exc)
+            raise
         info = proto.parse_sandbox(proto.parse_json(response.content, spec.what), spec.what)
         logger.info("created sandbox %s (template %s)", info.name, info.template)
         try:
@@ -245,6 +257,21 @@ class BrokerSandboxClient:
         with self._lock:
             self._handles[info.name] = sandbox
         return sandbox
+
+    def _abandon_create(self, spec: proto.RequestSpec, exc: BaseException) -> None:
+        try:
+            response = self._transport.send(spec)
+            name = proto.parse_sandbox(proto.parse_json(response.content, spec.what)).name
+        except Exception as replay_error:
+            logger.warning(
+                "could not check whether an interrupted create left a sandbox: %s", replay_error
+            )
+            exc.add_note(
+                "The create was interrupted and the broker could not be asked whether it created "
+                "a sandbox; check with `agent-sandbox-awx ls` and kill any leftover."
+            )
+            return
+        self._rollback(name, exc)
 
     def _rollback(self, name: str, exc: BaseException) -> None:
         try:

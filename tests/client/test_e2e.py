@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import time
 from pathlib import Path
@@ -117,7 +118,8 @@ def test_token_file_rotation_between_two_commands(broker: Any, tmp_path: Path) -
         assert sandbox.commands.run("echo two").stdout == "two\n"
 
 
-def test_401_refreshes_the_credential_once(broker: Any) -> None:
+def test_401_refreshes_the_credential_once(broker: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     env = broker.environ("gitlab")
     tokens = [
         broker.issue_gitlab_token("group/project"),
@@ -140,8 +142,13 @@ def test_401_refreshes_the_credential_once(broker: Any) -> None:
             sandbox.commands.run("echo never")
         assert info.value.status_code == 401 and info.value.code == "token_revoked"
         assert tokens[1] not in str(info.value) and tokens[0] not in str(info.value)
-        sandbox._client.auth = OIDCTokenAuth(broker.issue_gitlab_token("group/project"))
-        sandbox._client.transport._client.auth._source = sandbox._client.auth
+        fresh = OIDCTokenAuth(broker.issue_gitlab_token("group/project"))
+        sandbox.client.transport._client.auth._source = fresh  # so that the exit can kill
+    for token in tokens:
+        for part in token.split(".")[1:]:
+            assert part not in caplog.text  # no token (nor its signature) in any log record
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("k8s_agent_sandbox_awx")]
+    assert ours and not any("Bearer" in m or "uthorization" in m for m in ours)
 
 
 def test_retries_never_run_a_command_twice(broker: Any) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from k8s_agent_sandbox_awx import (
     CommandTimeoutError,
+    RequestTimeoutError,
     SandboxFailedError,
     SandboxReadyTimeoutError,
 )
@@ -168,3 +169,20 @@ def test_files(make_client: Any, fake: Any, tmp_path: Path) -> None:
         sandbox.files.write("../etc/passwd", b"x")
     with pytest.raises(TypeError, match="binary"):
         sandbox.files.write("t.txt", io.StringIO("text"))  # type: ignore[arg-type]
+
+
+def test_interrupted_create_request_is_undone(make_client: Any, fake: Any, kit: Any) -> None:
+    calls: list[str] = []
+
+    @fake.route("POST", "/v1/sandboxes")
+    def create(request: httpx.Request) -> httpx.Response:
+        calls.append(request.headers["Idempotency-Key"])
+        fake.sandboxes["sbx-1"] = kit.sandbox_obj("sbx-1")
+        if len(calls) == 1:
+            raise httpx.ReadTimeout("the answer never came")  # created, but unseen
+        return httpx.Response(200, json=fake.sandboxes["sbx-1"])
+
+    with pytest.raises(RequestTimeoutError):
+        make_client().create_sandbox()
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert fake.deleted == ["sbx-1"]
