@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from k8s_agent_sandbox.exceptions import SandboxError
+from ._upstream import SandboxError
 
 __all__ = [
     "AudienceMismatchError",
