@@ -139,8 +139,13 @@ class BrokerSandboxClient:
         spec = proto.get(name)
         return proto.parse_sandbox(proto.parse_json(self._transport.send(spec).content, spec.what))
 
-    def wait_ready(self, info: proto.SandboxInfo, ready_timeout: float) -> proto.SandboxInfo:
-        """Long-poll the broker until ``info`` is Ready; raise on Failed or at the timeout."""
+    def wait_ready(
+        self, info: proto.SandboxInfo, ready_timeout: float, *, creating: bool = False
+    ) -> proto.SandboxInfo:
+        """Long-poll the broker until ``info`` is Ready; raise on Failed or at the timeout.
+
+        ``creating``: the caller deletes the claim on failure (the messages say so)."""
+        deleted = "; its claim is deleted" if creating else ""
         deadline = time.monotonic() + ready_timeout
         request_timeout = self.connection_config.request_timeout
         while True:
@@ -148,7 +153,7 @@ class BrokerSandboxClient:
                 return info
             if info.phase in ("Failed", "Terminating"):
                 raise SandboxFailedError(
-                    f"Sandbox {info.name!r} is {info.phase} and will not become ready "
+                    f"Sandbox {info.name!r} is {info.phase} and will not become ready{deleted} "
                     f"(reason: {info.reason or 'none given'}; {info.message or 'no message'}). "
                     "Check the template and your policy (`agent-sandbox-awx whoami`), then "
                     "create a new sandbox.",
@@ -160,7 +165,7 @@ class BrokerSandboxClient:
             if remaining <= 0:
                 raise SandboxReadyTimeoutError(
                     f"Sandbox {info.name!r} did not become ready within {ready_timeout:g}s "
-                    f"(phase {info.phase}); its claim was deleted. Pass a larger ready_timeout= "
+                    f"(phase {info.phase}){deleted}. Pass a larger ready_timeout= "
                     "(or sandbox_ready_timeout=), or ask the broker's operator why the template "
                     "starts slowly.",
                     name=info.name,
@@ -249,7 +254,7 @@ class BrokerSandboxClient:
         info = proto.parse_sandbox(proto.parse_json(response.content, spec.what), spec.what)
         logger.info("created sandbox %s (template %s)", info.name, info.template)
         try:
-            info = self.wait_ready(info, ready_timeout)
+            info = self.wait_ready(info, ready_timeout, creating=True)
             sandbox = Sandbox(self, info)
         except BaseException as exc:
             self._rollback(info.name, exc)

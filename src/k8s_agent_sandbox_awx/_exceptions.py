@@ -139,7 +139,7 @@ class CommandTimeoutError(SandboxError):
 
 
 class SandboxReadyTimeoutError(SandboxNotReadyError):
-    """The sandbox did not become Ready within the ready timeout (its claim was deleted)."""
+    """The sandbox did not become Ready within the ready timeout (``create`` deletes it)."""
 
     def __init__(
         self, message: str, *, name: str, ready_timeout: float, phase: str | None = None
@@ -151,7 +151,7 @@ class SandboxReadyTimeoutError(SandboxNotReadyError):
 
 
 class SandboxFailedError(SandboxClaimFailedError):
-    """The sandbox reached the terminal ``Failed`` phase (its claim was deleted)."""
+    """The sandbox reached the terminal ``Failed`` phase (``create`` deletes it)."""
 
     def __init__(
         self, message: str, *, name: str, reason: str | None = None, detail: str | None = None

@@ -263,3 +263,20 @@ def test_streamed_write_of_a_generated_stream(broker: Any) -> None:
         assert sandbox.files.read_to("big/z.bin", Sink()) == 8 * 1024 * 1024
         assert digest.hexdigest() == hashlib.sha256(b"z" * 8 * 1024 * 1024).hexdigest()
     assert os.environ.get("AGENT_SANDBOX_TOKEN") is None
+
+
+def test_one_sandbox_from_many_threads(broker: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = broker.environ("kubernetes")
+    with Sandbox.create(environ=env) as sandbox:
+
+        def work(i: int) -> tuple[str, bytes]:
+            sandbox.files.write(f"t/{i}.txt", str(i).encode() * 1000)
+            out = sandbox.commands.run(f"echo {i}").stdout
+            return out, sandbox.files.read(f"t/{i}.txt")
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(work, range(32)))
+        assert results == [(f"{i}\n", str(i).encode() * 1000) for i in range(32)]
+        assert broker.execution_count(sandbox.name) == 32

@@ -103,3 +103,46 @@ def test_recorder_sanity(servers: Any) -> None:
     _, recorder, ca = servers
     httpx.get(recorder.url + "/probe", verify=ssl.create_default_context(cafile=ca))
     assert [s["path"] for s in recorder.seen] == ["/probe"]
+
+
+def test_ca_cert_and_client_cert_are_used(tmp_path: Path) -> None:
+    """mTLS: the configured CA verifies the server; the client certificate is presented."""
+    from k8s_agent_sandbox_awx import BrokerUnavailableError
+
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    context.verify_mode = ssl.CERT_REQUIRED
+    ca.configure_trust(context)
+    ca_path, cert_path, key_path = tmp_path / "ca.pem", tmp_path / "c.pem", tmp_path / "k.pem"
+    ca.cert_pem.write_to_path(str(ca_path))
+    leaf = ca.issue_cert("agent.client.example")
+    leaf.cert_chain_pems[0].write_to_path(str(cert_path))
+    leaf.private_key_pem.write_to_path(str(key_path))
+    server = _Server(context, None)
+    try:
+        config = BrokerConnectionConfig(
+            broker_url=server.url, ca_cert=str(ca_path), client_cert=(str(cert_path), str(key_path))
+        )
+        with BrokerSandboxClient(config, auth=_NoToken()) as client:
+            assert client.healthz().status_code == 200
+        without = BrokerConnectionConfig(
+            broker_url=server.url, ca_cert=str(ca_path), max_attempts=1
+        )
+        with (
+            BrokerSandboxClient(without, auth=_NoToken()) as client,
+            pytest.raises(BrokerUnavailableError),
+        ):
+            client.healthz()
+        assert len(server.seen) == 1
+    finally:
+        server.close()
+
+
+class _NoToken:
+    def get_credential(self, audience: str) -> Any:
+        raise AssertionError("healthz must not ask for a token")
+
+    def invalidate(self, audience: str) -> None:
+        pass
