@@ -109,7 +109,9 @@ class DefaultCredentials:
     audience; see the module docstring for the order.
 
     ``_token_path`` and ``_plugins`` are for tests: they replace the default projected token path
-    and register extra ``(name, plugin)`` providers as third-party plugins.
+    and register extra ``(name, plugin)`` providers as third-party plugins (and then this
+    instance loads its own plugins; otherwise entry points are loaded once per process and per
+    value of the two control variables).
     """
 
     def __init__(
@@ -149,7 +151,7 @@ class DefaultCredentials:
             with self._lock:
                 registry = self._registry
                 if registry is None:
-                    if self._custom:
+                    if self._plugins or self._token_path != DEFAULT_TOKEN_PATH:
                         registry = load_providers(
                             self.environ, plugins=self._plugins, token_path=self._token_path
                         )
