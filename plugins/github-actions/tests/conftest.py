@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,7 @@ class Reply:
 class Seen:
     path: str
     headers: dict[str, str]
+    at: float = 0.0  # wall-clock time the request arrived
 
 
 class LoopbackEndpoint:
@@ -36,6 +38,8 @@ class LoopbackEndpoint:
         self.requests: list[Seen] = []
         self.replies: deque[Reply] = deque()
         self.default = Reply(status=404, body=b"{}")
+        self.responder: Callable[[Seen], Reply] | None = None
+        """When set, answers every request that no queued reply answers."""
         self._lock = threading.Lock()
         endpoint = self
 
@@ -43,9 +47,16 @@ class LoopbackEndpoint:
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:
+                seen = Seen(self.path, dict(self.headers.items()), time.time())
                 with endpoint._lock:
-                    endpoint.requests.append(Seen(self.path, dict(self.headers.items())))
-                    reply = endpoint.replies.popleft() if endpoint.replies else endpoint.default
+                    endpoint.requests.append(seen)
+                    queued = endpoint.replies.popleft() if endpoint.replies else None
+                if queued is not None:
+                    reply = queued
+                elif endpoint.responder is not None:
+                    reply = endpoint.responder(seen)
+                else:
+                    reply = endpoint.default
                 if reply.delay:
                     time.sleep(reply.delay)
                 if reply.drop:
@@ -73,9 +84,14 @@ class LoopbackEndpoint:
     def origin(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def add(self, body: bytes = b"", status: int = 200, **options: object) -> None:
-        """Queue one reply (options: headers, delay, drop)."""
-        self.replies.append(Reply(status, body, **options))  # type: ignore[arg-type]
+    @staticmethod
+    def reply(body: bytes = b"", status: int = 200, **options: Any) -> Reply:
+        """A reply (options: headers, delay, drop), for ``add`` or a ``responder``."""
+        return Reply(status, body, **options)
+
+    def add(self, body: bytes = b"", status: int = 200, **options: Any) -> None:
+        """Queue one reply."""
+        self.replies.append(self.reply(body, status, **options))
 
     def close(self) -> None:
         self.server.shutdown()
