@@ -134,7 +134,8 @@ class LocalBroker:
         self._tmp = tempfile.mkdtemp(prefix=_TMP_PREFIX)
         with open(os.path.join(self._tmp, "broker.pid"), "w") as fh:
             fh.write(str(os.getpid()))
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, 0))
         sock.listen(1024)

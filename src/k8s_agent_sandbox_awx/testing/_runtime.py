@@ -150,6 +150,7 @@ def _result(stdout: str, stderr: str, exit_code: int, *, timed_out: bool = False
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # small replies are not held back by Nagle + delayed ACK
     server_version = "agent-sandbox-local-runtime"
     sys_version = ""
     base_dir: str = "/"
