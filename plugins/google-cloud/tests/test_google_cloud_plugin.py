@@ -77,7 +77,7 @@ def test_hooks_validate_against_the_hookspecs(endpoint: Any) -> None:
     pm.register(plugin, name="google-cloud")
     [info] = pm.hook.agent_sandbox_provider_info()
     assert info.priority < 0
-    assert "metadata.google.internal" in info.hint
+    assert "GCE_METADATA_HOST" in info.hint and "service account" in info.hint
     request = ask_request({"GCE_METADATA_HOST": f"127.0.0.1:{free_port()}"})
     assert pm.hook.agent_sandbox_get_credential(request=request) == []
 

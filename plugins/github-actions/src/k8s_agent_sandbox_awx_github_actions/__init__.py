@@ -52,10 +52,7 @@ def agent_sandbox_provider_info() -> ProviderInfo:
         # An environment-variable check costs nothing, and a job that asks for an OIDC token
         # means it: consult this provider before the network-probing ones.
         priority=100,
-        hint=(
-            "in GitHub Actions, add `permissions: id-token: write` to the job "
-            "(sets ACTIONS_ID_TOKEN_REQUEST_URL/_TOKEN)"
-        ),
+        hint="in a GitHub Actions job, grant `permissions: id-token: write`",
         description="GitHub Actions OIDC token requested with the broker URL as audience",
     )
 

@@ -70,9 +70,8 @@ def agent_sandbox_provider_info() -> ProviderInfo:
         # provider after the ones that only look at the environment.
         priority=-100,
         hint=(
-            "on Compute Engine, GKE (Workload Identity) or Cloud Run: attach a service account "
-            f"to the workload; the metadata server is {DEFAULT_METADATA_HOST} "
-            f"(override with {HOST_VAR})"
+            "on Compute Engine, GKE or Cloud Run, attach a service account to the workload "
+            f"(GKE: Workload Identity); {HOST_VAR} overrides the metadata host"
         ),
         description="Google Cloud metadata server identity token (GCE, GKE, Cloud Run)",
     )
