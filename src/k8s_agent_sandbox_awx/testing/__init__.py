@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "Issuer": "._issuers",
     "Policy": "._policy",
     "Caller": "._policy",
+    "caller_namespace": "._policy",
     "SandboxBackend": "._backend",
     "SandboxSpec": "._backend",
     "RuntimeHandle": "._backend",
@@ -68,4 +69,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._issuers import Issuer as Issuer
     from ._policy import RESERVED_PREFIX as RESERVED_PREFIX
     from ._policy import Caller as Caller
+    from ._policy import caller_namespace as caller_namespace
     from ._policy import Policy as Policy
