@@ -69,5 +69,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._issuers import Issuer as Issuer
     from ._policy import RESERVED_PREFIX as RESERVED_PREFIX
     from ._policy import Caller as Caller
-    from ._policy import caller_namespace as caller_namespace
     from ._policy import Policy as Policy
+    from ._policy import caller_namespace as caller_namespace
