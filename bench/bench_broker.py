@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -33,11 +34,47 @@ def _ms(values: list[float]) -> str:
     )
 
 
+def _big_file(http: httpx.Client, headers: dict[str, str], mib: int) -> None:
+    import resource
+
+    block = b"x" * (1 << 20)
+
+    def body() -> Iterator[bytes]:
+        yield b'--B\r\nContent-Disposition: form-data; name="file"; filename="big.bin"\r\n\r\n'
+        for _ in range(mib):
+            yield block
+        yield b"\r\n--B--\r\n"
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t = time.perf_counter()
+    http.post(
+        "/upload",
+        content=body(),
+        headers={**headers, "Content-Type": "multipart/form-data; boundary=B"},
+    ).raise_for_status()
+    up = time.perf_counter() - t
+    t = time.perf_counter()
+    size = 0
+    with http.stream("GET", "/download/big.bin", headers=headers) as stream:
+        for chunk in stream.iter_raw():
+            size += len(chunk)
+    down = time.perf_counter() - t
+    assert size == mib << 20
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"{mib} MiB streamed: upload {mib / up:.0f} MiB/s, download {mib / down:.0f} MiB/s; "
+        f"max RSS of this process (broker + client) {before:.0f} -> {after:.0f} MiB"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sandboxes", type=int, default=20)
     parser.add_argument("--concurrent", type=int, default=50)
     parser.add_argument("--commands", type=int, default=100)
+    parser.add_argument(
+        "--big-mib", type=int, default=0, help="also stream a file of this size up and down"
+    )
     args = parser.parse_args()
 
     cold, start_only = [], []
@@ -97,6 +134,11 @@ def main() -> None:
                 http.post("/execute", json={"command": "true"}, headers=headers).raise_for_status()
                 rtts.append(time.perf_counter() - t)
             print(f"commands.run('true') through the broker (HTTPS): {_ms(rtts)}")
+            with open(f"/proc/{broker.runtime_pid(name)}/status") as fh:
+                rss = next(line.split()[1] for line in fh if line.startswith("VmRSS:"))
+            print(f"runtime process RSS: {int(rss) / 1024:.1f} MiB")
+            if args.big_mib:
+                _big_file(http, headers, args.big_mib)
             broker.delete_all()
 
             t = time.perf_counter()
