@@ -175,8 +175,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
             except CommandTimeoutError as exc:
                 if exc.result is not None:
                     sys.stdout.write(exc.result.stdout)
+                    sys.stdout.flush()
                     sys.stderr.write(exc.result.stderr)
-                raise _CliError(str(exc), 124) from exc
+                    if exc.result.stderr and not exc.result.stderr.endswith("\n"):
+                        sys.stderr.write("\n")
+                raise _CliError(
+                    f"the command ran longer than --timeout {args.timeout:g}s and was killed; "
+                    "pass a larger --timeout.",
+                    124,
+                ) from exc
     finally:
         client.close()
     sys.stdout.write(result.stdout)

@@ -16,6 +16,17 @@ from k8s_agent_sandbox_awx._cli import main
 CLI = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli"]
 
 
+def _live_claims(broker: Any) -> list[Any]:
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        live = [c for c in broker.claims() if not c["metadata"].get("deletionTimestamp")]
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.05)
+
+
 def _env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -53,6 +64,16 @@ def test_run_exit_code_becomes_the_process_exit_code(broker: Any) -> None:
     assert (out.returncode, out.stdout, out.stderr) == (7, "out\n", "err\n")
     ok = subprocess.run([*CLI, "run", "--", "true"], env=env, capture_output=True, timeout=60)
     assert ok.returncode == 0
+    slow = subprocess.run(
+        [*CLI, "run", "--timeout", "0.5", "--", "sleep", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert slow.returncode == 124 and "--timeout" in slow.stderr
+    assert slow.stderr.strip().splitlines()[-1].startswith("agent-sandbox-awx: error:")
+    assert _live_claims(broker) == []
 
 
 @pytest.mark.e2e
