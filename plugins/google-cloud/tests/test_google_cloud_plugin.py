@@ -165,6 +165,17 @@ def test_unresolvable_host_is_not_here() -> None:
     assert "not on Google Cloud" in reason
 
 
+def test_not_here_by_name_resolution_does_not_import_httpx() -> None:
+    code = (
+        "import sys, k8s_agent_sandbox_awx_google_cloud as p; "
+        "from k8s_agent_sandbox_awx import CredentialRequest; "
+        "r = CredentialRequest('https://b.example', {'GCE_METADATA_HOST': 'metadata.invalid'}); "
+        "print(p.agent_sandbox_get_credential(r), 'httpx' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None False"
+
+
 def test_slow_resolution_is_not_here_within_the_connect_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
