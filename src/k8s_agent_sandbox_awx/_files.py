@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import IO, Any, BinaryIO, Protocol
 
@@ -162,22 +163,29 @@ class Files:
     ) -> int:
         """Stream the file at ``path`` into ``destination`` and return the bytes written.
 
-        ``destination`` is a local file path (written as it arrives; removed if the download
-        fails) or a binary writer (not closed; data written before an error stays in it).
-        With ``max_bytes``, a larger file raises ``ValueError`` after at most that many bytes.
+        ``destination`` is a local file path (streamed to a temporary file beside it, renamed
+        into place when complete; nothing is left behind if the download fails) or a binary
+        writer (not closed; data written before an error stays in it). With ``max_bytes``, a larger file raises ``ValueError`` after at most that many bytes.
         """
         src = proto.validate_sandbox_path(path)
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}.")
         if isinstance(destination, str | os.PathLike):
-            local = os.fspath(destination)
+            local = os.path.abspath(os.fspath(destination))
+            # Written next to the destination and renamed into place when complete: a failed
+            # download neither leaves a partial file nor destroys an existing one.
+            fd, partial = tempfile.mkstemp(
+                prefix=f".{os.path.basename(local)}.", suffix=".part", dir=os.path.dirname(local)
+            )
             try:
-                with open(local, "wb") as out:
-                    return self._download(src, out, timeout, max_bytes)
+                with os.fdopen(fd, "wb") as out:
+                    total = self._download(src, out, timeout, max_bytes)
+                os.replace(partial, local)
             except BaseException:
                 with contextlib.suppress(OSError):
-                    os.unlink(local)
+                    os.unlink(partial)
                 raise
+            return total
         if not callable(getattr(destination, "write", None)):
             raise TypeError("destination must be a local path or have a write(bytes) method.")
         return self._download(src, destination, timeout, max_bytes)

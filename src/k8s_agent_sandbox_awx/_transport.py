@@ -17,7 +17,7 @@ import httpx
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
-from ._exceptions import BrokerError, BrokerUnavailableError
+from ._exceptions import BrokerError, BrokerUnavailableError, ConfigurationError
 from ._exceptions import RequestTimeoutError as _RequestTimeoutError
 from ._version import __version__
 
@@ -81,10 +81,22 @@ class BearerAuth(httpx.Auth):
 
 
 def _ssl_context(config: BrokerConnectionConfig) -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=config.ca_cert)
+    try:
+        context = ssl.create_default_context(cafile=config.ca_cert)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigurationError(
+            f"Could not load the CA bundle {config.ca_cert!r} ({exc}). Point ca_cert (or "
+            "AGENT_SANDBOX_CA_BUNDLE) at a readable PEM file with the broker's CA certificate."
+        ) from exc
     if config.client_cert:
         cert, key = config.client_cert
-        context.load_cert_chain(cert, key)
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigurationError(
+                f"Could not load the client certificate {cert!r} with key {key!r} ({exc}). "
+                "client_cert must be (certificate PEM path, private key PEM path)."
+            ) from exc
     return context
 
 

@@ -92,3 +92,15 @@ def test_extra_headers_cannot_carry_authorization() -> None:
         BrokerConnectionConfig(broker_url="https://b", extra_headers={"Authorization": "Bearer x"})
     with pytest.raises(ValueError, match="reserved"):
         BrokerConnectionConfig(broker_url="https://b", extra_headers={"X-Sandbox-ID": "x"})
+
+
+def test_unreadable_tls_files_are_configuration_errors(tmp_path: pytest.TempPathFactory) -> None:
+    from k8s_agent_sandbox_awx import BrokerSandboxClient
+
+    missing = str(tmp_path / "missing.pem")  # type: ignore[operator]
+    config = BrokerConnectionConfig(broker_url="https://b.example", ca_cert=missing)
+    with pytest.raises(ConfigurationError, match="CA bundle"):
+        BrokerSandboxClient(config, auth=object())  # type: ignore[arg-type]
+    config = BrokerConnectionConfig(broker_url="https://b.example", client_cert=(missing, missing))
+    with pytest.raises(ConfigurationError, match="client certificate"):
+        BrokerSandboxClient(config, auth=object())  # type: ignore[arg-type]

@@ -165,6 +165,10 @@ def test_files(make_client: Any, fake: Any, tmp_path: Path) -> None:
     with pytest.raises(Exception, match="does not exist in the sandbox"):
         sandbox.files.read_to("missing", tmp_path / "m")
     assert not (tmp_path / "m").exists()
+    with pytest.raises(Exception, match="does not exist in the sandbox"):
+        sandbox.files.read_to("missing", tmp_path / "x.csv")
+    assert (tmp_path / "x.csv").read_bytes() == b"a,b"  # an existing file is kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.csv"]  # no partial files
     with pytest.raises(ValueError, match=r"\.\."):
         sandbox.files.write("../etc/passwd", b"x")
     with pytest.raises(TypeError, match="binary"):
