@@ -165,7 +165,8 @@ class Files:
 
         ``destination`` is a local file path (streamed to a temporary file beside it, renamed
         into place when complete; nothing is left behind if the download fails) or a binary
-        writer (not closed; data written before an error stays in it). With ``max_bytes``, a larger file raises ``ValueError`` after at most that many bytes.
+        writer (not closed; data written before an error stays in it). With ``max_bytes``, a
+        larger file raises ``ValueError`` after at most that many bytes.
         """
         src = proto.validate_sandbox_path(path)
         if max_bytes is not None and max_bytes < 0:
