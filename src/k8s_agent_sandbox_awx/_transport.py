@@ -26,6 +26,7 @@ __all__ = ["BearerAuth", "BrokerTransport", "ReplayableStream"]
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
 _AUTH_RETRIED = "k8s_agent_sandbox_awx.auth_retried"
+_REPLAYABLE = "k8s_agent_sandbox_awx.replayable"
 _MAX_ERROR_BODY = 64 * 1024
 
 
@@ -36,10 +37,11 @@ class ReplayableStream(httpx.SyncByteStream):
 
 
 def _body_replayable(request: httpx.Request) -> bool:
-    stream = request.stream
-    if isinstance(stream, httpx.ByteStream):
-        return True
-    return bool(getattr(stream, "replayable", False))
+    """Whether the body can be sent again; decided when the request was built (a transport may
+    swap the stream later, e.g. a mock that reads it into memory)."""
+    if _REPLAYABLE in request.extensions:
+        return bool(request.extensions[_REPLAYABLE])
+    return isinstance(request.stream, httpx.ByteStream)
 
 
 def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
@@ -170,12 +172,16 @@ class BrokerTransport:
                 timeout=self._timeout(spec),
             )
             if body is not None:
+                request_body = body()
                 request = httpx.Request(
                     request.method,
                     request.url,
                     headers=request.headers,
-                    stream=body(),
-                    extensions=request.extensions,
+                    stream=request_body,
+                    extensions={
+                        **request.extensions,
+                        _REPLAYABLE: bool(getattr(request_body, "replayable", False)),
+                    },
                 )
             try:
                 response = self._client.send(request, stream=True, auth=auth)

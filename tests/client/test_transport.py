@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 from typing import Any
 
@@ -189,3 +190,35 @@ def test_request_timeout_is_named(make_client: Any, fake: Any) -> None:
     fake.route("GET", "/v1/whoami")(slow)
     with pytest.raises(RequestTimeoutError, match="request_timeout"):
         make_client(request_timeout=2).whoami()
+
+
+def test_401_on_a_consumed_upload_stream_is_not_resent(
+    make_client: Any, fake: Any, creds: Any, kit: Any
+) -> None:
+    sandbox = make_client().create_sandbox()
+    fake.route("POST", "/upload")(lambda r: kit.error(401, "token_expired", "expired"))
+
+    class Pipe(io.RawIOBase):
+        def __init__(self) -> None:
+            self.data = [b"abc"]
+
+        def readable(self) -> bool:
+            return True
+
+        def read(self, n: int = -1) -> bytes:
+            return self.data.pop() if self.data else b""
+
+    before = len(fake.requests)
+    with pytest.raises(BrokerAuthenticationError):
+        sandbox.files.write("x.bin", Pipe())  # type: ignore[arg-type]
+    assert len(fake.requests) == before + 1
+    assert creds.invalidated == [kit.BROKER]  # the next request re-reads the credential
+
+
+def test_template_from_the_environment(make_client: Any, fake: Any) -> None:
+    make_client(template="go").create_sandbox()
+    make_client(template="go").create_sandbox(template="python")
+    creates = [
+        json.loads(b) for r, b in zip(fake.requests, fake.bodies, strict=True) if r.method == "POST"
+    ]
+    assert creates == [{"template": "go"}, {"template": "python"}]
