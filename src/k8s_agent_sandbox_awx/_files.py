@@ -55,11 +55,16 @@ class _MultipartStream(ReplayableStream):
     """The streamed multipart body: framing + the content read in chunks, never all at once."""
 
     def __init__(
-        self, framing: proto.Multipart, content: bytes | BinaryIO, start: int | None
+        self,
+        framing: proto.Multipart,
+        content: bytes | BinaryIO,
+        start: int | None,
+        size: int | None = None,
     ) -> None:
         self._framing = framing
         self._content = content
         self._start = start
+        self._size = size  # declared in Content-Length: exactly this many bytes are sent
         self._consumed = False
         self.replayable = isinstance(content, bytes) or start is not None
 
@@ -75,13 +80,22 @@ class _MultipartStream(ReplayableStream):
         else:
             if self._start is not None:
                 self._content.seek(self._start)
-            while True:
-                chunk = self._content.read(CHUNK_SIZE)
+            remaining = self._size
+            while remaining is None or remaining > 0:
+                want = CHUNK_SIZE if remaining is None else min(CHUNK_SIZE, remaining)
+                chunk = self._content.read(want)
                 if not chunk:
                     break
                 if not isinstance(chunk, bytes | bytearray | memoryview):
                     raise TypeError("The file object's read() must return bytes (open it 'rb').")
+                if remaining is not None:
+                    remaining -= len(chunk)
                 yield bytes(chunk)
+            if remaining:
+                raise ValueError(
+                    f"The file shrank by {remaining} bytes while it was uploaded; upload a file "
+                    "that does not change during the upload."
+                )
         yield self._framing.suffix
 
 
@@ -131,7 +145,7 @@ class Files:
             spec.headers["Content-Length"] = str(framing.length(size))
         else:
             spec.headers["Transfer-Encoding"] = "chunked"
-        stream = _MultipartStream(framing, body, start)
+        stream = _MultipartStream(framing, body, start, size)
         spec.retryable = stream.replayable
         first = True
 

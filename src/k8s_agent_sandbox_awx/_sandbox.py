@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Self
 
 from . import _protocol as proto
 from ._commands import Commands
-from ._exceptions import BrokerError
 from ._files import Files
 from ._upstream import SandboxNotFoundError
 
@@ -157,11 +156,16 @@ class Sandbox:
         if self._killed:
             return
         if self._closed and self._owns_client:
-            raise BrokerError(
-                f"The connection to sandbox {self.name!r} is closed; kill it with "
-                f"`agent-sandbox-awx kill {self.name}` or via Sandbox.connect()."
-            )
-        self._client._delete(self.name)
+            # close_connection() closed our HTTP client: delete through a short-lived one.
+            from ._client import BrokerSandboxClient
+
+            client = BrokerSandboxClient(self._client.connection_config, auth=self._client.auth)
+            try:
+                client._delete(self.name)
+            finally:
+                client.close()
+        else:
+            self._client._delete(self.name)
         self._killed = True
         self._client._forget(self.name)
         logger.info("killed sandbox %s", self.name)

@@ -280,3 +280,22 @@ def test_one_sandbox_from_many_threads(broker: Any) -> None:
             results = list(pool.map(work, range(32)))
         assert results == [(f"{i}\n", str(i).encode() * 1000) for i in range(32)]
         assert broker.execution_count(sandbox.name) == 32
+
+
+def test_kill_after_close_connection_still_deletes(broker: Any) -> None:
+    env = broker.environ("kubernetes")
+    with Sandbox.create(environ=env) as sandbox:
+        sandbox.close_connection()
+        with pytest.raises(SandboxNotFoundError, match="connect"):
+            sandbox.commands.run("true")
+    assert _live(broker) == []
+
+
+def test_seekable_upload_sends_exactly_the_declared_size(broker: Any, tmp_path: Path) -> None:
+    env = broker.environ("kubernetes")
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"0123456789" * 100_000)
+    with Sandbox.create(environ=env) as sandbox, open(path, "rb") as fh:
+        fh.seek(5)
+        sandbox.files.write("f.bin", fh)
+        assert sandbox.files.read("f.bin") == path.read_bytes()[5:]
