@@ -317,3 +317,11 @@ def _alive(pid: int) -> bool:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("name", ["Bad_Name", "a" * 64])
+def test_invalid_sandbox_name_is_invalid_path(alice: Any, name: str) -> None:
+    for method in ("GET", "DELETE"):
+        resp = alice.http.request(method, f"/v1/sandboxes/{name}")
+        assert resp.status_code == 400
+        assert resp.json()["code"] == "invalid_path"

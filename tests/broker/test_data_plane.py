@@ -187,3 +187,10 @@ def test_streamed_upload_and_download_round_trip(alice: Any) -> None:
             size += len(chunk)
     assert size == total
     assert received.hexdigest() == digest.hexdigest()
+
+
+def test_control_characters_in_path_are_invalid(alice: Any) -> None:
+    sandbox = alice.ready()
+    resp = alice.http.get("/download/a%00b", headers=alice.data_headers(sandbox))
+    assert resp.status_code == 400
+    assert resp.json()["code"] == "invalid_path"

@@ -88,6 +88,9 @@ def test_broker_traffic_conforms(broker: LocalBroker) -> None:
         http.get(f"/v1/sandboxes/{name}", params={"wait": "ready", "timeout": 20})
         http.get("/v1/sandboxes")
         http.get("/v1/sandboxes/sbx-missing")
+        http.get("/v1/sandboxes/Bad_Name")
+        http.delete("/v1/sandboxes/Bad_Name")
+        http.get("/download/a%00b", headers={"X-Sandbox-ID": name, "X-Sandbox-Namespace": "team-a"})
         headers = {"X-Sandbox-ID": name, "X-Sandbox-Namespace": "team-a"}
         http.get("/", headers=headers)
         http.post("/execute", json={"command": "echo hi"}, headers=headers)

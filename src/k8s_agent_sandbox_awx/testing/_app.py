@@ -391,6 +391,13 @@ class BrokerApp:
                 return self._list(request, caller)
         elif path.startswith("/v1/sandboxes/") and path.count("/") == 3:
             name = path.rsplit("/", 1)[1]
+            if method in ("GET", "DELETE") and (len(name) > 63 or not _DNS_LABEL.match(name)):
+                raise ApiError(
+                    400,
+                    "invalid_path",
+                    f"sandbox name {name!r} is not a DNS-1123 label (lowercase alphanumerics "
+                    "and '-', at most 63 characters)",
+                )
             if method == "GET":
                 caller, _ = await self._authenticate(request)
                 return await self._get(request, caller, name)
@@ -744,6 +751,10 @@ class BrokerApp:
 
     async def _data_plane(self, request: Request, send: Send) -> None:
         sandbox_id, namespace, port, timeout = self._router_headers(request)
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in request.url.path):
+            raise ApiError(
+                400, "invalid_path", "the path contains control characters (after URL decoding)"
+            )
         self._check_unavailable("data", request.url.path, sandbox_id)
         caller, _ = await self._authenticate(request)
         with self.lock:
