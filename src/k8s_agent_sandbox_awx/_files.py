@@ -15,13 +15,21 @@ import httpx
 from . import _protocol as proto
 from ._exceptions import BrokerError, BrokerUnavailableError, RequestTimeoutError
 from ._transport import BrokerTransport, ReplayableStream
-from ._upstream import FileEntry
+from ._upstream import FileEntry, SandboxError
 
 __all__ = ["Files"]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.files")
 
 CHUNK_SIZE = 1024 * 1024
+
+
+def _path(path: str, allow_unsafe_paths: bool) -> str:
+    if allow_unsafe_paths:
+        if not isinstance(path, str) or not path:
+            raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
+        return path.lstrip("/") or "."
+    return proto.validate_sandbox_path(path)
 
 
 class BinaryWriter(Protocol):
@@ -116,6 +124,7 @@ class Files:
         path: str,
         content: bytes | bytearray | memoryview | str | BinaryIO,
         timeout: float | None = None,
+        allow_unsafe_paths: bool = False,
     ) -> None:
         """Write ``content`` to ``path`` (relative to the sandbox root; parents are created).
 
@@ -123,7 +132,7 @@ class Files:
         closes them. An upload is retried only if its body can be sent again (bytes, or a
         seekable file, rewound to where it started).
         """
-        dest = proto.validate_sandbox_path(path)
+        dest = _path(path, allow_unsafe_paths)
         body: bytes | BinaryIO
         if isinstance(content, str):
             body = content.encode("utf-8")
@@ -162,9 +171,11 @@ class Files:
         self._transport.send(spec, body=make_body)
         logger.debug("wrote %s to sandbox %s", dest, self._router.sandbox_id)
 
-    def read(self, path: str, timeout: float | None = None) -> bytes:
+    def read(
+        self, path: str, timeout: float | None = None, allow_unsafe_paths: bool = False
+    ) -> bytes:
         """Return the bytes of the file at ``path`` (use :meth:`read_to` for large files)."""
-        src = proto.validate_sandbox_path(path)
+        src = _path(path, allow_unsafe_paths)
         spec = self._spec(proto.download(self._router, src), timeout)
         return self._transport.send(spec).content
 
@@ -173,6 +184,7 @@ class Files:
         path: str,
         destination: str | os.PathLike[str] | BinaryWriter,
         timeout: float | None = None,
+        allow_unsafe_paths: bool = False,
         max_bytes: int | None = None,
     ) -> int:
         """Stream the file at ``path`` into ``destination`` and return the bytes written.
@@ -180,9 +192,11 @@ class Files:
         ``destination`` is a local file path (streamed to a temporary file beside it, renamed
         into place when complete; nothing is left behind if the download fails) or a binary
         writer (not closed; data written before an error stays in it). With ``max_bytes``, a
-        larger file raises ``ValueError`` after at most that many bytes.
+        larger file raises ``SandboxError`` (a ``RuntimeError``, as upstream) after at most that
+        many bytes. ``allow_unsafe_paths`` skips the client-side path checks (as upstream; the
+        runtime still confines every path to the sandbox).
         """
-        src = proto.validate_sandbox_path(path)
+        src = _path(path, allow_unsafe_paths)
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}.")
         if isinstance(destination, str | os.PathLike):
@@ -214,7 +228,7 @@ class Files:
         try:
             for chunk in response.iter_bytes(CHUNK_SIZE):
                 if max_bytes is not None and total + len(chunk) > max_bytes:
-                    raise ValueError(
+                    raise SandboxError(
                         f"The file {src!r} is larger than max_bytes={max_bytes}; raise the limit."
                     )
                 out.write(chunk)

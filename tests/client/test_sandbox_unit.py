@@ -19,6 +19,7 @@ from k8s_agent_sandbox_awx._upstream import (
     ExecutionResult,
     FileEntry,
     SandboxClaimFailedError,
+    SandboxError,
     SandboxNotReadyError,
 )
 
@@ -169,6 +170,8 @@ def test_files(make_client: Any, fake: Any, tmp_path: Path) -> None:
         sandbox.files.read_to("missing", tmp_path / "x.csv")
     assert (tmp_path / "x.csv").read_bytes() == b"a,b"  # an existing file is kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.csv"]  # no partial files
+    with pytest.raises(SandboxError, match="max_bytes"):
+        sandbox.files.read_to("data/in.csv", io.BytesIO(), max_bytes=2)
     with pytest.raises(ValueError, match=r"\.\."):
         sandbox.files.write("../etc/passwd", b"x")
     with pytest.raises(TypeError, match="binary"):
