@@ -299,3 +299,31 @@ def test_seekable_upload_sends_exactly_the_declared_size(broker: Any, tmp_path: 
         fh.seek(5)
         sandbox.files.write("f.bin", fh)
         assert sandbox.files.read("f.bin") == path.read_bytes()[5:]
+
+
+def test_code_written_for_the_upstream_client(broker: Any) -> None:
+    """Upstream SandboxClient usage, with only the import and the config changed."""
+    from k8s_agent_sandbox_awx import BrokerSandboxClient as SandboxClient
+
+    config = BrokerConnectionConfig(api_url=broker.url + "/", ca_cert=broker.ca_bundle)
+    auth = OIDCTokenAuth(broker.issue_gitlab_token("group/project"))
+    with SandboxClient(config, auth=auth) as client:
+        sandbox = client.create_sandbox(
+            "python", namespace="default", sandbox_ready_timeout=60, labels={"app": "x"}
+        )
+        assert client.list_active_sandboxes() == [(sandbox.namespace, sandbox.claim_name)]
+        assert sandbox.claim_name in client.list_all_sandboxes()
+        result = sandbox.commands.run("echo hello", timeout=30)
+        assert (result.stdout, result.exit_code) == ("hello\n", 0)
+        sandbox.files.write("a.txt", "text")
+        assert sandbox.files.read("a.txt") == b"text"
+        assert [e.name for e in sandbox.files.list(".")] == ["a.txt"]
+        assert sandbox.status()[0] == "SandboxReady"
+        same = client.get_sandbox(sandbox.claim_name)
+        assert same is sandbox
+        client.delete_sandbox(sandbox.claim_name)
+        client.delete_sandbox(sandbox.claim_name)  # already gone
+        with pytest.raises(SandboxNotFoundError):
+            client.get_sandbox(sandbox.claim_name)
+        client.create_sandbox("python")
+    assert _live(broker) == []  # the context manager deleted the rest
