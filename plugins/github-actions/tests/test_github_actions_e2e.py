@@ -319,3 +319,17 @@ def _exp(token: str) -> float:
 
     payload = token.split(".")[1]
     return float(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["exp"])
+
+
+def test_an_explicit_token_variable_beats_the_plugin_in_a_job_without_id_token(
+    github_issuer: Any, local_broker: Any
+) -> None:
+    """The documented way out for a job that should use another identity."""
+    token = local_broker.issue_kubernetes_token("runners", "arc-runner")
+    env = {"GITHUB_ACTIONS": "true", "AGENT_SANDBOX_TOKEN": token}
+    credential = DefaultCredentials(environ=env).get_credential(local_broker.url)
+    assert credential.provider == "agent-sandbox-token"
+    report = explain(local_broker.url, environ=env)
+    assert report.selected == "agent-sandbox-token"
+    decisions = {d.name: d.status for d in report.decisions}
+    assert decisions["github-actions"] == "shadowed"  # present but broken, never reached

@@ -35,8 +35,9 @@ REQUEST_URL_VAR = "ACTIONS_ID_TOKEN_REQUEST_URL"
 REQUEST_TOKEN_VAR = "ACTIONS_ID_TOKEN_REQUEST_TOKEN"  # noqa: S105 - a variable name
 
 _PERMISSIONS_FIX = (
-    "grant the job an OIDC token: add `permissions: id-token: write` to the workflow or to this "
-    "job (a fork's pull_request run never gets one)"
+    "add `permissions: id-token: write` to the workflow or to this job (pull_request runs from "
+    "forks never get one); to use another identity in this job instead, set "
+    "AGENT_SANDBOX_TOKEN or AGENT_SANDBOX_TOKEN_FILE (consulted before plugins)"
 )
 _RETRY_STATUSES = frozenset({500, 502, 503, 504})
 _RETRY_PAUSE = 0.2  # seconds before the single retry of a transient failure
@@ -73,8 +74,8 @@ def agent_sandbox_get_credential(request: CredentialRequest) -> Credential | Non
     if missing:
         _fail(
             f"running in GitHub Actions ({ACTIONS_VAR} is set) but {' and '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not set: the job has no permission to "
-            f"request an OIDC token; {_PERMISSIONS_FIX}",
+            f"{'is' if len(missing) == 1 else 'are'} not set: the job may not request an OIDC "
+            f"token; {_PERMISSIONS_FIX}",
             source=missing[0],
         )
     token = fetch_token(request_url, request_token, request.audience, request.timeout)
