@@ -125,11 +125,7 @@ def fetch_token(request_url: str, request_token: str, audience: str, timeout: fl
         attempt += 1
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            _fail(
-                f"the GitHub Actions token service at {host} did not answer within "
-                f"{timeout:g}s; retry the job, or raise the credential timeout",
-                source=REQUEST_URL_VAR,
-            )
+            _fail(_timeout_message(host, timeout), source=REQUEST_URL_VAR)
         _log.debug("requesting a GitHub Actions OIDC token from %s (attempt %d)", host, attempt)
         try:
             with httpx.Client(
@@ -141,11 +137,7 @@ def fetch_token(request_url: str, request_token: str, audience: str, timeout: fl
                 response = client.get(url, headers=headers)
                 body = response.read()
         except httpx.TimeoutException:
-            _fail(
-                f"the GitHub Actions token service at {host} did not answer within "
-                f"{timeout:g}s; retry the job, or raise the credential timeout",
-                source=REQUEST_URL_VAR,
-            )
+            _fail(_timeout_message(host, timeout), source=REQUEST_URL_VAR)
         except httpx.TransportError as exc:
             if attempt == 1 and _pause_before_retry(deadline):
                 continue
@@ -224,6 +216,13 @@ def _token_from_reply(response: httpx.Response, body: bytes, host: str, request_
             kind="malformed",
         )
     return token
+
+
+def _timeout_message(host: str, timeout: float) -> str:
+    return (
+        f"the GitHub Actions token service at {host} did not answer within {timeout:g}s; retry "
+        "the job, or raise the credential timeout (DefaultCredentials(timeout=...))"
+    )
 
 
 def _check_request_url(request_url: str) -> str:
