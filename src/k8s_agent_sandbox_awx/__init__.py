@@ -52,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "BrokerTemplateNotFoundError": "._exceptions",
     "BrokerConflictError": "._exceptions",
     "SandboxFailedError": "._exceptions",
+    "SandboxTerminatingError": "._exceptions",
     "SandboxInfo": "._sandbox",
     "ConfigurationError": "._exceptions",
     "SandboxReadyTimeoutError": "._exceptions",
@@ -110,6 +111,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         RequestTimeoutError,
         SandboxFailedError,
         SandboxReadyTimeoutError,
+        SandboxTerminatingError,
     )
     from ._sandbox import Sandbox, SandboxInfo
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl

@@ -21,6 +21,7 @@ from ._exceptions import (
     RequestTimeoutError,
     SandboxFailedError,
     SandboxReadyTimeoutError,
+    SandboxTerminatingError,
 )
 from ._transport import BrokerTransport
 
@@ -151,7 +152,13 @@ class BrokerSandboxClient:
         while True:
             if info.phase == "Ready" or info.ready:
                 return info
-            if info.phase in ("Failed", "Terminating"):
+            if info.phase == "Terminating":
+                raise SandboxTerminatingError(
+                    f"Sandbox {info.name!r} is being deleted (Terminating) and will not become "
+                    "ready; create a new one with Sandbox.create().",
+                    name=info.name,
+                )
+            if info.phase == "Failed":
                 raise SandboxFailedError(
                     f"Sandbox {info.name!r} is {info.phase} and will not become ready{deleted} "
                     f"(reason: {info.reason or 'none given'}; {info.message or 'no message'}). "

@@ -37,6 +37,7 @@ __all__ = [
     "RequestTimeoutError",
     "SandboxFailedError",
     "SandboxReadyTimeoutError",
+    "SandboxTerminatingError",
 ]
 
 
@@ -160,3 +161,11 @@ class SandboxFailedError(SandboxClaimFailedError):
         self.name = name
         self.reason = reason
         self.detail = detail
+
+
+class SandboxTerminatingError(SandboxNotFoundError):
+    """The sandbox is being deleted (phase ``Terminating``); it will not be usable again."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        super().__init__(message)
+        self.name = name
