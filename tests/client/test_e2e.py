@@ -327,3 +327,48 @@ def test_code_written_for_the_upstream_client(broker: Any) -> None:
             client.get_sandbox(sandbox.claim_name)
         client.create_sandbox("python")
     assert _live(broker) == []  # the context manager deleted the rest
+
+
+def test_quota_and_permission_errors_are_typed(broker: Any) -> None:
+    from k8s_agent_sandbox_awx import BrokerPermissionError, BrokerQuotaError
+
+    env = broker.environ("kubernetes", namespace="team-q", service_account="agent")
+    with BrokerSandboxClient(environ=env) as client:
+        for _ in range(5):  # the default policy's max_sandboxes
+            client.create_sandbox()
+        before = len(broker.claims(include_deleted=True))
+        with pytest.raises(BrokerQuotaError) as quota:
+            client.create_sandbox()
+        assert quota.value.code == "quota_exceeded" and "kill" in str(quota.value)
+        assert len(broker.claims(include_deleted=True)) == before  # nothing left behind
+        mine = client.list_active_sandboxes()[0][1]
+        other = broker.environ("kubernetes", namespace="team-q", service_account="intruder")
+        with BrokerSandboxClient(environ=other) as intruder:
+            handle = Sandbox(intruder, client.get_info(mine))
+            with pytest.raises(BrokerPermissionError) as denied:
+                handle.commands.run("echo stolen")
+            assert denied.value.code == "not_owner"
+            handle._killed = True
+        assert broker.execution_count(mine) == 0
+
+
+def test_cleanup_true_deletes_at_exit(broker: Any) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, **broker.environ("kubernetes")}
+    code = (
+        "from k8s_agent_sandbox_awx import BrokerSandboxClient\n"
+        "c = BrokerSandboxClient(cleanup=True)\n"
+        "print(c.create_sandbox().name)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip().startswith("sbx-")
+    assert _live(broker) == []
