@@ -41,7 +41,7 @@ from typing import Any
 
 CHUNK_SIZE = 256 * 1024
 MAX_JSON_BODY = 1024 * 1024
-DEFAULT_EXEC_TIMEOUT = float(os.environ.get("SANDBOX_EXEC_TIMEOUT_SECONDS", "300"))
+DEFAULT_EXEC_TIMEOUT = 300.0
 TIMEOUT_EXIT_CODE = 124
 PARENT_PID_ENV = "AGENT_SANDBOX_RUNTIME_PARENT_PID"
 
@@ -62,8 +62,8 @@ def _exit_now(*_: object) -> None:
     os._exit(0)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when the parent goes away (PR_SET_PDEATHSIG where available, plus a watcher)."""
+def _set_pdeathsig() -> None:
+    """Ask Linux to send SIGTERM when the parent (thread) that started us dies."""
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -73,6 +73,11 @@ def _die_with_parent(parent_pid: int) -> None:
             libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
         except (OSError, AttributeError):  # pragma: no cover - exotic libc
             pass
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Exit when the parent goes away (PR_SET_PDEATHSIG where available, plus a watcher)."""
+    _set_pdeathsig()
     if os.getppid() != parent_pid:
         _exit_now()
 
@@ -154,6 +159,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "agent-sandbox-local-runtime"
     sys_version = ""
     base_dir: str = "/"
+    exec_timeout: float = DEFAULT_EXEC_TIMEOUT
 
     def log_message(self, format: str, *args: Any) -> None:
         return  # quiet: the broker logs requests
@@ -263,7 +269,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         timeout = body.get("timeout_seconds")
         if timeout is None:
-            timeout = DEFAULT_EXEC_TIMEOUT
+            timeout = self.exec_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             self._error(400, "field 'timeout_seconds' must be a positive number")
             return
@@ -422,26 +428,175 @@ def _receive_upload(handler: _Handler) -> dict[str, Any]:
     return done
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8888")))
-    parser.add_argument("--base-dir", default=os.environ.get("SANDBOX_BASE_DIR", os.getcwd()))
-    args = parser.parse_args(argv)
-    parent = os.environ.get(PARENT_PID_ENV)
-    if parent:
-        _die_with_parent(int(parent))
+def serve(host: str, port: int, base_dir: str) -> None:
+    """Serve the protocol on ``host:port`` for ``base_dir`` until killed."""
     signal.signal(signal.SIGTERM, _exit_now)
-    base_dir = os.path.realpath(args.base_dir)
+    base_dir = os.path.realpath(base_dir)
     os.makedirs(base_dir, exist_ok=True)
-    handler = type("Handler", (_Handler,), {"base_dir": base_dir})
-    server = ThreadingHTTPServer((args.host, args.port), handler)
+    exec_timeout = float(os.environ.get("SANDBOX_EXEC_TIMEOUT_SECONDS") or DEFAULT_EXEC_TIMEOUT)
+    handler = type("Handler", (_Handler,), {"base_dir": base_dir, "exec_timeout": exec_timeout})
+    server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     try:
         server.serve_forever(poll_interval=0.5)
     finally:
         _kill_active_groups()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8888")))
+    parser.add_argument("--base-dir", default=os.environ.get("SANDBOX_BASE_DIR", os.getcwd()))
+    parser.add_argument(
+        "--fork-server",
+        action="store_true",
+        help="read spawn requests (JSON lines) on stdin and fork one runtime per request",
+    )
+    args = parser.parse_args(argv)
+    if args.fork_server:
+        return fork_server()
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent:
+        _die_with_parent(int(parent))
+    serve(args.host, args.port, args.base_dir)
     return 0
+
+
+# -- fork server -------------------------------------------------------------------------------
+# Starting a Python process per sandbox costs ~60 ms of CPU and ~20 MiB; forking a warm,
+# single-threaded template process costs ~2 ms and shares its memory copy-on-write. The broker
+# starts one fork server and sends it one JSON line per sandbox:
+#   {"id": N, "host": ..., "port": ..., "base_dir": ..., "env": {...}, "log": path}
+# and reads back {"id": N, "pid": PID} or {"id": N, "error": "..."}, and {"exited": PID,
+# "status": CODE} whenever a runtime ends. Each runtime is a session leader (its own process
+# group), dies with the fork server, and the fork server dies with the broker.
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(*_: object) -> None:
+    raise _Stop
+
+
+def fork_server() -> int:
+    import selectors
+
+    parent = int(os.environ.get(PARENT_PID_ENV) or os.getppid())
+    _set_pdeathsig()
+    if os.getppid() != parent:
+        return 0
+    with contextlib.suppress(ImportError):  # warm for the children's first upload
+        import python_multipart.multipart  # noqa: F401
+    children: set[int] = set()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    selector = selectors.DefaultSelector()
+    selector.register(0, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    pending = b""
+
+    def reply(message: dict[str, Any]) -> None:
+        data = json.dumps(message).encode() + b"\n"
+        while data:
+            data = data[os.write(1, data) :]
+
+    def reap() -> None:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            children.discard(pid)
+            reply({"exited": pid, "status": os.waitstatus_to_exitcode(status)})
+
+    try:
+        while True:
+            events = selector.select(timeout=0.5)
+            if os.getppid() != parent:
+                break
+            for key, _ in events:
+                if key.fd == wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(wake_r, 4096):
+                            pass
+                    continue
+                data = os.read(0, 65536)
+                if not data:
+                    raise _Stop
+                pending += data
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    request = json.loads(line)
+                    try:
+                        pid = _fork_runtime(request, (wake_r, wake_w))
+                    except OSError as exc:
+                        reply({"id": request.get("id"), "error": f"fork failed: {exc}"})
+                        continue
+                    children.add(pid)
+                    reply({"id": request.get("id"), "pid": pid})
+            reap()
+    except (_Stop, BrokenPipeError):
+        pass
+    finally:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for pid in list(children):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 2.0
+        while children and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+                if pid:
+                    children.discard(pid)
+                    continue
+            time.sleep(0.01)
+        for pid in list(children):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+    return 0
+
+
+def _fork_runtime(request: dict[str, Any], close_fds: tuple[int, ...]) -> int:
+    zygote = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # the child: never returns into the fork server's loop
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        for fd in close_fds:
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["base_dir"])
+        _die_with_parent(zygote)
+        serve(request["host"], int(request["port"]), request["base_dir"])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
 
 
 if __name__ == "__main__":
