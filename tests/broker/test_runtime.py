@@ -134,3 +134,16 @@ def test_broken_runtime_command_fails_the_sandbox(api: Any) -> None:
         assert state["phase"] == "Failed"
         assert state["reason"] == "RuntimeExited"
         assert "status 7" in state["message"]
+
+
+def test_sandbox_does_not_inherit_credentials(
+    broker: LocalBroker, alice: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENT_SANDBOX_TOKEN", "secret-token-value")
+    monkeypatch.setenv("CI_JOB_JWT_V2", "secret-jwt-value")
+    sandbox = alice.ready(env={"MINE": "yes"})
+    out = alice.run(sandbox, "env").json()["stdout"]
+    assert "secret-token-value" not in out
+    assert "secret-jwt-value" not in out
+    assert "MINE=yes" in out
+    assert "PATH=" in out

@@ -97,6 +97,19 @@ class SandboxBackend(Protocol):
         ...
 
 
+_CREDENTIAL_VARIABLES = (
+    "AGENT_SANDBOX_",
+    "ACTIONS_ID_TOKEN_REQUEST_",
+    "CI_JOB_JWT",
+    "CI_JOB_TOKEN",
+)
+
+
+def _inherited_environment() -> dict[str, str]:
+    """The broker's environment minus credentials: a sandbox never sees the caller's tokens."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_CREDENTIAL_VARIABLES)}
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -297,7 +310,7 @@ class LocalProcessBackend:
         for _attempt in range(3):
             port = _free_port(self.host)
             env = {
-                **os.environ,
+                **_inherited_environment(),
                 **spec.env,
                 "PORT": str(port),
                 "SANDBOX_BASE_DIR": base_dir,
