@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import inspect
 import os
-from collections.abc import Callable, Hashable, Mapping
-from typing import Protocol, runtime_checkable
+import threading
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping
+from typing import Protocol, TypeVar, runtime_checkable
 
 from . import _cache
 from ._credential import Credential
@@ -21,20 +24,32 @@ from ._providers import check_not_automounted, read_token_file
 
 __all__ = ["CredentialSource", "KubernetesAuth", "OIDCTokenAuth", "accept_credential"]
 
-TokenCallable = Callable[[], str] | Callable[[str], str]
+T = TypeVar("T")
+
+TokenCallable = (
+    Callable[[], str]
+    | Callable[[str], str]
+    | Callable[[], Awaitable[str]]
+    | Callable[[str], Awaitable[str]]
+)
 
 
 @runtime_checkable
 class CredentialSource(Protocol):
     """What ``auth=`` accepts, and what the discovery chain is.
 
-    ``get_credential(audience)`` is called before every request. It returns a credential that is
+    ``get_credential(audience)`` is called before every request by the sync client,
+    ``await aget_credential(audience)`` by the async client; both return a credential that is
     checked for ``audience`` (the broker URL) and expiry, re-reading file-backed sources each time
-    and serving non-file ones from the shared cache. ``invalidate(audience)`` drops a cached
-    credential (used after a broker 401) so that the next call fetches it again.
+    and serving non-file ones from the shared cache (one cache for both paths: a token fetched by
+    one is served to the other). ``invalidate(audience)`` drops a cached credential (used after a
+    broker 401) so that the next call fetches it again; it is synchronous and non-blocking (no
+    I/O, one short-held lock), so async code calls it directly and there is no ``ainvalidate``.
     """
 
     def get_credential(self, audience: str) -> Credential: ...
+
+    async def aget_credential(self, audience: str) -> Credential: ...
 
     def invalidate(self, audience: str) -> None: ...
 
@@ -62,17 +77,17 @@ def accept_credential(
     return result, decoded
 
 
-def call_guarded(
-    function: Callable[[], object], *, provider: str, source: str, secrets: tuple[str, ...] = ()
-) -> object:
-    """Call a provider; an unexpected exception becomes a :class:`CredentialSourceError`.
+@contextlib.contextmanager
+def guarded(*, provider: str, source: str, secrets: tuple[str, ...] = ()) -> Iterator[None]:
+    """Around a provider call (sync or awaited): an unexpected exception becomes a
+    :class:`CredentialSourceError`.
 
     Typed credential errors pass through unchanged. Other exceptions are reported by type and
     (redacted) message; the original is not chained, so that a secret it may carry cannot reach
-    a traceback.
+    a traceback. ``BaseException`` (cancellation, interrupts) passes through.
     """
     try:
-        return function()
+        yield
     except CredentialError:
         raise
     except Exception as exc:
@@ -84,6 +99,36 @@ def call_guarded(
             provider=provider,
             source=source,
         ) from None
+
+
+def run_in_helper_thread(awaitable: Awaitable[T]) -> T:
+    """Run ``awaitable`` to completion on a fresh event loop in a helper thread, from sync code.
+
+    How the sync path calls an async-only fetch (an ``async def`` token callable, a plugin with
+    only ``agent_sandbox_get_credential_async``): ``asyncio.run`` cannot run in a thread whose
+    event loop is running, and a helper thread works whether or not the caller has one. The
+    caller's thread waits for it; this happens only on a cache miss. An awaitable bound to
+    another event loop (a Task or Future) cannot be run this way and fails with the error
+    asyncio gives.
+    """
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+
+    async def main() -> T:
+        return await awaitable
+
+    def target() -> None:
+        try:
+            outcome.append(asyncio.run(main()))
+        except BaseException as exc:  # handed to the calling thread below
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="agent-sandbox-credential-fetch", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return outcome[0]
 
 
 class KubernetesAuth:
@@ -118,6 +163,15 @@ class KubernetesAuth:
         check_credential(credential, audience, _cache.now())
         return credential
 
+    async def aget_credential(self, audience: str) -> Credential:
+        """:meth:`get_credential` for asyncio code: the file is read inline, on the loop.
+
+        One ``open``/``read`` (at most ``MAX_TOKEN_CHARS + 2`` bytes)/``close`` of a small local
+        file costs a few µs, far less than handing it to a worker thread (measured in
+        ``bench/bench_credentials.py``; see docs/credentials.md, "The async path").
+        """
+        return self.get_credential(audience)
+
     def invalidate(self, audience: str) -> None:
         """Nothing to drop: the file is read on every request."""
 
@@ -134,23 +188,56 @@ def _accepts_audience(function: Callable[..., object]) -> bool:
     return True
 
 
+def _is_async_callable(function: object) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one (partials included)."""
+    if inspect.iscoroutinefunction(function):
+        return True
+    call = getattr(function, "__call__", None)  # noqa: B004 - the bound method itself is wanted
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
 class OIDCTokenAuth:
     """An explicit OIDC token: a string, or a callable that returns one.
 
     - ``OIDCTokenAuth("eyJ...")``: that token, checked (expiry, audience) on every request.
     - ``OIDCTokenAuth(fetch)``: ``fetch(audience)`` if it accepts one positional argument, else
-      ``fetch()``; the result goes through the shared cache (one fetch per expiry).
+      ``fetch()``; the result goes through the shared cache (one fetch per expiry). ``fetch``
+      may be an ``async def`` (or return an awaitable, such as a coroutine).
     - ``OIDCTokenAuth.from_env("MY_ID_TOKEN")``: the variable, read when needed, cached.
 
+    How a callable is called on a cache miss:
+
+    ============================  ===========================  ==============================
+    callable                      ``get_credential`` (sync)    ``aget_credential`` (async)
+    ============================  ===========================  ==============================
+    plain function                called in the caller         in a worker thread
+                                                               (``asyncio.to_thread``: it may
+                                                               block, e.g. an HTTP fetch)
+    ``async def``                 awaited on a fresh loop in   awaited on the running loop
+                                  a helper thread
+    returns an awaitable          called in the caller; the    called in a worker thread; the
+                                  awaitable is awaited in a    awaitable is awaited on the
+                                  helper thread                running loop
+    ============================  ===========================  ==============================
+
+    A callable that needs the running event loop (creates tasks) must be an ``async def``.
     Each instance has its own cache key, so two instances never see each other's tokens.
     """
 
     provider_name = "OIDCTokenAuth"
 
-    def __init__(self, token_or_callable: str | TokenCallable, *, _source: str = "") -> None:
+    def __init__(
+        self,
+        token_or_callable: str | TokenCallable,
+        *,
+        _source: str = "",
+        _blocking: bool = True,
+    ) -> None:
         self._key: Hashable = _cache.new_instance_key(self.provider_name)
         self._static: Credential | None = None
         self._fetch: Callable[[str], object] | None = None
+        self._async = False
+        self._blocking = _blocking
         if isinstance(token_or_callable, str):
             self._source = _source or "a token string"
             token = check_token_text(
@@ -161,6 +248,7 @@ class OIDCTokenAuth:
             function = token_or_callable
             name = getattr(function, "__qualname__", None) or type(function).__name__
             self._source = _source or f"callable {name}"
+            self._async = _is_async_callable(function)
             if _accepts_audience(function):
                 self._fetch = function  # type: ignore[assignment]
             else:
@@ -173,7 +261,10 @@ class OIDCTokenAuth:
 
     @classmethod
     def from_env(cls, name: str, *, environ: Mapping[str, str] | None = None) -> OIDCTokenAuth:
-        """A token in the environment variable ``name``, read on first use and cached."""
+        """A token in the environment variable ``name``, read on first use and cached.
+
+        Reading a variable does not block, so the async path reads it inline.
+        """
         env: Mapping[str, str] = os.environ if environ is None else environ
         source = f"environment variable {name}"
 
@@ -196,7 +287,7 @@ class OIDCTokenAuth:
                 )
             return value
 
-        return cls(read, _source=source)
+        return cls(read, _source=source, _blocking=False)
 
     def __repr__(self) -> str:
         return f"OIDCTokenAuth(source={self._source!r})"
@@ -207,12 +298,38 @@ class OIDCTokenAuth:
             return self._static
         return _cache.get_or_fetch((self._key, audience), lambda: self._fetch_checked(audience))
 
+    async def aget_credential(self, audience: str) -> Credential:
+        """:meth:`get_credential` for asyncio code (same cache, same checks)."""
+        if self._static is not None:
+            check_credential(self._static, audience, _cache.now())
+            return self._static
+        return await _cache.aget_or_fetch(
+            (self._key, audience), lambda: self._afetch_checked(audience)
+        )
+
     def _fetch_checked(self, audience: str) -> tuple[Credential, float]:
         fetch = self._fetch
         assert fetch is not None
-        value = call_guarded(
-            lambda: fetch(audience), provider=self.provider_name, source=self._source
-        )
+        with guarded(provider=self.provider_name, source=self._source):
+            value = fetch(audience)
+            if inspect.isawaitable(value):
+                value = run_in_helper_thread(value)
+        return self._accept(value, audience)
+
+    async def _afetch_checked(self, audience: str) -> tuple[Credential, float]:
+        fetch = self._fetch
+        assert fetch is not None
+        with guarded(provider=self.provider_name, source=self._source):
+            if self._async or not self._blocking:
+                value = fetch(audience)
+            else:
+                value = await asyncio.to_thread(fetch, audience)
+            if inspect.isawaitable(value):
+                value = await value
+        return self._accept(value, audience)
+
+    def _accept(self, value: object, audience: str) -> tuple[Credential, float]:
+        """Check what the callable returned (I/O-free; shared by both paths)."""
         if value is None:
             raise NoCredentialsError(
                 f"The token callable ({self._source}) returned None: it has no token for "
@@ -237,6 +354,9 @@ class OIDCTokenAuth:
         return credential, cache_deadline(decoded, now)
 
     def invalidate(self, audience: str) -> None:
-        """Drop this source's cached token for ``audience``; the next request fetches again."""
+        """Drop this source's cached token for ``audience``; the next request fetches again.
+
+        Non-blocking (no I/O): async code calls it directly.
+        """
         if self._static is None:
             _cache.invalidate((self._key, audience))

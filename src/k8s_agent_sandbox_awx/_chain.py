@@ -9,7 +9,11 @@ Order (decided here, never by registration or entry-point iteration order):
 4. ``kubernetes-projected``: ``/var/run/secrets/tokens/agent-sandbox-token`` (re-read).
 
 The first provider that returns a credential wins; one that raises ("here but broken") stops
-discovery with its error. A provider whose non-file credential for the audience is still in the
+discovery with its error. Discovery and the per-request fetch are written once, as I/O-free
+generators that yield ``(provider, request)`` steps; the sync path answers each step with
+:meth:`ProviderEntry.call`, the async path with ``await`` :meth:`ProviderEntry.acall`. One
+discovery runs per instance and audience at a time (a single flight in ``_cache``, shared by
+threads and tasks). A provider whose non-file credential for the audience is still in the
 process cache (selected earlier by another ``DefaultCredentials`` on ``os.environ``) is answered
 from the cache during discovery too. The winner is remembered per audience, so later requests
 call only that provider: file-backed ones read their file again, the others are served from the
@@ -18,15 +22,16 @@ cache.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 from . import _cache
-from ._auth import CredentialSource, accept_credential, call_guarded
+from ._auth import CredentialSource, accept_credential, guarded
 from ._credential import Credential, CredentialRequest
 from ._credential_errors import (
     CredentialError,
@@ -49,6 +54,11 @@ __all__ = ["DefaultCredentials", "Explanation", "ProviderDecision", "explain"]
 logger = logging.getLogger("k8s_agent_sandbox_awx.credentials")
 
 Status = Literal["selected", "not here", "shadowed", "error", "failed to load"]
+
+T = TypeVar("T")
+Step = tuple[ProviderEntry, CredentialRequest]
+Steps = Generator[Step, object, T]
+"""An I/O-free computation that yields the provider calls it needs and receives their results."""
 
 
 @dataclass(frozen=True)
@@ -92,13 +102,43 @@ def _no_credentials(
     return NoCredentialsError("\n".join(lines), tried=tried)
 
 
+def _guard(provider: ProviderEntry, request: CredentialRequest) -> Any:
+    secrets = (request.environ.get(TOKEN_ENV, ""),)
+    return guarded(provider=provider.name, source=provider.origin, secrets=secrets)
+
+
 def _call(provider: ProviderEntry, request: CredentialRequest) -> object:
-    return call_guarded(
-        lambda: provider.get_credential(request),
-        provider=provider.name,
-        source=provider.origin,
-        secrets=(request.environ.get(TOKEN_ENV, ""),),
-    )
+    with _guard(provider, request):
+        return provider.call(request)
+
+
+async def _acall(provider: ProviderEntry, request: CredentialRequest) -> object:
+    with _guard(provider, request):
+        return await provider.acall(request)
+
+
+def _advance(steps: Steps[T], result: object) -> tuple[Step | None, T | None]:
+    """Send ``result`` in: the next step, or ``(None, the final value)``."""
+    try:
+        return steps.send(result), None
+    except StopIteration as done:
+        return None, done.value
+
+
+def _run(steps: Steps[T]) -> T:
+    """Drive ``steps`` with sync provider calls."""
+    step, value = _advance(steps, None)
+    while step is not None:
+        step, value = _advance(steps, _call(*step))
+    return cast(T, value)
+
+
+async def _arun(steps: Steps[T]) -> T:
+    """Drive ``steps`` with awaited provider calls."""
+    step, value = _advance(steps, None)
+    while step is not None:
+        step, value = _advance(steps, await _acall(*step))
+    return cast(T, value)
 
 
 class DefaultCredentials:
@@ -134,6 +174,7 @@ class DefaultCredentials:
         )
         self._registry: ProviderRegistry | None = None
         self._selected: dict[str, _Selection] = {}
+        self._discovery_scope = _cache.new_instance_key("DefaultCredentials discovery")
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -163,25 +204,56 @@ class DefaultCredentials:
     # -- per request ------------------------------------------------------------------------
 
     def get_credential(self, audience: str) -> Credential:
-        selection = self._selected.get(audience)
-        if selection is None:
-            return self._discover(audience)
-        if selection.file_backed:
-            return self._fetch(selection.provider, audience)[0]
-        return _cache.get_or_fetch(selection.key, lambda: self._fetch_for_cache(selection))
+        key, steps, store = self._plan(audience)
+        if key is None:
+            return _run(steps())[0]
+        return _cache.get_or_fetch(key, lambda: _run(steps()), store=store)
+
+    async def aget_credential(self, audience: str) -> Credential:
+        """:meth:`get_credential` for asyncio code: same order, cache and checks.
+
+        Built-in providers run inline (an environment lookup, one small file read); a plugin's
+        async hook is awaited; a plugin with only the sync hook runs in a worker thread. The
+        first call loads the plugins (imports entry points) in a worker thread.
+        """
+        if self._registry is None:
+            await asyncio.to_thread(self.registry)
+        key, steps, store = self._plan(audience)
+        if key is None:
+            return (await _arun(steps()))[0]
+        return await _cache.aget_or_fetch(key, lambda: _arun(steps()), store=store)
 
     def invalidate(self, audience: str) -> None:
-        """Drop the cached credential of the selected provider for ``audience`` (after a 401)."""
+        """Drop the cached credential of the selected provider for ``audience`` (after a 401).
+
+        Non-blocking (no I/O): async code calls it directly.
+        """
         selection = self._selected.get(audience)
         if selection is not None and not selection.file_backed:
             _cache.invalidate(selection.key)
 
+    def _plan(
+        self, audience: str
+    ) -> tuple[_cache.CacheKey | None, Callable[[], Steps[_cache.Fetched]], bool]:
+        """What a request does: ``(cache key or None for a file read, steps, store)``.
+
+        Before a provider is selected: one discovery per instance and audience (a single flight
+        that stores nothing). After: the selected provider, through the cache unless file-backed.
+        """
+        selection = self._selected.get(audience)
+        if selection is None:
+            key = (self._discovery_scope, audience)
+            return key, lambda: self._discover(audience), False
+        provider = selection.provider
+        steps = lambda: self._fetch(provider, audience)  # noqa: E731
+        return (None if selection.file_backed else selection.key), steps, True
+
     def _request(self, audience: str) -> CredentialRequest:
         return CredentialRequest(audience, self.environ, self._timeout)
 
-    def _fetch(self, provider: ProviderEntry, audience: str) -> tuple[Credential, float]:
+    def _fetch(self, provider: ProviderEntry, audience: str) -> Steps[_cache.Fetched]:
         request = self._request(audience)
-        result = _call(provider, request)
+        result = yield provider, request
         if result is None:
             raise CredentialSourceError(
                 f"The credential provider {provider.name!r} was selected for {audience!r} but no "
@@ -196,46 +268,48 @@ class DefaultCredentials:
         )
         return credential, cache_deadline(decoded, now)
 
-    def _fetch_for_cache(self, selection: _Selection) -> tuple[Credential, float]:
-        return self._fetch(selection.provider, selection.key[1])
-
     # -- discovery --------------------------------------------------------------------------
 
-    def _discover(self, audience: str) -> Credential:
-        with self._lock:
-            if audience in self._selected:
-                return self.get_credential(audience)
-            registry = self.registry()
-            tried: list[tuple[str, str]] = []
-            for index, provider in enumerate(registry.providers):
-                key: _cache.CacheKey = ((self._scope, provider.name), audience)
-                credential = _cache.get_cached(key)
-                if credential is None:
-                    # Not cached (or file-backed): ask the provider.
-                    request = self._request(audience)
-                    result = _call(provider, request)
-                    if result is None:
-                        tried.append((provider.name, _reason(provider, request)))
-                        continue
-                    now = _cache.now()
-                    credential, decoded = accept_credential(
-                        result, provider=provider.name, audience=audience, now=now
-                    )
-                    if not credential.file_backed:
-                        _cache.put(key, credential, cache_deadline(decoded, now))
-                self._selected[audience] = _Selection(provider, credential.file_backed, key)
-                logger.debug(
-                    "credential provider %r selected for %s (%s, %s)",
-                    provider.name,
-                    audience,
-                    credential.source,
-                    "file-backed, re-read on every request"
-                    if credential.file_backed
-                    else "cached until shortly before exp",
+    def _discover(self, audience: str) -> Steps[_cache.Fetched]:
+        """Consult the providers in order; remember and return the first credential."""
+        selection = self._selected.get(audience)
+        if selection is not None:  # selected by another caller just before this flight began
+            cached = None if selection.file_backed else _cache.get_cached(selection.key)
+            if cached is not None:
+                return cached, 0.0
+            fetched = yield from self._fetch(selection.provider, audience)
+            _cache.put(selection.key, *fetched)
+            return fetched
+        registry = self.registry()
+        tried: list[tuple[str, str]] = []
+        for index, provider in enumerate(registry.providers):
+            key: _cache.CacheKey = ((self._scope, provider.name), audience)
+            credential = _cache.get_cached(key)
+            if credential is None:
+                # Not cached (or file-backed): ask the provider.
+                request = self._request(audience)
+                result = yield provider, request
+                if result is None:
+                    tried.append((provider.name, _reason(provider, request)))
+                    continue
+                now = _cache.now()
+                credential, decoded = accept_credential(
+                    result, provider=provider.name, audience=audience, now=now
                 )
-                self._log_shadowed(registry.providers[index + 1 :], provider.name)
-                return credential
-            raise _no_credentials(audience, tried, registry.problems, self._token_path)
+                _cache.put(key, credential, cache_deadline(decoded, now))
+            self._selected[audience] = _Selection(provider, credential.file_backed, key)
+            logger.debug(
+                "credential provider %r selected for %s (%s, %s)",
+                provider.name,
+                audience,
+                credential.source,
+                "file-backed, re-read on every request"
+                if credential.file_backed
+                else "cached until shortly before exp",
+            )
+            self._log_shadowed(registry.providers[index + 1 :], provider.name)
+            return credential, 0.0
+        raise _no_credentials(audience, tried, registry.problems, self._token_path)
 
     def _log_shadowed(self, rest: Iterable[ProviderEntry], winner: str) -> None:
         if not logger.isEnabledFor(logging.DEBUG):

@@ -12,21 +12,27 @@
   = only those; empty = none. Both take entry-point names, never distribution or module names.
 - The order in which providers are consulted is decided by :func:`order_providers`, never by
   pluggy's registration order or by entry-point iteration order.
+- A provider implements ``agent_sandbox_get_credential`` (sync), ``..._async`` (an ``async def``)
+  or both; :meth:`ProviderEntry.call` and :meth:`ProviderEntry.acall` pick the hook for the sync
+  and the async path (see ``hookspecs``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
+import inspect
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import pluggy
 
 from . import hookspecs
+from ._auth import run_in_helper_thread
 from ._credential import CredentialRequest, ProviderInfo
 from ._credential_errors import CredentialPluginWarning
 from ._jwt import redact
@@ -57,6 +63,7 @@ DISABLE_AUTOLOAD_ENV = "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD"
 LOAD_PLUGINS_ENV = "AGENT_SANDBOX_LOAD_PLUGINS"
 
 ProviderCall = Callable[[CredentialRequest], object]
+AsyncProviderCall = Callable[[CredentialRequest], Awaitable[object]]
 
 
 @dataclass(frozen=True)
@@ -68,10 +75,31 @@ class ProviderEntry:
     info: ProviderInfo
     origin: str
     """Where it comes from, for humans (``built-in``, or the entry point and distribution)."""
-    get_credential: ProviderCall
+    get_credential: ProviderCall | None
     """Calls this plugin's ``agent_sandbox_get_credential`` implementation (and only it)."""
     present: Callable[[Mapping[str, str]], str | None] | None = None
     """Built-ins only: a cheap presence test used to log shadowed sources without reading."""
+    get_credential_async: AsyncProviderCall | None = None
+    """Calls this plugin's ``agent_sandbox_get_credential_async`` implementation, if any."""
+
+    def call(self, request: CredentialRequest) -> object:
+        """The sync path: the sync hook; for an async-only plugin, its async hook run to
+        completion on a fresh event loop in a helper thread."""
+        if self.get_credential is not None:
+            return self.get_credential(request)
+        assert self.get_credential_async is not None
+        return run_in_helper_thread(self.get_credential_async(request))
+
+    async def acall(self, request: CredentialRequest) -> object:
+        """The async path: the async hook if the plugin has one; else the sync hook, in a
+        worker thread (it may block on the network), or inline for the built-ins (an
+        environment lookup or one small local file read: a few µs, never worth a thread)."""
+        if self.get_credential_async is not None:
+            return await self.get_credential_async(request)
+        assert self.get_credential is not None
+        if self.builtin:
+            return self.get_credential(request)
+        return await asyncio.to_thread(self.get_credential, request)
 
 
 @dataclass(frozen=True)
@@ -166,8 +194,22 @@ def _register(
     pm.register(plugin, name=name)
     try:
         impl = _impl_for(pm.hook.agent_sandbox_get_credential, name)
-        if impl is None:
-            raise TypeError("it implements no agent_sandbox_get_credential hook")
+        async_impl = _impl_for(pm.hook.agent_sandbox_get_credential_async, name)
+        if impl is None and async_impl is None:
+            raise TypeError(
+                "it implements neither agent_sandbox_get_credential nor "
+                "agent_sandbox_get_credential_async"
+            )
+        if impl is not None and inspect.iscoroutinefunction(impl.function):
+            raise TypeError(
+                "its agent_sandbox_get_credential is an async def; name it "
+                "agent_sandbox_get_credential_async (the async hook)"
+            )
+        if async_impl is not None and not inspect.iscoroutinefunction(async_impl.function):
+            raise TypeError(
+                "its agent_sandbox_get_credential_async is not an async def; make it one, or "
+                "name it agent_sandbox_get_credential (the sync hook)"
+            )
         info_impl = _impl_for(pm.hook.agent_sandbox_provider_info, name)
         info = ProviderInfo() if info_impl is None else info_impl.function()
         if not isinstance(info, ProviderInfo):
@@ -185,8 +227,9 @@ def _register(
         builtin=builtin,
         info=info,
         origin=origin,
-        get_credential=_bind(impl),
+        get_credential=None if impl is None else _bind(impl),
         present=present,
+        get_credential_async=None if async_impl is None else _bind(async_impl),  # type: ignore[arg-type]
     )
 
 

@@ -40,3 +40,21 @@ def agent_sandbox_get_credential(request: CredentialRequest) -> Credential | Non
     The host calls each provider individually in its own documented order; it never relies on
     pluggy's registration order.
     """
+
+
+@hookspec
+async def agent_sandbox_get_credential_async(
+    request: CredentialRequest,
+) -> Credential | None:
+    """The async variant of :func:`agent_sandbox_get_credential`, implemented as an ``async def``.
+
+    Same answers (``None`` via ``request.not_here``, a :class:`Credential`, or a raised
+    :class:`~k8s_agent_sandbox_awx.CredentialSourceError`). A plugin implements either hook or
+    both:
+
+    - the async path (``aget_credential``) awaits this hook when the plugin has it, and
+      otherwise runs the sync hook in a worker thread (``asyncio.to_thread``) so that a blocking
+      fetch never blocks the event loop;
+    - the sync path (``get_credential``, ``explain``) calls the sync hook when the plugin has
+      it, and otherwise runs this hook to completion on a fresh event loop in a helper thread.
+    """

@@ -424,7 +424,7 @@ def test_invalid_plugins_are_skipped(base_env, missing_path, mint, caplog) -> No
         creds.get_credential(BROKER)
     assert len(record) == 3
     failed = {d.name: d.detail for d in explain(BROKER, auth=creds).decisions}
-    assert "implements no agent_sandbox_get_credential" in failed["nohook"]
+    assert "implements neither agent_sandbox_get_credential" in failed["nohook"]
     assert "returned dict, not ProviderInfo" in failed["badinfo"]
     assert "PluginValidationError" in failed["badarg"]
     assert any(r.levelno == logging.WARNING for r in caplog.records)

@@ -39,7 +39,11 @@ def _signature(name: str) -> str:
 
 
 def test_there_are_hooks() -> None:
-    assert _hooks() == ["agent_sandbox_get_credential", "agent_sandbox_provider_info"]
+    assert _hooks() == [
+        "agent_sandbox_get_credential",
+        "agent_sandbox_get_credential_async",
+        "agent_sandbox_provider_info",
+    ]
 
 
 @pytest.mark.parametrize("hook", _hooks())
