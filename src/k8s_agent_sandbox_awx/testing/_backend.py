@@ -136,7 +136,7 @@ class _ForkServer:
             if self.proc is not None:
                 return
             argv = [sys.executable, "-m", "k8s_agent_sandbox_awx.testing._runtime", "--fork-server"]
-            env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+            env = {**_inherited_environment(), PARENT_PID_ENV: str(os.getpid())}
             self.proc = _spawn_piped(argv, env, self.log_path)
             assert self.proc.stdout is not None
             fd = self.proc.stdout.fileno()
