@@ -325,3 +325,11 @@ def test_invalid_sandbox_name_is_invalid_path(alice: Any, name: str) -> None:
         resp = alice.http.request(method, f"/v1/sandboxes/{name}")
         assert resp.status_code == 400
         assert resp.json()["code"] == "invalid_path"
+
+
+def test_kubernetes_token_without_namespace_is_policy_denied(broker: LocalBroker, api: Any) -> None:
+    token = broker.kubernetes.issue_token("system:serviceaccount:x:y")  # no kubernetes.io claim
+    client = api(token)
+    for resp in (client.http.get("/v1/whoami"), client.create()):
+        assert resp.status_code == 403
+        assert resp.json()["code"] == "policy_denied"

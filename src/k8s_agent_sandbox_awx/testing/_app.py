@@ -407,6 +407,12 @@ class BrokerApp:
         raise ApiError(404, "not_found", f"no route for {method} {path}")
 
     def _whoami(self, caller: Caller, issuer: Issuer) -> dict[str, Any]:
+        try:
+            policy = issuer.policy.describe(caller)
+        except (ValueError, KeyError) as exc:
+            raise ApiError(
+                403, "policy_denied", f"no policy applies to this caller: {exc}"
+            ) from None
         return {
             "provider": caller.provider,
             "issuer": caller.issuer,
@@ -414,7 +420,7 @@ class BrokerApp:
             "audience": caller.audience,
             "expires_at": _rfc3339(caller.expires_at),
             "attributes": dict(caller.attributes),
-            "policy": issuer.policy.describe(caller),
+            "policy": policy,
         }
 
     async def _json_body(self, request: Request) -> Any:

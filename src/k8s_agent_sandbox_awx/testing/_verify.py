@@ -31,6 +31,12 @@ class TokenRejected(Exception):
         self.detail = detail
 
 
+def _short(value: object, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters (claims echoed in a reason stay readable)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def token_fingerprint(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -141,7 +147,7 @@ class TokenVerifier:
         if alg not in ALLOWED_ALGORITHMS:
             raise TokenRejected(
                 "algorithm_not_allowed",
-                f"algorithm {alg!r} is not allowed; allowed: "
+                f"algorithm {_short(alg)} is not allowed; allowed: "
                 f"{', '.join(sorted(ALLOWED_ALGORITHMS))}",
             )
         unverified = _b64json(parts[1], "payload")
@@ -152,7 +158,8 @@ class TokenVerifier:
         if issuer is None:
             raise TokenRejected(
                 "unknown_issuer",
-                f"issuer {iss!r} is not trusted by this broker; use a token from a trusted issuer",
+                f"issuer {_short(iss)} is not trusted by this broker; use a token from a trusted "
+                "issuer",
             )
         kid = header.get("kid")
         if not isinstance(kid, str):
@@ -161,7 +168,8 @@ class TokenVerifier:
         if key is None:
             raise TokenRejected(
                 "bad_signature",
-                f"issuer {iss!r} publishes no key with kid {kid!r} (rotated away or forged)",
+                f"issuer {iss!r} publishes no key with kid {_short(kid, 60)} "
+                "(rotated away or forged)",
             )
         if key.algorithm_name != alg:
             raise TokenRejected(
@@ -201,7 +209,7 @@ class TokenVerifier:
         if not isinstance(audiences, list) or self.audience not in audiences:
             raise TokenRejected(
                 "audience_mismatch",
-                f"the token's audience {aud!r} does not contain this broker's URL "
+                f"the token's audience {_short(aud)} does not contain this broker's URL "
                 f"{self.audience!r}; request a token with that audience",
             )
         now = time.time()
