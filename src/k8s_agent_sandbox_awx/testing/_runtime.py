@@ -83,7 +83,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
     def watch() -> None:
         while True:
-            time.sleep(0.25)
+            time.sleep(0.5)
             if os.getppid() != parent_pid:
                 _exit_now()
 
