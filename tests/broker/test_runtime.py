@@ -147,3 +147,28 @@ def test_sandbox_does_not_inherit_credentials(
     assert "secret-jwt-value" not in out
     assert "MINE=yes" in out
     assert "PATH=" in out
+
+
+def test_large_upload_to_an_escaping_path_gets_the_runtime_403(
+    alice: Any, sandbox: dict[str, Any]
+) -> None:
+    boundary = "b0undary"
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="../x"\r\n\r\n'
+    ).encode()
+
+    def body() -> Any:
+        yield head
+        for _ in range(16):
+            yield b"x" * (1 << 20)
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    resp = alice.http.post(
+        "/upload",
+        content=body(),
+        headers=alice.data_headers(
+            sandbox, **{"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        ),
+    )
+    assert resp.status_code == 403
+    assert "escapes" in resp.json()["detail"]

@@ -410,10 +410,19 @@ def _receive_upload(handler: _Handler) -> dict[str, Any]:
             "on_part_end": on_part_end,
         },
     )
+    failure: _UploadError | None = None
     try:
         for chunk in handler._body_chunks():
-            parser.write(chunk)
-        parser.finalize()
+            if failure is not None:
+                continue  # read the rest, so the client gets our answer, not a reset
+            try:
+                parser.write(chunk)
+            except _UploadError as exc:
+                failure = exc
+            except (ValueError, OSError) as exc:
+                failure = _UploadError(400, f"malformed upload: {exc}")
+        if failure is None:
+            parser.finalize()
     except _UploadError:
         raise
     except (ConnectionError, ValueError, OSError) as exc:
@@ -423,6 +432,8 @@ def _receive_upload(handler: _Handler) -> dict[str, Any]:
             state["out"][0].close()
             with contextlib.suppress(OSError):
                 os.unlink(state["out"][1])
+    if failure is not None:
+        raise failure
     if not done:
         raise _UploadError(400, "multipart body has no 'file' part")
     return done
