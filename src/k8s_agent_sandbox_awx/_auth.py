@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import inspect
 import os
 import threading
-from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping
-from typing import Protocol, TypeVar, runtime_checkable
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from types import TracebackType
+from typing import NoReturn, Protocol, TypeVar, runtime_checkable
 
 from . import _cache
 from ._credential import Credential
@@ -77,28 +77,50 @@ def accept_credential(
     return result, decoded
 
 
-@contextlib.contextmanager
-def guarded(*, provider: str, source: str, secrets: tuple[str, ...] = ()) -> Iterator[None]:
+class ProviderGuard:
     """Around a provider call (sync or awaited): an unexpected exception becomes a
     :class:`CredentialSourceError`.
 
-    Typed credential errors pass through unchanged. Other exceptions are reported by type and
-    (redacted) message; the original is not chained, so that a secret it may carry cannot reach
-    a traceback. ``BaseException`` (cancellation, interrupts) passes through.
+    Typed credential errors and ``BaseException`` (cancellation, interrupts) pass through.
+    Another exception is reported by type and (redacted) message, and the original is dropped:
+    the block is left with the error stored, and the caller raises it after the block with
+    :meth:`reraise`, outside any ``except``, so that neither ``__cause__`` nor ``__context__``
+    refers to an exception whose message or traceback may carry a secret::
+
+        with ProviderGuard(provider=..., source=...) as guard:
+            return fetch()
+        guard.reraise()
     """
-    try:
-        yield
-    except CredentialError:
-        raise
-    except Exception as exc:
-        message = redact(str(exc), secrets)
-        raise CredentialSourceError(
-            f"The credential provider {provider!r} ({source}) failed with "
+
+    def __init__(self, *, provider: str, source: str, secrets: tuple[str, ...] = ()) -> None:
+        self.provider, self.source, self.secrets = provider, source, secrets
+        self.error: CredentialSourceError | None = None
+
+    def __enter__(self) -> ProviderGuard:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        if not isinstance(exc, Exception) or isinstance(exc, CredentialError):
+            return False
+        message = redact(str(exc), self.secrets)
+        self.error = CredentialSourceError(
+            f"The credential provider {self.provider!r} ({self.source}) failed with "
             f"{type(exc).__name__}: {message}. It applies here but is broken, so discovery stops "
             "instead of falling through to another identity.",
-            provider=provider,
-            source=source,
-        ) from None
+            provider=self.provider,
+            source=self.source,
+        )
+        return True
+
+    def reraise(self) -> NoReturn:
+        """Raise the stored error (call it right after the block, which it ended)."""
+        assert self.error is not None
+        raise self.error from None
 
 
 def run_in_helper_thread(awaitable: Awaitable[T]) -> T:
@@ -310,23 +332,25 @@ class OIDCTokenAuth:
     def _fetch_checked(self, audience: str) -> tuple[Credential, float]:
         fetch = self._fetch
         assert fetch is not None
-        with guarded(provider=self.provider_name, source=self._source):
+        with ProviderGuard(provider=self.provider_name, source=self._source) as guard:
             value = fetch(audience)
             if inspect.isawaitable(value):
                 value = run_in_helper_thread(value)
-        return self._accept(value, audience)
+            return self._accept(value, audience)
+        guard.reraise()
 
     async def _afetch_checked(self, audience: str) -> tuple[Credential, float]:
         fetch = self._fetch
         assert fetch is not None
-        with guarded(provider=self.provider_name, source=self._source):
+        with ProviderGuard(provider=self.provider_name, source=self._source) as guard:
             if self._async or not self._blocking:
                 value = fetch(audience)
             else:
                 value = await asyncio.to_thread(fetch, audience)
             if inspect.isawaitable(value):
                 value = await value
-        return self._accept(value, audience)
+            return self._accept(value, audience)
+        guard.reraise()
 
     def _accept(self, value: object, audience: str) -> tuple[Credential, float]:
         """Check what the callable returned (I/O-free; shared by both paths)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
 
 from . import _cache
-from ._auth import CredentialSource, accept_credential, guarded
+from ._auth import CredentialSource, ProviderGuard, accept_credential
 from ._credential import Credential, CredentialRequest
 from ._credential_errors import (
     CredentialError,
@@ -102,19 +102,21 @@ def _no_credentials(
     return NoCredentialsError("\n".join(lines), tried=tried)
 
 
-def _guard(provider: ProviderEntry, request: CredentialRequest) -> Any:
+def _guard(provider: ProviderEntry, request: CredentialRequest) -> ProviderGuard:
     secrets = (request.environ.get(TOKEN_ENV, ""),)
-    return guarded(provider=provider.name, source=provider.origin, secrets=secrets)
+    return ProviderGuard(provider=provider.name, source=provider.origin, secrets=secrets)
 
 
 def _call(provider: ProviderEntry, request: CredentialRequest) -> object:
-    with _guard(provider, request):
+    with _guard(provider, request) as guard:
         return provider.call(request)
+    guard.reraise()
 
 
 async def _acall(provider: ProviderEntry, request: CredentialRequest) -> object:
-    with _guard(provider, request):
+    with _guard(provider, request) as guard:
         return await provider.acall(request)
+    guard.reraise()
 
 
 def _advance(steps: Steps[T], result: object) -> tuple[Step | None, T | None]:

@@ -3,6 +3,7 @@ repr(), str(), exception messages and args, log records (DEBUG included), warnin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import warnings
 from collections.abc import Callable
@@ -44,6 +45,23 @@ class TokenPlugin:
         if self.fail:
             raise ValueError(f"endpoint rejected {self.token}")
         return Credential(self.token, "token-plugin", source="https://issuer.example/token")
+
+
+class AsyncTokenPlugin:
+    def __init__(self, token: str, *, fail: bool = False) -> None:
+        self.token, self.fail = token, fail
+
+    @hookimpl
+    async def agent_sandbox_get_credential_async(
+        self, request: CredentialRequest
+    ) -> Credential | None:
+        if self.fail:
+            raise ValueError(f"endpoint rejected {self.token}")
+        return Credential(self.token, "async-plugin", source="https://issuer.example/token")
+
+
+async def _leaky_fetch(token: str) -> str:
+    raise OSError(f"denied for {token}")
 
 
 def _file(tmp: Path, token: str) -> str:
@@ -144,11 +162,34 @@ SCENARIOS: dict[str, Scenario] = {
         OIDCTokenAuth.from_env("X", environ={"X": (tok := m(aud=OTHER))}),
         tok,
     ),
+    "async plugin ok": lambda t, m: (
+        _chain(t, {}, [("async-plugin", AsyncTokenPlugin(tok := m()))]),
+        tok,
+    ),
+    "async plugin wrong audience": lambda t, m: (
+        _chain(t, {}, [("async-plugin", AsyncTokenPlugin(tok := m(aud=OTHER)))]),
+        tok,
+    ),
+    "async plugin raises with the token in its message": lambda t, m: (
+        _chain(t, {}, [("async-plugin", AsyncTokenPlugin(tok := m(), fail=True))]),
+        tok,
+    ),
+    "OIDCTokenAuth async callable ok": lambda t, m: (
+        OIDCTokenAuth(lambda: asyncio.sleep(0, result=tok)),
+        tok := m(),
+    ),
+    "OIDCTokenAuth async callable raises": lambda t, m: (
+        OIDCTokenAuth(lambda: _leaky_fetch(tok)),
+        tok := m(),
+    ),
 }
 
 
+@pytest.mark.parametrize("path", ["sync", "async"])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_no_secret_anywhere(name: str, tmp_path: Path, mint, no_secret, caplog) -> None:
+def test_no_secret_anywhere(name: str, path: str, tmp_path: Path, mint, no_secret, caplog) -> None:
+    """Each scenario on the sync path (``get_credential``) and on the async path
+    (``aget_credential``, on a fresh event loop)."""
     caplog.set_level(logging.DEBUG)
     texts: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
@@ -157,10 +198,14 @@ def test_no_secret_anywhere(name: str, tmp_path: Path, mint, no_secret, caplog) 
         texts += [repr(source), str(source)]
         for _ in range(2):  # discovery, then the per-request path
             try:
-                credential = source.get_credential(BROKER)
+                if path == "sync":
+                    credential = source.get_credential(BROKER)
+                else:
+                    credential = asyncio.run(source.aget_credential(BROKER))
             except CredentialError as exc:
                 texts += [str(exc), repr(exc), repr(exc.args), exc.provider, exc.source]
                 assert exc.__cause__ is None or token not in str(exc.__cause__)
+                assert exc.__context__ is None or token not in str(exc.__context__)
             else:
                 assert credential.token == token
                 texts += [repr(credential), str(credential), f"{credential}"]
