@@ -48,6 +48,27 @@ def agent_sandbox_get_credential(request: CredentialRequest) -> Credential | Non
 """
 
 
+ASYNC_PROVIDER_MODULE = """
+from __future__ import annotations
+
+import asyncio
+
+from k8s_agent_sandbox_awx import Credential, CredentialRequest, hookimpl
+
+CALLS: list[str] = []
+
+
+@hookimpl
+async def agent_sandbox_get_credential_async(request: CredentialRequest) -> Credential | None:
+    CALLS.append(request.audience)
+    await asyncio.sleep(0)
+    value = request.environ.get("SBX_TEST_DELTA")
+    if value is None:
+        return request.not_here("SBX_TEST_DELTA is not set")
+    return Credential(value, "delta", source="SBX_TEST_DELTA")
+"""
+
+
 def _write_package(
     root: Path, dist: str, package: str, modules: dict[str, str], eps: dict[str, str]
 ):
@@ -89,6 +110,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             name="kubernetes-projected", variable="SBX_TEST_SQUAT", priority=99
         ),
         "broken": 'raise ImportError("sbx_test_providers.broken needs the [extra] extra")\n',
+        "delta": ASYNC_PROVIDER_MODULE,
     }
     _write_package(
         base / "src-providers",
@@ -102,6 +124,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             "broken": "broken",
             "kubernetes-projected": "squatter",
             "epsilon": "alpha",
+            "delta": "delta",
         },
     )
     _write_package(
@@ -157,7 +180,7 @@ def test_the_distribution_is_really_installed(installed: Path) -> None:
     dist = importlib.metadata.distribution("sbx-test-providers")
     assert Path(str(dist.locate_file(""))).resolve() == installed.resolve()
     eps = {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-    assert {"alpha", "beta", "gamma", "broken", "kubernetes-projected"} <= eps
+    assert {"alpha", "beta", "gamma", "broken", "kubernetes-projected", "delta"} <= eps
 
 
 def test_discovered_and_ordered_by_priority_then_name(installed, missing_path) -> None:
@@ -279,3 +302,22 @@ def test_default_registry_loads_once_per_process(installed, monkeypatch, mint) -
     a, b = DefaultCredentials(), DefaultCredentials()
     assert a.registry() is b.registry()
     assert a.get_credential(BROKER).provider == "gamma"
+
+
+@pytest.mark.asyncio
+async def test_an_installed_async_only_plugin_on_both_paths(installed, missing_path, mint):
+    token = mint()
+    env = {"AGENT_SANDBOX_LOAD_PLUGINS": "delta", "SBX_TEST_DELTA": token}
+    creds = DefaultCredentials(env, _token_path=missing_path)
+    cred = await creds.aget_credential(BROKER)
+    assert (cred.token, cred.provider, cred.source) == (token, "delta", "SBX_TEST_DELTA")
+    calls = importlib.import_module("sbx_test_providers.delta").CALLS
+    assert calls == [BROKER]
+    # the sync path runs the async hook on a helper thread's loop
+    sync_creds = DefaultCredentials(env, _token_path=missing_path)
+    assert sync_creds.get_credential(BROKER).token == token
+    assert explain(BROKER, auth=sync_creds).selected == "delta"
+    with pytest.raises(NoCredentialsError, match="delta: SBX_TEST_DELTA is not set"):
+        await DefaultCredentials(
+            {"AGENT_SANDBOX_LOAD_PLUGINS": "delta"}, _token_path=missing_path
+        ).aget_credential(BROKER)
