@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker
 
@@ -59,9 +60,13 @@ def test_stop_kills_runtimes_and_removes_files(api: Any) -> None:
 CRASHER = textwrap.dedent(
     """
     import os, signal, ssl, sys, threading, httpx
+    MARK = {"fork": "61.2345", "exec": "62.2345"}
     from k8s_agent_sandbox_awx.testing import LocalBroker
 
-    b = LocalBroker(warn=False).start()
+    from k8s_agent_sandbox_awx.testing import LocalProcessBackend
+
+    b = LocalBroker(warn=False, backend=LocalProcessBackend(fork_server=sys.argv[1] == "fork"))
+    b.start()
     token = b.issue_kubernetes_token("team-a", "alice")
     http = httpx.Client(base_url=b.url, headers={"Authorization": "Bearer " + token},
                         verify=ssl.create_default_context(cafile=b.ca_bundle), timeout=30)
@@ -69,10 +74,17 @@ CRASHER = textwrap.dedent(
     http.get(f"/v1/sandboxes/{name}", params={"wait": "ready"})
     headers = {"X-Sandbox-ID": name, "X-Sandbox-Namespace": "team-a"}
     def sleeper():
-        http.post("/execute", json={"command": "sleep 61.2345"}, headers=headers)
+        http.post("/execute", json={"command": "sleep " + MARK[sys.argv[1]]}, headers=headers)
     threading.Thread(target=sleeper, daemon=True).start()
     import time; time.sleep(0.5)
-    print(b.runtime_pid(name), os.path.dirname(b.ca_bundle), flush=True)
+    running = 0
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                running += MARK[sys.argv[1]].encode() in fh.read()
+        except OSError:
+            pass
+    print(b.runtime_pid(name), os.path.dirname(b.ca_bundle), running, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
@@ -92,15 +104,17 @@ def _pids_with(marker: str) -> list[int]:
     return found
 
 
-def test_runtimes_die_when_the_test_process_crashes() -> None:
+@pytest.mark.parametrize("mode", ["fork", "exec"])
+def test_runtimes_die_when_the_test_process_crashes(mode: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", CRASHER], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", CRASHER, mode], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == -9, proc.stderr
-    pid_text, _tmp = proc.stdout.split()
+    pid_text, _tmp, running = proc.stdout.split()
+    assert int(running) >= 1, "the long command was not running when the broker died"
     runtime = int(pid_text)
     assert _wait_dead([runtime], 10) == [], "the runtime outlived the crashed broker"
-    leftovers = [p for p in _pids_with("61.2345") if _alive(p)]
+    leftovers = [p for p in _pids_with({"fork": "61.2345", "exec": "62.2345"}[mode]) if _alive(p)]
     assert _wait_dead(leftovers, 5) == [], "a command outlived the crashed broker"
     # the next broker sweeps the crashed one's temp directory
     assert os.path.isdir(_tmp)

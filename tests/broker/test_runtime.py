@@ -172,3 +172,17 @@ def test_large_upload_to_an_escaping_path_gets_the_runtime_403(
     )
     assert resp.status_code == 403
     assert "escapes" in resp.json()["detail"]
+
+
+def test_exec_mode_runtime(api: Any) -> None:
+    from k8s_agent_sandbox_awx.testing import LocalProcessBackend
+
+    backend = LocalProcessBackend(fork_server=False)
+    with LocalBroker(backend=backend, warn=False) as b:
+        client = api(b.issue_kubernetes_token("team-a", "alice"), b)
+        sandbox = client.ready()
+        out = client.run(sandbox, "python3 -c 'print(6 * 7)'").json()
+        assert out["stdout"] == "42\n"
+        pid = b.runtime_pid(sandbox["name"])
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            assert b"k8s_agent_sandbox_awx.testing._runtime" in fh.read()

@@ -118,3 +118,14 @@ def test_key_rotation_refetches_jwks_once(broker: LocalBroker, api: Any) -> None
         api(broker.issue_kubernetes_token("team-a", "alice")).http.get("/v1/whoami").status_code
         == 200
     )
+
+
+def test_keep_projected_token_rotated(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    with LocalBroker(warn=False) as b:
+        first = b.keep_projected_token_rotated(path, "team-a", "agent", ttl=1)
+        deadline = time.monotonic() + 10
+        while path.read_text() == first:
+            assert time.monotonic() < deadline, "the token file was not rotated"
+            time.sleep(0.05)
+        assert _claims(path.read_text())["sub"] == "system:serviceaccount:team-a:agent"
