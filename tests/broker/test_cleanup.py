@@ -79,9 +79,11 @@ CRASHER = textwrap.dedent(
     import time; time.sleep(0.5)
     running = 0
     for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                running += MARK[sys.argv[1]].encode() in fh.read()
+                running += fh.read() == b"sleep\0" + MARK[sys.argv[1]].encode() + b"\0"
         except OSError:
             pass
     print(b.runtime_pid(name), os.path.dirname(b.ca_bundle), running, flush=True)
