@@ -83,7 +83,7 @@ CRASHER = textwrap.dedent(
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                running += fh.read() == b"sleep\0" + MARK[sys.argv[1]].encode() + b"\0"
+                running += fh.read() == b"sleep\\0" + MARK[sys.argv[1]].encode() + b"\\0"
         except OSError:
             pass
     print(b.runtime_pid(name), os.path.dirname(b.ca_bundle), running, flush=True)
