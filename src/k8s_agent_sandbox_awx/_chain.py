@@ -216,14 +216,18 @@ class DefaultCredentials:
 
         Built-in providers run inline (an environment lookup, one small file read); a plugin's
         async hook is awaited; a plugin with only the sync hook runs in a worker thread. The
-        first call loads the plugins (imports entry points) in a worker thread.
+        first discovery loads the plugins (imports entry points) in a worker thread, in the one
+        task that runs it (the others wait for its result without a thread).
         """
-        if self._registry is None:
-            await asyncio.to_thread(self.registry)
         key, steps, store = self._plan(audience)
         if key is None:
             return (await _arun(steps()))[0]
-        return await _cache.aget_or_fetch(key, lambda: _arun(steps()), store=store)
+        return await _cache.aget_or_fetch(key, lambda: self._arun_loaded(steps), store=store)
+
+    async def _arun_loaded(self, steps: Callable[[], Steps[T]]) -> T:
+        if self._registry is None:
+            await asyncio.to_thread(self.registry)
+        return await _arun(steps())
 
     def invalidate(self, audience: str) -> None:
         """Drop the cached credential of the selected provider for ``audience`` (after a 401).

@@ -465,11 +465,14 @@ async def test_200_tasks_through_the_chain_cause_one_fetch_per_expiry(
     plugin: Counter = AsyncPlugin("A", delay=0.05) if kind == "async" else SyncPlugin("A", 0.05)
     env = {"AGENT_SANDBOX_LOAD_PLUGINS": "", "A": mint(now=clock.now, ttl=600)}
     creds = DefaultCredentials(env, _token_path=missing_path, _plugins=[("plugin", plugin)])
+    threads_before = threading.active_count()
     for window in range(1, 4):  # the first window's one fetch is discovery itself
         assert len(await _wave(creds)) == 1
         assert plugin.calls == window
         clock.advance(600)
         env["A"] = mint(now=clock.now, ttl=600)
+    # loading the plugins and a sync fetch use a worker thread in the leading task only
+    assert threading.active_count() - threads_before <= 2
 
 
 @pytest.mark.asyncio
