@@ -872,15 +872,21 @@ class BrokerApp:
                     "headers": out_headers,
                 }
             )
-            async for chunk in response.aiter_raw():
-                if chunk:
-                    message: Message = {
-                        "type": "http.response.body",
-                        "body": chunk,
-                        "more_body": True,
-                    }
-                    await send(message)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            gone = asyncio.get_running_loop().create_task(_client_gone(request.receive))
+            try:
+                async for chunk in response.aiter_raw():
+                    if gone.done():  # the client went away: stop reading from the sandbox
+                        return
+                    if chunk:
+                        message: Message = {
+                            "type": "http.response.body",
+                            "body": chunk,
+                            "more_body": True,
+                        }
+                        await send(message)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                gone.cancel()
         finally:
             await response.aclose()
 
@@ -899,6 +905,14 @@ class BrokerApp:
         for client in (self._jwks_http, self._router_http):
             if client is not None:
                 await client.aclose()
+
+
+async def _client_gone(receive: Receive) -> None:
+    """Return when the client disconnects (the request body has been read by then)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _string_map(value: Any, what: str) -> dict[str, str]:
