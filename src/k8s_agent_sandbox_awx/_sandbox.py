@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import builtins
 import logging
-import os
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Self, Unpack
 
+from . import _flow as flow
 from . import _protocol as proto
+from ._base import SandboxBase
 from ._commands import Commands
 from ._files import Files
 from ._upstream import SandboxNotFoundError
 
 if TYPE_CHECKING:
-    from ._auth import CredentialSource
     from ._client import BrokerSandboxClient
-    from ._config import BrokerConnectionConfig
 
 __all__ = ["Sandbox", "SandboxInfo"]
 
@@ -26,28 +25,15 @@ SandboxInfo = proto.SandboxInfo
 logger = logging.getLogger("k8s_agent_sandbox_awx.sandbox")
 
 
-def _make_client(
-    *,
-    config: BrokerConnectionConfig | None,
-    auth: CredentialSource | None,
-    environ: Mapping[str, str] | None,
-    settings: dict[str, Any],
-) -> BrokerSandboxClient:
+def _make_client(options: flow.ConnectOptions | flow.SandboxCreateOptions) -> BrokerSandboxClient:
     from ._client import BrokerSandboxClient
 
-    overrides = {k: v for k, v in settings.items() if v is not None}
-    if config is not None:
-        if overrides:
-            data = config.model_dump()
-            data.update(overrides)
-            if "broker_url" in overrides:
-                data.pop("api_url", None)
-            config = type(config).model_validate(data)
-        return BrokerSandboxClient(config, auth=auth, environ=environ)
-    return BrokerSandboxClient(auth=auth, environ=environ, **overrides)
+    config, overrides = flow.client_overrides(options)
+    auth, environ = options.get("auth"), options.get("environ")
+    return BrokerSandboxClient(config, auth=auth, environ=environ, **overrides)
 
 
-class Sandbox:
+class Sandbox(SandboxBase["BrokerSandboxClient", Commands, Files]):
     """One sandbox behind the broker.
 
     Get one with :meth:`create` (waits until Ready), :meth:`connect` (reattach by name) or
@@ -59,67 +45,9 @@ class Sandbox:
     def __init__(
         self, client: BrokerSandboxClient, info: proto.SandboxInfo, *, owns_client: bool = False
     ) -> None:
-        self._client = client
-        self._info = info
-        self._owns_client = owns_client
-        self._killed = False
-        self._closed = False
-        self._commands = Commands(client.transport, info.router)
-        self._files = Files(client.transport, info.router)
-
-    # -------------------------------------------------------------------------------- state
-
-    @property
-    def name(self) -> str:
-        return self._info.name
-
-    claim_name = name
-
-    @property
-    def sandbox_id(self) -> str:
-        return self._info.router.sandbox_id
-
-    @property
-    def namespace(self) -> str:
-        return self._info.namespace
-
-    @property
-    def template(self) -> str | None:
-        return self._info.template
-
-    @property
-    def info(self) -> proto.SandboxInfo:
-        """The broker's last reported state (see :meth:`refresh`)."""
-        return self._info
-
-    @property
-    def client(self) -> BrokerSandboxClient:
-        return self._client
-
-    @property
-    def is_active(self) -> bool:
-        return not (self._killed or self._closed)
-
-    def _check_active(self) -> None:
-        if self._killed:
-            raise SandboxNotFoundError(
-                f"Sandbox {self.name!r} was killed; create a new one with Sandbox.create()."
-            )
-        if self._closed:
-            raise SandboxNotFoundError(
-                f"The connection to sandbox {self.name!r} was closed; reattach with "
-                f"Sandbox.connect({self.name!r})."
-            )
-
-    @property
-    def commands(self) -> Commands:
-        self._check_active()
-        return self._commands
-
-    @property
-    def files(self) -> Files:
-        self._check_active()
-        return self._files
+        transport = client.transport
+        commands, files = Commands(transport, info.router), Files(transport, info.router)
+        super().__init__(client, info, commands, files, owns_client)
 
     def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""
@@ -130,16 +58,10 @@ class Sandbox:
         """Upstream-style ``(status, message)``: SandboxReady, SandboxNotReady or
         SandboxNotFound."""
         try:
-            info = self.refresh()
+            info: proto.SandboxInfo | None = self.refresh()
         except SandboxNotFoundError:
-            return "SandboxNotFound", f"Sandbox {self.name!r} does not exist (any more)."
-        if info.ready:
-            return "SandboxReady", info.message or ""
-        return "SandboxNotReady", info.message or info.phase
-
-    def __repr__(self) -> str:
-        state = "killed" if self._killed else self._info.phase
-        return f"Sandbox(name={self.name!r}, namespace={self.namespace!r}, {state})"
+            info = None
+        return self._status_of(info, self.name)
 
     # ---------------------------------------------------------------------------- teardown
 
@@ -155,8 +77,7 @@ class Sandbox:
         """Delete the sandbox. Idempotent: a sandbox that is already gone is not an error."""
         if self._killed:
             return
-        if self._closed and self._owns_client:
-            # close_connection() closed our HTTP client: delete through a short-lived one.
+        if self._needs_own_client_to_kill():
             from ._client import BrokerSandboxClient
 
             client = BrokerSandboxClient(self._client.connection_config, auth=self._client.auth)
@@ -166,11 +87,8 @@ class Sandbox:
                 client.close()
         else:
             self._client._delete(self.name)
-        self._killed = True
-        self._client._forget(self.name)
         logger.info("killed sandbox %s", self.name)
-        if self._owns_client:
-            self._closed = True
+        if self._killed_now():
             self._client.close()
 
     terminate = kill
@@ -191,10 +109,7 @@ class Sandbox:
             self.kill()
         except Exception as kill_error:
             logger.error("could not kill sandbox %s: %s", self.name, kill_error)
-            exc.add_note(
-                f"Sandbox {self.name!r} could not be killed ({kill_error}); kill it with "
-                f"`agent-sandbox-awx kill {self.name}`."
-            )
+            self._exit_note(exc, kill_error)
 
     # ---------------------------------------------------------------------- constructors
 
@@ -203,48 +118,26 @@ class Sandbox:
         cls,
         template: str | None = None,
         labels: Mapping[str, str] | None = None,
-        *,
-        auth: CredentialSource | None = None,
-        broker_url: str | None = None,
-        ca_cert: str | os.PathLike[str] | None = None,
-        config: BrokerConnectionConfig | None = None,
-        annotations: Mapping[str, str] | None = None,
-        env: Mapping[str, str] | None = None,
-        lifetime_seconds: int | None = None,
-        ready_timeout: float | None = None,
-        request_timeout: float | None = None,
-        allow_insecure_http: bool | None = None,
-        idempotency_key: str | None = None,
-        environ: Mapping[str, str] | None = None,
+        **options: Unpack[flow.SandboxCreateOptions],
     ) -> Sandbox:
         """Create a sandbox through the broker and wait until it is Ready.
 
         Without arguments everything comes from the environment: ``AGENT_SANDBOX_BROKER_URL``,
         ``AGENT_SANDBOX_CA_BUNDLE``, ``AGENT_SANDBOX_TEMPLATE`` and the credential chain
         (``AGENT_SANDBOX_TOKEN``, ``AGENT_SANDBOX_TOKEN_FILE``, the projected token, plugins).
-        Arguments beat the environment. The handle owns its HTTP connections; :meth:`kill`
-        (or leaving the ``with`` block) deletes the sandbox and closes them.
+        Keyword options (they beat the environment): ``auth``, ``broker_url``, ``ca_cert``,
+        ``config``, ``environ``, ``annotations``, ``env``, ``lifetime_seconds``,
+        ``ready_timeout``, ``request_timeout``, ``allow_insecure_http``, ``idempotency_key``.
+        The handle owns its HTTP connections; :meth:`kill` (or leaving the ``with`` block)
+        deletes the sandbox and closes them.
         """
-        client = _make_client(
-            config=config,
-            auth=auth,
-            environ=environ,
-            settings={
-                "broker_url": broker_url,
-                "ca_cert": os.fspath(ca_cert) if ca_cert is not None else None,
-                "request_timeout": request_timeout,
-                "allow_insecure_http": allow_insecure_http,
-            },
-        )
+        client = _make_client(options)
+        ready_timeout, create_options = flow.sandbox_create_args(template, options)
         try:
             handle = client.create_sandbox(
-                template=template,
                 labels=labels,
-                annotations=annotations,
-                env=env,
-                shutdown_after_seconds=lifetime_seconds,
                 sandbox_ready_timeout=ready_timeout,
-                idempotency_key=idempotency_key,
+                **create_options,
             )
         except BaseException:
             client.close()
@@ -254,26 +147,11 @@ class Sandbox:
 
     @classmethod
     def connect(
-        cls,
-        name: str,
-        *,
-        auth: CredentialSource | None = None,
-        broker_url: str | None = None,
-        ca_cert: str | os.PathLike[str] | None = None,
-        config: BrokerConnectionConfig | None = None,
-        ready_timeout: float = 30,
-        environ: Mapping[str, str] | None = None,
+        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[flow.ConnectOptions]
     ) -> Sandbox:
-        """Reattach to one of my sandboxes by name (waits up to ``ready_timeout`` for Ready)."""
-        client = _make_client(
-            config=config,
-            auth=auth,
-            environ=environ,
-            settings={
-                "broker_url": broker_url,
-                "ca_cert": os.fspath(ca_cert) if ca_cert is not None else None,
-            },
-        )
+        """Reattach to one of my sandboxes by name (waits up to ``ready_timeout`` for Ready).
+        Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
+        client = _make_client(options)
         try:
             handle = client.get_sandbox(name, resolve_timeout=ready_timeout)
         except BaseException:
@@ -286,23 +164,11 @@ class Sandbox:
     def list(
         cls,
         label_selector: Mapping[str, str] | str | None = None,
-        *,
-        auth: CredentialSource | None = None,
-        broker_url: str | None = None,
-        ca_cert: str | os.PathLike[str] | None = None,
-        config: BrokerConnectionConfig | None = None,
-        environ: Mapping[str, str] | None = None,
+        **options: Unpack[flow.ConnectOptions],
     ) -> builtins.list[proto.SandboxInfo]:
-        """My sandboxes as the broker reports them (``SandboxInfo``), newest first."""
-        client = _make_client(
-            config=config,
-            auth=auth,
-            environ=environ,
-            settings={
-                "broker_url": broker_url,
-                "ca_cert": os.fspath(ca_cert) if ca_cert is not None else None,
-            },
-        )
+        """My sandboxes as the broker reports them (``SandboxInfo``), newest first.
+        Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
+        client = _make_client(options)
         try:
             return client.list_sandboxes(label_selector)
         finally:

@@ -1,0 +1,198 @@
+"""State shared by the sync and the async client and sandbox handle (no I/O).
+
+``ClientBase`` holds the configuration, the credential source and the registry of handles;
+``SandboxBase`` the sandbox's state and the checks before each use. The sync classes
+(``BrokerSandboxClient``, ``Sandbox``) and the async ones (``AsyncBrokerSandboxClient``,
+``AsyncSandbox``) add only the methods that talk to the broker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any, Generic, TypeVar
+
+from . import _protocol as proto
+from ._auth import CredentialSource
+from ._config import BrokerConnectionConfig
+from ._exceptions import ConfigurationError
+from ._upstream import SandboxNotFoundError
+
+__all__ = ["ClientBase", "SandboxBase"]
+
+
+def _default_auth(environ: Mapping[str, str] | None) -> CredentialSource:
+    from ._chain import DefaultCredentials
+
+    source: CredentialSource = DefaultCredentials(environ)
+    return source
+
+
+H = TypeVar("H", bound="SandboxBase[Any, Any, Any]")
+C = TypeVar("C")
+Cmd = TypeVar("Cmd")
+F = TypeVar("F")
+
+
+class ClientBase(Generic[H]):
+    """Configuration, credentials and the handles a client created or attached to."""
+
+    def __init__(
+        self,
+        connection_config: BrokerConnectionConfig | None,
+        auth: CredentialSource | None,
+        environ: Mapping[str, str] | None,
+        config_overrides: dict[str, Any],
+    ) -> None:
+        if connection_config is not None and config_overrides:
+            raise ConfigurationError(
+                "Pass either connection_config= or individual settings "
+                f"({', '.join(sorted(config_overrides))}), not both."
+            )
+        self.connection_config = connection_config or BrokerConnectionConfig.from_env(
+            environ, **config_overrides
+        )
+        self.auth = auth if auth is not None else _default_auth(environ)
+        self._lock = threading.RLock()
+        self._handles: dict[str, H] = {}
+        self._closed = False
+
+    @property
+    def broker_url(self) -> str:
+        return self.connection_config.broker_url
+
+    def _mark_closed(self) -> bool:
+        """Mark closed; ``False`` if it already was."""
+        with self._lock:
+            was_open = not self._closed
+            self._closed = True
+        return was_open
+
+    def _register(self, handle: H) -> H:
+        with self._lock:
+            self._handles[handle.name] = handle
+        return handle
+
+    def _existing(self, name: str) -> H | None:
+        with self._lock:
+            handle = self._handles.get(name)
+        return handle if handle is not None and handle.is_active else None
+
+    def _pop(self, name: str) -> H | None:
+        with self._lock:
+            return self._handles.pop(name, None)
+
+    def _names_to_delete(self) -> list[str]:
+        with self._lock:
+            return [] if self._closed else list(self._handles)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._handles.pop(name, None)
+
+    def _active(self) -> list[tuple[str, str]]:
+        with self._lock:
+            for name, handle in list(self._handles.items()):
+                if not handle.is_active:
+                    del self._handles[name]
+            return [(h.namespace, name) for name, h in self._handles.items()]
+
+
+class SandboxBase(Generic[C, Cmd, F]):
+    """A sandbox's state as the broker reported it, and whether the handle may be used."""
+
+    def __init__(
+        self, client: C, info: proto.SandboxInfo, commands: Cmd, files: F, owns_client: bool
+    ) -> None:
+        self._client = client
+        self._info = info
+        self._owns_client = owns_client
+        self._killed = False
+        self._closed = False
+        self._commands = commands
+        self._files = files
+
+    @property
+    def name(self) -> str:
+        return self._info.name
+
+    claim_name = name
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._info.router.sandbox_id
+
+    @property
+    def namespace(self) -> str:
+        return self._info.namespace
+
+    @property
+    def template(self) -> str | None:
+        return self._info.template
+
+    @property
+    def info(self) -> proto.SandboxInfo:
+        """The broker's last reported state (see ``refresh``)."""
+        return self._info
+
+    @property
+    def client(self) -> C:
+        return self._client
+
+    @property
+    def is_active(self) -> bool:
+        return not (self._killed or self._closed)
+
+    def _check_active(self) -> None:
+        if self._killed:
+            raise SandboxNotFoundError(
+                f"Sandbox {self.name!r} was killed; create a new one with Sandbox.create()."
+            )
+        if self._closed:
+            raise SandboxNotFoundError(
+                f"The connection to sandbox {self.name!r} was closed; reattach with "
+                f"Sandbox.connect({self.name!r})."
+            )
+
+    @property
+    def commands(self) -> Cmd:
+        self._check_active()
+        return self._commands
+
+    @property
+    def files(self) -> F:
+        self._check_active()
+        return self._files
+
+    @staticmethod
+    def _status_of(info: proto.SandboxInfo | None, name: str) -> tuple[str, str]:
+        if info is None:
+            return "SandboxNotFound", f"Sandbox {name!r} does not exist (any more)."
+        if info.ready:
+            return "SandboxReady", info.message or ""
+        return "SandboxNotReady", info.message or info.phase
+
+    def _needs_own_client_to_kill(self) -> bool:
+        """``close_connection()`` closed the HTTP client this handle owned."""
+        return self._closed and self._owns_client
+
+    def _killed_now(self) -> bool:
+        """Record a successful delete; ``True`` if the handle's client must be closed now."""
+        self._killed = True
+        forget = getattr(self._client, "_forget", None)
+        if forget is not None:
+            forget(self.name)
+        if self._owns_client and not self._closed:
+            self._closed = True
+            return True
+        return False
+
+    def _exit_note(self, exc: BaseException, kill_error: Exception) -> None:
+        exc.add_note(
+            f"Sandbox {self.name!r} could not be killed ({kill_error}); kill it with "
+            f"`agent-sandbox-awx kill {self.name}`."
+        )
+
+    def __repr__(self) -> str:
+        state = "killed" if self._killed else self._info.phase
+        return f"{type(self).__name__}(name={self.name!r}, namespace={self.namespace!r}, {state})"
