@@ -26,7 +26,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
 
@@ -41,6 +41,8 @@ from ._credential_errors import (
 )
 from ._jwt import DecodedToken, cache_deadline, decode_token
 from ._plugins import (
+    DISABLE_AUTOLOAD_ENV,
+    LOAD_PLUGINS_ENV,
     PluginProblem,
     ProviderEntry,
     ProviderRegistry,
@@ -176,7 +178,7 @@ class DefaultCredentials:
         )
         self._registry: ProviderRegistry | None = None
         self._selected: dict[str, _Selection] = {}
-        self._discovery_scope = _cache.new_instance_key("DefaultCredentials discovery")
+        self._own_discovery = _cache.new_instance_key("DefaultCredentials discovery")
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -243,16 +245,26 @@ class DefaultCredentials:
     ) -> tuple[_cache.CacheKey | None, Callable[[], Steps[_cache.Fetched]], bool]:
         """What a request does: ``(cache key or None for a file read, steps, store)``.
 
-        Before a provider is selected: one discovery per instance and audience (a single flight
-        that stores nothing). After: the selected provider, through the cache unless file-backed.
+        Before a provider is selected: one discovery at a time per audience (a single flight that
+        stores nothing) for this instance, or for all instances on ``os.environ`` with the same
+        plugin controls (they consult the same chain, so many zero-argument clients created at
+        once cause one fetch). After: the selected provider, through the cache unless
+        file-backed.
         """
         selection = self._selected.get(audience)
         if selection is None:
-            key = (self._discovery_scope, audience)
+            key = (self._discovery_scope(), audience)
             return key, lambda: self._discover(audience), False
         provider = selection.provider
         steps = lambda: self._fetch(provider, audience)  # noqa: E731
         return (None if selection.file_backed else selection.key), steps, True
+
+    def _discovery_scope(self) -> Hashable:
+        if self._custom:
+            return self._own_discovery
+        environ = self.environ
+        controls = (environ.get(DISABLE_AUTOLOAD_ENV), environ.get(LOAD_PLUGINS_ENV))
+        return ("DefaultCredentials discovery", controls)
 
     def _request(self, audience: str) -> CredentialRequest:
         return CredentialRequest(audience, self.environ, self._timeout)

@@ -4,6 +4,7 @@ cache under many tasks (and shared with threads), sync and async plugin hooks.""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -651,3 +652,51 @@ async def test_invalidate_is_synchronous_and_never_blocks(mint) -> None:
     invalidate: Callable[[str], object] = auth.invalidate
     assert invalidate(BROKER) is None
     assert not asyncio.iscoroutinefunction(invalidate)
+
+
+# --- many zero-argument clients ----------------------------------------------------------
+
+
+@pytest.fixture
+def default_chain_plugin(monkeypatch: pytest.MonkeyPatch, mint, clock) -> SyncPlugin:
+    """A counting plugin in the process's default chain (what ``DefaultCredentials()`` uses)."""
+    from k8s_agent_sandbox_awx import _plugins
+
+    for name in ("AGENT_SANDBOX_TOKEN", "AGENT_SANDBOX_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setenv("AGENT_SANDBOX_LOAD_PLUGINS", "")
+    monkeypatch.setenv("SBX_ZERO_ARG", mint(now=clock.now, ttl=600))
+    plugin = SyncPlugin("SBX_ZERO_ARG", delay=0.1)
+    registry = _plugins.load_providers(os.environ, plugins=[("counting", plugin)])
+    monkeypatch.setitem(_plugins._default_registries, (None, ""), registry)
+    return plugin
+
+
+@pytest.mark.asyncio
+async def test_200_zero_arg_clients_at_once_cause_one_fetch(default_chain_plugin) -> None:
+    results = await asyncio.gather(
+        *(DefaultCredentials().aget_credential(BROKER) for _ in range(200))
+    )
+    assert {c.provider for c in results} == {"counting"}
+    assert len({c.token for c in results}) == 1
+    assert default_chain_plugin.calls == 1
+
+
+def test_zero_arg_clients_in_threads_cause_one_fetch(default_chain_plugin) -> None:
+    barrier = threading.Barrier(16)
+    tokens: list[str] = []
+
+    def worker() -> None:
+        barrier.wait()
+        creds = DefaultCredentials()
+        tokens.append(creds.get_credential(BROKER).token)
+        tokens.append(creds.get_credential(BROKER).token)  # now selected, or from the cache
+
+    threads = [threading.Thread(target=worker) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(tokens) == 32 and len(set(tokens)) == 1
+    assert default_chain_plugin.calls == 1
