@@ -58,6 +58,9 @@ _EXPORTS: dict[str, str] = {
     "SandboxReadyTimeoutError": "._exceptions",
     "CommandTimeoutError": "._exceptions",
     "RequestTimeoutError": "._exceptions",
+    # --- broker client (async) ------------------------------------------------------------
+    "AsyncSandbox": "._async_sandbox",
+    "AsyncBrokerSandboxClient": "._async_client",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -77,6 +80,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from ._async_client import AsyncBrokerSandboxClient
+    from ._async_sandbox import AsyncSandbox
     from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
     from ._cache import clear_credential_cache
     from ._chain import DefaultCredentials, Explanation, ProviderDecision, explain

@@ -9,16 +9,22 @@
 from __future__ import annotations
 
 import threading
+from abc import abstractmethod
 from collections.abc import Mapping
+from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
 from ._exceptions import ConfigurationError
+from ._flow import ConnectOptions, SandboxCreateOptions, client_overrides
 from ._upstream import SandboxNotFoundError
 
-__all__ = ["ClientBase", "SandboxBase"]
+__all__ = ["ClientBase", "ExcType", "SandboxBase", "SandboxPart", "Traceback", "make_client"]
+
+ExcType = type[BaseException] | None
+Traceback = TracebackType | None
 
 
 def _default_auth(environ: Mapping[str, str] | None) -> CredentialSource:
@@ -29,20 +35,31 @@ def _default_auth(environ: Mapping[str, str] | None) -> CredentialSource:
 
 
 H = TypeVar("H", bound="SandboxBase[Any, Any, Any]")
+CL = TypeVar("CL", bound="ClientBase[Any, Any]")
 C = TypeVar("C")
 Cmd = TypeVar("Cmd")
 F = TypeVar("F")
+T = TypeVar("T")
 
 
-class ClientBase(Generic[H]):
-    """Configuration, credentials and the handles a client created or attached to."""
+class ClientBase(Generic[H, T]):
+    """Configuration, credentials, the transport (``T``) and the handles a client created or
+    attached to.
+
+    ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
+    ``config_overrides`` such as ``broker_url=``/``ca_cert=`` winning); ``auth`` defaults to
+    ``DefaultCredentials()``, the zero-config discovery chain; ``http_transport`` replaces
+    httpx's network transport (tests).
+    """
 
     def __init__(
         self,
-        connection_config: BrokerConnectionConfig | None,
-        auth: CredentialSource | None,
-        environ: Mapping[str, str] | None,
-        config_overrides: dict[str, Any],
+        connection_config: BrokerConnectionConfig | None = None,
+        *,
+        auth: CredentialSource | None = None,
+        environ: Mapping[str, str] | None = None,
+        http_transport: Any = None,
+        **config_overrides: Any,
     ) -> None:
         if connection_config is not None and config_overrides:
             raise ConfigurationError(
@@ -56,6 +73,14 @@ class ClientBase(Generic[H]):
         self._lock = threading.RLock()
         self._handles: dict[str, H] = {}
         self._closed = False
+        self._transport = self._new_transport(http_transport)
+
+    @abstractmethod
+    def _new_transport(self, http_transport: Any) -> T: ...
+
+    @property
+    def transport(self) -> T:
+        return self._transport
 
     @property
     def broker_url(self) -> str:
@@ -96,6 +121,14 @@ class ClientBase(Generic[H]):
                 if not handle.is_active:
                     del self._handles[name]
             return [(h.namespace, name) for name, h in self._handles.items()]
+
+
+class SandboxPart(Generic[T]):
+    """``commands`` or ``files`` of one sandbox: its transport and router target."""
+
+    def __init__(self, transport: T, router: proto.RouterTarget) -> None:
+        self._transport = transport
+        self._router = router
 
 
 class SandboxBase(Generic[C, Cmd, F]):
@@ -196,3 +229,13 @@ class SandboxBase(Generic[C, Cmd, F]):
     def __repr__(self) -> str:
         state = "killed" if self._killed else self._info.phase
         return f"{type(self).__name__}(name={self.name!r}, namespace={self.namespace!r}, {state})"
+
+
+def make_client(cls: type[CL], options: ConnectOptions | SandboxCreateOptions) -> CL:
+    """A client for ``Sandbox.create/connect/list`` from their keyword options."""
+    config, overrides = client_overrides(options)
+    factory: Any = cls
+    client: CL = factory(
+        config, auth=options.get("auth"), environ=options.get("environ"), **overrides
+    )
+    return client

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Mapping
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, Unpack
 
 import httpx
@@ -25,7 +24,7 @@ __all__ = ["BrokerSandboxClient"]
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 
-class BrokerSandboxClient(ClientBase["Sandbox"]):
+class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
     """Creates, finds and deletes sandboxes through the identity broker.
 
     Method names and semantics follow upstream ``SandboxClient`` (``create_sandbox``,
@@ -36,7 +35,8 @@ class BrokerSandboxClient(ClientBase["Sandbox"]):
 
     ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
     ``config_overrides`` such as ``broker_url=``/``ca_cert=`` winning); ``auth`` defaults to
-    ``DefaultCredentials()``, the zero-config discovery chain.
+    ``DefaultCredentials()``, the zero-config discovery chain. ``cleanup=True``: delete the
+    client's sandboxes when the interpreter exits.
     """
 
     def __init__(
@@ -49,18 +49,20 @@ class BrokerSandboxClient(ClientBase["Sandbox"]):
         http_transport: httpx.BaseTransport | None = None,
         **config_overrides: Any,
     ) -> None:
-        super().__init__(connection_config, auth, environ, config_overrides)
-        self._transport = BrokerTransport(
-            self.connection_config, self.auth, http_transport=http_transport
+        super().__init__(
+            connection_config,
+            auth=auth,
+            environ=environ,
+            http_transport=http_transport,
+            **config_overrides,
         )
         if cleanup:
             atexit.register(self.delete_all)
 
-    # ---------------------------------------------------------------------------- lifecycle
+    def _new_transport(self, http_transport: httpx.BaseTransport | None) -> BrokerTransport:
+        return BrokerTransport(self.connection_config, self.auth, http_transport=http_transport)
 
-    @property
-    def transport(self) -> BrokerTransport:
-        return self._transport
+    # ---------------------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""
@@ -70,12 +72,7 @@ class BrokerSandboxClient(ClientBase["Sandbox"]):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         try:
             self.delete_all()
         finally:

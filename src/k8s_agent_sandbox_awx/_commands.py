@@ -5,19 +5,15 @@ from __future__ import annotations
 from typing import Unpack
 
 from . import _flow as flow
-from . import _protocol as proto
+from ._base import SandboxPart
 from ._transport import BrokerTransport
 from ._upstream import ExecutionResult
 
 __all__ = ["Commands"]
 
 
-class Commands:
+class Commands(SandboxPart[BrokerTransport]):
     """Runs commands in one sandbox. Returned by ``Sandbox.commands``."""
-
-    def __init__(self, transport: BrokerTransport, router: proto.RouterTarget) -> None:
-        self._transport = transport
-        self._router = router
 
     def run(
         self, command: str, timeout: float = 60, **options: Unpack[flow.RunOptions]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import IO, Any, BinaryIO, Protocol
 
 from . import _flow as flow
-from . import _protocol as proto
+from ._base import SandboxPart
 from ._exchange import DownloadMeter, plan_upload
 from ._transport import BrokerTransport, UploadStream
 from ._upstream import FileEntry
@@ -48,12 +48,8 @@ def writer_or_path(destination: Any) -> bool:
     return False
 
 
-class Files:
+class Files(SandboxPart[BrokerTransport]):
     """File operations in one sandbox. Returned by ``Sandbox.files``."""
-
-    def __init__(self, transport: BrokerTransport, router: proto.RouterTarget) -> None:
-        self._transport = transport
-        self._router = router
 
     def write(
         self,

@@ -17,16 +17,8 @@ from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar
 
+from . import _exceptions as errors
 from . import _protocol as proto
-from ._exceptions import (
-    BrokerUnavailableError,
-    CommandTimeoutError,
-    ConfigurationError,
-    RequestTimeoutError,
-    SandboxFailedError,
-    SandboxReadyTimeoutError,
-    SandboxTerminatingError,
-)
 from ._upstream import ExecutionResult, FileEntry
 
 if TYPE_CHECKING:
@@ -196,13 +188,13 @@ def check_phase(
     if info.phase == "Ready" or info.ready:
         return True
     if info.phase == "Terminating":
-        raise SandboxTerminatingError(
+        raise errors.SandboxTerminatingError(
             f"Sandbox {info.name!r} is being deleted (Terminating) and will not become "
             "ready; create a new one with Sandbox.create().",
             name=info.name,
         )
     if info.phase == "Failed":
-        raise SandboxFailedError(
+        raise errors.SandboxFailedError(
             f"Sandbox {info.name!r} is {info.phase} and will not become ready{deleted} "
             f"(reason: {info.reason or 'none given'}; {info.message or 'no message'}). "
             "Check the template and your policy (`agent-sandbox-awx whoami`), then "
@@ -212,7 +204,7 @@ def check_phase(
             detail=info.message,
         )
     if remaining <= 0:
-        raise SandboxReadyTimeoutError(
+        raise errors.SandboxReadyTimeoutError(
             f"Sandbox {info.name!r} did not become ready within {ready_timeout:g}s "
             f"(phase {info.phase}){deleted}. Pass a larger ready_timeout= "
             "(or sandbox_ready_timeout=), or ask the broker's operator why the template "
@@ -263,13 +255,13 @@ def plan_create(
     unsupported = ("claim_name", "adopt_existing", "volume_claim_templates", "pod_labels")
     given = sorted(k for k in (*unsupported, "pod_annotations") if options.get(k))
     if given:
-        raise ConfigurationError(
+        raise errors.ConfigurationError(
             f"{', '.join(given)} cannot be used through the broker: it names claims and "
             "builds their spec itself. Use labels=/annotations=/env= instead."
         )
     template = options.get("template")
     if template and warmpool and template != warmpool:
-        raise ConfigurationError(
+        raise errors.ConfigurationError(
             f"template={template!r} and warmpool={warmpool!r} differ; pass only template=."
         )
     if namespace is not None:
@@ -292,7 +284,7 @@ def _outcome_unknown(exc: BaseException) -> bool:
     """Whether the broker may have created the sandbox although we saw no answer: the create
     was interrupted (Ctrl-C, cancellation) or timed out, or the connection broke."""
     return not isinstance(exc, Exception) or isinstance(
-        exc, RequestTimeoutError | BrokerUnavailableError
+        exc, errors.RequestTimeoutError | errors.BrokerUnavailableError
     )
 
 
@@ -412,12 +404,12 @@ def plan_command(
 
 def run_command(router: proto.RouterTarget, plan: CommandPlan) -> Op[ExecutionResult]:
     """``POST /execute`` (never retried); a command over its limit raises
-    :class:`CommandTimeoutError` unless ``raise_on_timeout`` is off."""
+    :class:`errors.CommandTimeoutError` unless ``raise_on_timeout`` is off."""
     limit = plan.limit
     try:
         reply = yield Call(plan.spec)
-    except RequestTimeoutError as exc:
-        raise CommandTimeoutError(
+    except errors.RequestTimeoutError as exc:
+        raise errors.CommandTimeoutError(
             f"No answer for the command within its time limit of {limit:g}s plus "
             f"{proto.COMMAND_TIMEOUT_MARGIN:g}s; it may still be running in sandbox "
             f"{router.sandbox_id!r}. Pass a larger timeout= to commands.run.",
@@ -425,7 +417,7 @@ def run_command(router: proto.RouterTarget, plan: CommandPlan) -> Op[ExecutionRe
         ) from exc
     result = proto.parse_execution_result(proto.parse_json(reply.content, "run a command"))
     if result.timed_out and plan.raise_on_timeout:
-        raise CommandTimeoutError(
+        raise errors.CommandTimeoutError(
             f"The command ran longer than its time limit of {limit:g}s and was killed "
             f"(exit code {result.exit_code}). Pass a larger timeout= to commands.run, or "
             "raise_on_timeout=False to get the partial output as a result.",

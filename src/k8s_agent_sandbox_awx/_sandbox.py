@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import builtins
 import logging
-from collections.abc import Mapping
-from types import TracebackType
-from typing import TYPE_CHECKING, Self, Unpack
+from collections.abc import Callable, Mapping
+from typing import Self, Unpack
 
 from . import _flow as flow
 from . import _protocol as proto
-from ._base import SandboxBase
+from ._base import ExcType, SandboxBase, Traceback, make_client
+from ._client import BrokerSandboxClient
 from ._commands import Commands
 from ._files import Files
 from ._upstream import SandboxNotFoundError
-
-if TYPE_CHECKING:
-    from ._client import BrokerSandboxClient
 
 __all__ = ["Sandbox", "SandboxInfo"]
 
@@ -25,15 +22,7 @@ SandboxInfo = proto.SandboxInfo
 logger = logging.getLogger("k8s_agent_sandbox_awx.sandbox")
 
 
-def _make_client(options: flow.ConnectOptions | flow.SandboxCreateOptions) -> BrokerSandboxClient:
-    from ._client import BrokerSandboxClient
-
-    config, overrides = flow.client_overrides(options)
-    auth, environ = options.get("auth"), options.get("environ")
-    return BrokerSandboxClient(config, auth=auth, environ=environ, **overrides)
-
-
-class Sandbox(SandboxBase["BrokerSandboxClient", Commands, Files]):
+class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     """One sandbox behind the broker.
 
     Get one with :meth:`create` (waits until Ready), :meth:`connect` (reattach by name) or
@@ -78,8 +67,6 @@ class Sandbox(SandboxBase["BrokerSandboxClient", Commands, Files]):
         if self._killed:
             return
         if self._needs_own_client_to_kill():
-            from ._client import BrokerSandboxClient
-
             client = BrokerSandboxClient(self._client.connection_config, auth=self._client.auth)
             try:
                 client._delete(self.name)
@@ -96,12 +83,7 @@ class Sandbox(SandboxBase["BrokerSandboxClient", Commands, Files]):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
         if exc is None:
             self.kill()
             return
@@ -112,6 +94,17 @@ class Sandbox(SandboxBase["BrokerSandboxClient", Commands, Files]):
             self._exit_note(exc, kill_error)
 
     # ---------------------------------------------------------------------- constructors
+
+    @staticmethod
+    def _owning(client: BrokerSandboxClient, make: Callable[[], Sandbox]) -> Sandbox:
+        """The handle ``make()`` returns, owning ``client`` (closed if ``make`` fails)."""
+        try:
+            handle = make()
+        except BaseException:
+            client.close()
+            raise
+        handle._owns_client = True
+        return handle
 
     @classmethod
     def create(
@@ -131,19 +124,14 @@ class Sandbox(SandboxBase["BrokerSandboxClient", Commands, Files]):
         The handle owns its HTTP connections; :meth:`kill` (or leaving the ``with`` block)
         deletes the sandbox and closes them.
         """
-        client = _make_client(options)
+        client = make_client(BrokerSandboxClient, options)
         ready_timeout, create_options = flow.sandbox_create_args(template, options)
-        try:
-            handle = client.create_sandbox(
-                labels=labels,
-                sandbox_ready_timeout=ready_timeout,
-                **create_options,
-            )
-        except BaseException:
-            client.close()
-            raise
-        handle._owns_client = True
-        return handle
+        return cls._owning(
+            client,
+            lambda: client.create_sandbox(
+                labels=labels, sandbox_ready_timeout=ready_timeout, **create_options
+            ),
+        )
 
     @classmethod
     def connect(
@@ -151,14 +139,8 @@ class Sandbox(SandboxBase["BrokerSandboxClient", Commands, Files]):
     ) -> Sandbox:
         """Reattach to one of my sandboxes by name (waits up to ``ready_timeout`` for Ready).
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
-        client = _make_client(options)
-        try:
-            handle = client.get_sandbox(name, resolve_timeout=ready_timeout)
-        except BaseException:
-            client.close()
-            raise
-        handle._owns_client = True
-        return handle
+        client = make_client(BrokerSandboxClient, options)
+        return cls._owning(client, lambda: client.get_sandbox(name, resolve_timeout=ready_timeout))
 
     @classmethod
     def list(
@@ -168,7 +150,7 @@ class Sandbox(SandboxBase["BrokerSandboxClient", Commands, Files]):
     ) -> builtins.list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them (``SandboxInfo``), newest first.
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
-        client = _make_client(options)
+        client = make_client(BrokerSandboxClient, options)
         try:
             return client.list_sandboxes(label_selector)
         finally:
