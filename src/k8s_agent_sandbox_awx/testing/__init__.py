@@ -6,6 +6,11 @@ Install with the ``[local]`` extra. ``from k8s_agent_sandbox_awx.testing import 
         token = broker.issue_kubernetes_token("team-a", "agent")
         ...
 
+For testing a credential provider plugin (standard library only, no extra needed):
+``ScriptedEndpoint`` (a scripted HTTP server on 127.0.0.1 standing in for a platform's token
+service, with ``Reply`` and ``RecordedRequest``), ``unsigned_jwt`` / ``unverified_claims``,
+``call_concurrently`` and ``SDK_VARIABLES``; see docs/writing-plugins.md.
+
 WARNING: local sandboxes are host processes with NO isolation. Use the local broker for
 development and tests only, never to run untrusted code.
 
@@ -37,6 +42,14 @@ _EXPORTS: dict[str, str] = {
     "LocalProcessBackend": "._backend",
     "DEFAULT_RUNTIME_COMMAND": "._backend",
     "RESERVED_PREFIX": "._policy",
+    # for plugin authors' tests (standard library only: no [local] extra needed)
+    "ScriptedEndpoint": "._endpoint",
+    "Reply": "._endpoint",
+    "RecordedRequest": "._endpoint",
+    "unsigned_jwt": "._plugin_kit",
+    "unverified_claims": "._plugin_kit",
+    "call_concurrently": "._plugin_kit",
+    "SDK_VARIABLES": "._plugin_kit",
 }
 
 __all__ = ["EXTRA_HINT", "NO_ISOLATION_WARNING", *_EXPORTS]
@@ -66,7 +79,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._backend import SandboxBackend as SandboxBackend
     from ._backend import SandboxSpec as SandboxSpec
     from ._broker import LocalBroker as LocalBroker
+    from ._endpoint import RecordedRequest as RecordedRequest
+    from ._endpoint import Reply as Reply
+    from ._endpoint import ScriptedEndpoint as ScriptedEndpoint
     from ._issuers import Issuer as Issuer
+    from ._plugin_kit import SDK_VARIABLES as SDK_VARIABLES
+    from ._plugin_kit import call_concurrently as call_concurrently
+    from ._plugin_kit import unsigned_jwt as unsigned_jwt
+    from ._plugin_kit import unverified_claims as unverified_claims
     from ._policy import RESERVED_PREFIX as RESERVED_PREFIX
     from ._policy import Caller as Caller
     from ._policy import Policy as Policy

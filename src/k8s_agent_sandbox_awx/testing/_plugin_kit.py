@@ -1,0 +1,121 @@
+"""Small helpers for testing credential provider plugins (standard library only)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+__all__ = ["SDK_VARIABLES", "call_concurrently", "unsigned_jwt", "unverified_claims"]
+
+T = TypeVar("T")
+
+SDK_VARIABLES: tuple[str, ...] = (
+    "AGENT_SANDBOX_BROKER_URL",
+    "AGENT_SANDBOX_CA_BUNDLE",
+    "AGENT_SANDBOX_TEMPLATE",
+    "AGENT_SANDBOX_TOKEN",
+    "AGENT_SANDBOX_TOKEN_FILE",
+    "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD",
+    "AGENT_SANDBOX_LOAD_PLUGINS",
+    "AGENT_SANDBOX_DEBUG",
+)
+"""Every environment variable the SDK reads. Remove them all (and your platform's variables)
+before a test that uses ``os.environ``, so the developer's or CI's own settings cannot leak in."""
+
+_FAKE_SIGNATURE = base64.urlsafe_b64encode(b"not a signature").rstrip(b"=").decode()
+
+
+def _b64(obj: object) -> str:
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def unsigned_jwt(claims: Mapping[str, Any] | None = None, *, ttl: int = 300) -> str:
+    """A JWT-shaped token (``header.payload.signature``) whose signature is NOT valid.
+
+    The payload is ``{"iat": now, "exp": now + ttl}`` updated with ``claims`` (give ``aud``,
+    ``iss``, ``sub`` ... as your platform would; a negative ``ttl`` makes an expired token).
+    The header says ``RS256``. For client-side unit tests only: the SDK decodes a token's
+    claims (``aud``, ``exp``) without verifying it, but a broker rejects this token. For a
+    really signed token use ``LocalBroker.add_issuer(...).issue_token(...)``.
+    """
+    now = int(time.time())
+    payload: dict[str, Any] = {"iat": now, "exp": now + ttl}
+    payload.update(claims or {})
+    return f"{_b64({'alg': 'RS256', 'typ': 'JWT'})}.{_b64(payload)}.{_FAKE_SIGNATURE}"
+
+
+def unverified_claims(token: str) -> dict[str, Any]:
+    """The payload of a JWT, decoded WITHOUT verifying its signature (to assert on ``exp``...).
+
+    Raises ``ValueError`` (whose message never contains the token) when ``token`` is not a JWT
+    with a JSON object payload.
+    """
+    parts = token.split(".")
+    if len(parts) != 3:
+        raise ValueError(
+            f"not a JWT: expected 3 dot-separated parts, got {len(parts)}; "
+            "pass the token exactly as the provider returned it"
+        )
+    payload = parts[1]
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise ValueError(
+            "not a JWT: the payload (second part) is not base64url-encoded JSON"
+        ) from None
+    if not isinstance(claims, dict):
+        raise ValueError(f"not a JWT: the payload is a JSON {type(claims).__name__}, not an object")
+    return claims
+
+
+def call_concurrently(fn: Callable[[], T], callers: int = 16, *, timeout: float = 10.0) -> list[T]:
+    """Call ``fn`` from ``callers`` threads released at the same moment; return the results.
+
+    For testing single-flight behaviour: for example that 16 threads asking one
+    ``DefaultCredentials`` for a token cause one fetch at your platform's endpoint. The results
+    are in completion order. If a call raises, the first exception (in completion order) is
+    re-raised once every thread finished; if threads are still running after ``timeout``
+    seconds, ``TimeoutError`` names how many.
+    """
+    if callers < 1:
+        raise ValueError(f"callers must be at least 1, not {callers}")
+    barrier = threading.Barrier(callers)
+    lock = threading.Lock()
+    results: list[T] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            barrier.wait(timeout)
+            value = fn()
+        except BaseException as exc:
+            with lock:
+                errors.append(exc)
+        else:
+            with lock:
+                results.append(value)
+
+    threads = [
+        threading.Thread(target=worker, name=f"call-concurrently-{i}", daemon=True)
+        for i in range(callers)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    running = sum(thread.is_alive() for thread in threads)
+    if running:
+        raise TimeoutError(
+            f"{running} of {callers} concurrent calls of {getattr(fn, '__name__', fn)!r} did not "
+            f"finish within {timeout}s (a deadlock, or a fetch slower than the timeout?)"
+        )
+    if errors:
+        raise errors[0]
+    return results
