@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -13,13 +14,22 @@ from pathlib import Path
 import httpx
 import pytest
 
-from k8s_agent_sandbox_awx import testing
+from k8s_agent_sandbox_awx import (
+    Credential,
+    CredentialRequest,
+    CredentialSourceError,
+    DefaultCredentials,
+    clear_credential_cache,
+    hookimpl,
+    testing,
+)
 from k8s_agent_sandbox_awx.testing import (
     SDK_VARIABLES,
     RecordedRequest,
     Reply,
     ScriptedEndpoint,
     call_concurrently,
+    check_cached_then_refreshed,
     unsigned_jwt,
     unverified_claims,
 )
@@ -263,3 +273,98 @@ def test_plugin_helpers_load_without_the_local_broker_stack() -> None:
     assert out.stdout.strip() == "[]"
     for name in ("ScriptedEndpoint", "Reply", "RecordedRequest", "unsigned_jwt", "SDK_VARIABLES"):
         assert name in testing.__all__ and name in dir(testing)
+
+
+# --- check_cached_then_refreshed, with a provider as docs/writing-plugins.md writes one ------
+
+BROKER = "https://sandbox-broker.example"
+
+
+class AcmeProvider:
+    """The docs' example provider: GET ACME_OIDC_URL?audience=... answers {"token": "..."}."""
+
+    @hookimpl
+    def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
+        url = request.environ.get("ACME_OIDC_URL")
+        if url is None:
+            return request.not_here("ACME_OIDC_URL is not set (not an Acme CI job)")
+        response = httpx.get(
+            url,
+            params={"audience": request.audience},
+            headers={"Authorization": f"Bearer {request.environ['ACME_OIDC_REQUEST_TOKEN']}"},
+            timeout=request.timeout,
+            follow_redirects=False,
+        )
+        if response.status_code != 200:
+            raise CredentialSourceError(
+                f"the Acme CI token endpoint answered HTTP {response.status_code}",
+                provider="acme-ci",
+                source=url,
+            )
+        return Credential(response.json()["token"], "acme-ci", source=url)
+
+
+@pytest.fixture
+def acme(endpoint: ScriptedEndpoint) -> Iterator[DefaultCredentials]:
+    """The provider in a discovery chain; the endpoint mints a new 2-second token per request."""
+
+    def mint(seen: RecordedRequest) -> Reply:
+        [audience] = seen.query["audience"]
+        claims = {"aud": audience, "sub": "job-1", "jti": f"n{len(endpoint.requests)}"}
+        return endpoint.reply(json.dumps({"token": unsigned_jwt(claims, ttl=2)}))
+
+    endpoint.responder = mint
+    env = {
+        "AGENT_SANDBOX_LOAD_PLUGINS": "",  # no installed plugin joins the chain
+        "ACME_OIDC_URL": endpoint.url("/token"),
+        "ACME_OIDC_REQUEST_TOKEN": "request-token",
+    }
+    clear_credential_cache()
+    yield DefaultCredentials(env, _plugins=[("acme-ci", AcmeProvider())])
+    clear_credential_cache()
+
+
+def test_check_cached_then_refreshed_passes_for_a_cached_provider(
+    acme: DefaultCredentials, endpoint: ScriptedEndpoint
+) -> None:
+    check_cached_then_refreshed(lambda: acme.get_credential(BROKER).token, endpoint, callers=8)
+    assert len(endpoint.requests) == 2
+    first = endpoint.requests[0]
+    assert first.query == {"audience": [BROKER]}
+    assert first.headers["Authorization"] == "Bearer request-token"
+    assert unverified_claims(acme.get_credential(BROKER).token)["jti"] != "n1"
+    assert endpoint.errors == []
+
+
+def test_check_cached_then_refreshed_fails_without_a_cache(
+    acme: DefaultCredentials, endpoint: ScriptedEndpoint
+) -> None:
+    def uncached() -> str:
+        credential = AcmeProvider().agent_sandbox_get_credential(
+            CredentialRequest(
+                BROKER, {"ACME_OIDC_URL": endpoint.url("/t"), "ACME_OIDC_REQUEST_TOKEN": "r"}
+            )
+        )
+        assert credential is not None
+        return credential.token
+
+    with pytest.raises(AssertionError, match=r"caused more than 1 fetch|got [0-9]+ tokens"):
+        check_cached_then_refreshed(uncached, endpoint, callers=4)
+
+
+def test_check_cached_then_refreshed_fails_without_a_refresh(endpoint: ScriptedEndpoint) -> None:
+    token = unsigned_jwt({"aud": BROKER}, ttl=600)
+
+    def once() -> str:
+        if not endpoint.requests:
+            httpx.get(endpoint.origin, timeout=5.0)
+        return token
+
+    with pytest.raises(AssertionError, match=r"expected one refresh fetch within 0\.3s"):
+        check_cached_then_refreshed(once, endpoint, callers=1, timeout=0.3)
+
+
+def test_check_cached_then_refreshed_needs_an_unused_endpoint(endpoint: ScriptedEndpoint) -> None:
+    httpx.get(endpoint.origin, timeout=5.0)
+    with pytest.raises(AssertionError, match="asked before the check started"):
+        check_cached_then_refreshed(lambda: "x", endpoint)

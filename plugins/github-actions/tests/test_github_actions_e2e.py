@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import warnings
 from collections.abc import Iterator
 from importlib.metadata import entry_points
@@ -26,19 +25,15 @@ from k8s_agent_sandbox_awx import (
     clear_credential_cache,
     explain,
 )
+from k8s_agent_sandbox_awx.testing import SDK_VARIABLES, check_cached_then_refreshed
 
 pytestmark = pytest.mark.e2e
 
 REQUEST_TOKEN = "ghs_e2e-request-token-0123456789abcdef"
 REPOSITORY = "acme/agents"
+# The SDK's variables and those of both plugins in this repository (both are installed together).
 CLEAN_ENV = (
-    "AGENT_SANDBOX_BROKER_URL",
-    "AGENT_SANDBOX_CA_BUNDLE",
-    "AGENT_SANDBOX_TEMPLATE",
-    "AGENT_SANDBOX_TOKEN",
-    "AGENT_SANDBOX_TOKEN_FILE",
-    "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD",
-    "AGENT_SANDBOX_LOAD_PLUGINS",
+    *SDK_VARIABLES,
     "GITHUB_ACTIONS",
     "ACTIONS_ID_TOKEN_REQUEST_URL",
     "ACTIONS_ID_TOKEN_REQUEST_TOKEN",
@@ -167,40 +162,12 @@ def test_sandbox_create_zero_arg_in_a_github_job(
 def test_one_fetch_under_concurrency_and_refresh_before_exp(
     actions: dict[str, Any], local_broker: Any
 ) -> None:
-    endpoint = actions["endpoint"]
+    """16 threads, one fetch; served from the cache until shortly before exp, then refetched."""
     actions["ttl"]["seconds"] = 2  # GitHub's tokens live ~5 min; 2 s keeps the test short
     source = DefaultCredentials(environ=actions["env"])
-    barrier = threading.Barrier(16)
-    tokens: list[str] = []
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        try:
-            barrier.wait()
-            tokens.append(source.get_credential(local_broker.url).token)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not errors
-    assert len(tokens) == 16 and len(set(tokens)) == 1
-    assert len(endpoint.requests) == 1
-    first_exp = _exp(tokens[0])
-
-    # Served from the cache until shortly before exp, then fetched again, before exp.
-    deadline = time.monotonic() + 5
-    while len(endpoint.requests) == 1 and time.monotonic() < deadline:
-        token = source.get_credential(local_broker.url).token
-        if len(endpoint.requests) == 1:
-            assert token == tokens[0]
-        time.sleep(0.05)
-    assert len(endpoint.requests) == 2
-    assert endpoint.requests[1].at < first_exp
-    assert source.get_credential(local_broker.url).token != tokens[0]
+    check_cached_then_refreshed(
+        lambda: source.get_credential(local_broker.url).token, actions["endpoint"], callers=16
+    )
 
 
 def test_each_sandbox_create_shares_one_fetch(
@@ -312,13 +279,6 @@ def test_concurrent_zero_arg_clients_fetch_once(
 def _slowed(reply: Any) -> Any:
     reply.delay = 0.2
     return reply
-
-
-def _exp(token: str) -> float:
-    import base64
-
-    payload = token.split(".")[1]
-    return float(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["exp"])
 
 
 def test_an_explicit_token_variable_beats_the_plugin_in_a_job_without_id_token(

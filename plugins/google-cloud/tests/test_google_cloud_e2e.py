@@ -7,10 +7,7 @@ metadata server and answers with tokens that issuer mints for the requested audi
 
 from __future__ import annotations
 
-import base64
-import json
 import socket
-import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -29,20 +26,16 @@ from k8s_agent_sandbox_awx import (
     clear_credential_cache,
     explain,
 )
+from k8s_agent_sandbox_awx.testing import SDK_VARIABLES, check_cached_then_refreshed
 
 pytestmark = pytest.mark.e2e
 
 ACCOUNT_ID = "112233445566778899001"
 EMAIL = "agent@acme-agents.iam.gserviceaccount.com"
 IDENTITY = "/computeMetadata/v1/instance/service-accounts/default/identity"
+# The SDK's variables and those of both plugins in this repository (both are installed together).
 CLEAN_ENV = (
-    "AGENT_SANDBOX_BROKER_URL",
-    "AGENT_SANDBOX_CA_BUNDLE",
-    "AGENT_SANDBOX_TEMPLATE",
-    "AGENT_SANDBOX_TOKEN",
-    "AGENT_SANDBOX_TOKEN_FILE",
-    "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD",
-    "AGENT_SANDBOX_LOAD_PLUGINS",
+    *SDK_VARIABLES,
     "GITHUB_ACTIONS",
     "ACTIONS_ID_TOKEN_REQUEST_URL",
     "ACTIONS_ID_TOKEN_REQUEST_TOKEN",
@@ -161,39 +154,12 @@ def test_sandbox_create_zero_arg_on_google_cloud(
 def test_one_fetch_under_concurrency_and_refresh_before_exp(
     metadata: dict[str, Any], local_broker: Any
 ) -> None:
-    endpoint = metadata["endpoint"]
+    """16 threads, one fetch; served from the cache until shortly before exp, then refetched."""
     metadata["ttl"]["seconds"] = 2  # real identity tokens live 1 h; 2 s keeps the test short
     source = DefaultCredentials(environ=metadata["env"])
-    barrier = threading.Barrier(16)
-    tokens: list[str] = []
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        try:
-            barrier.wait()
-            tokens.append(source.get_credential(local_broker.url).token)
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not errors
-    assert len(tokens) == 16 and len(set(tokens)) == 1
-    assert len(endpoint.requests) == 1
-    first_exp = _exp(tokens[0])
-
-    deadline = time.monotonic() + 5
-    while len(endpoint.requests) == 1 and time.monotonic() < deadline:
-        token = source.get_credential(local_broker.url).token
-        if len(endpoint.requests) == 1:
-            assert token == tokens[0]
-        time.sleep(0.05)
-    assert len(endpoint.requests) == 2
-    assert endpoint.requests[1].at < first_exp
-    assert source.get_credential(local_broker.url).token != tokens[0]
+    check_cached_then_refreshed(
+        lambda: source.get_credential(local_broker.url).token, metadata["endpoint"], callers=16
+    )
 
 
 def test_failing_metadata_server_stops_discovery_with_an_error(
@@ -243,8 +209,3 @@ def test_autoload_off_means_the_metadata_server_is_never_asked(
     decision = {d.name: d for d in report.decisions}["google-cloud"]
     assert decision.status == "not here"
     assert decision.detail.startswith("not loaded")
-
-
-def _exp(token: str) -> float:
-    payload = token.split(".")[1]
-    return float(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["exp"])

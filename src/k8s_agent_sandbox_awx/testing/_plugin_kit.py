@@ -8,9 +8,18 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-__all__ = ["SDK_VARIABLES", "call_concurrently", "unsigned_jwt", "unverified_claims"]
+if TYPE_CHECKING:  # pragma: no cover
+    from ._endpoint import ScriptedEndpoint
+
+__all__ = [
+    "SDK_VARIABLES",
+    "call_concurrently",
+    "check_cached_then_refreshed",
+    "unsigned_jwt",
+    "unverified_claims",
+]
 
 T = TypeVar("T")
 
@@ -119,3 +128,47 @@ def call_concurrently(fn: Callable[[], T], callers: int = 16, *, timeout: float 
     if errors:
         raise errors[0]
     return results
+
+
+def check_cached_then_refreshed(
+    get_token: Callable[[], str],
+    endpoint: ScriptedEndpoint,
+    *,
+    callers: int = 16,
+    timeout: float = 5.0,
+) -> None:
+    """Check the SDK's cache contract for a provider whose tokens are not file-backed.
+
+    ``get_token`` returns a token for one audience through the SDK (for example
+    ``lambda: source.get_credential(broker_url).token`` with one ``DefaultCredentials``);
+    ``endpoint`` is the :class:`ScriptedEndpoint` your provider fetches from, which must not
+    have been asked yet and must mint a new, short-lived token (a few seconds) per request.
+
+    Raises ``AssertionError`` (saying which rule broke) unless: ``callers`` concurrent calls
+    all get the same token from ONE request to ``endpoint`` (``TimeoutError`` if they take more
+    than 10 s); later calls get that token from the cache; the SDK fetches again by itself
+    within ``timeout`` seconds, before the first token's ``exp``; and the token is then a new
+    one. Calls ``get_token`` every 50 ms while waiting for the refresh.
+    """
+
+    def check(ok: bool, rule: str) -> None:
+        if not ok:
+            raise AssertionError(f"{rule} (requests at the endpoint: {len(endpoint.requests)})")
+
+    check(not endpoint.requests, "the endpoint was asked before the check started")
+    tokens = call_concurrently(get_token, callers, timeout=10.0)
+    check(len(tokens) == callers, f"expected {callers} tokens, got {len(tokens)}")
+    check(len(set(tokens)) == 1, f"{callers} concurrent callers got {len(set(tokens))} tokens")
+    check(len(endpoint.requests) == 1, f"{callers} concurrent callers caused more than 1 fetch")
+    first = tokens[0]
+    first_exp = float(unverified_claims(first)["exp"])
+
+    deadline = time.monotonic() + timeout
+    while len(endpoint.requests) == 1 and time.monotonic() < deadline:
+        token = get_token()
+        if len(endpoint.requests) == 1:
+            check(token == first, "a call got a new token without a new fetch")
+        time.sleep(0.05)
+    check(len(endpoint.requests) == 2, f"expected one refresh fetch within {timeout}s")
+    check(endpoint.requests[1].at < first_exp, "the refresh fetch came after the token's exp")
+    check(get_token() != first, "after the refresh fetch the SDK still returned the old token")
