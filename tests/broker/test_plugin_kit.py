@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -30,6 +32,7 @@ from k8s_agent_sandbox_awx.testing import (
     ScriptedEndpoint,
     call_concurrently,
     check_cached_then_refreshed,
+    check_entry_point,
     unsigned_jwt,
     unverified_claims,
 )
@@ -368,3 +371,73 @@ def test_check_cached_then_refreshed_needs_an_unused_endpoint(endpoint: Scripted
     httpx.get(endpoint.origin, timeout=5.0)
     with pytest.raises(AssertionError, match="asked before the check started"):
         check_cached_then_refreshed(lambda: "x", endpoint)
+
+
+# --- check_entry_point -----------------------------------------------------------------------
+
+
+class FakeEntryPoint:
+    def __init__(self, name: str, value: str, dist: str | None) -> None:
+        self.name, self.value = name, value
+        self.dist = None if dist is None else type("Dist", (), {"name": dist})()
+
+    def load(self) -> object:
+        return importlib.import_module(self.value.partition(":")[0])
+
+
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch) -> list[FakeEntryPoint]:
+    found: list[FakeEntryPoint] = []
+
+    def fake_entry_points(*, group: str) -> list[FakeEntryPoint]:
+        assert group == "k8s_agent_sandbox_awx.providers"
+        return list(found)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    return found
+
+
+def test_check_entry_point_accepts_a_cheap_registered_plugin(
+    installed: list[FakeEntryPoint],
+) -> None:
+    installed.append(FakeEntryPoint("acme-ci", "json", "acme-agent-sandbox"))
+    installed.append(FakeEntryPoint("other", "csv", "other-dist"))
+    assert check_entry_point("acme-ci", "json", distribution="acme-agent-sandbox") is json
+
+
+@pytest.mark.parametrize(
+    ("entries", "expect"),
+    [
+        ([], "expected one entry point 'acme-ci' .* found 0"),
+        ([("acme-ci", "json", "a"), ("acme-ci", "json", "b")], "found 2"),
+        ([("acme-ci", "csv", "acme-agent-sandbox")], "is 'csv', expected 'json'"),
+        ([("acme-ci", "json", "someone-else")], "from distribution 'someone-else'"),
+        ([("acme-ci", "json", None)], "from distribution None"),
+    ],
+)
+def test_check_entry_point_refuses_a_wrong_registration(
+    installed: list[FakeEntryPoint],
+    entries: list[tuple[str, str, str | None]],
+    expect: str,
+) -> None:
+    installed.extend(FakeEntryPoint(*entry) for entry in entries)
+    with pytest.raises(AssertionError, match=expect):
+        check_entry_point("acme-ci", "json", distribution="acme-agent-sandbox")
+
+
+def test_check_entry_point_refuses_an_expensive_or_broken_import(
+    installed: list[FakeEntryPoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "acme_heavy.py").write_text("import httpx\n")
+    (tmp_path / "acme_broken.py").write_text("raise ImportError('needs the acme extra')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    installed.append(FakeEntryPoint("heavy", "acme_heavy", "acme"))
+    installed.append(FakeEntryPoint("broken", "acme_broken:plugin", "acme"))
+    with pytest.raises(AssertionError, match="importing acme_heavy loads httpx: import them"):
+        check_entry_point("heavy", "acme_heavy", distribution="acme")
+    assert (
+        check_entry_point("heavy", "acme_heavy", distribution="acme", not_imported=()) is not None
+    )
+    with pytest.raises(ImportError, match="needs the acme extra"):
+        check_entry_point("broken", "acme_broken:plugin", distribution="acme")

@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -18,13 +15,13 @@ import pluggy
 import pytest
 
 from k8s_agent_sandbox_awx import (
-    ENTRY_POINT_GROUP,
     Credential,
     CredentialRequest,
     CredentialSourceError,
     EmptyCredentialError,
     MalformedTokenError,
 )
+from k8s_agent_sandbox_awx.testing import check_entry_point
 
 AUDIENCE = "https://sandbox-broker.example"
 REQUEST_TOKEN = "ghs_request-token-SECRET-0123456789"
@@ -55,22 +52,13 @@ def assert_no_secret(exc: BaseException, *secrets: str) -> None:
 # --- discovery -------------------------------------------------------------------------------
 
 
-def test_entry_point_is_registered_under_the_provider_group() -> None:
-    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == "github-actions"]
-    assert len(found) == 1
-    assert found[0].value == "k8s_agent_sandbox_awx_github_actions"
-    assert found[0].load() is plugin
-    assert found[0].dist is not None
-    assert found[0].dist.name == "k8s-agent-sandbox-awx-github-actions"
-
-
-def test_import_is_cheap_and_does_not_load_httpx_or_the_upstream_client() -> None:
-    code = (
-        "import sys, k8s_agent_sandbox_awx_github_actions; "
-        "print(sorted(m for m in ('httpx', 'k8s_agent_sandbox') if m in sys.modules))"
+def test_entry_point_is_registered_and_imports_without_httpx_or_the_upstream_client() -> None:
+    loaded = check_entry_point(
+        "github-actions",
+        "k8s_agent_sandbox_awx_github_actions",
+        distribution="k8s-agent-sandbox-awx-github-actions",
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert loaded is plugin
 
 
 def test_hooks_validate_against_the_hookspecs() -> None:

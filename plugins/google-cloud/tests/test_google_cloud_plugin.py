@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -18,13 +17,13 @@ import pluggy
 import pytest
 
 from k8s_agent_sandbox_awx import (
-    ENTRY_POINT_GROUP,
     Credential,
     CredentialRequest,
     CredentialSourceError,
     EmptyCredentialError,
     MalformedTokenError,
 )
+from k8s_agent_sandbox_awx.testing import check_entry_point
 
 AUDIENCE = "https://sandbox-broker.example"
 IDENTITY = "/computeMetadata/v1/instance/service-accounts/default/identity"
@@ -51,22 +50,13 @@ def free_port() -> int:
 # --- discovery -------------------------------------------------------------------------------
 
 
-def test_entry_point_is_registered_under_the_provider_group() -> None:
-    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == "google-cloud"]
-    assert len(found) == 1
-    assert found[0].value == "k8s_agent_sandbox_awx_google_cloud"
-    assert found[0].load() is plugin
-    assert found[0].dist is not None
-    assert found[0].dist.name == "k8s-agent-sandbox-awx-google-cloud"
-
-
-def test_import_is_cheap_and_does_not_load_httpx_or_the_upstream_client() -> None:
-    code = (
-        "import sys, k8s_agent_sandbox_awx_google_cloud; "
-        "print(sorted(m for m in ('httpx', 'k8s_agent_sandbox') if m in sys.modules))"
+def test_entry_point_is_registered_and_imports_without_httpx_or_the_upstream_client() -> None:
+    loaded = check_entry_point(
+        "google-cloud",
+        "k8s_agent_sandbox_awx_google_cloud",
+        distribution="k8s-agent-sandbox-awx-google-cloud",
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert loaded is plugin
 
 
 def test_hooks_validate_against_the_hookspecs(endpoint: Any) -> None:

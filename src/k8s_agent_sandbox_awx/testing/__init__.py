@@ -9,8 +9,8 @@ Install with the ``[local]`` extra. ``from k8s_agent_sandbox_awx.testing import 
 For testing a credential provider plugin (standard library only, no extra needed):
 ``ScriptedEndpoint`` (a scripted HTTP server on 127.0.0.1 standing in for a platform's token
 service, with ``Reply`` and ``RecordedRequest``), ``unsigned_jwt`` / ``unverified_claims``,
-``call_concurrently``, ``check_cached_then_refreshed`` and ``SDK_VARIABLES``; see
-docs/writing-plugins.md.
+``call_concurrently``, ``check_cached_then_refreshed``, ``check_entry_point`` and
+``SDK_VARIABLES``; see docs/writing-plugins.md.
 
 WARNING: local sandboxes are host processes with NO isolation. Use the local broker for
 development and tests only, never to run untrusted code.
@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "unverified_claims": "._plugin_kit",
     "call_concurrently": "._plugin_kit",
     "check_cached_then_refreshed": "._plugin_kit",
+    "check_entry_point": "._plugin_kit",
     "SDK_VARIABLES": "._plugin_kit",
 }
 
@@ -88,6 +89,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._plugin_kit import SDK_VARIABLES as SDK_VARIABLES
     from ._plugin_kit import call_concurrently as call_concurrently
     from ._plugin_kit import check_cached_then_refreshed as check_cached_then_refreshed
+    from ._plugin_kit import check_entry_point as check_entry_point
     from ._plugin_kit import unsigned_jwt as unsigned_jwt
     from ._plugin_kit import unverified_claims as unverified_claims
     from ._policy import RESERVED_PREFIX as RESERVED_PREFIX

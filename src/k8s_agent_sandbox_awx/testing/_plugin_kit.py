@@ -5,9 +5,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -17,6 +19,7 @@ __all__ = [
     "SDK_VARIABLES",
     "call_concurrently",
     "check_cached_then_refreshed",
+    "check_entry_point",
     "unsigned_jwt",
     "unverified_claims",
 ]
@@ -172,3 +175,62 @@ def check_cached_then_refreshed(
     check(len(endpoint.requests) == 2, f"expected one refresh fetch within {timeout}s")
     check(endpoint.requests[1].at < first_exp, "the refresh fetch came after the token's exp")
     check(get_token() != first, "after the refresh fetch the SDK still returned the old token")
+
+
+def check_entry_point(
+    name: str,
+    value: str,
+    *,
+    distribution: str,
+    not_imported: Sequence[str] = ("httpx", "k8s_agent_sandbox"),
+) -> object:
+    """Check an installed plugin's registration and import cost; return the loaded plugin.
+
+    Raises ``AssertionError`` (saying which rule broke) unless exactly one entry point named
+    ``name`` is registered in the ``k8s_agent_sandbox_awx.providers`` group, its value is
+    ``value`` (``"my_module"`` or ``"my_module:attr"``), it comes from the distribution
+    ``distribution`` and it loads; and unless importing its module in a fresh interpreter
+    loads none of the modules ``not_imported`` (by default httpx and the upstream client:
+    import those inside your hook, so that discovery stays fast for everyone who has your
+    plugin installed). Needs the plugin installed (``pip install -e .``).
+    """
+    from importlib.metadata import entry_points
+
+    from ..hookspecs import ENTRY_POINT_GROUP
+
+    found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if len(found) != 1:
+        raise AssertionError(
+            f"expected one entry point {name!r} in group {ENTRY_POINT_GROUP!r}, found "
+            f"{len(found)}: install the plugin (pip install -e .) exactly once"
+        )
+    [entry] = found
+    if entry.value != value:
+        raise AssertionError(f"entry point {name!r} is {entry.value!r}, expected {value!r}")
+    owner = entry.dist.name if entry.dist is not None else None
+    if owner != distribution:
+        raise AssertionError(
+            f"entry point {name!r} comes from distribution {owner!r}, expected {distribution!r}"
+        )
+    plugin = entry.load()
+    module = value.partition(":")[0].strip()
+    if not all(part.isidentifier() for part in module.split(".")):
+        raise AssertionError(f"entry point {name!r}: {module!r} is not a module name")
+    code = (
+        f"import json, sys; import {module}; "
+        f"print(json.dumps(sorted(m for m in {list(not_imported)!r} if m in sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    if done.returncode != 0:
+        raise AssertionError(
+            f"importing {module} in a fresh interpreter failed (exit {done.returncode}): "
+            f"{done.stderr.strip()[-2000:]}"
+        )
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    if loaded:
+        raise AssertionError(
+            f"importing {module} loads {', '.join(loaded)}: import them inside the hook instead"
+        )
+    return plugin
