@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from typing import TypedDict, Unpack
 from urllib.parse import parse_qs, urlsplit
 
 __all__ = ["RecordedRequest", "Reply", "ScriptedEndpoint"]
@@ -35,6 +35,14 @@ class Reply:
     headers: Mapping[str, str] | None = None
     delay: float = 0.0
     drop: bool = False
+
+
+class ReplyOptions(TypedDict, total=False):
+    """The keyword arguments of :meth:`ScriptedEndpoint.add` and :meth:`ScriptedEndpoint.reply`."""
+
+    headers: Mapping[str, str] | None
+    delay: float
+    drop: bool
 
 
 @dataclass(frozen=True)
@@ -133,29 +141,23 @@ class ScriptedEndpoint:
 
     # -- script --------------------------------------------------------------------------------
     @staticmethod
-    def reply(
-        body: bytes | str = b"",
-        status: int = 200,
-        *,
-        headers: Mapping[str, str] | None = None,
-        delay: float = 0.0,
-        drop: bool = False,
-    ) -> Reply:
-        """A :class:`Reply` (a ``str`` body is UTF-8 encoded), for :meth:`add` or a responder."""
+    def reply(body: bytes | str = b"", status: int = 200, **options: Unpack[ReplyOptions]) -> Reply:
+        """A :class:`Reply` for :meth:`add` or a responder (a ``str`` body is UTF-8 encoded).
+
+        ``options``: ``headers`` (``None``: the endpoint's default headers), ``delay``
+        (seconds), ``drop`` (close the connection without answering).
+        """
         raw = body.encode() if isinstance(body, str) else body
-        return Reply(status, raw, headers, delay, drop)
+        return Reply(status, raw, **options)
 
     def add(
-        self,
-        body: bytes | str = b"",
-        status: int = 200,
-        *,
-        headers: Mapping[str, str] | None = None,
-        delay: float = 0.0,
-        drop: bool = False,
+        self, body: bytes | str = b"", status: int = 200, **options: Unpack[ReplyOptions]
     ) -> Reply:
-        """Queue one reply (answers the next unanswered request) and return it."""
-        queued = self.reply(body, status, headers=headers, delay=delay, drop=drop)
+        """Queue one reply (answers the next unanswered request) and return it.
+
+        Same arguments as :meth:`reply`.
+        """
+        queued = self.reply(body, status, **options)
         with self._lock:
             self._queue.append(queued)
         return queued
@@ -186,12 +188,7 @@ class ScriptedEndpoint:
     def __enter__(self) -> ScriptedEndpoint:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
