@@ -269,11 +269,7 @@ def test_concurrent_zero_arg_clients_fetch_once(
     for t in threads:
         t.join(10)
     assert not errors
-    if len(endpoint.requests) != 1:
-        pytest.xfail(
-            f"{len(endpoint.requests)} fetches for 8 concurrent DefaultCredentials(): the "
-            "core's discovery path does not take the cache's per-key lock (reported)"
-        )
+    assert len(endpoint.requests) == 1, f"{len(endpoint.requests)} fetches for 8 clients"
 
 
 def _slowed(reply: Any) -> Any:
