@@ -112,6 +112,12 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
     """Seconds for one HTTP request (connect, and each read/write)."""
     ready_timeout: float = Field(default=180.0, ge=0)
     """Seconds ``create`` waits for the sandbox to become Ready."""
+    max_connections: int | None = Field(default=100, ge=1)
+    """Connections one client object opens to the broker at once (``None``: no limit); more
+    concurrent requests wait for a free one (up to ``request_timeout``). A long-poll wait for
+    Ready holds one, so many concurrent creates through one client may want more."""
+    max_keepalive_connections: int | None = Field(default=20, ge=0)
+    """Idle connections kept open for reuse (the defaults are httpx's)."""
     max_attempts: int = Field(default=4, ge=1, le=10)
     """Attempts for a retryable request (the first one included)."""
     backoff_base: float = Field(default=0.2, ge=0)

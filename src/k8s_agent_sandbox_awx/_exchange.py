@@ -171,6 +171,10 @@ def client_settings(config: BrokerConnectionConfig, auth: CredentialSource) -> d
         "follow_redirects": False,
         "verify": verify,
         "timeout": httpx.Timeout(config.request_timeout),
+        "limits": httpx.Limits(
+            max_connections=config.max_connections,
+            max_keepalive_connections=config.max_keepalive_connections,
+        ),
         "headers": {"User-Agent": f"k8s-agent-sandbox-awx/{__version__}", **config.extra_headers},
     }
 
