@@ -1,0 +1,82 @@
+"""A 2 GiB file written (from an async iterable) and read back (into an async writer) through
+the broker with the async client, with bounded client memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SIZE = 2 * 1024**3
+LIMIT = 64 * 1024**2
+
+# A fresh interpreter, so that VmHWM measures the client only.
+CLIENT = r"""
+import asyncio, hashlib, json, os, sys
+from k8s_agent_sandbox_awx import AsyncSandbox
+
+SIZE = int(sys.argv[1])
+
+def vm_hwm_kib():
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+
+class Sink:
+    def __init__(self):
+        self.digest = hashlib.sha256()
+    async def write(self, data):
+        self.digest.update(data)
+        return len(data)
+
+async def main():
+    block = os.urandom(1024 * 1024)
+    sent = hashlib.sha256()
+
+    async def generated():
+        left = SIZE
+        while left:
+            data = block[: min(left, len(block))]
+            left -= len(data)
+            sent.update(data)
+            yield data
+
+    async with await AsyncSandbox.create(ready_timeout=60, request_timeout=120) as sb:
+        await sb.files.write("warm.bin", b"x" * 4096)
+        await sb.files.read_to("warm.bin", Sink())
+        base = vm_hwm_kib()
+        await sb.files.write("big/2g.bin", generated())
+        sink = Sink()
+        n = await sb.files.read_to("big/2g.bin", sink)
+        peak = vm_hwm_kib()
+    return {"base_kib": base, "peak_kib": peak, "size": n,
+            "same": sent.hexdigest() == sink.digest.hexdigest()}
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def test_2gib_round_trip_with_bounded_memory(broker: Any) -> None:
+    env = {**os.environ, **broker.environ("kubernetes")}
+    env["AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", CLIENT, str(SIZE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["size"] == SIZE
+    assert report["same"]
+    growth = (report["peak_kib"] - report["base_kib"]) * 1024
+    print(f"async client peak RSS growth for 2 GiB up+down: {growth / 2**20:.1f} MiB")
+    assert growth < LIMIT
