@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from k8s_agent_sandbox_awx import AsyncSandbox, OIDCTokenAuth, clear_credential_cache
+from k8s_agent_sandbox_awx import AsyncSandbox, OIDCTokenAuth, _cache, clear_credential_cache
 
 pytestmark = pytest.mark.e2e
 
@@ -85,13 +85,14 @@ def test_100_sandboxes_concurrently(roomy_broker: Any, monkeypatch: pytest.Monke
     broker = roomy_broker
     monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
     clear_credential_cache()
-    token = broker.issue_gitlab_token("group/project", ttl=3600)
     fetches: list[str] = []
 
     async def fetch(audience: str) -> str:
         fetches.append(audience)
         await asyncio.sleep(0.01)  # a slow fetch: concurrent tasks must wait for this one
-        return token
+        # the first token's cache window ends at exp - 60 s (10 % of 600 s); the next one's
+        # window is long enough for the rest of the test
+        return broker.issue_gitlab_token("group/project", ttl=600 if len(fetches) == 1 else 3600)
 
     auth = OIDCTokenAuth(fetch)
     pids: dict[str, int] = {}
@@ -118,7 +119,7 @@ def test_100_sandboxes_concurrently(roomy_broker: Any, monkeypatch: pytest.Monke
     port = int(broker.url.rsplit(":", 1)[1])
     # Warm up with one cycle: the broker (in this process) then has its fork server running
     # and its issuers' keys fetched over its own keep-alive connection to itself.
-    asyncio.run(cycle(COUNT))
+    asyncio.run(cycle(COUNT + 50))
     assert fetches == [broker.url]
     handles.clear()
     fds_before = set(os.listdir("/proc/self/fd"))
@@ -128,6 +129,18 @@ def test_100_sandboxes_concurrently(roomy_broker: Any, monkeypatch: pytest.Monke
 
     assert len(set(names)) == COUNT and len(handles) == COUNT
     assert fetches == [broker.url]  # one fetch for the whole run: one expiry window
+
+    # The next window: 560 s later (past the first token's cache window, before its exp) a
+    # second burst fetches once more, once, however many tasks find the entry stale at once.
+    offset = 560.0
+    monkeypatch.setattr(_cache, "_clock", lambda: time.time() + offset)
+
+    async def second_burst() -> list[str]:
+        return await asyncio.gather(*(cycle(i) for i in range(COUNT, COUNT + 20)))
+
+    assert len(asyncio.run(second_burst())) == 20
+    assert fetches == [broker.url, broker.url]
+    handles[:] = handles[:COUNT]
     assert all(not h.is_active and h.client.transport.is_closed for h in handles)
     assert _settle(lambda: [c for c in broker.claims()]) == []
     assert broker.sandboxes() == []
