@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Self, Unpack
+from collections.abc import Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
@@ -22,7 +22,9 @@ __all__ = ["AsyncBrokerSandboxClient"]
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 
-class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport]):
+class AsyncBrokerSandboxClient(
+    ClientBase["AsyncSandbox", AsyncBrokerTransport, Coroutine[Any, Any, "AsyncSandbox"]]
+):
     """The async counterpart of :class:`BrokerSandboxClient` (upstream ``AsyncSandboxClient``'s
     method names): the same configuration, credentials (``aget_credential``), errors, retries,
     redirect and timeout rules, and cleanup of a failed or cancelled create. One
@@ -83,20 +85,11 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
         """Delete ``name`` (to the end, even if cancelled); ``False`` if it was already gone."""
         return await self._transport.run(flow.delete(name, cleanup=True))
 
-    async def create_sandbox(
-        self,
-        warmpool: str | None = None,
-        namespace: str | None = None,
-        sandbox_ready_timeout: float | None = None,
-        labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.CreateOptions],
-    ) -> AsyncSandbox:
-        """Async :meth:`BrokerSandboxClient.create_sandbox`. A failed or cancelled create
-        deletes the claim it made before the error (or ``CancelledError``) propagates."""
+    async def _create(self, plan: flow.CreatePlan) -> AsyncSandbox:
+        """``create_sandbox``'s I/O: a failed or cancelled create deletes the claim it made
+        before the error (or ``CancelledError``) propagates."""
         from ._async_sandbox import AsyncSandbox
 
-        config = self.connection_config
-        plan = flow.plan_create(config, warmpool, namespace, sandbox_ready_timeout, labels, options)
         info = await self._transport.run(flow.create(plan))
         return self._register(AsyncSandbox(self, info))
 

@@ -188,11 +188,11 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
 
     @staticmethod
     async def _owning(
-        client: AsyncBrokerSandboxClient, pending: Awaitable[AsyncSandbox]
+        client: AsyncBrokerSandboxClient, start: Callable[[], Awaitable[AsyncSandbox]]
     ) -> AsyncSandbox:
-        """The handle ``pending`` returns, owning ``client`` (closed if ``pending`` fails)."""
+        """The handle ``start()`` returns, owning ``client`` (closed if ``start`` fails)."""
         try:
-            sandbox = await pending
+            sandbox = await start()
         except BaseException:
             await client.close()
             raise
@@ -210,10 +210,12 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         cancelled create deletes the claim it made, then re-raises ``CancelledError``."""
         client = make_client(AsyncBrokerSandboxClient, options)
         ready_timeout, create_options = flow.sandbox_create_args(template, options)
-        creating = client.create_sandbox(
-            labels=labels, sandbox_ready_timeout=ready_timeout, **create_options
+        return await cls._owning(
+            client,
+            lambda: client.create_sandbox(
+                labels=labels, sandbox_ready_timeout=ready_timeout, **create_options
+            ),
         )
-        return await cls._owning(client, creating)
 
     @classmethod
     async def connect(
@@ -221,7 +223,9 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.connect`."""
         client = make_client(AsyncBrokerSandboxClient, options)
-        return await cls._owning(client, client.get_sandbox(name, resolve_timeout=ready_timeout))
+        return await cls._owning(
+            client, lambda: client.get_sandbox(name, resolve_timeout=ready_timeout)
+        )
 
     @classmethod
     async def list(

@@ -12,13 +12,20 @@ import threading
 from abc import abstractmethod
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, Unpack
 
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
 from ._exceptions import ConfigurationError
-from ._flow import ConnectOptions, SandboxCreateOptions, client_overrides
+from ._flow import (
+    ConnectOptions,
+    CreateOptions,
+    CreatePlan,
+    SandboxCreateOptions,
+    client_overrides,
+    plan_create,
+)
 from ._upstream import SandboxNotFoundError
 
 __all__ = ["ClientBase", "ExcType", "SandboxBase", "SandboxPart", "Traceback", "make_client"]
@@ -35,16 +42,18 @@ def _default_auth(environ: Mapping[str, str] | None) -> CredentialSource:
 
 
 H = TypeVar("H", bound="SandboxBase[Any, Any, Any]")
-CL = TypeVar("CL", bound="ClientBase[Any, Any]")
+CL = TypeVar("CL", bound="ClientBase[Any, Any, Any]")
 C = TypeVar("C")
 Cmd = TypeVar("Cmd")
 F = TypeVar("F")
 T = TypeVar("T")
+R = TypeVar("R")
 
 
-class ClientBase(Generic[H, T]):
+class ClientBase(Generic[H, T, R]):
     """Configuration, credentials, the transport (``T``) and the handles a client created or
-    attached to.
+    attached to; ``create_sandbox`` (its signature and checks exist once: ``R`` is the sync
+    client's handle, or the async client's coroutine returning one).
 
     ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
     ``config_overrides`` such as ``broker_url=``/``ca_cert=`` winning); ``auth`` defaults to
@@ -77,6 +86,32 @@ class ClientBase(Generic[H, T]):
 
     @abstractmethod
     def _new_transport(self, http_transport: Any) -> T: ...
+
+    @abstractmethod
+    def _create(self, plan: CreatePlan) -> R: ...
+
+    def create_sandbox(
+        self,
+        warmpool: str | None = None,
+        namespace: str | None = None,
+        sandbox_ready_timeout: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        **options: Unpack[CreateOptions],
+    ) -> R:
+        """Create a sandbox, wait until it is Ready and return its handle (the async client:
+        ``await client.create_sandbox(...)``).
+
+        ``template`` (or upstream's ``warmpool``) names the template; neither: the config's
+        template (``AGENT_SANDBOX_TEMPLATE``), else the broker policy's default. ``namespace`` is
+        decided by the broker (the argument is accepted for compatibility and ignored).
+        Keyword options: ``template``, ``annotations``, ``shutdown_after_seconds`` (the
+        sandbox's lifetime), ``env``, ``idempotency_key``. If anything fails after the claim
+        was created (ready timeout, Failed phase, Ctrl-C, a cancelled task), the claim is
+        deleted before raising.
+        """
+        config = self.connection_config
+        plan = plan_create(config, warmpool, namespace, sandbox_ready_timeout, labels, options)
+        return self._create(plan)
 
     @property
     def transport(self) -> T:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Self, Unpack
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
@@ -24,7 +24,7 @@ __all__ = ["BrokerSandboxClient"]
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 
-class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
+class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
     """Creates, finds and deletes sandboxes through the identity broker.
 
     Method names and semantics follow upstream ``SandboxClient`` (``create_sandbox``,
@@ -111,28 +111,9 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
 
     # ----------------------------------------------------------------- upstream-compatible API
 
-    def create_sandbox(
-        self,
-        warmpool: str | None = None,
-        namespace: str | None = None,
-        sandbox_ready_timeout: float | None = None,
-        labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.CreateOptions],
-    ) -> Sandbox:
-        """Create a sandbox, wait until it is Ready and return its handle.
-
-        ``template`` (or upstream's ``warmpool``) names the template; neither: the config's
-        template (``AGENT_SANDBOX_TEMPLATE``), else the broker policy's default. ``namespace`` is
-        decided by the broker (the argument is accepted for compatibility and ignored).
-        Keyword options: ``template``, ``annotations``, ``shutdown_after_seconds`` (the
-        sandbox's lifetime), ``env``, ``idempotency_key``. If anything fails after the claim
-        was created (ready timeout, Failed phase, Ctrl-C), the claim is deleted before raising.
-        """
+    def _create(self, plan: flow.CreatePlan) -> Sandbox:
         from ._sandbox import Sandbox
 
-        plan = flow.plan_create(
-            self.connection_config, warmpool, namespace, sandbox_ready_timeout, labels, options
-        )
         return self._register(Sandbox(self, self._transport.run(flow.create(plan))))
 
     def get_sandbox(
