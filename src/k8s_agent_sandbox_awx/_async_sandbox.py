@@ -11,7 +11,7 @@ import builtins
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterable, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Mapping
 from typing import Any, BinaryIO, Self, Unpack
 
 from . import _flow as flow
@@ -104,6 +104,19 @@ class AsyncFiles(SandboxPart[AsyncBrokerTransport]):
                 return await asyncio.to_thread(out.write, data)
 
             return await self._transport.download(spec, meter, write)
+
+    def iter_bytes(
+        self,
+        path: str,
+        timeout: float | None = None,
+        allow_unsafe_paths: bool = False,
+        max_bytes: int | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        """The file at ``path`` as an async iterator of chunks (``async for chunk in
+        sandbox.files.iter_bytes(path)``), streamed; the download starts on the first chunk.
+        Close it (``contextlib.aclosing``) if you stop early."""
+        src, spec = flow.download_spec(self._router, path, timeout, allow_unsafe_paths)
+        return self._transport.stream(spec, DownloadMeter(spec, src, max_bytes))
 
     async def list(self, path: str = ".", timeout: float | None = None) -> list[FileEntry]:  # noqa: ASYNC109
         """The entries of the directory ``path`` as upstream ``FileEntry`` objects."""

@@ -10,8 +10,16 @@ once the cleanup is done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+)
 from typing import Any
 
 import httpx
@@ -186,6 +194,19 @@ class AsyncBrokerTransport:
             await response.aclose()
         return capped.data
 
+    async def stream(
+        self, spec: proto.RequestSpec, meter: ex.DownloadMeter
+    ) -> AsyncGenerator[bytes, None]:
+        """The answer to ``spec`` in chunks (the request is sent on first iteration)."""
+        response = await self.send(spec, stream=True)
+        try:
+            async for chunk in response.aiter_bytes(ex.CHUNK_SIZE):
+                yield meter.count(chunk)
+        except httpx.TransportError as exc:
+            raise meter.error(exc) from exc
+        finally:
+            await response.aclose()
+
     async def download(
         self,
         spec: proto.RequestSpec,
@@ -193,12 +214,7 @@ class AsyncBrokerTransport:
         write: Callable[[bytes], Awaitable[Any]],
     ) -> int:
         """Stream the answer to ``spec`` into ``await write(chunk)``; the bytes written."""
-        response = await self.send(spec, stream=True)
-        try:
-            async for chunk in response.aiter_bytes(ex.CHUNK_SIZE):
-                await write(meter.count(chunk))
-        except httpx.TransportError as exc:
-            raise meter.error(exc) from exc
-        finally:
-            await response.aclose()
+        async with contextlib.aclosing(self.stream(spec, meter)) as chunks:
+            async for chunk in chunks:
+                await write(chunk)
         return meter.total

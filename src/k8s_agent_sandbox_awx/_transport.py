@@ -6,9 +6,10 @@ Everything protocol-specific (what to send, how to read answers, what to retry) 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import httpx
@@ -139,14 +140,20 @@ class BrokerTransport:
             response.close()
         return capped.data
 
-    def download(self, spec: proto.RequestSpec, meter: DownloadMeter, out: Any) -> int:
-        """Stream the answer to ``spec`` into ``out.write``; the bytes written."""
+    def stream(self, spec: proto.RequestSpec, meter: DownloadMeter) -> Generator[bytes, None, None]:
+        """The answer to ``spec`` in chunks (the request is sent on first iteration)."""
         response = self.send(spec, stream=True)
         try:
             for chunk in response.iter_bytes(CHUNK_SIZE):
-                out.write(meter.count(chunk))
+                yield meter.count(chunk)
         except httpx.TransportError as exc:
             raise meter.error(exc) from exc
         finally:
             response.close()
+
+    def download(self, spec: proto.RequestSpec, meter: DownloadMeter, out: Any) -> int:
+        """Stream the answer to ``spec`` into ``out.write``; the bytes written."""
+        with contextlib.closing(self.stream(spec, meter)) as chunks:
+            for chunk in chunks:
+                out.write(chunk)
         return meter.total

@@ -4,6 +4,7 @@ broker over real HTTPS on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -116,6 +117,12 @@ def test_async_with_files_streamed_and_cleanup(live: Any, broker: Any, tmp_path:
             sink = AsyncSink()
             assert await sandbox.files.read_to("data/big.bin", sink) == len(big)
             assert sink.digest.hexdigest() == hashlib.sha256(big).hexdigest()
+            streamed = [c async for c in sandbox.files.iter_bytes("data/big.bin")]
+            assert b"".join(streamed) == big and max(map(len, streamed)) <= 1024 * 1024
+            async with contextlib.aclosing(sandbox.files.iter_bytes("data/big.bin")) as it:
+                async for first in it:
+                    assert first == big[: len(first)]
+                    break  # stopping early closes the response
             with pytest.raises(SandboxError, match="max_bytes"):
                 await sandbox.files.read_to("data/big.bin", tmp_path / "cut.bin", max_bytes=10)
             with pytest.raises(SandboxError, match="does not exist"):

@@ -372,3 +372,19 @@ def test_cleanup_true_deletes_at_exit(broker: Any) -> None:
     )
     assert out.stdout.strip().startswith("sbx-")
     assert _live(broker) == []
+
+
+def test_iter_bytes_streams_a_file(broker: Any) -> None:
+    import contextlib
+
+    env = broker.environ("kubernetes")
+    data = os.urandom(2 * 1024 * 1024 + 5)
+    with Sandbox.create(environ=env) as sandbox:
+        sandbox.files.write("blob.bin", data)
+        chunks = list(sandbox.files.iter_bytes("blob.bin"))
+        assert b"".join(chunks) == data and max(map(len, chunks)) <= 1024 * 1024
+        with contextlib.closing(sandbox.files.iter_bytes("blob.bin")) as it:
+            assert next(it) == data[: 1024 * 1024]
+        with pytest.raises(SandboxError, match="max_bytes"):
+            list(sandbox.files.iter_bytes("blob.bin", max_bytes=100))
+        assert sandbox.commands.run("echo still fine").stdout == "still fine\n"
