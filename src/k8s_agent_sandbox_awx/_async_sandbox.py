@@ -18,7 +18,7 @@ from . import _flow as flow
 from . import _protocol as proto
 from ._async_client import AsyncBrokerSandboxClient
 from ._async_transport import AsyncBrokerTransport, AsyncUploadStream
-from ._base import ExcType, SandboxBase, SandboxPart, Traceback, make_client
+from ._base import ExcType, FilesBase, SandboxBase, SandboxPart, Traceback, make_client
 from ._exchange import DownloadMeter, plan_upload
 from ._files import partial_file, writer_or_path
 from ._upstream import ExecutionResult, FileEntry, SandboxNotFoundError
@@ -55,7 +55,7 @@ def _awaiting_writer(out: Any) -> Callable[[bytes], Awaitable[Any]]:
     return write
 
 
-class AsyncFiles(SandboxPart[AsyncBrokerTransport]):
+class AsyncFiles(FilesBase[AsyncBrokerTransport, AsyncGenerator[bytes, None]]):
     """File operations in one sandbox. Returned by ``AsyncSandbox.files``."""
 
     async def write(
@@ -104,19 +104,6 @@ class AsyncFiles(SandboxPart[AsyncBrokerTransport]):
                 return await asyncio.to_thread(out.write, data)
 
             return await self._transport.download(spec, meter, write)
-
-    def iter_bytes(
-        self,
-        path: str,
-        timeout: float | None = None,
-        allow_unsafe_paths: bool = False,
-        max_bytes: int | None = None,
-    ) -> AsyncGenerator[bytes, None]:
-        """The file at ``path`` as an async iterator of chunks (``async for chunk in
-        sandbox.files.iter_bytes(path)``), streamed; the download starts on the first chunk.
-        Close it (``contextlib.aclosing``) if you stop early."""
-        src, spec = flow.download_spec(self._router, path, timeout, allow_unsafe_paths)
-        return self._transport.stream(spec, DownloadMeter(spec, src, max_bytes))
 
     async def list(self, path: str = ".", timeout: float | None = None) -> list[FileEntry]:  # noqa: ASYNC109
         """The entries of the directory ``path`` as upstream ``FileEntry`` objects."""

@@ -12,14 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterable,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Coroutine,
-)
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -57,7 +50,7 @@ class AsyncUploadStream(httpx.AsyncByteStream):
         self._source = source
         self.replayable = body.replayable
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    async def __aiter__(self) -> AsyncGenerator[bytes, None]:
         body = self._body
         body.begin()
         yield body.framing.prefix

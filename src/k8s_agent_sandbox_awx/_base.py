@@ -18,17 +18,27 @@ from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
 from ._exceptions import ConfigurationError
+from ._exchange import DownloadMeter
 from ._flow import (
     ConnectOptions,
     CreateOptions,
     CreatePlan,
     SandboxCreateOptions,
     client_overrides,
+    download_spec,
     plan_create,
 )
 from ._upstream import SandboxNotFoundError
 
-__all__ = ["ClientBase", "ExcType", "SandboxBase", "SandboxPart", "Traceback", "make_client"]
+__all__ = [
+    "ClientBase",
+    "ExcType",
+    "FilesBase",
+    "SandboxBase",
+    "SandboxPart",
+    "Traceback",
+    "make_client",
+]
 
 ExcType = type[BaseException] | None
 Traceback = TracebackType | None
@@ -164,6 +174,29 @@ class SandboxPart(Generic[T]):
     def __init__(self, transport: T, router: proto.RouterTarget) -> None:
         self._transport = transport
         self._router = router
+
+
+S = TypeVar("S")
+
+
+class FilesBase(SandboxPart[T], Generic[T, S]):
+    """What ``files`` of the sync and the async handle share: ``iter_bytes`` (``S``: a
+    generator of chunks, or an async generator)."""
+
+    def iter_bytes(
+        self,
+        path: str,
+        timeout: float | None = None,
+        allow_unsafe_paths: bool = False,
+        max_bytes: int | None = None,
+    ) -> S:
+        """The file at ``path`` as an iterator of chunks (up to 1 MiB each), streamed: ``for``
+        (sync) or ``async for`` (async); the download starts with the first chunk. Close it
+        (``contextlib.closing`` / ``contextlib.aclosing``) if you stop early."""
+        src, spec = download_spec(self._router, path, timeout, allow_unsafe_paths)
+        transport: Any = self._transport
+        chunks: S = transport.stream(spec, DownloadMeter(spec, src, max_bytes))
+        return chunks
 
 
 class SandboxBase(Generic[C, Cmd, F]):

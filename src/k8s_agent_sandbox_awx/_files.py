@@ -9,7 +9,7 @@ from collections.abc import Generator, Iterator
 from typing import IO, Any, BinaryIO, Protocol
 
 from . import _flow as flow
-from ._base import SandboxPart
+from ._base import FilesBase
 from ._exchange import DownloadMeter, plan_upload
 from ._transport import BrokerTransport, UploadStream
 from ._upstream import FileEntry
@@ -48,7 +48,7 @@ def writer_or_path(destination: Any) -> bool:
     return False
 
 
-class Files(SandboxPart[BrokerTransport]):
+class Files(FilesBase[BrokerTransport, Generator[bytes, None, None]]):
     """File operations in one sandbox. Returned by ``Sandbox.files``."""
 
     def write(
@@ -97,19 +97,6 @@ class Files(SandboxPart[BrokerTransport]):
             return self._transport.download(spec, meter, destination)
         with partial_file(destination) as out:  # type: ignore[arg-type]
             return self._transport.download(spec, meter, out)
-
-    def iter_bytes(
-        self,
-        path: str,
-        timeout: float | None = None,
-        allow_unsafe_paths: bool = False,
-        max_bytes: int | None = None,
-    ) -> Generator[bytes, None, None]:
-        """The file at ``path`` as an iterator of chunks (up to 1 MiB each), streamed; the
-        download starts on the first ``next()``. Close the iterator (``contextlib.closing``) if
-        you stop early."""
-        src, spec = flow.download_spec(self._router, path, timeout, allow_unsafe_paths)
-        return self._transport.stream(spec, DownloadMeter(spec, src, max_bytes))
 
     def list(self, path: str = ".", timeout: float | None = None) -> list[FileEntry]:
         """The entries of the directory ``path`` as upstream ``FileEntry`` objects."""
