@@ -208,8 +208,8 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.create`: the same options, environment and guarantees; a
         cancelled create deletes the claim it made, then re-raises ``CancelledError``."""
-        client = make_client(AsyncBrokerSandboxClient, options)
         ready_timeout, create_options = flow.sandbox_create_args(template, options)
+        client = make_client(AsyncBrokerSandboxClient, options, creating=True)
         return await cls._owning(
             client,
             lambda: client.create_sandbox(

@@ -24,6 +24,7 @@ from ._flow import (
     CreateOptions,
     CreatePlan,
     SandboxCreateOptions,
+    check_options,
     client_overrides,
     download_spec,
     plan_create,
@@ -299,8 +300,12 @@ class SandboxBase(Generic[C, Cmd, F]):
         return f"{type(self).__name__}(name={self.name!r}, namespace={self.namespace!r}, {state})"
 
 
-def make_client(cls: type[CL], options: ConnectOptions | SandboxCreateOptions) -> CL:
+def make_client(
+    cls: type[CL], options: ConnectOptions | SandboxCreateOptions, *, creating: bool = False
+) -> CL:
     """A client for ``Sandbox.create/connect/list`` from their keyword options."""
+    if not creating:
+        check_options("connect()/list()", options, ConnectOptions)
     config, overrides = client_overrides(options)
     factory: Any = cls
     client: CL = factory(

@@ -146,6 +146,18 @@ class RunOptions(TypedDict, total=False):
     raise_on_timeout: bool
 
 
+def check_options(what: str, options: Mapping[str, Any], kind: Any) -> None:
+    """Refuse keyword arguments ``kind`` (a TypedDict) does not declare, as Python would for
+    an explicit signature."""
+    known = kind.__required_keys__ | kind.__optional_keys__
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(
+            f"{what} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"it accepts {', '.join(sorted(known))}."
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Control plane
 
@@ -252,6 +264,7 @@ def plan_create(
     options: CreateOptions,
 ) -> CreatePlan:
     """Check ``create_sandbox``'s arguments and build its request."""
+    check_options("create_sandbox()", options, CreateOptions)
     unsupported = ("claim_name", "adopt_existing", "volume_claim_templates", "pod_labels")
     given = sorted(k for k in (*unsupported, "pod_annotations") if options.get(k))
     if given:
@@ -368,6 +381,7 @@ def sandbox_create_args(
     template: str | None, options: SandboxCreateOptions
 ) -> tuple[float | None, CreateOptions]:
     """``Sandbox.create``'s options as ``create_sandbox``'s (ready timeout, options)."""
+    check_options("create()", options, SandboxCreateOptions)
     return options.get("ready_timeout"), CreateOptions(
         template=template,
         annotations=options.get("annotations"),
@@ -391,6 +405,7 @@ class CommandPlan:
 def plan_command(
     router: proto.RouterTarget, command: str, timeout: float, options: RunOptions
 ) -> CommandPlan:
+    check_options("commands.run()", options, RunOptions)
     if options.get("env") or options.get("cwd"):
         raise NotImplementedError(
             "env and cwd are not supported by the legacy python-runtime behind the broker; "

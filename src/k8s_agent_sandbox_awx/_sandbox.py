@@ -124,8 +124,8 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         The handle owns its HTTP connections; :meth:`kill` (or leaving the ``with`` block)
         deletes the sandbox and closes them.
         """
-        client = make_client(BrokerSandboxClient, options)
         ready_timeout, create_options = flow.sandbox_create_args(template, options)
+        client = make_client(BrokerSandboxClient, options, creating=True)
         return cls._owning(
             client,
             lambda: client.create_sandbox(

@@ -394,3 +394,19 @@ def test_quota_errors_leave_nothing_behind(live: Any, broker: Any) -> None:
 
     run(main())
     assert live(broker) == []
+
+
+def test_asyncio_timeout_around_create_deletes_the_claim(live: Any, broker: Any) -> None:
+    """``asyncio.timeout()`` cancels the create; the claim is deleted and TimeoutError raised."""
+    env = broker.environ("kubernetes")
+    before = len(broker.claims(include_deleted=True))
+    broker.set_readiness_delay(30)
+
+    async def main() -> None:
+        async with asyncio.timeout(1.0):
+            await AsyncSandbox.create(environ=env, ready_timeout=60)
+
+    with pytest.raises(TimeoutError):
+        run(main())
+    assert live(broker) == []
+    assert len(broker.claims(include_deleted=True)) == before + 1

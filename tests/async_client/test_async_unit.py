@@ -257,3 +257,28 @@ def test_redirects_are_not_followed() -> None:
         await client.close()
 
     asyncio.run(main())
+
+
+def test_unknown_keyword_arguments_are_refused() -> None:
+    from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
+
+    async def main() -> None:
+        with pytest.raises(TypeError, match="'templat'"):
+            await AsyncSandbox.create(templat="python", broker_url=BROKER)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="'ready_timout'"):
+            await AsyncSandbox.connect("x", ready_timout=3)  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="'lifetime_seconds'"):
+            await AsyncSandbox.list(lifetime_seconds=3)  # type: ignore[call-arg]
+        client = make(Broker(), AsyncStub())
+        with pytest.raises(TypeError, match="'labelz'"):
+            await client.create_sandbox(labelz={})  # type: ignore[call-arg]
+        await client.close()
+
+    asyncio.run(main())
+    with pytest.raises(TypeError, match="'templat'"):
+        Sandbox.create(templat="python", broker_url=BROKER)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="'cwdir'"):
+        from k8s_agent_sandbox_awx._commands import Commands
+        from k8s_agent_sandbox_awx._protocol import RouterTarget
+
+        Commands(None, RouterTarget("s")).run("true", cwdir="/")  # type: ignore[arg-type,call-arg]
