@@ -22,3 +22,19 @@ def test_import_does_not_load_upstream_or_httpx() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_all_lists_exactly_the_lazy_exports() -> None:
+    from k8s_agent_sandbox_awx import testing
+
+    assert sorted(k8s_agent_sandbox_awx.__all__) == sorted(
+        ["__version__", *k8s_agent_sandbox_awx._EXPORTS]
+    )
+    assert sorted(testing.__all__) == sorted(
+        ["EXTRA_HINT", "NO_ISOLATION_WARNING", *testing._EXPORTS]
+    )
+
+
+def test_every_public_name_resolves() -> None:
+    for name in k8s_agent_sandbox_awx.__all__:
+        assert getattr(k8s_agent_sandbox_awx, name) is not None, name

@@ -63,7 +63,56 @@ _EXPORTS: dict[str, str] = {
     "AsyncBrokerSandboxClient": "._async_client",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+# A literal list, so that type checkers see the re-exports; a test keeps it equal to
+# the lazy table above.
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "AsyncBrokerSandboxClient",
+    "AsyncSandbox",
+    "AudienceMismatchError",
+    "BrokerAuthenticationError",
+    "BrokerConflictError",
+    "BrokerConnectionConfig",
+    "BrokerError",
+    "BrokerNotFoundError",
+    "BrokerPermissionError",
+    "BrokerProtocolError",
+    "BrokerQuotaError",
+    "BrokerRedirectError",
+    "BrokerSandboxClient",
+    "BrokerTemplateNotFoundError",
+    "BrokerUnavailableError",
+    "CommandTimeoutError",
+    "ConfigurationError",
+    "Credential",
+    "CredentialError",
+    "CredentialPluginWarning",
+    "CredentialRequest",
+    "CredentialSource",
+    "CredentialSourceError",
+    "DefaultCredentials",
+    "EmptyCredentialError",
+    "Explanation",
+    "ForbiddenTokenSourceError",
+    "KubernetesAuth",
+    "MalformedTokenError",
+    "NoCredentialsError",
+    "OIDCTokenAuth",
+    "ProviderDecision",
+    "ProviderInfo",
+    "RequestTimeoutError",
+    "Sandbox",
+    "SandboxFailedError",
+    "SandboxInfo",
+    "SandboxReadyTimeoutError",
+    "SandboxTerminatingError",
+    "TokenExpiredError",
+    "UnreadableCredentialError",
+    "__version__",
+    "clear_credential_cache",
+    "explain",
+    "hookimpl",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -55,7 +55,33 @@ _EXPORTS: dict[str, str] = {
     "SDK_VARIABLES": "._plugin_kit",
 }
 
-__all__ = ["EXTRA_HINT", "NO_ISOLATION_WARNING", *_EXPORTS]
+# A literal list, so that type checkers see the re-exports; a test keeps it equal to
+# the lazy table above.
+__all__ = [
+    "DEFAULT_RUNTIME_COMMAND",
+    "EXTRA_HINT",
+    "NO_ISOLATION_WARNING",
+    "RESERVED_PREFIX",
+    "SDK_VARIABLES",
+    "Caller",
+    "Issuer",
+    "LocalBroker",
+    "LocalProcessBackend",
+    "Policy",
+    "RecordedRequest",
+    "Reply",
+    "RuntimeHandle",
+    "RuntimeStartError",
+    "SandboxBackend",
+    "SandboxSpec",
+    "ScriptedEndpoint",
+    "call_concurrently",
+    "caller_namespace",
+    "check_cached_then_refreshed",
+    "check_entry_point",
+    "unsigned_jwt",
+    "unverified_claims",
+]
 
 
 def __getattr__(name: str) -> Any:
