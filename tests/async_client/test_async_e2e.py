@@ -45,17 +45,12 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def _use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-
-
 @pytest.mark.parametrize("kind", ["kubernetes", "gitlab"])
 def test_readme_example_zero_arg(
-    live: Any, broker: Any, monkeypatch: pytest.MonkeyPatch, kind: str
+    live: Any, broker: Any, use_env: Any, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     monkeypatch.delenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD")  # truly zero-config
-    _use_env(monkeypatch, broker.environ(kind, namespace="team-a", service_account="agent"))
+    use_env(broker.environ(kind, namespace="team-a", service_account="agent"))
 
     async def main() -> None:
         sandbox = await AsyncSandbox.create()

@@ -16,22 +16,6 @@ from k8s_agent_sandbox_awx._cli import main
 CLI = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli"]
 
 
-def _live_claims(broker: Any) -> list[Any]:
-    import time
-
-    deadline = time.monotonic() + 10
-    while True:
-        live = [c for c in broker.claims() if not c["metadata"].get("deletionTimestamp")]
-        if not live or time.monotonic() > deadline:
-            return live
-        time.sleep(0.05)
-
-
-def _env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-
-
 def test_version_and_help_are_fast_imports() -> None:
     code = (
         "import sys; from k8s_agent_sandbox_awx import _cli; "
@@ -52,7 +36,7 @@ def test_missing_broker_url_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys:
 
 
 @pytest.mark.e2e
-def test_run_exit_code_becomes_the_process_exit_code(broker: Any) -> None:
+def test_run_exit_code_becomes_the_process_exit_code(live: Any, broker: Any) -> None:
     env = {**os.environ, **broker.environ("kubernetes")}
     out = subprocess.run(
         [*CLI, "run", "--", "sh", "-c", "echo out; echo err >&2; exit 7"],
@@ -73,13 +57,13 @@ def test_run_exit_code_becomes_the_process_exit_code(broker: Any) -> None:
     )
     assert slow.returncode == 124 and "--timeout" in slow.stderr
     assert slow.stderr.strip().splitlines()[-1].startswith("agent-sandbox-awx: error:")
-    assert _live_claims(broker) == []
+    assert live(broker) == []
 
 
 @pytest.mark.e2e
-def test_whoami_ls_kill(broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+def test_whoami_ls_kill(broker: Any, use_env: Any, capsys: Any) -> None:
     env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
-    _env(monkeypatch, env)
+    use_env(env)
     token = Path(env["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
 
     assert main(["whoami", "--json"]) == 0
@@ -104,11 +88,9 @@ def test_whoami_ls_kill(broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: An
 
 
 @pytest.mark.e2e
-def test_doctor_passes_and_redacts(
-    broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any
-) -> None:
+def test_doctor_passes_and_redacts(broker: Any, use_env: Any, capsys: Any) -> None:
     env = broker.environ("gitlab")
-    _env(monkeypatch, env)
+    use_env(env)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     for check in (
@@ -131,10 +113,10 @@ def test_doctor_passes_and_redacts(
 
 
 @pytest.mark.e2e
-def test_doctor_fails_with_hints(broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+def test_doctor_fails_with_hints(broker: Any, use_env: Any, capsys: Any) -> None:
     env = broker.environ("kubernetes")
     del env["AGENT_SANDBOX_CA_BUNDLE"]
-    _env(monkeypatch, env)
+    use_env(env)
     wrong_aud = broker.issue_kubernetes_token("default", "default", audience="https://elsewhere")
     token_file = Path(env["AGENT_SANDBOX_TOKEN_FILE"])
     token_file.unlink()

@@ -6,7 +6,6 @@ import hashlib
 import io
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,25 +36,12 @@ pytestmark = pytest.mark.e2e
 STAMP = "broker.agent-sandbox-awx.io/"
 
 
-def _live(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
-    """The broker's live claims once deletions have settled (a DELETE is asynchronous)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        claims = [c for c in broker.claims() if not c["metadata"].get("deletionTimestamp")]
-        if not claims or time.monotonic() > deadline:
-            return claims
-        time.sleep(0.05)
-
-
-def _use_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-
-
 @pytest.mark.parametrize("kind", ["kubernetes", "gitlab"])
-def test_readme_example_zero_arg(broker: Any, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+def test_readme_example_zero_arg(
+    live: Any, broker: Any, use_env: Any, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
     monkeypatch.delenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD")  # truly zero-config
-    _use_env(monkeypatch, broker.environ(kind, namespace="team-a", service_account="agent"))
+    use_env(broker.environ(kind, namespace="team-a", service_account="agent"))
 
     sandbox = Sandbox.create()
     result = sandbox.commands.run('echo "Hello from Agent Sandbox!"')
@@ -73,10 +59,10 @@ def test_readme_example_zero_arg(broker: Any, monkeypatch: pytest.MonkeyPatch, k
     assert [i.name for i in Sandbox.list()] == [sandbox.name]
     sandbox.kill()
     sandbox.kill()  # idempotent
-    assert _live(broker) == []
+    assert live(broker) == []
 
 
-def test_with_block_files_and_cleanup(broker: Any, tmp_path: Path) -> None:
+def test_with_block_files_and_cleanup(live: Any, broker: Any, tmp_path: Path) -> None:
     env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
     auth = KubernetesAuth(env.pop("AGENT_SANDBOX_TOKEN_FILE"))
     local_in = tmp_path / "in.csv"
@@ -103,7 +89,7 @@ def test_with_block_files_and_cleanup(broker: Any, tmp_path: Path) -> None:
             sandbox.commands.run("sleep 5", timeout=0.5)
         assert timeout.value.result is not None and timeout.value.result.timed_out
         raise RuntimeError("user code failed")
-    assert _live(broker) == []  # killed although the block raised
+    assert live(broker) == []  # killed although the block raised
 
 
 def test_token_file_rotation_between_two_commands(broker: Any, tmp_path: Path) -> None:
@@ -178,18 +164,18 @@ def test_create_is_retried_with_its_idempotency_key(broker: Any) -> None:
         assert len(broker.claims(include_deleted=True)) == before + 1
 
 
-def test_ready_timeout_deletes_the_claim(broker: Any) -> None:
+def test_ready_timeout_deletes_the_claim(live: Any, broker: Any) -> None:
     env = broker.environ("kubernetes")
     before = len(broker.claims(include_deleted=True))
     broker.set_readiness_delay(30)
     with pytest.raises(SandboxReadyTimeoutError) as info:
         Sandbox.create(environ=env, ready_timeout=1)
     assert info.value.phase == "Pending"
-    assert _live(broker) == []
+    assert live(broker) == []
     assert len(broker.claims(include_deleted=True)) == before + 1
 
 
-def test_connect_and_errors(broker: Any) -> None:
+def test_connect_and_errors(live: Any, broker: Any) -> None:
     env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
     with Sandbox.create(environ=env) as sandbox:
         again = Sandbox.connect(sandbox.name, environ=env)
@@ -200,7 +186,7 @@ def test_connect_and_errors(broker: Any) -> None:
             Sandbox.connect(sandbox.name, environ=other)
     with pytest.raises(SandboxTemplateNotFoundError):
         Sandbox.create(template="no-such-template", environ=env)
-    assert _live(broker) == []
+    assert live(broker) == []
 
 
 def test_api_url_pointing_elsewhere_is_rejected(broker: Any) -> None:
@@ -282,13 +268,13 @@ def test_one_sandbox_from_many_threads(broker: Any) -> None:
         assert broker.execution_count(sandbox.name) == 32
 
 
-def test_kill_after_close_connection_still_deletes(broker: Any) -> None:
+def test_kill_after_close_connection_still_deletes(live: Any, broker: Any) -> None:
     env = broker.environ("kubernetes")
     with Sandbox.create(environ=env) as sandbox:
         sandbox.close_connection()
         with pytest.raises(SandboxNotFoundError, match="connect"):
             sandbox.commands.run("true")
-    assert _live(broker) == []
+    assert live(broker) == []
 
 
 def test_seekable_upload_sends_exactly_the_declared_size(broker: Any, tmp_path: Path) -> None:
@@ -301,7 +287,7 @@ def test_seekable_upload_sends_exactly_the_declared_size(broker: Any, tmp_path: 
         assert sandbox.files.read("f.bin") == path.read_bytes()[5:]
 
 
-def test_code_written_for_the_upstream_client(broker: Any) -> None:
+def test_code_written_for_the_upstream_client(live: Any, broker: Any) -> None:
     """Upstream SandboxClient usage, with only the import and the config changed."""
     from k8s_agent_sandbox_awx import BrokerSandboxClient as SandboxClient
 
@@ -326,7 +312,7 @@ def test_code_written_for_the_upstream_client(broker: Any) -> None:
         with pytest.raises(SandboxNotFoundError):
             client.get_sandbox(sandbox.claim_name)
         client.create_sandbox("python")
-    assert _live(broker) == []  # the context manager deleted the rest
+    assert live(broker) == []  # the context manager deleted the rest
 
 
 def test_quota_and_permission_errors_are_typed(broker: Any) -> None:
@@ -352,7 +338,7 @@ def test_quota_and_permission_errors_are_typed(broker: Any) -> None:
         assert broker.execution_count(mine) == 0
 
 
-def test_cleanup_true_deletes_at_exit(broker: Any) -> None:
+def test_cleanup_true_deletes_at_exit(live: Any, broker: Any) -> None:
     import subprocess
     import sys
 
@@ -371,7 +357,7 @@ def test_cleanup_true_deletes_at_exit(broker: Any) -> None:
         check=True,
     )
     assert out.stdout.strip().startswith("sbx-")
-    assert _live(broker) == []
+    assert live(broker) == []
 
 
 def test_iter_bytes_streams_a_file(broker: Any) -> None:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import ssl
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -22,58 +19,8 @@ from k8s_agent_sandbox_awx._protocol import RouterTarget, SandboxInfo
 pytestmark = pytest.mark.e2e
 
 
-class _Server:
-    def __init__(self, context: ssl.SSLContext, redirect_to: str | None) -> None:
-        self.seen: list[dict[str, str]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _any(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length:
-                    self.rfile.read(length)
-                outer.seen.append({"path": self.path, **dict(self.headers.items())})
-                if redirect_to is not None:
-                    self.send_response(307)
-                    self.send_header("Location", redirect_to + self.path)
-                else:
-                    self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            do_GET = do_POST = do_DELETE = _any
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
-        self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def servers(tmp_path: Path) -> Iterator[tuple[_Server, _Server, str]]:
-    trustme = pytest.importorskip("trustme")
-    ca = trustme.CA()
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    ca_path = tmp_path / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_path))
-    recorder = _Server(context, None)
-    redirector = _Server(context, recorder.url)
-    yield redirector, recorder, str(ca_path)
-    redirector.close()
-    recorder.close()
-
-
-def test_no_redirect_is_followed(servers: Any, kit: Any) -> None:
-    redirector, recorder, ca = servers
+def test_no_redirect_is_followed(redirect_servers: Any, kit: Any) -> None:
+    redirector, recorder, ca = redirect_servers
     config = BrokerConnectionConfig(broker_url=redirector.url, ca_cert=ca, max_attempts=1)
     with BrokerSandboxClient(config, auth=kit.StubCredentials()) as client:
         for call in (client.whoami, client.list_sandboxes, lambda: client.create_sandbox("py")):
@@ -96,16 +43,16 @@ def test_no_redirect_is_followed(servers: Any, kit: Any) -> None:
     assert recorder.seen == []  # the token never reached the other origin
 
 
-def test_recorder_sanity(servers: Any) -> None:
+def test_recorder_sanity(redirect_servers: Any) -> None:
     """The recorder does record (so an empty record above means nothing arrived)."""
     import httpx
 
-    _, recorder, ca = servers
+    _, recorder, ca = redirect_servers
     httpx.get(recorder.url + "/probe", verify=ssl.create_default_context(cafile=ca))
     assert [s["path"] for s in recorder.seen] == ["/probe"]
 
 
-def test_ca_cert_and_client_cert_are_used(tmp_path: Path) -> None:
+def test_ca_cert_and_client_cert_are_used(tmp_path: Path, https_server: Any) -> None:
     """mTLS: the configured CA verifies the server; the client certificate is presented."""
     from k8s_agent_sandbox_awx import BrokerUnavailableError
 
@@ -120,24 +67,19 @@ def test_ca_cert_and_client_cert_are_used(tmp_path: Path) -> None:
     leaf = ca.issue_cert("agent.client.example")
     leaf.cert_chain_pems[0].write_to_path(str(cert_path))
     leaf.private_key_pem.write_to_path(str(key_path))
-    server = _Server(context, None)
-    try:
-        config = BrokerConnectionConfig(
-            broker_url=server.url, ca_cert=str(ca_path), client_cert=(str(cert_path), str(key_path))
-        )
-        with BrokerSandboxClient(config, auth=_NoToken()) as client:
-            assert client.healthz().status_code == 200
-        without = BrokerConnectionConfig(
-            broker_url=server.url, ca_cert=str(ca_path), max_attempts=1
-        )
-        with (
-            BrokerSandboxClient(without, auth=_NoToken()) as client,
-            pytest.raises(BrokerUnavailableError),
-        ):
-            client.healthz()
-        assert len(server.seen) == 1
-    finally:
-        server.close()
+    server = https_server(context)
+    config = BrokerConnectionConfig(
+        broker_url=server.url, ca_cert=str(ca_path), client_cert=(str(cert_path), str(key_path))
+    )
+    with BrokerSandboxClient(config, auth=_NoToken()) as client:
+        assert client.healthz().status_code == 200
+    without = BrokerConnectionConfig(broker_url=server.url, ca_cert=str(ca_path), max_attempts=1)
+    with (
+        BrokerSandboxClient(without, auth=_NoToken()) as client,
+        pytest.raises(BrokerUnavailableError),
+    ):
+        client.healthz()
+    assert len(server.seen) == 1
 
 
 class _NoToken:
