@@ -16,11 +16,10 @@ from ._credential import Credential
 from ._credential_errors import (
     CredentialError,
     CredentialSourceError,
-    EmptyCredentialError,
     NoCredentialsError,
 )
 from ._jwt import DecodedToken, cache_deadline, check_credential, check_token_text, redact
-from ._providers import check_not_automounted, read_token_file
+from ._providers import check_not_automounted, env_setting, read_token_file
 
 __all__ = ["CredentialSource", "KubernetesAuth", "OIDCTokenAuth", "accept_credential"]
 
@@ -291,19 +290,18 @@ class OIDCTokenAuth:
         source = f"environment variable {name}"
 
         def read() -> str:
-            value = env.get(name)
+            value = env_setting(
+                env,
+                name,
+                provider=cls.provider_name,
+                source=source,
+                fix="Set it to an OIDC token whose aud is the broker URL.",
+            )
             if value is None:
                 raise NoCredentialsError(
                     f"{name} is not set, so OIDCTokenAuth.from_env({name!r}) has no token. Set "
                     "it to an OIDC token whose aud is the broker URL.",
                     tried=[(cls.provider_name, f"{name} is not set")],
-                    provider=cls.provider_name,
-                    source=source,
-                )
-            if not value.strip():
-                raise EmptyCredentialError(
-                    f"{name} is set but empty. Set it to an OIDC token whose aud is the broker "
-                    "URL.",
                     provider=cls.provider_name,
                     source=source,
                 )

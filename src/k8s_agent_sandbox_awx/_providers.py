@@ -42,6 +42,7 @@ __all__ = [
     "ProjectedTokenProvider",
     "TokenFileProvider",
     "check_not_automounted",
+    "env_setting",
     "read_token_file",
 ]
 
@@ -65,6 +66,39 @@ _PROJECTED_HOWTO = (
     "'projected' volume with a 'serviceAccountToken' source (audience: <broker URL>, "
     f"path: agent-sandbox-token) mounted at {os.path.dirname(DEFAULT_TOKEN_PATH)}."
 )
+
+
+def env_setting(
+    environ: Mapping[str, str], name: str, *, provider: str, source: str, fix: str
+) -> str | None:
+    """The value of the environment variable ``name``, or ``None`` when it is not set.
+
+    Set but blank is a mistake, never "not set": :class:`EmptyCredentialError` saying
+    ``"<name> is set but empty. <fix>"``.
+    """
+    value = environ.get(name)
+    if value is not None and not value.strip():
+        raise EmptyCredentialError(
+            f"{name} is set but empty. {fix}", provider=provider, source=source
+        )
+    return value
+
+
+def _provider_setting(
+    request: CredentialRequest, name: str, *, provider: str, fix: str
+) -> str | None:
+    """:func:`env_setting` for a provider in the chain: unset is "not here" (recorded on the
+    request, ``None`` returned); the fix for a blank value also offers unsetting it."""
+    value = env_setting(
+        request.environ,
+        name,
+        provider=provider,
+        source=name,
+        fix=f"{fix}, or unset it so that discovery continues with the other providers.",
+    )
+    if value is None:
+        request.not_here(f"{name} is not set")
+    return value
 
 
 @functools.lru_cache(maxsize=1)
@@ -170,16 +204,14 @@ class EnvTokenProvider:
 
     @hookimpl
     def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
-        value = request.environ.get(TOKEN_ENV)
+        value = _provider_setting(
+            request,
+            TOKEN_ENV,
+            provider=self.name,
+            fix="Set it to an OIDC token whose aud is the broker URL",
+        )
         if value is None:
-            return request.not_here(f"{TOKEN_ENV} is not set")
-        if not value.strip():
-            raise EmptyCredentialError(
-                f"{TOKEN_ENV} is set but empty. Set it to an OIDC token whose aud is the broker "
-                "URL, or unset it so that discovery continues with the other providers.",
-                provider=self.name,
-                source=TOKEN_ENV,
-            )
+            return None
         token = check_token_text(value, provider=self.name, source=TOKEN_ENV)
         return Credential(token, self.name, file_backed=False, source=TOKEN_ENV)
 
@@ -205,16 +237,11 @@ class TokenFileProvider:
 
     @hookimpl
     def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
-        path = request.environ.get(TOKEN_FILE_ENV)
+        path = _provider_setting(
+            request, TOKEN_FILE_ENV, provider=self.name, fix="Set it to the path of a token file"
+        )
         if path is None:
-            return request.not_here(f"{TOKEN_FILE_ENV} is not set")
-        if not path.strip():
-            raise EmptyCredentialError(
-                f"{TOKEN_FILE_ENV} is set but empty. Set it to the path of a token file, or "
-                "unset it so that discovery continues with the other providers.",
-                provider=self.name,
-                source=TOKEN_FILE_ENV,
-            )
+            return None
         source = f"{TOKEN_FILE_ENV}={path}"
         check_not_automounted(path, provider=self.name, source=source)
         text = read_token_file(path, provider=self.name, source=source, missing_ok=False)
