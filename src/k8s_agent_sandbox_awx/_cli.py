@@ -220,12 +220,42 @@ class _Doctor:
         return all(c["ok"] for c in self.checks)
 
 
-def _doctor_credentials(doc: _Doctor, audience: str) -> dict[str, Any] | None:
+_NO_AUDIENCE = "audience check skipped: no broker URL (the token's audience must be the broker URL)"
+
+
+def _explain_without_audience() -> Any:
+    """Every provider's decision when no broker URL is configured: a token that was found is
+    reported as selected, its audience unchecked (there is nothing to check it against)."""
+    from dataclasses import replace
+
+    from ._chain import explain
+    from ._credential_errors import AudienceMismatchError
+
+    explanation = explain("")
+    if not isinstance(explanation.error, AudienceMismatchError):
+        return explanation
+    decisions = list(explanation.decisions)
+    selected = None
+    for i, d in enumerate(decisions):
+        if d.status == "error" and d.detail.startswith("AudienceMismatchError:"):
+            selected = d.name
+            decisions[i] = replace(
+                d, status="selected", detail=f"a token was found; {_NO_AUDIENCE}"
+            )
+    return replace(explanation, decisions=decisions, selected=selected, error=None)
+
+
+def _doctor_credentials(doc: _Doctor, audience: str | None) -> dict[str, Any] | None:
+    """The credential checks; ``audience`` ``None`` (no broker URL): the providers' decisions
+    and the token's claims and expiry, the audience check skipped with a note."""
     import time
 
     from ._chain import explain
 
-    explanation = explain(audience)
+    explanation = _explain_without_audience() if audience is None else explain(audience)
+    report = explanation.to_dict()
+    if audience is None:
+        report["audience"] = None
     for d in explanation.decisions:
         doc.notes.append(f"provider {d.name}: {d.status}: {d.detail}")
     if not doc.check(
@@ -237,11 +267,11 @@ def _doctor_credentials(doc: _Doctor, audience: str) -> dict[str, Any] | None:
         "Set AGENT_SANDBOX_TOKEN or AGENT_SANDBOX_TOKEN_FILE, mount a projected service-account "
         "token with the broker URL as audience, or install a provider plugin.",
     ):
-        return explanation.to_dict()
+        return report
     claims = explanation.claims
     if claims is None:
         doc.check("token claims", True, "opaque token (not a JWT): no local checks possible")
-        return explanation.to_dict()
+        return report
     payload = claims.get("payload", {})
     for part in ("header", "payload"):
         for key, value in sorted(claims.get(part, {}).items()):
@@ -249,13 +279,16 @@ def _doctor_credentials(doc: _Doctor, audience: str) -> dict[str, Any] | None:
     doc.notes.append("signature = <redacted>")
     aud = payload.get("aud")
     auds = aud if isinstance(aud, list) else [aud]
-    doc.check(
-        "audience",
-        audience in auds,
-        f"aud={aud!r}, broker URL={audience!r}",
-        "Request the token with the broker URL as its audience (for a projected token: "
-        "serviceAccountToken.audience; for GitLab: id_tokens.<NAME>.aud).",
-    )
+    if audience is None:
+        doc.notes.append(f"aud={aud!r}: {_NO_AUDIENCE}")
+    else:
+        doc.check(
+            "audience",
+            audience in auds,
+            f"aud={aud!r}, broker URL={audience!r}",
+            "Request the token with the broker URL as its audience (for a projected token: "
+            "serviceAccountToken.audience; for GitLab: id_tokens.<NAME>.aud).",
+        )
     exp = payload.get("exp")
     if isinstance(exp, int | float):
         left = exp - time.time()
@@ -268,7 +301,7 @@ def _doctor_credentials(doc: _Doctor, audience: str) -> dict[str, Any] | None:
         )
     else:
         doc.check("expiry", False, "the token has no exp claim", "Use a token with an expiry.")
-    return explanation.to_dict()
+    return report
 
 
 def _doctor_broker(doc: _Doctor, client: BrokerSandboxClient, credentials_ok: bool) -> None:
@@ -349,6 +382,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             "Set AGENT_SANDBOX_BROKER_URL (and AGENT_SANDBOX_CA_BUNDLE for a private CA).",
         )
         config = None
+        explanation = _doctor_credentials(doc, None)
+        doc.notes.append(
+            "skipped without a broker URL: audience, reachability, tls, clock skew and "
+            "authentication"
+        )
     if config is not None:
         doc.check("config", True, f"broker URL {config.broker_url} (the token audience)")
         explanation = _doctor_credentials(doc, config.audience)

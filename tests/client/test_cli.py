@@ -145,3 +145,31 @@ def test_dev_help_reaches_the_dev_parser(capsys: Any) -> None:
         main(["dev", "--help"])
     assert info.value.code == 0
     assert "agent-sandbox-awx dev" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_doctor_without_broker_url_still_shows_the_providers(
+    broker: Any, use_env: Any, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    env = broker.environ("gitlab")
+    use_env(env)
+    monkeypatch.delenv("AGENT_SANDBOX_BROKER_URL")
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  config" in out and "AGENT_SANDBOX_BROKER_URL" in out
+    # every built-in provider's decision is shown, the token's provider as found
+    for name in ("agent-sandbox-token", "agent-sandbox-token-file", "kubernetes-projected"):
+        assert f"provider {name}:" in out, out
+    assert "PASS  credentials" in out and "agent-sandbox-token" in out
+    assert "AudienceMismatchError" not in out and "not for the broker ''" not in out
+    assert "skipped" in out and "no broker URL" in out
+    assert env["AGENT_SANDBOX_TOKEN"] not in out
+    assert env["AGENT_SANDBOX_TOKEN"].rsplit(".", 1)[1] not in out
+    assert main(["doctor", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"]
+    assert {d["name"] for d in report["credentials"]["decisions"]} >= {
+        "agent-sandbox-token",
+        "kubernetes-projected",
+    }
+    assert env["AGENT_SANDBOX_TOKEN"].rsplit(".", 1)[1] not in json.dumps(report)
