@@ -122,3 +122,47 @@ def test_runtimes_die_when_the_test_process_crashes(mode: str) -> None:
     assert os.path.isdir(_tmp)
     with LocalBroker(warn=False):
         assert not os.path.exists(_tmp)
+
+
+def _sockets_to_port(port: int) -> list[str]:
+    """This process's IPv4 TCP sockets whose remote port is ``port`` (their states, in hex)."""
+    states = {}
+    with open("/proc/net/tcp") as fh:
+        next(fh)
+        for line in fh:
+            fields = line.split()
+            if int(fields[2].split(":")[1], 16) == port:
+                states[fields[9]] = fields[3]
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:[") and link[8:-1] in states:
+                found.append(states[link[8:-1]])
+    return found
+
+
+def _settled(check: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while (value := check()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+@pytest.mark.parametrize("how", ["deleted", "expired"])
+def test_router_connections_to_a_runtime_close_with_its_sandbox(
+    broker: LocalBroker, alice: Any, how: str
+) -> None:
+    """The broker's keep-alive connections to a sandbox's runtime do not outlive it (no socket
+    left in CLOSE_WAIT once the runtime exited)."""
+    sandbox = alice.ready(lifetime_seconds=2) if how == "expired" else alice.ready()
+    assert alice.run(sandbox, "echo hi").json()["stdout"] == "hi\n"
+    handle = broker._require_app().sandboxes[sandbox["name"]].handle
+    assert handle is not None
+    assert _sockets_to_port(handle.port)  # the router kept its connection alive
+    pid = broker.runtime_pid(sandbox["name"])
+    assert pid is not None
+    if how == "deleted":
+        assert alice.http.delete(f"/v1/sandboxes/{sandbox['name']}").status_code == 202
+    assert _wait_dead([pid], 10) == []
+    assert _settled(lambda: _sockets_to_port(handle.port)) == []

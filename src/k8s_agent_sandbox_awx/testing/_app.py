@@ -129,6 +129,9 @@ class SandboxRecord:
     executions: int = 0
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     deleted: bool = False
+    router_http: httpx.AsyncClient | None = None
+    """The router's connections to this sandbox's runtime: closed with the sandbox, so that no
+    keep-alive connection to an exited runtime is left behind (CLOSE_WAIT)."""
 
     def set_phase(self, phase: str, reason: str | None = None, message: str | None = None) -> None:
         self.phase, self.reason, self.message = phase, reason, message
@@ -272,7 +275,7 @@ class BrokerApp:
         self.idempotency: dict[tuple[str, str, str], tuple[str, str, float]] = {}
         self.revoked: set[str] = set()
         self._jwks_http: httpx.AsyncClient | None = None
-        self._router_http: httpx.AsyncClient | None = None
+        self._router_tls = ssl.create_default_context()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.verifier = TokenVerifier(
             audience=url,
@@ -294,14 +297,19 @@ class BrokerApp:
             )
         return self._jwks_http
 
-    def _router_client(self) -> httpx.AsyncClient:
-        if self._router_http is None:
-            self._router_http = httpx.AsyncClient(
+    def _router_client(self, record: SandboxRecord) -> httpx.AsyncClient:
+        """The router's client for ``record``'s runtime (one per sandbox, see ``router_http``)."""
+        if record.router_http is None:
+            record.router_http = httpx.AsyncClient(
                 follow_redirects=False,
                 trust_env=False,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=200),
+                verify=self._router_tls,  # one context for all: runtimes speak plain http
+                timeout=httpx.Timeout(
+                    connect=5.0, read=DEFAULT_DATA_PLANE_TIMEOUT, write=300.0, pool=10.0
+                ),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
             )
-        return self._router_http
+        return record.router_http
 
     def _is_revoked(self, claims: Mapping[str, Any], token: str) -> bool:
         jti = claims.get("jti")
@@ -653,6 +661,8 @@ class BrokerApp:
         with self.lock:
             self.sandboxes.pop(record.name, None)
         record.deleted = True
+        if record.router_http is not None:
+            await record.router_http.aclose()
 
     def _owned(self, caller: Caller, name: str) -> SandboxRecord:
         with self.lock:
@@ -822,7 +832,9 @@ class BrokerApp:
                 if chunk:
                     yield chunk
 
-        client = self._router_client()
+        if record.deleted:  # terminated since the checks above
+            raise ApiError(409, "terminating", f"sandbox {record.name!r} is being deleted")
+        client = self._router_client(record)
         upstream = client.build_request(
             request.method,
             url,
@@ -902,9 +914,8 @@ class BrokerApp:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.backend.close()
-        for client in (self._jwks_http, self._router_http):
-            if client is not None:
-                await client.aclose()
+        if self._jwks_http is not None:
+            await self._jwks_http.aclose()
 
 
 async def _client_gone(receive: Receive) -> None:
