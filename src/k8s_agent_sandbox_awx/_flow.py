@@ -171,7 +171,14 @@ def _json_object(reply: Reply, spec: proto.RequestSpec) -> dict[str, Any]:
 
 def whoami() -> Op[dict[str, Any]]:
     spec = proto.whoami()
-    return _json_object((yield Call(spec)), spec)
+    result = _json_object((yield Call(spec)), spec)
+    for key in ("attributes", "policy"):
+        value = result.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise proto._protocol_error(
+                spec.what, f"{key!r} is a {type(value).__name__}, not a JSON object"
+            )
+    return result
 
 
 def list_sandboxes(label_selector: Mapping[str, str] | str | None) -> Op[list[proto.SandboxInfo]]:

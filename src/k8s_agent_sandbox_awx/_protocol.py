@@ -355,13 +355,26 @@ def _protocol_error(what: str, problem: str) -> BrokerProtocolError:
     )
 
 
+def _object_field(obj: dict[str, Any], key: str, what: str) -> dict[str, Any]:
+    """``obj[key]`` as a JSON object (absent or null: empty)."""
+    value = obj.get(key) or {}
+    if not isinstance(value, dict):
+        raise _protocol_error(
+            what, f"the Sandbox object's {key!r} is a {type(value).__name__}, not a JSON object"
+        )
+    return value
+
+
 def parse_sandbox(obj: Any, what: str = "read the sandbox") -> SandboxInfo:
     if not isinstance(obj, dict):
         raise _protocol_error(what, "the Sandbox object is not a JSON object")
+    router_obj = _object_field(obj, "router", what)
+    labels = _object_field(obj, "labels", what)
+    annotations = _object_field(obj, "annotations", what)
+    owner = _object_field(obj, "owner", what)
     try:
         name = obj["name"]
         phase = obj["phase"]
-        router_obj = obj.get("router") or {}
         namespace = obj.get("namespace") or "default"
         router = RouterTarget(
             sandbox_id=str(router_obj.get("sandbox_id") or name),
@@ -383,9 +396,9 @@ def parse_sandbox(obj: Any, what: str = "read the sandbox") -> SandboxInfo:
         message=obj.get("message"),
         created_at=obj.get("created_at"),
         expires_at=obj.get("expires_at"),
-        labels=dict(obj.get("labels") or {}),
-        annotations=dict(obj.get("annotations") or {}),
-        owner=dict(obj.get("owner") or {}),
+        labels=dict(labels),
+        annotations=dict(annotations),
+        owner=dict(owner),
     )
 
 
@@ -549,10 +562,14 @@ def error_from_response(
         if status >= 500 and cls is BrokerError:
             cls = BrokerUnavailableError
     hint = _HINTS.get(code or "", "")
+    if code == "invalid_path" and not spec.data_plane:
+        hint = "Sandbox names are DNS-1123 labels; check the name with `agent-sandbox-awx ls`."
     if not hint:
         hint = {
             400: "The request was malformed; this is likely a client bug, please report it.",
             401: "Run `agent-sandbox-awx doctor` to check the token.",
+            403: "Your identity is not allowed to do this; see `agent-sandbox-awx whoami` for "
+            "your policy or ask the broker's operator.",
             413: "Send less data per request.",
         }.get(status, "Retry later; if it persists, contact the broker's operator.")
     extra = ""

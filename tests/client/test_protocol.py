@@ -154,3 +154,61 @@ def test_retry_decisions() -> None:
     assert policy.after_status(execute, 1, 503, {"retry-after": "1"}) is None
     assert policy.after_transport_error(execute, 1, request_sent=False) is None
     assert policy.after_transport_error(get, 1, request_sent=True) == 1
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"name": "s", "phase": "Ready", "router": 7},
+        {"name": "s", "phase": "Ready", "router": ["sbx"]},
+        {"name": "s", "phase": "Ready", "labels": [1, 2]},
+        {"name": "s", "phase": "Ready", "annotations": "x"},
+        {"name": "s", "phase": "Ready", "owner": 5},
+        {"name": "s", "phase": "Ready", "router": {"port": "http"}},
+    ],
+)
+def test_parse_sandbox_wrong_shapes_are_protocol_errors(obj: dict[str, object]) -> None:
+    """A malformed Sandbox object is a BrokerProtocolError naming the problem, never an
+    AttributeError/TypeError from the parser."""
+    with pytest.raises(proto.BrokerProtocolError, match="broker API v1") as info:
+        proto.parse_sandbox(obj, "get sandbox 's'")
+    assert "get sandbox 's'" in str(info.value)
+    with pytest.raises(proto.BrokerProtocolError):
+        proto.parse_sandbox_list({"items": [obj]})
+
+
+def test_error_hints_fit_the_request() -> None:
+    # a bad sandbox name on the control plane is not a file path problem
+    spec = proto.RequestSpec("DELETE", "/v1/sandboxes/BAD", "delete sandbox 'BAD'")
+    body = json.dumps({"detail": "sandbox name 'BAD' is not a DNS-1123 label"}).encode()
+    bad_name = proto.error_from_response(
+        400, {}, body[:-1] + b', "code": "invalid_path"}', spec=spec
+    )
+    assert "relative to the sandbox root" not in str(bad_name)
+    assert "agent-sandbox-awx ls" in str(bad_name)
+    data = proto.RequestSpec("GET", "/download/x", "read 'x'", data_plane=True)
+    bad_path = proto.error_from_response(400, {}, b'{"code": "invalid_path"}', spec=data)
+    assert "relative to the sandbox root" in str(bad_path)
+    # a 403 without a known code is a permission problem, not something to retry later
+    denied = _err(403, "some_new_code")
+    assert isinstance(denied, BrokerPermissionError) and "Retry later" not in str(denied)
+    assert "whoami" in str(denied)
+
+
+@pytest.mark.parametrize("body", [{"attributes": [1]}, {"policy": "x"}, {"attributes": None}])
+def test_whoami_wrong_shapes_are_protocol_errors(body: dict[str, object]) -> None:
+    from k8s_agent_sandbox_awx import _flow as flow
+
+    op = flow.whoami()
+    next(op)
+
+    class Reply:
+        status_code = 200
+        content = json.dumps({"subject": "s", "provider": "p", **body}).encode()
+
+    if body == {"attributes": None}:  # null: no attributes
+        with pytest.raises(StopIteration):
+            op.send(Reply())
+        return
+    with pytest.raises(proto.BrokerProtocolError, match="not a JSON object"):
+        op.send(Reply())
