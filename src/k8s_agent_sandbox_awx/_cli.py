@@ -305,6 +305,7 @@ def _doctor_credentials(doc: _Doctor, audience: str | None) -> dict[str, Any] | 
 
 
 def _doctor_broker(doc: _Doctor, client: BrokerSandboxClient, credentials_ok: bool) -> None:
+    import contextlib
     from datetime import UTC, datetime
     from email.utils import parsedate_to_datetime
 
@@ -337,13 +338,25 @@ def _doctor_broker(doc: _Doctor, client: BrokerSandboxClient, credentials_ok: bo
     else:
         doc.check("tls", False, "plain http:// (loopback only)", "Use https:// outside tests.")
     date = response.headers.get("date")
+    broker_time = None
     if date:
-        skew = (datetime.now(UTC) - parsedate_to_datetime(date)).total_seconds()
+        with contextlib.suppress(TypeError, ValueError):
+            broker_time = parsedate_to_datetime(date)
+    if broker_time is not None and broker_time.tzinfo is not None:
+        skew = (datetime.now(UTC) - broker_time).total_seconds()
         doc.check(
             "clock skew",
             abs(skew) <= 60,
             f"{skew:+.1f}s against the broker's Date header",
             "Synchronise this machine's clock (NTP); tokens are rejected when clocks disagree.",
+        )
+    elif date:
+        doc.check(
+            "clock skew",
+            False,
+            f"the broker's Date header {date!r} is not an HTTP date with a time zone",
+            "Check that the broker URL points at an agent-sandbox broker, and compare the "
+            "clocks by hand.",
         )
     else:
         doc.check("clock skew", False, "the broker sent no Date header", "Upgrade the broker.")

@@ -173,3 +173,30 @@ def test_doctor_without_broker_url_still_shows_the_providers(
         "kubernetes-projected",
     }
     assert env["AGENT_SANDBOX_TOKEN"].rsplit(".", 1)[1] not in json.dumps(report)
+
+
+@pytest.mark.parametrize("date", ["garbage", "Mon, 01 Jan 2024 00:00:00 -0000"])
+def test_doctor_reports_an_unusable_date_header(date: str) -> None:
+    """A broker Date header that cannot be compared is a failed clock-skew check with a hint,
+    not a crash of the doctor command."""
+    import httpx
+
+    from k8s_agent_sandbox_awx import BrokerSandboxClient, OIDCTokenAuth
+    from k8s_agent_sandbox_awx._cli import _Doctor, _doctor_broker
+    from k8s_agent_sandbox_awx._config import BrokerConnectionConfig
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"status": "ok"}, headers={"Date": date})
+
+    client = BrokerSandboxClient(
+        BrokerConnectionConfig(broker_url="https://broker.test"),
+        auth=OIDCTokenAuth("opaque"),
+        http_transport=httpx.MockTransport(handler),
+    )
+    doc = _Doctor()
+    try:
+        _doctor_broker(doc, client, credentials_ok=False)
+    finally:
+        client.close()
+    skew = next(c for c in doc.checks if c["check"] == "clock skew")
+    assert not skew["ok"] and date in skew["detail"] and skew["hint"]
