@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -149,7 +150,7 @@ def _settled(check: Any, timeout: float = 10.0) -> Any:
     return value
 
 
-@pytest.mark.parametrize("how", ["deleted", "expired"])
+@pytest.mark.parametrize("how", ["deleted", "expired", "runtime exited"])
 def test_router_connections_to_a_runtime_close_with_its_sandbox(
     broker: LocalBroker, alice: Any, how: str
 ) -> None:
@@ -164,5 +165,14 @@ def test_router_connections_to_a_runtime_close_with_its_sandbox(
     assert pid is not None
     if how == "deleted":
         assert alice.http.delete(f"/v1/sandboxes/{sandbox['name']}").status_code == 202
+    if how == "runtime exited":
+        os.kill(pid, signal.SIGKILL)
     assert _wait_dead([pid], 10) == []
+    if how == "runtime exited":  # the broker notices (the sandbox stays listed, Failed)
+
+        def not_failed() -> bool:
+            state = alice.http.get(f"/v1/sandboxes/{sandbox['name']}").json()
+            return (state["phase"], state["reason"]) != ("Failed", "RuntimeExited")
+
+        assert _settled(not_failed) is False
     assert _settled(lambda: _sockets_to_port(handle.port)) == []

@@ -697,6 +697,8 @@ class BrokerApp:
         handle = record.handle
         if record.phase == "Ready" and handle is not None and not self.backend.is_alive(handle):
             record.set_phase("Failed", "RuntimeExited", "the sandbox runtime process exited")
+            if record.router_http is not None:  # its connections lead nowhere now
+                self._spawn(record.router_http.aclose())
 
     def _list(self, request: Request, caller: Caller) -> Response:
         selector: dict[str, str] = {}
