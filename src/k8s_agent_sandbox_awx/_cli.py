@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,6 +29,23 @@ class _CliError(Exception):
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
         self.code = code
+
+
+def _seconds(*, positive: bool) -> Callable[[str], float]:
+    """An argparse type: a number of seconds, > 0 (``positive``) or >= 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or not (value > 0 if positive else value >= 0):
+            rule = "a number of seconds greater than 0" if positive else "a number of seconds >= 0"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,10 +77,15 @@ def _parser() -> argparse.ArgumentParser:
         help="sandbox template (default: $AGENT_SANDBOX_TEMPLATE, "
         "else the broker policy's default)",
     )
-    p.add_argument("--timeout", type=float, default=300, help="command time limit in seconds")
+    p.add_argument(
+        "--timeout",
+        type=_seconds(positive=True),
+        default=300,
+        help="command time limit in seconds",
+    )
     p.add_argument(
         "--ready-timeout",
-        type=float,
+        type=_seconds(positive=False),
         default=None,
         help="seconds to wait for the sandbox to become ready",
     )

@@ -200,3 +200,23 @@ def test_doctor_reports_an_unusable_date_header(date: str) -> None:
         client.close()
     skew = next(c for c in doc.checks if c["check"] == "clock skew")
     assert not skew["ok"] and date in skew["detail"] and skew["hint"]
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--timeout", "-1"], "--timeout"),
+        (["--ready-timeout", "-2"], "--ready-timeout"),
+        (["--timeout", "inf"], "--timeout"),
+    ],
+)
+def test_run_checks_its_timeouts_before_creating_a_sandbox(
+    args: list[str], flag: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    # no broker is configured: the usage error comes first, nothing is created
+    monkeypatch.delenv("AGENT_SANDBOX_BROKER_URL", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main(["run", *args, "--", "echo", "hi"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err and "AGENT_SANDBOX_BROKER_URL" not in err
