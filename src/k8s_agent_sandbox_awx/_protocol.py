@@ -8,6 +8,7 @@ that the sync client (``_transport``) and an async one only add the I/O.
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import random
 import secrets
@@ -280,8 +281,11 @@ def execute(router: RouterTarget, command: str, *, command_timeout: float) -> Re
     """``POST /execute``: never retried (it is not idempotent)."""
     if not isinstance(command, str) or not command.strip():
         raise ValueError("The command is empty; pass the command line to run, e.g. 'echo hi'.")
-    if command_timeout <= 0:
-        raise ValueError(f"The command timeout must be positive, got {command_timeout}.")
+    if not math.isfinite(command_timeout) or command_timeout <= 0:
+        raise ValueError(
+            f"The command timeout must be a finite number of seconds greater than 0, got "
+            f"{command_timeout}; pass timeout= (or command_timeout=) as, e.g., 60."
+        )
     spec = _data("POST", "/execute", "run a command", router)
     spec.headers["X-Sandbox-Timeout"] = _seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)
     spec.read_timeout = command_timeout + COMMAND_TIMEOUT_MARGIN

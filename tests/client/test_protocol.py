@@ -212,3 +212,11 @@ def test_whoami_wrong_shapes_are_protocol_errors(body: dict[str, object]) -> Non
         return
     with pytest.raises(proto.BrokerProtocolError, match="not a JSON object"):
         op.send(Reply())
+
+
+@pytest.mark.parametrize("limit", [float("inf"), float("nan"), 0, -1])
+def test_execute_rejects_a_timeout_that_is_not_a_finite_positive_number(limit: float) -> None:
+    """Never sent as 'inf'/'nan' (an X-Sandbox-Timeout the broker rejects, a JSON body with
+    Infinity): the caller's own argument is named."""
+    with pytest.raises(ValueError, match="command timeout must be a finite number of seconds"):
+        proto.execute(ROUTER, "echo hi", command_timeout=limit)
