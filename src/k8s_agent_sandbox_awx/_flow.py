@@ -289,6 +289,11 @@ def plan_create(
     ready_timeout = (
         config.ready_timeout if sandbox_ready_timeout is None else float(sandbox_ready_timeout)
     )
+    if not ready_timeout >= 0:  # also NaN, which no comparison ever ends
+        raise ValueError(
+            f"sandbox_ready_timeout (ready_timeout=) must be a number of seconds >= 0, got "
+            f"{sandbox_ready_timeout}; pass, e.g., 180."
+        )
     spec = proto.create(
         idempotency_key=options.get("idempotency_key") or proto.new_idempotency_key(),
         template=template or warmpool or config.template,

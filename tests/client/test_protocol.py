@@ -220,3 +220,15 @@ def test_execute_rejects_a_timeout_that_is_not_a_finite_positive_number(limit: f
     Infinity): the caller's own argument is named."""
     with pytest.raises(ValueError, match="command timeout must be a finite number of seconds"):
         proto.execute(ROUTER, "echo hi", command_timeout=limit)
+
+
+@pytest.mark.parametrize("ready", [float("nan"), -1.0])
+def test_create_rejects_a_ready_timeout_that_is_nan_or_negative(ready: float) -> None:
+    """NaN would wait forever (no comparison with it is true), a negative one would create a
+    sandbox only to delete it: both are refused before anything is sent."""
+    from k8s_agent_sandbox_awx import _flow as flow
+    from k8s_agent_sandbox_awx._config import BrokerConnectionConfig
+
+    config = BrokerConnectionConfig(broker_url="https://broker.test")
+    with pytest.raises(ValueError, match="sandbox_ready_timeout"):
+        flow.plan_create(config, None, None, ready, None, {})
