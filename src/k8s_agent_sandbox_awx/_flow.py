@@ -11,6 +11,7 @@ even while the task is being cancelled.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Generator, Mapping
@@ -326,7 +327,13 @@ def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
         # create with the same Idempotency-Key (which returns that sandbox) and delete it.
         yield from _abandon_create(spec, exc)
         raise
-    info = proto.parse_sandbox(proto.parse_json(reply.content, spec.what), spec.what)
+    try:
+        info = proto.parse_sandbox(proto.parse_json(reply.content, spec.what), spec.what)
+    except errors.BrokerProtocolError as exc:
+        name = _created_name(reply.content)
+        if name is not None:  # a sandbox was made although its answer is unusable
+            yield from _rollback(name, exc)
+        raise
     logger.info("created sandbox %s (template %s)", info.name, info.template)
     try:
         return (
@@ -335,6 +342,16 @@ def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
     except BaseException as exc:
         yield from _rollback(info.name, exc)
         raise
+
+
+def _created_name(body: bytes) -> str | None:
+    """The sandbox name in a create answer that did not parse as a Sandbox object, if any."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    name = obj.get("name") if isinstance(obj, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def _abandon_create(spec: proto.RequestSpec, exc: BaseException) -> Op[None]:

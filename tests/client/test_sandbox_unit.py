@@ -193,3 +193,18 @@ def test_interrupted_create_request_is_undone(make_client: Any, fake: Any, kit: 
         make_client().create_sandbox()
     assert len(calls) == 2 and calls[0] == calls[1]
     assert fake.deleted == ["sbx-1"]
+
+
+def test_malformed_create_answer_with_a_name_deletes_the_claim(make_client: Any, fake: Any) -> None:
+    """The broker created a sandbox but its answer is not a valid Sandbox object: the error is
+    a BrokerProtocolError and the sandbox it names is deleted, not leaked."""
+    from k8s_agent_sandbox_awx import BrokerProtocolError
+
+    @fake.route("POST", "/v1/sandboxes")
+    def created(request: httpx.Request) -> httpx.Response:
+        fake.sandboxes["sbx-1"] = {"name": "sbx-1", "phase": "Pending"}
+        return httpx.Response(201, json={"name": "sbx-1", "phase": "Pending", "router": 7})
+
+    with pytest.raises(BrokerProtocolError, match="router"):
+        make_client().create_sandbox()
+    assert fake.deleted == ["sbx-1"]
