@@ -108,8 +108,9 @@ def _forbidden_dirs() -> tuple[str, ...]:
     return tuple(sorted(dirs))
 
 
-@functools.lru_cache(maxsize=64)
 def _is_automounted(path: str) -> bool:
+    # Not memoised: a relative path depends on the current directory, and a symlink (or the
+    # directories on the way) can be re-pointed between two reads of a file source.
     candidates = {os.path.normpath(os.path.abspath(path)), os.path.realpath(path)}
     return any(c == d or c.startswith(d + os.sep) for c in candidates for d in _forbidden_dirs())
 
@@ -117,7 +118,8 @@ def _is_automounted(path: str) -> bool:
 def check_not_automounted(path: str, *, provider: str, source: str) -> None:
     """Refuse a path in (or resolving into) the automounted ServiceAccount token directory.
 
-    The literal path and its ``realpath`` are both checked (memoised per path string).
+    The literal path and its ``realpath`` are both checked, afresh on every call: file
+    sources call it before every read (:func:`read_token_file`).
     """
     if _is_automounted(path):
         raise ForbiddenTokenSourceError(
@@ -134,8 +136,11 @@ def read_token_file(path: str, *, provider: str, source: str, missing_ok: bool) 
     """Read a token file afresh (one open/read/close); ``None`` if missing and ``missing_ok``.
 
     Opening the path on each call follows the kubelet's ``..data`` symlink to whichever
-    timestamped directory is current, so a rotation is seen on the next read.
+    timestamped directory is current, so a rotation is seen on the next read. The automount
+    rule (:func:`check_not_automounted`) is checked before each read, where the path resolves
+    now.
     """
+    check_not_automounted(path, provider=provider, source=source)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError) as exc:
@@ -243,7 +248,6 @@ class TokenFileProvider:
         if path is None:
             return None
         source = f"{TOKEN_FILE_ENV}={path}"
-        check_not_automounted(path, provider=self.name, source=source)
         text = read_token_file(path, provider=self.name, source=source, missing_ok=False)
         assert text is not None
         token = check_token_text(text, provider=self.name, source=source)

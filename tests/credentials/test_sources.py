@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -362,3 +363,43 @@ def test_32_threads_cause_one_fetch_per_expiry(mint, clock) -> None:
     clock.advance(600)
     assert len(wave()) == 1
     assert len(fetches) == 3
+
+
+def test_a_symlink_re_pointed_into_the_automount_directory_is_refused_on_the_next_read(
+    tmp_path: Path, mint: Any
+) -> None:
+    """File sources are re-read on every request, so the automount rule is checked on every
+    read too: a symlink that pointed at a good token and now points at the automounted one is
+    refused (not passed on the strength of an earlier check)."""
+    good = tmp_path / "good-token"
+    good.write_text(mint())
+    link = tmp_path / "token"
+    os.symlink(good, link)
+    kubernetes_auth = KubernetesAuth(link)
+    projected_provider = ProjectedTokenProvider(str(link))
+    file_request = _request({"AGENT_SANDBOX_TOKEN_FILE": str(link)})
+    assert kubernetes_auth.get_credential(BROKER).token == good.read_text()
+    assert projected_provider.agent_sandbox_get_credential(_request({})) is not None
+    assert TokenFileProvider().agent_sandbox_get_credential(file_request) is not None
+    os.unlink(link)
+    os.symlink("/var/run/secrets/kubernetes.io/serviceaccount/token", link)
+    with pytest.raises(ForbiddenTokenSourceError):
+        kubernetes_auth.get_credential(BROKER)
+    with pytest.raises(ForbiddenTokenSourceError):
+        projected_provider.agent_sandbox_get_credential(_request({}))
+    with pytest.raises(ForbiddenTokenSourceError):
+        TokenFileProvider().agent_sandbox_get_credential(file_request)
+
+
+def test_a_relative_path_is_checked_against_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mint: Any
+) -> None:
+    relative = "var/run/secrets/kubernetes.io/serviceaccount/token"
+    (tmp_path / relative).parent.mkdir(parents=True)
+    (tmp_path / relative).write_text(mint())
+    monkeypatch.chdir(tmp_path)  # a harmless file under the current directory
+    request = _request({"AGENT_SANDBOX_TOKEN_FILE": relative})
+    assert TokenFileProvider().agent_sandbox_get_credential(request) is not None
+    monkeypatch.chdir("/")  # the same string now names the automounted token
+    with pytest.raises(ForbiddenTokenSourceError):
+        TokenFileProvider().agent_sandbox_get_credential(request)
