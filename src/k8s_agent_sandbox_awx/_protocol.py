@@ -389,6 +389,9 @@ def parse_sandbox(obj: Any, what: str = "read the sandbox") -> SandboxInfo:
         raise _protocol_error(what, f"the Sandbox object lacks or has a bad field ({exc})") from exc
     if not isinstance(name, str) or not isinstance(phase, str):
         raise _protocol_error(what, "'name' and 'phase' must be strings")
+    for key in ("namespace", "template", "reason", "message", "created_at", "expires_at"):
+        if not isinstance(obj.get(key), str | None):
+            raise _protocol_error(what, f"the Sandbox object's {key!r} is not a string")
     return SandboxInfo(
         name=name,
         namespace=str(namespace),

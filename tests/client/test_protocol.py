@@ -165,6 +165,9 @@ def test_retry_decisions() -> None:
         {"name": "s", "phase": "Ready", "annotations": "x"},
         {"name": "s", "phase": "Ready", "owner": 5},
         {"name": "s", "phase": "Ready", "router": {"port": "http"}},
+        {"name": "s", "phase": "Ready", "template": 5},
+        {"name": "s", "phase": "Ready", "expires_at": ["soon"]},
+        {"name": "s", "phase": "Ready", "namespace": {"a": 1}},
     ],
 )
 def test_parse_sandbox_wrong_shapes_are_protocol_errors(obj: dict[str, object]) -> None:
