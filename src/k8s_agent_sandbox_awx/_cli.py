@@ -428,12 +428,23 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         explanation = _doctor_credentials(doc, config.audience)
         credentials_ok = doc.ok
         from ._client import BrokerSandboxClient
+        from ._exceptions import ConfigurationError
 
-        client = BrokerSandboxClient(config)
         try:
-            _doctor_broker(doc, client, credentials_ok)
-        finally:
-            client.close()
+            client = BrokerSandboxClient(config)
+        except ConfigurationError as exc:  # the CA bundle or client certificate cannot be used
+            doc.check(
+                "tls",
+                False,
+                " ".join(str(exc).split()),
+                "Point AGENT_SANDBOX_CA_BUNDLE (or --ca-bundle) at the PEM file of the CA that "
+                "signed the broker's certificate.",
+            )
+        else:
+            try:
+                _doctor_broker(doc, client, credentials_ok)
+            finally:
+                client.close()
     if args.json:
         _print_json({"ok": doc.ok, "checks": doc.checks, "credentials": explanation})
     else:

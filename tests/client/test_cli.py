@@ -220,3 +220,21 @@ def test_run_checks_its_timeouts_before_creating_a_sandbox(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err and "AGENT_SANDBOX_BROKER_URL" not in err
+
+
+@pytest.mark.e2e
+def test_doctor_reports_an_unusable_ca_bundle_as_a_check(
+    broker: Any, use_env: Any, tmp_path: Path, capsys: Any
+) -> None:
+    """A CA bundle that exists but holds no certificate fails the tls check; the report (with
+    the credential checks) is still printed."""
+    env = broker.environ("kubernetes")
+    bad = tmp_path / "not-a-ca.pem"
+    bad.write_text("not a certificate\n")
+    env["AGENT_SANDBOX_CA_BUNDLE"] = str(bad)
+    use_env(env)
+    assert main(["doctor"]) == 1
+    captured = capsys.readouterr()
+    assert "PASS  credentials" in captured.out
+    assert "FAIL  tls" in captured.out and str(bad) in captured.out
+    assert "hint:" in captured.out and "error:" not in captured.err
