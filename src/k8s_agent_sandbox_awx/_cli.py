@@ -243,6 +243,15 @@ class _Doctor:
         return all(c["ok"] for c in self.checks)
 
 
+_CREDENTIAL_HINTS = {
+    "NoCredentialsError": "Set AGENT_SANDBOX_TOKEN or AGENT_SANDBOX_TOKEN_FILE, mount a projected "
+    "service-account token with the broker URL as audience, or install a provider plugin.",
+    "AudienceMismatchError": "Issue the token with the broker URL as its audience, or fix the "
+    "broker URL if it is mistyped.",
+    "TokenExpiredError": "Get a fresh token from its source (the kubelet renews projected "
+    "tokens; CI tokens live as long as their job), and check this machine's clock.",
+}
+
 _NO_AUDIENCE = "audience check skipped: no broker URL (the token's audience must be the broker URL)"
 
 
@@ -281,14 +290,17 @@ def _doctor_credentials(doc: _Doctor, audience: str | None) -> dict[str, Any] | 
         report["audience"] = None
     for d in explanation.decisions:
         doc.notes.append(f"provider {d.name}: {d.status}: {d.detail}")
+    hint = _CREDENTIAL_HINTS.get(
+        type(explanation.error).__name__,
+        "The error names the source and the fix; the details below list every provider.",
+    )
     if not doc.check(
         "credentials",
         explanation.selected is not None and explanation.error is None,
         f"selected provider: {explanation.selected}"
         if explanation.selected
         else f"{type(explanation.error).__name__}: {explanation.error}",
-        "Set AGENT_SANDBOX_TOKEN or AGENT_SANDBOX_TOKEN_FILE, mount a projected service-account "
-        "token with the broker URL as audience, or install a provider plugin.",
+        hint,
     ):
         return report
     claims = explanation.claims

@@ -238,3 +238,28 @@ def test_doctor_reports_an_unusable_ca_bundle_as_a_check(
     assert "PASS  credentials" in captured.out
     assert "FAIL  tls" in captured.out and str(bad) in captured.out
     assert "hint:" in captured.out and "error:" not in captured.err
+
+
+@pytest.mark.e2e
+def test_doctor_credentials_hint_fits_the_failure(broker: Any, use_env: Any, capsys: Any) -> None:
+    """A token that was found but is refused (wrong audience) gets a hint about that token,
+    not the advice to set up a token source."""
+    env = broker.environ("kubernetes")
+    use_env(env)
+    token_file = Path(env["AGENT_SANDBOX_TOKEN_FILE"])
+    wrong_aud = broker.issue_kubernetes_token("default", "default", audience="https://elsewhere")
+    token_file.unlink()
+    token_file.write_text(wrong_aud)
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    hint = next(
+        line
+        for line in out.splitlines()[
+            out.splitlines().index(
+                next(x for x in out.splitlines() if x.startswith("FAIL  credentials"))
+            )
+            + 1 :
+        ]
+        if "hint:" in line
+    )
+    assert "Set AGENT_SANDBOX_TOKEN or" not in hint and "audience" in hint, hint
