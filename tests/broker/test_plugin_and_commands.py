@@ -104,6 +104,10 @@ def test_demo_prints_the_answer(capsys: pytest.CaptureFixture[str]) -> None:
     assert dict(os.environ) == before
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_dev_prints_exports_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     token_file = tmp_path / "tok" / "token"
     proc = subprocess.Popen(
@@ -124,6 +128,9 @@ def test_dev_prints_exports_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell without job control starts background jobs with SIGINT ignored, and Python
+        # keeps an inherited SIG_IGN: give the child the default disposition, as a terminal would.
+        preexec_fn=_default_sigint,
     )
     try:
         assert proc.stdout is not None
