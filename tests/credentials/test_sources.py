@@ -28,6 +28,7 @@ from k8s_agent_sandbox_awx._providers import (
     EnvTokenProvider,
     ProjectedTokenProvider,
     TokenFileProvider,
+    read_token_file,
 )
 
 BROKER = "https://sandbox-broker.example"
@@ -403,3 +404,29 @@ def test_a_relative_path_is_checked_against_the_current_directory(
     monkeypatch.chdir("/")  # the same string now names the automounted token
     with pytest.raises(ForbiddenTokenSourceError):
         TokenFileProvider().agent_sandbox_get_credential(request)
+
+
+def test_the_file_actually_opened_is_checked_not_only_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mint: Any
+) -> None:
+    """The automount rule holds for what ``open`` reached, so a link re-pointed between the
+    path check and the open (a race a ``realpath`` before opening cannot close) is refused."""
+    from k8s_agent_sandbox_awx import _providers
+
+    automount = tmp_path / "serviceaccount"
+    automount.mkdir()
+    (automount / "token").write_text(mint())
+    monkeypatch.setattr(_providers, "_forbidden_dirs", lambda: (str(automount),))
+    link = tmp_path / "elsewhere" / "token"
+    link.parent.mkdir()
+    os.symlink(automount / "token", link)
+    with pytest.raises(ForbiddenTokenSourceError, match="automounted ServiceAccount"):
+        read_token_file(str(link), provider="p", source="s", missing_ok=False)
+    # Even when the path-based check is fooled (the race), the opened file is refused.
+    monkeypatch.setattr(_providers, "check_not_automounted", lambda *a, **k: None)
+    monkeypatch.setattr(_providers, "_is_automounted", lambda path: False)
+    with pytest.raises(ForbiddenTokenSourceError, match="automounted ServiceAccount"):
+        read_token_file(str(link), provider="p", source="s", missing_ok=False)
+    # A harmless file next to it is read as usual.
+    (link.parent / "good").write_text("opaque-token")
+    assert read_token_file(str(link.parent / "good"), provider="p", source="s", missing_ok=False)
