@@ -317,9 +317,12 @@ def _doctor_credentials(doc: _Doctor, audience: str | None) -> dict[str, Any] | 
     if audience is None:
         doc.notes.append(f"aud={aud!r}: {_NO_AUDIENCE}")
     else:
+        from ._jwt import normalise_url
+
+        wanted = normalise_url(audience)  # the rule the SDK applies before sending a token
         doc.check(
             "audience",
-            audience in auds,
+            any(isinstance(a, str) and normalise_url(a) == wanted for a in auds),
             f"aud={aud!r}, broker URL={audience!r}",
             "Request the token with the broker URL as its audience (for a projected token: "
             "serviceAccountToken.audience; for GitLab: id_tokens.<NAME>.aud).",

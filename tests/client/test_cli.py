@@ -263,3 +263,27 @@ def test_doctor_credentials_hint_fits_the_failure(broker: Any, use_env: Any, cap
         if "hint:" in line
     )
     assert "Set AGENT_SANDBOX_TOKEN or" not in hint and "audience" in hint, hint
+
+
+def test_doctor_audience_check_uses_the_sdks_url_rule(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A token the SDK would send (aud differs only in case and a trailing slash) passes the
+    doctor's audience check too; a token for another service fails it."""
+    from k8s_agent_sandbox_awx import clear_credential_cache
+    from k8s_agent_sandbox_awx._cli import _Doctor, _doctor_credentials
+    from k8s_agent_sandbox_awx.testing import unsigned_jwt
+
+    for name in [n for n in os.environ if n.startswith("AGENT_SANDBOX_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
+    for aud, ok in (["HTTPS://Broker.example/"], True), (["https://other.example"], False):
+        clear_credential_cache()
+        monkeypatch.setenv("AGENT_SANDBOX_TOKEN", unsigned_jwt({"aud": aud}))
+        doc = _Doctor()
+        _doctor_credentials(doc, "https://broker.example")
+        checks = {c["check"]: c["ok"] for c in doc.checks}
+        assert checks.get("credentials") is ok
+        if ok:
+            assert checks["audience"] is True
+    clear_credential_cache()
