@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "ForbiddenTokenSourceError": "._credential_errors",
     "CredentialPluginWarning": "._credential_errors",
     # --- broker client (sync) -------------------------------------------------------------
-    "Sandbox": "._sandbox",
+    "Sandbox": "._client",
     "BrokerSandboxClient": "._client",
     "BrokerConnectionConfig": "._config",
     "BrokerError": "._exceptions",
@@ -53,13 +53,13 @@ _EXPORTS: dict[str, str] = {
     "BrokerConflictError": "._exceptions",
     "SandboxFailedError": "._exceptions",
     "SandboxTerminatingError": "._exceptions",
-    "SandboxInfo": "._sandbox",
+    "SandboxInfo": "._client",
     "ConfigurationError": "._exceptions",
     "SandboxReadyTimeoutError": "._exceptions",
     "CommandTimeoutError": "._exceptions",
     "RequestTimeoutError": "._exceptions",
     # --- broker client (async) ------------------------------------------------------------
-    "AsyncSandbox": "._async_sandbox",
+    "AsyncSandbox": "._async_client",
     "AsyncBrokerSandboxClient": "._async_client",
 }
 
@@ -129,12 +129,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from ._async_client import AsyncBrokerSandboxClient
-    from ._async_sandbox import AsyncSandbox
+    from ._async_client import AsyncBrokerSandboxClient, AsyncSandbox
     from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
     from ._cache import clear_credential_cache
     from ._chain import DefaultCredentials, Explanation, ProviderDecision, explain
-    from ._client import BrokerSandboxClient
+    from ._client import BrokerSandboxClient, Sandbox, SandboxInfo
     from ._config import BrokerConnectionConfig
     from ._credential import Credential, CredentialRequest, ProviderInfo
     from ._credential_errors import (
@@ -167,5 +166,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         SandboxReadyTimeoutError,
         SandboxTerminatingError,
     )
-    from ._sandbox import Sandbox, SandboxInfo
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl

@@ -1,23 +1,39 @@
-"""``AsyncBrokerSandboxClient``: ``BrokerSandboxClient`` for asyncio applications."""
+"""The async shell: ``AsyncBrokerSandboxClient`` and ``AsyncSandbox``
+(``async with await AsyncSandbox.create() as sb: await sb.commands.run()``).
+
+The same operations, requests and rules as the sync shell (``_client``), performed with
+``await``. The timeout parameters keep the sync API's names and meaning (a time limit the broker
+and the runtime enforce too), hence ``noqa: ASYNC109``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import builtins
+import inspect
 import logging
-from collections.abc import Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, Self
+import os
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Mapping,
+)
+from typing import Any, BinaryIO, Self, Unpack
 
 import httpx
 
 from . import _flow as flow
 from . import _protocol as proto
-from ._async_transport import AsyncBrokerTransport
-from ._base import ClientBase
+from ._async_transport import AsyncBrokerTransport, AsyncUploadStream
+from ._base import ClientBase, ExcType, FilesBase, SandboxBase, SandboxPart, Traceback, make_client
+from ._exchange import DownloadMeter, plan_upload
+from ._files import partial_file, writer_or_path
+from ._upstream import ExecutionResult, FileEntry, SandboxNotFoundError
 
-if TYPE_CHECKING:
-    from ._async_sandbox import AsyncSandbox
-
-__all__ = ["AsyncBrokerSandboxClient"]
+__all__ = ["AsyncBrokerSandboxClient", "AsyncCommands", "AsyncFiles", "AsyncSandbox"]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
@@ -38,7 +54,7 @@ class AsyncBrokerSandboxClient(
         self, http_transport: httpx.AsyncBaseTransport | None
     ) -> AsyncBrokerTransport:
         return AsyncBrokerTransport(
-            self.connection_config, self.auth, http_transport=http_transport
+            self.connection_config, self.auth, self.dialect, http_transport=http_transport
         )
 
     async def close(self) -> None:
@@ -57,53 +73,54 @@ class AsyncBrokerSandboxClient(
 
     async def whoami(self) -> dict[str, Any]:
         """The identity the broker verified for the current token."""
-        return await self._transport.run(flow.whoami())
+        return await self._transport.call(self.dialect.whoami())
 
-    async def healthz(self) -> httpx.Response:
-        """``GET /v1/healthz`` without a token."""
-        return await self._transport.send(proto.healthz(), authenticate=False)
+    async def healthz(self) -> proto.BrokerReply:
+        """The broker's health check, without a token."""
+        reply = await self._transport.send(self.dialect.healthz().spec, authenticate=False)
+        return proto.BrokerReply(reply.status_code, dict(reply.headers), reply.content)
 
     async def list_sandboxes(
         self, label_selector: Mapping[str, str] | str | None = None
     ) -> list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them, newest first."""
-        return await self._transport.run(flow.list_sandboxes(label_selector))
+        return await self._transport.call(self.dialect.list_sandboxes(label_selector))
 
     async def get_info(self, name: str) -> proto.SandboxInfo:
         """The current state of sandbox ``name`` (no waiting)."""
-        return await self._transport.run(flow.get_info(name))
+        return await self._transport.call(self.dialect.get(name))
 
     async def wait_ready(
         self, info: proto.SandboxInfo, ready_timeout: float, *, creating: bool = False
     ) -> proto.SandboxInfo:
         """Long-poll until ``info`` is Ready; raise on Failed or at the timeout."""
         request_timeout = self.connection_config.request_timeout
-        op = flow.wait_ready(info, ready_timeout, request_timeout, creating=creating)
+        op = flow.wait_ready(self.dialect, info, ready_timeout, request_timeout, creating=creating)
         return await self._transport.run(op)
 
-    async def _delete(self, name: str) -> bool:
-        """Delete ``name`` (to the end, even if cancelled); ``False`` if it was already gone."""
-        return await self._transport.run(flow.delete(name, cleanup=True))
+    async def delete(self, name: str) -> bool:
+        """Delete sandbox ``name`` at the broker (to the end, even if cancelled); ``False`` if it
+        was already gone."""
+        return await self._transport.call(flow.cleanup(self.dialect.delete(name)))
+
+    def _handle(self, info: proto.SandboxInfo) -> AsyncSandbox:
+        return AsyncSandbox(self, info)
 
     async def _create(self, plan: flow.CreatePlan) -> AsyncSandbox:
         """``create_sandbox``'s I/O: a failed or cancelled create deletes the claim it made
         before the error (or ``CancelledError``) propagates."""
-        from ._async_sandbox import AsyncSandbox
-
         info = await self._transport.run(flow.create(plan))
-        return self._register(AsyncSandbox(self, info))
+        return self._register(self._handle(info))
 
     async def get_sandbox(
         self, claim_name: str, namespace: str | None = None, resolve_timeout: float = 30
     ) -> AsyncSandbox:
         """Attach to one of my sandboxes by name, waiting up to ``resolve_timeout`` for Ready."""
-        from ._async_sandbox import AsyncSandbox
-
         del namespace  # decided by the broker
         handle = self._existing(claim_name)
         if handle is None:
             info = await self.get_info(claim_name)
-            handle = AsyncSandbox(self, await self.wait_ready(info, float(resolve_timeout)))
+            handle = self._handle(await self.wait_ready(info, float(resolve_timeout)))
             return self._register(handle)
         await handle.refresh()
         return handle
@@ -126,7 +143,7 @@ class AsyncBrokerSandboxClient(
         """Delete a sandbox; a sandbox that is already gone is not an error."""
         del namespace
         handle = self._pop(claim_name)
-        await (handle.kill() if handle is not None else self._delete(claim_name))
+        await (handle.kill() if handle is not None else self.delete(claim_name))
 
     async def delete_all(self) -> None:
         """Delete every sandbox this client created or attached to, concurrently. Raises the
@@ -140,3 +157,217 @@ class AsyncBrokerSandboxClient(
             logger.error("could not delete sandbox %s: %s", name, failure)
         if failures:
             raise failures[0][1]
+
+
+AsyncContent = bytes | bytearray | memoryview | str | BinaryIO | AsyncIterable[bytes]
+
+
+class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
+    """Runs commands in one sandbox. Returned by ``AsyncSandbox.commands``."""
+
+    async def run(
+        self,
+        command: str,
+        timeout: float = 60,  # noqa: ASYNC109
+        **options: Unpack[flow.RunOptions],
+    ) -> ExecutionResult:
+        """Async ``Sandbox.commands.run``: the same time limits, errors and results; never
+        retried."""
+        plan = flow.command(self._target, command, timeout, options)
+        return await self._transport.call(plan)
+
+
+def _awaiting_writer(out: Any) -> Callable[[bytes], Awaitable[Any]]:
+    """``out.write`` as a coroutine function, whether ``write`` is sync or async."""
+
+    async def write(data: bytes) -> Any:
+        written = out.write(data)
+        return await written if inspect.isawaitable(written) else written
+
+    return write
+
+
+class AsyncFiles(FilesBase[AsyncBrokerTransport, AsyncGenerator[bytes, None]]):
+    """File operations in one sandbox. Returned by ``AsyncSandbox.files``."""
+
+    async def write(
+        self,
+        path: str,
+        content: AsyncContent,
+        timeout: float | None = None,  # noqa: ASYNC109
+        allow_unsafe_paths: bool = False,
+    ) -> None:
+        """Async ``Sandbox.files.write``, streamed: ``content`` is bytes, str, a binary file
+        (read in a worker thread) or an async iterable of bytes (sent once, never retried)."""
+        dest = flow.file_path(path, allow_unsafe_paths)
+        source = content if isinstance(content, AsyncIterable) else None
+        spec, body = plan_upload(self._target, dest, content, timeout, streamed=bool(source))
+        await self._transport.send(spec, body=AsyncUploadStream(body, source))
+
+    async def read(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109
+        allow_unsafe_paths: bool = False,
+    ) -> bytes:
+        """The bytes of the file at ``path`` (use :meth:`read_to` or :meth:`iter_bytes` for
+        large files)."""
+        call = flow.read_file(self._target, path, timeout, allow_unsafe_paths)
+        return await self._transport.call(call)
+
+    async def read_to(
+        self,
+        path: str,
+        destination: str | os.PathLike[str] | Any,
+        timeout: float | None = None,  # noqa: ASYNC109
+        allow_unsafe_paths: bool = False,
+        max_bytes: int | None = None,
+    ) -> int:
+        """Async ``Sandbox.files.read_to``: stream into a local path (a temporary file renamed
+        into place when complete; written from a worker thread) or a writer whose ``write`` is
+        sync or async. Returns the bytes written."""
+        src, spec = flow.download_spec(self._target, path, timeout, allow_unsafe_paths)
+        meter = DownloadMeter(spec, src, max_bytes)
+        if not writer_or_path(destination):
+            return await self._transport.download(spec, meter, _awaiting_writer(destination))
+        with partial_file(destination) as out:
+
+            async def write(data: bytes) -> int:
+                return await asyncio.to_thread(out.write, data)
+
+            return await self._transport.download(spec, meter, write)
+
+    async def list(self, path: str = ".", timeout: float | None = None) -> list[FileEntry]:  # noqa: ASYNC109
+        """The entries of the directory ``path`` as upstream ``FileEntry`` objects."""
+        return await self._transport.call(flow.list_files(self._target, path, timeout))
+
+    async def exists(self, path: str, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Whether ``path`` exists in the sandbox (without downloading it)."""
+        return await self._transport.call(flow.file_exists(self._target, path, timeout))
+
+
+class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFiles]):
+    """One sandbox behind the broker, for asyncio: the async counterpart of :class:`Sandbox`.
+
+    ``await AsyncSandbox.create()`` (waits until Ready; a cancelled create deletes its claim),
+    ``await AsyncSandbox.connect(name)``, ``await AsyncSandbox.list()``; ``await
+    sandbox.commands.run(...)``, ``await sandbox.files.write/read/read_to/list/exists(...)``;
+    ``await sandbox.kill()`` (idempotent). ``async with`` kills it on exit, also when the block
+    raises or is cancelled.
+    """
+
+    def __init__(
+        self,
+        client: AsyncBrokerSandboxClient,
+        info: proto.SandboxInfo,
+        *,
+        owns_client: bool = False,
+    ) -> None:
+        transport, target = client._transport, client.dialect.data_target(info)
+        parts = AsyncCommands(transport, target), AsyncFiles(transport, target)
+        super().__init__(client, info, *parts, owns_client)
+
+    async def refresh(self) -> proto.SandboxInfo:
+        """Fetch the current state from the broker."""
+        self._info = await self._client.get_info(self.name)
+        return self._info
+
+    async def status(self) -> tuple[str, str]:
+        """Upstream-style ``(status, message)``."""
+        try:
+            info: proto.SandboxInfo | None = await self.refresh()
+        except SandboxNotFoundError:
+            info = None
+        return self._status_of(info, self.name)
+
+    async def close_connection(self) -> None:
+        """Stop using this handle; the sandbox keeps running (reattach with connect)."""
+        if not self._closed:
+            self._closed = True
+            if self._owns_client:
+                await self._client.close()
+
+    async def kill(self) -> None:
+        """Delete the sandbox (to the end, even if the task is cancelled meanwhile).
+        Idempotent: a sandbox that is already gone is not an error."""
+        if self._killed:
+            return
+        client = self._client
+        if self._needs_own_client_to_kill():
+            client = AsyncBrokerSandboxClient(client.connection_config, auth=client.auth)
+        try:
+            await client.delete(self.name)
+        finally:
+            if client is not self._client:
+                await client.close()
+        logger.info("killed sandbox %s", self.name)
+        if self._killed_now():
+            await self._client.close()
+
+    terminate = kill
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
+        try:
+            await self.kill()
+        except Exception as kill_error:
+            if exc is None:
+                raise
+            logger.error("could not kill sandbox %s: %s", self.name, kill_error)
+            self._exit_note(exc, kill_error)
+
+    @staticmethod
+    async def _owning(
+        client: AsyncBrokerSandboxClient, start: Callable[[], Awaitable[AsyncSandbox]]
+    ) -> AsyncSandbox:
+        """The handle ``start()`` returns, owning ``client`` (closed if ``start`` fails)."""
+        try:
+            sandbox = await start()
+        except BaseException:
+            await client.close()
+            raise
+        sandbox._owns_client = True
+        return sandbox
+
+    @classmethod
+    async def create(
+        cls,
+        template: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        **options: Unpack[flow.SandboxCreateOptions],
+    ) -> AsyncSandbox:
+        """Async :meth:`Sandbox.create`: the same options, environment and guarantees; a
+        cancelled create deletes the claim it made, then re-raises ``CancelledError``."""
+        ready_timeout, create_options = flow.sandbox_create_args(template, options)
+        client = make_client(AsyncBrokerSandboxClient, options, creating=True)
+        return await cls._owning(
+            client,
+            lambda: client.create_sandbox(
+                labels=labels, sandbox_ready_timeout=ready_timeout, **create_options
+            ),
+        )
+
+    @classmethod
+    async def connect(
+        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[flow.ConnectOptions]
+    ) -> AsyncSandbox:
+        """Async :meth:`Sandbox.connect`."""
+        client = make_client(AsyncBrokerSandboxClient, options)
+        return await cls._owning(
+            client, lambda: client.get_sandbox(name, resolve_timeout=ready_timeout)
+        )
+
+    @classmethod
+    async def list(
+        cls,
+        label_selector: Mapping[str, str] | str | None = None,
+        **options: Unpack[flow.ConnectOptions],
+    ) -> builtins.list[proto.SandboxInfo]:
+        """Async :meth:`Sandbox.list`."""
+        client = make_client(AsyncBrokerSandboxClient, options)
+        try:
+            return await client.list_sandboxes(label_selector)
+        finally:
+            await client.close()

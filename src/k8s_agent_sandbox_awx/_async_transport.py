@@ -1,7 +1,7 @@
 """The async I/O layer: one ``httpx.AsyncClient`` per client object.
 
-The counterpart of ``_transport`` for asyncio: the same ``_exchange`` decisions (auth, retries,
-redirects, timeouts, errors) and the same ``_flow`` operations, performed with ``await``. A call
+The counterpart of ``_transport`` for asyncio: it performs the same ``_exchange`` steps (auth,
+retries, redirects, timeouts, errors) and the same ``_flow`` operations with ``await``. A call
 marked ``cleanup`` (deleting a claim after a failed or cancelled create, killing on exit) runs in
 its own task that a cancellation of the caller does not interrupt; the cancellation is re-raised
 once the cleanup is done.
@@ -13,32 +13,22 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from . import _exchange as ex
-from . import _flow as flow
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
+from ._dialect import Dialect
+from ._driver import Steps, adrive
 
-__all__ = ["AsyncBrokerTransport", "AsyncUploadStream", "adrive"]
+__all__ = ["AsyncBrokerTransport", "AsyncUploadStream"]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
-
-async def adrive(op: flow.Op[flow.T], perform: Callable[[flow.Call], Awaitable[Any]]) -> flow.T:
-    """Run ``op`` on the event loop; ``perform`` sends one call (the async ``flow.drive``)."""
-    stepper = flow.Stepper(op)
-    call = stepper.advance()
-    while call is not None:
-        try:
-            stepper.reply = await perform(call)
-        except BaseException as exc:  # thrown into the operation, which decides
-            stepper.error = exc
-        call = stepper.advance()
-    return stepper.result
+T = TypeVar("T")
 
 
 class AsyncUploadStream(httpx.AsyncByteStream):
@@ -67,52 +57,91 @@ class AsyncUploadStream(httpx.AsyncByteStream):
         yield body.framing.suffix
 
 
-class AsyncBrokerTransport:
-    """Sends ``RequestSpec``s to the broker from an event loop."""
+class AsyncBrokerTransport(ex.TransportBase):
+    """Sends requests to the broker from an event loop (``httpx.AsyncClient``)."""
 
     def __init__(
         self,
         config: BrokerConnectionConfig,
         auth: CredentialSource,
+        dialect: Dialect,
         *,
         http_transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         retry: proto.RetryPolicy | None = None,
     ) -> None:
-        self.config = config
-        self.auth = auth
+        client = httpx.AsyncClient(transport=http_transport, **ex.client_settings(config))
+        super().__init__(config, auth, dialect, client, retry)
+        self._http = client
         self._sleep = sleep
-        self.retry = retry or ex.retry_policy(config)
-        self._client = httpx.AsyncClient(
-            transport=http_transport, **ex.client_settings(config, auth)
-        )
         self._cleanups: set[asyncio.Task[Any]] = set()
 
     @property
-    def broker_url(self) -> str:
-        return self.config.broker_url
-
-    @property
     def is_closed(self) -> bool:
-        return self._client.is_closed
+        return self._http.is_closed
 
     async def close(self) -> None:
         """Close the connections (after any cleanup still running)."""
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
-        await self._client.aclose()
+        await self._http.aclose()
 
-    async def perform(self, call: flow.Call) -> httpx.Response:
-        """Perform one call of an operation; a cleanup call completes even if cancelled."""
+    async def perform(self, step: ex.Step) -> Any:
+        """Perform one I/O step of an exchange."""
+        match step:
+            case ex.Send(request):
+                return await self._http.send(request, stream=True)
+            case ex.GetCredential(audience):
+                return await self.auth.aget_credential(audience)
+            case ex.Read(response):
+                try:
+                    return await response.aread()
+                finally:
+                    await response.aclose()
+            case ex.ReadError(response):
+                return await self._error_body(response)
+            case ex.Close(response):
+                return await response.aclose()
+            case ex.Sleep(seconds):
+                return await self._sleep(seconds)
+
+    @staticmethod
+    async def _error_body(response: httpx.Response) -> bytes:
+        capped = ex.CappedBody()
+        try:
+            async for chunk in response.aiter_bytes():
+                if capped.add(chunk):
+                    break
+        except httpx.HTTPError:
+            pass  # the status alone is reported
+        finally:
+            await response.aclose()
+        return capped.data
+
+    async def send(
+        self,
+        spec: proto.RequestSpec,
+        *,
+        stream: bool = False,
+        body: httpx.AsyncByteStream | None = None,
+        authenticate: bool = True,
+    ) -> httpx.Response:
+        """Send ``spec`` (see ``BrokerTransport.send``)."""
+        steps = self.exchange(spec, stream=stream, body=body, authenticate=authenticate)
+        return await adrive(steps, self.perform)
+
+    async def call(self, call: proto.Call[T]) -> T:
+        """Send one call and parse its answer; a cleanup call completes even if cancelled."""
         if call.cleanup:
-            return await self.complete(self.send(call.spec))
-        return await self.send(call.spec)
+            return await self.complete(adrive(self.call_steps(call), self.perform))
+        result: T = await adrive(self.call_steps(call), self.perform)
+        return result
 
-    async def run(self, op: flow.Op[flow.T]) -> flow.T:
-        """Run an operation of ``_flow`` to its result."""
-        return await adrive(op, self.perform)
+    async def run(self, op: Steps[proto.Call[Any], T]) -> T:
+        """Run an operation of ``_flow`` (a generator of calls) to its result."""
+        return await adrive(op, self.call)
 
-    async def complete(self, work: Coroutine[Any, Any, flow.T]) -> flow.T:
+    async def complete(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` to the end in its own task, even if the calling task is cancelled
         meanwhile (``asyncio.shield``, again after each cancellation); then re-raise the
         cancellation, or return the result."""
@@ -134,58 +163,6 @@ class AsyncBrokerTransport:
                 logger.error("a cleanup failed while cancelled: %s", task.exception())
             raise cancelled
         return task.result()
-
-    async def send(
-        self,
-        spec: proto.RequestSpec,
-        *,
-        stream: bool = False,
-        body: httpx.AsyncByteStream | None = None,
-        authenticate: bool = True,
-    ) -> httpx.Response:
-        """Send ``spec`` (see ``BrokerTransport.send``)."""
-        exchange = ex.Exchange(
-            self._client, self.config, self.retry, spec, body=body, authenticate=authenticate
-        )
-        response = await self._attempts(exchange)
-        if not exchange.succeeded(response):
-            raise exchange.failure(response, await self._error_body(response))
-        if not stream:
-            try:
-                await response.aread()
-            except httpx.TransportError as exc:
-                raise exchange.read_error(exc) from exc
-            finally:
-                await response.aclose()
-        return response
-
-    async def _attempts(self, exchange: ex.Exchange) -> httpx.Response:
-        """Send until an answer that is not retried (retries sleep without blocking)."""
-        while True:
-            request = exchange.next_request()
-            try:
-                response = await self._client.send(request, stream=True, auth=exchange.auth)
-            except httpx.TransportError as exc:
-                await self._sleep(exchange.delay_after_error(exc))
-                continue
-            delay = exchange.delay_after_response(response)
-            if delay is None:
-                return response
-            await response.aclose()
-            await self._sleep(delay)
-
-    @staticmethod
-    async def _error_body(response: httpx.Response) -> bytes:
-        capped = ex.CappedBody()
-        try:
-            async for chunk in response.aiter_bytes():
-                if capped.add(chunk):
-                    break
-        except httpx.HTTPError:
-            pass  # the status alone is reported
-        finally:
-            await response.aclose()
-        return capped.data
 
     async def stream(
         self, spec: proto.RequestSpec, meter: ex.DownloadMeter

@@ -16,7 +16,10 @@ from typing import Any, Generic, TypeVar, Unpack
 
 from . import _protocol as proto
 from ._auth import CredentialSource
+from ._chain import DefaultCredentials
 from ._config import BrokerConnectionConfig
+from ._dataplane import DataTarget
+from ._dialects import get_dialect
 from ._exceptions import ConfigurationError
 from ._exchange import DownloadMeter
 from ._flow import (
@@ -43,13 +46,6 @@ __all__ = [
 
 ExcType = type[BaseException] | None
 Traceback = TracebackType | None
-
-
-def _default_auth(environ: Mapping[str, str] | None) -> CredentialSource:
-    from ._chain import DefaultCredentials
-
-    source: CredentialSource = DefaultCredentials(environ)
-    return source
 
 
 H = TypeVar("H", bound="SandboxBase[Any, Any, Any]")
@@ -89,7 +85,8 @@ class ClientBase(Generic[H, T, R]):
         self.connection_config = connection_config or BrokerConnectionConfig.from_env(
             environ, **config_overrides
         )
-        self.auth = auth if auth is not None else _default_auth(environ)
+        self.auth = auth if auth is not None else DefaultCredentials(environ)
+        self.dialect = get_dialect()
         self._lock = threading.RLock()
         self._handles: dict[str, H] = {}
         self._closed = False
@@ -121,12 +118,10 @@ class ClientBase(Generic[H, T, R]):
         deleted before raising.
         """
         config = self.connection_config
-        plan = plan_create(config, warmpool, namespace, sandbox_ready_timeout, labels, options)
+        plan = plan_create(
+            config, self.dialect, warmpool, namespace, sandbox_ready_timeout, labels, options
+        )
         return self._create(plan)
-
-    @property
-    def transport(self) -> T:
-        return self._transport
 
     @property
     def broker_url(self) -> str:
@@ -170,11 +165,11 @@ class ClientBase(Generic[H, T, R]):
 
 
 class SandboxPart(Generic[T]):
-    """``commands`` or ``files`` of one sandbox: its transport and router target."""
+    """``commands`` or ``files`` of one sandbox: its transport and data-plane target."""
 
-    def __init__(self, transport: T, router: proto.RouterTarget) -> None:
+    def __init__(self, transport: T, target: DataTarget) -> None:
         self._transport = transport
-        self._router = router
+        self._target = target
 
 
 S = TypeVar("S")
@@ -194,7 +189,7 @@ class FilesBase(SandboxPart[T], Generic[T, S]):
         """The file at ``path`` as an iterator of chunks (up to 1 MiB each), streamed: ``for``
         (sync) or ``async for`` (async); the download starts with the first chunk. Close it
         (``contextlib.closing`` / ``contextlib.aclosing``) if you stop early."""
-        src, spec = download_spec(self._router, path, timeout, allow_unsafe_paths)
+        src, spec = download_spec(self._target, path, timeout, allow_unsafe_paths)
         transport: Any = self._transport
         chunks: S = transport.stream(spec, DownloadMeter(spec, src, max_bytes))
         return chunks

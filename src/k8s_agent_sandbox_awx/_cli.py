@@ -170,7 +170,7 @@ def _cmd_kill(args: argparse.Namespace) -> int:
     client = _client(args)
     try:
         for name in args.names:
-            existed = client._delete(name)
+            existed = client.delete(name)
             print(f"{name}: {'deleted' if existed else 'already gone'}")
     finally:
         client.close()

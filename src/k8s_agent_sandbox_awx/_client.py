@@ -1,25 +1,29 @@
-"""``BrokerSandboxClient``: upstream ``SandboxClient``'s methods, over the broker."""
+"""The sync shell: ``BrokerSandboxClient`` (upstream ``SandboxClient``'s methods) and the
+``Sandbox`` handle users hold (``with Sandbox.create() as sb: sb.commands.run(...)``)."""
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Self
+from collections.abc import Callable, Mapping
+from typing import Any, Self, Unpack
 
 import httpx
 
 from . import _flow as flow
 from . import _protocol as proto
 from ._auth import CredentialSource
-from ._base import ClientBase
+from ._base import ClientBase, ExcType, SandboxBase, Traceback, make_client
+from ._commands import Commands
 from ._config import BrokerConnectionConfig
+from ._files import Files
 from ._transport import BrokerTransport
+from ._upstream import SandboxNotFoundError
 
-if TYPE_CHECKING:
-    from ._sandbox import Sandbox
+__all__ = ["BrokerSandboxClient", "Sandbox", "SandboxInfo"]
 
-__all__ = ["BrokerSandboxClient"]
+SandboxInfo = proto.SandboxInfo
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
@@ -60,7 +64,9 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
             atexit.register(self.delete_all)
 
     def _new_transport(self, http_transport: httpx.BaseTransport | None) -> BrokerTransport:
-        return BrokerTransport(self.connection_config, self.auth, http_transport=http_transport)
+        return BrokerTransport(
+            self.connection_config, self.auth, self.dialect, http_transport=http_transport
+        )
 
     # ---------------------------------------------------------------------------- lifecycle
 
@@ -82,53 +88,56 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
 
     def whoami(self) -> dict[str, Any]:
         """The identity the broker verified for the current token (``GET /v1/whoami``)."""
-        return self._transport.run(flow.whoami())
+        return self._transport.call(self.dialect.whoami())
 
-    def healthz(self) -> httpx.Response:
-        """``GET /v1/healthz`` without a token; the read response (for its ``Date`` header)."""
-        return self._transport.send(proto.healthz(), authenticate=False)
+    def healthz(self) -> proto.BrokerReply:
+        """The broker's health check, without a token: its status, headers (``Date``) and
+        body."""
+        reply = self._transport.send(self.dialect.healthz().spec, authenticate=False)
+        return proto.BrokerReply(reply.status_code, dict(reply.headers), reply.content)
 
     def list_sandboxes(
         self, label_selector: Mapping[str, str] | str | None = None
     ) -> list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them, newest first."""
-        return self._transport.run(flow.list_sandboxes(label_selector))
+        return self._transport.call(self.dialect.list_sandboxes(label_selector))
 
     def get_info(self, name: str) -> proto.SandboxInfo:
         """The current state of sandbox ``name`` (no waiting)."""
-        return self._transport.run(flow.get_info(name))
+        return self._transport.call(self.dialect.get(name))
 
     def wait_ready(
         self, info: proto.SandboxInfo, ready_timeout: float, *, creating: bool = False
     ) -> proto.SandboxInfo:
         """Long-poll the broker until ``info`` is Ready; raise on Failed or at the timeout."""
         timeout = self.connection_config.request_timeout
-        return self._transport.run(flow.wait_ready(info, ready_timeout, timeout, creating=creating))
+        op = flow.wait_ready(self.dialect, info, ready_timeout, timeout, creating=creating)
+        return self._transport.run(op)
 
-    def _delete(self, name: str) -> bool:
-        """Delete ``name``; ``False`` if it was already gone (404)."""
-        return self._transport.run(flow.delete(name))
+    def delete(self, name: str) -> bool:
+        """Delete sandbox ``name`` at the broker; ``False`` if it was already gone. (A handle of
+        this client for it stays registered: prefer ``Sandbox.kill()`` or ``delete_sandbox``.)"""
+        return self._transport.call(self.dialect.delete(name))
 
     # ----------------------------------------------------------------- upstream-compatible API
 
-    def _create(self, plan: flow.CreatePlan) -> Sandbox:
-        from ._sandbox import Sandbox
+    def _handle(self, info: proto.SandboxInfo) -> Sandbox:
+        return Sandbox(self, info)
 
-        return self._register(Sandbox(self, self._transport.run(flow.create(plan))))
+    def _create(self, plan: flow.CreatePlan) -> Sandbox:
+        return self._register(self._handle(self._transport.run(flow.create(plan))))
 
     def get_sandbox(
         self, claim_name: str, namespace: str | None = None, resolve_timeout: float = 30
     ) -> Sandbox:
         """Attach to one of my sandboxes by name, waiting up to ``resolve_timeout`` for Ready."""
-        from ._sandbox import Sandbox
-
         del namespace  # decided by the broker
         existing = self._existing(claim_name)
         if existing is not None:
             existing.refresh()
             return existing
         info = self.wait_ready(self.get_info(claim_name), float(resolve_timeout))
-        return self._register(Sandbox(self, info))
+        return self._register(self._handle(info))
 
     def list_active_sandboxes(self) -> list[tuple[str, str]]:
         """``(namespace, name)`` of the live handles this client created or attached to."""
@@ -148,7 +157,7 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
         if handle is not None:
             handle.kill()
         else:
-            self._delete(claim_name)
+            self.delete(claim_name)
 
     def delete_all(self) -> None:
         """Delete every sandbox this client created or attached to. Raises the first error
@@ -162,3 +171,138 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
+    """One sandbox behind the broker.
+
+    Get one with :meth:`create` (waits until Ready), :meth:`connect` (reattach by name) or
+    ``BrokerSandboxClient.create_sandbox``. ``commands`` and ``files`` speak the upstream types
+    (``ExecutionResult``, ``FileEntry``). :meth:`kill` deletes it (idempotent); used as a context
+    manager it is killed on exit, also when the block raises.
+    """
+
+    def __init__(
+        self, client: BrokerSandboxClient, info: proto.SandboxInfo, *, owns_client: bool = False
+    ) -> None:
+        transport, target = client._transport, client.dialect.data_target(info)
+        commands, files = Commands(transport, target), Files(transport, target)
+        super().__init__(client, info, commands, files, owns_client)
+
+    def refresh(self) -> proto.SandboxInfo:
+        """Fetch the current state from the broker."""
+        self._info = self._client.get_info(self.name)
+        return self._info
+
+    def status(self) -> tuple[str, str]:
+        """Upstream-style ``(status, message)``: SandboxReady, SandboxNotReady or
+        SandboxNotFound."""
+        try:
+            info: proto.SandboxInfo | None = self.refresh()
+        except SandboxNotFoundError:
+            info = None
+        return self._status_of(info, self.name)
+
+    # ---------------------------------------------------------------------------- teardown
+
+    def close_connection(self) -> None:
+        """Stop using this handle; the sandbox keeps running (reattach with connect)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            self._client.close()
+
+    def kill(self) -> None:
+        """Delete the sandbox. Idempotent: a sandbox that is already gone is not an error."""
+        if self._killed:
+            return
+        if self._needs_own_client_to_kill():
+            client = BrokerSandboxClient(self._client.connection_config, auth=self._client.auth)
+            try:
+                client.delete(self.name)
+            finally:
+                client.close()
+        else:
+            self._client.delete(self.name)
+        logger.info("killed sandbox %s", self.name)
+        if self._killed_now():
+            self._client.close()
+
+    terminate = kill
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: ExcType, exc: BaseException | None, tb: Traceback) -> None:
+        if exc is None:
+            self.kill()
+            return
+        try:
+            self.kill()
+        except Exception as kill_error:
+            logger.error("could not kill sandbox %s: %s", self.name, kill_error)
+            self._exit_note(exc, kill_error)
+
+    # ---------------------------------------------------------------------- constructors
+
+    @staticmethod
+    def _owning(client: BrokerSandboxClient, make: Callable[[], Sandbox]) -> Sandbox:
+        """The handle ``make()`` returns, owning ``client`` (closed if ``make`` fails)."""
+        try:
+            handle = make()
+        except BaseException:
+            client.close()
+            raise
+        handle._owns_client = True
+        return handle
+
+    @classmethod
+    def create(
+        cls,
+        template: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        **options: Unpack[flow.SandboxCreateOptions],
+    ) -> Sandbox:
+        """Create a sandbox through the broker and wait until it is Ready.
+
+        Without arguments everything comes from the environment: ``AGENT_SANDBOX_BROKER_URL``,
+        ``AGENT_SANDBOX_CA_BUNDLE``, ``AGENT_SANDBOX_TEMPLATE`` and the credential chain
+        (``AGENT_SANDBOX_TOKEN``, ``AGENT_SANDBOX_TOKEN_FILE``, the projected token, plugins).
+        Keyword options (they beat the environment): ``auth``, ``broker_url``, ``ca_cert``,
+        ``config``, ``environ``, ``annotations``, ``env``, ``lifetime_seconds``,
+        ``ready_timeout``, ``request_timeout``, ``allow_insecure_http``, ``idempotency_key``.
+        The handle owns its HTTP connections; :meth:`kill` (or leaving the ``with`` block)
+        deletes the sandbox and closes them.
+        """
+        ready_timeout, create_options = flow.sandbox_create_args(template, options)
+        client = make_client(BrokerSandboxClient, options, creating=True)
+        return cls._owning(
+            client,
+            lambda: client.create_sandbox(
+                labels=labels, sandbox_ready_timeout=ready_timeout, **create_options
+            ),
+        )
+
+    @classmethod
+    def connect(
+        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[flow.ConnectOptions]
+    ) -> Sandbox:
+        """Reattach to one of my sandboxes by name (waits up to ``ready_timeout`` for Ready).
+        Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
+        client = make_client(BrokerSandboxClient, options)
+        return cls._owning(client, lambda: client.get_sandbox(name, resolve_timeout=ready_timeout))
+
+    @classmethod
+    def list(
+        cls,
+        label_selector: Mapping[str, str] | str | None = None,
+        **options: Unpack[flow.ConnectOptions],
+    ) -> builtins.list[proto.SandboxInfo]:
+        """My sandboxes as the broker reports them (``SandboxInfo``), newest first.
+        Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
+        client = make_client(BrokerSandboxClient, options)
+        try:
+            return client.list_sandboxes(label_selector)
+        finally:
+            client.close()

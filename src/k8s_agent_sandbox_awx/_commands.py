@@ -29,5 +29,5 @@ class Commands(SandboxPart[BrokerTransport]):
         ``timed_out=True`` is returned instead, as upstream does. The command is never retried.
         ``env=``/``cwd=`` are not supported by the legacy runtime (``NotImplementedError``).
         """
-        plan = flow.plan_command(self._router, command, timeout, options)
-        return self._transport.run(flow.run_command(self._router, plan))
+        call = flow.command(self._target, command, timeout, options)
+        return self._transport.call(call)

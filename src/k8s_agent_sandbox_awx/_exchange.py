@@ -1,29 +1,34 @@
-"""The HTTP exchange shared by the sync and the async transport, without doing any I/O.
+"""One request's attempts, shared by the sync and the async transport, without any I/O.
 
-``_protocol`` says what to send and how to read answers; this module adds what needs httpx
-objects but still no I/O: the client settings (TLS, redirects, headers), bearer auth (one class
-with a sync and an async flow over the same steps), building each attempt of a request, the
-retry and failure decisions for an attempt's outcome, and the bookkeeping of streamed bodies
-(upload framing and chunk accounting, capped error bodies, download limits). ``_transport`` and
-``_async_transport`` only perform the sends, reads and sleeps.
+:class:`Exchange` is the one request path: it builds each attempt of a :class:`RequestSpec`,
+adds the bearer token (asked from the credential source before every attempt; sent only to the
+broker's origin; after the broker's 401 the credential is re-read and the request sent once
+more if its body can be), lets the one :class:`RetryPolicy` decide retries, applies the named
+timeouts and maps failures to typed errors through the dialect. It is a generator of I/O
+steps (:class:`Send`, :class:`GetCredential`, :class:`Sleep`, :class:`Read`,
+:class:`ReadError`, :class:`Close`) run by ``_driver``; ``_transport`` and ``_async_transport``
+perform them with ``httpx.Client`` / ``httpx.AsyncClient``. Also here: the client settings
+(TLS, redirects, headers) and the bookkeeping of streamed bodies (upload framing, download
+limits, capped error bodies).
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import ssl
-from collections.abc import AsyncGenerator, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from . import _dataplane as dp
 from . import _protocol as proto
-from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
 from ._credential import Credential
+from ._dataplane import DataTarget, Multipart, multipart_framing
+from ._dialect import Dialect
 from ._exceptions import BrokerError, BrokerUnavailableError, ConfigurationError
 from ._exceptions import RequestTimeoutError as _RequestTimeoutError
 from ._upstream import SandboxError
@@ -31,109 +36,29 @@ from ._version import __version__
 
 __all__ = [
     "CHUNK_SIZE",
-    "BearerAuth",
     "CappedBody",
+    "Close",
     "DownloadMeter",
     "Exchange",
+    "GetCredential",
+    "Read",
+    "ReadError",
+    "Send",
+    "Sleep",
     "UploadBody",
     "client_settings",
     "plan_upload",
+    "retry_policy",
 ]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
 CHUNK_SIZE = 1024 * 1024
-_AUTH_RETRIED = "k8s_agent_sandbox_awx.auth_retried"
-_REPLAYABLE = "k8s_agent_sandbox_awx.replayable"
 MAX_ERROR_BODY = 64 * 1024
-
-
-def body_replayable(request: httpx.Request) -> bool:
-    """Whether the body can be sent again; decided when the request was built (a transport may
-    swap the stream later, e.g. a mock that reads it into memory)."""
-    if _REPLAYABLE in request.extensions:
-        return bool(request.extensions[_REPLAYABLE])
-    return isinstance(request.stream, httpx.ByteStream)
 
 
 def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
     return (url.scheme, url.host, url.port)
-
-
-# --------------------------------------------------------------------------------------------
-# Auth
-
-
-class BearerAuth(httpx.Auth):
-    """Asks the credential source for a token on every request (sent only to the broker's
-    origin); on a 401 it invalidates the credential, re-reads it and retries once, if the body
-    can be sent again. The sync client calls ``get_credential``, the async one
-    ``aget_credential``; both run the same steps (:meth:`_steps`)."""
-
-    def __init__(self, source: CredentialSource, audience: str) -> None:
-        self._source = source
-        self._audience = audience
-        self._origin = _origin(httpx.URL(audience))
-
-    def _check_origin(self, request: httpx.Request) -> None:
-        if _origin(request.url) != self._origin:
-            raise BrokerError(
-                f"Refusing to send the token to {request.url.scheme}://{request.url.host}: it is "
-                f"not the broker's origin ({self._audience}). Tokens only go to the broker."
-            )
-
-    def _steps(self, request: httpx.Request) -> Generator[httpx.Request | None, Any, None]:
-        """Yields ``None`` to ask for a credential (send it back) or a request to send (send
-        back its response). The origin is checked before any credential is asked for."""
-        self._check_origin(request)
-        credential: Credential = yield None
-        request.headers["Authorization"] = f"Bearer {credential.token}"
-        response = yield request
-        if response.status_code != 401:
-            return
-        self._source.invalidate(self._audience)
-        if not body_replayable(request):
-            logger.info("401 from the broker; the body cannot be re-sent, not retrying")
-            return
-        logger.info("401 from the broker; re-reading the credential and retrying once")
-        credential = yield None
-        request.headers["Authorization"] = f"Bearer {credential.token}"
-        request.extensions = {**request.extensions, _AUTH_RETRIED: True}
-        yield request
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        steps = self._steps(request)
-        step = next(steps)
-        with contextlib.suppress(StopIteration):
-            while True:
-                if step is None:
-                    step = steps.send(self._source.get_credential(self._audience))
-                else:
-                    step = steps.send((yield step))
-
-    sync_auth_flow = auth_flow
-
-    async def async_auth_flow(
-        self, request: httpx.Request
-    ) -> AsyncGenerator[httpx.Request, httpx.Response]:
-        steps = self._steps(request)
-        step = next(steps)
-        with contextlib.suppress(StopIteration):
-            while True:
-                reply = (
-                    await self._source.aget_credential(self._audience)
-                    if step is None
-                    else (yield step)
-                )
-                step = steps.send(reply)
-
-
-class NoAuth(httpx.Auth):
-    """For ``GET /v1/healthz``: no token is sent."""
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        request.headers.pop("Authorization", None)
-        yield request
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,14 +85,13 @@ def _ssl_context(config: BrokerConnectionConfig) -> ssl.SSLContext:
     return context
 
 
-def client_settings(config: BrokerConnectionConfig, auth: CredentialSource) -> dict[str, Any]:
-    """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: bearer auth, TLS, never
+def client_settings(config: BrokerConnectionConfig) -> dict[str, Any]:
+    """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: TLS, never
     following redirects, the request timeout and the User-Agent."""
     verify: ssl.SSLContext | bool = True
     if config.broker_url.startswith("https://"):
         verify = _ssl_context(config)
     return {
-        "auth": BearerAuth(auth, config.audience),
         "follow_redirects": False,
         "verify": verify,
         "timeout": httpx.Timeout(config.request_timeout),
@@ -188,36 +112,156 @@ def retry_policy(config: BrokerConnectionConfig) -> proto.RetryPolicy:
 
 
 # --------------------------------------------------------------------------------------------
+# The I/O steps an exchange asks for
+
+
+@dataclass(frozen=True, slots=True)
+class GetCredential:
+    """Ask the credential source for a token for ``audience``."""
+
+    audience: str
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``request``; the answer: the response with its body not read yet."""
+
+    request: httpx.Request
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Read ``response``'s body whole, then close it."""
+
+    response: httpx.Response
+
+
+@dataclass(frozen=True, slots=True)
+class ReadError:
+    """Read at most ``MAX_ERROR_BODY`` bytes of an error ``response`` and close it; the
+    answer: those bytes (a broken read gives what arrived)."""
+
+    response: httpx.Response
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Close ``response`` unread."""
+
+    response: httpx.Response
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds`` before the next attempt."""
+
+    seconds: float
+
+
+Step = GetCredential | Send | Read | ReadError | Close | Sleep
+
+
+# --------------------------------------------------------------------------------------------
 # One request and its attempts
 
 
 class Exchange:
-    """One logical request: builds each attempt, decides what an outcome means (done, retry
-    after a delay, or a typed error). The transports call it around their sends and sleeps."""
+    """One logical request: builds each attempt, authorizes it, decides what an outcome means
+    (done, retry after a delay, or a typed error). :meth:`steps` is the whole exchange."""
 
     def __init__(
         self,
         client: httpx.Client | httpx.AsyncClient,
         config: BrokerConnectionConfig,
         retry: proto.RetryPolicy,
+        dialect: Dialect,
         spec: proto.RequestSpec,
         *,
+        invalidate: Callable[[str], None],
         body: Any = None,
         authenticate: bool = True,
     ) -> None:
         self._client = client
         self.config = config
         self.retry = retry
+        self.dialect = dialect
         self.spec = spec
         self.body = body
-        self.auth: Any = httpx.USE_CLIENT_DEFAULT if authenticate else NoAuth()
+        self.authenticate = authenticate
+        self._invalidate = invalidate
         self.attempt = 0
-        self.request: httpx.Request | None = None
+        self.auth_retried = False
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the body can be sent again (bytes, or a rewindable upload)."""
+        return self.body is None or bool(getattr(self.body, "replayable", False))
+
+    def steps(self, *, stream: bool = False) -> Generator[Step, Any, httpx.Response]:
+        """The exchange: a 2xx response (or a 404 when ``spec.not_found_ok``), read unless
+        ``stream`` (then the caller closes it); errors raised as typed ``BrokerError``s."""
+        while True:
+            request = self.next_request()
+            try:
+                response = yield from self._send(request)
+            except httpx.TransportError as exc:
+                yield Sleep(self.delay_after_error(exc))
+                continue
+            delay = self.delay_after_response(response)
+            if delay is None:
+                break
+            yield Close(response)
+            yield Sleep(delay)
+        if not self.succeeded(response):
+            raise self.failure(response, (yield ReadError(response)))
+        if not stream:
+            try:
+                yield Read(response)
+            except httpx.TransportError as exc:
+                raise self.read_error(exc) from exc
+        return response
+
+    def _send(self, request: httpx.Request) -> Generator[Step, Any, httpx.Response]:
+        """One attempt, with the token; after the broker's 401, once more with a re-read one."""
+        if self.authenticate:
+            self._check_origin(request)
+            self._authorize(request, (yield GetCredential(self.config.audience)))
+        response: httpx.Response = yield Send(request)
+        logger.debug("%s %s -> %s", self.spec.method, self.spec.path, response.status_code)
+        if response.status_code != 401 or not self.authenticate:
+            return response
+        self._invalidate(self.config.audience)
+        if not self.retry.after_unauthorized(retried=self.auth_retried, replayable=self.replayable):
+            logger.info("401 from the broker; the body cannot be re-sent, not retrying")
+            return response
+        logger.info("401 from the broker; re-reading the credential and retrying once")
+        yield Close(response)
+        self.auth_retried = True
+        self._authorize(request, (yield GetCredential(self.config.audience)))
+        retried: httpx.Response = yield Send(request)
+        return retried
+
+    def _check_origin(self, request: httpx.Request) -> None:
+        audience = self.config.audience
+        if _origin(request.url) != _origin(httpx.URL(audience)):
+            raise BrokerError(
+                f"Refusing to send the token to {request.url.scheme}://{request.url.host}: it is "
+                f"not the broker's origin ({audience}). Tokens only go to the broker."
+            )
+
+    @staticmethod
+    def _authorize(request: httpx.Request, credential: Credential) -> None:
+        request.headers["Authorization"] = f"Bearer {credential.token}"
 
     def next_request(self) -> httpx.Request:
         """The request for the next attempt."""
         self.attempt += 1
         spec = self.spec
+        if self.body is not None and self.attempt > 1 and not self.replayable:
+            raise BrokerError(
+                f"Could not {spec.what}: the upload stream was consumed and cannot be sent "
+                "again; pass bytes or a seekable file to allow a retry."
+            )
         request = self._client.build_request(
             spec.method,
             self.config.broker_url + spec.path,
@@ -230,34 +274,27 @@ class Exchange:
             ),
         )
         if self.body is not None:
-            replayable = bool(getattr(self.body, "replayable", False))
-            if self.attempt > 1 and not replayable:
-                raise BrokerError(
-                    f"Could not {spec.what}: the upload stream was consumed and cannot be sent "
-                    "again; pass bytes or a seekable file to allow a retry."
-                )
             request = httpx.Request(
                 request.method,
                 request.url,
                 headers=request.headers,
                 stream=self.body,
-                extensions={**request.extensions, _REPLAYABLE: replayable},
+                extensions=request.extensions,
             )
-        self.request = request
         return request
 
     def delay_after_error(self, exc: httpx.TransportError) -> float:
         """Seconds to wait before the next attempt after ``exc``; raises the typed error if the
         request must not (or can no longer) be retried."""
-        spec = self.spec
-        not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
-        if isinstance(exc, httpx.TimeoutException) and not not_sent:
-            raise self.timeout_error(exc) from exc
-        delay = self.retry.after_transport_error(spec, self.attempt, request_sent=not not_sent)
+        sent = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+        timed_out = isinstance(exc, httpx.TimeoutException)
+        delay = self.retry.after_transport_error(
+            self.spec, self.attempt, request_sent=sent, timed_out=timed_out
+        )
         if delay is None:
             if isinstance(exc, httpx.TimeoutException):
                 raise self.timeout_error(exc) from exc
-            raise self.transport_error(exc, sent=not not_sent) from exc
+            raise self.transport_error(exc, sent=sent) from exc
         self._log_retry(delay, type(exc).__name__)
         return delay
 
@@ -272,24 +309,19 @@ class Exchange:
         if self.succeeded(response) or status < 400:
             return None
         delay = self.retry.after_status(self.spec, self.attempt, status, response.headers)
-        if delay is None:
-            return None
-        request = self.request
-        if self.body is not None and request is not None and not body_replayable(request):
-            return None
-        self._log_retry(delay, str(status))
+        if delay is not None:
+            self._log_retry(delay, str(status))
         return delay
 
     def failure(self, response: httpx.Response, body: bytes) -> BrokerError:
         """The typed error for an unsuccessful ``response`` whose (capped) body is ``body``."""
-        retried = bool(self.request is not None and self.request.extensions.get(_AUTH_RETRIED))
         status = response.status_code
-        return proto.error_from_response(
+        return self.dialect.error(
             status,
             response.headers,
             body if status >= 400 else b"",
             spec=self.spec,
-            retried_auth=retried,
+            retried_auth=self.auth_retried,
         )
 
     def read_error(self, exc: httpx.TransportError) -> BrokerError:
@@ -435,7 +467,7 @@ class UploadBody:
     at once. ``content`` is bytes, a binary reader (``read(n)``), or ``None`` for a stream the
     async I/O layer iterates itself (chunks passed through :meth:`accept`)."""
 
-    framing: proto.Multipart
+    framing: Multipart
     content: Any
     start: int | None
     size: int | None
@@ -485,7 +517,7 @@ class UploadBody:
 
 
 def plan_upload(
-    router: proto.RouterTarget,
+    target: DataTarget,
     dest: str,
     content: Any,
     timeout: float | None,
@@ -506,8 +538,8 @@ def plan_upload(
     else:
         _check_binary_reader(content)
         body = content
-    framing = proto.multipart_framing(dest)
-    spec = proto.upload(router, dest, framing)
+    framing = multipart_framing(dest)
+    spec = dp.upload(target, dest, framing)
     if timeout is not None:
         spec.read_timeout = float(timeout)
     if isinstance(body, bytes):
@@ -525,3 +557,62 @@ def plan_upload(
     upload.replayable = isinstance(body, bytes) or start is not None
     spec.retryable = upload.replayable
     return spec, upload
+
+
+# --------------------------------------------------------------------------------------------
+# What the sync and the async transport share
+
+
+class TransportBase:
+    """The configuration, credential source, dialect and retry policy of one transport, and
+    the steps of its requests; the subclasses add only the I/O (``perform``)."""
+
+    def __init__(
+        self,
+        config: BrokerConnectionConfig,
+        auth: Any,
+        dialect: Dialect,
+        client: httpx.Client | httpx.AsyncClient,
+        retry: proto.RetryPolicy | None,
+    ) -> None:
+        self.config = config
+        self.auth = auth
+        self.dialect = dialect
+        self.retry = retry or retry_policy(config)
+        self._client = client
+
+    @property
+    def broker_url(self) -> str:
+        return self.config.broker_url
+
+    def exchange(
+        self,
+        spec: proto.RequestSpec,
+        *,
+        stream: bool = False,
+        body: Any = None,
+        authenticate: bool = True,
+    ) -> Generator[Step, Any, httpx.Response]:
+        """The steps of sending ``spec`` (see :meth:`Exchange.steps`)."""
+        exchange = Exchange(
+            self._client,
+            self.config,
+            self.retry,
+            self.dialect,
+            spec,
+            invalidate=self.auth.invalidate,
+            body=body,
+            authenticate=authenticate,
+        )
+        return exchange.steps(stream=stream)
+
+    def call_steps(self, call: proto.Call[Any]) -> Generator[Step, Any, Any]:
+        """The steps of one :class:`Call`: send, then parse (or map the failure)."""
+        try:
+            response = yield from self.exchange(call.spec)
+        except Exception as exc:
+            mapped = call.fail(exc) if call.fail is not None else None
+            if mapped is None:
+                raise
+            raise mapped from exc
+        return call.parse(response)

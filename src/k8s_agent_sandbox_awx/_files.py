@@ -65,14 +65,14 @@ class Files(FilesBase[BrokerTransport, Generator[bytes, None, None]]):
         seekable file, rewound to where it started).
         """
         dest = flow.file_path(path, allow_unsafe_paths)
-        spec, body = plan_upload(self._router, dest, content, timeout)
+        spec, body = plan_upload(self._target, dest, content, timeout)
         self._transport.send(spec, body=UploadStream(body))
 
     def read(
         self, path: str, timeout: float | None = None, allow_unsafe_paths: bool = False
     ) -> bytes:
         """Return the bytes of the file at ``path`` (use :meth:`read_to` for large files)."""
-        return self._transport.run(flow.read_file(self._router, path, timeout, allow_unsafe_paths))
+        return self._transport.call(flow.read_file(self._target, path, timeout, allow_unsafe_paths))
 
     def read_to(
         self,
@@ -91,7 +91,7 @@ class Files(FilesBase[BrokerTransport, Generator[bytes, None, None]]):
         many bytes. ``allow_unsafe_paths`` skips the client-side path checks (as upstream; the
         runtime still confines every path to the sandbox).
         """
-        src, spec = flow.download_spec(self._router, path, timeout, allow_unsafe_paths)
+        src, spec = flow.download_spec(self._target, path, timeout, allow_unsafe_paths)
         meter = DownloadMeter(spec, src, max_bytes)
         if not writer_or_path(destination):
             return self._transport.download(spec, meter, destination)
@@ -100,8 +100,8 @@ class Files(FilesBase[BrokerTransport, Generator[bytes, None, None]]):
 
     def list(self, path: str = ".", timeout: float | None = None) -> list[FileEntry]:
         """The entries of the directory ``path`` as upstream ``FileEntry`` objects."""
-        return self._transport.run(flow.list_files(self._router, path, timeout))
+        return self._transport.call(flow.list_files(self._target, path, timeout))
 
     def exists(self, path: str, timeout: float | None = None) -> bool:
         """Whether ``path`` exists in the sandbox (without downloading it)."""
-        return self._transport.run(flow.file_exists(self._router, path, timeout))
+        return self._transport.call(flow.file_exists(self._target, path, timeout))

@@ -1,30 +1,32 @@
-"""What the client does, step by step, written once for the sync and the async API.
+"""The operations of the client, written once for the sync and the async API.
 
-Each operation is a generator that yields a :class:`Call` (a request to send) and receives the
-read response; it returns the operation's result or raises its typed error. The sync client runs
-it with :func:`drive`, the async client with ``_async_client.adrive``; only they do I/O. An
-exception raised while a call is performed (a broker error, Ctrl-C, an ``asyncio`` cancellation)
-is thrown back into the generator, so cleanup decisions (delete the claim a failed create made)
-live here too; a cleanup call is marked ``cleanup=True`` so that the async driver completes it
-even while the task is being cancelled.
+An operation that has steps (create → wait until Ready → roll back on failure) is a generator
+that yields :class:`Call`s and receives their parsed answers; the transports run it with the one
+driver (``_driver``): ``transport.run(op)``. An exception raised while a call is performed (a
+broker error, Ctrl-C, an ``asyncio`` cancellation) is thrown back into the generator, so the
+cleanup decisions live here; a cleanup call is marked ``cleanup=True`` so that the async
+transport completes it even while the task is being cancelled. An operation of one request is
+just a :class:`Call` (``transport.call(...)``): the dialect's for the control plane, the ones
+below for the data plane. Also here: the keyword options of the public signatures.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import time
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
+from . import _dataplane as dp
 from . import _exceptions as errors
 from . import _protocol as proto
+from ._dialect import CreateRequest, Dialect
+from ._protocol import Call
 from ._upstream import ExecutionResult, FileEntry
 
 if TYPE_CHECKING:
-    import os
-
     from ._auth import CredentialSource
     from ._config import BrokerConnectionConfig
 
@@ -35,66 +37,16 @@ __all__ = [
     "Op",
     "RunOptions",
     "SandboxCreateOptions",
-    "Stepper",
-    "drive",
+    "create",
+    "wait_ready",
 ]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 T = TypeVar("T")
 
-
-class Reply(Protocol):
-    """What an operation gets back for a call: the read response."""
-
-    @property
-    def status_code(self) -> int: ...
-
-    @property
-    def content(self) -> bytes: ...
-
-
-@dataclass(frozen=True)
-class Call:
-    """Send ``spec``. ``cleanup``: it must complete even while the caller is cancelled."""
-
-    spec: proto.RequestSpec
-    cleanup: bool = False
-
-
-Op = Generator[Call, Reply, T]
-
-
-class Stepper(Generic[T]):
-    """Advances an operation: set ``reply`` or ``error`` with the outcome of the last call,
-    then :meth:`advance` returns the next call, or ``None`` when ``result`` is set."""
-
-    def __init__(self, op: Op[T]) -> None:
-        self._op = op
-        self.reply: Any = None
-        self.error: BaseException | None = None
-        self.result: T
-
-    def advance(self) -> Call | None:
-        error, self.error = self.error, None
-        try:
-            if error is not None:
-                return self._op.throw(error)
-            return self._op.send(self.reply)
-        except StopIteration as stop:
-            self.result = stop.value
-            return None
-
-
-def drive(op: Op[T], perform: Callable[[Call], Reply]) -> T:
-    """Run ``op`` synchronously; ``perform`` sends one call."""
-    stepper = Stepper(op)
-    while (call := stepper.advance()) is not None:
-        try:
-            stepper.reply = perform(call)
-        except BaseException as exc:  # thrown into the operation, which decides
-            stepper.error = exc
-    return stepper.result
+Op = Generator[Call[Any], Any, T]
+"""An operation with steps: yields calls, receives their parsed answers, returns ``T``."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,44 +112,7 @@ def check_options(what: str, options: Mapping[str, Any], kind: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Control plane
-
-
-def _json_object(reply: Reply, spec: proto.RequestSpec) -> dict[str, Any]:
-    result = proto.parse_json(reply.content, spec.what)
-    if not isinstance(result, dict):
-        raise proto._protocol_error(spec.what, "expected a JSON object")
-    return result
-
-
-def whoami() -> Op[dict[str, Any]]:
-    spec = proto.whoami()
-    result = _json_object((yield Call(spec)), spec)
-    for key in ("attributes", "policy"):
-        value = result.get(key)
-        if value is not None and not isinstance(value, dict):
-            raise proto._protocol_error(
-                spec.what, f"{key!r} is a {type(value).__name__}, not a JSON object"
-            )
-    return result
-
-
-def list_sandboxes(label_selector: Mapping[str, str] | str | None) -> Op[list[proto.SandboxInfo]]:
-    spec = proto.list_sandboxes(label_selector)
-    reply = yield Call(spec)
-    return proto.parse_sandbox_list(proto.parse_json(reply.content, spec.what))
-
-
-def get_info(name: str) -> Op[proto.SandboxInfo]:
-    spec = proto.get(name)
-    reply = yield Call(spec)
-    return proto.parse_sandbox(proto.parse_json(reply.content, spec.what))
-
-
-def delete(name: str, *, cleanup: bool = False) -> Op[bool]:
-    """Delete ``name``; ``False`` if it was already gone (404)."""
-    reply = yield Call(proto.delete(name), cleanup=cleanup)
-    return reply.status_code != 404
+# Control plane: the operations with steps
 
 
 def check_phase(
@@ -237,6 +152,7 @@ def check_phase(
 
 
 def wait_ready(
+    dialect: Dialect,
     info: proto.SandboxInfo,
     ready_timeout: float,
     request_timeout: float,
@@ -244,20 +160,17 @@ def wait_ready(
     creating: bool = False,
     clock: Callable[[], float] = time.monotonic,
 ) -> Op[proto.SandboxInfo]:
-    """Long-poll the broker until ``info`` is Ready; raise on Failed or at the timeout.
-
-    ``creating``: the caller deletes the claim on failure (the messages say so)."""
+    """Wait (the dialect's long-poll or status poll) until ``info`` is Ready; raise on Failed or
+    at the timeout. ``creating``: the caller deletes the claim on failure (the messages say so)."""
     deadline = clock() + ready_timeout
     while not check_phase(info, ready_timeout, deadline - clock(), creating=creating):
-        remaining = deadline - clock()
-        spec = proto.get(info.name, wait_ready=remaining, request_timeout=request_timeout)
-        reply = yield Call(spec)
-        info = proto.parse_sandbox(proto.parse_json(reply.content, spec.what), spec.what)
+        info = yield dialect.wait_ready(info.name, deadline - clock(), request_timeout)
     return info
 
 
 @dataclass(frozen=True)
 class CreatePlan:
+    dialect: Dialect
     spec: proto.RequestSpec
     ready_timeout: float
     request_timeout: float
@@ -265,6 +178,7 @@ class CreatePlan:
 
 def plan_create(
     config: BrokerConnectionConfig,
+    dialect: Dialect,
     warmpool: str | None,
     namespace: str | None,
     sandbox_ready_timeout: float | None,
@@ -295,15 +209,15 @@ def plan_create(
             f"sandbox_ready_timeout (ready_timeout=) must be a number of seconds >= 0, got "
             f"{sandbox_ready_timeout}; pass, e.g., 180."
         )
-    spec = proto.create(
+    request = CreateRequest(
         idempotency_key=options.get("idempotency_key") or proto.new_idempotency_key(),
         template=template or warmpool or config.template,
-        labels=labels,
-        annotations=options.get("annotations"),
+        labels=labels or {},
+        annotations=options.get("annotations") or {},
         lifetime_seconds=options.get("shutdown_after_seconds"),
-        env=options.get("env"),
+        env=options.get("env") or {},
     )
-    return CreatePlan(spec, ready_timeout, config.request_timeout)
+    return CreatePlan(dialect, dialect.create(request), ready_timeout, config.request_timeout)
 
 
 def _outcome_unknown(exc: BaseException) -> bool:
@@ -317,47 +231,40 @@ def _outcome_unknown(exc: BaseException) -> bool:
 def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
     """Create a sandbox and wait until it is Ready. If anything fails after the claim was
     created (ready timeout, Failed phase, Ctrl-C, cancellation), it is deleted before raising."""
-    spec = plan.spec
+    dialect, spec = plan.dialect, plan.spec
     try:
-        reply = yield Call(spec)
+        reply = yield Call(spec, proto.raw)
     except BaseException as exc:
         if not _outcome_unknown(exc):
             raise
         # The broker may have created the sandbox without us seeing the answer: replay the
         # create with the same Idempotency-Key (which returns that sandbox) and delete it.
-        yield from _abandon_create(spec, exc)
+        yield from _abandon_create(plan, exc)
         raise
     try:
-        info = proto.parse_sandbox(proto.parse_json(reply.content, spec.what), spec.what)
+        info = dialect.parse_created(reply, spec)
     except errors.BrokerProtocolError as exc:
-        name = _created_name(reply.content)
+        name = dialect.created_name(reply.content)
         if name is not None:  # a sandbox was made although its answer is unusable
-            yield from _rollback(name, exc)
+            yield from _rollback(dialect, name, exc)
         raise
     logger.info("created sandbox %s (template %s)", info.name, info.template)
     try:
         return (
-            yield from wait_ready(info, plan.ready_timeout, plan.request_timeout, creating=True)
+            yield from wait_ready(
+                dialect, info, plan.ready_timeout, plan.request_timeout, creating=True
+            )
         )
     except BaseException as exc:
-        yield from _rollback(info.name, exc)
+        yield from _rollback(dialect, info.name, exc)
         raise
 
 
-def _created_name(body: bytes) -> str | None:
-    """The sandbox name in a create answer that did not parse as a Sandbox object, if any."""
+def _abandon_create(plan: CreatePlan, exc: BaseException) -> Op[None]:
+    dialect, spec = plan.dialect, plan.spec
     try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    name = obj.get("name") if isinstance(obj, dict) else None
-    return name if isinstance(name, str) and name else None
-
-
-def _abandon_create(spec: proto.RequestSpec, exc: BaseException) -> Op[None]:
-    try:
-        reply = yield Call(spec, cleanup=True)
-        name = proto.parse_sandbox(proto.parse_json(reply.content, spec.what)).name
+        reply = yield Call(spec, proto.raw, cleanup=True)
+        name = dialect.parse_created(reply, spec).name
     except Exception as replay_error:
         logger.warning(
             "could not check whether an interrupted create left a sandbox: %s", replay_error
@@ -367,12 +274,12 @@ def _abandon_create(spec: proto.RequestSpec, exc: BaseException) -> Op[None]:
             "a sandbox; check with `agent-sandbox-awx ls` and kill any leftover."
         )
         return
-    yield from _rollback(name, exc)
+    yield from _rollback(dialect, name, exc)
 
 
-def _rollback(name: str, exc: BaseException) -> Op[None]:
+def _rollback(dialect: Dialect, name: str, exc: BaseException) -> Op[None]:
     try:
-        yield from delete(name, cleanup=True)
+        yield cleanup(dialect.delete(name))
         logger.info("deleted sandbox %s after a failed create", name)
     except Exception as cleanup_error:
         logger.error("could not delete sandbox %s after a failed create: %s", name, cleanup_error)
@@ -382,12 +289,15 @@ def _rollback(name: str, exc: BaseException) -> Op[None]:
         )
 
 
+def cleanup(call: Call[T]) -> Call[T]:
+    """``call`` marked as a cleanup: it completes even while the caller is cancelled."""
+    return Call(call.spec, call.parse, cleanup=True, fail=call.fail)
+
+
 def client_overrides(
     options: ConnectOptions | SandboxCreateOptions,
 ) -> tuple[BrokerConnectionConfig | None, dict[str, Any]]:
     """The explicit config and the settings that override it (or the environment)."""
-    import os
-
     ca = options.get("ca_cert")
     settings: dict[str, Any] = {
         "broker_url": options.get("broker_url"),
@@ -421,19 +331,14 @@ def sandbox_create_args(
 
 
 # --------------------------------------------------------------------------------------------
-# Data plane
+# Data plane: one call each
 
 
-@dataclass(frozen=True)
-class CommandPlan:
-    spec: proto.RequestSpec
-    limit: float
-    raise_on_timeout: bool
-
-
-def plan_command(
-    router: proto.RouterTarget, command: str, timeout: float, options: RunOptions
-) -> CommandPlan:
+def command(
+    target: dp.DataTarget, command: str, timeout: float, options: RunOptions
+) -> Call[ExecutionResult]:
+    """``commands.run``: ``POST /execute`` (never retried); a command over its limit raises
+    :class:`errors.CommandTimeoutError` unless ``raise_on_timeout`` is off."""
     check_options("commands.run()", options, RunOptions)
     if options.get("env") or options.get("cwd"):
         raise NotImplementedError(
@@ -442,34 +347,34 @@ def plan_command(
         )
     given = options.get("command_timeout")
     limit = float(given if given is not None else timeout)
-    spec = proto.execute(router, command, command_timeout=limit)
-    return CommandPlan(spec, limit, options.get("raise_on_timeout", True))
+    raise_on_timeout = options.get("raise_on_timeout", True)
 
-
-def run_command(router: proto.RouterTarget, plan: CommandPlan) -> Op[ExecutionResult]:
-    """``POST /execute`` (never retried); a command over its limit raises
-    :class:`errors.CommandTimeoutError` unless ``raise_on_timeout`` is off."""
-    limit = plan.limit
-    try:
-        reply = yield Call(plan.spec)
-    except errors.RequestTimeoutError as exc:
-        raise errors.CommandTimeoutError(
+    def no_answer(exc: Exception) -> Exception | None:
+        if not isinstance(exc, errors.RequestTimeoutError):
+            return None
+        return errors.CommandTimeoutError(
             f"No answer for the command within its time limit of {limit:g}s plus "
-            f"{proto.COMMAND_TIMEOUT_MARGIN:g}s; it may still be running in sandbox "
-            f"{router.sandbox_id!r}. Pass a larger timeout= to commands.run.",
+            f"{dp.COMMAND_TIMEOUT_MARGIN:g}s; it may still be running in sandbox "
+            f"{target.sandbox_id!r}. Pass a larger timeout= to commands.run.",
             command_timeout=limit,
-        ) from exc
-    result = proto.parse_execution_result(proto.parse_json(reply.content, "run a command"))
-    if result.timed_out and plan.raise_on_timeout:
-        raise errors.CommandTimeoutError(
-            f"The command ran longer than its time limit of {limit:g}s and was killed "
-            f"(exit code {result.exit_code}). Pass a larger timeout= to commands.run, or "
-            "raise_on_timeout=False to get the partial output as a result.",
-            command_timeout=limit,
-            result=result,
         )
-    logger.debug("command finished in sandbox %s: exit %s", router.sandbox_id, result.exit_code)
-    return result
+
+    def result(reply: proto.Reply) -> ExecutionResult:
+        outcome = dp.parse_execution_result(proto.parse_json(reply.content, "run a command"))
+        if outcome.timed_out and raise_on_timeout:
+            raise errors.CommandTimeoutError(
+                f"The command ran longer than its time limit of {limit:g}s and was killed "
+                f"(exit code {outcome.exit_code}). Pass a larger timeout= to commands.run, or "
+                "raise_on_timeout=False to get the partial output as a result.",
+                command_timeout=limit,
+                result=outcome,
+            )
+        logger.debug(
+            "command finished in sandbox %s: exit %s", target.sandbox_id, outcome.exit_code
+        )
+        return outcome
+
+    return Call(dp.execute(target, command, command_timeout=limit), result, fail=no_answer)
 
 
 def file_path(path: str, allow_unsafe_paths: bool) -> str:
@@ -477,7 +382,7 @@ def file_path(path: str, allow_unsafe_paths: bool) -> str:
         if not isinstance(path, str) or not path:
             raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
         return path.lstrip("/") or "."
-    return proto.validate_sandbox_path(path)
+    return dp.validate_sandbox_path(path)
 
 
 def _with_timeout(spec: proto.RequestSpec, timeout: float | None) -> proto.RequestSpec:
@@ -487,28 +392,33 @@ def _with_timeout(spec: proto.RequestSpec, timeout: float | None) -> proto.Reque
 
 
 def download_spec(
-    router: proto.RouterTarget, path: str, timeout: float | None, allow_unsafe_paths: bool
+    target: dp.DataTarget, path: str, timeout: float | None, allow_unsafe_paths: bool
 ) -> tuple[str, proto.RequestSpec]:
     src = file_path(path, allow_unsafe_paths)
-    return src, _with_timeout(proto.download(router, src), timeout)
+    return src, _with_timeout(dp.download(target, src), timeout)
 
 
-def read_file(
-    router: proto.RouterTarget, path: str, timeout: float | None, allow_unsafe_paths: bool
-) -> Op[bytes]:
-    reply = yield Call(download_spec(router, path, timeout, allow_unsafe_paths)[1])
+def _content(reply: proto.Reply) -> bytes:
     return reply.content
 
 
-def list_files(router: proto.RouterTarget, path: str, timeout: float | None) -> Op[list[FileEntry]]:
-    src = proto.validate_sandbox_path(path, allow_root=True)
-    spec = _with_timeout(proto.list_files(router, src), timeout)
-    reply = yield Call(spec)
-    return proto.parse_file_entries(proto.parse_json(reply.content, spec.what), src)
+def read_file(
+    target: dp.DataTarget, path: str, timeout: float | None, allow_unsafe_paths: bool
+) -> Call[bytes]:
+    return Call(download_spec(target, path, timeout, allow_unsafe_paths)[1], _content)
 
 
-def file_exists(router: proto.RouterTarget, path: str, timeout: float | None) -> Op[bool]:
-    src = proto.validate_sandbox_path(path, allow_root=True)
-    spec = _with_timeout(proto.exists(router, src), timeout)
-    reply = yield Call(spec)
-    return proto.parse_exists(proto.parse_json(reply.content, spec.what), src)
+def list_files(target: dp.DataTarget, path: str, timeout: float | None) -> Call[list[FileEntry]]:
+    src = dp.validate_sandbox_path(path, allow_root=True)
+    spec = _with_timeout(dp.list_files(target, src), timeout)
+    return Call(
+        spec, lambda reply: dp.parse_file_entries(proto.parse_json(reply.content, spec.what), src)
+    )
+
+
+def file_exists(target: dp.DataTarget, path: str, timeout: float | None) -> Call[bool]:
+    src = dp.validate_sandbox_path(path, allow_root=True)
+    spec = _with_timeout(dp.exists(target, src), timeout)
+    return Call(
+        spec, lambda reply: dp.parse_exists(proto.parse_json(reply.content, spec.what), src)
+    )

@@ -1,65 +1,38 @@
-"""The broker wire protocol (docs/broker-api.md) without any I/O.
+"""What every broker dialect and the data plane share, without any I/O.
 
-Request building (paths, query, headers incl. router headers and ``Idempotency-Key``, JSON
-bodies, multipart framing), response parsing, error mapping and retry decisions live here, so
-that the sync client (``_transport``) and an async one only add the I/O.
+The value types (:class:`RequestSpec`, :class:`SandboxInfo`, :class:`RouterTarget`), JSON
+bodies and parsing, and the one :class:`RetryPolicy` that decides whether an attempt is retried.
+What one broker protocol decides lives in its dialect (``_dialect_v1``); what the sandbox
+runtime endpoints decide lives in ``_dataplane``.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import posixpath
 import random
-import secrets
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
-from urllib.parse import quote
+from typing import Any, Generic, Protocol, TypeVar
 
-from ._exceptions import (
-    BrokerAuthenticationError,
-    BrokerConflictError,
-    BrokerError,
-    BrokerNotFoundError,
-    BrokerPermissionError,
-    BrokerProtocolError,
-    BrokerQuotaError,
-    BrokerRedirectError,
-    BrokerTemplateNotFoundError,
-    BrokerUnavailableError,
-)
-from ._upstream import ExecutionResult, FileEntry
+from ._exceptions import BrokerProtocolError
 
 __all__ = [
-    "COMMAND_TIMEOUT_MARGIN",
-    "MAX_WAIT_SECONDS",
-    "Multipart",
+    "Call",
+    "Reply",
     "RequestSpec",
     "RetryPolicy",
     "RouterTarget",
     "SandboxInfo",
-    "error_from_response",
-    "multipart_framing",
-    "parse_execution_result",
-    "parse_exists",
-    "parse_file_entries",
+    "json_body",
+    "json_object",
+    "new_idempotency_key",
     "parse_json",
     "parse_retry_after",
-    "parse_sandbox",
-    "parse_sandbox_list",
-    "validate_sandbox_path",
+    "protocol_error",
 ]
-
-API = "/v1"
-MAX_WAIT_SECONDS = 60.0
-"""The broker's upper bound for one long-poll ``?wait=ready&timeout=``."""
-COMMAND_TIMEOUT_MARGIN = 10.0
-"""Seconds the client waits for an answer beyond a command's own time limit."""
-RESERVED_PREFIX = "broker.agent-sandbox-awx.io/"
 
 # --------------------------------------------------------------------------------------------
 # Value types
@@ -141,204 +114,67 @@ class RequestSpec:
     """A 404 is an answer, not an error (delete: already gone)."""
 
 
-# --------------------------------------------------------------------------------------------
-# Request builders: control plane
+class Reply(Protocol):
+    """A read answer: what parsers get (an ``httpx.Response`` is one)."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def content(self) -> bytes: ...
 
 
-def _json_body(spec: RequestSpec, body: Any) -> RequestSpec:
+@dataclass(frozen=True)
+class BrokerReply:
+    """A read answer handed to users (``healthz()``): status, headers and body."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    content: bytes
+
+
+T = TypeVar("T")
+
+
+def raw(reply: Reply) -> Reply:
+    """The parser of a call whose operation reads the answer itself."""
+    return reply
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and how to read its answer: what an operation asks the transport for.
+
+    ``cleanup``: it must complete even while the caller is cancelled (async). ``fail``: turns
+    the request's error into the operation's (``None``: raise it as is)."""
+
+    spec: RequestSpec
+    parse: Callable[[Reply], T]
+    cleanup: bool = False
+    fail: Callable[[Exception], Exception | None] | None = None
+
+
+def json_body(spec: RequestSpec, body: Any) -> RequestSpec:
+    """Set ``spec``'s body to ``body`` as compact JSON."""
     spec.content = json.dumps(body, separators=(",", ":")).encode("utf-8")
     spec.headers["Content-Type"] = "application/json"
     return spec
-
-
-def _name_path(name: str) -> str:
-    if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"Invalid sandbox name {name!r}: use a name from Sandbox.list().")
-    return f"{API}/sandboxes/{quote(name, safe='')}"
-
-
-def healthz() -> RequestSpec:
-    return RequestSpec("GET", f"{API}/healthz", "check the broker's health", retryable=True)
-
-
-def whoami() -> RequestSpec:
-    return RequestSpec("GET", f"{API}/whoami", "ask the broker who I am", retryable=True)
 
 
 def new_idempotency_key() -> str:
     return str(uuid.uuid4())
 
 
-def create(
-    *,
-    idempotency_key: str,
-    template: str | None = None,
-    labels: Mapping[str, str] | None = None,
-    annotations: Mapping[str, str] | None = None,
-    lifetime_seconds: int | None = None,
-    env: Mapping[str, str] | None = None,
-) -> RequestSpec:
-    if not idempotency_key or len(idempotency_key) > 255 or not idempotency_key.isprintable():
-        raise ValueError("An Idempotency-Key must be 1-255 printable ASCII characters.")
-    for kind, meta in (("label", labels), ("annotation", annotations)):
-        for key in meta or {}:
-            if key.startswith(RESERVED_PREFIX):
-                raise ValueError(
-                    f"The {kind} key {key!r} is reserved for the broker's attribution stamps "
-                    f"(prefix {RESERVED_PREFIX}); choose another key."
-                )
-    if lifetime_seconds is not None and lifetime_seconds <= 0:
-        raise ValueError(f"lifetime_seconds must be positive, got {lifetime_seconds}.")
-    body: dict[str, Any] = {}
-    if template is not None:
-        body["template"] = template
-    if labels:
-        body["labels"] = dict(labels)
-    if annotations:
-        body["annotations"] = dict(annotations)
-    if lifetime_seconds is not None:
-        body["lifetime_seconds"] = lifetime_seconds
-    if env:
-        body["env"] = dict(env)
-    spec = RequestSpec(
-        "POST",
-        f"{API}/sandboxes",
-        "create a sandbox",
-        headers={"Idempotency-Key": idempotency_key},
-        retryable=True,  # the key makes a retried create return the same sandbox
-    )
-    return _json_body(spec, body)
-
-
-def get(
-    name: str, *, wait_ready: float | None = None, request_timeout: float = 30.0
-) -> RequestSpec:
-    """``wait_ready``: seconds the broker may hold the request until Ready (long-poll)."""
-    spec = RequestSpec("GET", _name_path(name), f"get sandbox {name!r}", retryable=True)
-    if wait_ready is not None:
-        wait = max(0.0, min(MAX_WAIT_SECONDS, wait_ready))
-        spec.params = {"wait": "ready", "timeout": _seconds(wait)}
-        spec.read_timeout = wait + request_timeout
-        spec.what = f"wait for sandbox {name!r} to become ready"
-    return spec
-
-
-def list_sandboxes(label_selector: Mapping[str, str] | str | None = None) -> RequestSpec:
-    spec = RequestSpec("GET", f"{API}/sandboxes", "list my sandboxes", retryable=True)
-    if label_selector:
-        if isinstance(label_selector, str):
-            selector = label_selector
-        else:
-            selector = ",".join(f"{k}={v}" for k, v in label_selector.items())
-        spec.params = {"label_selector": selector}
-    return spec
-
-
-def delete(name: str) -> RequestSpec:
-    return RequestSpec(
-        "DELETE", _name_path(name), f"delete sandbox {name!r}", retryable=True, not_found_ok=True
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Request builders: data plane (legacy python-runtime endpoints behind the router headers)
-
-
-def _seconds(value: float) -> str:
+def seconds(value: float) -> str:
+    """A number of seconds as sent in a header or query parameter."""
     return f"{value:g}"
 
 
-def validate_sandbox_path(path: str, *, allow_root: bool = False) -> str:
-    """A sandbox-relative path, checked like upstream: no control characters, no empty name,
-    no ``..`` segment. Returns the normalised relative path (``.`` for the root if allowed)."""
-    if not isinstance(path, str):
-        raise TypeError(f"A sandbox path must be a str, got {type(path).__name__}.")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
-        raise ValueError(f"The sandbox path {path!r} contains control characters; remove them.")
-    if not path.strip():
-        if allow_root:
-            return "."
-        raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
-    if any(part == ".." for part in path.split("/")):
-        raise ValueError(
-            f"The sandbox path {path!r} contains '..'; paths must stay inside the sandbox root."
-        )
-    normalized = posixpath.normpath(path).lstrip("/")
-    if not normalized or normalized == ".":
-        if allow_root:
-            return "."
-        raise ValueError(f"The sandbox path {path!r} does not name a file.")
-    return normalized
-
-
-def _data(method: str, endpoint: str, what: str, router: RouterTarget) -> RequestSpec:
-    return RequestSpec(
-        method, endpoint, what, headers=router.headers(), retryable=method == "GET", data_plane=True
-    )
-
-
-def execute(router: RouterTarget, command: str, *, command_timeout: float) -> RequestSpec:
-    """``POST /execute``: never retried (it is not idempotent)."""
-    if not isinstance(command, str) or not command.strip():
-        raise ValueError("The command is empty; pass the command line to run, e.g. 'echo hi'.")
-    if not math.isfinite(command_timeout) or command_timeout <= 0:
-        raise ValueError(
-            f"The command timeout must be a finite number of seconds greater than 0, got "
-            f"{command_timeout}; pass timeout= (or command_timeout=) as, e.g., 60."
-        )
-    spec = _data("POST", "/execute", "run a command", router)
-    spec.headers["X-Sandbox-Timeout"] = _seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)
-    spec.read_timeout = command_timeout + COMMAND_TIMEOUT_MARGIN
-    return _json_body(spec, {"command": command, "timeout_seconds": command_timeout})
-
-
-def upload(router: RouterTarget, path: str, multipart: Multipart) -> RequestSpec:
-    """``POST /upload``; the body (``multipart.prefix``, content, ``.suffix``) is added by the
-    I/O layer, which decides whether it can be replayed (and so retried)."""
-    spec = _data("POST", "/upload", f"write {path!r}", router)
-    spec.headers["Content-Type"] = multipart.content_type
-    return spec
-
-
-def download(router: RouterTarget, path: str) -> RequestSpec:
-    return _data("GET", f"/download/{quote(path, safe='')}", f"read {path!r}", router)
-
-
-def list_files(router: RouterTarget, path: str) -> RequestSpec:
-    return _data("GET", f"/list/{quote(path, safe='')}", f"list {path!r}", router)
-
-
-def exists(router: RouterTarget, path: str) -> RequestSpec:
-    return _data("GET", f"/exists/{quote(path, safe='')}", f"check whether {path!r} exists", router)
-
-
-@dataclass(frozen=True)
-class Multipart:
-    """Framing of a single-file ``multipart/form-data`` body (field ``file``)."""
-
-    prefix: bytes
-    suffix: bytes
-    content_type: str
-
-    def length(self, content_length: int) -> int:
-        return len(self.prefix) + content_length + len(self.suffix)
-
-
-def multipart_framing(path: str, boundary: str | None = None) -> Multipart:
-    boundary = boundary or secrets.token_hex(16)
-    # The filename is the destination path; quote characters that would break the header.
-    filename = path.replace("\\", "\\\\").replace('"', "%22")
-    prefix = (
-        f"--{boundary}\r\n"
-        f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n'
-        "Content-Type: application/octet-stream\r\n\r\n"
-    ).encode()
-    suffix = f"\r\n--{boundary}--\r\n".encode()
-    return Multipart(prefix, suffix, f"multipart/form-data; boundary={boundary}")
-
-
 # --------------------------------------------------------------------------------------------
-# Response parsing
+# Response parsing (shared by every dialect and the data plane)
 
 
 def parse_json(body: bytes, what: str) -> Any:
@@ -352,258 +188,23 @@ def parse_json(body: bytes, what: str) -> Any:
         ) from exc
 
 
-def _protocol_error(what: str, problem: str) -> BrokerProtocolError:
+def protocol_error(what: str, problem: str, api: str = "the broker API v1") -> BrokerProtocolError:
     return BrokerProtocolError(
-        f"Could not {what}: {problem}. The broker does not follow the broker API v1; "
+        f"Could not {what}: {problem}. The broker does not follow {api}; "
         "check the broker URL and the broker's version."
     )
 
 
-def _object_field(obj: dict[str, Any], key: str, what: str) -> dict[str, Any]:
-    """``obj[key]`` as a JSON object (absent or null: empty)."""
-    value = obj.get(key) or {}
-    if not isinstance(value, dict):
-        raise _protocol_error(
-            what, f"the Sandbox object's {key!r} is a {type(value).__name__}, not a JSON object"
-        )
-    return value
-
-
-def parse_sandbox(obj: Any, what: str = "read the sandbox") -> SandboxInfo:
-    if not isinstance(obj, dict):
-        raise _protocol_error(what, "the Sandbox object is not a JSON object")
-    router_obj = _object_field(obj, "router", what)
-    labels = _object_field(obj, "labels", what)
-    annotations = _object_field(obj, "annotations", what)
-    owner = _object_field(obj, "owner", what)
-    try:
-        name = obj["name"]
-        phase = obj["phase"]
-        namespace = obj.get("namespace") or "default"
-        router = RouterTarget(
-            sandbox_id=str(router_obj.get("sandbox_id") or name),
-            namespace=str(router_obj.get("namespace") or namespace),
-            port=int(router_obj.get("port") or 8888),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise _protocol_error(what, f"the Sandbox object lacks or has a bad field ({exc})") from exc
-    if not isinstance(name, str) or not isinstance(phase, str):
-        raise _protocol_error(what, "'name' and 'phase' must be strings")
-    for key in ("namespace", "template", "reason", "message", "created_at", "expires_at"):
-        if not isinstance(obj.get(key), str | None):
-            raise _protocol_error(what, f"the Sandbox object's {key!r} is not a string")
-    return SandboxInfo(
-        name=name,
-        namespace=str(namespace),
-        template=obj.get("template"),
-        phase=phase,
-        ready=bool(obj.get("ready", phase == "Ready")),
-        router=router,
-        reason=obj.get("reason"),
-        message=obj.get("message"),
-        created_at=obj.get("created_at"),
-        expires_at=obj.get("expires_at"),
-        labels=dict(labels),
-        annotations=dict(annotations),
-        owner=dict(owner),
-    )
-
-
-def parse_sandbox_list(obj: Any) -> list[SandboxInfo]:
-    what = "list my sandboxes"
-    if not isinstance(obj, dict) or not isinstance(obj.get("items"), list):
-        raise _protocol_error(what, 'expected {"items": [...]}')
-    return [parse_sandbox(item, what) for item in obj["items"]]
-
-
-def parse_execution_result(obj: Any) -> ExecutionResult:
-    if not isinstance(obj, dict) or "exit_code" not in obj:
-        raise _protocol_error("run a command", "the answer has no exit_code")
-    try:
-        return ExecutionResult(
-            stdout=obj.get("stdout") or "",
-            stderr=obj.get("stderr") or "",
-            exit_code=obj["exit_code"],
-            timed_out=bool(obj.get("timed_out", False)),
-        )
-    except ValueError as exc:
-        raise _protocol_error("run a command", f"bad execution result ({exc})") from exc
-
-
-def parse_file_entries(obj: Any, path: str) -> list[FileEntry]:
-    what = f"list {path!r}"
-    if not isinstance(obj, list):
-        raise _protocol_error(what, "the listing is not a JSON array")
-    try:
-        return [FileEntry.from_legacy(entry) for entry in obj]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise _protocol_error(what, f"bad listing entry ({exc})") from exc
-
-
-def parse_exists(obj: Any, path: str) -> bool:
-    if not isinstance(obj, dict) or not isinstance(obj.get("exists"), bool):
-        raise _protocol_error(f"check whether {path!r} exists", 'expected {"exists": true|false}')
-    return bool(obj["exists"])
+def json_object(body: bytes, what: str) -> dict[str, Any]:
+    """``body`` as a JSON object, else a :class:`BrokerProtocolError`."""
+    result = parse_json(body, what)
+    if not isinstance(result, dict):
+        raise protocol_error(what, "expected a JSON object")
+    return result
 
 
 # --------------------------------------------------------------------------------------------
-# Error mapping
-
-_HINTS: dict[str, str] = {
-    "invalid_request": "Fix the request as the detail says.",
-    "invalid_header": "The router headers come from the sandbox object; reconnect with "
-    "Sandbox.connect(name).",
-    "invalid_path": "Use a path relative to the sandbox root.",
-    "token_missing": "No token reached the broker; run `agent-sandbox-awx doctor`.",
-    "token_malformed": "The token is not a valid JWT; check the token source with "
-    "`agent-sandbox-awx doctor`.",
-    "token_expired": "The token expired: refresh its source (projected token file, CI job token) "
-    "and retry; `agent-sandbox-awx doctor` shows its expiry.",
-    "token_not_yet_valid": "The token is not valid yet: check this machine's clock "
-    "(`agent-sandbox-awx doctor` shows the skew).",
-    "audience_mismatch": "Request a token whose audience is exactly the broker URL.",
-    "unknown_issuer": "The broker does not trust the token's issuer; use a token from a "
-    "trusted issuer or ask the broker's operator to add it.",
-    "bad_signature": "The token's signature does not verify (keys may have rotated); get a "
-    "fresh token.",
-    "token_revoked": "The broker revoked this token; get a fresh one from its source.",
-    "algorithm_not_allowed": "The token's signing algorithm is not allowed by the broker; use "
-    "a token from a supported issuer.",
-    "token_too_large": "The token is larger than the broker accepts; use a smaller token.",
-    "missing_claim": "The token lacks a claim the broker requires; use a token from a "
-    "supported provider.",
-    "policy_denied": "Your identity's policy does not allow this; see `agent-sandbox-awx "
-    "whoami` for your policy or ask the broker's operator.",
-    "template_not_allowed": "Choose a template your policy allows (`agent-sandbox-awx whoami` "
-    "lists them).",
-    "reserved_metadata": f"Remove labels/annotations under {RESERVED_PREFIX}; the broker sets "
-    "them.",
-    "not_owner": "This sandbox belongs to another identity; use one of yours "
-    "(`agent-sandbox-awx ls`).",
-    "not_found": "Check the name with `agent-sandbox-awx ls`; it may have expired or been deleted.",
-    "template_not_found": "Check the template name (`agent-sandbox-awx whoami` lists the "
-    "allowed ones).",
-    "idempotency_conflict": "An earlier create used this Idempotency-Key with another body; "
-    "use a new key.",
-    "not_ready": "Wait until the sandbox is Ready (Sandbox.create waits for you).",
-    "terminating": "The sandbox is being deleted; create a new one.",
-    "too_large": "The body is larger than the broker accepts; send less data per request.",
-    "quota_exceeded": "You hold too many sandboxes: kill the ones you no longer need "
-    "(`agent-sandbox-awx ls`, `agent-sandbox-awx kill NAME`).",
-    "rate_limited": "Too many requests; retry later.",
-    "sandbox_unreachable": "The broker could not reach the sandbox runtime; retry later or "
-    "create a new sandbox.",
-    "unavailable": "The broker or the sandbox is temporarily unavailable; retry later.",
-    "sandbox_timeout": "The sandbox runtime did not answer in time; retry, or allow more time.",
-}
-
-_STATUS_CLASSES: dict[int, type[BrokerError]] = {
-    401: BrokerAuthenticationError,
-    403: BrokerPermissionError,
-    404: BrokerNotFoundError,
-    409: BrokerConflictError,
-    429: BrokerQuotaError,
-    502: BrokerUnavailableError,
-    503: BrokerUnavailableError,
-    504: BrokerUnavailableError,
-}
-
-
-def _error_body(body: bytes) -> tuple[str | None, str | None]:
-    try:
-        obj = json.loads(body) if body else None
-    except ValueError:
-        text = body[:300].decode("utf-8", "replace").strip()
-        return None, text or None
-    if not isinstance(obj, dict):
-        return None, None
-    code = obj.get("code")
-    detail = obj.get("detail")
-    if detail is not None and not isinstance(detail, str):
-        detail = json.dumps(detail)[:500]
-    return (code if isinstance(code, str) else None), detail
-
-
-def error_from_response(
-    status: int,
-    headers: Mapping[str, str],
-    body: bytes,
-    *,
-    spec: RequestSpec,
-    retried_auth: bool = False,
-) -> BrokerError:
-    """Map an error response to a typed exception whose message says what to do."""
-    code, detail = _error_body(body)
-    request = f"{spec.method} {spec.path}"
-    common: dict[str, Any] = {
-        "status_code": status,
-        "code": code,
-        "detail": detail,
-        "method": spec.method,
-        "path": spec.path,
-    }
-    if 300 <= status < 400:
-        location = headers.get("location")
-        return BrokerRedirectError(
-            f"Could not {spec.what}: the server answered {status} with a redirect to "
-            f"{location or '(no Location)'}. Redirects are never followed, so that the token "
-            "cannot reach another origin; set the broker URL to the broker's final URL.",
-            location=location,
-            **common,
-        )
-    reason = detail or "no detail given"
-    if spec.data_plane and code is None and 400 <= status < 500:
-        # An answer of the sandbox runtime itself, passed through by the broker.
-        hint = {
-            404: "The path does not exist in the sandbox (or is not a file/directory as needed).",
-            403: "The path escapes the sandbox's base directory; use a relative path inside it.",
-        }.get(status, "See the runtime's detail.")
-        return BrokerError(
-            f"Could not {spec.what}: the sandbox runtime answered {status} ({reason}). {hint}",
-            **common,
-        )
-    if code == "template_not_found":
-        cls: type[BrokerError] = BrokerTemplateNotFoundError
-    else:
-        cls = _STATUS_CLASSES.get(status, BrokerError)
-        if status >= 500 and cls is BrokerError:
-            cls = BrokerUnavailableError
-    hint = _HINTS.get(code or "", "")
-    if code == "invalid_path" and not spec.data_plane:
-        hint = "Sandbox names are DNS-1123 labels; check the name with `agent-sandbox-awx ls`."
-    if not hint:
-        hint = {
-            400: "The request was malformed; this is likely a client bug, please report it.",
-            401: "Run `agent-sandbox-awx doctor` to check the token.",
-            403: "Your identity is not allowed to do this; see `agent-sandbox-awx whoami` for "
-            "your policy or ask the broker's operator.",
-            413: "Send less data per request.",
-        }.get(status, "Retry later; if it persists, contact the broker's operator.")
-    extra = ""
-    if status == 401 and retried_auth:
-        extra = " (the credential was re-read and the request retried once)"
-    retry_after = headers.get("retry-after")
-    if retry_after and status in (429, 503):
-        extra += f" (Retry-After: {retry_after})"
-    label = f"{status} {code}" if code else str(status)
-    return cls(
-        f"Could not {spec.what} ({request}): the broker answered {label}: {reason}{extra}. {hint}",
-        **common,
-    )
-
-
-def unexpected_status(status: int, spec: RequestSpec) -> BrokerProtocolError:
-    return BrokerProtocolError(
-        f"Could not {spec.what}: unexpected HTTP status {status} for {spec.method} {spec.path}. "
-        "Check that the broker URL points at an agent-sandbox broker.",
-        status_code=status,
-        method=spec.method,
-        path=spec.path,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Retry decisions
+# Retry decisions: the one policy
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 
@@ -627,7 +228,13 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded exponential backoff with full jitter; ``Retry-After`` honoured up to the cap."""
+    """Every decision to send a request again, in one place.
+
+    Only idempotent requests (``spec.retryable``: GET, DELETE, create with its key, a
+    replayable upload) are retried, with bounded exponential backoff and full jitter
+    (``Retry-After`` honoured up to the cap); a mutating request is never sent again after it may
+    have been sent, and a read timeout is never retried (the server had the request).
+    """
 
     max_attempts: int = 4
     backoff_base: float = 0.2
@@ -661,13 +268,19 @@ class RetryPolicy:
         return self.backoff(attempt)
 
     def after_transport_error(
-        self, spec: RequestSpec, attempt: int, *, request_sent: bool
+        self, spec: RequestSpec, attempt: int, *, request_sent: bool, timed_out: bool = False
     ) -> float | None:
         """Seconds to wait before retrying after a connection error, or ``None``.
 
-        A request that may have reached the server is retried only if it is idempotent; a
-        non-retryable request (``POST /execute``) is never retried."""
-        del request_sent  # every retryable request is idempotent; others are never retried
+        ``request_sent``: the request may have reached the server. A read timeout of a sent
+        request is never retried; a non-idempotent request (``POST /execute``) never is."""
         if not spec.retryable or attempt >= self.max_attempts:
             return None
+        if timed_out and request_sent:
+            return None
         return self.backoff(attempt)
+
+    @staticmethod
+    def after_unauthorized(*, retried: bool, replayable: bool) -> bool:
+        """Whether to re-read the credential and send once more after the broker's 401."""
+        return not retried and replayable

@@ -1,7 +1,7 @@
-"""The sync I/O layer: one ``httpx.Client`` per client object, bearer auth, retries, timeouts.
+"""The sync I/O layer: one ``httpx.Client`` per client object.
 
-Everything protocol-specific (what to send, how to read answers, what to retry) comes from
-``_protocol`` and ``_exchange``; this module only performs the requests and the sleeps.
+Everything else (what to send, auth, retries, timeouts, errors) comes from ``_exchange`` and
+the dialect; this module only performs the steps: sends, reads, credential fetches and sleeps.
 """
 
 from __future__ import annotations
@@ -10,28 +10,36 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-from . import _flow as flow
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
+from ._dialect import Dialect
+from ._driver import Steps, drive
 from ._exchange import (
     CHUNK_SIZE,
-    BearerAuth,
     CappedBody,
+    Close,
     DownloadMeter,
-    Exchange,
+    GetCredential,
+    Read,
+    ReadError,
+    Send,
+    Sleep,
+    Step,
+    TransportBase,
     UploadBody,
     client_settings,
-    retry_policy,
 )
 
-__all__ = ["BearerAuth", "BrokerTransport", "UploadStream"]
+__all__ = ["BrokerTransport", "UploadStream"]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
+
+T = TypeVar("T")
 
 
 class UploadStream(httpx.SyncByteStream):
@@ -54,78 +62,45 @@ class UploadStream(httpx.SyncByteStream):
         yield body.framing.suffix
 
 
-class BrokerTransport:
-    """Sends ``RequestSpec``s to the broker with auth, retries and named timeouts."""
+class BrokerTransport(TransportBase):
+    """Sends requests to the broker: performs the steps of ``_exchange`` with ``httpx.Client``."""
 
     def __init__(
         self,
         config: BrokerConnectionConfig,
         auth: CredentialSource,
+        dialect: Dialect,
         *,
         http_transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
         retry: proto.RetryPolicy | None = None,
     ) -> None:
-        self.config = config
-        self.auth = auth
+        client = httpx.Client(transport=http_transport, **client_settings(config))
+        super().__init__(config, auth, dialect, client, retry)
+        self._http = client
         self._sleep = sleep
-        self.retry = retry or retry_policy(config)
-        self._client = httpx.Client(transport=http_transport, **client_settings(config, auth))
-
-    @property
-    def broker_url(self) -> str:
-        return self.config.broker_url
 
     def close(self) -> None:
-        self._client.close()
+        self._http.close()
 
-    def perform(self, call: flow.Call) -> httpx.Response:
-        """Perform one call of an operation (``_flow``): the read response."""
-        return self.send(call.spec)
-
-    def run(self, op: flow.Op[flow.T]) -> flow.T:
-        """Run an operation of ``_flow`` to its result."""
-        return flow.drive(op, self.perform)
-
-    def send(
-        self,
-        spec: proto.RequestSpec,
-        *,
-        stream: bool = False,
-        body: Any = None,
-        authenticate: bool = True,
-    ) -> httpx.Response:
-        """Send ``spec``; return a 2xx response (or a 404 when ``spec.not_found_ok``).
-
-        With ``stream=True`` the caller must close the response. ``body`` is the request
-        stream. Errors are raised as typed ``BrokerError``s.
-        """
-        exchange = Exchange(
-            self._client, self.config, self.retry, spec, body=body, authenticate=authenticate
-        )
-        while True:
-            request = exchange.next_request()
-            try:
-                response = self._client.send(request, stream=True, auth=exchange.auth)
-            except httpx.TransportError as exc:
-                self._sleep(exchange.delay_after_error(exc))
-                continue
-            logger.debug("%s %s -> %s", spec.method, spec.path, response.status_code)
-            delay = exchange.delay_after_response(response)
-            if delay is None:
-                break
-            response.close()
-            self._sleep(delay)
-        if not exchange.succeeded(response):
-            raise exchange.failure(response, self._error_body(response))
-        if not stream:
-            try:
-                response.read()
-            except httpx.TransportError as exc:
-                raise exchange.read_error(exc) from exc
-            finally:
-                response.close()
-        return response
+    def perform(self, step: Step) -> Any:
+        """Perform one I/O step of an exchange."""
+        match step:
+            case Send(request):
+                return self._http.send(request, stream=True)
+            case GetCredential(audience):
+                return self.auth.get_credential(audience)
+            case Read(response):
+                try:
+                    return response.read()
+                finally:
+                    response.close()
+            case ReadError(response):
+                return self._error_body(response)
+            case Close(response):
+                return response.close()
+            case Sleep(seconds):
+                return self._sleep(seconds)
 
     @staticmethod
     def _error_body(response: httpx.Response) -> bytes:
@@ -139,6 +114,27 @@ class BrokerTransport:
         finally:
             response.close()
         return capped.data
+
+    def send(
+        self,
+        spec: proto.RequestSpec,
+        *,
+        stream: bool = False,
+        body: Any = None,
+        authenticate: bool = True,
+    ) -> httpx.Response:
+        """Send ``spec``; the response (read, unless ``stream``: then the caller closes it)."""
+        steps = self.exchange(spec, stream=stream, body=body, authenticate=authenticate)
+        return drive(steps, self.perform)
+
+    def call(self, call: proto.Call[T]) -> T:
+        """Send one call and parse its answer."""
+        result: T = drive(self.call_steps(call), self.perform)
+        return result
+
+    def run(self, op: Steps[proto.Call[Any], T]) -> T:
+        """Run an operation of ``_flow`` (a generator of calls) to its result."""
+        return drive(op, self.call)
 
     def stream(self, spec: proto.RequestSpec, meter: DownloadMeter) -> Generator[bytes, None, None]:
         """The answer to ``spec`` in chunks (the request is sent on first iteration)."""

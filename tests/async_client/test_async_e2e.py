@@ -67,7 +67,7 @@ def test_readme_example_zero_arg(
         assert [i.name for i in await AsyncSandbox.list()] == [sandbox.name]
         await sandbox.kill()
         await sandbox.kill()  # idempotent
-        assert sandbox.client.transport.is_closed
+        assert sandbox.client._transport.is_closed
 
     run(main())
     assert live(broker) == []
@@ -179,7 +179,7 @@ def test_401_refreshes_the_credential_once(
             assert info.value.status_code == 401 and info.value.code == "token_revoked"
             assert tokens[1] not in str(info.value) and tokens[0] not in str(info.value)
             fresh = OIDCTokenAuth(broker.issue_gitlab_token("group/project"))
-            sandbox.client.transport._client.auth._source = fresh  # type: ignore[attr-defined]
+            sandbox.client._transport.auth = fresh  # type: ignore[attr-defined]
 
     run(main())
     for token in tokens:
@@ -367,7 +367,7 @@ def test_code_written_for_the_upstream_async_client(live: Any, broker: Any) -> N
             with pytest.raises(SandboxNotFoundError):
                 await client.get_sandbox(sandbox.claim_name)
             await asyncio.gather(*(client.create_sandbox("python") for _ in range(3)))
-        assert client.transport.is_closed
+        assert client._transport.is_closed
 
     run(main())
     assert live(broker) == []  # the context manager deleted the rest

@@ -141,7 +141,7 @@ def test_100_sandboxes_concurrently(roomy_broker: Any, monkeypatch: pytest.Monke
     assert len(asyncio.run(second_burst())) == 20
     assert fetches == [broker.url, broker.url]
     handles[:] = handles[:COUNT]
-    assert all(not h.is_active and h.client.transport.is_closed for h in handles)
+    assert all(not h.is_active and h.client._transport.is_closed for h in handles)
     assert _settle(lambda: [c for c in broker.claims()]) == []
     assert broker.sandboxes() == []
     assert len(broker.claims(include_deleted=True)) >= COUNT

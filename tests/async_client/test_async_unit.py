@@ -102,8 +102,8 @@ def make(broker: Broker, source: Any, **settings: Any) -> AsyncBrokerSandboxClie
     async def no_sleep(_seconds: float) -> None:
         return None
 
-    client.transport._sleep = no_sleep
-    client.transport.retry = RetryPolicy(max_attempts=config.max_attempts, backoff_base=0.0)
+    client._transport._sleep = no_sleep
+    client._transport.retry = RetryPolicy(max_attempts=config.max_attempts, backoff_base=0.0)
     return client
 
 
@@ -167,7 +167,7 @@ def test_repeated_cancellation_does_not_interrupt_the_cleanup() -> None:
             await task
         assert broker.delete_done == 1 and broker.deleted == ["sbx-1"]
         await client.close()
-        assert client.transport.is_closed
+        assert client._transport.is_closed
 
     asyncio.run(main())
 
@@ -210,7 +210,7 @@ def test_retries_are_bounded_and_only_for_idempotent_requests() -> None:
     broker.hooks[("POST", "/execute")] = busy
 
     async def main() -> None:
-        from k8s_agent_sandbox_awx._async_sandbox import AsyncSandbox
+        from k8s_agent_sandbox_awx._async_client import AsyncSandbox
         from k8s_agent_sandbox_awx._protocol import RouterTarget, SandboxInfo
 
         client = make(broker, AsyncStub(), max_attempts=3)

@@ -149,8 +149,8 @@ def make_client(fake: FakeBroker, creds: StubCredentials) -> Callable[..., Any]:
     def make(**settings: Any) -> Any:
         config = BrokerConnectionConfig(broker_url=BROKER, **settings)
         client = BrokerSandboxClient(config, auth=creds, http_transport=httpx.MockTransport(fake))
-        client.transport._sleep = lambda _s: None
-        client.transport.retry = RetryPolicy(
+        client._transport._sleep = lambda _s: None
+        client._transport.retry = RetryPolicy(
             max_attempts=config.max_attempts, backoff_base=0.0, backoff_max=1.0
         )
         clients.append(client)

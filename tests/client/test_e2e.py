@@ -129,7 +129,7 @@ def test_401_refreshes_the_credential_once(broker: Any, caplog: pytest.LogCaptur
         assert info.value.status_code == 401 and info.value.code == "token_revoked"
         assert tokens[1] not in str(info.value) and tokens[0] not in str(info.value)
         fresh = OIDCTokenAuth(broker.issue_gitlab_token("group/project"))
-        sandbox.client.transport._client.auth._source = fresh  # so that the exit can kill
+        sandbox.client._transport.auth = fresh  # so that the exit can kill
     for token in tokens:
         for part in token.split(".")[1:]:
             assert part not in caplog.text  # no token (nor its signature) in any log record

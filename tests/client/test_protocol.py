@@ -1,4 +1,5 @@
-"""The I/O-free protocol layer: request building, parsing, error mapping, retry decisions."""
+"""The I/O-free layers: the v1 dialect's requests, answers and error mapping, the data plane,
+the retry policy."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ from datetime import UTC, datetime
 
 import pytest
 
+from k8s_agent_sandbox_awx import _dataplane as dp
+from k8s_agent_sandbox_awx import _dialect_v1 as v1
 from k8s_agent_sandbox_awx import _protocol as proto
 from k8s_agent_sandbox_awx._exceptions import (
     BrokerAuthenticationError,
     BrokerNotFoundError,
     BrokerPermissionError,
+    BrokerProtocolError,
     BrokerQuotaError,
     BrokerRedirectError,
     BrokerUnavailableError,
@@ -27,7 +31,7 @@ ROUTER = proto.RouterTarget("sbx-1", "team-a", 8888)
 
 
 def test_create_request() -> None:
-    spec = proto.create(idempotency_key="k1", template="python", labels={"team": "ml"})
+    spec = v1.create(idempotency_key="k1", template="python", labels={"team": "ml"})
     assert (spec.method, spec.path, spec.retryable) == ("POST", "/v1/sandboxes", True)
     assert spec.headers["Idempotency-Key"] == "k1"
     assert json.loads(spec.content or b"") == {"template": "python", "labels": {"team": "ml"}}
@@ -35,17 +39,17 @@ def test_create_request() -> None:
 
 def test_create_rejects_reserved_metadata() -> None:
     with pytest.raises(ValueError, match="reserved"):
-        proto.create(idempotency_key="k", labels={"broker.agent-sandbox-awx.io/x": "y"})
+        v1.create(idempotency_key="k", labels={"broker.agent-sandbox-awx.io/x": "y"})
 
 
 def test_wait_request_is_a_bounded_long_poll() -> None:
-    spec = proto.get("sbx-1", wait_ready=500, request_timeout=10)
+    spec = v1.get("sbx-1", wait_ready=500, request_timeout=10)
     assert spec.params == {"wait": "ready", "timeout": "60"}
     assert spec.read_timeout == 70
 
 
 def test_execute_is_never_retryable_and_carries_timeouts() -> None:
-    spec = proto.execute(ROUTER, "echo hi", command_timeout=30)
+    spec = dp.execute(ROUTER, "echo hi", command_timeout=30)
     assert not spec.retryable
     assert spec.headers["X-Sandbox-ID"] == "sbx-1"
     assert spec.headers["X-Sandbox-Namespace"] == "team-a"
@@ -56,23 +60,23 @@ def test_execute_is_never_retryable_and_carries_timeouts() -> None:
 
 
 def test_data_plane_paths_are_encoded() -> None:
-    assert proto.download(ROUTER, "a b/c.txt").path == "/download/a%20b%2Fc.txt"
-    assert proto.list_files(ROUTER, ".").path == "/list/."
+    assert dp.download(ROUTER, "a b/c.txt").path == "/download/a%20b%2Fc.txt"
+    assert dp.list_files(ROUTER, ".").path == "/list/."
 
 
 @pytest.mark.parametrize("bad", ["", "  ", "a/../b", "..", "a\x00b", "a\nb", "/"])
 def test_path_validation(bad: str) -> None:
     with pytest.raises(ValueError):
-        proto.validate_sandbox_path(bad)
+        dp.validate_sandbox_path(bad)
 
 
 def test_path_normalisation() -> None:
-    assert proto.validate_sandbox_path("/data//in.csv") == "data/in.csv"
-    assert proto.validate_sandbox_path("", allow_root=True) == "."
+    assert dp.validate_sandbox_path("/data//in.csv") == "data/in.csv"
+    assert dp.validate_sandbox_path("", allow_root=True) == "."
 
 
 def test_multipart_framing() -> None:
-    framing = proto.multipart_framing('dir/"x".bin', boundary="b0")
+    framing = dp.multipart_framing('dir/"x".bin', boundary="b0")
     assert framing.prefix.startswith(b"--b0\r\n")
     assert b'filename="dir/%22x%22.bin"' in framing.prefix
     assert framing.suffix == b"\r\n--b0--\r\n"
@@ -82,29 +86,29 @@ def test_multipart_framing() -> None:
 
 def test_parse_sandbox_and_list() -> None:
     obj = {"name": "s", "phase": "Ready", "namespace": "n", "router": {"port": 9000}}
-    info = proto.parse_sandbox(obj)
+    info = v1.parse_sandbox(obj)
     assert info.ready and info.router == proto.RouterTarget("s", "n", 9000)
-    assert proto.parse_sandbox_list({"items": [obj]})[0].name == "s"
-    with pytest.raises(proto.BrokerProtocolError):
-        proto.parse_sandbox({"phase": "Ready"})
+    assert v1.parse_sandbox_list({"items": [obj]})[0].name == "s"
+    with pytest.raises(BrokerProtocolError):
+        v1.parse_sandbox({"phase": "Ready"})
 
 
 def test_parse_results() -> None:
-    result = proto.parse_execution_result({"stdout": "o", "stderr": "", "exit_code": 3})
+    result = dp.parse_execution_result({"stdout": "o", "stderr": "", "exit_code": 3})
     assert (result.stdout, result.exit_code, result.timed_out) == ("o", 3, False)
-    entries = proto.parse_file_entries(
+    entries = dp.parse_file_entries(
         [{"name": "a", "size": 1, "type": "file", "mod_time": 0.0}], "."
     )
     assert isinstance(entries[0], FileEntry)
-    assert proto.parse_exists({"path": "a", "exists": True}, "a") is True
-    with pytest.raises(proto.BrokerProtocolError, match="not JSON"):
+    assert dp.parse_exists({"path": "a", "exists": True}, "a") is True
+    with pytest.raises(BrokerProtocolError, match="not JSON"):
         proto.parse_json(b"<html>", "list my sandboxes")
 
 
 def _err(status: int, code: str | None, data_plane: bool = False, **headers: str) -> Exception:
     body = json.dumps({"detail": "why", **({"code": code} if code else {})}).encode()
     spec = proto.RequestSpec("GET", "/v1/sandboxes/x", "get sandbox 'x'", data_plane=data_plane)
-    return proto.error_from_response(status, headers, body, spec=spec)
+    return v1.error_from_response(status, headers, body, spec=spec)
 
 
 def test_error_mapping_types() -> None:
@@ -142,8 +146,8 @@ def test_retry_after_parsing() -> None:
 
 def test_retry_decisions() -> None:
     policy = proto.RetryPolicy(max_attempts=3, backoff_base=1, backoff_max=4, rand=lambda a, b: b)
-    get = proto.get("x")
-    execute = proto.execute(ROUTER, "true", command_timeout=5)
+    get = v1.get("x")
+    execute = dp.execute(ROUTER, "true", command_timeout=5)
     assert policy.after_status(get, 1, 503, {}) == 1
     assert policy.after_status(get, 2, 502, {}) == 2
     assert policy.after_status(get, 3, 503, {}) is None  # bounded
@@ -173,24 +177,22 @@ def test_retry_decisions() -> None:
 def test_parse_sandbox_wrong_shapes_are_protocol_errors(obj: dict[str, object]) -> None:
     """A malformed Sandbox object is a BrokerProtocolError naming the problem, never an
     AttributeError/TypeError from the parser."""
-    with pytest.raises(proto.BrokerProtocolError, match="broker API v1") as info:
-        proto.parse_sandbox(obj, "get sandbox 's'")
+    with pytest.raises(BrokerProtocolError, match="broker API v1") as info:
+        v1.parse_sandbox(obj, "get sandbox 's'")
     assert "get sandbox 's'" in str(info.value)
-    with pytest.raises(proto.BrokerProtocolError):
-        proto.parse_sandbox_list({"items": [obj]})
+    with pytest.raises(BrokerProtocolError):
+        v1.parse_sandbox_list({"items": [obj]})
 
 
 def test_error_hints_fit_the_request() -> None:
     # a bad sandbox name on the control plane is not a file path problem
     spec = proto.RequestSpec("DELETE", "/v1/sandboxes/BAD", "delete sandbox 'BAD'")
     body = json.dumps({"detail": "sandbox name 'BAD' is not a DNS-1123 label"}).encode()
-    bad_name = proto.error_from_response(
-        400, {}, body[:-1] + b', "code": "invalid_path"}', spec=spec
-    )
+    bad_name = v1.error_from_response(400, {}, body[:-1] + b', "code": "invalid_path"}', spec=spec)
     assert "relative to the sandbox root" not in str(bad_name)
     assert "agent-sandbox-awx ls" in str(bad_name)
     data = proto.RequestSpec("GET", "/download/x", "read 'x'", data_plane=True)
-    bad_path = proto.error_from_response(400, {}, b'{"code": "invalid_path"}', spec=data)
+    bad_path = v1.error_from_response(400, {}, b'{"code": "invalid_path"}', spec=data)
     assert "relative to the sandbox root" in str(bad_path)
     # a 403 without a known code is a permission problem, not something to retry later
     denied = _err(403, "some_new_code")
@@ -200,21 +202,18 @@ def test_error_hints_fit_the_request() -> None:
 
 @pytest.mark.parametrize("body", [{"attributes": [1]}, {"policy": "x"}, {"attributes": None}])
 def test_whoami_wrong_shapes_are_protocol_errors(body: dict[str, object]) -> None:
-    from k8s_agent_sandbox_awx import _flow as flow
-
-    op = flow.whoami()
-    next(op)
+    call = v1.V1Dialect().whoami()
 
     class Reply:
         status_code = 200
+        headers: dict[str, str] = {}
         content = json.dumps({"subject": "s", "provider": "p", **body}).encode()
 
     if body == {"attributes": None}:  # null: no attributes
-        with pytest.raises(StopIteration):
-            op.send(Reply())
+        assert call.parse(Reply())["subject"] == "s"
         return
-    with pytest.raises(proto.BrokerProtocolError, match="not a JSON object"):
-        op.send(Reply())
+    with pytest.raises(BrokerProtocolError, match="not a JSON object"):
+        call.parse(Reply())
 
 
 @pytest.mark.parametrize("limit", [float("inf"), float("nan"), 0, -1])
@@ -222,7 +221,7 @@ def test_execute_rejects_a_timeout_that_is_not_a_finite_positive_number(limit: f
     """Never sent as 'inf'/'nan' (an X-Sandbox-Timeout the broker rejects, a JSON body with
     Infinity): the caller's own argument is named."""
     with pytest.raises(ValueError, match="command timeout must be a finite number of seconds"):
-        proto.execute(ROUTER, "echo hi", command_timeout=limit)
+        dp.execute(ROUTER, "echo hi", command_timeout=limit)
 
 
 @pytest.mark.parametrize("ready", [float("nan"), -1.0])
@@ -234,4 +233,4 @@ def test_create_rejects_a_ready_timeout_that_is_nan_or_negative(ready: float) ->
 
     config = BrokerConnectionConfig(broker_url="https://broker.test")
     with pytest.raises(ValueError, match="sandbox_ready_timeout"):
-        flow.plan_create(config, None, None, ready, None, {})
+        flow.plan_create(config, v1.V1Dialect(), None, None, ready, None, {})

@@ -12,6 +12,7 @@ import pytest
 
 from k8s_agent_sandbox_awx import (
     BrokerAuthenticationError,
+    BrokerError,
     BrokerRedirectError,
     BrokerUnavailableError,
     RequestTimeoutError,
@@ -38,7 +39,7 @@ def test_healthz_sends_no_token(make_client: Any, fake: Any, kit: Any) -> None:
 def test_401_invalidates_and_retries_once(make_client: Any, fake: Any, kit: Any) -> None:
     creds = kit.StubCredentials("old-token", "new-token")
     client = make_client()
-    client.transport._client.auth._source = creds
+    client._transport.auth = creds
 
     @fake.route("GET", "/v1/whoami")
     def whoami(request: httpx.Request) -> httpx.Response:
@@ -74,13 +75,10 @@ def test_redirect_is_not_followed(make_client: Any, fake: Any) -> None:
     assert len(fake.requests) == 1
 
 
-def test_token_is_never_sent_to_another_origin(creds: Any) -> None:
-    from k8s_agent_sandbox_awx._transport import BearerAuth
-
-    auth = BearerAuth(creds, "https://broker.test")
-    flow = auth.auth_flow(httpx.Request("GET", "https://other.example/"))
-    with pytest.raises(proto.BrokerError, match="Refusing"):
-        next(flow)
+def test_token_is_never_sent_to_another_origin(make_client: Any, creds: Any) -> None:
+    spec = proto.RequestSpec("GET", "@other.example/", "probe")  # would become userinfo
+    with pytest.raises(BrokerError, match="Refusing"):
+        make_client()._transport.send(spec)
     assert creds.calls == []
 
 

@@ -1,0 +1,97 @@
+"""The dialect interface: everything one broker protocol decides, behind one object.
+
+A dialect builds the control-plane requests and reads their answers (as :class:`Call`s), maps
+error answers to typed errors, says what "already gone" means, and which headers route a
+data-plane request to a sandbox. The data plane itself (``_dataplane``) and the exchange
+(``_exchange``: auth, retries, timeouts) are shared by every dialect. Implementations:
+``_dialect_v1`` (the broker API v1); the registry is ``_dialects``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ._dataplane import DataTarget
+from ._exceptions import BrokerError
+from ._protocol import Call, Reply, RequestSpec, SandboxInfo
+
+__all__ = ["CreateRequest", "Dialect"]
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    """What ``create`` asks for, in the SDK's vocabulary (each dialect spells it its way)."""
+
+    idempotency_key: str
+    template: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    lifetime_seconds: int | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+class Dialect(ABC):
+    """One broker control-plane protocol. Stateless: one instance serves every client."""
+
+    name: ClassVar[str]
+
+    # -- control plane: requests and their answers -----------------------------------------
+
+    @abstractmethod
+    def healthz(self) -> Call[Reply]:
+        """The unauthenticated health check (its answer carries the broker's ``Date``)."""
+
+    @abstractmethod
+    def whoami(self) -> Call[dict[str, Any]]:
+        """The identity the broker verified for the current token."""
+
+    @abstractmethod
+    def create(self, request: CreateRequest) -> RequestSpec:
+        """The create request (checked before anything is sent)."""
+
+    @abstractmethod
+    def parse_created(self, reply: Reply, spec: RequestSpec) -> SandboxInfo:
+        """The sandbox a create answer describes."""
+
+    @abstractmethod
+    def created_name(self, body: bytes) -> str | None:
+        """The sandbox a create answer names even if it is otherwise unusable (to delete it)."""
+
+    @abstractmethod
+    def get(self, name: str) -> Call[SandboxInfo]:
+        """The current state of one sandbox."""
+
+    @abstractmethod
+    def wait_ready(self, name: str, remaining: float, request_timeout: float) -> Call[SandboxInfo]:
+        """One wait for Ready of at most ``remaining`` seconds (a long-poll or a status poll)."""
+
+    @abstractmethod
+    def list_sandboxes(
+        self, label_selector: Mapping[str, str] | str | None
+    ) -> Call[list[SandboxInfo]]:
+        """My sandboxes, newest first."""
+
+    @abstractmethod
+    def delete(self, name: str) -> Call[bool]:
+        """Delete one sandbox; the answer is ``False`` if it was already gone."""
+
+    # -- errors and the data plane ---------------------------------------------------------
+
+    @abstractmethod
+    def error(
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        body: bytes,
+        *,
+        spec: RequestSpec,
+        retried_auth: bool = False,
+    ) -> BrokerError:
+        """The typed error for an error answer (its message says what to do)."""
+
+    def data_target(self, info: SandboxInfo) -> DataTarget:
+        """Where the data plane of sandbox ``info`` goes (the routing headers)."""
+        return info.router
