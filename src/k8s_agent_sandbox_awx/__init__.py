@@ -1,7 +1,10 @@
 """Kubernetes agent sandboxes without a kubeconfig, through an OIDC identity broker.
 
-``import k8s_agent_sandbox_awx`` is cheap: the public names below are imported on first use
-(PEP 562), so the upstream client and httpx are loaded only when a sandbox is used.
+The names below are where users start; every error is in :mod:`k8s_agent_sandbox_awx.errors`
+(``SandboxError``, the root of all of them, is also here; the other error names stay
+importable from the package for compatibility). ``import k8s_agent_sandbox_awx`` is cheap: the
+names are imported on first use (PEP 562), so the upstream client and httpx are loaded only
+when a sandbox is used.
 """
 
 from __future__ import annotations
@@ -11,56 +14,30 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
-# public name -> private module that defines it
+# public name -> module that defines it
 _EXPORTS: dict[str, str] = {
+    # --- broker client --------------------------------------------------------------------
+    "Sandbox": "._client",
+    "SandboxInfo": "._client",
+    "BrokerSandboxClient": "._client",
+    "AsyncSandbox": "._async_client",
+    "AsyncBrokerSandboxClient": "._async_client",
+    "BrokerConnectionConfig": "._config",
+    "SandboxError": ".errors",
     # --- credential framework -------------------------------------------------------------
+    "DefaultCredentials": "._chain",
+    "explain": "._chain",
+    "Explanation": "._chain",
+    "ProviderDecision": "._chain",
+    "KubernetesAuth": "._auth",
+    "OIDCTokenAuth": "._auth",
+    "CredentialSource": "._auth",
+    "clear_credential_cache": "._cache",
     "Credential": "._credential",
     "CredentialRequest": "._credential",
     "ProviderInfo": "._credential",
     "hookimpl": ".hookspecs",
     "ENTRY_POINT_GROUP": ".hookspecs",
-    "KubernetesAuth": "._auth",
-    "OIDCTokenAuth": "._auth",
-    "CredentialSource": "._auth",
-    "DefaultCredentials": "._chain",
-    "explain": "._chain",
-    "Explanation": "._chain",
-    "ProviderDecision": "._chain",
-    "clear_credential_cache": "._cache",
-    "CredentialError": "._credential_errors",
-    "NoCredentialsError": "._credential_errors",
-    "CredentialSourceError": "._credential_errors",
-    "EmptyCredentialError": "._credential_errors",
-    "UnreadableCredentialError": "._credential_errors",
-    "MalformedTokenError": "._credential_errors",
-    "TokenExpiredError": "._credential_errors",
-    "AudienceMismatchError": "._credential_errors",
-    "ForbiddenTokenSourceError": "._credential_errors",
-    "CredentialPluginWarning": "._credential_errors",
-    # --- broker client (sync) -------------------------------------------------------------
-    "Sandbox": "._client",
-    "BrokerSandboxClient": "._client",
-    "BrokerConnectionConfig": "._config",
-    "BrokerError": "._exceptions",
-    "BrokerAuthenticationError": "._exceptions",
-    "BrokerPermissionError": "._exceptions",
-    "BrokerQuotaError": "._exceptions",
-    "BrokerUnavailableError": "._exceptions",
-    "BrokerProtocolError": "._exceptions",
-    "BrokerRedirectError": "._exceptions",
-    "BrokerNotFoundError": "._exceptions",
-    "BrokerTemplateNotFoundError": "._exceptions",
-    "BrokerConflictError": "._exceptions",
-    "SandboxFailedError": "._exceptions",
-    "SandboxTerminatingError": "._exceptions",
-    "SandboxInfo": "._client",
-    "ConfigurationError": "._exceptions",
-    "SandboxReadyTimeoutError": "._exceptions",
-    "CommandTimeoutError": "._exceptions",
-    "RequestTimeoutError": "._exceptions",
-    # --- broker client (async) ------------------------------------------------------------
-    "AsyncSandbox": "._async_client",
-    "AsyncBrokerSandboxClient": "._async_client",
 }
 
 # A literal list, so that type checkers see the re-exports; a test keeps it equal to
@@ -69,45 +46,20 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AsyncBrokerSandboxClient",
     "AsyncSandbox",
-    "AudienceMismatchError",
-    "BrokerAuthenticationError",
-    "BrokerConflictError",
     "BrokerConnectionConfig",
-    "BrokerError",
-    "BrokerNotFoundError",
-    "BrokerPermissionError",
-    "BrokerProtocolError",
-    "BrokerQuotaError",
-    "BrokerRedirectError",
     "BrokerSandboxClient",
-    "BrokerTemplateNotFoundError",
-    "BrokerUnavailableError",
-    "CommandTimeoutError",
-    "ConfigurationError",
     "Credential",
-    "CredentialError",
-    "CredentialPluginWarning",
     "CredentialRequest",
     "CredentialSource",
-    "CredentialSourceError",
     "DefaultCredentials",
-    "EmptyCredentialError",
     "Explanation",
-    "ForbiddenTokenSourceError",
     "KubernetesAuth",
-    "MalformedTokenError",
-    "NoCredentialsError",
     "OIDCTokenAuth",
     "ProviderDecision",
     "ProviderInfo",
-    "RequestTimeoutError",
     "Sandbox",
-    "SandboxFailedError",
+    "SandboxError",
     "SandboxInfo",
-    "SandboxReadyTimeoutError",
-    "SandboxTerminatingError",
-    "TokenExpiredError",
-    "UnreadableCredentialError",
     "__version__",
     "clear_credential_cache",
     "explain",
@@ -117,9 +69,17 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+    elif name == "errors":
+        value = importlib.import_module(".errors", __name__)
+    elif name.endswith(("Error", "Warning")):  # an error class by its old top-level name
+        errors = importlib.import_module(".errors", __name__)
+        if name not in errors.__all__:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(errors, name)
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value
 
@@ -129,6 +89,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from . import errors
     from ._async_client import AsyncBrokerSandboxClient, AsyncSandbox
     from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
     from ._cache import clear_credential_cache
@@ -136,34 +97,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._client import BrokerSandboxClient, Sandbox, SandboxInfo
     from ._config import BrokerConnectionConfig
     from ._credential import Credential, CredentialRequest, ProviderInfo
-    from ._credential_errors import (
-        AudienceMismatchError,
-        CredentialError,
-        CredentialPluginWarning,
-        CredentialSourceError,
-        EmptyCredentialError,
-        ForbiddenTokenSourceError,
-        MalformedTokenError,
-        NoCredentialsError,
-        TokenExpiredError,
-        UnreadableCredentialError,
-    )
-    from ._exceptions import (
-        BrokerAuthenticationError,
-        BrokerConflictError,
-        BrokerError,
-        BrokerNotFoundError,
-        BrokerPermissionError,
-        BrokerProtocolError,
-        BrokerQuotaError,
-        BrokerRedirectError,
-        BrokerTemplateNotFoundError,
-        BrokerUnavailableError,
-        CommandTimeoutError,
-        ConfigurationError,
-        RequestTimeoutError,
-        SandboxFailedError,
-        SandboxReadyTimeoutError,
-        SandboxTerminatingError,
-    )
+    from .errors import *  # noqa: F403 - the old top-level error names
+    from .errors import SandboxError
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl

@@ -20,7 +20,6 @@ from ._chain import DefaultCredentials
 from ._config import BrokerConnectionConfig
 from ._dataplane import DataTarget
 from ._dialects import get_dialect
-from ._exceptions import ConfigurationError
 from ._exchange import DownloadMeter
 from ._flow import (
     ConnectOptions,
@@ -33,6 +32,7 @@ from ._flow import (
     plan_create,
 )
 from ._upstream import SandboxNotFoundError
+from .errors import ConfigurationError
 
 __all__ = [
     "ClientBase",

@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar
 
 from . import _cache
 from ._auth import CredentialSource, ProviderGuard, accept_credential
@@ -39,6 +39,7 @@ from ._credential_errors import (
     MalformedTokenError,
     NoCredentialsError,
 )
+from ._driver import adrive, drive
 from ._jwt import DecodedToken, cache_deadline, decode_token
 from ._plugins import (
     DISABLE_AUTOLOAD_ENV,
@@ -121,28 +122,22 @@ async def _acall(provider: ProviderEntry, request: CredentialRequest) -> object:
     guard.reraise()
 
 
-def _advance(steps: Steps[T], result: object) -> tuple[Step | None, T | None]:
-    """Send ``result`` in: the next step, or ``(None, the final value)``."""
-    try:
-        return steps.send(result), None
-    except StopIteration as done:
-        return None, done.value
+def _perform(step: Step) -> object:
+    return _call(*step)
+
+
+async def _aperform(step: Step) -> object:
+    return await _acall(*step)
 
 
 def _run(steps: Steps[T]) -> T:
     """Drive ``steps`` with sync provider calls."""
-    step, value = _advance(steps, None)
-    while step is not None:
-        step, value = _advance(steps, _call(*step))
-    return cast(T, value)
+    return drive(steps, _perform)
 
 
 async def _arun(steps: Steps[T]) -> T:
     """Drive ``steps`` with awaited provider calls."""
-    step, value = _advance(steps, None)
-    while step is not None:
-        step, value = _advance(steps, await _acall(*step))
-    return cast(T, value)
+    return await adrive(steps, _aperform)
 
 
 class DefaultCredentials:
@@ -298,36 +293,87 @@ class DefaultCredentials:
             fetched = yield from self._fetch(selection.provider, audience)
             _cache.put(selection.key, *fetched)
             return fetched
+        found = yield from self._consult(audience, None)
+        assert found is not None  # discovery raises when no provider applies
+        provider, credential, key = found
+        self._selected[audience] = _Selection(provider, credential.file_backed, key)
+        logger.debug(
+            "credential provider %r selected for %s (%s, %s)",
+            provider.name,
+            audience,
+            credential.source,
+            "file-backed, re-read on every request"
+            if credential.file_backed
+            else "cached until shortly before exp",
+        )
+        providers = self.registry().providers
+        self._log_shadowed(providers[providers.index(provider) + 1 :], provider.name)
+        return credential, 0.0
+
+    def _consult(
+        self, audience: str, record: _Record | None
+    ) -> Steps[tuple[ProviderEntry, Credential, _cache.CacheKey] | None]:
+        """Consult the providers in order: the one discovery.
+
+        Without ``record`` (a request): the first credential wins (served from the cache if it
+        is there, stored otherwise); a broken provider stops discovery with its error; none:
+        :class:`NoCredentialsError`. With ``record`` (:meth:`explain`): every provider is asked,
+        nothing is cached, and each decision is recorded instead."""
         registry = self.registry()
         tried: list[tuple[str, str]] = []
-        for index, provider in enumerate(registry.providers):
+        for provider in registry.providers:
             key: _cache.CacheKey = ((self._scope, provider.name), audience)
-            credential = _cache.get_cached(key)
-            if credential is None:
-                # Not cached (or file-backed): ask the provider.
-                request = self._request(audience)
+            if record is None and (cached := _cache.get_cached(key)) is not None:
+                return provider, cached, key
+            request = self._request(audience)
+            try:
                 result = yield provider, request
-                if result is None:
-                    tried.append((provider.name, _reason(provider, request)))
-                    continue
-                now = _cache.now()
-                credential, decoded = accept_credential(
-                    result, provider=provider.name, audience=audience, now=now
-                )
-                _cache.put(key, credential, cache_deadline(decoded, now))
-            self._selected[audience] = _Selection(provider, credential.file_backed, key)
-            logger.debug(
-                "credential provider %r selected for %s (%s, %s)",
-                provider.name,
-                audience,
-                credential.source,
-                "file-backed, re-read on every request"
-                if credential.file_backed
-                else "cached until shortly before exp",
+            except CredentialError as exc:
+                if record is None:
+                    raise
+                record.broken(provider, exc)
+                continue
+            if result is None:
+                tried.append((provider.name, _reason(provider, request)))
+                if record is not None:
+                    record.add(provider.name, "not here", tried[-1][1])
+                continue
+            if record is not None and record.stopped_by:
+                record.shadowed(provider, result)
+                continue
+            accepted = self._accept(provider, result, audience, key, record)
+            if accepted is not None and record is None:
+                return provider, accepted, key
+        error = _no_credentials(audience, tried, registry.problems, self._token_path)
+        if record is None:
+            raise error
+        record.finish(registry.problems, error)
+        return None
+
+    @staticmethod
+    def _accept(
+        provider: ProviderEntry,
+        result: object,
+        audience: str,
+        key: _cache.CacheKey,
+        record: _Record | None,
+    ) -> Credential | None:
+        """Check a provider's result; store it (a request) or record the verdict (explain)."""
+        now = _cache.now()
+        try:
+            credential, decoded = accept_credential(
+                result, provider=provider.name, audience=audience, now=now
             )
-            self._log_shadowed(registry.providers[index + 1 :], provider.name)
-            return credential, 0.0
-        raise _no_credentials(audience, tried, registry.problems, self._token_path)
+        except CredentialError as exc:
+            if record is None:
+                raise
+            record.rejected(provider, exc, result)
+            return None
+        if record is None:
+            _cache.put(key, credential, cache_deadline(decoded, now))
+        else:
+            record.winner(provider, credential, decoded)
+        return credential
 
     def _log_shadowed(self, rest: Iterable[ProviderEntry], winner: str) -> None:
         if not logger.isEnabledFor(logging.DEBUG):
@@ -343,69 +389,69 @@ class DefaultCredentials:
     # -- diagnostics ------------------------------------------------------------------------
 
     def explain(self, audience: str) -> Explanation:
-        """Consult every provider for ``audience`` and report each decision (no caching)."""
-        registry = self.registry()
-        decisions: list[ProviderDecision] = []
-        selected: str | None = None
-        claims: dict[str, dict[str, Any]] | None = None
-        error: CredentialError | None = None
-        stopped_by = ""
-        tried: list[tuple[str, str]] = []
-        for provider in registry.providers:
-            request = self._request(audience)
-            try:
-                result = _call(provider, request)
-            except CredentialError as exc:
-                if stopped_by:
-                    decisions.append(
-                        ProviderDecision(
-                            provider.name,
-                            "shadowed",
-                            f"present but broken, not consulted after {stopped_by!r}: "
-                            f"{type(exc).__name__}: {exc}",
-                        )
-                    )
-                else:
-                    stopped_by, error = provider.name, exc
-                    decisions.append(
-                        ProviderDecision(provider.name, "error", f"{type(exc).__name__}: {exc}")
-                    )
-                continue
-            if result is None:
-                why = _reason(provider, request)
-                tried.append((provider.name, why))
-                decisions.append(ProviderDecision(provider.name, "not here", why))
-                continue
-            source = result.source if isinstance(result, Credential) else ""
-            if stopped_by:
-                detail = f"also present ({source or provider.origin}); {stopped_by!r} comes first"
-                decisions.append(ProviderDecision(provider.name, "shadowed", detail))
-                logger.debug("credential provider %r is shadowed: %s", provider.name, detail)
-                continue
-            stopped_by = provider.name
-            try:
-                credential, decoded = accept_credential(
-                    result, provider=provider.name, audience=audience, now=_cache.now()
-                )
-            except CredentialError as exc:
-                error = exc
-                claims = _claims_for_diagnosis(result)
-                decisions.append(
-                    ProviderDecision(provider.name, "error", f"{type(exc).__name__}: {exc}")
-                )
-                continue
-            selected = provider.name
-            claims = decoded.claims() if decoded is not None else None
-            decisions.append(
-                ProviderDecision(provider.name, "selected", _selected_detail(credential, decoded))
+        """Consult every provider for ``audience`` and report each decision (no caching): the
+        same discovery as a request (:meth:`_consult`), recording instead of stopping."""
+        record = _Record()
+        _run(self._consult(audience, record))
+        return Explanation(audience, record.decisions, record.selected, record.claims, record.error)
+
+
+class _Record:
+    """What :meth:`DefaultCredentials.explain` learns from each provider during discovery."""
+
+    def __init__(self) -> None:
+        self.decisions: list[ProviderDecision] = []
+        self.selected: str | None = None
+        self.claims: dict[str, dict[str, Any]] | None = None
+        self.error: CredentialError | None = None
+        self.stopped_by = ""
+        """The provider discovery would have stopped at (selected, or broken)."""
+
+    def add(
+        self, name: str, status: Status, detail: str, error: CredentialError | None = None
+    ) -> None:
+        self.decisions.append(ProviderDecision(name, status, detail, error))
+
+    def broken(self, provider: ProviderEntry, exc: CredentialError) -> None:
+        """The provider raised: discovery stops here (or already stopped before it)."""
+        described = f"{type(exc).__name__}: {exc}"
+        if self.stopped_by:
+            self.add(
+                provider.name,
+                "shadowed",
+                f"present but broken, not consulted after {self.stopped_by!r}: {described}",
+                exc,
             )
-        for problem in registry.problems:
+            return
+        self.stopped_by, self.error = provider.name, exc
+        self.add(provider.name, "error", described, exc)
+
+    def shadowed(self, provider: ProviderEntry, result: object) -> None:
+        source = result.source if isinstance(result, Credential) else ""
+        detail = f"also present ({source or provider.origin}); {self.stopped_by!r} comes first"
+        self.add(provider.name, "shadowed", detail)
+        logger.debug("credential provider %r is shadowed: %s", provider.name, detail)
+
+    def rejected(self, provider: ProviderEntry, exc: CredentialError, result: object) -> None:
+        """The provider's credential failed the checks (expired, wrong audience...)."""
+        self.stopped_by, self.error = provider.name, exc
+        self.claims = _claims_for_diagnosis(result)
+        self.add(provider.name, "error", f"{type(exc).__name__}: {exc}", exc)
+
+    def winner(
+        self, provider: ProviderEntry, credential: Credential, decoded: DecodedToken | None
+    ) -> None:
+        self.stopped_by = self.selected = provider.name
+        self.claims = decoded.claims() if decoded is not None else None
+        self.add(provider.name, "selected", _selected_detail(credential, decoded))
+
+    def finish(self, problems: Iterable[PluginProblem], no_credentials: CredentialError) -> None:
+        for problem in problems:
             status: Status = "failed to load" if problem.status == "failed to load" else "not here"
             origin = f" ({problem.origin})" if problem.origin else ""
-            decisions.append(ProviderDecision(problem.name, status, problem.detail + origin))
-        if selected is None and error is None:
-            error = _no_credentials(audience, tried, registry.problems, self._token_path)
-        return Explanation(audience, decisions, selected, claims, error)
+            self.add(problem.name, status, problem.detail + origin)
+        if self.selected is None and self.error is None:
+            self.error = no_credentials
 
 
 def _claims_for_diagnosis(result: object) -> dict[str, dict[str, Any]] | None:
@@ -436,6 +482,8 @@ class ProviderDecision:
     name: str
     status: Status
     detail: str = ""
+    error: CredentialError | None = field(default=None, compare=False, repr=False)
+    """The typed error behind an ``error`` decision (for tools such as ``doctor``)."""
 
 
 @dataclass(frozen=True)

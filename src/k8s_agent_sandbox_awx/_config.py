@@ -10,8 +10,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, model_validator
 
-from ._exceptions import ConfigurationError
 from ._upstream import SandboxDirectConnectionConfig
+from .errors import ConfigurationError
 
 __all__ = [
     "ENV_BROKER_URL",

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from ._exceptions import BrokerError
 from ._protocol import RequestSpec, json_body, protocol_error, seconds
 from ._upstream import ExecutionResult, FileEntry
+from .errors import BrokerError
 
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",

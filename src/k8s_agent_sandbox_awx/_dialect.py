@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ._dataplane import DataTarget
-from ._exceptions import BrokerError
 from ._protocol import Call, Reply, RequestSpec, SandboxInfo
+from .errors import BrokerError
 
 __all__ = ["CreateRequest", "Dialect"]
 

@@ -14,17 +14,6 @@ from urllib.parse import quote
 
 from ._dataplane import runtime_error
 from ._dialect import CreateRequest, Dialect
-from ._exceptions import (
-    BrokerAuthenticationError,
-    BrokerConflictError,
-    BrokerError,
-    BrokerNotFoundError,
-    BrokerPermissionError,
-    BrokerQuotaError,
-    BrokerRedirectError,
-    BrokerTemplateNotFoundError,
-    BrokerUnavailableError,
-)
 from ._protocol import (
     Call,
     Reply,
@@ -37,6 +26,17 @@ from ._protocol import (
     protocol_error,
     raw,
     seconds,
+)
+from .errors import (
+    BrokerAuthenticationError,
+    BrokerConflictError,
+    BrokerError,
+    BrokerNotFoundError,
+    BrokerPermissionError,
+    BrokerQuotaError,
+    BrokerRedirectError,
+    BrokerTemplateNotFoundError,
+    BrokerUnavailableError,
 )
 
 __all__ = ["API", "MAX_WAIT_SECONDS", "RESERVED_PREFIX", "V1Dialect", "error_from_response"]
@@ -295,6 +295,27 @@ def _error_body(body: bytes) -> tuple[str | None, str | None]:
     return (code if isinstance(code, str) else None), detail
 
 
+def _error_class(status: int, code: str | None) -> type[BrokerError]:
+    if code == "template_not_found":
+        return BrokerTemplateNotFoundError
+    cls = _STATUS_CLASSES.get(status, BrokerError)
+    if status >= 500 and cls is BrokerError:
+        return BrokerUnavailableError
+    return cls
+
+
+def _hint(status: int, code: str | None, spec: RequestSpec) -> str:
+    if code == "invalid_path" and not spec.data_plane:
+        return "Sandbox names are DNS-1123 labels; check the name with `agent-sandbox-awx ls`."
+    return _HINTS.get(code or "") or {
+        400: "The request was malformed; this is likely a client bug, please report it.",
+        401: "Run `agent-sandbox-awx doctor` to check the token.",
+        403: "Your identity is not allowed to do this; see `agent-sandbox-awx whoami` for "
+        "your policy or ask the broker's operator.",
+        413: "Send less data per request.",
+    }.get(status, "Retry later; if it persists, contact the broker's operator.")
+
+
 def error_from_response(
     status: int,
     headers: Mapping[str, str],
@@ -325,23 +346,7 @@ def error_from_response(
     reason = detail or "no detail given"
     if spec.data_plane and code is None and 400 <= status < 500:
         return runtime_error(status, reason, spec, common)
-    if code == "template_not_found":
-        cls: type[BrokerError] = BrokerTemplateNotFoundError
-    else:
-        cls = _STATUS_CLASSES.get(status, BrokerError)
-        if status >= 500 and cls is BrokerError:
-            cls = BrokerUnavailableError
-    hint = _HINTS.get(code or "", "")
-    if code == "invalid_path" and not spec.data_plane:
-        hint = "Sandbox names are DNS-1123 labels; check the name with `agent-sandbox-awx ls`."
-    if not hint:
-        hint = {
-            400: "The request was malformed; this is likely a client bug, please report it.",
-            401: "Run `agent-sandbox-awx doctor` to check the token.",
-            403: "Your identity is not allowed to do this; see `agent-sandbox-awx whoami` for "
-            "your policy or ask the broker's operator.",
-            413: "Send less data per request.",
-        }.get(status, "Retry later; if it persists, contact the broker's operator.")
+    cls, hint = _error_class(status, code), _hint(status, code, spec)
     extra = ""
     if status == 401 and retried_auth:
         extra = " (the credential was re-read and the request retried once)"

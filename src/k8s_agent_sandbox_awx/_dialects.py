@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ._dialect import Dialect
 from ._dialect_v1 import V1Dialect
-from ._exceptions import ConfigurationError
+from .errors import ConfigurationError
 
 __all__ = ["DEFAULT", "DIALECTS", "get_dialect"]
 

@@ -29,10 +29,10 @@ from ._config import BrokerConnectionConfig
 from ._credential import Credential
 from ._dataplane import DataTarget, Multipart, multipart_framing
 from ._dialect import Dialect
-from ._exceptions import BrokerError, BrokerUnavailableError, ConfigurationError
-from ._exceptions import RequestTimeoutError as _RequestTimeoutError
 from ._upstream import SandboxError
 from ._version import __version__
+from .errors import BrokerError, BrokerTLSError, BrokerUnavailableError, ConfigurationError
+from .errors import RequestTimeoutError as _RequestTimeoutError
 
 __all__ = [
     "CHUNK_SIZE",
@@ -55,6 +55,18 @@ logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
 CHUNK_SIZE = 1024 * 1024
 MAX_ERROR_BODY = 64 * 1024
+
+
+def tls_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a TLS failure."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ssl.SSLError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
@@ -289,7 +301,11 @@ class Exchange:
         sent = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
         timed_out = isinstance(exc, httpx.TimeoutException)
         delay = self.retry.after_transport_error(
-            self.spec, self.attempt, request_sent=sent, timed_out=timed_out
+            self.spec,
+            self.attempt,
+            request_sent=sent,
+            timed_out=timed_out,
+            permanent=tls_failure(exc),
         )
         if delay is None:
             if isinstance(exc, httpx.TimeoutException):
@@ -360,13 +376,14 @@ class Exchange:
         broker = self.config.broker_url
         if isinstance(exc, httpx.ConnectError):
             reason = str(exc) or type(exc).__name__
-            hint = "Check the broker URL, that the broker is running, and the CA bundle."
-            if "CERTIFICATE_VERIFY_FAILED" in reason:
+            msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
+            if tls_failure(exc):
                 hint = (
                     "TLS verification failed: set AGENT_SANDBOX_CA_BUNDLE (or ca_cert=) to the "
-                    "CA that signed the broker's certificate."
+                    "CA that signed the broker's certificate, and check this machine's clock."
                 )
-            msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
+                return BrokerTLSError(f"{msg} {hint}", method=spec.method, path=spec.path)
+            hint = "Check the broker URL, that the broker is running, and the CA bundle."
             return BrokerUnavailableError(f"{msg} {hint}", method=spec.method, path=spec.path)
         note = ""
         if sent and not spec.retryable:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from . import _dataplane as dp
-from . import _exceptions as errors
 from . import _protocol as proto
+from . import errors
 from ._dialect import CreateRequest, Dialect
 from ._protocol import Call
 from ._upstream import ExecutionResult, FileEntry

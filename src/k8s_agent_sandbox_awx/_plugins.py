@@ -239,6 +239,79 @@ def _entry_point_origin(ep: importlib.metadata.EntryPoint) -> str:
     return f"entry point {ep.name!r} = {ep.value!r}{where}"
 
 
+class _Loader:
+    """Registers third-party providers (refusing reserved and duplicate names) and records
+    why any was not used."""
+
+    def __init__(self, pm: pluggy.PluginManager, environ: Mapping[str, str]) -> None:
+        self.pm, self.environ = pm, environ
+        self.third: list[ProviderEntry] = []
+        self.problems: list[PluginProblem] = []
+        self.names = set(RESERVED_NAMES)
+
+    def refuse(self, name: str, origin: str, detail: str) -> None:
+        _warn(f"Credential provider plugin {origin} {detail}.")
+        self.problems.append(PluginProblem(name, origin, "failed to load", detail))
+
+    def add(self, name: str, origin: str, load: Callable[[], object]) -> None:
+        if name in RESERVED_NAMES:
+            self.refuse(
+                name,
+                origin,
+                f"refused: {name!r} is a reserved name of a built-in provider; the plugin must "
+                "use another entry-point name",
+            )
+            return
+        if name in self.names:
+            self.refuse(name, origin, f"refused: a provider named {name!r} is already registered")
+            return
+        try:
+            self.third.append(_register(self.pm, name, load(), builtin=False, origin=origin))
+        except Exception as exc:
+            detail = f"skipped: {_describe_error(exc, self.environ)}"
+            _warn(f"Credential provider plugin {origin} could not be loaded and is {detail}.")
+            self.problems.append(PluginProblem(name, origin, "failed to load", detail))
+            return
+        self.names.add(name)
+
+    def entry_points(self) -> None:
+        """Load the entry points the autoload controls allow."""
+        allowed, why = plugin_selection(self.environ)
+        entry_points = sorted(
+            importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP),
+            key=lambda ep: (ep.name, ep.value),
+        )
+        counts: dict[str, int] = {}
+        for ep in entry_points:
+            counts[ep.name] = counts.get(ep.name, 0) + 1
+        seen_eps: set[str] = set()
+        for ep in entry_points:
+            origin = _entry_point_origin(ep)
+            if allowed is not None and ep.name not in allowed:
+                self.problems.append(
+                    PluginProblem(ep.name, origin, "not loaded", f"not loaded: {why}")
+                )
+                continue
+            seen_eps.add(ep.name)
+            if counts[ep.name] > 1 and ep.name not in RESERVED_NAMES:
+                self.refuse(
+                    ep.name,
+                    origin,
+                    f"refused: {counts[ep.name]} installed entry points are named {ep.name!r}, "
+                    "so none of them is loaded (uninstall all but one)",
+                )
+                continue
+            self.add(ep.name, origin, ep.load)
+        for missing in sorted((allowed or set()) - seen_eps):
+            detail = (
+                f"{LOAD_PLUGINS_ENV} names {missing!r}, but no installed distribution has an "
+                f"entry point of that name in the group {hookspecs.ENTRY_POINT_GROUP!r} (the "
+                "variable takes entry-point names, not distribution or module names)"
+            )
+            _warn(detail + ".")
+            self.problems.append(PluginProblem(missing, "", "failed to load", detail))
+
+
 def load_providers(
     environ: Mapping[str, str],
     *,
@@ -259,72 +332,13 @@ def load_providers(
         for p in (env_provider, file_provider)
     ]
     last = [_register(pm, projected.name, projected, builtin=True, origin="built-in")]
-    third: list[ProviderEntry] = []
-    problems: list[PluginProblem] = []
-    names = set(RESERVED_NAMES)
-
-    def add(name: str, origin: str, load: Callable[[], object]) -> None:
-        if name in RESERVED_NAMES:
-            detail = (
-                f"refused: {name!r} is a reserved name of a built-in provider; the plugin must "
-                "use another entry-point name"
-            )
-            _warn(f"Credential provider plugin {origin} {detail}.")
-            problems.append(PluginProblem(name, origin, "failed to load", detail))
-            return
-        if name in names:
-            detail = f"refused: a provider named {name!r} is already registered"
-            _warn(f"Credential provider plugin {origin} {detail}.")
-            problems.append(PluginProblem(name, origin, "failed to load", detail))
-            return
-        try:
-            third.append(_register(pm, name, load(), builtin=False, origin=origin))
-        except Exception as exc:
-            detail = f"skipped: {_describe_error(exc, environ)}"
-            _warn(f"Credential provider plugin {origin} could not be loaded and is {detail}.")
-            problems.append(PluginProblem(name, origin, "failed to load", detail))
-            return
-        names.add(name)
-
+    loader = _Loader(pm, environ)
     for name, plugin in plugins:
-        add(name, "registered by the host", lambda plugin=plugin: plugin)  # type: ignore[misc]
-
-    allowed, why = plugin_selection(environ)
-    entry_points = sorted(
-        importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP),
-        key=lambda ep: (ep.name, ep.value),
-    )
-    counts: dict[str, int] = {}
-    for ep in entry_points:
-        counts[ep.name] = counts.get(ep.name, 0) + 1
-    seen_eps: set[str] = set()
-    for ep in entry_points:
-        origin = _entry_point_origin(ep)
-        if allowed is not None and ep.name not in allowed:
-            problems.append(PluginProblem(ep.name, origin, "not loaded", f"not loaded: {why}"))
-            continue
-        seen_eps.add(ep.name)
-        if counts[ep.name] > 1 and ep.name not in RESERVED_NAMES:
-            detail = (
-                f"refused: {counts[ep.name]} installed entry points are named {ep.name!r}, so "
-                "none of them is loaded (uninstall all but one)"
-            )
-            _warn(f"Credential provider plugin {origin} {detail}.")
-            problems.append(PluginProblem(ep.name, origin, "failed to load", detail))
-            continue
-        add(ep.name, origin, ep.load)
-    if allowed:
-        for missing in sorted(allowed - seen_eps):
-            detail = (
-                f"{LOAD_PLUGINS_ENV} names {missing!r}, but no installed distribution has an "
-                f"entry point of that name in the group {hookspecs.ENTRY_POINT_GROUP!r} (the "
-                "variable takes entry-point names, not distribution or module names)"
-            )
-            _warn(detail + ".")
-            problems.append(PluginProblem(missing, "", "failed to load", detail))
-    providers = order_providers(first, third, last)
+        loader.add(name, "registered by the host", lambda plugin=plugin: plugin)  # type: ignore[misc]
+    loader.entry_points()
+    providers = order_providers(first, loader.third, last)
     logger.debug("credential providers in order: %s", ", ".join(p.name for p in providers))
-    return ProviderRegistry(pm, providers, tuple(problems))
+    return ProviderRegistry(pm, providers, tuple(loader.problems))
 
 
 _default_registries: dict[tuple[str | None, str | None], ProviderRegistry] = {}

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Generic, Protocol, TypeVar
 
-from ._exceptions import BrokerProtocolError
+from .errors import BrokerProtocolError
 
 __all__ = [
     "Call",
@@ -268,13 +268,20 @@ class RetryPolicy:
         return self.backoff(attempt)
 
     def after_transport_error(
-        self, spec: RequestSpec, attempt: int, *, request_sent: bool, timed_out: bool = False
+        self,
+        spec: RequestSpec,
+        attempt: int,
+        *,
+        request_sent: bool,
+        timed_out: bool = False,
+        permanent: bool = False,
     ) -> float | None:
         """Seconds to wait before retrying after a connection error, or ``None``.
 
         ``request_sent``: the request may have reached the server. A read timeout of a sent
-        request is never retried; a non-idempotent request (``POST /execute``) never is."""
-        if not spec.retryable or attempt >= self.max_attempts:
+        request is never retried; a non-idempotent request (``POST /execute``) never is; a
+        ``permanent`` failure (a certificate that does not verify) never is."""
+        if permanent or not spec.retryable or attempt >= self.max_attempts:
             return None
         if timed_out and request_sent:
             return None

@@ -182,8 +182,8 @@ def test_doctor_reports_an_unusable_date_header(date: str) -> None:
     import httpx
 
     from k8s_agent_sandbox_awx import BrokerSandboxClient, OIDCTokenAuth
-    from k8s_agent_sandbox_awx._cli import _Doctor, _doctor_broker
     from k8s_agent_sandbox_awx._config import BrokerConnectionConfig
+    from k8s_agent_sandbox_awx._doctor import DoctorReport, check_broker
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json={"status": "ok"}, headers={"Date": date})
@@ -193,13 +193,13 @@ def test_doctor_reports_an_unusable_date_header(date: str) -> None:
         auth=OIDCTokenAuth("opaque"),
         http_transport=httpx.MockTransport(handler),
     )
-    doc = _Doctor()
+    doc = DoctorReport()
     try:
-        _doctor_broker(doc, client, credentials_ok=False)
+        check_broker(doc, client, credentials_ok=False)
     finally:
         client.close()
-    skew = next(c for c in doc.checks if c["check"] == "clock skew")
-    assert not skew["ok"] and date in skew["detail"] and skew["hint"]
+    skew = next(c for c in doc.checks if c.name == "clock skew")
+    assert not skew.ok and date in skew.detail and skew.hint
 
 
 @pytest.mark.parametrize(
@@ -271,7 +271,7 @@ def test_doctor_audience_check_uses_the_sdks_url_rule(
     """A token the SDK would send (aud differs only in case and a trailing slash) passes the
     doctor's audience check too; a token for another service fails it."""
     from k8s_agent_sandbox_awx import clear_credential_cache
-    from k8s_agent_sandbox_awx._cli import _Doctor, _doctor_credentials
+    from k8s_agent_sandbox_awx._doctor import DoctorReport, check_credentials
     from k8s_agent_sandbox_awx.testing import unsigned_jwt
 
     for name in [n for n in os.environ if n.startswith("AGENT_SANDBOX_")]:
@@ -280,9 +280,9 @@ def test_doctor_audience_check_uses_the_sdks_url_rule(
     for aud, ok in (["HTTPS://Broker.example/"], True), (["https://other.example"], False):
         clear_credential_cache()
         monkeypatch.setenv("AGENT_SANDBOX_TOKEN", unsigned_jwt({"aud": aud}))
-        doc = _Doctor()
-        _doctor_credentials(doc, "https://broker.example")
-        checks = {c["check"]: c["ok"] for c in doc.checks}
+        doc = DoctorReport()
+        check_credentials(doc, "https://broker.example")
+        checks = {c.name: c.ok for c in doc.checks}
         assert checks.get("credentials") is ok
         if ok:
             assert checks["audience"] is True

@@ -11,7 +11,13 @@ import pytest
 from k8s_agent_sandbox_awx import _dataplane as dp
 from k8s_agent_sandbox_awx import _dialect_v1 as v1
 from k8s_agent_sandbox_awx import _protocol as proto
-from k8s_agent_sandbox_awx._exceptions import (
+from k8s_agent_sandbox_awx._upstream import (
+    FileEntry,
+    SandboxNotFoundError,
+    SandboxRequestError,
+    SandboxTemplateNotFoundError,
+)
+from k8s_agent_sandbox_awx.errors import (
     BrokerAuthenticationError,
     BrokerNotFoundError,
     BrokerPermissionError,
@@ -19,12 +25,6 @@ from k8s_agent_sandbox_awx._exceptions import (
     BrokerQuotaError,
     BrokerRedirectError,
     BrokerUnavailableError,
-)
-from k8s_agent_sandbox_awx._upstream import (
-    FileEntry,
-    SandboxNotFoundError,
-    SandboxRequestError,
-    SandboxTemplateNotFoundError,
 )
 
 ROUTER = proto.RouterTarget("sbx-1", "team-a", 8888)

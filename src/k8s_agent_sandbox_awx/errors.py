@@ -1,16 +1,30 @@
-"""Typed errors of the broker client.
+"""Every error the SDK raises, in one public module: ``from k8s_agent_sandbox_awx import errors``.
 
-Every class subclasses an upstream ``k8s_agent_sandbox`` exception, so code written against the
-upstream client keeps catching what it caught before (``SandboxRequestError``,
-``SandboxNotFoundError``, ...). Messages say what failed and what to do; they never contain a
-token or an ``Authorization`` header. Credential errors from the credential framework are not
-wrapped: they reach the caller as raised.
+``SandboxError`` (upstream's base class) is the root of all of them. The broker client's errors
+are defined here; the credential framework's (``CredentialError`` and its subclasses) are
+defined with the framework and re-exported here. Every broker client error subclasses an
+upstream ``k8s_agent_sandbox`` exception, so code written against the upstream client keeps
+catching what it caught before (``SandboxRequestError``, ``SandboxNotFoundError``, ...).
+Messages say what failed and what to do; they never contain a token or an ``Authorization``
+header. Credential errors reach the caller as raised (never wrapped).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ._credential_errors import (
+    AudienceMismatchError,
+    CredentialError,
+    CredentialPluginWarning,
+    CredentialSourceError,
+    EmptyCredentialError,
+    ForbiddenTokenSourceError,
+    MalformedTokenError,
+    NoCredentialsError,
+    TokenExpiredError,
+    UnreadableCredentialError,
+)
 from ._upstream import (
     ExecutionResult,
     SandboxClaimFailedError,
@@ -22,6 +36,7 @@ from ._upstream import (
 )
 
 __all__ = [
+    "AudienceMismatchError",
     "BrokerAuthenticationError",
     "BrokerConflictError",
     "BrokerError",
@@ -30,14 +45,25 @@ __all__ = [
     "BrokerProtocolError",
     "BrokerQuotaError",
     "BrokerRedirectError",
+    "BrokerTLSError",
     "BrokerTemplateNotFoundError",
     "BrokerUnavailableError",
     "CommandTimeoutError",
     "ConfigurationError",
+    "CredentialError",
+    "CredentialPluginWarning",
+    "CredentialSourceError",
+    "EmptyCredentialError",
+    "ForbiddenTokenSourceError",
+    "MalformedTokenError",
+    "NoCredentialsError",
     "RequestTimeoutError",
+    "SandboxError",
     "SandboxFailedError",
     "SandboxReadyTimeoutError",
     "SandboxTerminatingError",
+    "TokenExpiredError",
+    "UnreadableCredentialError",
 ]
 
 
@@ -97,6 +123,11 @@ class BrokerQuotaError(BrokerError):
 
 class BrokerUnavailableError(BrokerError):
     """The broker or the sandbox could not be reached (502/503/504, connection errors)."""
+
+
+class BrokerTLSError(BrokerUnavailableError):
+    """The broker's TLS certificate could not be verified (or the handshake failed): never
+    retried; the message says which CA bundle to set."""
 
 
 class BrokerProtocolError(BrokerError):

@@ -1,0 +1,147 @@
+"""The architecture (docs/architecture.md) as checks: no import cycle among the core modules,
+no function over 60 lines outside ``testing``, and one-way dependencies between the groups."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import k8s_agent_sandbox_awx
+
+SRC = Path(k8s_agent_sandbox_awx.__file__).resolve().parent
+PACKAGE = "k8s_agent_sandbox_awx"
+MAX_FUNCTION_LINES = 60
+
+CREDENTIALS = {
+    "_auth",
+    "_cache",
+    "_chain",
+    "_credential",
+    "_credential_errors",
+    "_jwt",
+    "_plugins",
+    "_providers",
+    "hookspecs",
+}
+SHARED = {"_driver", "_upstream", "_version"}
+"""What both halves may use: the one driver, the upstream boundary, the version."""
+
+
+def _core_modules() -> dict[str, Path]:
+    return {p.stem: p for p in SRC.glob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The package modules ``path`` imports anywhere (also inside functions), relative or
+    absolute; imports only type checkers see are left out."""
+    found: set[str] = set()
+
+    def add(dotted: str) -> None:
+        head = dotted.split(".")[0]
+        if head in modules or head == "testing":
+            found.add(head)
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(PACKAGE + "."):
+                    add(alias.name[len(PACKAGE) + 1 :])
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module and node.module.startswith(PACKAGE):
+                rest = node.module[len(PACKAGE) + 1 :]
+                if rest:
+                    add(rest)
+                else:
+                    for alias in node.names:
+                        add(alias.name)
+            elif node.level == 1:
+                if node.module:
+                    add(node.module)
+                else:
+                    for alias in node.names:
+                        add(alias.name)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found - {path.stem}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _core_modules()
+    names = set(modules)
+    return {name: _imported_modules(path, names) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_no_import_cycle_among_core_modules() -> None:
+    graph = _graph()
+    graph.pop("testing", None)
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_cycle_check_sees_relative_and_function_level_imports(tmp_path: Path) -> None:
+    (tmp_path / "_a.py").write_text("from . import _b\n")
+    (tmp_path / "_b.py").write_text("def f():\n    from ._a import x\n    return x\n")
+    names = {"_a", "_b"}
+    graph = {p.stem: _imported_modules(p, names) for p in tmp_path.glob("*.py")}
+    assert _cycle(graph) in (["_a", "_b", "_a"], ["_b", "_a", "_b"])
+
+
+def test_no_function_over_60_lines_outside_testing() -> None:
+    long: list[str] = []
+    for path in sorted(SRC.rglob("*.py")):
+        if "testing" in path.relative_to(SRC).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+    assert long == []
+
+
+def test_credentials_never_import_the_client() -> None:
+    graph = _graph()
+    for name in CREDENTIALS:
+        assert graph[name] <= CREDENTIALS | SHARED, (name, graph[name] - CREDENTIALS - SHARED)
+
+
+def test_core_never_imports_testing() -> None:
+    graph = _graph()
+    allowed = {"_cli", "_pytest_plugin"}  # the dev/demo commands and the pytest fixture
+    assert sorted(name for name, deps in graph.items() if "testing" in deps) == sorted(
+        name for name in allowed if "testing" in graph[name]
+    )
