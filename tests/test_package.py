@@ -38,3 +38,23 @@ def test_all_lists_exactly_the_lazy_exports() -> None:
 def test_every_public_name_resolves() -> None:
     for name in k8s_agent_sandbox_awx.__all__:
         assert getattr(k8s_agent_sandbox_awx, name) is not None, name
+
+
+def test_sandbox_error_is_exported_and_catches_every_error() -> None:
+    """docs/client.md: ``except SandboxError`` catches every error the SDK raises."""
+    import inspect
+
+    from k8s_agent_sandbox_awx import SandboxError
+    from k8s_agent_sandbox_awx._upstream import SandboxError as UpstreamSandboxError
+
+    assert SandboxError is UpstreamSandboxError
+    assert "SandboxError" in k8s_agent_sandbox_awx.__all__
+    errors = [
+        value
+        for name in k8s_agent_sandbox_awx.__all__
+        if inspect.isclass(value := getattr(k8s_agent_sandbox_awx, name))
+        and issubclass(value, Exception)
+        and not issubclass(value, Warning)
+    ]
+    assert len(errors) > 20
+    assert all(issubclass(e, SandboxError) for e in errors), errors

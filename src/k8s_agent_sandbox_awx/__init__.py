@@ -58,6 +58,8 @@ _EXPORTS: dict[str, str] = {
     "SandboxReadyTimeoutError": "._exceptions",
     "CommandTimeoutError": "._exceptions",
     "RequestTimeoutError": "._exceptions",
+    # upstream's base class of every error above (``except SandboxError`` catches them all)
+    "SandboxError": "._upstream",
     # --- broker client (async) ------------------------------------------------------------
     "AsyncSandbox": "._async_sandbox",
     "AsyncBrokerSandboxClient": "._async_client",
@@ -102,6 +104,7 @@ __all__ = [
     "ProviderInfo",
     "RequestTimeoutError",
     "Sandbox",
+    "SandboxError",
     "SandboxFailedError",
     "SandboxInfo",
     "SandboxReadyTimeoutError",
@@ -168,4 +171,5 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         SandboxTerminatingError,
     )
     from ._sandbox import Sandbox, SandboxInfo
+    from ._upstream import SandboxError
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl
