@@ -222,7 +222,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         cls, name: str, *, ready_timeout: float = 30, **options: Unpack[flow.ConnectOptions]
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.connect`."""
-        client = make_client(AsyncBrokerSandboxClient, options)
+        client = make_client(AsyncBrokerSandboxClient, options, named=("name", "ready_timeout"))
         return await cls._owning(
             client, lambda: client.get_sandbox(name, resolve_timeout=ready_timeout)
         )
@@ -234,7 +234,9 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         **options: Unpack[flow.ConnectOptions],
     ) -> builtins.list[proto.SandboxInfo]:
         """Async :meth:`Sandbox.list`."""
-        client = make_client(AsyncBrokerSandboxClient, options)
+        client = make_client(
+            AsyncBrokerSandboxClient, options, what="list()", named=("label_selector",)
+        )
         try:
             return await client.list_sandboxes(label_selector)
         finally:

@@ -11,10 +11,11 @@ even while the task is being cancelled.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar
 
@@ -147,16 +148,31 @@ class RunOptions(TypedDict, total=False):
     raise_on_timeout: bool
 
 
-def check_options(what: str, options: Mapping[str, Any], kind: Any) -> None:
+def check_options(
+    what: str, options: Mapping[str, Any], kind: Any, named: tuple[str, ...] = ()
+) -> None:
     """Refuse keyword arguments ``kind`` (a TypedDict) does not declare, as Python would for
-    an explicit signature."""
+    an explicit signature; ``named``: the function's named parameters (accepted too, so they
+    are listed and suggested)."""
     known = kind.__required_keys__ | kind.__optional_keys__
     unknown = sorted(set(options) - known)
     if unknown:
-        raise TypeError(
-            f"{what} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-            f"it accepts {', '.join(sorted(known))}."
-        )
+        raise unexpected_keywords(what, unknown, {*known, *named})
+
+
+def unexpected_keywords(what: str, unknown: Iterable[str], known: Iterable[str]) -> TypeError:
+    """The TypeError for misspelt keyword arguments: each with the closest accepted name
+    (``templte`` -> did you mean 'template'?), then every accepted name."""
+    accepted = sorted(known)
+    names = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, accepted, n=1)
+        names.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    plural = "s" if len(names) > 1 else ""
+    return TypeError(
+        f"{what} got unexpected keyword argument{plural} {', '.join(names)}; "
+        f"it accepts {', '.join(accepted)}."
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,7 +288,12 @@ def plan_create(
     options: CreateOptions,
 ) -> CreatePlan:
     """Check ``create_sandbox``'s arguments and build its request."""
-    check_options("create_sandbox()", options, CreateOptions)
+    check_options(
+        "create_sandbox()",
+        options,
+        CreateOptions,
+        ("warmpool", "namespace", "sandbox_ready_timeout", "labels"),
+    )
     unsupported = ("claim_name", "adopt_existing", "volume_claim_templates", "pod_labels")
     given = sorted(k for k in (*unsupported, "pod_annotations") if options.get(k))
     if given:
@@ -410,7 +431,7 @@ def sandbox_create_args(
     template: str | None, options: SandboxCreateOptions
 ) -> tuple[float | None, CreateOptions]:
     """``Sandbox.create``'s options as ``create_sandbox``'s (ready timeout, options)."""
-    check_options("create()", options, SandboxCreateOptions)
+    check_options("create()", options, SandboxCreateOptions, ("template", "labels"))
     return options.get("ready_timeout"), CreateOptions(
         template=template,
         annotations=options.get("annotations"),
@@ -434,7 +455,7 @@ class CommandPlan:
 def plan_command(
     router: proto.RouterTarget, command: str, timeout: float, options: RunOptions
 ) -> CommandPlan:
-    check_options("commands.run()", options, RunOptions)
+    check_options("commands.run()", options, RunOptions, ("command", "timeout"))
     if options.get("env") or options.get("cwd"):
         raise NotImplementedError(
             "env and cwd are not supported by the legacy python-runtime behind the broker; "

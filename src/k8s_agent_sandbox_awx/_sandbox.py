@@ -139,7 +139,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     ) -> Sandbox:
         """Reattach to one of my sandboxes by name (waits up to ``ready_timeout`` for Ready).
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
-        client = make_client(BrokerSandboxClient, options)
+        client = make_client(BrokerSandboxClient, options, named=("name", "ready_timeout"))
         return cls._owning(client, lambda: client.get_sandbox(name, resolve_timeout=ready_timeout))
 
     @classmethod
@@ -150,7 +150,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     ) -> builtins.list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them (``SandboxInfo``), newest first.
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
-        client = make_client(BrokerSandboxClient, options)
+        client = make_client(BrokerSandboxClient, options, what="list()", named=("label_selector",))
         try:
             return client.list_sandboxes(label_selector)
         finally:

