@@ -82,6 +82,11 @@ class ClientBase(Generic[H, T, R]):
         http_transport: Any = None,
         **config_overrides: Any,
     ) -> None:
+        if environ is not None and not isinstance(environ, Mapping):
+            raise TypeError(
+                "environ= must be a mapping of variable names to values (like os.environ), "
+                f"not a {type(environ).__name__}."
+            )
         fields = BrokerConnectionConfig.model_fields
         unknown = sorted(set(config_overrides) - set(fields))
         if unknown:

@@ -169,6 +169,30 @@ def new_idempotency_key() -> str:
     return str(uuid.uuid4())
 
 
+def str_mapping(argument: str, value: Mapping[str, str] | None) -> dict[str, str]:
+    """``value`` as a dict of str to str, else a TypeError naming ``argument`` (never its
+    values, which may be secrets such as ``env=``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{argument}= must be a mapping of str to str, such as {{'team': 'ml'}}, "
+            f"not a {type(value).__name__}."
+        )
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"{argument}= must map str to str; it has a key of type {type(key).__name__}: "
+                "convert it with str()."
+            )
+        if not isinstance(item, str):
+            raise TypeError(
+                f"{argument}= must map str to str; the value of {key!r} is of type "
+                f"{type(item).__name__}: convert it with str()."
+            )
+    return dict(value)
+
+
 def create(
     *,
     idempotency_key: str,
@@ -180,8 +204,10 @@ def create(
 ) -> RequestSpec:
     if not idempotency_key or len(idempotency_key) > 255 or not idempotency_key.isprintable():
         raise ValueError("An Idempotency-Key must be 1-255 printable ASCII characters.")
+    labels, annotations = str_mapping("labels", labels), str_mapping("annotations", annotations)
+    env = str_mapping("env", env)
     for kind, meta in (("label", labels), ("annotation", annotations)):
-        for key in meta or {}:
+        for key in meta:
             if key.startswith(RESERVED_PREFIX):
                 raise ValueError(
                     f"The {kind} key {key!r} is reserved for the broker's attribution stamps "
@@ -228,8 +254,14 @@ def list_sandboxes(label_selector: Mapping[str, str] | str | None = None) -> Req
     if label_selector:
         if isinstance(label_selector, str):
             selector = label_selector
+        elif not isinstance(label_selector, Mapping):
+            raise TypeError(
+                "label_selector must be a str such as 'team=ml' or a mapping such as "
+                f"{{'team': 'ml'}}, not a {type(label_selector).__name__}."
+            )
         else:
-            selector = ",".join(f"{k}={v}" for k, v in label_selector.items())
+            pairs = str_mapping("label_selector", label_selector)
+            selector = ",".join(f"{k}={v}" for k, v in pairs.items())
         spec.params = {"label_selector": selector}
     return spec
 

@@ -90,3 +90,41 @@ def test_client_settings_typo_is_refused_with_a_suggestion() -> None:
     """A misspelt setting used to be ignored without a word (the default applied)."""
     message = _type_error(lambda: BrokerSandboxClient(broker_url=BROKER, request_timout=3))
     assert "'request_timout'" in message and "did you mean 'request_timeout'?" in message
+
+
+SECRET = "s3cr3t-value-never-echoed"
+
+
+@pytest.mark.parametrize("argument", ["labels", "annotations", "env"])
+@pytest.mark.parametrize("value", [["x"], [("KEY", SECRET)], "KEY=" + SECRET])
+def test_a_mapping_argument_that_is_not_a_mapping(
+    argument: str, value: Any, make_client: Any, fake: Any
+) -> None:
+    message = _type_error(lambda: make_client().create_sandbox(**{argument: value}))
+    assert f"{argument}=" in message and "mapping" in message, message
+    assert SECRET not in message
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("argument", ["labels", "annotations", "env"])
+def test_a_mapping_with_a_non_str_key_or_value(argument: str, make_client: Any) -> None:
+    message = _type_error(lambda: make_client().create_sandbox(**{argument: {"n": 1}}))
+    assert f"{argument}=" in message and "'n'" in message and "int" in message, message
+    message = _type_error(lambda: make_client().create_sandbox(**{argument: {1: "v"}}))
+    assert f"{argument}=" in message and "int" in message, message
+
+
+def test_sandbox_create_labels_list_is_a_type_error() -> None:
+    message = _type_error(lambda: Sandbox.create(broker_url=BROKER, labels=["x"]))  # type: ignore[arg-type]
+    assert "labels=" in message and "mapping" in message
+
+
+def test_list_label_selector_must_be_a_str_or_mapping(make_client: Any, fake: Any) -> None:
+    message = _type_error(lambda: make_client().list_sandboxes(["team=ml"]))
+    assert "label_selector" in message and "mapping" in message, message
+    assert fake.requests == []
+
+
+def test_environ_must_be_a_mapping() -> None:
+    message = _type_error(lambda: BrokerSandboxClient(environ=["X=1"]))  # type: ignore[arg-type]
+    assert "environ=" in message and "mapping" in message, message
