@@ -8,9 +8,12 @@ secrets), and ``files.read_to`` creates files with the normal mode (the umask ap
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from k8s_agent_sandbox_awx import (
@@ -128,3 +131,42 @@ def test_list_label_selector_must_be_a_str_or_mapping(make_client: Any, fake: An
 def test_environ_must_be_a_mapping() -> None:
     message = _type_error(lambda: BrokerSandboxClient(environ=["X=1"]))  # type: ignore[arg-type]
     assert "environ=" in message and "mapping" in message, message
+
+
+# ------------------------------------------------------------------------------ read_to mode
+
+
+@pytest.fixture
+def umask() -> Iterator[Callable[[int], None]]:
+    old = os.umask(0o022)
+
+    def set_umask(mask: int) -> None:
+        os.umask(mask)
+
+    yield set_umask
+    os.umask(old)
+
+
+@pytest.mark.parametrize(("mask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_read_to_creates_the_file_with_the_normal_mode(
+    mask: int, mode: int, umask: Any, make_client: Any, fake: Any, tmp_path: Path
+) -> None:
+    """As ``open(path, "wb")`` would: 0o666 minus the umask (it used to be 0o600 always)."""
+    fake.route("GET", "/download/out.bin")(lambda r: httpx.Response(200, content=b"data"))
+    sandbox = make_client().create_sandbox()
+    umask(mask)
+    assert sandbox.files.read_to("out.bin", tmp_path / "out.bin") == 4
+    assert (tmp_path / "out.bin").stat().st_mode & 0o777 == mode
+
+
+def test_read_to_keeps_the_mode_of_an_existing_file(
+    umask: Any, make_client: Any, fake: Any, tmp_path: Path
+) -> None:
+    """Replacing an existing file keeps its permissions, as ``open(path, "wb")`` would."""
+    fake.route("GET", "/download/out.bin")(lambda r: httpx.Response(200, content=b"new"))
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    target.chmod(0o640)
+    umask(0o022)
+    assert make_client().create_sandbox().files.read_to("out.bin", target) == 3
+    assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o640
