@@ -95,12 +95,14 @@ def _no_credentials(
     if failed:
         lines.append("Plugins not used:")
         lines += [f"  - {p.name}: {p.detail}" for p in failed]
-    lines.append(
-        f"To fix it, do one of: set {TOKEN_ENV} to an OIDC token whose aud is {audience!r} "
-        f"(GitLab CI: id_tokens); set {TOKEN_FILE_ENV} to the path of such a token file; mount "
-        f"a projected ServiceAccount token with audience {audience!r} at {token_path}; install "
-        "a provider plugin for your platform; or pass auth= explicitly."
-    )
+    lines += [
+        "To fix it, do one of:",
+        f"  - set {TOKEN_ENV} to an OIDC token whose aud is {audience!r} (GitLab CI: id_tokens)",
+        f"  - set {TOKEN_FILE_ENV} to the path of such a token file",
+        f"  - mount a projected ServiceAccount token with audience {audience!r} at {token_path}",
+        "  - install a provider plugin for your platform",
+        "  - in Python: pass auth= explicitly",
+    ]
     return NoCredentialsError("\n".join(lines), tried=tried)
 
 

@@ -40,10 +40,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def normalize_broker_url(url: str, *, allow_insecure_http: bool = False) -> str:
+def normalize_broker_url(
+    url: str,
+    *,
+    allow_insecure_http: bool = False,
+    insecure_option: str = "allow_insecure_http=True",
+) -> str:
     """Validate a broker URL and return it without a trailing slash.
 
     The result is the only origin the client sends a token to, and the credential audience.
+    ``insecure_option``: how the caller allows http:// where it is (the CLI: its flag).
     """
     if not isinstance(url, str) or not url.strip():
         raise ConfigurationError(
@@ -77,12 +83,12 @@ def normalize_broker_url(url: str, *, allow_insecure_http: bool = False) -> str:
             raise ConfigurationError(
                 f"The broker URL {raw!r} uses http://, which would send tokens in clear text. "
                 "Use https://; plain http:// is only allowed for a loopback host "
-                "(127.0.0.1, ::1, localhost) with allow_insecure_http=True."
+                f"(127.0.0.1, ::1, localhost) with {insecure_option}."
             )
         if not allow_insecure_http:
             raise ConfigurationError(
                 f"The broker URL {raw!r} uses http://. Use https://, or, for a broker on this "
-                "machine only, pass allow_insecure_http=True."
+                f"machine only, pass {insecure_option}."
             )
     netloc = host.lower()
     if ":" in netloc:
