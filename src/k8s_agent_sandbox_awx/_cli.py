@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 PROG = "agent-sandbox-awx"
-_LOCAL_EXTRA = 'pip install "k8s-agent-sandbox-awx[local]"'
+# from a clone: the index has an unrelated package of this name until a release exists
+_LOCAL_EXTRA = (
+    'python3 -m pip install -e ".[local]" in a clone of the k8s-agent-sandbox-awx repository'
+)
 _INSECURE_FLAG = "--allow-insecure-http"
 
 

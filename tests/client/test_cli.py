@@ -139,7 +139,7 @@ def test_dev_without_the_local_extra(monkeypatch: pytest.MonkeyPatch, capsys: An
     monkeypatch.setitem(sys.modules, "k8s_agent_sandbox_awx.testing._commands", None)
     assert main(["dev"]) == 1
     err = capsys.readouterr().err
-    assert 'pip install "k8s-agent-sandbox-awx[local]"' in err and "Traceback" not in err
+    assert 'python3 -m pip install -e ".[local]"' in err and "Traceback" not in err
 
 
 def test_dev_help_reaches_the_dev_parser(capsys: Any) -> None:
