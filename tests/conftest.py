@@ -40,9 +40,14 @@ def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     """The session's local broker (the pytest plugin's ``sandbox_broker_session``), reset, with
     a clean credential environment and cache."""
     pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    yield from _clean_use(request.getfixturevalue("sandbox_broker_session"), monkeypatch)
+
+
+def _clean_use(session_broker: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``session_broker``, reset, with a clean credential environment and cache (and reset
+    again afterwards)."""
     from k8s_agent_sandbox_awx import clear_credential_cache
 
-    session_broker = request.getfixturevalue("sandbox_broker_session")
     for name in _CLEAN_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
@@ -51,6 +56,39 @@ def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     yield session_broker
     clear_credential_cache()
     session_broker.reset()
+
+
+UNAUTHORIZED_RUNTIME = Path(__file__).with_name("unauthorized_runtime.py")
+
+
+@pytest.fixture(scope="session")
+def _runtime_401_broker_session() -> Iterator[Any]:
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+
+    templates: dict[str, str | list[str] | None] = {
+        "python": None,
+        "unauthorized": [sys.executable, str(UNAUTHORIZED_RUNTIME), "--port", "{port}"],
+    }
+    policy = Policy(
+        templates=("python", "unauthorized"),
+        namespace="gitlab-ci",
+        max_sandboxes=5,
+        max_lifetime_seconds=600,
+    )
+    with LocalBroker(templates=templates, gitlab_policy=policy, warn=False) as session_broker:
+        yield session_broker
+
+
+@pytest.fixture
+def runtime_401_broker(
+    _runtime_401_broker_session: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    """A local broker (its own, for the session) whose GitLab callers may also use the template
+    ``unauthorized``: a runtime that answers every request but ``GET /`` with ``401`` and a
+    runtime-style body (``tests/unauthorized_runtime.py``). Reset and with a clean credential
+    environment, like ``broker``."""
+    yield from _clean_use(_runtime_401_broker_session, monkeypatch)
 
 
 def live_claims(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:

@@ -66,9 +66,12 @@ def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
 
 class BearerAuth(httpx.Auth):
     """Asks the credential source for a token on every request (sent only to the broker's
-    origin); on a 401 it invalidates the credential, re-reads it and retries once, if the body
-    can be sent again. The sync client calls ``get_credential``, the async one
-    ``aget_credential``; both run the same steps (:meth:`_steps`)."""
+    origin); when the broker rejects the token (a 401 with a token code, see
+    :func:`_protocol.is_token_rejection`) it invalidates the credential, re-reads it and
+    retries once, if the body can be sent again. Any other 401 (a sandbox runtime's own,
+    passed through by the broker) is an answer: no invalidation, never a replay. The sync
+    client calls ``get_credential``, the async one ``aget_credential``; both run the same steps
+    (:meth:`_steps`)."""
 
     def __init__(self, source: CredentialSource, audience: str) -> None:
         self._source = source
@@ -82,14 +85,20 @@ class BearerAuth(httpx.Auth):
                 f"not the broker's origin ({self._audience}). Tokens only go to the broker."
             )
 
-    def _steps(self, request: httpx.Request) -> Generator[httpx.Request | None, Any, None]:
-        """Yields ``None`` to ask for a credential (send it back) or a request to send (send
-        back its response). The origin is checked before any credential is asked for."""
+    def _steps(
+        self, request: httpx.Request
+    ) -> Generator[httpx.Request | httpx.Response | None, Any, None]:
+        """Yields ``None`` to ask for a credential (send it back), a request to send (send
+        back its response) or a response whose body to read (send back the bytes). The origin
+        is checked before any credential is asked for."""
         self._check_origin(request)
         credential: Credential = yield None
         request.headers["Authorization"] = f"Bearer {credential.token}"
         response = yield request
         if response.status_code != 401:
+            return
+        if not proto.is_token_rejection(response.status_code, (yield response)):
+            logger.info("401 from behind the broker (not a token rejection); not retrying")
             return
         self._source.invalidate(self._audience)
         if not body_replayable(request):
@@ -108,6 +117,8 @@ class BearerAuth(httpx.Auth):
             while True:
                 if step is None:
                     step = steps.send(self._source.get_credential(self._audience))
+                elif isinstance(step, httpx.Response):
+                    step = steps.send(step.read())
                 else:
                     step = steps.send((yield step))
 
@@ -120,11 +131,12 @@ class BearerAuth(httpx.Auth):
         step = next(steps)
         with contextlib.suppress(StopIteration):
             while True:
-                reply = (
-                    await self._source.aget_credential(self._audience)
-                    if step is None
-                    else (yield step)
-                )
+                if step is None:
+                    reply: Any = await self._source.aget_credential(self._audience)
+                elif isinstance(step, httpx.Response):
+                    reply = await step.aread()
+                else:
+                    reply = yield step
                 step = steps.send(reply)
 
 

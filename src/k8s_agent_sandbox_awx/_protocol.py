@@ -37,12 +37,14 @@ from ._upstream import ExecutionResult, FileEntry
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
     "MAX_WAIT_SECONDS",
+    "TOKEN_REJECTION_CODES",
     "Multipart",
     "RequestSpec",
     "RetryPolicy",
     "RouterTarget",
     "SandboxInfo",
     "error_from_response",
+    "is_token_rejection",
     "multipart_framing",
     "parse_execution_result",
     "parse_exists",
@@ -496,6 +498,34 @@ _HINTS: dict[str, str] = {
     "unavailable": "The broker or the sandbox is temporarily unavailable; retry later.",
     "sandbox_timeout": "The sandbox runtime did not answer in time; retry, or allow more time.",
 }
+
+TOKEN_REJECTION_CODES = frozenset(
+    {
+        "token_missing",
+        "token_malformed",
+        "token_expired",
+        "token_not_yet_valid",
+        "audience_mismatch",
+        "unknown_issuer",
+        "bad_signature",
+        "algorithm_not_allowed",
+        "token_too_large",
+        "missing_claim",
+        "token_revoked",
+    }
+)
+"""The ``code`` values of the broker's own 401 answers (docs/broker-api.md, Errors)."""
+
+
+def is_token_rejection(status: int, body: bytes) -> bool:
+    """Whether an answer is the broker rejecting the token: a ``401`` whose error body carries
+    one of the documented token codes. Only such an answer makes the client re-read the
+    credential and send the request once more (the broker refused it before it reached a
+    sandbox). Any other ``401`` comes from behind the broker (a sandbox runtime's own answer,
+    passed through unchanged): it is a result or an error, never a reason to replay (a
+    command must not run twice)."""
+    return status == 401 and _error_body(body)[0] in TOKEN_REJECTION_CODES
+
 
 _STATUS_CLASSES: dict[int, type[BrokerError]] = {
     401: BrokerAuthenticationError,
