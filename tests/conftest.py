@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
+import socket
+import socketserver
 import ssl
 import subprocess
 import sys
@@ -170,11 +173,13 @@ def round_trip_growth(broker: Any) -> Callable[[str, int], int]:
 
 
 class RecordingServer:
-    """A loopback HTTPS server that records every request's path and headers and answers 200,
-    or 307 to ``redirect_to`` + the path. Request bodies (sized or chunked) are read and
-    dropped."""
+    """A loopback HTTPS server (plain HTTP without a ``context``) that records every request's
+    path and headers and answers 200 with ``body`` (JSON when given), or 307 to ``redirect_to``
+    + the path. Request bodies (sized or chunked) are read and dropped."""
 
-    def __init__(self, context: ssl.SSLContext, redirect_to: str | None) -> None:
+    def __init__(
+        self, context: ssl.SSLContext | None, redirect_to: str | None, body: bytes = b""
+    ) -> None:
         self.seen: list[dict[str, str]] = []
         outer = self
 
@@ -195,8 +200,11 @@ class RecordingServer:
                     self.send_header("Location", redirect_to + self.path)
                 else:
                     self.send_response(200)
-                self.send_header("Content-Length", "0")
+                    if body:
+                        self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                self.wfile.write(body)
 
             do_GET = do_POST = do_DELETE = _any
 
@@ -204,9 +212,15 @@ class RecordingServer:
                 pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
-        self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        scheme = "http"
+        if context is not None:
+            self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+            scheme = "https"
+        self.port = self.httpd.server_address[1]
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
 
     def close(self) -> None:
@@ -216,12 +230,15 @@ class RecordingServer:
 
 @pytest.fixture
 def https_server() -> Iterator[Callable[..., RecordingServer]]:
-    """``https_server(context, redirect_to=None)``: start a :class:`RecordingServer` with the
-    server-side TLS ``context``; every server started is closed after the test."""
+    """``https_server(context, redirect_to=None, body=b"")``: start a :class:`RecordingServer`
+    with the server-side TLS ``context`` (``None``: plain HTTP); every server started is closed
+    after the test."""
     started: list[RecordingServer] = []
 
-    def start(context: ssl.SSLContext, redirect_to: str | None = None) -> RecordingServer:
-        server = RecordingServer(context, redirect_to)
+    def start(
+        context: ssl.SSLContext | None, redirect_to: str | None = None, body: bytes = b""
+    ) -> RecordingServer:
+        server = RecordingServer(context, redirect_to, body)
         started.append(server)
         return server
 
@@ -245,3 +262,128 @@ def redirect_servers(
     recorder = https_server(context)
     redirector = https_server(context, recorder.url)
     return redirector, recorder, str(ca_path)
+
+
+# ------------------------------------------------------------------------------ proxies
+
+PROXY_VARIABLES = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+    "AGENT_SANDBOX_TRUST_ENV_PROXIES",
+)
+
+
+class RecordingProxy:
+    """A loopback HTTP proxy that records every request line it gets (``seen``) and whether one
+    carried an ``Authorization`` header (``saw_authorization``). ``CONNECT host:port`` is
+    tunnelled to ``127.0.0.1:port`` whatever the host (every test server is on this machine);
+    any other request (plain-HTTP forwarding) is answered ``502``."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.saw_authorization = False
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                client: socket.socket = self.request
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = client.recv(65536)
+                    if not chunk:
+                        return
+                    head += chunk
+                lines = head.split(b"\r\n")
+                outer.seen.append(lines[0].decode("latin-1"))
+                if any(line.lower().startswith(b"authorization:") for line in lines):
+                    outer.saw_authorization = True
+                method, target = lines[0].split(b" ")[:2]
+                if method != b"CONNECT":
+                    client.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
+                    return
+                port = int(target.rsplit(b":", 1)[1])
+                with socket.create_connection(("127.0.0.1", port)) as upstream:
+                    client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    _pipe(client, upstream)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _pipe(a: socket.socket, b: socket.socket) -> None:
+    """Copy bytes both ways between two sockets until one side closes."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(a, selectors.EVENT_READ, b)
+        selector.register(b, selectors.EVENT_READ, a)
+        while True:
+            for key, _ in selector.select(timeout=30):
+                data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                if not data:
+                    return
+                key.data.sendall(data)
+
+
+@pytest.fixture
+def proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingProxy]:
+    """A :class:`RecordingProxy`, with no proxy variable set (tests set the ones they need)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    server = RecordingProxy()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def resolve_to_loopback(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """``resolve_to_loopback(host)``: name resolution in this process maps ``host`` to
+    127.0.0.1 and refuses every other name that is not a loopback one, so that a test using a
+    non-loopback broker name never sends a packet off this machine."""
+    real = socket.getaddrinfo
+    names: set[str] = set()
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        name = host.decode() if isinstance(host, bytes) else host
+        if name in names:
+            name = "127.0.0.1"
+        elif name not in ("127.0.0.1", "::1", "localhost"):
+            raise socket.gaierror(socket.EAI_NONAME, f"{name!r}: not resolved in tests")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return names.add
+
+
+@pytest.fixture
+def remote_broker(
+    tmp_path: Path,
+    https_server: Callable[..., RecordingServer],
+    resolve_to_loopback: Callable[[str], None],
+) -> tuple[str, str, RecordingServer]:
+    """``(url, ca_path, server)``: a stand-in broker that is not on a loopback address as far
+    as the client can tell — ``https://broker.example:PORT``, with a certificate for that name
+    from a CA made for this test — though the name resolves to 127.0.0.1 (see
+    ``resolve_to_loopback``). It answers every request ``200 {"items": []}``."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("broker.example").configure_cert(context)
+    ca_path = tmp_path / "remote-ca.pem"
+    ca.cert_pem.write_to_path(str(ca_path))
+    server = https_server(context, body=b'{"items": []}')
+    resolve_to_loopback("broker.example")
+    return f"https://broker.example:{server.port}", str(ca_path), server

@@ -174,13 +174,15 @@ def _ssl_context(config: BrokerConnectionConfig) -> ssl.SSLContext:
 
 def client_settings(config: BrokerConnectionConfig, auth: CredentialSource) -> dict[str, Any]:
     """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: bearer auth, TLS, never
-    following redirects, the request timeout and the User-Agent."""
+    following redirects, proxies from the environment only where they may be used
+    (:attr:`BrokerConnectionConfig.use_env_proxies`), the request timeout and the User-Agent."""
     verify: ssl.SSLContext | bool = True
     if config.broker_url.startswith("https://"):
         verify = _ssl_context(config)
     return {
         "auth": BearerAuth(auth, config.audience),
         "follow_redirects": False,
+        "trust_env": config.use_env_proxies,  # httpx reads nothing else from it here
         "verify": verify,
         "timeout": httpx.Timeout(config.request_timeout),
         "limits": httpx.Limits(

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import pytest
 
 from k8s_agent_sandbox_awx import (
+    AsyncBrokerSandboxClient,
     AsyncSandbox,
     BrokerAuthenticationError,
     BrokerError,
@@ -51,3 +52,82 @@ def test_a_401_from_behind_the_broker_never_replays_the_command(runtime_401_brok
             assert len(fetches) == fetched  # the (valid) credential was not invalidated
 
     run(main())
+
+
+# ------------------------------------------------------------------------------ proxies
+
+EVERY_PROXY_VARIABLE = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy")
+
+
+def test_a_loopback_broker_never_goes_through_a_proxy(
+    broker: Any, proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = broker.environ("kubernetes")
+    for name in EVERY_PROXY_VARIABLE:
+        monkeypatch.setenv(name, proxy.url)
+
+    async def main() -> None:
+        async with await AsyncSandbox.create(environ=env) as sandbox:
+            assert (await sandbox.commands.run("echo direct")).stdout == "direct\n"
+
+    run(main())
+    assert proxy.seen == []
+
+
+def test_an_http_broker_never_sends_its_token_to_a_proxy(
+    broker: Any, proxy: Any, https_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = https_server(None, body=b'{"items": []}')  # http://127.0.0.1:PORT
+    token = broker.issue_gitlab_token("group/project", audience=plain.url)
+    for name in EVERY_PROXY_VARIABLE:
+        monkeypatch.setenv(name, proxy.url)
+
+    async def main() -> None:
+        async with AsyncBrokerSandboxClient(
+            broker_url=plain.url, allow_insecure_http=True, auth=OIDCTokenAuth(token)
+        ) as client:
+            assert await client.list_sandboxes() == []
+
+    run(main())
+    assert proxy.seen == [] and not proxy.saw_authorization
+    assert [seen["Authorization"] for seen in plain.seen] == [f"Bearer {token}"]
+
+
+@pytest.mark.parametrize(
+    ("env", "settings", "proxied"),
+    [
+        ({"HTTPS_PROXY": "{proxy}"}, {}, True),
+        ({"ALL_PROXY": "{proxy}"}, {}, True),
+        ({"HTTP_PROXY": "{proxy}"}, {}, False),  # for http:// URLs only
+        ({"HTTPS_PROXY": "{proxy}", "NO_PROXY": "broker.example"}, {}, False),
+        ({"HTTPS_PROXY": "{proxy}"}, {"trust_env_proxies": False}, False),
+        ({"HTTPS_PROXY": "{proxy}", "AGENT_SANDBOX_TRUST_ENV_PROXIES": "0"}, {}, False),
+    ],
+)
+def test_other_brokers_follow_the_proxy_conventions(
+    broker: Any,
+    proxy: Any,
+    remote_broker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    settings: dict[str, Any],
+    proxied: bool,
+) -> None:
+    url, ca, server = remote_broker
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(proxy=proxy.url))
+    auth = OIDCTokenAuth(broker.issue_gitlab_token("group/project", audience=url))
+
+    async def main() -> None:
+        async with AsyncBrokerSandboxClient(
+            broker_url=url, ca_cert=ca, auth=auth, **settings
+        ) as client:
+            assert await client.list_sandboxes() == []
+
+    run(main())
+    assert len(server.seen) == 1
+    if proxied:  # a CONNECT tunnel: the token travels inside TLS, the proxy never sees it
+        assert proxy.seen == [f"CONNECT broker.example:{server.port} HTTP/1.1"]
+        assert not proxy.saw_authorization
+    else:
+        assert proxy.seen == []
