@@ -304,7 +304,18 @@ class Exchange:
             body if status >= 400 else b"",
             spec=self.spec,
             retried_auth=retried,
+            secrets=self._sent_token(),
         )
+
+    def _sent_token(self) -> tuple[str, ...]:
+        """The token the last attempt carried: redacted from messages about its outcome."""
+        header = self.request.headers.get("Authorization", "") if self.request else ""
+        token = header.partition(" ")[2].strip()
+        return (token,) if token else ()
+
+    def _reason(self, exc: httpx.TransportError) -> str:
+        """A transport error's text (it may quote what the server sent), redacted."""
+        return proto.redact_answer(str(exc) or type(exc).__name__, self._sent_token())
 
     def read_error(self, exc: httpx.TransportError) -> BrokerError:
         """The typed error for a failure while reading a successful response's body."""
@@ -341,7 +352,7 @@ class Exchange:
         spec = self.spec
         broker = self.config.broker_url
         if isinstance(exc, httpx.ConnectError):
-            reason = str(exc) or type(exc).__name__
+            reason = self._reason(exc)
             hint = "Check the broker URL, that the broker is running, and the CA bundle."
             if "CERTIFICATE_VERIFY_FAILED" in reason:
                 hint = (
@@ -358,7 +369,7 @@ class Exchange:
             )
         return BrokerUnavailableError(
             f"Could not {spec.what}: the connection to the broker failed "
-            f"({type(exc).__name__}: {exc}).{note} Retry if that is safe.",
+            f"({type(exc).__name__}: {self._reason(exc)}).{note} Retry if that is safe.",
             method=spec.method,
             path=spec.path,
         )

@@ -207,6 +207,9 @@ def check_phase(
     deleted = "; its claim is deleted" if creating else ""
     if info.phase == "Ready" or info.ready:
         return True
+    phase = proto.redact_answer(info.phase)  # the broker's words, quoted in messages
+    reason = proto.redact_answer(info.reason) if info.reason else None
+    message = proto.redact_answer(info.message) if info.message else None
     if info.phase == "Terminating":
         raise errors.SandboxTerminatingError(
             f"Sandbox {info.name!r} is being deleted (Terminating) and will not become "
@@ -215,23 +218,23 @@ def check_phase(
         )
     if info.phase == "Failed":
         raise errors.SandboxFailedError(
-            f"Sandbox {info.name!r} is {info.phase} and will not become ready{deleted} "
-            f"(reason: {info.reason or 'none given'}; {info.message or 'no message'}). "
+            f"Sandbox {info.name!r} is {phase} and will not become ready{deleted} "
+            f"(reason: {reason or 'none given'}; {message or 'no message'}). "
             "Check the template and your policy (`agent-sandbox-awx whoami`), then "
             "create a new sandbox.",
             name=info.name,
-            reason=info.reason,
-            detail=info.message,
+            reason=reason,
+            detail=message,
         )
     if remaining <= 0:
         raise errors.SandboxReadyTimeoutError(
             f"Sandbox {info.name!r} did not become ready within {ready_timeout:g}s "
-            f"(phase {info.phase}){deleted}. Pass a larger ready_timeout= "
+            f"(phase {phase}){deleted}. Pass a larger ready_timeout= "
             "(or sandbox_ready_timeout=), or ask the broker's operator why the template "
             "starts slowly.",
             name=info.name,
             ready_timeout=ready_timeout,
-            phase=info.phase,
+            phase=phase,
         )
     return False
 

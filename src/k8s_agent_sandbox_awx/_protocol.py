@@ -11,9 +11,10 @@ import json
 import math
 import posixpath
 import random
+import re
 import secrets
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -32,6 +33,7 @@ from ._exceptions import (
     BrokerTemplateNotFoundError,
     BrokerUnavailableError,
 )
+from ._jwt import redact
 from ._upstream import ExecutionResult, FileEntry
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "parse_retry_after",
     "parse_sandbox",
     "parse_sandbox_list",
+    "redact_answer",
     "validate_sandbox_path",
 ]
 
@@ -342,12 +345,23 @@ def multipart_framing(path: str, boundary: str | None = None) -> Multipart:
 # --------------------------------------------------------------------------------------------
 # Response parsing
 
+_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+")
+
+
+def redact_answer(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` from a server's answer, fit for a message: the caller's token (``secrets``),
+    anything shaped like a JWT and the credential after any ``Bearer`` are replaced. Every
+    message (and error attribute) built from an answer goes through it, before any truncation
+    (a cut token would no longer be recognised). Where the caller's token is not at hand (a
+    successful answer that does not parse), the shapes suffice: the broker accepts only JWTs."""
+    return _BEARER.sub(r"\1 <redacted>", redact(text, secrets))
+
 
 def parse_json(body: bytes, what: str) -> Any:
     try:
         return json.loads(body)
     except ValueError as exc:
-        snippet = body[:200].decode("utf-8", "replace")
+        snippet = redact_answer(body[:4096].decode("utf-8", "replace"))[:200]
         raise BrokerProtocolError(
             f"Could not {what}: the answer is not JSON ({exc}); it starts with {snippet!r}. "
             "Check that the broker URL points at an agent-sandbox broker."
@@ -355,9 +369,10 @@ def parse_json(body: bytes, what: str) -> Any:
 
 
 def _protocol_error(what: str, problem: str) -> BrokerProtocolError:
+    """``problem`` may quote the answer (a bad field's value): it is redacted."""
     return BrokerProtocolError(
-        f"Could not {what}: {problem}. The broker does not follow the broker API v1; "
-        "check the broker URL and the broker's version."
+        f"Could not {what}: {redact_answer(problem)}. The broker does not follow the broker "
+        "API v1; check the broker URL and the broker's version."
     )
 
 
@@ -539,19 +554,22 @@ _STATUS_CLASSES: dict[int, type[BrokerError]] = {
 }
 
 
-def _error_body(body: bytes) -> tuple[str | None, str | None]:
+def _error_body(body: bytes, secrets: Iterable[str] = ()) -> tuple[str | None, str | None]:
+    """``(code, detail)`` of an error body, redacted (:func:`redact_answer`)."""
     try:
         obj = json.loads(body) if body else None
     except ValueError:
-        text = body[:300].decode("utf-8", "replace").strip()
+        text = redact_answer(body.decode("utf-8", "replace"), secrets).strip()[:300]
         return None, text or None
     if not isinstance(obj, dict):
         return None, None
     code = obj.get("code")
     detail = obj.get("detail")
-    if detail is not None and not isinstance(detail, str):
-        detail = json.dumps(detail)[:500]
-    return (code if isinstance(code, str) else None), detail
+    if detail is not None:
+        limit = None if isinstance(detail, str) else 500
+        text = detail if isinstance(detail, str) else json.dumps(detail)
+        detail = redact_answer(text, secrets)[:limit]
+    return (redact_answer(code, secrets) if isinstance(code, str) else None), detail
 
 
 def error_from_response(
@@ -561,9 +579,12 @@ def error_from_response(
     *,
     spec: RequestSpec,
     retried_auth: bool = False,
+    secrets: Iterable[str] = (),
 ) -> BrokerError:
-    """Map an error response to a typed exception whose message says what to do."""
-    code, detail = _error_body(body)
+    """Map an error response to a typed exception whose message says what to do. Everything
+    taken from the answer is redacted, ``secrets`` (the caller's token) included."""
+    secrets = tuple(secrets)
+    code, detail = _error_body(body, secrets)
     request = f"{spec.method} {spec.path}"
     common: dict[str, Any] = {
         "status_code": status,
@@ -574,6 +595,8 @@ def error_from_response(
     }
     if 300 <= status < 400:
         location = headers.get("location")
+        if location is not None:
+            location = redact_answer(location, secrets)
         return BrokerRedirectError(
             f"Could not {spec.what}: the server answered {status} with a redirect to "
             f"{location or '(no Location)'}. Redirects are never followed, so that the token "
@@ -614,7 +637,7 @@ def error_from_response(
         extra = " (the credential was re-read and the request retried once)"
     retry_after = headers.get("retry-after")
     if retry_after and status in (429, 503):
-        extra += f" (Retry-After: {retry_after})"
+        extra += f" (Retry-After: {redact_answer(retry_after, secrets)})"
     label = f"{status} {code}" if code else str(status)
     return cls(
         f"Could not {spec.what} ({request}): the broker answered {label}: {reason}{extra}. {hint}",

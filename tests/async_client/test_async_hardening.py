@@ -5,15 +5,19 @@ the public API with a scripted broker (httpx.MockTransport)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 
+import k8s_agent_sandbox_awx as sdk
 from k8s_agent_sandbox_awx import (
     AsyncBrokerSandboxClient,
     AsyncSandbox,
     BrokerAuthenticationError,
+    BrokerConnectionConfig,
     BrokerError,
     OIDCTokenAuth,
 )
@@ -131,3 +135,35 @@ def test_other_brokers_follow_the_proxy_conventions(
         assert not proxy.saw_authorization
     else:
         assert proxy.seen == []
+
+
+# ------------------------------------------------------------------------------ echoed tokens
+
+
+def test_a_token_echoed_by_the_server_never_shows_in_an_error(
+    token_echoes: Any, find_leaks: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+
+    async def leaks_of(echo: Any) -> list[str]:
+        config = BrokerConnectionConfig(
+            broker_url="https://broker.test", max_attempts=2, backoff_base=0, backoff_max=0
+        )
+        async with AsyncBrokerSandboxClient(
+            config,
+            auth=OIDCTokenAuth(echo.CALLER_TOKEN),
+            http_transport=httpx.MockTransport(echo.handler),
+        ) as client:
+            operation = {
+                "whoami": client.whoami,
+                "list": client.list_sandboxes,
+                "create": client.create_sandbox,
+            }[echo.op]
+            with pytest.raises(getattr(sdk, echo.error)) as info:
+                await operation()
+        leaks: list[str] = find_leaks(info.value, echo)
+        return leaks
+
+    leaks = {echo.name: run(leaks_of(echo)) for echo in token_echoes}
+    assert leaks == {echo.name: [] for echo in token_echoes}
+    assert [s for s in token_echoes[0].secrets() if s in caplog.text] == []

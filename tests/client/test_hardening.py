@@ -5,10 +5,13 @@ scripted broker (httpx.MockTransport) where a broker cannot be made to misbehave
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import httpx
 import pytest
 
+import k8s_agent_sandbox_awx as sdk
 from k8s_agent_sandbox_awx import (
     BrokerAuthenticationError,
     BrokerConnectionConfig,
@@ -118,3 +121,33 @@ def test_the_proxy_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         BrokerConnectionConfig.from_env(broker_url="https://broker.example")
     config = BrokerConnectionConfig(broker_url="https://broker.example", trust_env_proxies=False)
     assert config.trust_env_proxies is False
+
+
+# ------------------------------------------------------------------------------ echoed tokens
+
+
+def test_a_token_echoed_by_the_server_never_shows_in_an_error(
+    token_echoes: Any, find_leaks: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    leaks: dict[str, Any] = {}
+    for echo in token_echoes:
+        config = BrokerConnectionConfig(
+            broker_url="https://broker.test", max_attempts=2, backoff_base=0, backoff_max=0
+        )
+        client = BrokerSandboxClient(
+            config,
+            auth=OIDCTokenAuth(echo.CALLER_TOKEN),
+            http_transport=httpx.MockTransport(echo.handler),
+        )
+        operation = {
+            "whoami": client.whoami,
+            "list": client.list_sandboxes,
+            "create": client.create_sandbox,
+        }[echo.op]
+        with pytest.raises(getattr(sdk, echo.error)) as info:
+            operation()
+        client.close()
+        leaks[echo.name] = find_leaks(info.value, echo)
+    assert leaks == {echo.name: [] for echo in token_echoes}
+    assert [s for s in token_echoes[0].secrets() if s in caplog.text] == []
