@@ -14,7 +14,7 @@ import contextlib
 import io
 import logging
 import ssl
-from collections.abc import AsyncGenerator, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,12 +71,20 @@ class BearerAuth(httpx.Auth):
     retries once, if the body can be sent again. Any other 401 (a sandbox runtime's own,
     passed through by the broker) is an answer: no invalidation, never a replay. The sync
     client calls ``get_credential``, the async one ``aget_credential``; both run the same steps
-    (:meth:`_steps`)."""
+    (:meth:`_steps`). ``read_body`` reads a 401's body for the decision: ``httpx.Response.read``
+    from the sync transport, ``httpx.Response.aread`` (awaited) from the async one."""
 
-    def __init__(self, source: CredentialSource, audience: str) -> None:
+    def __init__(
+        self,
+        source: CredentialSource,
+        audience: str,
+        *,
+        read_body: Callable[[httpx.Response], Any],
+    ) -> None:
         self._source = source
         self._audience = audience
         self._origin = _origin(httpx.URL(audience))
+        self._read_body = read_body
 
     def _check_origin(self, request: httpx.Request) -> None:
         if _origin(request.url) != self._origin:
@@ -118,7 +126,7 @@ class BearerAuth(httpx.Auth):
                 if step is None:
                     step = steps.send(self._source.get_credential(self._audience))
                 elif isinstance(step, httpx.Response):
-                    step = steps.send(step.read())
+                    step = steps.send(self._read_body(step))
                 else:
                     step = steps.send((yield step))
 
@@ -134,7 +142,7 @@ class BearerAuth(httpx.Auth):
                 if step is None:
                     reply: Any = await self._source.aget_credential(self._audience)
                 elif isinstance(step, httpx.Response):
-                    reply = await step.aread()
+                    reply = await self._read_body(step)
                 else:
                     reply = yield step
                 step = steps.send(reply)
@@ -172,15 +180,20 @@ def _ssl_context(config: BrokerConnectionConfig) -> ssl.SSLContext:
     return context
 
 
-def client_settings(config: BrokerConnectionConfig, auth: CredentialSource) -> dict[str, Any]:
-    """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: bearer auth, TLS, never
+def client_settings(
+    config: BrokerConnectionConfig,
+    auth: CredentialSource,
+    read_body: Callable[[httpx.Response], Any],
+) -> dict[str, Any]:
+    """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: bearer auth (``read_body``:
+    see :class:`BearerAuth`), TLS, never
     following redirects, proxies from the environment only where they may be used
     (:attr:`BrokerConnectionConfig.use_env_proxies`), the request timeout and the User-Agent."""
     verify: ssl.SSLContext | bool = True
     if config.broker_url.startswith("https://"):
         verify = _ssl_context(config)
     return {
-        "auth": BearerAuth(auth, config.audience),
+        "auth": BearerAuth(auth, config.audience, read_body=read_body),
         "follow_redirects": False,
         "trust_env": config.use_env_proxies,  # httpx reads nothing else from it here
         "verify": verify,
