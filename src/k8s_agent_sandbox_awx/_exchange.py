@@ -24,7 +24,7 @@ from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
 from ._credential import Credential
-from ._exceptions import BrokerError, BrokerUnavailableError, ConfigurationError
+from ._exceptions import BrokerError, BrokerTLSError, BrokerUnavailableError, ConfigurationError
 from ._exceptions import RequestTimeoutError as _RequestTimeoutError
 from ._upstream import SandboxError
 from ._version import __version__
@@ -240,6 +240,8 @@ class Exchange:
         self.auth: Any = httpx.USE_CLIENT_DEFAULT if authenticate else NoAuth()
         self.attempt = 0
         self.request: httpx.Request | None = None
+        self.reached = False
+        """Whether an attempt may have reached the broker (it was sent, or answered)."""
 
     def next_request(self) -> httpx.Request:
         """The request for the next attempt."""
@@ -278,6 +280,9 @@ class Exchange:
         request must not (or can no longer) be retried."""
         spec = self.spec
         not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+        self.reached = self.reached or not not_sent
+        if _certificate_failed(exc):
+            raise self.tls_error(exc) from exc
         if isinstance(exc, httpx.TimeoutException) and not not_sent:
             raise self.timeout_error(exc) from exc
         delay = self.retry.after_transport_error(spec, self.attempt, request_sent=not not_sent)
@@ -295,6 +300,7 @@ class Exchange:
     def delay_after_response(self, response: httpx.Response) -> float | None:
         """Seconds to wait before retrying after an error ``response``; ``None``: no retry
         (a success, or an error to raise with :meth:`failure`)."""
+        self.reached = True
         status = response.status_code
         if self.succeeded(response) or status < 400:
             return None
@@ -332,6 +338,7 @@ class Exchange:
 
     def read_error(self, exc: httpx.TransportError) -> BrokerError:
         """The typed error for a failure while reading a successful response's body."""
+        self.reached = True
         if isinstance(exc, httpx.TimeoutException):
             return self.timeout_error(exc)
         return self.transport_error(exc, sent=True)
@@ -359,6 +366,24 @@ class Exchange:
             timeout=limit,
             method=spec.method,
             path=spec.path,
+            request_sent=self.reached,
+        )
+
+    def tls_error(self, exc: httpx.TransportError) -> BrokerTLSError:
+        """A certificate that does not verify: typed, never retried, nothing was sent."""
+        spec = self.spec
+        ca = self.config.ca_cert or "the system trust store"
+        return BrokerTLSError(
+            f"Could not {spec.what}: the TLS certificate of the broker {self.config.broker_url} "
+            f"did not verify against {ca} ({self._reason(exc)}). Not retried: retrying cannot "
+            "help. Set "
+            "AGENT_SANDBOX_CA_BUNDLE (or ca_cert=) to the PEM file of the CA that signed the "
+            "broker's certificate; if that is the right CA, check this machine's clock (a "
+            "certificate is only valid between its dates) and that the broker URL names a host "
+            "of the certificate.",
+            method=spec.method,
+            path=spec.path,
+            request_sent=False,
         )
 
     def transport_error(self, exc: httpx.TransportError, *, sent: bool) -> BrokerUnavailableError:
@@ -367,13 +392,10 @@ class Exchange:
         if isinstance(exc, httpx.ConnectError):
             reason = self._reason(exc)
             hint = "Check the broker URL, that the broker is running, and the CA bundle."
-            if "CERTIFICATE_VERIFY_FAILED" in reason:
-                hint = (
-                    "TLS verification failed: set AGENT_SANDBOX_CA_BUNDLE (or ca_cert=) to the "
-                    "CA that signed the broker's certificate."
-                )
             msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
-            return BrokerUnavailableError(f"{msg} {hint}", method=spec.method, path=spec.path)
+            return BrokerUnavailableError(
+                f"{msg} {hint}", method=spec.method, path=spec.path, request_sent=self.reached
+            )
         note = ""
         if sent and not spec.retryable:
             note = (
@@ -385,7 +407,20 @@ class Exchange:
             f"({type(exc).__name__}: {self._reason(exc)}).{note} Retry if that is safe.",
             method=spec.method,
             path=spec.path,
+            request_sent=self.reached,
         )
+
+
+def _certificate_failed(exc: BaseException) -> bool:
+    """Whether a transport error was caused by a certificate that did not verify."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ssl.SSLCertVerificationError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class CappedBody:

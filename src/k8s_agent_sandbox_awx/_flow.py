@@ -311,10 +311,14 @@ def plan_create(
 
 def _outcome_unknown(exc: BaseException) -> bool:
     """Whether the broker may have created the sandbox although we saw no answer: the create
-    was interrupted (Ctrl-C, cancellation) or timed out, or the connection broke."""
-    return not isinstance(exc, Exception) or isinstance(
-        exc, errors.RequestTimeoutError | errors.BrokerUnavailableError
-    )
+    was interrupted (Ctrl-C, cancellation) or timed out, or the connection broke, after the
+    request may have reached the broker. A request that never left (no connection, a TLS
+    certificate that did not verify) cannot have created anything."""
+    if not isinstance(exc, Exception):
+        return True
+    if isinstance(exc, errors.RequestTimeoutError | errors.BrokerUnavailableError):
+        return exc.request_sent
+    return False
 
 
 def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
