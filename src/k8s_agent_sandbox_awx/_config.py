@@ -11,6 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, model_validator
 
 from ._exceptions import ConfigurationError
+from ._protocol import redact_url
 from ._upstream import SandboxDirectConnectionConfig
 
 __all__ = [
@@ -58,16 +59,19 @@ def normalize_broker_url(url: str, *, allow_insecure_http: bool = False) -> str:
             "https:// URL, e.g. https://sandbox-broker.example."
         )
     raw = url.strip()
+    shown = redact_url(raw)  # the only form of the URL that messages show
     try:
         parts = urlsplit(raw)
         port = parts.port
     except ValueError as exc:
-        raise ConfigurationError(f"The broker URL {raw!r} is not a valid URL: {exc}.") from exc
+        raise ConfigurationError(
+            f"The broker URL {shown!r} is not a valid URL: {redact_url(str(exc))}."
+        ) from None
     scheme = parts.scheme.lower()
     host = parts.hostname or ""
     if scheme not in ("https", "http") or not host:
         raise ConfigurationError(
-            f"The broker URL {raw!r} must be an absolute https:// URL with a host, "
+            f"The broker URL {shown!r} must be an absolute https:// URL with a host, "
             "e.g. https://sandbox-broker.example."
         )
     if parts.username is not None or parts.password is not None:
@@ -77,18 +81,18 @@ def normalize_broker_url(url: str, *, allow_insecure_http: bool = False) -> str:
         )
     if parts.query or parts.fragment:
         raise ConfigurationError(
-            f"The broker URL {raw!r} must not have a query or fragment; use the plain base URL."
+            f"The broker URL {shown!r} must not have a query or fragment; use the plain base URL."
         )
     if scheme == "http":
         if not _is_loopback(host):
             raise ConfigurationError(
-                f"The broker URL {raw!r} uses http://, which would send tokens in clear text. "
+                f"The broker URL {shown!r} uses http://, which would send tokens in clear text. "
                 "Use https://; plain http:// is only allowed for a loopback host "
                 "(127.0.0.1, ::1, localhost) with allow_insecure_http=True."
             )
         if not allow_insecure_http:
             raise ConfigurationError(
-                f"The broker URL {raw!r} uses http://. Use https://, or, for a broker on this "
+                f"The broker URL {shown!r} uses http://. Use https://, or, for a broker on this "
                 "machine only, pass allow_insecure_http=True."
             )
     netloc = host.lower()
@@ -155,7 +159,8 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
             api_normalized = normalize_broker_url(str(api_url), allow_insecure_http=insecure)
             if api_normalized != normalized:
                 raise ConfigurationError(
-                    f"api_url {api_url!r} differs from the broker URL {normalized!r}. With the "
+                    f"api_url {redact_url(str(api_url))!r} differs from the broker URL "
+                    f"{normalized!r}. With the "
                     "broker, api_url must be the broker URL (or be left out): any other URL would "
                     "bypass the broker and talk to a sandbox router directly, without the "
                     "broker's authentication and authorization."

@@ -56,6 +56,7 @@ __all__ = [
     "parse_sandbox",
     "parse_sandbox_list",
     "redact_answer",
+    "redact_url",
     "validate_sandbox_path",
 ]
 
@@ -357,6 +358,19 @@ def redact_answer(text: str, secrets: Iterable[str] = ()) -> str:
     return _BEARER.sub(r"\1 <redacted>", redact(text, secrets))
 
 
+def redact_url(url: str) -> str:
+    """``url`` fit for a message: a user name and password (``user:password@``) become
+    ``***@``. Everything up to the last ``@`` before the query is treated as user info, so that
+    a password with unencoded ``@`` or ``/`` is hidden too; a URL that does not parse (a bad
+    port, no scheme) is redacted all the same."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    ends = [i for i in (rest.find("?"), rest.find("#")) if i >= 0]
+    at = rest.rfind("@", 0, min(ends, default=len(rest)))
+    return url if at < 0 else f"{scheme}{sep}***@{rest[at + 1 :]}"
+
+
 def parse_json(body: bytes, what: str) -> Any:
     try:
         return json.loads(body)
@@ -596,7 +610,7 @@ def error_from_response(
     if 300 <= status < 400:
         location = headers.get("location")
         if location is not None:
-            location = redact_answer(location, secrets)
+            location = redact_url(redact_answer(location, secrets))
         return BrokerRedirectError(
             f"Could not {spec.what}: the server answered {status} with a redirect to "
             f"{location or '(no Location)'}. Redirects are never followed, so that the token "

@@ -213,3 +213,19 @@ def test_a_create_that_cannot_connect_is_retried_but_never_replayed(
     retries = [r for r in caplog.records if "retrying" in r.getMessage()]
     assert len(retries) == config.max_attempts - 1
     assert "interrupted create" not in caplog.text
+
+
+# ------------------------------------------------------------------------------ URL passwords
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://alice:s3cr3t-pw@broker.example:99999", "ftp://alice:s3cr3t-pw@broker.example"],
+)
+def test_a_password_in_the_broker_url_is_never_shown(url: str) -> None:
+    with pytest.raises(sdk.ConfigurationError) as info:
+        run(AsyncSandbox.list(broker_url=url))
+    assert "s3cr3t-pw" not in str(info.value)
+    with pytest.raises(sdk.ConfigurationError) as info:
+        AsyncBrokerSandboxClient(broker_url=url)
+    assert "s3cr3t-pw" not in str(info.value)

@@ -197,3 +197,57 @@ def test_a_create_that_cannot_connect_is_retried_but_never_replayed(
     retries = [r for r in caplog.records if "retrying" in r.getMessage()]
     assert len(retries) == config.max_attempts - 1  # not sent: retried, the create only
     assert "interrupted create" not in caplog.text
+
+
+# ------------------------------------------------------------------------------ URL passwords
+
+PASSWORD = "s3cr3t-pw"
+URLS_WITH_A_PASSWORD = [
+    f"https://alice:{PASSWORD}@broker.example:99999",  # bad port
+    f"ftp://alice:{PASSWORD}@broker.example",  # bad scheme
+    f"alice:{PASSWORD}@broker.example",  # no scheme
+    f"http://alice:{PASSWORD}@broker.example",  # http:// off loopback
+    f"https://alice:{PASSWORD}@broker.example/?q=1",
+    f"https://alice:{PASSWORD}@broker.example/base",
+    f"https://alice:p@ss/{PASSWORD}@broker.example",  # unencoded characters in the password
+    f"https://alice:{PASSWORD}@",
+]
+
+
+@pytest.mark.parametrize("url", URLS_WITH_A_PASSWORD)
+def test_a_password_in_the_broker_url_is_never_shown(
+    url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from k8s_agent_sandbox_awx._cli import main
+
+    with pytest.raises(ConfigurationError) as info:
+        BrokerConnectionConfig(broker_url=url)
+    assert PASSWORD not in str(info.value)
+    with pytest.raises(ConfigurationError) as info:
+        BrokerConnectionConfig(broker_url="https://broker.example", api_url=url)
+    assert PASSWORD not in str(info.value)
+    monkeypatch.setenv("AGENT_SANDBOX_BROKER_URL", url)
+    with pytest.raises(ConfigurationError) as info:
+        Sandbox.list()
+    assert PASSWORD not in str(info.value)
+    monkeypatch.delenv("AGENT_SANDBOX_BROKER_URL")
+    for argv in (["--broker-url", url, "ls"], ["--broker-url", url, "doctor"]):
+        assert main(argv) != 0
+        out, err = capsys.readouterr()
+        assert PASSWORD not in out + err and "alice" in url
+
+
+def test_a_password_in_a_redirect_location_is_never_shown() -> None:
+    location = f"https://alice:{PASSWORD}@elsewhere.example/v1/whoami"
+    client = BrokerSandboxClient(
+        broker_url="https://broker.test",
+        auth=OIDCTokenAuth("opaque-caller-token-0123456789"),
+        http_transport=httpx.MockTransport(
+            lambda request: httpx.Response(307, headers={"Location": location})
+        ),
+    )
+    with pytest.raises(sdk.BrokerRedirectError) as info:
+        client.whoami()
+    client.close()
+    assert PASSWORD not in str(info.value) and PASSWORD not in str(info.value.location)
+    assert "elsewhere.example/v1/whoami" in str(info.value)
