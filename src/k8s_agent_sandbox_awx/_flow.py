@@ -480,11 +480,7 @@ def run_command(router: proto.RouterTarget, plan: CommandPlan) -> Op[ExecutionRe
 
 
 def file_path(path: str, allow_unsafe_paths: bool) -> str:
-    if allow_unsafe_paths:
-        if not isinstance(path, str) or not path:
-            raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
-        return path.lstrip("/") or "."
-    return proto.validate_sandbox_path(path)
+    return proto.validate_sandbox_path(path, allow_unsafe=allow_unsafe_paths)
 
 
 def _with_timeout(spec: proto.RequestSpec, timeout: float | None) -> proto.RequestSpec:

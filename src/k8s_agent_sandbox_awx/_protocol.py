@@ -254,13 +254,29 @@ def _seconds(value: float) -> str:
     return f"{value:g}"
 
 
-def validate_sandbox_path(path: str, *, allow_root: bool = False) -> str:
+def validate_sandbox_path(
+    path: str, *, allow_root: bool = False, allow_unsafe: bool = False
+) -> str:
     """A sandbox-relative path, checked like upstream: no control characters, no empty name,
-    no ``..`` segment. Returns the normalised relative path (``.`` for the root if allowed)."""
+    no ``..`` segment. Returns the normalised relative path (``.`` for the root if allowed).
+
+    ``allow_unsafe`` (a file operation's ``allow_unsafe_paths=True``) skips the name checks,
+    as upstream does, but never the control characters: a CR/LF would end up in the upload's
+    multipart headers (another file name, the framing in the content), a NUL in the runtime's
+    system calls."""
     if not isinstance(path, str):
         raise TypeError(f"A sandbox path must be a str, got {type(path).__name__}.")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
-        raise ValueError(f"The sandbox path {path!r} contains control characters; remove them.")
+    bad = next((i for i, c in enumerate(path) if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(
+            f"The sandbox path {path!r} contains a control character (U+{ord(path[bad]):04X} "
+            f"at index {bad}). Paths must not contain control characters (U+0000-U+001F, "
+            "U+007F), even with allow_unsafe_paths=True; remove them."
+        )
+    if allow_unsafe:
+        if not path:
+            raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
+        return path.lstrip("/") or "."
     if not path.strip():
         if allow_root:
             return "."

@@ -5,6 +5,7 @@ the public API with a scripted broker (httpx.MockTransport)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import socket
 from collections.abc import Coroutine
@@ -229,3 +230,43 @@ def test_a_password_in_the_broker_url_is_never_shown(url: str) -> None:
     with pytest.raises(sdk.ConfigurationError) as info:
         AsyncBrokerSandboxClient(broker_url=url)
     assert "s3cr3t-pw" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------ paths
+
+CONTROL_PATHS = ["evil\r\nContent-Type: text/html\r\n\r\nx.txt", "nul\0x", "del\x7f"]
+
+
+async def _use(files: Any, operation: str, path: str, unsafe: bool) -> None:
+    if operation == "write":
+        await files.write(path, b"data", allow_unsafe_paths=unsafe)
+    elif operation == "read":
+        await files.read(path, allow_unsafe_paths=unsafe)
+    elif operation == "read_to":
+        await files.read_to(path, io.BytesIO(), allow_unsafe_paths=unsafe)
+    elif operation == "iter_bytes":
+        async for _ in files.iter_bytes(path, allow_unsafe_paths=unsafe):
+            pass
+    else:
+        await getattr(files, operation)(path)
+
+
+FILE_OPERATIONS = [
+    (operation, unsafe)
+    for operation in ("write", "read", "read_to", "iter_bytes")
+    for unsafe in (False, True)
+] + [("exists", False), ("list", False)]
+
+
+def test_control_characters_in_a_path_are_always_refused(broker: Any) -> None:
+    async def main() -> None:
+        async with await AsyncSandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+            for path in CONTROL_PATHS:
+                for operation, unsafe in FILE_OPERATIONS:
+                    with pytest.raises(ValueError, match="control character") as info:
+                        await _use(sandbox.files, operation, path, unsafe)
+                    assert repr(path) in str(info.value), operation
+                    assert "allow_unsafe_paths" in str(info.value), operation
+            assert await sandbox.files.list(".") == []  # nothing was written under any name
+
+    run(main())

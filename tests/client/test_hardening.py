@@ -5,6 +5,7 @@ scripted broker (httpx.MockTransport) where a broker cannot be made to misbehave
 
 from __future__ import annotations
 
+import io
 import logging
 import socket
 from pathlib import Path
@@ -251,3 +252,45 @@ def test_a_password_in_a_redirect_location_is_never_shown() -> None:
     client.close()
     assert PASSWORD not in str(info.value) and PASSWORD not in str(info.value.location)
     assert "elsewhere.example/v1/whoami" in str(info.value)
+
+
+# ------------------------------------------------------------------------------ paths
+
+CONTROL_PATHS = [
+    "evil\r\nContent-Type: text/html\r\n\r\nx.txt",
+    "a\nb",
+    "tab\tname",
+    "nul\0x",
+    "del\x7f",
+]
+
+
+def _use(files: Any, operation: str, path: str, unsafe: bool) -> None:
+    if operation == "write":
+        files.write(path, b"data", allow_unsafe_paths=unsafe)
+    elif operation == "read":
+        files.read(path, allow_unsafe_paths=unsafe)
+    elif operation == "read_to":
+        files.read_to(path, io.BytesIO(), allow_unsafe_paths=unsafe)
+    elif operation == "iter_bytes":
+        list(files.iter_bytes(path, allow_unsafe_paths=unsafe))
+    else:
+        getattr(files, operation)(path)
+
+
+FILE_OPERATIONS = [
+    (operation, unsafe)
+    for operation in ("write", "read", "read_to", "iter_bytes")
+    for unsafe in (False, True)
+] + [("exists", False), ("list", False)]
+
+
+def test_control_characters_in_a_path_are_always_refused(broker: Any) -> None:
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        for path in CONTROL_PATHS:
+            for operation, unsafe in FILE_OPERATIONS:
+                with pytest.raises(ValueError, match="control character") as info:
+                    _use(sandbox.files, operation, path, unsafe)
+                assert repr(path) in str(info.value), operation
+                assert "allow_unsafe_paths" in str(info.value), operation
+        assert sandbox.files.list(".") == []  # nothing was written under any name
