@@ -38,6 +38,8 @@ from ._upstream import ExecutionResult, FileEntry
 
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
+    "MAX_COMMAND_TIMEOUT",
+    "MAX_SANDBOX_TIMEOUT",
     "MAX_WAIT_SECONDS",
     "TOKEN_REJECTION_CODES",
     "Multipart",
@@ -65,6 +67,10 @@ MAX_WAIT_SECONDS = 60.0
 """The broker's upper bound for one long-poll ``?wait=ready&timeout=``."""
 COMMAND_TIMEOUT_MARGIN = 10.0
 """Seconds the client waits for an answer beyond a command's own time limit."""
+MAX_SANDBOX_TIMEOUT = 86400.0
+"""The largest ``X-Sandbox-Timeout`` the broker accepts (seconds it waits for a runtime)."""
+MAX_COMMAND_TIMEOUT = MAX_SANDBOX_TIMEOUT - COMMAND_TIMEOUT_MARGIN / 2
+"""The longest command time limit: the client sends ``X-Sandbox-Timeout`` = limit + 5 s."""
 RESERVED_PREFIX = "broker.agent-sandbox-awx.io/"
 
 # --------------------------------------------------------------------------------------------
@@ -308,6 +314,15 @@ def execute(router: RouterTarget, command: str, *, command_timeout: float) -> Re
             f"The command timeout must be a finite number of seconds greater than 0, got "
             f"{command_timeout}; pass timeout= (or command_timeout=) as, e.g., 60."
         )
+    if command_timeout > MAX_COMMAND_TIMEOUT:
+        raise ValueError(
+            f"The command timeout {command_timeout:g} s is over the limit of "
+            f"{MAX_COMMAND_TIMEOUT:g} s: the broker waits at most {MAX_SANDBOX_TIMEOUT:g} s for "
+            f"a sandbox's answer (X-Sandbox-Timeout), and the client asks for the command's "
+            f"limit plus {COMMAND_TIMEOUT_MARGIN / 2:g} s. Pass timeout= (or command_timeout=) "
+            f"of at most {MAX_COMMAND_TIMEOUT:g}, or start longer work in the background "
+            "(e.g. `sh -c 'nohup CMD > out.log 2>&1 &'`) and poll for its result."
+        )
     spec = _data("POST", "/execute", "run a command", router)
     spec.headers["X-Sandbox-Timeout"] = _seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)
     spec.read_timeout = command_timeout + COMMAND_TIMEOUT_MARGIN
@@ -498,8 +513,9 @@ def parse_exists(obj: Any, path: str) -> bool:
 
 _HINTS: dict[str, str] = {
     "invalid_request": "Fix the request as the detail says.",
-    "invalid_header": "The router headers come from the sandbox object; reconnect with "
-    "Sandbox.connect(name).",
+    "invalid_header": "X-Sandbox-ID, -Namespace and -Port come from the sandbox object "
+    "(reconnect with Sandbox.connect(name)); X-Sandbox-Timeout comes from the command's timeout "
+    f"(at most {MAX_COMMAND_TIMEOUT:g} s).",
     "invalid_path": "Use a path relative to the sandbox root.",
     "token_missing": "No token reached the broker; run `agent-sandbox-awx doctor`.",
     "token_malformed": "The token is not a valid JWT; check the token source with "
@@ -696,11 +712,11 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # isdigit() alone: also "²" and other digits
         return float(value)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)

@@ -270,3 +270,42 @@ def test_control_characters_in_a_path_are_always_refused(broker: Any) -> None:
             assert await sandbox.files.list(".") == []  # nothing was written under any name
 
     run(main())
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+def test_a_retry_after_that_is_not_ascii_digits_is_ignored() -> None:
+    answers = iter(
+        [
+            httpx.Response(503, headers=[(b"Retry-After", b"\xb2")], json={"code": "unavailable"}),
+            httpx.Response(200, json={"subject": "me"}),
+        ]
+    )
+    config = BrokerConnectionConfig(
+        broker_url="https://broker.test", backoff_base=0.001, backoff_max=0.001
+    )
+
+    async def main() -> None:
+        async with AsyncBrokerSandboxClient(
+            config,
+            auth=OIDCTokenAuth("opaque-caller-token-0123456789"),
+            http_transport=httpx.MockTransport(lambda request: next(answers)),
+        ) as client:
+            assert await client.whoami() == {"subject": "me"}
+
+    run(main())
+
+
+def test_a_command_timeout_over_the_brokers_limit_is_refused_before_sending(
+    broker: Any,
+) -> None:
+    async def main() -> None:
+        async with await AsyncSandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+            for options in ({"timeout": 86396}, {"command_timeout": 86395.5}):
+                with pytest.raises(ValueError, match=r"timeout.*86395.*X-Sandbox-Timeout"):
+                    await sandbox.commands.run("true", **options)
+            assert broker.execution_count(sandbox.name) == 0
+            assert (await sandbox.commands.run("true", timeout=86395)).exit_code == 0
+
+    run(main())

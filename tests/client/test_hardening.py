@@ -294,3 +294,48 @@ def test_control_characters_in_a_path_are_always_refused(broker: Any) -> None:
                 assert repr(path) in str(info.value), operation
                 assert "allow_unsafe_paths" in str(info.value), operation
         assert sandbox.files.list(".") == []  # nothing was written under any name
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+@pytest.mark.parametrize("value", [b"\xb2", "²".encode(), b"\xb9\xb3", b"1\xbd"])
+def test_a_retry_after_that_is_not_ascii_digits_is_ignored(value: bytes) -> None:
+    answers = iter(
+        [
+            httpx.Response(503, headers=[(b"Retry-After", value)], json={"code": "unavailable"}),
+            httpx.Response(200, json={"subject": "me"}),
+        ]
+    )
+    config = BrokerConnectionConfig(
+        broker_url="https://broker.test", backoff_base=0.001, backoff_max=0.001
+    )
+    client = BrokerSandboxClient(
+        config,
+        auth=OIDCTokenAuth("opaque-caller-token-0123456789"),
+        http_transport=httpx.MockTransport(lambda request: next(answers)),
+    )
+    with client:
+        assert client.whoami() == {"subject": "me"}  # retried after the usual backoff
+    quota = httpx.Response(429, headers=[(b"Retry-After", value)], json={"code": "rate_limited"})
+    client = BrokerSandboxClient(
+        config,
+        auth=OIDCTokenAuth("opaque-caller-token-0123456789"),
+        http_transport=httpx.MockTransport(lambda request: quota),
+    )
+    with client, pytest.raises(sdk.BrokerQuotaError):
+        client.whoami()  # no usable Retry-After: a 429 is not retried
+
+
+def test_a_command_timeout_over_the_brokers_limit_is_refused_before_sending(
+    broker: Any,
+) -> None:
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        for options in ({"timeout": 86396}, {"command_timeout": 86395.5}, {"timeout": 1e9}):
+            with pytest.raises(ValueError) as info:
+                sandbox.commands.run("true", **options)
+            message = str(info.value)
+            for part in ("timeout", "86395", "X-Sandbox-Timeout", "background"):
+                assert part in message, (options, part)
+        assert broker.execution_count(sandbox.name) == 0  # nothing was sent
+        assert sandbox.commands.run("true", timeout=86395).exit_code == 0  # the limit itself
