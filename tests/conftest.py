@@ -534,3 +534,32 @@ def leaked(error: BaseException, echo: TokenEcho) -> list[str]:
 def find_leaks() -> Callable[[BaseException, TokenEcho], list[str]]:
     """``find_leaks(error, echo)``: the secrets of ``echo`` that ``error`` shows."""
     return leaked
+
+
+# ------------------------------------------------------------------------------ unreachable
+
+
+@pytest.fixture
+def wrong_ca_environ(broker: Any, tmp_path: Path) -> tuple[dict[str, str], str]:
+    """``(environ, ca_path)``: the local broker's zero-arg environment, but with a CA bundle
+    of another CA (made for this test), so that the broker's certificate does not verify."""
+    trustme = pytest.importorskip("trustme")
+    wrong = tmp_path / "wrong-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(wrong))
+    return {**broker.environ("kubernetes"), "AGENT_SANDBOX_CA_BUNDLE": str(wrong)}, str(wrong)
+
+
+@pytest.fixture
+def closed_port_broker(broker: Any) -> tuple[Any, Any]:
+    """``(config, auth)`` for a broker URL on a loopback port nothing listens on (fast
+    backoff), with a token for that URL."""
+    from k8s_agent_sandbox_awx import BrokerConnectionConfig, OIDCTokenAuth
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"https://127.0.0.1:{probe.getsockname()[1]}"
+    auth = OIDCTokenAuth(broker.issue_gitlab_token("group/project", audience=url))
+    config = BrokerConnectionConfig(
+        broker_url=url, ca_cert=broker.ca_bundle, backoff_base=0.01, backoff_max=0.01
+    )
+    return config, auth

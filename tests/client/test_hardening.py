@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import io
 import logging
-import socket
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -161,19 +159,16 @@ def test_a_token_echoed_by_the_server_never_shows_in_an_error(
 
 
 def test_a_certificate_failure_is_typed_never_retried_nor_replayed(
-    broker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    broker: Any, wrong_ca_environ: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    trustme = pytest.importorskip("trustme")
-    wrong = tmp_path / "wrong-ca.pem"
-    trustme.CA().cert_pem.write_to_path(str(wrong))
-    env = {**broker.environ("kubernetes"), "AGENT_SANDBOX_CA_BUNDLE": str(wrong)}
+    env, wrong = wrong_ca_environ
     caplog.set_level(logging.DEBUG, logger="k8s_agent_sandbox_awx")
     before = len(broker.claims(include_deleted=True))
     with pytest.raises(sdk.BrokerTLSError) as info:
         Sandbox.create(environ=env)
     error = info.value
     assert error.request_sent is False
-    for hint in ("certificate", "AGENT_SANDBOX_CA_BUNDLE", str(wrong), "clock"):
+    for hint in ("certificate", "AGENT_SANDBOX_CA_BUNDLE", wrong, "clock"):
         assert hint in str(error)
     assert getattr(error, "__notes__", []) == []  # no "could not check ... interrupted create"
     assert "retrying" not in caplog.text and "interrupted create" not in caplog.text
@@ -181,15 +176,9 @@ def test_a_certificate_failure_is_typed_never_retried_nor_replayed(
 
 
 def test_a_create_that_cannot_connect_is_retried_but_never_replayed(
-    broker: Any, caplog: pytest.LogCaptureFixture
+    closed_port_broker: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with socket.socket() as probe:  # a loopback port nothing listens on
-        probe.bind(("127.0.0.1", 0))
-        url = f"https://127.0.0.1:{probe.getsockname()[1]}"
-    auth = OIDCTokenAuth(broker.issue_gitlab_token("group/project", audience=url))
-    config = BrokerConnectionConfig(
-        broker_url=url, ca_cert=broker.ca_bundle, backoff_base=0.01, backoff_max=0.01
-    )
+    config, auth = closed_port_broker
     caplog.set_level(logging.DEBUG, logger="k8s_agent_sandbox_awx")
     with pytest.raises(BrokerUnavailableError) as info:
         Sandbox.create(config=config, auth=auth)
