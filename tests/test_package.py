@@ -38,3 +38,36 @@ def test_all_lists_exactly_the_lazy_exports() -> None:
 def test_every_public_name_resolves() -> None:
     for name in k8s_agent_sandbox_awx.__all__:
         assert getattr(k8s_agent_sandbox_awx, name) is not None, name
+
+
+def test_sandbox_error_is_exported_and_catches_every_error() -> None:
+    """docs/client.md: ``except SandboxError`` catches every error the SDK raises."""
+    import inspect
+
+    from k8s_agent_sandbox_awx import SandboxError
+    from k8s_agent_sandbox_awx._upstream import SandboxError as UpstreamSandboxError
+
+    assert SandboxError is UpstreamSandboxError
+    assert "SandboxError" in k8s_agent_sandbox_awx.__all__
+    from k8s_agent_sandbox_awx import errors as module
+
+    errors = [
+        value
+        for name in module.__all__
+        if inspect.isclass(value := getattr(module, name))
+        and issubclass(value, Exception)
+        and not issubclass(value, Warning)
+    ]
+    assert len(errors) > 20
+    assert all(issubclass(e, SandboxError) for e in errors), errors
+
+
+def test_errors_live_in_one_public_module_and_keep_their_old_names() -> None:
+    """Every error is in ``k8s_agent_sandbox_awx.errors``; the top level lists where users start
+    (SandboxError among them) and still resolves the old top-level error names."""
+    from k8s_agent_sandbox_awx import errors
+
+    assert "BrokerError" not in k8s_agent_sandbox_awx.__all__
+    for name in errors.__all__:
+        assert getattr(k8s_agent_sandbox_awx, name) is getattr(errors, name), name
+    assert k8s_agent_sandbox_awx.SandboxError is errors.SandboxError

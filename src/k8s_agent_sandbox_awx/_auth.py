@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import os
 import threading
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from types import TracebackType
-from typing import NoReturn, Protocol, TypeVar, runtime_checkable
+from typing import Generic, NoReturn, Protocol, TypeVar, runtime_checkable
 
 from . import _cache
 from ._credential import Credential
@@ -68,6 +70,14 @@ def accept_credential(
             "must return a Credential or None (see docs/writing-plugins.md).",
             provider=provider,
         )
+    for attribute in ("token", "provider", "source"):
+        value = getattr(result, attribute)
+        if not isinstance(value, str):
+            raise CredentialSourceError(
+                f"The credential provider {provider!r} returned a Credential whose {attribute} "
+                f"is {type(value).__name__}, not str (see docs/writing-plugins.md).",
+                provider=provider,
+            )
     name = result.provider or provider
     token = check_token_text(result.token, provider=name, source=result.source)
     if token is not result.token or name is not result.provider:
@@ -76,12 +86,27 @@ def accept_credential(
     return result, decoded
 
 
+def _passes_through(exc: BaseException) -> bool:
+    """What a provider call never swallows: an interrupt, the closing of a coroutine, and the
+    cancellation of the current asyncio task (a ``CancelledError`` while it is being cancelled)."""
+    if isinstance(exc, KeyboardInterrupt | GeneratorExit):
+        return True
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running event loop: nobody is cancelling this call
+        return False
+    return task is not None and task.cancelling() > 0
+
+
 class ProviderGuard:
     """Around a provider call (sync or awaited): an unexpected exception becomes a
     :class:`CredentialSourceError`.
 
-    Typed credential errors and ``BaseException`` (cancellation, interrupts) pass through.
-    Another exception is reported by type and (redacted) message, and the original is dropped:
+    Typed credential errors, ``KeyboardInterrupt``, ``GeneratorExit`` and the cancellation of the
+    current task pass through. Any other exception, ``BaseException`` included (a provider that
+    calls ``sys.exit()``), is reported by type and (redacted) message, and the original is dropped:
     the block is left with the error stored, and the caller raises it after the block with
     :meth:`reraise`, outside any ``except``, so that neither ``__cause__`` nor ``__context__``
     refers to an exception whose message or traceback may carry a secret::
@@ -104,7 +129,7 @@ class ProviderGuard:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> bool:
-        if not isinstance(exc, Exception) or isinstance(exc, CredentialError):
+        if exc is None or isinstance(exc, CredentialError) or _passes_through(exc):
             return False
         message = redact(str(exc), self.secrets)
         self.error = CredentialSourceError(
@@ -122,34 +147,108 @@ class ProviderGuard:
         raise self.error from None
 
 
-def run_in_helper_thread(awaitable: Awaitable[T]) -> T:
+class FetchTimeout(Exception):
+    """A fetch did not finish within its time limit (internal: callers turn it into an answer)."""
+
+
+class _ThreadCall(Generic[T]):
+    """``function()`` run once in a new daemon thread, with the caller's context variables.
+
+    Its result or exception is kept for :meth:`outcome`; ``notify`` is called when it ends. A
+    daemon thread (rather than an executor's worker) so that a call that never ends holds no
+    pool worker and never delays the interpreter's or an event loop's shutdown.
+    """
+
+    def __init__(self, function: Callable[[], T], notify: Callable[[], None] | None = None):
+        self._function = function
+        self._context = contextvars.copy_context()
+        self._notify = notify
+        self._result: list[T] = []
+        self._failure: list[BaseException] = []
+        self.thread = threading.Thread(
+            target=self._run, name="agent-sandbox-credential-fetch", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result.append(self._context.run(self._function))
+        except BaseException as exc:  # handed to the caller by outcome()
+            self._failure.append(exc)
+        finally:
+            if self._notify is not None:
+                self._notify()
+
+    def outcome(self) -> T:
+        """The function's result, or its exception raised in the caller's thread."""
+        if self._failure:
+            raise self._failure[0]
+        return self._result[0]
+
+
+def run_in_thread(function: Callable[[], T], timeout: float | None = None) -> T:
+    """Call ``function`` in a helper thread and wait for it, at most ``timeout`` seconds.
+
+    Past the timeout, :class:`FetchTimeout` is raised; the thread is left to end on its own and
+    whatever it returns is dropped.
+    """
+    call = _ThreadCall(function)
+    call.thread.join(timeout)
+    if call.thread.is_alive():
+        raise FetchTimeout
+    return call.outcome()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def arun_in_thread(function: Callable[[], T], limit: float | None = None) -> T:
+    """:func:`run_in_thread` for asyncio code: the loop runs on while the thread works."""
+    loop = asyncio.get_running_loop()
+    ended = loop.create_future()
+
+    def notify() -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+            loop.call_soon_threadsafe(_settle, ended)
+
+    call = _ThreadCall(function, notify)
+    await within(ended, limit)
+    return call.outcome()
+
+
+async def within(awaitable: Awaitable[T], limit: float | None) -> T:
+    """Await ``awaitable`` for at most ``limit`` seconds; then it is cancelled and
+    :class:`FetchTimeout` is raised (a ``TimeoutError`` of its own passes unchanged)."""
+    if limit is None:
+        return await awaitable
+    scope = asyncio.timeout(limit)
+    try:
+        async with scope:
+            return await awaitable
+    except TimeoutError:
+        if scope.expired():
+            raise FetchTimeout from None
+        raise
+
+
+def run_in_helper_thread(awaitable: Awaitable[T], timeout: float | None = None) -> T:
     """Run ``awaitable`` to completion on a fresh event loop in a helper thread, from sync code.
 
     How the sync path calls an async-only fetch (an ``async def`` token callable, a plugin with
     only ``agent_sandbox_get_credential_async``): ``asyncio.run`` cannot run in a thread whose
     event loop is running, and a helper thread works whether or not the caller has one. The
-    caller's thread waits for it; this happens only on a cache miss. An awaitable bound to
-    another event loop (a Task or Future) cannot be run this way and fails with the error
-    asyncio gives.
+    caller's thread waits for it (at most ``timeout`` seconds: then the awaitable is cancelled
+    on its loop and :class:`FetchTimeout` is raised); this happens only on a cache miss. An
+    awaitable bound to another event loop (a Task or Future) cannot be run this way and fails
+    with the error asyncio gives.
     """
-    outcome: list[T] = []
-    failure: list[BaseException] = []
 
     async def main() -> T:
-        return await awaitable
+        return await within(awaitable, timeout)
 
-    def target() -> None:
-        try:
-            outcome.append(asyncio.run(main()))
-        except BaseException as exc:  # handed to the calling thread below
-            failure.append(exc)
-
-    thread = threading.Thread(target=target, name="agent-sandbox-credential-fetch", daemon=True)
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return outcome[0]
+    return run_in_thread(lambda: asyncio.run(main()), timeout)
 
 
 class KubernetesAuth:

@@ -30,6 +30,7 @@ from ._flow import (
     client_overrides,
     download_spec,
     plan_create,
+    unexpected_keywords,
 )
 from ._upstream import SandboxNotFoundError
 from .errors import ConfigurationError
@@ -77,6 +78,19 @@ class ClientBase(Generic[H, T, R]):
         http_transport: Any = None,
         **config_overrides: Any,
     ) -> None:
+        if environ is not None and not isinstance(environ, Mapping):
+            raise TypeError(
+                "environ= must be a mapping of variable names to values (like os.environ), "
+                f"not a {type(environ).__name__}."
+            )
+        fields = BrokerConnectionConfig.model_fields
+        unknown = sorted(set(config_overrides) - set(fields))
+        if unknown:
+            import inspect
+
+            parameters = inspect.signature(type(self).__init__).parameters.values()
+            named = {p.name for p in parameters if p.kind is not p.VAR_KEYWORD} - {"self"}
+            raise unexpected_keywords(f"{type(self).__name__}()", unknown, {*fields, *named})
         if connection_config is not None and config_overrides:
             raise ConfigurationError(
                 "Pass either connection_config= or individual settings "
@@ -296,11 +310,17 @@ class SandboxBase(Generic[C, Cmd, F]):
 
 
 def make_client(
-    cls: type[CL], options: ConnectOptions | SandboxCreateOptions, *, creating: bool = False
+    cls: type[CL],
+    options: ConnectOptions | SandboxCreateOptions,
+    *,
+    creating: bool = False,
+    what: str = "connect()",
+    named: tuple[str, ...] = (),
 ) -> CL:
-    """A client for ``Sandbox.create/connect/list`` from their keyword options."""
+    """A client for ``Sandbox.create/connect/list`` from their keyword options (``what`` and
+    ``named``: the calling method and its named parameters, for the unknown-keyword error)."""
     if not creating:
-        check_options("connect()/list()", options, ConnectOptions)
+        check_options(what, options, ConnectOptions, named)
     config, overrides = client_overrides(options)
     factory: Any = cls
     client: CL = factory(

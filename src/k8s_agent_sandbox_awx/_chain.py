@@ -9,7 +9,10 @@ Order (decided here, never by registration or entry-point iteration order):
 4. ``kubernetes-projected``: ``/var/run/secrets/tokens/agent-sandbox-token`` (re-read).
 
 The first provider that returns a credential wins; one that raises ("here but broken") stops
-discovery with its error. Discovery and the per-request fetch are written once, as I/O-free
+discovery with its error. A third-party provider that does not answer within the request's
+timeout is skipped with one warning and discovery goes on (it never answered, so nothing says it
+is here); once selected, a provider that does not answer in time is an error (no silent switch
+to another identity). Discovery and the per-request fetch are written once, as I/O-free
 generators that yield ``(provider, request)`` steps; the sync path answers each step with
 :meth:`ProviderEntry.call`, the async path with ``await`` :meth:`ProviderEntry.acall`. One
 discovery runs per instance and audience at a time (a single flight in ``_cache``, shared by
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
@@ -47,8 +51,10 @@ from ._plugins import (
     PluginProblem,
     ProviderEntry,
     ProviderRegistry,
+    TimedOut,
     default_registry,
     load_providers,
+    warn_plugin,
 )
 from ._providers import DEFAULT_TOKEN_PATH, TOKEN_ENV, TOKEN_FILE_ENV
 
@@ -56,7 +62,7 @@ __all__ = ["DefaultCredentials", "Explanation", "ProviderDecision", "explain"]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.credentials")
 
-Status = Literal["selected", "not here", "shadowed", "error", "failed to load"]
+Status = Literal["selected", "not here", "shadowed", "error", "failed to load", "timed out"]
 
 T = TypeVar("T")
 Step = tuple[ProviderEntry, CredentialRequest]
@@ -96,12 +102,14 @@ def _no_credentials(
     if failed:
         lines.append("Plugins not used:")
         lines += [f"  - {p.name}: {p.detail}" for p in failed]
-    lines.append(
-        f"To fix it, do one of: set {TOKEN_ENV} to an OIDC token whose aud is {audience!r} "
-        f"(GitLab CI: id_tokens); set {TOKEN_FILE_ENV} to the path of such a token file; mount "
-        f"a projected ServiceAccount token with audience {audience!r} at {token_path}; install "
-        "a provider plugin for your platform; or pass auth= explicitly."
-    )
+    lines += [
+        "To fix it, do one of:",
+        f"  - set {TOKEN_ENV} to an OIDC token whose aud is {audience!r} (GitLab CI: id_tokens)",
+        f"  - set {TOKEN_FILE_ENV} to the path of such a token file",
+        f"  - mount a projected ServiceAccount token with audience {audience!r} at {token_path}",
+        "  - install a provider plugin for your platform",
+        "  - in Python: pass auth= explicitly",
+    ]
     return NoCredentialsError("\n".join(lines), tried=tried)
 
 
@@ -161,8 +169,19 @@ class DefaultCredentials:
         _token_path: str | None = None,
         _plugins: Sequence[tuple[str, object]] | None = None,
     ) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(
+                f"DefaultCredentials(timeout=...) takes a number of seconds, not "
+                f"{type(timeout).__name__}"
+            )
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(
+                f"DefaultCredentials(timeout={timeout!r}): the timeout is how many seconds each "
+                "credential plugin may take to answer; it must be a finite number greater than "
+                "0 (default 5.0)"
+            )
         self._environ_arg = environ
-        self._timeout = timeout
+        self._timeout = float(timeout)
         self._token_path = DEFAULT_TOKEN_PATH if _token_path is None else _token_path
         self._plugins = tuple(_plugins or ())
         self._custom = environ is not None or _token_path is not None or bool(self._plugins)
@@ -267,6 +286,14 @@ class DefaultCredentials:
     def _fetch(self, provider: ProviderEntry, audience: str) -> Steps[_cache.Fetched]:
         request = self._request(audience)
         result = yield provider, request
+        if isinstance(result, TimedOut):
+            raise CredentialSourceError(
+                f"The credential provider {provider.name!r} was selected for {audience!r} but "
+                f"{result.reason}. Discovery is not repeated, so that this process never "
+                "switches identity silently; check the provider's platform (or give it more "
+                "time: DefaultCredentials(timeout=...)), or create a new credential source.",
+                provider=provider.name,
+            )
         if result is None:
             raise CredentialSourceError(
                 f"The credential provider {provider.name!r} was selected for {audience!r} but no "
@@ -332,6 +359,20 @@ class DefaultCredentials:
                 if record is None:
                     raise
                 record.broken(provider, exc)
+                continue
+            if isinstance(result, TimedOut):
+                tried.append((provider.name, _skipped(result)))
+                if record is not None:
+                    record.add(provider.name, "timed out", tried[-1][1])
+                    continue
+                warn_plugin(
+                    f"Credential provider plugin {provider.name!r} ({provider.origin}) "
+                    f"{result.reason} and is skipped: discovery goes on with the next "
+                    "provider. Fix or uninstall the plugin, leave it out of "
+                    f"{LOAD_PLUGINS_ENV}, or give it more time with "
+                    "DefaultCredentials(timeout=...).",
+                    stacklevel=2,
+                )
                 continue
             if result is None:
                 tried.append((provider.name, _reason(provider, request)))
@@ -454,8 +495,12 @@ class _Record:
             self.error = no_credentials
 
 
+def _skipped(result: TimedOut) -> str:
+    return f"{result.reason}; skipped with a warning, discovery goes on"
+
+
 def _claims_for_diagnosis(result: object) -> dict[str, dict[str, Any]] | None:
-    if not isinstance(result, Credential):
+    if not isinstance(result, Credential) or not isinstance(result.token, str):
         return None
     try:
         decoded = decode_token(result.token.strip())

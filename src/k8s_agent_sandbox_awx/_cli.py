@@ -1,7 +1,8 @@
 """``agent-sandbox-awx``: whoami, doctor, run, ls, kill (and dev/demo from the [local] extra).
 
 Imports are deferred to the subcommand that needs them, so ``--help`` and ``--version`` are
-fast and never fail for a missing optional dependency. Errors print one line and exit non-zero.
+fast and never fail for a missing optional dependency. Errors print ``agent-sandbox-awx: error:``
+and the message (a list in it stays one item per line, indented) and exit non-zero.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 PROG = "agent-sandbox-awx"
-_LOCAL_EXTRA = 'pip install "k8s-agent-sandbox-awx[local]"'
+# from a clone: the index has an unrelated package of this name until a release exists
+_LOCAL_EXTRA = (
+    'python3 -m pip install -e ".[local]" in a clone of the k8s-agent-sandbox-awx repository'
+)
+_INSECURE_FLAG = "--allow-insecure-http"
 
 
 class _CliError(Exception):
@@ -64,9 +69,18 @@ def _parser() -> argparse.ArgumentParser:
         help="CA bundle for the broker (default: "
         "$AGENT_SANDBOX_CA_BUNDLE, else the system trust store)",
     )
+    parser.add_argument(
+        _INSECURE_FLAG,
+        action="store_true",
+        help="allow a plain http:// broker URL on this machine (127.0.0.1, ::1, localhost): "
+        "local development only, the token travels unencrypted",
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _subcommands(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return parser
 
+
+def _subcommands(sub: Any) -> None:
     p = sub.add_parser("whoami", help="show the identity the broker verified for your token")
     p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("doctor", help="check configuration, credentials, TLS and the broker")
@@ -89,11 +103,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds to wait for the sandbox to become ready",
     )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
     p = sub.add_parser("ls", help="list my sandboxes")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--selector", help="label selector k1=v1,k2=v2")
     p = sub.add_parser("kill", help="delete sandboxes by name (already gone is fine)")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("names", nargs="+", metavar="NAME")
     for name, text in (
         ("dev", "run a local broker (needs the [local] extra)"),
@@ -101,18 +117,35 @@ def _parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("args", nargs=argparse.REMAINDER)
-    return parser
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The connection settings from the options (``None``: from the environment). The broker
+    URL is checked here first, so that the fixes its errors name are the CLI's (a flag, not a
+    keyword argument)."""
+    from ._config import ENV_BROKER_URL, normalize_broker_url
+    from .errors import ConfigurationError
+
+    url = args.broker_url or os.environ.get(ENV_BROKER_URL)
+    if not url:
+        raise ConfigurationError(
+            f"No broker URL: set the environment variable {ENV_BROKER_URL} to the broker's "
+            "https:// URL, or pass --broker-url URL."
+        )
+    normalize_broker_url(
+        url, allow_insecure_http=args.allow_insecure_http, insecure_option=_INSECURE_FLAG
+    )
+    settings: dict[str, Any] = {"broker_url": args.broker_url, "ca_cert": args.ca_bundle}
+    if args.allow_insecure_http:
+        settings["allow_insecure_http"] = True
+    return settings
 
 
 def _client(args: argparse.Namespace) -> BrokerSandboxClient:
     from ._client import BrokerSandboxClient
 
-    overrides: dict[str, Any] = {}
-    if args.broker_url:
-        overrides["broker_url"] = args.broker_url
-    if args.ca_bundle:
-        overrides["ca_cert"] = args.ca_bundle
-    return BrokerSandboxClient(**overrides)
+    settings = {k: v for k, v in _settings(args).items() if v is not None}
+    return BrokerSandboxClient(**settings)
 
 
 def _print_json(value: Any) -> None:
@@ -168,12 +201,17 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 def _cmd_kill(args: argparse.Namespace) -> int:
     client = _client(args)
+    done: list[dict[str, Any]] = []
     try:
         for name in args.names:
             existed = client.delete(name)
-            print(f"{name}: {'deleted' if existed else 'already gone'}")
+            done.append({"name": name, "deleted": existed})
+            if not args.json:
+                print(f"{name}: {'deleted' if existed else 'already gone'}")
     finally:
         client.close()
+        if args.json:  # also after an error: the names handled so far
+            _print_json(done)
     return 0
 
 
@@ -197,10 +235,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 result = sandbox.commands.run(command, timeout=args.timeout)
             except CommandTimeoutError as exc:
                 if exc.result is not None:
-                    sys.stdout.write(exc.result.stdout)
-                    sys.stdout.flush()
-                    sys.stderr.write(exc.result.stderr)
-                    if exc.result.stderr and not exc.result.stderr.endswith("\n"):
+                    _print_result(args, sandbox.name, exc.result)
+                    if not args.json and exc.result.stderr[-1:] not in ("", "\n"):
                         sys.stderr.write("\n")
                 raise _CliError(
                     f"the command ran longer than --timeout {args.timeout:g}s and was killed; "
@@ -209,10 +245,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 ) from exc
     finally:
         client.close()
+    _print_result(args, sandbox.name, result)
+    return result.exit_code
+
+
+def _print_result(args: argparse.Namespace, sandbox: str, result: Any) -> None:
+    """The command's output as it is (stdout, stderr), or with ``--json`` one JSON object."""
+    if args.json:
+        _print_json(
+            {
+                "sandbox": sandbox,
+                "exit_code": result.exit_code,
+                "stdout": result.stdout,
+                "stderr": result.stderr,
+                "timed_out": bool(result.timed_out),
+            }
+        )
+        return
     sys.stdout.write(result.stdout)
     sys.stdout.flush()
     sys.stderr.write(result.stderr)
-    return result.exit_code
 
 
 def _cmd_local(name: str, argv: list[str]) -> int:
@@ -228,9 +280,10 @@ def _cmd_local(name: str, argv: list[str]) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ._config import BrokerConnectionConfig
     from ._doctor import run_doctor
 
-    report = run_doctor(args.broker_url, args.ca_bundle)
+    report = run_doctor(lambda: BrokerConnectionConfig.from_env(**_settings(args)))
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -278,9 +331,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug or os.environ.get("AGENT_SANDBOX_DEBUG"):
             raise
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"{PROG}: error: {type(exc).__name__}: {message}", file=sys.stderr)
+        first, *more = _lines(str(exc)) or [type(exc).__name__]
+        print(f"{PROG}: error: {type(exc).__name__}: {first}", file=sys.stderr)
+        for line in more:  # indented: no line of a message can pass for a line of its own
+            print(f"  {line}", file=sys.stderr)
         return 1
+
+
+def _lines(message: str) -> list[str]:
+    """A message's lines with their indentation (a list in a message stays a list), other
+    runs of whitespace (tabs, CRs, ...) collapsed to one space, blank lines dropped."""
+    lines = []
+    for line in message.splitlines():
+        if words := line.split():
+            indent = len(line) - len(line.lstrip(" "))
+            lines.append(" " * indent + " ".join(words))
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover

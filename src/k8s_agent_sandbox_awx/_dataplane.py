@@ -22,6 +22,8 @@ from .errors import BrokerError
 
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
+    "MAX_COMMAND_TIMEOUT",
+    "MAX_SANDBOX_TIMEOUT",
     "DataTarget",
     "Multipart",
     "download",
@@ -39,6 +41,10 @@ __all__ = [
 
 COMMAND_TIMEOUT_MARGIN = 10.0
 """Seconds the client waits for an answer beyond a command's own time limit."""
+MAX_SANDBOX_TIMEOUT = 86400.0
+"""The largest ``X-Sandbox-Timeout`` the broker accepts (seconds it waits for a runtime)."""
+MAX_COMMAND_TIMEOUT = MAX_SANDBOX_TIMEOUT - COMMAND_TIMEOUT_MARGIN / 2
+"""The longest command time limit: the client sends ``X-Sandbox-Timeout`` = limit + 5 s."""
 
 
 class DataTarget(Protocol):
@@ -50,13 +56,29 @@ class DataTarget(Protocol):
     def headers(self) -> dict[str, str]: ...
 
 
-def validate_sandbox_path(path: str, *, allow_root: bool = False) -> str:
+def validate_sandbox_path(
+    path: str, *, allow_root: bool = False, allow_unsafe: bool = False
+) -> str:
     """A sandbox-relative path, checked like upstream: no control characters, no empty name,
-    no ``..`` segment. Returns the normalised relative path (``.`` for the root if allowed)."""
+    no ``..`` segment. Returns the normalised relative path (``.`` for the root if allowed).
+
+    ``allow_unsafe`` (a file operation's ``allow_unsafe_paths=True``) skips the name checks,
+    as upstream does, but never the control characters: a CR/LF would end up in the upload's
+    multipart headers (another file name, the framing in the content), a NUL in the runtime's
+    system calls."""
     if not isinstance(path, str):
         raise TypeError(f"A sandbox path must be a str, got {type(path).__name__}.")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
-        raise ValueError(f"The sandbox path {path!r} contains control characters; remove them.")
+    bad = next((i for i, c in enumerate(path) if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(
+            f"The sandbox path {path!r} contains a control character (U+{ord(path[bad]):04X} "
+            f"at index {bad}). Paths must not contain control characters (U+0000-U+001F, "
+            "U+007F), even with allow_unsafe_paths=True; remove them."
+        )
+    if allow_unsafe:
+        if not path:
+            raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
+        return path.lstrip("/") or "."
     if not path.strip():
         if allow_root:
             return "."
@@ -87,6 +109,15 @@ def execute(target: DataTarget, command: str, *, command_timeout: float) -> Requ
         raise ValueError(
             f"The command timeout must be a finite number of seconds greater than 0, got "
             f"{command_timeout}; pass timeout= (or command_timeout=) as, e.g., 60."
+        )
+    if command_timeout > MAX_COMMAND_TIMEOUT:
+        raise ValueError(
+            f"The command timeout {command_timeout:g} s is over the limit of "
+            f"{MAX_COMMAND_TIMEOUT:g} s: the broker waits at most {MAX_SANDBOX_TIMEOUT:g} s for "
+            f"a sandbox's answer (X-Sandbox-Timeout), and the client asks for the command's "
+            f"limit plus {COMMAND_TIMEOUT_MARGIN / 2:g} s. Pass timeout= (or command_timeout=) "
+            f"of at most {MAX_COMMAND_TIMEOUT:g}, or start longer work in the background "
+            "(e.g. `sh -c 'nohup CMD > out.log 2>&1 &'`) and poll for its result."
         )
     spec = _data("POST", "/execute", "run a command", target)
     spec.headers["X-Sandbox-Timeout"] = seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)

@@ -10,7 +10,7 @@ data-plane request to a sandbox. The data plane itself (``_dataplane``) and the 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -89,8 +89,16 @@ class Dialect(ABC):
         *,
         spec: RequestSpec,
         retried_auth: bool = False,
+        secrets: Iterable[str] = (),
     ) -> BrokerError:
-        """The typed error for an error answer (its message says what to do)."""
+        """The typed error for an error answer (its message says what to do); everything taken
+        from the answer is redacted, ``secrets`` (the token sent) included."""
+
+    @abstractmethod
+    def token_rejected(self, status: int, body: bytes) -> bool:
+        """Whether an answer is the broker itself rejecting the token (then, and only then, the
+        credential is re-read and the request sent once more; any other 401 comes from behind
+        the broker and is never a reason to replay)."""
 
     def data_target(self, info: SandboxInfo) -> DataTarget:
         """Where the data plane of sandbox ``info`` goes (the routing headers)."""

@@ -8,11 +8,11 @@ with hints, and upstream's router headers on the data plane.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import quote
 
-from ._dataplane import runtime_error
+from ._dataplane import MAX_COMMAND_TIMEOUT, runtime_error
 from ._dialect import CreateRequest, Dialect
 from ._protocol import (
     Call,
@@ -25,7 +25,10 @@ from ._protocol import (
     parse_json,
     protocol_error,
     raw,
+    redact_answer,
+    redact_url,
     seconds,
+    str_mapping,
 )
 from .errors import (
     BrokerAuthenticationError,
@@ -39,7 +42,15 @@ from .errors import (
     BrokerUnavailableError,
 )
 
-__all__ = ["API", "MAX_WAIT_SECONDS", "RESERVED_PREFIX", "V1Dialect", "error_from_response"]
+__all__ = [
+    "API",
+    "MAX_WAIT_SECONDS",
+    "RESERVED_PREFIX",
+    "TOKEN_REJECTION_CODES",
+    "V1Dialect",
+    "error_from_response",
+    "is_token_rejection",
+]
 
 API = "/v1"
 MAX_WAIT_SECONDS = 60.0
@@ -75,8 +86,10 @@ def create(
 ) -> RequestSpec:
     if not idempotency_key or len(idempotency_key) > 255 or not idempotency_key.isprintable():
         raise ValueError("An Idempotency-Key must be 1-255 printable ASCII characters.")
+    labels, annotations = str_mapping("labels", labels), str_mapping("annotations", annotations)
+    env = str_mapping("env", env)
     for kind, meta in (("label", labels), ("annotation", annotations)):
-        for key in meta or {}:
+        for key in meta:
             if key.startswith(RESERVED_PREFIX):
                 raise ValueError(
                     f"The {kind} key {key!r} is reserved for the broker's attribution stamps "
@@ -123,8 +136,14 @@ def list_sandboxes(label_selector: Mapping[str, str] | str | None = None) -> Req
     if label_selector:
         if isinstance(label_selector, str):
             selector = label_selector
+        elif not isinstance(label_selector, Mapping):
+            raise TypeError(
+                "label_selector must be a str such as 'team=ml' or a mapping such as "
+                f"{{'team': 'ml'}}, not a {type(label_selector).__name__}."
+            )
         else:
-            selector = ",".join(f"{k}={v}" for k, v in label_selector.items())
+            pairs = str_mapping("label_selector", label_selector)
+            selector = ",".join(f"{k}={v}" for k, v in pairs.items())
         spec.params = {"label_selector": selector}
     return spec
 
@@ -222,8 +241,9 @@ def created_name(body: bytes) -> str | None:
 
 _HINTS: dict[str, str] = {
     "invalid_request": "Fix the request as the detail says.",
-    "invalid_header": "The router headers come from the sandbox object; reconnect with "
-    "Sandbox.connect(name).",
+    "invalid_header": "X-Sandbox-ID, -Namespace and -Port come from the sandbox object "
+    "(reconnect with Sandbox.connect(name)); X-Sandbox-Timeout comes from the command's timeout "
+    f"(at most {MAX_COMMAND_TIMEOUT:g} s).",
     "invalid_path": "Use a path relative to the sandbox root.",
     "token_missing": "No token reached the broker; run `agent-sandbox-awx doctor`.",
     "token_malformed": "The token is not a valid JWT; check the token source with "
@@ -268,6 +288,34 @@ _HINTS: dict[str, str] = {
     "sandbox_timeout": "The sandbox runtime did not answer in time; retry, or allow more time.",
 }
 
+TOKEN_REJECTION_CODES = frozenset(
+    {
+        "token_missing",
+        "token_malformed",
+        "token_expired",
+        "token_not_yet_valid",
+        "audience_mismatch",
+        "unknown_issuer",
+        "bad_signature",
+        "algorithm_not_allowed",
+        "token_too_large",
+        "missing_claim",
+        "token_revoked",
+    }
+)
+"""The ``code`` values of the broker's own 401 answers (docs/broker-api.md, Errors)."""
+
+
+def is_token_rejection(status: int, body: bytes) -> bool:
+    """Whether an answer is the broker rejecting the token: a ``401`` whose error body carries
+    one of the documented token codes. Only such an answer makes the client re-read the
+    credential and send the request once more (the broker refused it before it reached a
+    sandbox). Any other ``401`` comes from behind the broker (a sandbox runtime's own answer,
+    passed through unchanged): it is a result or an error, never a reason to replay (a
+    command must not run twice)."""
+    return status == 401 and _error_body(body)[0] in TOKEN_REJECTION_CODES
+
+
 _STATUS_CLASSES: dict[int, type[BrokerError]] = {
     401: BrokerAuthenticationError,
     403: BrokerPermissionError,
@@ -280,19 +328,22 @@ _STATUS_CLASSES: dict[int, type[BrokerError]] = {
 }
 
 
-def _error_body(body: bytes) -> tuple[str | None, str | None]:
+def _error_body(body: bytes, secrets: Iterable[str] = ()) -> tuple[str | None, str | None]:
+    """``(code, detail)`` of an error body, redacted (:func:`redact_answer`)."""
     try:
         obj = json.loads(body) if body else None
     except ValueError:
-        text = body[:300].decode("utf-8", "replace").strip()
+        text = redact_answer(body.decode("utf-8", "replace"), secrets).strip()[:300]
         return None, text or None
     if not isinstance(obj, dict):
         return None, None
     code = obj.get("code")
     detail = obj.get("detail")
-    if detail is not None and not isinstance(detail, str):
-        detail = json.dumps(detail)[:500]
-    return (code if isinstance(code, str) else None), detail
+    if detail is not None:
+        limit = None if isinstance(detail, str) else 500
+        text = detail if isinstance(detail, str) else json.dumps(detail)
+        detail = redact_answer(text, secrets)[:limit]
+    return (redact_answer(code, secrets) if isinstance(code, str) else None), detail
 
 
 def _error_class(status: int, code: str | None) -> type[BrokerError]:
@@ -323,9 +374,12 @@ def error_from_response(
     *,
     spec: RequestSpec,
     retried_auth: bool = False,
+    secrets: Iterable[str] = (),
 ) -> BrokerError:
-    """Map an error response to a typed exception whose message says what to do."""
-    code, detail = _error_body(body)
+    """Map an error response to a typed exception whose message says what to do. Everything
+    taken from the answer is redacted, ``secrets`` (the caller's token) included."""
+    secrets = tuple(secrets)
+    code, detail = _error_body(body, secrets)
     request = f"{spec.method} {spec.path}"
     common: dict[str, Any] = {
         "status_code": status,
@@ -336,6 +390,8 @@ def error_from_response(
     }
     if 300 <= status < 400:
         location = headers.get("location")
+        if location is not None:
+            location = redact_url(redact_answer(location, secrets))
         return BrokerRedirectError(
             f"Could not {spec.what}: the server answered {status} with a redirect to "
             f"{location or '(no Location)'}. Redirects are never followed, so that the token "
@@ -352,7 +408,7 @@ def error_from_response(
         extra = " (the credential was re-read and the request retried once)"
     retry_after = headers.get("retry-after")
     if retry_after and status in (429, 503):
-        extra += f" (Retry-After: {retry_after})"
+        extra += f" (Retry-After: {redact_answer(retry_after, secrets)})"
     label = f"{status} {code}" if code else str(status)
     return cls(
         f"Could not {spec.what} ({request}): the broker answered {label}: {reason}{extra}. {hint}",
@@ -419,5 +475,11 @@ class V1Dialect(Dialect):
         *,
         spec: RequestSpec,
         retried_auth: bool = False,
+        secrets: Iterable[str] = (),
     ) -> BrokerError:
-        return error_from_response(status, headers, body, spec=spec, retried_auth=retried_auth)
+        return error_from_response(
+            status, headers, body, spec=spec, retried_auth=retried_auth, secrets=secrets
+        )
+
+    def token_rejected(self, status: int, body: bytes) -> bool:
+        return is_token_rejection(status, body)

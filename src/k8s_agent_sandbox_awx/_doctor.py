@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -20,6 +21,7 @@ from ._client import BrokerSandboxClient
 from ._config import BrokerConnectionConfig
 from ._credential_errors import AudienceMismatchError, NoCredentialsError, TokenExpiredError
 from ._jwt import normalise_url
+from ._protocol import redact_answer
 from .errors import BrokerTLSError, ConfigurationError, SandboxError
 
 __all__ = ["Check", "DoctorReport", "check_broker", "check_credentials", "run_doctor"]
@@ -96,12 +98,15 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def run_doctor(broker_url: str | None = None, ca_bundle: str | None = None) -> DoctorReport:
-    """Check the configuration (environment and overrides), the credentials and the broker."""
+def run_doctor(
+    config_from: Callable[[], BrokerConnectionConfig] = BrokerConnectionConfig.from_env,
+) -> DoctorReport:
+    """Check the configuration (``config_from()``: by default the environment), the
+    credentials and the broker."""
     report = DoctorReport()
     try:
-        config = BrokerConnectionConfig.from_env(broker_url=broker_url, ca_cert=ca_bundle)
-    except ConfigurationError as exc:
+        config = config_from()
+    except (ConfigurationError, ValueError) as exc:
         report.check(
             "config",
             False,
@@ -270,7 +275,8 @@ def _check_clock(report: DoctorReport, date: str | None) -> None:
         report.check(
             "clock skew",
             False,
-            f"the broker's Date header {date!r} is not an HTTP date with a time zone",
+            f"the broker's Date header {redact_answer(date)!r} is not an HTTP date with a time "
+            "zone",
             "Check that the broker URL points at an agent-sandbox broker, and compare the "
             "clocks by hand.",
         )

@@ -57,12 +57,12 @@ CHUNK_SIZE = 1024 * 1024
 MAX_ERROR_BODY = 64 * 1024
 
 
-def tls_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is a TLS failure."""
+def certificate_failed(exc: BaseException) -> bool:
+    """Whether a transport error was caused by a certificate that did not verify."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, ssl.SSLError):
+        if isinstance(current, ssl.SSLCertVerificationError):
             return True
         seen.add(id(current))
         current = current.__cause__ or current.__context__
@@ -105,6 +105,7 @@ def client_settings(config: BrokerConnectionConfig) -> dict[str, Any]:
         verify = _ssl_context(config)
     return {
         "follow_redirects": False,
+        "trust_env": config.use_env_proxies,  # httpx reads nothing else from it here
         "verify": verify,
         "timeout": httpx.Timeout(config.request_timeout),
         "limits": httpx.Limits(
@@ -203,6 +204,11 @@ class Exchange:
         self._invalidate = invalidate
         self.attempt = 0
         self.auth_retried = False
+        self.request: httpx.Request | None = None
+        self.error_body: bytes | None = None
+        """An error answer's body already read (to decide about a 401)."""
+        self.reached = False
+        """Whether an attempt may have reached the broker (it was sent, or answered)."""
 
     @property
     def replayable(self) -> bool:
@@ -225,7 +231,10 @@ class Exchange:
             yield Close(response)
             yield Sleep(delay)
         if not self.succeeded(response):
-            raise self.failure(response, (yield ReadError(response)))
+            body = self.error_body
+            if body is None:
+                body = yield ReadError(response)
+            raise self.failure(response, body)
         if not stream:
             try:
                 yield Read(response)
@@ -242,13 +251,16 @@ class Exchange:
         logger.debug("%s %s -> %s", self.spec.method, self.spec.path, response.status_code)
         if response.status_code != 401 or not self.authenticate:
             return response
+        self.error_body = yield ReadError(response)  # read (capped) and closed
+        if not self.dialect.token_rejected(401, self.error_body):
+            logger.info("401 from behind the broker (not a token rejection); not retrying")
+            return response
         self._invalidate(self.config.audience)
         if not self.retry.after_unauthorized(retried=self.auth_retried, replayable=self.replayable):
             logger.info("401 from the broker; the body cannot be re-sent, not retrying")
             return response
         logger.info("401 from the broker; re-reading the credential and retrying once")
-        yield Close(response)
-        self.auth_retried = True
+        self.auth_retried, self.error_body = True, None
         self._authorize(request, (yield GetCredential(self.config.audience)))
         retried: httpx.Response = yield Send(request)
         return retried
@@ -268,6 +280,7 @@ class Exchange:
     def next_request(self) -> httpx.Request:
         """The request for the next attempt."""
         self.attempt += 1
+        self.error_body = None
         spec = self.spec
         if self.body is not None and self.attempt > 1 and not self.replayable:
             raise BrokerError(
@@ -293,19 +306,19 @@ class Exchange:
                 stream=self.body,
                 extensions=request.extensions,
             )
+        self.request = request
         return request
 
     def delay_after_error(self, exc: httpx.TransportError) -> float:
         """Seconds to wait before the next attempt after ``exc``; raises the typed error if the
         request must not (or can no longer) be retried."""
         sent = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+        self.reached = self.reached or sent
+        if certificate_failed(exc):
+            raise self.tls_error(exc) from exc
         timed_out = isinstance(exc, httpx.TimeoutException)
         delay = self.retry.after_transport_error(
-            self.spec,
-            self.attempt,
-            request_sent=sent,
-            timed_out=timed_out,
-            permanent=tls_failure(exc),
+            self.spec, self.attempt, request_sent=sent, timed_out=timed_out
         )
         if delay is None:
             if isinstance(exc, httpx.TimeoutException):
@@ -321,6 +334,7 @@ class Exchange:
     def delay_after_response(self, response: httpx.Response) -> float | None:
         """Seconds to wait before retrying after an error ``response``; ``None``: no retry
         (a success, or an error to raise with :meth:`failure`)."""
+        self.reached = True
         status = response.status_code
         if self.succeeded(response) or status < 400:
             return None
@@ -338,10 +352,22 @@ class Exchange:
             body if status >= 400 else b"",
             spec=self.spec,
             retried_auth=self.auth_retried,
+            secrets=self._sent_token(),
         )
+
+    def _sent_token(self) -> tuple[str, ...]:
+        """The token the last attempt carried: redacted from messages about its outcome."""
+        header = self.request.headers.get("Authorization", "") if self.request else ""
+        token = header.partition(" ")[2].strip()
+        return (token,) if token else ()
+
+    def _reason(self, exc: httpx.TransportError) -> str:
+        """A transport error's text (it may quote what the server sent), redacted."""
+        return proto.redact_answer(str(exc) or type(exc).__name__, self._sent_token())
 
     def read_error(self, exc: httpx.TransportError) -> BrokerError:
         """The typed error for a failure while reading a successful response's body."""
+        self.reached = True
         if isinstance(exc, httpx.TimeoutException):
             return self.timeout_error(exc)
         return self.transport_error(exc, sent=True)
@@ -369,22 +395,36 @@ class Exchange:
             timeout=limit,
             method=spec.method,
             path=spec.path,
+            request_sent=self.reached,
+        )
+
+    def tls_error(self, exc: httpx.TransportError) -> BrokerTLSError:
+        """A certificate that does not verify: typed, never retried, nothing was sent."""
+        spec = self.spec
+        ca = self.config.ca_cert or "the system trust store"
+        return BrokerTLSError(
+            f"Could not {spec.what}: the TLS certificate of the broker {self.config.broker_url} "
+            f"did not verify against {ca} ({self._reason(exc)}). Not retried: retrying cannot "
+            "help. Set "
+            "AGENT_SANDBOX_CA_BUNDLE (or ca_cert=) to the PEM file of the CA that signed the "
+            "broker's certificate; if that is the right CA, check this machine's clock (a "
+            "certificate is only valid between its dates) and that the broker URL names a host "
+            "of the certificate.",
+            method=spec.method,
+            path=spec.path,
+            request_sent=False,
         )
 
     def transport_error(self, exc: httpx.TransportError, *, sent: bool) -> BrokerUnavailableError:
         spec = self.spec
         broker = self.config.broker_url
         if isinstance(exc, httpx.ConnectError):
-            reason = str(exc) or type(exc).__name__
-            msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
-            if tls_failure(exc):
-                hint = (
-                    "TLS verification failed: set AGENT_SANDBOX_CA_BUNDLE (or ca_cert=) to the "
-                    "CA that signed the broker's certificate, and check this machine's clock."
-                )
-                return BrokerTLSError(f"{msg} {hint}", method=spec.method, path=spec.path)
+            reason = self._reason(exc)
             hint = "Check the broker URL, that the broker is running, and the CA bundle."
-            return BrokerUnavailableError(f"{msg} {hint}", method=spec.method, path=spec.path)
+            msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
+            return BrokerUnavailableError(
+                f"{msg} {hint}", method=spec.method, path=spec.path, request_sent=self.reached
+            )
         note = ""
         if sent and not spec.retryable:
             note = (
@@ -393,9 +433,10 @@ class Exchange:
             )
         return BrokerUnavailableError(
             f"Could not {spec.what}: the connection to the broker failed "
-            f"({type(exc).__name__}: {exc}).{note} Retry if that is safe.",
+            f"({type(exc).__name__}: {self._reason(exc)}).{note} Retry if that is safe.",
             method=spec.method,
             path=spec.path,
+            request_sent=self.reached,
         )
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Generator, Iterator
 from typing import IO, Any, BinaryIO, Protocol
 
@@ -24,13 +25,30 @@ class BinaryWriter(Protocol):
 @contextlib.contextmanager
 def partial_file(destination: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     """A temporary file beside ``destination``, renamed into place when the block completes:
-    a failed download neither leaves a partial file nor destroys an existing one."""
+    a failed download neither leaves a partial file nor destroys an existing one.
+
+    The file gets the mode ``open(destination, "wb")`` would give it: a new file 0o666 minus
+    the umask, an existing one keeps its permissions (never more open while being written)."""
     local = os.path.abspath(os.fspath(destination))
-    fd, partial = tempfile.mkstemp(
-        prefix=f".{os.path.basename(local)}.", suffix=".part", dir=os.path.dirname(local)
-    )
+    directory, name = os.path.split(local)
+    try:
+        existing: int | None = stat.S_IMODE(os.stat(local).st_mode) & 0o777
+    except OSError:
+        existing = None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        partial = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.part")
+        try:
+            fd = os.open(partial, flags, 0o666 if existing is None else existing)
+            break
+        except FileExistsError:
+            continue
+    else:  # pragma: no cover - 100 collisions of 32 random bits
+        raise FileExistsError(f"Could not create a temporary file beside {local!r}.")
     try:
         with os.fdopen(fd, "wb") as out:
+            if existing is not None:
+                os.fchmod(out.fileno(), existing)  # exactly its mode, whatever the umask
             yield out
         os.replace(partial, local)
     except BaseException:

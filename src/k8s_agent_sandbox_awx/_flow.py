@@ -12,10 +12,11 @@ below for the data plane. Also here: the keyword options of the public signature
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
@@ -99,16 +100,31 @@ class RunOptions(TypedDict, total=False):
     raise_on_timeout: bool
 
 
-def check_options(what: str, options: Mapping[str, Any], kind: Any) -> None:
+def check_options(
+    what: str, options: Mapping[str, Any], kind: Any, named: tuple[str, ...] = ()
+) -> None:
     """Refuse keyword arguments ``kind`` (a TypedDict) does not declare, as Python would for
-    an explicit signature."""
+    an explicit signature; ``named``: the function's named parameters (accepted too, so they
+    are listed and suggested)."""
     known = kind.__required_keys__ | kind.__optional_keys__
     unknown = sorted(set(options) - known)
     if unknown:
-        raise TypeError(
-            f"{what} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-            f"it accepts {', '.join(sorted(known))}."
-        )
+        raise unexpected_keywords(what, unknown, {*known, *named})
+
+
+def unexpected_keywords(what: str, unknown: Iterable[str], known: Iterable[str]) -> TypeError:
+    """The TypeError for misspelt keyword arguments: each with the closest accepted name
+    (``templte`` -> did you mean 'template'?), then every accepted name."""
+    accepted = sorted(known)
+    names = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, accepted, n=1)
+        names.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    plural = "s" if len(names) > 1 else ""
+    return TypeError(
+        f"{what} got unexpected keyword argument{plural} {', '.join(names)}; "
+        f"it accepts {', '.join(accepted)}."
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,6 +138,9 @@ def check_phase(
     deleted = "; its claim is deleted" if creating else ""
     if info.phase == "Ready" or info.ready:
         return True
+    phase = proto.redact_answer(info.phase)  # the broker's words, quoted in messages
+    reason = proto.redact_answer(info.reason) if info.reason else None
+    message = proto.redact_answer(info.message) if info.message else None
     if info.phase == "Terminating":
         raise errors.SandboxTerminatingError(
             f"Sandbox {info.name!r} is being deleted (Terminating) and will not become "
@@ -130,23 +149,23 @@ def check_phase(
         )
     if info.phase == "Failed":
         raise errors.SandboxFailedError(
-            f"Sandbox {info.name!r} is {info.phase} and will not become ready{deleted} "
-            f"(reason: {info.reason or 'none given'}; {info.message or 'no message'}). "
+            f"Sandbox {info.name!r} is {phase} and will not become ready{deleted} "
+            f"(reason: {reason or 'none given'}; {message or 'no message'}). "
             "Check the template and your policy (`agent-sandbox-awx whoami`), then "
             "create a new sandbox.",
             name=info.name,
-            reason=info.reason,
-            detail=info.message,
+            reason=reason,
+            detail=message,
         )
     if remaining <= 0:
         raise errors.SandboxReadyTimeoutError(
             f"Sandbox {info.name!r} did not become ready within {ready_timeout:g}s "
-            f"(phase {info.phase}){deleted}. Pass a larger ready_timeout= "
+            f"(phase {phase}){deleted}. Pass a larger ready_timeout= "
             "(or sandbox_ready_timeout=), or ask the broker's operator why the template "
             "starts slowly.",
             name=info.name,
             ready_timeout=ready_timeout,
-            phase=info.phase,
+            phase=phase,
         )
     return False
 
@@ -186,7 +205,12 @@ def plan_create(
     options: CreateOptions,
 ) -> CreatePlan:
     """Check ``create_sandbox``'s arguments and build its request."""
-    check_options("create_sandbox()", options, CreateOptions)
+    check_options(
+        "create_sandbox()",
+        options,
+        CreateOptions,
+        ("warmpool", "namespace", "sandbox_ready_timeout", "labels"),
+    )
     unsupported = ("claim_name", "adopt_existing", "volume_claim_templates", "pod_labels")
     given = sorted(k for k in (*unsupported, "pod_annotations") if options.get(k))
     if given:
@@ -222,10 +246,14 @@ def plan_create(
 
 def _outcome_unknown(exc: BaseException) -> bool:
     """Whether the broker may have created the sandbox although we saw no answer: the create
-    was interrupted (Ctrl-C, cancellation) or timed out, or the connection broke."""
-    return not isinstance(exc, Exception) or isinstance(
-        exc, errors.RequestTimeoutError | errors.BrokerUnavailableError
-    )
+    was interrupted (Ctrl-C, cancellation) or timed out, or the connection broke, after the
+    request may have reached the broker. A request that never left (no connection, a TLS
+    certificate that did not verify) cannot have created anything."""
+    if not isinstance(exc, Exception):
+        return True
+    if isinstance(exc, errors.RequestTimeoutError | errors.BrokerUnavailableError):
+        return exc.request_sent
+    return False
 
 
 def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
@@ -320,7 +348,7 @@ def sandbox_create_args(
     template: str | None, options: SandboxCreateOptions
 ) -> tuple[float | None, CreateOptions]:
     """``Sandbox.create``'s options as ``create_sandbox``'s (ready timeout, options)."""
-    check_options("create()", options, SandboxCreateOptions)
+    check_options("create()", options, SandboxCreateOptions, ("template", "labels"))
     return options.get("ready_timeout"), CreateOptions(
         template=template,
         annotations=options.get("annotations"),
@@ -339,7 +367,7 @@ def command(
 ) -> Call[ExecutionResult]:
     """``commands.run``: ``POST /execute`` (never retried); a command over its limit raises
     :class:`errors.CommandTimeoutError` unless ``raise_on_timeout`` is off."""
-    check_options("commands.run()", options, RunOptions)
+    check_options("commands.run()", options, RunOptions, ("command", "timeout"))
     if options.get("env") or options.get("cwd"):
         raise NotImplementedError(
             "env and cwd are not supported by the legacy python-runtime behind the broker; "
@@ -378,11 +406,7 @@ def command(
 
 
 def file_path(path: str, allow_unsafe_paths: bool) -> str:
-    if allow_unsafe_paths:
-        if not isinstance(path, str) or not path:
-            raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
-        return path.lstrip("/") or "."
-    return dp.validate_sandbox_path(path)
+    return dp.validate_sandbox_path(path, allow_unsafe=allow_unsafe_paths)
 
 
 def _with_timeout(spec: proto.RequestSpec, timeout: float | None) -> proto.RequestSpec:

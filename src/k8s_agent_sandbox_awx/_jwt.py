@@ -8,8 +8,10 @@ Rules (documented in ``docs/credentials.md``):
 
 - A token "looks like a JWT" when it has exactly three ``.``-separated parts and the first part
   starts with ``eyJ`` (the base64url encoding of ``{"``). Such a token must decode (base64url
-  header and payload, each a JSON object) or it is a :class:`MalformedTokenError`. Any other
-  token is opaque and passes through unchanged (no audience or expiry check is possible).
+  header and payload, each a JSON object, standard JSON without ``NaN``/``Infinity``, nested at
+  most ``MAX_CLAIM_DEPTH`` levels) or it is a :class:`MalformedTokenError`, whatever made the
+  decoding fail. Any other token is opaque and passes through unchanged (no audience or expiry
+  check is possible).
 - Expired: ``now > exp + CLOCK_SKEW_SECONDS``.
 - Audience: ``aud`` (a string or a list of strings) must contain the broker URL, compared with
   :func:`normalise_url`. A JWT without ``aud`` is refused.
@@ -42,6 +44,7 @@ __all__ = [
     "CLOCK_SKEW_SECONDS",
     "DEFAULT_TTL_SECONDS",
     "MAX_CACHE_MARGIN_SECONDS",
+    "MAX_CLAIM_DEPTH",
     "DecodedToken",
     "cache_deadline",
     "check_credential",
@@ -65,6 +68,11 @@ CACHE_MARGIN_FRACTION = 0.1
 
 MAX_TOKEN_CHARS = 64 * 1024
 """Longer tokens are refused (MalformedTokenError): no real OIDC token is that large."""
+
+MAX_CLAIM_DEPTH = 32
+"""How deeply a JWT's header or payload may nest (objects and arrays): real OIDC claims nest a
+few levels; deeper JSON is refused (MalformedTokenError), so that decoding never depends on the
+caller's stack depth and nothing that shows the claims can exceed Python's recursion limit."""
 
 _B64URL = re.compile(r"[A-Za-z0-9_-]*")
 _JWT_LIKE = re.compile(r"eyJ[A-Za-z0-9_=+/-]*\.[A-Za-z0-9_=+/-]*\.[A-Za-z0-9_=+/-]*")
@@ -141,21 +149,46 @@ def _b64_json(segment: str, what: str) -> dict[str, Any]:
     except (binascii.Error, ValueError):
         raise _DecodeError(f"the {what} is not valid base64url") from None
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        value = None  # nested far deeper than the limit: refused below
     except (UnicodeDecodeError, ValueError):
-        raise _DecodeError(f"the {what} is not UTF-8 JSON") from None
+        raise _DecodeError(f"the {what} is not UTF-8 JSON (RFC 8259)") from None
+    if value is None or _too_deep(value):
+        raise _DecodeError(f"the {what} is nested more than {MAX_CLAIM_DEPTH} levels deep")
     if not isinstance(value, dict):
         raise _DecodeError(f"the {what} is JSON but not an object")
     return value
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _too_deep(value: object) -> bool:
+    """True when ``value`` nests objects/arrays more than ``MAX_CLAIM_DEPTH`` levels (no
+    recursion: an explicit stack)."""
+    stack: list[tuple[Iterable[object], int]] = [([value], 0)]
+    while stack:
+        items, depth = stack.pop()
+        for item in items:
+            if isinstance(item, dict | list):
+                if depth >= MAX_CLAIM_DEPTH:
+                    return True
+                stack.append((item.values() if isinstance(item, dict) else item, depth + 1))
+    return False
 
 
 def _number(payload: Mapping[str, Any], claim: str) -> float | None:
     value = payload.get(claim)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _DecodeError(f"the {claim!r} claim is not a number of seconds since the epoch")
-    return float(value)
+    if not isinstance(value, bool) and isinstance(value, int | float):
+        try:
+            return float(value)
+        except OverflowError:
+            pass
+    raise _DecodeError(f"the {claim!r} claim is not a number of seconds since the epoch")
 
 
 @functools.lru_cache(maxsize=128)
@@ -195,13 +228,16 @@ def decode_token(token: str, *, provider: str = "", source: str = "") -> Decoded
     try:
         return _decode_cached(token)
     except _DecodeError as exc:
-        raise MalformedTokenError(
-            f"The token from {_origin(provider, source)} looks like a JWT (three dot-separated "
-            f"parts, header starting with 'eyJ') but cannot be decoded: {exc}. Check that the "
-            "source holds exactly one OIDC token (a JWT) and nothing else.",
-            provider=provider,
-            source=source,
-        ) from None
+        why = str(exc)
+    except Exception as exc:  # any other decoding failure is a malformed token too
+        why = f"{type(exc).__name__} while decoding it"  # its message may quote the token
+    raise MalformedTokenError(
+        f"The token from {_origin(provider, source)} looks like a JWT (three dot-separated "
+        f"parts, header starting with 'eyJ') but cannot be decoded: {why}. Check that the "
+        "source holds exactly one OIDC token (a JWT) and nothing else.",
+        provider=provider,
+        source=source,
+    )
 
 
 def clear_claims_cache() -> None:

@@ -14,12 +14,15 @@
   pluggy's registration order or by entry-point iteration order.
 - A provider implements ``agent_sandbox_get_credential`` (sync), ``..._async`` (an ``async def``)
   or both; :meth:`ProviderEntry.call` and :meth:`ProviderEntry.acall` pick the hook for the sync
-  and the async path (see ``hookspecs``).
+  and the async path (see ``hookspecs``), and give a plugin ``request.timeout`` seconds plus a
+  grace (:func:`answer_limit`) to answer: a plugin that takes longer is answered
+  :class:`TimedOut` (the chain decides what that means).
+- A problem is reported once: a :class:`CredentialPluginWarning` (which
+  ``logging.captureWarnings`` routes to logging), never also a log record of its own.
 """
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import inspect
 import logging
@@ -32,7 +35,7 @@ from typing import Any, Literal
 import pluggy
 
 from . import hookspecs
-from ._auth import run_in_helper_thread
+from ._auth import FetchTimeout, arun_in_thread, run_in_helper_thread, run_in_thread, within
 from ._credential import CredentialRequest, ProviderInfo
 from ._credential_errors import CredentialPluginWarning
 from ._jwt import redact
@@ -51,6 +54,7 @@ __all__ = [
     "PluginProblem",
     "ProviderEntry",
     "ProviderRegistry",
+    "TimedOut",
     "create_plugin_manager",
     "load_providers",
     "order_providers",
@@ -64,6 +68,32 @@ LOAD_PLUGINS_ENV = "AGENT_SANDBOX_LOAD_PLUGINS"
 
 ProviderCall = Callable[[CredentialRequest], object]
 AsyncProviderCall = Callable[[CredentialRequest], Awaitable[object]]
+
+
+MAX_GRACE_SECONDS = 1.0
+
+
+def answer_limit(timeout: float) -> float:
+    """How long the host waits for a plugin: ``timeout`` plus a grace of 1 s (or of ``timeout``
+    if shorter), so that a plugin that honours ``request.timeout`` reports its own error (a
+    timed-out endpoint is "here but broken") before the host gives up on it."""
+    return timeout + min(MAX_GRACE_SECONDS, timeout)
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """What :meth:`ProviderEntry.call` and :meth:`ProviderEntry.acall` answer for a plugin that
+    did not answer within :func:`answer_limit` of ``request.timeout`` (its late answer is
+    dropped)."""
+
+    timeout: float
+
+    @property
+    def reason(self) -> str:
+        return (
+            f"did not answer in time (CredentialRequest.timeout is {self.timeout:g} s; the host "
+            f"waited {answer_limit(self.timeout):g} s)"
+        )
 
 
 @dataclass(frozen=True)
@@ -83,23 +113,39 @@ class ProviderEntry:
     """Calls this plugin's ``agent_sandbox_get_credential_async`` implementation, if any."""
 
     def call(self, request: CredentialRequest) -> object:
-        """The sync path: the sync hook; for an async-only plugin, its async hook run to
-        completion on a fresh event loop in a helper thread."""
-        if self.get_credential is not None:
-            return self.get_credential(request)
-        assert self.get_credential_async is not None
-        return run_in_helper_thread(self.get_credential_async(request))
+        """The sync path: the sync hook, in a helper thread (inline for the built-ins: an
+        environment lookup or one small local file read); for an async-only plugin, its async
+        hook run to completion on a fresh event loop in a helper thread. A plugin gets
+        :func:`answer_limit` seconds: then the answer is :class:`TimedOut` (the thread is left
+        to end on its own; an async hook is cancelled on its loop)."""
+        sync_hook = self.get_credential
+        if sync_hook is not None and self.builtin:
+            return sync_hook(request)
+        limit = answer_limit(request.timeout)
+        try:
+            if sync_hook is not None:
+                return run_in_thread(lambda: sync_hook(request), limit)
+            assert self.get_credential_async is not None
+            return run_in_helper_thread(self.get_credential_async(request), limit)
+        except FetchTimeout:
+            return TimedOut(request.timeout)
 
     async def acall(self, request: CredentialRequest) -> object:
-        """The async path: the async hook if the plugin has one; else the sync hook, in a
-        worker thread (it may block on the network), or inline for the built-ins (an
-        environment lookup or one small local file read: a few µs, never worth a thread)."""
-        if self.get_credential_async is not None:
-            return await self.get_credential_async(request)
-        assert self.get_credential is not None
-        if self.builtin:
-            return self.get_credential(request)
-        return await asyncio.to_thread(self.get_credential, request)
+        """The async path: the async hook if the plugin has one (cancelled after
+        :func:`answer_limit` seconds); else the sync hook, in a helper thread (it may block on
+        the network; awaited as long), or inline for the built-ins (a few µs, never worth a
+        thread). A plugin that takes longer is answered :class:`TimedOut`."""
+        sync_hook = self.get_credential
+        if sync_hook is not None and self.builtin:
+            return sync_hook(request)
+        limit = answer_limit(request.timeout)
+        try:
+            if self.get_credential_async is not None:
+                return await within(self.get_credential_async(request), limit)
+            assert sync_hook is not None
+            return await arun_in_thread(lambda: sync_hook(request), limit)
+        except FetchTimeout:
+            return TimedOut(request.timeout)
 
 
 @dataclass(frozen=True)
@@ -155,9 +201,11 @@ def order_providers(
     return (*builtins_first, *ranked, *builtins_last)
 
 
-def _warn(message: str) -> None:
-    logger.warning("%s", message)
-    warnings.warn(message, CredentialPluginWarning, stacklevel=4)
+def warn_plugin(message: str, stacklevel: int = 4) -> None:
+    """Report a plugin problem once: a :class:`CredentialPluginWarning` (shown once per process
+    by Python's default filter; ``logging.captureWarnings(True)`` routes it to logging), never
+    also a log record, so that nobody sees it twice."""
+    warnings.warn(message, CredentialPluginWarning, stacklevel=stacklevel)
 
 
 def _describe_error(exc: BaseException, environ: Mapping[str, str]) -> str:
@@ -250,7 +298,7 @@ class _Loader:
         self.names = set(RESERVED_NAMES)
 
     def refuse(self, name: str, origin: str, detail: str) -> None:
-        _warn(f"Credential provider plugin {origin} {detail}.")
+        warn_plugin(f"Credential provider plugin {origin} {detail}.")
         self.problems.append(PluginProblem(name, origin, "failed to load", detail))
 
     def add(self, name: str, origin: str, load: Callable[[], object]) -> None:
@@ -267,9 +315,11 @@ class _Loader:
             return
         try:
             self.third.append(_register(self.pm, name, load(), builtin=False, origin=origin))
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit at import included: skip, never exit
             detail = f"skipped: {_describe_error(exc, self.environ)}"
-            _warn(f"Credential provider plugin {origin} could not be loaded and is {detail}.")
+            warn_plugin(f"Credential provider plugin {origin} could not be loaded and is {detail}.")
             self.problems.append(PluginProblem(name, origin, "failed to load", detail))
             return
         self.names.add(name)
@@ -308,7 +358,7 @@ class _Loader:
                 f"entry point of that name in the group {hookspecs.ENTRY_POINT_GROUP!r} (the "
                 "variable takes entry-point names, not distribution or module names)"
             )
-            _warn(detail + ".")
+            warn_plugin(detail + ".")
             self.problems.append(PluginProblem(missing, "", "failed to load", detail))
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Generic, Protocol, TypeVar
 
+from ._jwt import redact
 from .errors import BrokerProtocolError
 
 __all__ = [
@@ -32,6 +34,9 @@ __all__ = [
     "parse_json",
     "parse_retry_after",
     "protocol_error",
+    "redact_answer",
+    "redact_url",
+    "str_mapping",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -168,6 +173,30 @@ def new_idempotency_key() -> str:
     return str(uuid.uuid4())
 
 
+def str_mapping(argument: str, value: Mapping[str, str] | None) -> dict[str, str]:
+    """``value`` as a dict of str to str, else a TypeError naming ``argument`` (never its
+    values, which may be secrets such as ``env=``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{argument}= must be a mapping of str to str, such as {{'team': 'ml'}}, "
+            f"not a {type(value).__name__}."
+        )
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"{argument}= must map str to str; it has a key of type {type(key).__name__}: "
+                "convert it with str()."
+            )
+        if not isinstance(item, str):
+            raise TypeError(
+                f"{argument}= must map str to str; the value of {key!r} is of type "
+                f"{type(item).__name__}: convert it with str()."
+            )
+    return dict(value)
+
+
 def seconds(value: float) -> str:
     """A number of seconds as sent in a header or query parameter."""
     return f"{value:g}"
@@ -177,11 +206,36 @@ def seconds(value: float) -> str:
 # Response parsing (shared by every dialect and the data plane)
 
 
+_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+")
+
+
+def redact_answer(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` from a server's answer, fit for a message: the caller's token (``secrets``),
+    anything shaped like a JWT and the credential after any ``Bearer`` are replaced. Every
+    message (and error attribute) built from an answer goes through it, before any truncation
+    (a cut token would no longer be recognised). Where the caller's token is not at hand (a
+    successful answer that does not parse), the shapes suffice: the broker accepts only JWTs."""
+    return _BEARER.sub(r"\1 <redacted>", redact(text, secrets))
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a message: a user name and password (``user:password@``) become
+    ``***@``. Everything up to the last ``@`` before the query is treated as user info, so that
+    a password with unencoded ``@`` or ``/`` is hidden too; a URL that does not parse (a bad
+    port, no scheme) is redacted all the same."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    ends = [i for i in (rest.find("?"), rest.find("#")) if i >= 0]
+    at = rest.rfind("@", 0, min(ends, default=len(rest)))
+    return url if at < 0 else f"{scheme}{sep}***@{rest[at + 1 :]}"
+
+
 def parse_json(body: bytes, what: str) -> Any:
     try:
         return json.loads(body)
     except ValueError as exc:
-        snippet = body[:200].decode("utf-8", "replace")
+        snippet = redact_answer(body[:4096].decode("utf-8", "replace"))[:200]
         raise BrokerProtocolError(
             f"Could not {what}: the answer is not JSON ({exc}); it starts with {snippet!r}. "
             "Check that the broker URL points at an agent-sandbox broker."
@@ -189,8 +243,9 @@ def parse_json(body: bytes, what: str) -> Any:
 
 
 def protocol_error(what: str, problem: str, api: str = "the broker API v1") -> BrokerProtocolError:
+    """``problem`` may quote the answer (a bad field's value): it is redacted."""
     return BrokerProtocolError(
-        f"Could not {what}: {problem}. The broker does not follow {api}; "
+        f"Could not {what}: {redact_answer(problem)}. The broker does not follow {api}; "
         "check the broker URL and the broker's version."
     )
 
@@ -214,11 +269,11 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # isdigit() alone: also "²" and other digits
         return float(value)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
@@ -274,14 +329,12 @@ class RetryPolicy:
         *,
         request_sent: bool,
         timed_out: bool = False,
-        permanent: bool = False,
     ) -> float | None:
         """Seconds to wait before retrying after a connection error, or ``None``.
 
         ``request_sent``: the request may have reached the server. A read timeout of a sent
-        request is never retried; a non-idempotent request (``POST /execute``) never is; a
-        ``permanent`` failure (a certificate that does not verify) never is."""
-        if permanent or not spec.retryable or attempt >= self.max_attempts:
+        request is never retried; a non-idempotent request (``POST /execute``) never is."""
+        if not spec.retryable or attempt >= self.max_attempts:
             return None
         if timed_out and request_sent:
             return None

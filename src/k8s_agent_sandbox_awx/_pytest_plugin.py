@@ -39,7 +39,8 @@ def sandbox_broker_session() -> Iterator[LocalBroker]:
     except ImportError as exc:
         pytest.fail(
             "the sandbox_broker fixture needs the local broker stack: install the [local] extra "
-            f'(pip install "k8s-agent-sandbox-awx[local]"); import failed: {exc}',
+            '(python3 -m pip install -e ".[local]" in a clone of the k8s-agent-sandbox-awx '
+            f"repository); import failed: {exc}",
             pytrace=False,
         )
     with LocalBroker() as broker:

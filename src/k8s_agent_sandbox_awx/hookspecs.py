@@ -38,7 +38,9 @@ def agent_sandbox_get_credential(request: CredentialRequest) -> Credential | Non
       the host never falls through to another identity.
 
     The host calls each provider individually in its own documented order; it never relies on
-    pluggy's registration order.
+    pluggy's registration order. Answer within ``request.timeout`` seconds (give it to your HTTP
+    client, and raise when your platform's endpoint is too slow): a little later the host stops
+    waiting and, during discovery, skips this provider with a warning.
     """
 
 

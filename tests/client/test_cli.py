@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -33,6 +34,7 @@ def test_missing_broker_url_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys:
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "AGENT_SANDBOX_BROKER_URL" in err
     assert "Traceback" not in err
+    assert "--broker-url" in err and "broker_url=" not in err  # the CLI's way, not Python's
 
 
 @pytest.mark.e2e
@@ -137,7 +139,7 @@ def test_dev_without_the_local_extra(monkeypatch: pytest.MonkeyPatch, capsys: An
     monkeypatch.setitem(sys.modules, "k8s_agent_sandbox_awx.testing._commands", None)
     assert main(["dev"]) == 1
     err = capsys.readouterr().err
-    assert 'pip install "k8s-agent-sandbox-awx[local]"' in err and "Traceback" not in err
+    assert 'python3 -m pip install -e ".[local]"' in err and "Traceback" not in err
 
 
 def test_dev_help_reaches_the_dev_parser(capsys: Any) -> None:
@@ -287,3 +289,159 @@ def test_doctor_audience_check_uses_the_sdks_url_rule(
         if ok:
             assert checks["audience"] is True
     clear_credential_cache()
+
+
+# ------------------------------------------------------------------ usability (issue 10)
+
+
+@pytest.fixture
+def no_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No AGENT_SANDBOX_* variable, no plugin: nothing is looked up beyond this machine."""
+    from k8s_agent_sandbox_awx import clear_credential_cache
+
+    for name in [n for n in os.environ if n.startswith("AGENT_SANDBOX_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
+    clear_credential_cache()
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:9", "http://localhost:9/", "http://sandbox-broker.example"]
+)
+@pytest.mark.parametrize("source", ["flag", "env"])
+def test_insecure_http_hint_names_the_cli_flag(
+    url: str, source: str, no_credentials: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The CLI cannot pass allow_insecure_http=True: its hint names --allow-insecure-http."""
+    if source == "env":
+        monkeypatch.setenv("AGENT_SANDBOX_BROKER_URL", url)
+        argv = ["ls"]
+    else:
+        argv = ["--broker-url", url, "ls"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--allow-insecure-http" in err and "allow_insecure_http=True" not in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert main(["--broker-url", url, "doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  config" in out and "--allow-insecure-http" in out, out
+    assert "allow_insecure_http=True" not in out
+
+
+def test_insecure_http_hint_in_python_names_the_argument(no_credentials: None) -> None:
+    from k8s_agent_sandbox_awx import ConfigurationError, Sandbox
+
+    with pytest.raises(ConfigurationError) as info:
+        Sandbox.create(broker_url="http://127.0.0.1:9")
+    assert "allow_insecure_http=True" in str(info.value)
+    assert "--allow-insecure-http" not in str(info.value)
+
+
+def test_allow_insecure_http_flag_reaches_a_loopback_http_broker(
+    no_credentials: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``--allow-insecure-http`` lets the CLI use a plain-http broker on this machine."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from k8s_agent_sandbox_awx.testing import unsigned_jwt
+
+    class Broker(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"provider": "plain", "subject": "me"}).encode()
+            self.send_response(200 if self.path == "/v1/whoami" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Broker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("AGENT_SANDBOX_TOKEN", unsigned_jwt({"aud": url}))
+        assert main(["--broker-url", url, "whoami", "--json"]) == 1  # refused without the flag
+        assert "--allow-insecure-http" in capsys.readouterr().err
+        assert main(["--allow-insecure-http", "--broker-url", url, "whoami", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["subject"] == "me"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.e2e
+def test_run_json(broker: Any, use_env: Any, live: Any, capsys: Any) -> None:
+    """``run --json``: one JSON object (documented in docs/client.md); the exit code is still
+    the command's."""
+    use_env(broker.environ("kubernetes"))
+    assert main(["run", "--json", "--", "sh", "-c", "echo out; echo err >&2; exit 7"]) == 7
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result == {
+        "sandbox": result["sandbox"],
+        "exit_code": 7,
+        "stdout": "out\n",
+        "stderr": "err\n",
+        "timed_out": False,
+    }
+    assert result["sandbox"] and captured.err == ""
+    assert main(["run", "--json", "--timeout", "0.5", "--", "sleep", "5"]) == 124
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["timed_out"] is True and "--timeout" in captured.err
+    assert live(broker) == []
+
+
+@pytest.mark.e2e
+def test_kill_json(broker: Any, use_env: Any, capsys: Any) -> None:
+    use_env(broker.environ("kubernetes"))
+    from k8s_agent_sandbox_awx import Sandbox
+
+    sandbox = Sandbox.create()
+    try:
+        assert main(["kill", "--json", sandbox.name, "sbx-does-not-exist"]) == 0
+        assert json.loads(capsys.readouterr().out) == [
+            {"name": sandbox.name, "deleted": True},
+            {"name": "sbx-does-not-exist", "deleted": False},
+        ]
+    finally:
+        sandbox.close_connection()
+
+
+def test_no_credentials_error_is_a_list(
+    no_credentials: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """One provider per line, one fix per line (it was one line of 1,000 characters)."""
+    monkeypatch.setenv("AGENT_SANDBOX_BROKER_URL", "https://127.0.0.1:9")  # never contacted
+    assert main(["whoami"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("agent-sandbox-awx: error: NoCredentialsError: No credential")
+    for provider in ("agent-sandbox-token", "agent-sandbox-token-file", "kubernetes-projected"):
+        assert sum(line.lstrip().startswith(f"- {provider}: ") for line in lines) == 1, lines
+    assert all(line.startswith("  ") for line in lines[1:])  # continuation lines are indented
+    fixes = lines[lines.index(next(x for x in lines if "To fix it" in x)) + 1 :]
+    assert len(fixes) >= 4 and all(f.lstrip().startswith("- ") for f in fixes), lines
+    assert any("AGENT_SANDBOX_TOKEN " in f for f in fixes)
+    assert max(map(len, lines)) < 200, max(lines, key=len)
+
+
+def test_docs_describe_every_json_output() -> None:
+    """docs/client.md documents the --json shape of every command that has --json."""
+    from k8s_agent_sandbox_awx._cli import _parser
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
+    parser = _parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    with_json = sorted(
+        name
+        for name, p in sub.choices.items()
+        if any("--json" in a.option_strings for a in p._actions)
+    )
+    assert with_json == ["doctor", "kill", "ls", "run", "whoami"]
+    for name in with_json:
+        assert f"| `{name}` | " in docs, name

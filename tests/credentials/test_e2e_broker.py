@@ -3,6 +3,7 @@ real HTTPS on loopback, verified there with real signatures."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from k8s_agent_sandbox_awx import (
     AudienceMismatchError,
     BrokerAuthenticationError,
     DefaultCredentials,
+    MalformedTokenError,
     OIDCTokenAuth,
     Sandbox,
     explain,
@@ -86,4 +88,16 @@ def test_a_token_for_another_audience_is_never_sent(sandbox_broker: Any) -> None
     with pytest.raises(AudienceMismatchError) as info:
         _create(sandbox_broker, OIDCTokenAuth(token))
     assert token not in str(info.value)
+    assert sandbox_broker.claims() == []  # nothing was created
+
+
+def test_a_deeply_nested_jwt_is_malformed_and_never_sent(sandbox_broker: Any) -> None:
+    depth = 13_000
+    payload = f'{{"aud":"{sandbox_broker.url}","n":{"[" * depth}{"]" * depth}}}'.encode()
+    segment = base64.urlsafe_b64encode(payload).rstrip(b"=").decode()
+    token = f"eyJhbGciOiJSUzI1NiJ9.{segment}.c2lnbmF0dXJl"
+    for auth in (OIDCTokenAuth(token), DefaultCredentials({"AGENT_SANDBOX_TOKEN": token})):
+        with pytest.raises(MalformedTokenError, match="nested") as info:
+            _create(sandbox_broker, auth)
+        assert token not in str(info.value)
     assert sandbox_broker.claims() == []  # nothing was created

@@ -28,7 +28,10 @@ NO_ISOLATION_WARNING = (
     "local sandboxes are host processes with NO isolation: commands run as your user on this "
     "machine. Use the local broker for development and tests only, never for untrusted code."
 )
-EXTRA_HINT = 'the local broker needs the [local] extra: pip install "k8s-agent-sandbox-awx[local]"'
+EXTRA_HINT = (
+    'the local broker needs the [local] extra: python3 -m pip install -e ".[local]" in a clone of '
+    "the k8s-agent-sandbox-awx repository"
+)
 
 _EXPORTS: dict[str, str] = {
     "LocalBroker": "._broker",
