@@ -100,7 +100,7 @@ class ClientBase(Generic[H, T, R]):
             environ, **config_overrides
         )
         self.auth = auth if auth is not None else DefaultCredentials(environ)
-        self.dialect = get_dialect()
+        self.dialect = get_dialect(self.connection_config.broker_protocol)
         self._lock = threading.RLock()
         self._handles: dict[str, H] = {}
         self._closed = False

@@ -129,6 +129,8 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
     always connect directly. See :attr:`use_env_proxies`."""
     template: str | None = None
     """Template used when ``create`` gets none; ``None``: the broker policy's default."""
+    broker_protocol: str | None = None
+    """The broker dialect to speak (a name registered in ``_dialects``; ``None``: ``v1``)."""
     request_timeout: float = Field(default=30.0, gt=0)
     """Seconds for one HTTP request (connect, and each read/write)."""
     ready_timeout: float = Field(default=180.0, ge=0)

@@ -1,0 +1,100 @@
+"""The dialect-conformance suite: the same control-plane behaviour from every registered
+dialect, against the local broker (docs/architecture.md). A new dialect registered in
+``_dialects`` runs these tests by being registered."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from k8s_agent_sandbox_awx import BrokerSandboxClient, Sandbox
+from k8s_agent_sandbox_awx._dialects import DIALECTS, get_dialect
+from k8s_agent_sandbox_awx.errors import (
+    BrokerQuotaError,
+    ConfigurationError,
+    SandboxNotFoundError,
+    SandboxReadyTimeoutError,
+    SandboxTemplateNotFoundError,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(params=sorted(DIALECTS))
+def dialect(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+def client(broker: Any, dialect: str) -> Iterator[BrokerSandboxClient]:
+    env = broker.environ("kubernetes", namespace="team-c", service_account="agent")
+    with BrokerSandboxClient(environ=env, broker_protocol=dialect) as made:
+        assert made.dialect is get_dialect(dialect)
+        yield made
+
+
+def test_create_is_ready_listed_found_and_deleted_once(client: BrokerSandboxClient) -> None:
+    sandbox = client.create_sandbox()
+    assert sandbox.info.ready
+    assert client.get_info(sandbox.name).name == sandbox.name
+    assert sandbox.name in [info.name for info in client.list_sandboxes()]
+    assert client.delete(sandbox.name) is True
+    deadline = time.monotonic() + 10
+    while client.delete(sandbox.name):  # repeating is never an error (it may be Terminating)
+        assert time.monotonic() < deadline, "the sandbox was never gone"
+        time.sleep(0.1)
+    with pytest.raises(SandboxNotFoundError):  # once gone: False above, not found here
+        client.get_info(sandbox.name)
+    sandbox._killed = True  # deleted above: nothing for the client's exit to do
+
+
+def test_the_data_plane_reaches_the_sandbox_with_the_dialects_headers(
+    client: BrokerSandboxClient,
+) -> None:
+    sandbox = client.create_sandbox()
+    assert sandbox.commands.run("echo hi").stdout == "hi\n"
+    sandbox.files.write("conformance.txt", b"data")
+    assert sandbox.files.read("conformance.txt") == b"data"
+    sandbox.kill()
+
+
+def test_whoami_and_healthz(client: BrokerSandboxClient) -> None:
+    who = client.whoami()
+    assert who["subject"].endswith(":agent")
+    health = client.healthz()
+    assert health.status_code == 200 and health.headers.get("date")
+
+
+def test_errors_are_typed(client: BrokerSandboxClient, broker: Any, dialect: str) -> None:
+    before = len(broker.claims(include_deleted=True))
+    with pytest.raises(SandboxTemplateNotFoundError):
+        client.create_sandbox(template="no-such-template")
+    assert len(broker.claims(include_deleted=True)) == before
+    with pytest.raises(SandboxNotFoundError):
+        client.get_info("no-such-sandbox")
+    other = broker.environ("kubernetes", namespace="team-c", service_account="intruder")
+    mine = client.create_sandbox()
+    with pytest.raises(SandboxNotFoundError):
+        Sandbox.connect(mine.name, environ=other, config=client.connection_config)
+    for _ in range(4):  # the default policy's max_sandboxes is 5
+        client.create_sandbox()
+    with pytest.raises(BrokerQuotaError):
+        client.create_sandbox()
+
+
+def test_a_failed_create_is_rolled_back(
+    client: BrokerSandboxClient, broker: Any, live: Any
+) -> None:
+    broker.set_readiness_delay(30)
+    with pytest.raises(SandboxReadyTimeoutError):
+        client.create_sandbox(sandbox_ready_timeout=1)
+    assert live(broker) == []
+
+
+def test_an_unknown_dialect_is_a_configuration_error(broker: Any) -> None:
+    with pytest.raises(ConfigurationError, match="broker protocol"):
+        BrokerSandboxClient(environ=broker.environ("kubernetes"), broker_protocol="nope")
