@@ -184,17 +184,17 @@ class RpcEndpoint:
             )
         else:
             template = self.warm_pools[pool]
-            if template not in policy.templates:
+            if template not in self.app.templates:  # checked first, as under /v1
+                failure = (
+                    "TemplateNotFound",
+                    f"warm pool {pool!r} refers to template {template!r}, which does not exist",
+                )
+            elif template not in policy.templates:
                 raise ApiError(
                     403,
                     "template_not_allowed",
                     f"provider {caller.provider!r} may not use warm pool {pool!r} (template "
                     f"{template!r}); allowed templates: {list(policy.templates)}",
-                )
-            if template not in self.app.templates:
-                failure = (
-                    "TemplateNotFound",
-                    f"warm pool {pool!r} refers to template {template!r}, which does not exist",
                 )
         pod_metadata = {
             key: value
