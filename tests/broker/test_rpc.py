@@ -595,8 +595,11 @@ def test_v1_only_broker_answers_404_on_rpc(rpc: Callable[..., Rpc]) -> None:
             assert "v1" in resp.json()["detail"]
             sandbox = client.ready()
             assert client.run(sandbox, "echo only-v1").json()["stdout"] == "only-v1\n"
-            # no /rpc here: a claim header means nothing extra beyond v1's rules
-            assert only.claims()[0]["metadata"]["name"] == sandbox["name"]
+            # the claim header's rule for a v1 sandbox holds here too
+            headers = client.data_headers(sandbox, **{"X-Sandbox-Claim-Name": "broker-other"})
+            resp = client.http.post("/execute", json={"command": "true"}, headers=headers)
+            assert resp.status_code == 403
+            assert resp.json()["code"] == "claim_mismatch"
         finally:
             client.http.close()
 

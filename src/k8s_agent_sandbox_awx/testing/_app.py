@@ -285,7 +285,8 @@ class BrokerApp:
         self.url = url
         self.protocols = protocols
         self.rpc: RpcEndpoint | None = None
-        """The ``/rpc`` dialect's handler (set by ``LocalBroker`` when it serves ``rpc``)."""
+        """The ``/rpc`` dialect's handler (set by ``LocalBroker``; routed to only when
+        ``protocols`` has ``rpc``, while its claim-header check runs on every data request)."""
         self.templates = dict(templates)
         self.backend = backend
         self.faults = faults
@@ -353,7 +354,7 @@ class BrokerApp:
         request = Request(scope, receive)
         path: str = scope["path"]
         is_control = path == "/v1" or path.startswith("/v1/")
-        is_rpc = path == "/rpc" and self.rpc is not None
+        is_rpc = path == "/rpc" and "rpc" in self.protocols
         try:
             if not is_control and not is_rpc and "x-sandbox-id" in request.headers:
                 await self._data_plane(request, send)

@@ -198,8 +198,7 @@ class LocalBroker:
             max_token_bytes=self._max_token_bytes,
             protocols=self._protocols,
         )
-        if "rpc" in self._protocols:
-            self._app.rpc = RpcEndpoint(self._app, self._warm_pools)
+        self._app.rpc = RpcEndpoint(self._app, self._warm_pools)
         install_log_filter()
         config = uvicorn.Config(
             self._app,
