@@ -261,11 +261,12 @@ def test_policy_forbidden_warm_pool_is_403(ann: Rpc) -> None:
     _assert_plain(ann.op("create", warmpool="restricted"), 403, "restricted", "allowed")
 
 
-def test_lifetime_at_the_cap_is_clamped(rpc_broker: LocalBroker, ann: Rpc) -> None:
-    claim = ann.create_claim(lifecycle={"shutdownTime": _rfc3339(601)})["claim_name"]
+def test_lifetime_just_past_the_cap_is_clamped(rpc_broker: LocalBroker, ann: Rpc) -> None:
+    just_past = datetime.fromtimestamp(time.time() + 601.5, UTC).isoformat()  # fractional
+    claim = ann.create_claim(lifecycle={"shutdownTime": just_past})["claim_name"]
     manifest = _claim_manifest(rpc_broker, claim)
-    created = _epoch(manifest["metadata"]["creationTimestamp"])
-    assert _epoch(manifest["spec"]["lifecycle"]["shutdownTime"]) <= created + 601
+    created = _epoch(manifest["metadata"]["creationTimestamp"])  # whole seconds, as shutdown
+    assert _epoch(manifest["spec"]["lifecycle"]["shutdownTime"]) == created + 600
 
 
 # -- status ------------------------------------------------------------------------------------
