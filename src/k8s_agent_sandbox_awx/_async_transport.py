@@ -177,6 +177,18 @@ class AsyncBrokerTransport(ex.TransportBase):
         finally:
             await response.aclose()
 
+    async def events(self, spec: proto.RequestSpec) -> AsyncGenerator[Any, None]:
+        """The answer to ``spec`` as a stream of NDJSON values (see ``BrokerTransport.events``;
+        ``contextlib.aclosing`` to stop early)."""
+        decoder = proto.NdjsonDecoder(spec.what)
+        meter = ex.DownloadMeter(spec, spec.path, None)
+        async with contextlib.aclosing(self.stream(spec, meter)) as chunks:
+            async for chunk in chunks:
+                for value in decoder.feed(chunk):
+                    yield value
+        for value in decoder.end():
+            yield value
+
     async def download(
         self,
         spec: proto.RequestSpec,

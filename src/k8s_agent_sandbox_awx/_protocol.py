@@ -23,6 +23,7 @@ from .errors import BrokerProtocolError
 
 __all__ = [
     "Call",
+    "NdjsonDecoder",
     "Reply",
     "RequestSpec",
     "RetryPolicy",
@@ -248,6 +249,31 @@ def protocol_error(what: str, problem: str, api: str = "the broker API v1") -> B
         f"Could not {what}: {redact_answer(problem)}. The broker does not follow {api}; "
         "check the broker URL and the broker's version."
     )
+
+
+class NdjsonDecoder:
+    """Splits a streamed answer into JSON values, one per line (NDJSON: event streams such as
+    a command's output or a directory watch); chunks may end anywhere, blank lines are skipped,
+    a line longer than ``max_line`` bytes is a :class:`BrokerProtocolError`."""
+
+    def __init__(self, what: str, max_line: int = 16 * 1024 * 1024) -> None:
+        self.what = what
+        self.max_line = max_line
+        self._pending = bytearray()
+
+    def feed(self, chunk: bytes) -> list[Any]:
+        """The values completed by ``chunk``."""
+        self._pending += chunk
+        *lines, rest = self._pending.split(b"\n")
+        if len(rest) > self.max_line:
+            raise protocol_error(self.what, f"an event line is longer than {self.max_line} bytes")
+        self._pending = rest
+        return [parse_json(bytes(line), self.what) for line in lines if line.strip()]
+
+    def end(self) -> list[Any]:
+        """The last value, if the stream did not end with a newline."""
+        rest, self._pending = bytes(self._pending), bytearray()
+        return [parse_json(rest, self.what)] if rest.strip() else []
 
 
 def json_object(body: bytes, what: str) -> dict[str, Any]:

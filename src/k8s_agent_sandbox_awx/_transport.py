@@ -147,6 +147,15 @@ class BrokerTransport(TransportBase):
         finally:
             response.close()
 
+    def events(self, spec: proto.RequestSpec) -> Generator[Any, None, None]:
+        """The answer to ``spec`` as a stream of NDJSON values, each as soon as its line is
+        complete (the request is sent on first iteration; close the generator to stop)."""
+        decoder = proto.NdjsonDecoder(spec.what)
+        with contextlib.closing(self.stream(spec, DownloadMeter(spec, spec.path, None))) as chunks:
+            for chunk in chunks:
+                yield from decoder.feed(chunk)
+        yield from decoder.end()
+
     def download(self, spec: proto.RequestSpec, meter: DownloadMeter, out: Any) -> int:
         """Stream the answer to ``spec`` into ``out.write``; the bytes written."""
         with contextlib.closing(self.stream(spec, meter)) as chunks:

@@ -1,0 +1,74 @@
+"""A response consumed as a stream: NDJSON events as their lines complete, sync and async,
+through the one exchange (auth, errors) — the room for command output and directory watches."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from k8s_agent_sandbox_awx import AsyncBrokerSandboxClient, BrokerSandboxClient, OIDCTokenAuth
+from k8s_agent_sandbox_awx._protocol import NdjsonDecoder, RequestSpec
+from k8s_agent_sandbox_awx.errors import BrokerNotFoundError, BrokerProtocolError
+
+BROKER = "https://broker.test"
+CHUNKS = [b'{"seq": 1, "data": "a"}\n{"se', b'q": 2, "data": "b"}\n', b"\n", b'{"seq": 3}']
+EVENTS = [{"seq": 1, "data": "a"}, {"seq": 2, "data": "b"}, {"seq": 3}]
+
+
+class Chunks(httpx.SyncByteStream, httpx.AsyncByteStream):
+    def __iter__(self) -> Iterator[bytes]:
+        yield from CHUNKS
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in CHUNKS:
+            yield chunk
+
+
+def answer(request: httpx.Request) -> httpx.Response:
+    assert request.headers["Authorization"] == "Bearer opaque"
+    if request.url.path == "/missing":
+        return httpx.Response(404, json={"code": "not_found", "detail": "gone"})
+    return httpx.Response(200, stream=Chunks(), headers={"Content-Type": "application/x-ndjson"})
+
+
+def test_ndjson_decoder_splits_lines_across_chunks() -> None:
+    decoder = NdjsonDecoder("follow events")
+    assert [v for chunk in CHUNKS for v in decoder.feed(chunk)] + decoder.end() == EVENTS
+    with pytest.raises(BrokerProtocolError, match="follow events"):
+        NdjsonDecoder("follow events").feed(b"not json\n")
+    with pytest.raises(BrokerProtocolError, match="longer than"):
+        NdjsonDecoder("follow events", max_line=4).feed(b"12345")
+
+
+def test_events_stream_sync() -> None:
+    client = BrokerSandboxClient(
+        broker_url=BROKER, auth=OIDCTokenAuth("opaque"), http_transport=httpx.MockTransport(answer)
+    )
+    try:
+        assert list(client._transport.events(RequestSpec("GET", "/events", "follow"))) == EVENTS
+        with pytest.raises(BrokerNotFoundError):
+            list(client._transport.events(RequestSpec("GET", "/missing", "follow")))
+    finally:
+        client.close()
+
+
+def test_events_stream_async() -> None:
+    async def main() -> list[Any]:
+        client = AsyncBrokerSandboxClient(
+            broker_url=BROKER,
+            auth=OIDCTokenAuth("opaque"),
+            http_transport=httpx.MockTransport(answer),
+        )
+        try:
+            with pytest.raises(BrokerNotFoundError):
+                async for _ in client._transport.events(RequestSpec("GET", "/missing", "x")):
+                    pass
+            return [e async for e in client._transport.events(RequestSpec("GET", "/e", "x"))]
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == EVENTS
