@@ -123,7 +123,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The connection settings from the options (``None``: from the environment). The broker
     URL is checked here first, so that the fixes its errors name are the CLI's (a flag, not a
     keyword argument)."""
-    from ._config import ENV_BROKER_URL, normalize_broker_url
+    from ._config import ENV_BROKER_URL, check_broker_url
     from .errors import ConfigurationError
 
     url = args.broker_url or os.environ.get(ENV_BROKER_URL)
@@ -132,7 +132,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             f"No broker URL: set the environment variable {ENV_BROKER_URL} to the broker's "
             "https:// URL, or pass --broker-url URL."
         )
-    normalize_broker_url(
+    check_broker_url(
         url, allow_insecure_http=args.allow_insecure_http, insecure_option=_INSECURE_FLAG
     )
     settings: dict[str, Any] = {"broker_url": args.broker_url, "ca_cert": args.ca_bundle}

@@ -6,10 +6,11 @@ import ipaddress
 import os
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
+from ._jwt import normalise_url
 from ._protocol import redact_url
 from ._upstream import SandboxDirectConnectionConfig
 from .errors import ConfigurationError
@@ -20,7 +21,7 @@ __all__ = [
     "ENV_TEMPLATE",
     "ENV_TRUST_ENV_PROXIES",
     "BrokerConnectionConfig",
-    "normalize_broker_url",
+    "check_broker_url",
 ]
 
 ENV_BROKER_URL = "AGENT_SANDBOX_BROKER_URL"
@@ -48,13 +49,14 @@ def _is_loopback(host: str) -> bool:
     return address.is_loopback
 
 
-def normalize_broker_url(
+def check_broker_url(
     url: str,
     *,
     allow_insecure_http: bool = False,
     insecure_option: str = "allow_insecure_http=True",
 ) -> str:
-    """Validate a broker URL and return it without a trailing slash.
+    """Check a broker URL and return its normal form (``_jwt.normalise_url``, the one URL rule:
+    scheme and host lower-cased, default port and trailing slash dropped).
 
     The result is the only origin the client sends a token to, and the credential audience.
     ``insecure_option``: how the caller allows http:// where it is (the CLI: its flag).
@@ -101,13 +103,8 @@ def normalize_broker_url(
                 f"The broker URL {shown!r} uses http://. Use https://, or, for a broker on this "
                 f"machine only, pass {insecure_option}."
             )
-    netloc = host.lower()
-    if ":" in netloc:
-        netloc = f"[{netloc}]"
-    if port is not None:
-        netloc = f"{netloc}:{port}"
-    path = parts.path.rstrip("/")
-    return urlunsplit((scheme, netloc, path, "", ""))
+    del port  # parsed above only to refuse a bad one
+    return normalise_url(raw)  # the one URL rule (also for token audiences)
 
 
 class BrokerConnectionConfig(SandboxDirectConnectionConfig):
@@ -161,10 +158,10 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
                 "(or pass broker_url=)."
             )
         insecure = bool(data.get("allow_insecure_http", False))
-        normalized = normalize_broker_url(str(broker), allow_insecure_http=insecure)
+        normalized = check_broker_url(str(broker), allow_insecure_http=insecure)
         api_url = data.get("api_url")
         if api_url:
-            api_normalized = normalize_broker_url(str(api_url), allow_insecure_http=insecure)
+            api_normalized = check_broker_url(str(api_url), allow_insecure_http=insecure)
             if api_normalized != normalized:
                 raise ConfigurationError(
                     f"api_url {redact_url(str(api_url))!r} differs from the broker URL "

@@ -104,3 +104,14 @@ def test_unreadable_tls_files_are_configuration_errors(tmp_path: pytest.TempPath
     config = BrokerConnectionConfig(broker_url="https://b.example", client_cert=(missing, missing))
     with pytest.raises(ConfigurationError, match="client certificate"):
         BrokerSandboxClient(config, auth=object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "url", ["HTTPS://Broker.Example:443/", "https://b.example:8443/base/", "https://[::1]:443"]
+)
+def test_the_broker_url_follows_the_one_url_rule(url: str) -> None:
+    """One URL normaliser: the broker URL (the only origin a token goes to) is normalised by
+    the same rule as a token's audience (``_jwt.normalise_url``)."""
+    from k8s_agent_sandbox_awx._jwt import normalise_url
+
+    assert BrokerConnectionConfig(broker_url=url).broker_url == normalise_url(url)
