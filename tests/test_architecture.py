@@ -145,3 +145,51 @@ def test_core_never_imports_testing() -> None:
     assert sorted(name for name, deps in graph.items() if "testing" in deps) == sorted(
         name for name in allowed if "testing" in graph[name]
     )
+
+
+IO_FREE = {
+    "_base",
+    "_dataplane",
+    "_dialect",
+    "_dialect_v1",
+    "_dialects",
+    "_driver",
+    "_flow",
+    "_protocol",
+}
+"""What the sync and the async shells share: decisions only, no I/O, no httpx."""
+
+
+def _third_party(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
+    graph, modules = _graph(), _core_modules()
+    for name in IO_FREE:
+        reached, todo = set(), [name]
+        while todo:
+            current = todo.pop()
+            if current not in reached:
+                reached.add(current)
+                todo.extend(graph.get(current, ()))
+        assert reached.isdisjoint({"_exchange", "_transport", "_async_transport"}), name
+        for module in reached - {"testing"}:
+            assert "httpx" not in _third_party(modules[module]), (name, module)
+
+
+def test_abstract_methods_of_the_shared_bases_are_enforced() -> None:
+    import pytest
+
+    from k8s_agent_sandbox_awx._base import ClientBase
+    from k8s_agent_sandbox_awx._dialect import Dialect
+
+    for base in (ClientBase, Dialect):
+        with pytest.raises(TypeError, match="abstract"):
+            base()  # type: ignore[abstract]

@@ -29,7 +29,8 @@ from . import _flow as flow
 from . import _protocol as proto
 from ._async_transport import AsyncBrokerTransport, AsyncUploadStream
 from ._base import ClientBase, ExcType, FilesBase, SandboxBase, SandboxPart, Traceback, make_client
-from ._exchange import DownloadMeter, plan_upload
+from ._dataplane import DownloadMeter
+from ._exchange import plan_upload
 from ._files import partial_file, writer_or_path
 from ._upstream import ExecutionResult, FileEntry, SandboxNotFoundError
 

@@ -21,6 +21,7 @@ from . import _exchange as ex
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
+from ._dataplane import DownloadMeter
 from ._dialect import Dialect
 from ._driver import Steps, adrive
 
@@ -165,7 +166,7 @@ class AsyncBrokerTransport(ex.TransportBase):
         return task.result()
 
     async def stream(
-        self, spec: proto.RequestSpec, meter: ex.DownloadMeter
+        self, spec: proto.RequestSpec, meter: DownloadMeter
     ) -> AsyncGenerator[bytes, None]:
         """The answer to ``spec`` in chunks (the request is sent on first iteration)."""
         response = await self.send(spec, stream=True)
@@ -173,7 +174,7 @@ class AsyncBrokerTransport(ex.TransportBase):
             async for chunk in response.aiter_bytes(ex.CHUNK_SIZE):
                 yield meter.count(chunk)
         except httpx.TransportError as exc:
-            raise meter.error(exc) from exc
+            raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
         finally:
             await response.aclose()
 
@@ -181,7 +182,7 @@ class AsyncBrokerTransport(ex.TransportBase):
         """The answer to ``spec`` as a stream of NDJSON values (see ``BrokerTransport.events``;
         ``contextlib.aclosing`` to stop early)."""
         decoder = proto.NdjsonDecoder(spec.what)
-        meter = ex.DownloadMeter(spec, spec.path, None)
+        meter = DownloadMeter(spec, spec.path, None)
         async with contextlib.aclosing(self.stream(spec, meter)) as chunks:
             async for chunk in chunks:
                 for value in decoder.feed(chunk):
@@ -192,7 +193,7 @@ class AsyncBrokerTransport(ex.TransportBase):
     async def download(
         self,
         spec: proto.RequestSpec,
-        meter: ex.DownloadMeter,
+        meter: DownloadMeter,
         write: Callable[[bytes], Awaitable[Any]],
     ) -> int:
         """Stream the answer to ``spec`` into ``await write(chunk)``; the bytes written."""

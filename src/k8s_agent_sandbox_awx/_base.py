@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import threading
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Generic, TypeVar, Unpack
@@ -18,9 +18,8 @@ from . import _protocol as proto
 from ._auth import CredentialSource
 from ._chain import DefaultCredentials
 from ._config import BrokerConnectionConfig
-from ._dataplane import DataTarget
+from ._dataplane import DataTarget, DownloadMeter
 from ._dialects import get_dialect
-from ._exchange import DownloadMeter
 from ._flow import (
     ConnectOptions,
     CreateOptions,
@@ -58,7 +57,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class ClientBase(Generic[H, T, R]):
+class ClientBase(ABC, Generic[H, T, R]):
     """Configuration, credentials, the transport (``T``) and the handles a client created or
     attached to; ``create_sandbox`` (its signature and checks exist once: ``R`` is the sync
     client's handle, or the async client's coroutine returning one).

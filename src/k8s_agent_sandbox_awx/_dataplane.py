@@ -17,14 +17,15 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 from ._protocol import RequestSpec, json_body, protocol_error, seconds
-from ._upstream import ExecutionResult, FileEntry
-from .errors import BrokerError
+from ._upstream import ExecutionResult, FileEntry, SandboxError
+from .errors import BrokerError, BrokerUnavailableError, RequestTimeoutError
 
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
     "MAX_COMMAND_TIMEOUT",
     "MAX_SANDBOX_TIMEOUT",
     "DataTarget",
+    "DownloadMeter",
     "Multipart",
     "download",
     "execute",
@@ -216,3 +217,40 @@ def runtime_error(
         f"Could not {spec.what}: the sandbox runtime answered {status} ({reason}). {hint}",
         **common,
     )
+
+
+class DownloadMeter:
+    """Counts a streamed download, enforces ``max_bytes`` and names a broken stream's error."""
+
+    def __init__(self, spec: RequestSpec, src: str, max_bytes: int | None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}.")
+        self.spec = spec
+        self.src = src
+        self.max_bytes = max_bytes
+        self.total = 0
+
+    def count(self, chunk: bytes) -> bytes:
+        if self.max_bytes is not None and self.total + len(chunk) > self.max_bytes:
+            raise SandboxError(
+                f"The file {self.src!r} is larger than max_bytes={self.max_bytes}; raise the limit."
+            )
+        self.total += len(chunk)
+        return chunk
+
+    def error(self, exc: Exception, *, timed_out: bool) -> BrokerError:
+        """The typed error for a stream broken by ``exc`` (``timed_out``: it stalled)."""
+        spec = self.spec
+        if timed_out:
+            return RequestTimeoutError(
+                f"Could not read {self.src!r}: the download stalled after {self.total} bytes. "
+                "Retry, or pass a larger timeout=.",
+                method=spec.method,
+                path=spec.path,
+            )
+        return BrokerUnavailableError(
+            f"Could not read {self.src!r}: the connection broke after {self.total} bytes "
+            f"({type(exc).__name__}). Retry the download.",
+            method=spec.method,
+            path=spec.path,
+        )

@@ -29,7 +29,6 @@ from ._config import BrokerConnectionConfig
 from ._credential import Credential
 from ._dataplane import DataTarget, Multipart, multipart_framing
 from ._dialect import Dialect
-from ._upstream import SandboxError
 from ._version import __version__
 from .errors import BrokerError, BrokerTLSError, BrokerUnavailableError, ConfigurationError
 from .errors import RequestTimeoutError as _RequestTimeoutError
@@ -38,7 +37,6 @@ __all__ = [
     "CHUNK_SIZE",
     "CappedBody",
     "Close",
-    "DownloadMeter",
     "Exchange",
     "GetCredential",
     "Read",
@@ -458,42 +456,6 @@ class CappedBody:
 
 # --------------------------------------------------------------------------------------------
 # Streamed bodies
-
-
-class DownloadMeter:
-    """Counts a streamed download, enforces ``max_bytes`` and names a broken stream's error."""
-
-    def __init__(self, spec: proto.RequestSpec, src: str, max_bytes: int | None) -> None:
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}.")
-        self.spec = spec
-        self.src = src
-        self.max_bytes = max_bytes
-        self.total = 0
-
-    def count(self, chunk: bytes) -> bytes:
-        if self.max_bytes is not None and self.total + len(chunk) > self.max_bytes:
-            raise SandboxError(
-                f"The file {self.src!r} is larger than max_bytes={self.max_bytes}; raise the limit."
-            )
-        self.total += len(chunk)
-        return chunk
-
-    def error(self, exc: httpx.TransportError) -> BrokerError:
-        spec = self.spec
-        if isinstance(exc, httpx.TimeoutException):
-            return _RequestTimeoutError(
-                f"Could not read {self.src!r}: the download stalled after {self.total} bytes. "
-                "Retry, or pass a larger timeout=.",
-                method=spec.method,
-                path=spec.path,
-            )
-        return BrokerUnavailableError(
-            f"Could not read {self.src!r}: the connection broke after {self.total} bytes "
-            f"({type(exc).__name__}). Retry the download.",
-            method=spec.method,
-            path=spec.path,
-        )
 
 
 def _check_binary_reader(content: Any) -> None:

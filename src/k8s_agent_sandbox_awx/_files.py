@@ -11,7 +11,8 @@ from typing import IO, Any, BinaryIO, Protocol
 
 from . import _flow as flow
 from ._base import FilesBase
-from ._exchange import DownloadMeter, plan_upload
+from ._dataplane import DownloadMeter
+from ._exchange import plan_upload
 from ._transport import BrokerTransport, UploadStream
 from ._upstream import FileEntry
 

@@ -17,13 +17,13 @@ import httpx
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
+from ._dataplane import DownloadMeter
 from ._dialect import Dialect
 from ._driver import Steps, drive
 from ._exchange import (
     CHUNK_SIZE,
     CappedBody,
     Close,
-    DownloadMeter,
     GetCredential,
     Read,
     ReadError,
@@ -143,7 +143,7 @@ class BrokerTransport(TransportBase):
             for chunk in response.iter_bytes(CHUNK_SIZE):
                 yield meter.count(chunk)
         except httpx.TransportError as exc:
-            raise meter.error(exc) from exc
+            raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
         finally:
             response.close()
 
