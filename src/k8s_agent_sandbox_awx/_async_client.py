@@ -34,7 +34,13 @@ from ._exchange import plan_upload
 from ._files import partial_file, writer_or_path
 from ._upstream import ExecutionResult, FileEntry, SandboxNotFoundError
 
-__all__ = ["AsyncBrokerSandboxClient", "AsyncCommands", "AsyncFiles", "AsyncSandbox"]
+__all__ = [
+    "AsyncBrokerSandboxClient",
+    "AsyncCommands",
+    "AsyncFiles",
+    "AsyncSandbox",
+    "AsyncUpstreamSandbox",
+]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
@@ -104,27 +110,30 @@ class AsyncBrokerSandboxClient(
         was already gone."""
         return await self._transport.call(flow.cleanup(self.dialect.delete(name)))
 
-    def _handle(self, info: proto.SandboxInfo) -> AsyncSandbox:
-        return AsyncSandbox(self, info)
+    def _handle(self, info: proto.SandboxInfo, *, upstream: bool) -> AsyncSandbox:
+        return (AsyncUpstreamSandbox if upstream else AsyncSandbox)(self, info)
 
-    async def _create(self, plan: flow.CreatePlan) -> AsyncSandbox:
+    async def _create(self, plan: flow.CreatePlan, *, upstream: bool) -> AsyncSandbox:
         """``create_sandbox``'s I/O: a failed or cancelled create deletes the claim it made
         before the error (or ``CancelledError``) propagates."""
         info = await self._transport.run(flow.create(plan))
-        return self._register(self._handle(info))
+        return self._register(self._handle(info, upstream=upstream))
+
+    async def _attach(self, name: str, ready_timeout: float, *, upstream: bool) -> AsyncSandbox:
+        handle = self._existing(name)
+        if handle is None:
+            info = await self.get_info(name)
+            ready = await self.wait_ready(info, float(ready_timeout))
+            return self._register(self._handle(ready, upstream=upstream))
+        await handle.refresh()
+        return handle
 
     async def get_sandbox(
         self, claim_name: str, namespace: str | None = None, resolve_timeout: float = 30
     ) -> AsyncSandbox:
         """Attach to one of my sandboxes by name, waiting up to ``resolve_timeout`` for Ready."""
         del namespace  # decided by the broker
-        handle = self._existing(claim_name)
-        if handle is None:
-            info = await self.get_info(claim_name)
-            handle = self._handle(await self.wait_ready(info, float(resolve_timeout)))
-            return self._register(handle)
-        await handle.refresh()
-        return handle
+        return await self._attach(claim_name, resolve_timeout, upstream=True)
 
     async def list_active_sandboxes(self) -> list[tuple[str, str]]:
         """``(namespace, name)`` of the live handles this client created or attached to."""
@@ -257,6 +266,8 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
     raises or is cancelled.
     """
 
+    _commands_class: type[AsyncCommands] = AsyncCommands
+
     def __init__(
         self,
         client: AsyncBrokerSandboxClient,
@@ -265,7 +276,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         owns_client: bool = False,
     ) -> None:
         transport, target = client._transport, client.dialect.data_target(info)
-        parts = AsyncCommands(transport, target), AsyncFiles(transport, target)
+        parts = self._commands_class(transport, target), AsyncFiles(transport, target)
         super().__init__(client, info, *parts, owns_client)
 
     async def refresh(self) -> proto.SandboxInfo:
@@ -305,8 +316,6 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         if self._killed_now():
             await self._client.close()
 
-    terminate = kill
-
     async def __aenter__(self) -> Self:
         return self
 
@@ -341,12 +350,12 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.create`: the same options, environment and guarantees; a
         cancelled create deletes the claim it made, then re-raises ``CancelledError``."""
-        ready_timeout, create_options = flow.sandbox_create_args(template, options)
+        spec = flow.spec_from_create(template, labels, options)
         client = make_client(AsyncBrokerSandboxClient, options, creating=True)
         return await cls._owning(
             client,
-            lambda: client.create_sandbox(
-                labels=labels, sandbox_ready_timeout=ready_timeout, **create_options
+            lambda: client._create(
+                flow.plan_create(client.connection_config, client.dialect, spec), upstream=False
             ),
         )
 
@@ -357,7 +366,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         """Async :meth:`Sandbox.connect`."""
         client = make_client(AsyncBrokerSandboxClient, options)
         return await cls._owning(
-            client, lambda: client.get_sandbox(name, resolve_timeout=ready_timeout)
+            client, lambda: client._attach(name, ready_timeout, upstream=False)
         )
 
     @classmethod
@@ -372,3 +381,37 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
             return await client.list_sandboxes(label_selector)
         finally:
             await client.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Upstream's spellings, only on the handles AsyncBrokerSandboxClient returns
+
+
+class AsyncUpstreamCommands(AsyncCommands):
+    """``commands`` of a handle from ``AsyncBrokerSandboxClient``: upstream's
+    ``command_timeout`` too (see ``flow.upstream_timeout``)."""
+
+    async def run(
+        self,
+        command: str,
+        timeout: float = 60,  # noqa: ASYNC109
+        command_timeout: float | None = None,
+        **options: Unpack[flow.RunOptions],
+    ) -> ExecutionResult:
+        limit = flow.upstream_timeout(timeout, command_timeout)
+        return await super().run(command, limit, **options)
+
+
+class AsyncUpstreamSandbox(AsyncSandbox):
+    """The handle ``AsyncBrokerSandboxClient`` returns: an :class:`AsyncSandbox` with upstream
+    ``AsyncSandbox``'s spellings too (``claim_name``, ``await terminate()``,
+    ``command_timeout=``)."""
+
+    _commands_class = AsyncUpstreamCommands
+
+    @property
+    def claim_name(self) -> str:
+        return self.name
+
+    async def terminate(self) -> None:
+        await self.kill()

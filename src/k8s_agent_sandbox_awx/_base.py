@@ -22,13 +22,14 @@ from ._dataplane import DataTarget, DownloadMeter
 from ._dialects import get_dialect
 from ._flow import (
     ConnectOptions,
-    CreateOptions,
     CreatePlan,
     SandboxCreateOptions,
+    UpstreamCreateOptions,
     check_options,
     client_overrides,
     download_spec,
     plan_create,
+    spec_from_upstream,
     unexpected_keywords,
 )
 from ._upstream import SandboxNotFoundError
@@ -109,7 +110,9 @@ class ClientBase(ABC, Generic[H, T, R]):
     def _new_transport(self, http_transport: Any) -> T: ...
 
     @abstractmethod
-    def _create(self, plan: CreatePlan) -> R: ...
+    def _create(self, plan: CreatePlan, *, upstream: bool) -> R:
+        """Create, wait, register and return the handle (``upstream``: with upstream's
+        spellings too, for ``create_sandbox``)."""
 
     def create_sandbox(
         self,
@@ -117,7 +120,7 @@ class ClientBase(ABC, Generic[H, T, R]):
         namespace: str | None = None,
         sandbox_ready_timeout: float | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[CreateOptions],
+        **options: Unpack[UpstreamCreateOptions],
     ) -> R:
         """Create a sandbox, wait until it is Ready and return its handle (the async client:
         ``await client.create_sandbox(...)``).
@@ -130,11 +133,8 @@ class ClientBase(ABC, Generic[H, T, R]):
         was created (ready timeout, Failed phase, Ctrl-C, a cancelled task), the claim is
         deleted before raising.
         """
-        config = self.connection_config
-        plan = plan_create(
-            config, self.dialect, warmpool, namespace, sandbox_ready_timeout, labels, options
-        )
-        return self._create(plan)
+        spec = spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        return self._create(plan_create(self.connection_config, self.dialect, spec), upstream=True)
 
     @property
     def broker_url(self) -> str:
@@ -225,8 +225,6 @@ class SandboxBase(Generic[C, Cmd, F]):
     @property
     def name(self) -> str:
         return self._info.name
-
-    claim_name = name
 
     @property
     def sandbox_id(self) -> str:

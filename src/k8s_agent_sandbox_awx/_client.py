@@ -19,9 +19,9 @@ from ._commands import Commands
 from ._config import BrokerConnectionConfig
 from ._files import Files
 from ._transport import BrokerTransport
-from ._upstream import SandboxNotFoundError
+from ._upstream import ExecutionResult, SandboxNotFoundError
 
-__all__ = ["BrokerSandboxClient", "Sandbox", "SandboxInfo"]
+__all__ = ["BrokerSandboxClient", "Sandbox", "SandboxInfo", "UpstreamSandbox"]
 
 SandboxInfo = proto.SandboxInfo
 
@@ -121,23 +121,27 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
 
     # ----------------------------------------------------------------- upstream-compatible API
 
-    def _handle(self, info: proto.SandboxInfo) -> Sandbox:
-        return Sandbox(self, info)
+    def _handle(self, info: proto.SandboxInfo, *, upstream: bool) -> Sandbox:
+        return (UpstreamSandbox if upstream else Sandbox)(self, info)
 
-    def _create(self, plan: flow.CreatePlan) -> Sandbox:
-        return self._register(self._handle(self._transport.run(flow.create(plan))))
+    def _create(self, plan: flow.CreatePlan, *, upstream: bool) -> Sandbox:
+        info = self._transport.run(flow.create(plan))
+        return self._register(self._handle(info, upstream=upstream))
+
+    def _attach(self, name: str, ready_timeout: float, *, upstream: bool) -> Sandbox:
+        existing = self._existing(name)
+        if existing is not None:
+            existing.refresh()
+            return existing
+        info = self.wait_ready(self.get_info(name), float(ready_timeout))
+        return self._register(self._handle(info, upstream=upstream))
 
     def get_sandbox(
         self, claim_name: str, namespace: str | None = None, resolve_timeout: float = 30
     ) -> Sandbox:
         """Attach to one of my sandboxes by name, waiting up to ``resolve_timeout`` for Ready."""
         del namespace  # decided by the broker
-        existing = self._existing(claim_name)
-        if existing is not None:
-            existing.refresh()
-            return existing
-        info = self.wait_ready(self.get_info(claim_name), float(resolve_timeout))
-        return self._register(self._handle(info))
+        return self._attach(claim_name, resolve_timeout, upstream=True)
 
     def list_active_sandboxes(self) -> list[tuple[str, str]]:
         """``(namespace, name)`` of the live handles this client created or attached to."""
@@ -182,11 +186,13 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     manager it is killed on exit, also when the block raises.
     """
 
+    _commands_class: type[Commands] = Commands
+
     def __init__(
         self, client: BrokerSandboxClient, info: proto.SandboxInfo, *, owns_client: bool = False
     ) -> None:
         transport, target = client._transport, client.dialect.data_target(info)
-        commands, files = Commands(transport, target), Files(transport, target)
+        commands, files = self._commands_class(transport, target), Files(transport, target)
         super().__init__(client, info, commands, files, owns_client)
 
     def refresh(self) -> proto.SandboxInfo:
@@ -228,8 +234,6 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         logger.info("killed sandbox %s", self.name)
         if self._killed_now():
             self._client.close()
-
-    terminate = kill
 
     def __enter__(self) -> Self:
         return self
@@ -275,12 +279,12 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         The handle owns its HTTP connections; :meth:`kill` (or leaving the ``with`` block)
         deletes the sandbox and closes them.
         """
-        ready_timeout, create_options = flow.sandbox_create_args(template, options)
+        spec = flow.spec_from_create(template, labels, options)
         client = make_client(BrokerSandboxClient, options, creating=True)
         return cls._owning(
             client,
-            lambda: client.create_sandbox(
-                labels=labels, sandbox_ready_timeout=ready_timeout, **create_options
+            lambda: client._create(
+                flow.plan_create(client.connection_config, client.dialect, spec), upstream=False
             ),
         )
 
@@ -291,7 +295,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         """Reattach to one of my sandboxes by name (waits up to ``ready_timeout`` for Ready).
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
         client = make_client(BrokerSandboxClient, options)
-        return cls._owning(client, lambda: client.get_sandbox(name, resolve_timeout=ready_timeout))
+        return cls._owning(client, lambda: client._attach(name, ready_timeout, upstream=False))
 
     @classmethod
     def list(
@@ -306,3 +310,35 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
             return client.list_sandboxes(label_selector)
         finally:
             client.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Upstream's spellings, only on the handles BrokerSandboxClient returns
+
+
+class UpstreamCommands(Commands):
+    """``commands`` of a handle from ``BrokerSandboxClient``: upstream's ``command_timeout``
+    too (it wins over ``timeout``; see ``flow.upstream_timeout``)."""
+
+    def run(
+        self,
+        command: str,
+        timeout: float = 60,
+        command_timeout: float | None = None,
+        **options: Unpack[flow.RunOptions],
+    ) -> ExecutionResult:
+        return super().run(command, flow.upstream_timeout(timeout, command_timeout), **options)
+
+
+class UpstreamSandbox(Sandbox):
+    """The handle ``BrokerSandboxClient`` returns: a :class:`Sandbox` with upstream
+    ``Sandbox``'s spellings too (``claim_name``, ``terminate()``, ``command_timeout=``)."""
+
+    _commands_class = UpstreamCommands
+
+    @property
+    def claim_name(self) -> str:
+        return self.name
+
+    def terminate(self) -> None:
+        self.kill()

@@ -34,10 +34,11 @@ if TYPE_CHECKING:
 __all__ = [
     "Call",
     "ConnectOptions",
-    "CreateOptions",
     "Op",
     "RunOptions",
     "SandboxCreateOptions",
+    "SandboxSpec",
+    "UpstreamCreateOptions",
     "create",
     "wait_ready",
 ]
@@ -54,8 +55,9 @@ Op = Generator[Call[Any], Any, T]
 # Options shared by the sync and async signatures
 
 
-class CreateOptions(TypedDict, total=False):
-    """Keyword arguments of ``create_sandbox`` after the upstream positional ones."""
+class UpstreamCreateOptions(TypedDict, total=False):
+    """Keyword arguments of ``create_sandbox`` after the upstream positional ones (upstream's
+    spellings; mapped by :func:`spec_from_upstream`)."""
 
     template: str | None
     annotations: Mapping[str, str] | None
@@ -94,7 +96,6 @@ class SandboxCreateOptions(ConnectOptions, total=False):
 class RunOptions(TypedDict, total=False):
     """Keyword arguments of ``commands.run`` after ``timeout``."""
 
-    command_timeout: float | None
     env: dict[str, str] | None
     cwd: str | None
     raise_on_timeout: bool
@@ -112,13 +113,28 @@ def check_options(
         raise unexpected_keywords(what, unknown, {*known, *named})
 
 
+UPSTREAM_SPELLINGS = {
+    "warmpool": "template",
+    "sandbox_ready_timeout": "ready_timeout",
+    "resolve_timeout": "ready_timeout",
+    "shutdown_after_seconds": "lifetime_seconds",
+    "command_timeout": "timeout",
+    "claim_name": "name",
+}
+"""Upstream ``SandboxClient``'s spellings and the SDK's name for each: they are accepted only
+by ``BrokerSandboxClient`` (and the handles it returns); elsewhere an error suggests the SDK's."""
+
+
 def unexpected_keywords(what: str, unknown: Iterable[str], known: Iterable[str]) -> TypeError:
     """The TypeError for misspelt keyword arguments: each with the closest accepted name
     (``templte`` -> did you mean 'template'?), then every accepted name."""
     accepted = sorted(known)
     names = []
     for name in unknown:
-        close = difflib.get_close_matches(name, accepted, n=1)
+        sdk_name = UPSTREAM_SPELLINGS.get(name)
+        close = (
+            [sdk_name] if sdk_name in accepted else difflib.get_close_matches(name, accepted, n=1)
+        )
         names.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
     plural = "s" if len(names) > 1 else ""
     return TypeError(
@@ -195,20 +211,50 @@ class CreatePlan:
     request_timeout: float
 
 
-def plan_create(
-    config: BrokerConnectionConfig,
-    dialect: Dialect,
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What to create, in the SDK's vocabulary (``Sandbox.create``'s names)."""
+
+    template: str | None = None
+    labels: Mapping[str, str] | None = None
+    annotations: Mapping[str, str] | None = None
+    env: Mapping[str, str] | None = None
+    lifetime_seconds: int | None = None
+    ready_timeout: float | None = None
+    idempotency_key: str | None = None
+
+
+def spec_from_create(
+    template: str | None, labels: Mapping[str, str] | None, options: SandboxCreateOptions
+) -> SandboxSpec:
+    """``Sandbox.create``'s arguments."""
+    check_options("create()", options, SandboxCreateOptions, ("template", "labels"))
+    return SandboxSpec(
+        template=template,
+        labels=labels,
+        annotations=options.get("annotations"),
+        env=options.get("env"),
+        lifetime_seconds=options.get("lifetime_seconds"),
+        ready_timeout=options.get("ready_timeout"),
+        idempotency_key=options.get("idempotency_key"),
+    )
+
+
+def spec_from_upstream(
     warmpool: str | None,
     namespace: str | None,
     sandbox_ready_timeout: float | None,
     labels: Mapping[str, str] | None,
-    options: CreateOptions,
-) -> CreatePlan:
-    """Check ``create_sandbox``'s arguments and build its request."""
+    options: UpstreamCreateOptions,
+) -> SandboxSpec:
+    """``create_sandbox``'s arguments, upstream ``SandboxClient``'s spellings: the one place
+    where they are mapped onto the SDK's (``warmpool`` → ``template``,
+    ``sandbox_ready_timeout`` → ``ready_timeout``, ``shutdown_after_seconds`` →
+    ``lifetime_seconds``), and where what the broker decides itself is refused or ignored."""
     check_options(
         "create_sandbox()",
         options,
-        CreateOptions,
+        UpstreamCreateOptions,
         ("warmpool", "namespace", "sandbox_ready_timeout", "labels"),
     )
     unsupported = ("claim_name", "adopt_existing", "volume_claim_templates", "pod_labels")
@@ -225,21 +271,33 @@ def plan_create(
         )
     if namespace is not None:
         logger.debug("namespace=%r ignored: the broker's policy decides it", namespace)
-    ready_timeout = (
-        config.ready_timeout if sandbox_ready_timeout is None else float(sandbox_ready_timeout)
+    return SandboxSpec(
+        template=template or warmpool,
+        labels=labels,
+        annotations=options.get("annotations"),
+        env=options.get("env"),
+        lifetime_seconds=options.get("shutdown_after_seconds"),
+        ready_timeout=sandbox_ready_timeout,
+        idempotency_key=options.get("idempotency_key"),
     )
+
+
+def plan_create(config: BrokerConnectionConfig, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
+    """Check what to create and build its request (before anything is sent)."""
+    given = spec.ready_timeout
+    ready_timeout = config.ready_timeout if given is None else float(given)
     if not ready_timeout >= 0:  # also NaN, which no comparison ever ends
         raise ValueError(
-            f"sandbox_ready_timeout (ready_timeout=) must be a number of seconds >= 0, got "
-            f"{sandbox_ready_timeout}; pass, e.g., 180."
+            f"ready_timeout (sandbox_ready_timeout=) must be a number of seconds >= 0, got "
+            f"{given}; pass, e.g., 180."
         )
     request = CreateRequest(
-        idempotency_key=options.get("idempotency_key") or proto.new_idempotency_key(),
-        template=template or warmpool or config.template,
-        labels=labels or {},
-        annotations=options.get("annotations") or {},
-        lifetime_seconds=options.get("shutdown_after_seconds"),
-        env=options.get("env") or {},
+        idempotency_key=spec.idempotency_key or proto.new_idempotency_key(),
+        template=spec.template or config.template,
+        labels=spec.labels or {},
+        annotations=spec.annotations or {},
+        lifetime_seconds=spec.lifetime_seconds,
+        env=spec.env or {},
     )
     return CreatePlan(dialect, dialect.create(request), ready_timeout, config.request_timeout)
 
@@ -344,20 +402,6 @@ def client_overrides(
     return config, overrides
 
 
-def sandbox_create_args(
-    template: str | None, options: SandboxCreateOptions
-) -> tuple[float | None, CreateOptions]:
-    """``Sandbox.create``'s options as ``create_sandbox``'s (ready timeout, options)."""
-    check_options("create()", options, SandboxCreateOptions, ("template", "labels"))
-    return options.get("ready_timeout"), CreateOptions(
-        template=template,
-        annotations=options.get("annotations"),
-        env=options.get("env"),
-        shutdown_after_seconds=options.get("lifetime_seconds"),
-        idempotency_key=options.get("idempotency_key"),
-    )
-
-
 # --------------------------------------------------------------------------------------------
 # Data plane: one call each
 
@@ -373,8 +417,7 @@ def command(
             "env and cwd are not supported by the legacy python-runtime behind the broker; "
             "set variables at create time (Sandbox.create(env=...)) or prefix the command."
         )
-    given = options.get("command_timeout")
-    limit = float(given if given is not None else timeout)
+    limit = float(timeout)
     raise_on_timeout = options.get("raise_on_timeout", True)
 
     def no_answer(exc: Exception) -> Exception | None:
@@ -403,6 +446,12 @@ def command(
         return outcome
 
     return Call(dp.execute(target, command, command_timeout=limit), result, fail=no_answer)
+
+
+def upstream_timeout(timeout: float, command_timeout: float | None) -> float:
+    """Upstream ``commands.run``'s two limits as the SDK's one: ``command_timeout`` (the
+    command's limit) wins if given."""
+    return timeout if command_timeout is None else command_timeout
 
 
 def file_path(path: str, allow_unsafe_paths: bool) -> str:

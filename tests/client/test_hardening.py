@@ -320,7 +320,7 @@ def test_a_command_timeout_over_the_brokers_limit_is_refused_before_sending(
     broker: Any,
 ) -> None:
     with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
-        for options in ({"timeout": 86396}, {"command_timeout": 86395.5}, {"timeout": 1e9}):
+        for options in ({"timeout": 86396}, {"timeout": 86395.5}, {"timeout": 1e9}):
             with pytest.raises(ValueError) as info:
                 sandbox.commands.run("true", **options)
             message = str(info.value)
@@ -328,3 +328,7 @@ def test_a_command_timeout_over_the_brokers_limit_is_refused_before_sending(
                 assert part in message, (options, part)
         assert broker.execution_count(sandbox.name) == 0  # nothing was sent
         assert sandbox.commands.run("true", timeout=86395).exit_code == 0  # the limit itself
+    with BrokerSandboxClient(environ=broker.environ("kubernetes")) as client:
+        upstream = client.create_sandbox()  # upstream's spelling: command_timeout= wins
+        with pytest.raises(ValueError, match="86395"):
+            upstream.commands.run("true", timeout=5, command_timeout=86395.5)

@@ -233,4 +233,4 @@ def test_create_rejects_a_ready_timeout_that_is_nan_or_negative(ready: float) ->
 
     config = BrokerConnectionConfig(broker_url="https://broker.test")
     with pytest.raises(ValueError, match="sandbox_ready_timeout"):
-        flow.plan_create(config, v1.V1Dialect(), None, None, ready, None, {})
+        flow.plan_create(config, v1.V1Dialect(), flow.SandboxSpec(ready_timeout=ready))

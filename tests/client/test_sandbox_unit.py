@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,27 @@ def test_malformed_create_answer_with_a_name_deletes_the_claim(make_client: Any,
     with pytest.raises(BrokerProtocolError, match="router"):
         make_client().create_sandbox()
     assert fake.deleted == ["sbx-1"]
+
+
+def test_one_name_per_concept_upstream_spellings_only_from_the_client(
+    make_client: Any, fake: Any
+) -> None:
+    """``Sandbox`` has the SDK's names only; upstream's (``claim_name``, ``terminate``,
+    ``command_timeout=``) exist on the handles ``BrokerSandboxClient`` returns, and a misspelt
+    or upstream name elsewhere is refused with the SDK's name suggested."""
+    from k8s_agent_sandbox_awx import Sandbox
+
+    client = make_client()
+    upstream = client.create_sandbox()
+    assert upstream.claim_name == upstream.name
+    plain = Sandbox(client, upstream.info)
+    assert not hasattr(plain, "claim_name") and not hasattr(plain, "terminate")
+    with pytest.raises(TypeError, match="did you mean 'timeout'"):
+        plain.commands.run("true", command_timeout=5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="did you mean 'lifetime_seconds'"):
+        Sandbox.create(shutdown_after_seconds=5)  # type: ignore[call-arg]
+    assert upstream.commands.run("true", timeout=1, command_timeout=5).exit_code == 0
+    sent = json.loads(fake.requests[-1].content)
+    assert sent["timeout_seconds"] == 5  # upstream's command_timeout wins
+    upstream.terminate()
+    assert not upstream.is_active
