@@ -124,7 +124,9 @@ def check_path(raw: Any, base_dir: str, field: str = "path") -> Target:
     shown = raw if len(raw) <= 200 else raw[:200] + "..."
     if not raw:
         raise FsError(
-            "path_invalid", f"{field} is empty: give /app/..., /workspace/... or a relative path"
+            "path_invalid",
+            f"{field} is empty: give /app/..., /workspace/... or a relative path",
+            raw,
         )
     if len(raw) > MAX_PATH_CHARS:
         raise FsError(
@@ -649,8 +651,8 @@ def _watch_loop(
             return
         for key in sorted(previous.keys() | current.keys()):
             old, new = previous.get(key), current.get(key)
-            if old == new:
-                continue
+            if old == new or _both_directories(old, new):
+                continue  # a directory's own times change with its entries: not an event
             kind = "created" if old is None else "removed" if new is None else "modified"
             entry = new if new is not None else old
             emit({"type": kind, "path": f"{target.display}/{key}", "entry": entry})
@@ -659,6 +661,10 @@ def _watch_loop(
         if time.monotonic() - last_sent >= WATCH_HEARTBEAT_SECONDS:
             emit({"type": "heartbeat"})
             last_sent = time.monotonic()
+
+
+def _both_directories(old: dict[str, Any] | None, new: dict[str, Any] | None) -> bool:
+    return bool(old and new and old["type"] == new["type"] == "directory")
 
 
 # -- write ---------------------------------------------------------------------------------------
