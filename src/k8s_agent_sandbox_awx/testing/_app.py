@@ -128,6 +128,9 @@ class SandboxRecord:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     executions: int = 0
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    expiry: asyncio.TimerHandle | None = None
+    """Deletes the sandbox at ``expires_at`` (rescheduled by an extend)."""
+    started_at: float | None = None
     deleted: bool = False
     router_http: httpx.AsyncClient | None = None
     """The router's connections to this sandbox's runtime: closed with the sandbox, so that no
@@ -149,6 +152,7 @@ class SandboxRecord:
             "reason": self.reason,
             "message": self.message,
             "created_at": _rfc3339(self.created_at),
+            "started_at": _rfc3339(self.started_at) if self.started_at is not None else None,
             "expires_at": _rfc3339(self.expires_at),
             "labels": dict(self.labels),
             "annotations": {**self.annotations, **self.stamps},
@@ -400,19 +404,20 @@ class BrokerApp:
                 return self._list(request, caller)
         elif path.startswith("/v1/sandboxes/") and path.count("/") == 3:
             name = path.rsplit("/", 1)[1]
-            if method in ("GET", "DELETE") and (len(name) > 63 or not _DNS_LABEL.match(name)):
-                raise ApiError(
-                    400,
-                    "invalid_path",
-                    f"sandbox name {name!r} is not a DNS-1123 label (lowercase alphanumerics "
-                    "and '-', at most 63 characters)",
-                )
+            if method in ("GET", "DELETE"):
+                _check_name(name)
             if method == "GET":
                 caller, _ = await self._authenticate(request)
                 return await self._get(request, caller, name)
             if method == "DELETE":
                 caller, _ = await self._authenticate(request)
                 return await self._delete(caller, name)
+        elif path.startswith("/v1/sandboxes/") and path.count("/") == 4:
+            name, _, sub = path[len("/v1/sandboxes/") :].partition("/")
+            if sub == "lifetime" and method == "PUT":
+                _check_name(name)
+                caller, issuer = await self._authenticate(request)
+                return await self._extend(request, caller, issuer, name)
         raise ApiError(404, "not_found", f"no route for {method} {path}")
 
     def _whoami(self, caller: Caller, issuer: Issuer) -> dict[str, Any]:
@@ -601,12 +606,7 @@ class BrokerApp:
             self.history.append(record)
             if key is not None:
                 self.idempotency[(caller.issuer, caller.subject, key)] = (digest, name, now)
-        loop = asyncio.get_running_loop()
-        record.timers.append(
-            loop.call_later(
-                fields["lifetime"], lambda: self._spawn(self._terminate(record, "Expired"))
-            )
-        )
+        self._schedule_expiry(record)
         self._spawn(self._provision(record))
         log.info("created sandbox %s for %s (%s)", name, caller.subject, caller.provider)
         return JSONResponse(record.api(), 201)
@@ -643,6 +643,7 @@ class BrokerApp:
         if record.phase != "Pending":  # deleted or expired while starting
             await self.backend.stop(handle)
             return
+        record.started_at = time.time()
         record.set_phase("Ready", "SandboxReady", "the sandbox runtime is ready")
 
     async def _terminate(self, record: SandboxRecord, reason: str) -> None:
@@ -652,6 +653,8 @@ class BrokerApp:
             record.set_phase("Terminating", reason, f"the sandbox is being deleted ({reason})")
         for timer in record.timers:
             timer.cancel()
+        if record.expiry is not None:
+            record.expiry.cancel()
         handle = record.handle
         if handle is not None:
             try:
@@ -663,6 +666,46 @@ class BrokerApp:
         record.deleted = True
         if record.router_http is not None:
             await record.router_http.aclose()
+
+    def _schedule_expiry(self, record: SandboxRecord) -> None:
+        """One timer per sandbox (a heap entry of the loop): delete it at ``expires_at``."""
+        if record.expiry is not None:
+            record.expiry.cancel()
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, record.expires_at - time.time())
+        record.expiry = loop.call_later(
+            delay, lambda: self._spawn(self._terminate(record, "Expired"))
+        )
+
+    async def _extend(
+        self, request: Request, caller: Caller, issuer: Issuer, name: str
+    ) -> Response:
+        body = await self._json_body(request)
+        if not isinstance(body, dict) or set(body) != {"seconds"}:
+            raise ApiError(
+                400, "invalid_request", 'the body must be {"seconds": N} (N a positive integer)'
+            )
+        seconds = body["seconds"]
+        if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds <= 0:
+            raise ApiError(400, "invalid_request", "'seconds' must be a positive integer")
+        record = self._owned(caller, name)
+        if record.phase == "Terminating" or record.deleted:
+            raise ApiError(409, "terminating", f"sandbox {name!r} is being deleted")
+        cap = issuer.policy.max_lifetime_seconds
+        now = time.time()
+        if now + seconds > record.created_at + cap:
+            left = max(0, int(record.created_at + cap - now))
+            raise ApiError(
+                403,
+                "lifetime_exceeds_policy",
+                f"sandbox {name!r} cannot live {seconds} s more: its policy caps a sandbox's "
+                f"lifetime at {cap} s from its creation ({_rfc3339(record.created_at + cap)}); "
+                f"at most {left} s are left",
+            )
+        record.expires_at = now + seconds
+        self._schedule_expiry(record)
+        log.info("sandbox %s now expires in %d s", name, seconds)
+        return JSONResponse(record.api())
 
     def _owned(self, caller: Caller, name: str) -> SandboxRecord:
         with self.lock:
@@ -936,6 +979,16 @@ def _string_map(value: Any, what: str) -> dict[str, str]:
     ):
         raise ApiError(400, "invalid_request", f"'{what}' must be an object of string values")
     return dict(value)
+
+
+def _check_name(name: str) -> None:
+    if len(name) > 63 or not _DNS_LABEL.match(name):
+        raise ApiError(
+            400,
+            "invalid_path",
+            f"sandbox name {name!r} is not a DNS-1123 label (lowercase alphanumerics "
+            "and '-', at most 63 characters)",
+        )
 
 
 def _check_qualified_key(key: str, kind: str) -> None:
