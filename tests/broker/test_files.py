@@ -151,11 +151,11 @@ def test_write_refusals_leave_the_old_file(alice: Any, sandbox: dict[str, Any]) 
         ),
         headers={**alice.data_headers(sandbox), "Content-Type": "multipart/form-data; boundary=b"},
     )
-    _refused(resp, 400, "invalid_request", "'path' field must come before")
+    _refused(resp, 400, "invalid_argument", "'path' field must come before")
     resp = alice.http.post(
         "/fs/write", data={"path": "keep.txt"}, headers=alice.data_headers(sandbox)
     )
-    _refused(resp, 400, "invalid_request")
+    _refused(resp, 400, "invalid_argument")
     assert _get(alice, sandbox, "read", path="keep.txt").content == b"kept"
     names = [e["name"] for e in _get(alice, sandbox, "list", path=".").json()]
     assert names == ["adir", "keep.txt"]
@@ -174,8 +174,8 @@ def test_write_refusals_leave_the_old_file(alice: Any, sandbox: dict[str, Any]) 
         ("a\nb", 400, "path_invalid", "control characters"),
         ("x" * 4097, 400, "path_invalid", "4096"),
         ("", 400, "path_invalid", "empty"),
-        ("missing.txt", 404, "not_found", "/app/missing.txt"),
-        ("/workspace/no/such", 404, "not_found", "/workspace/no"),
+        ("missing.txt", 404, "path_not_found", "/app/missing.txt"),
+        ("/workspace/no/such", 404, "path_not_found", "/workspace/no"),
     ],
 )
 def test_path_rules(
@@ -183,7 +183,7 @@ def test_path_rules(
 ) -> None:
     resp = _get(alice, sandbox, "read", path=path)
     _refused(resp, status, code, named)
-    if code != "not_found":
+    if code != "path_not_found":
         assert resp.json()["path"] == path[:200] + ("..." if len(path) > 200 else "")
         _refused(_get(alice, sandbox, "list", path=path), status, code)
         _refused(_post(alice, sandbox, "mkdir", path=path), status, code)
@@ -250,9 +250,9 @@ def test_list_exists_info(alice: Any, sandbox: dict[str, Any]) -> None:
     assert _get(alice, sandbox, "exists", path="/workspace/d/zz").json() == {"exists": False}
     assert _get(alice, sandbox, "exists", path="/workspace/d/a.txt/x").json() == {"exists": False}
     assert _get(alice, sandbox, "info", path="/workspace/d/sub").json()["type"] == "directory"
-    _refused(_get(alice, sandbox, "info", path="/workspace/d/zz"), 404, "not_found", "/zz")
+    _refused(_get(alice, sandbox, "info", path="/workspace/d/zz"), 404, "path_not_found", "/zz")
     _refused(_get(alice, sandbox, "exists", path="/tmp"), 403, "path_outside_root")
-    _refused(_get(alice, sandbox, "exists"), 400, "invalid_request", "'path' is required")
+    _refused(_get(alice, sandbox, "exists"), 400, "invalid_argument", "'path' is required")
 
 
 def test_list_limit(alice: Any, sandbox: dict[str, Any]) -> None:
@@ -269,19 +269,19 @@ def test_mkdir(alice: Any, sandbox: dict[str, Any]) -> None:
     assert _post(alice, sandbox, "mkdir", path="/workspace/a/b/c").json() == {"created": False}
     assert _post(alice, sandbox, "mkdir", path="/workspace").json() == {"created": False}
     _write(alice, sandbox, "/workspace/file", b"x")
-    _refused(_post(alice, sandbox, "mkdir", path="/workspace/file"), 400, "exists", "/file")
+    _refused(_post(alice, sandbox, "mkdir", path="/workspace/file"), 400, "path_exists", "/file")
     _refused(_post(alice, sandbox, "mkdir", path="/workspace/file/d"), 400, "not_a_directory")
-    _refused(_post(alice, sandbox, "mkdir"), 400, "invalid_request", "'path' is required")
-    _refused(_post(alice, sandbox, "mkdir", path=5), 400, "invalid_request", "string")
+    _refused(_post(alice, sandbox, "mkdir"), 400, "invalid_argument", "'path' is required")
+    _refused(_post(alice, sandbox, "mkdir", path=5), 400, "invalid_argument", "string")
     resp = alice.http.post("/fs/mkdir", content=b"[1", headers=alice.data_headers(sandbox))
-    _refused(resp, 400, "invalid_request", "JSON")
+    _refused(resp, 400, "invalid_argument", "JSON")
 
 
 def test_move_never_overwrites_unless_asked(alice: Any, sandbox: dict[str, Any]) -> None:
     _write(alice, sandbox, "a.txt", b"A")
     _write(alice, sandbox, "b.txt", b"B")
     resp = _post(alice, sandbox, "move", source="a.txt", destination="b.txt")
-    _refused(resp, 400, "exists", "/app/b.txt")
+    _refused(resp, 400, "path_exists", "/app/b.txt")
     assert _get(alice, sandbox, "read", path="a.txt").content == b"A"
     assert _get(alice, sandbox, "read", path="b.txt").content == b"B"
     resp = _post(alice, sandbox, "move", source="a.txt", destination="c.txt")
@@ -293,7 +293,10 @@ def test_move_never_overwrites_unless_asked(alice: Any, sandbox: dict[str, Any])
     assert resp.status_code == 200
     assert _get(alice, sandbox, "read", path="b.txt").content == b"A"
     _refused(
-        _post(alice, sandbox, "move", source="zz", destination="y"), 404, "not_found", "/app/zz"
+        _post(alice, sandbox, "move", source="zz", destination="y"),
+        404,
+        "path_not_found",
+        "/app/zz",
     )
     _refused(
         _post(alice, sandbox, "move", source="b.txt", destination="/workspace/b.txt"),
@@ -301,20 +304,22 @@ def test_move_never_overwrites_unless_asked(alice: Any, sandbox: dict[str, Any])
         "cross_root",
     )
     _refused(
-        _post(alice, sandbox, "move", source="b.txt", destination="nodir/b.txt"), 404, "not_found"
+        _post(alice, sandbox, "move", source="b.txt", destination="nodir/b.txt"),
+        404,
+        "path_not_found",
     )
     _refused(_post(alice, sandbox, "move", source="/app", destination="x"), 403, "path_is_root")
     _post(alice, sandbox, "mkdir", path="d1/d2")
     _refused(
         _post(alice, sandbox, "move", source="d1", destination="d1/d2/d3"),
         400,
-        "invalid_request",
+        "invalid_argument",
         "into itself",
     )
     resp = _post(alice, sandbox, "move", source="d1", destination="d9")
     assert resp.json()["type"] == "directory"
     resp = _post(alice, sandbox, "move", source="b.txt", destination="x", overwrite="yes please")
-    _refused(resp, 400, "invalid_request", "overwrite")
+    _refused(resp, 400, "invalid_argument", "overwrite")
 
 
 def test_remove(alice: Any, sandbox: dict[str, Any]) -> None:
@@ -390,12 +395,12 @@ def test_watch_recursive_and_refusals(alice: Any, sandbox: dict[str, Any], api: 
         tail = list(events)
     assert tail[-1]["type"] == "error"
     assert "/app/r was removed" in tail[-1]["message"]
-    _refused(_get(alice, sandbox, "watch", path="r", duration=1), 404, "not_found")
+    _refused(_get(alice, sandbox, "watch", path="r", duration=1), 404, "path_not_found")
     _write(alice, sandbox, "f", b"")
     _refused(_get(alice, sandbox, "watch", path="f", duration=1), 400, "not_a_directory")
     for bad in ("0", "21", "soon"):
         resp = _get(alice, sandbox, "watch", path=".", duration=bad)
-        _refused(resp, 400, "invalid_request", "duration")
+        _refused(resp, 400, "invalid_argument", "duration")
 
 
 def _peak_rss(pid: int) -> int:

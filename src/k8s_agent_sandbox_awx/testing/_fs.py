@@ -45,13 +45,13 @@ WATCH_HEARTBEAT_SECONDS = 5.0
 CHUNK_SIZE = 256 * 1024
 
 ERROR_CODES: dict[str, int] = {
-    "invalid_request": 400,  # malformed query or body (missing field, wrong type, bad duration)
+    "invalid_argument": 400,  # malformed query or body (missing field, wrong type, bad duration)
     "path_invalid": 400,  # empty, too long, control characters, '..'
     "path_outside_root": 403,  # absolute, but not under /app or /workspace
     "path_is_root": 403,  # /app or /workspace cannot be moved or removed
     "symlink_not_followed": 400,  # a directory on the way is a symbolic link
-    "not_found": 404,
-    "exists": 400,  # the destination exists (move without overwrite, mkdir over a file)
+    "path_not_found": 404,
+    "path_exists": 400,  # the destination exists (move without overwrite, mkdir over a file)
     "not_a_directory": 400,
     "is_a_directory": 400,
     "not_a_file": 400,  # read of a device, socket or FIFO
@@ -120,7 +120,7 @@ def roots(base_dir: str) -> dict[str, str]:
 def check_path(raw: Any, base_dir: str, field: str = "path") -> Target:
     """``raw`` checked against the path rules (see the module docstring); raises FsError."""
     if not isinstance(raw, str):
-        raise FsError("invalid_request", f"field {field!r} must be a string path")
+        raise FsError("invalid_argument", f"field {field!r} must be a string path")
     shown = raw if len(raw) <= 200 else raw[:200] + "..."
     if not raw:
         raise FsError(
@@ -166,10 +166,10 @@ def _refusal(exc: OSError, target: Target, what: str = "") -> FsError:
     """An OSError on ``target`` as the refusal it means."""
     shown = what or target.display
     code = {
-        errno.ENOENT: "not_found",
+        errno.ENOENT: "path_not_found",
         errno.ENOTDIR: "not_a_directory",
         errno.EISDIR: "is_a_directory",
-        errno.EEXIST: "exists",
+        errno.EEXIST: "path_exists",
         errno.ENOTEMPTY: "not_empty",
         errno.ELOOP: "symlink_not_followed",
         errno.EACCES: "permission_denied",
@@ -177,10 +177,10 @@ def _refusal(exc: OSError, target: Target, what: str = "") -> FsError:
         errno.ENAMETOOLONG: "path_invalid",
     }.get(exc.errno or 0, "io_error")
     reason = {
-        "not_found": "does not exist",
+        "path_not_found": "does not exist",
         "not_a_directory": "is not a directory (or a directory on its way is a file)",
         "is_a_directory": "is a directory",
-        "exists": "already exists",
+        "path_exists": "already exists",
         "not_empty": "is a directory that is not empty",
         "symlink_not_followed": "is a symbolic link, which file operations never follow",
         "permission_denied": "is not accessible to the runtime (permission denied)",
@@ -275,7 +275,7 @@ def info_of(target: Target) -> dict[str, Any]:
     with _parent(target) as fd:
         info = _entry_info(target.parts[-1], fd, target.display)
     if info is None:
-        raise FsError("not_found", f"{target.display} does not exist", target.given)
+        raise FsError("path_not_found", f"{target.display} does not exist", target.given)
     return info
 
 
@@ -311,7 +311,7 @@ def exists(target: Target) -> bool:
     try:
         info_of(target)
     except FsError as exc:
-        if exc.code in ("not_found", "not_a_directory"):
+        if exc.code in ("path_not_found", "not_a_directory"):
             return False
         raise
     return True
@@ -328,7 +328,7 @@ def make_dir(target: Target) -> bool:
             if st is not None and stat.S_ISDIR(st.st_mode):
                 return False
             raise FsError(
-                "exists", f"{target.display} exists and is not a directory", target.given
+                "path_exists", f"{target.display} exists and is not a directory", target.given
             ) from None
         except OSError as exc:
             raise _refusal(exc, target) from None
@@ -353,10 +353,10 @@ def move(source: Target, destination: Target, overwrite: bool) -> dict[str, Any]
     with _parent(source) as src_fd, _parent(destination) as dst_fd:
         src_name, dst_name = source.parts[-1], destination.parts[-1]
         if _lstat(src_name, src_fd) is None:
-            raise FsError("not_found", f"{source.display} does not exist", source.given)
+            raise FsError("path_not_found", f"{source.display} does not exist", source.given)
         if not overwrite and _lstat(dst_name, dst_fd) is not None:
             raise FsError(
-                "exists",
+                "path_exists",
                 f"{destination.display} already exists; a move never replaces it unless "
                 "overwrite is true",
                 destination.given,
@@ -366,14 +366,14 @@ def move(source: Target, destination: Target, overwrite: bool) -> dict[str, Any]
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 raise FsError(
-                    "invalid_request",
+                    "invalid_argument",
                     f"cannot move {source.display} into itself ({destination.display})",
                     source.given,
                 ) from None
             raise _refusal(exc, destination) from None
         info = _entry_info(dst_name, dst_fd, destination.display)
     if info is None:  # pragma: no cover - removed by a command in between
-        raise FsError("not_found", f"{destination.display} vanished after the move")
+        raise FsError("path_not_found", f"{destination.display} vanished after the move")
     return info
 
 
@@ -382,7 +382,7 @@ def remove(target: Target, recursive: bool) -> bool:
     try:
         parent = _open_dir(target, target.parts[:-1])
     except FsError as exc:
-        if exc.code in ("not_found", "not_a_directory"):
+        if exc.code in ("path_not_found", "not_a_directory"):
             return False
         raise
     try:
@@ -464,9 +464,11 @@ def handle(handler: _Handler, route: str) -> None:
                 body = handler._read_json()
             except (ValueError, ConnectionError) as exc:
                 handler.close_connection = True
-                raise FsError("invalid_request", f"the body must be a JSON object: {exc}") from None
+                raise FsError(
+                    "invalid_argument", f"the body must be a JSON object: {exc}"
+                ) from None
             if not isinstance(body, dict):
-                raise FsError("invalid_request", "the body must be a JSON object")
+                raise FsError("invalid_argument", "the body must be a JSON object")
             _POST[route](handler, body)
         else:
             _GET[route](handler, _query(handler))
@@ -494,14 +496,14 @@ def _query(handler: _Handler) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in pairs:
         if key in out:
-            raise FsError("invalid_request", f"query parameter {key!r} is given twice")
+            raise FsError("invalid_argument", f"query parameter {key!r} is given twice")
         out[key] = value
     return out
 
 
 def _target(handler: _Handler, args: dict[str, Any], field: str = "path") -> Target:
     if field not in args:
-        raise FsError("invalid_request", f"{field!r} is required")
+        raise FsError("invalid_argument", f"{field!r} is required")
     return check_path(args[field], handler.base_dir, field)
 
 
@@ -514,7 +516,7 @@ def _flag(args: dict[str, Any], name: str) -> bool:
             return False
     elif isinstance(value, bool):
         return value
-    raise FsError("invalid_request", f"{name!r} must be a boolean (true or false), not {value!r}")
+    raise FsError("invalid_argument", f"{name!r} must be a boolean (true or false), not {value!r}")
 
 
 def _get_read(handler: _Handler, args: dict[str, str]) -> None:
@@ -598,7 +600,7 @@ def _get_watch(handler: _Handler, args: dict[str, str]) -> None:
         duration = -1.0
     if not 0 < duration <= MAX_WATCH_SECONDS:
         raise FsError(
-            "invalid_request",
+            "invalid_argument",
             f"duration must be a number of seconds, more than 0 and at most {MAX_WATCH_SECONDS:g}",
         )
     fd = _open_dir(target, target.parts)
@@ -694,10 +696,10 @@ class _Write:
             self.part = "path"
         elif name == "file":
             if self.result is not None or self.out is not None:
-                raise FsError("invalid_request", "one 'file' part per request")
+                raise FsError("invalid_argument", "one 'file' part per request")
             if not self.path_value:
                 raise FsError(
-                    "invalid_request",
+                    "invalid_argument",
                     "the 'path' field must come before the 'file' part (multipart order)",
                 )
             self._open_destination()
@@ -766,7 +768,7 @@ def _write(handler: _Handler) -> None:
     failure: FsError | None = None
     if ctype != b"multipart/form-data" or not boundary:
         failure = FsError(
-            "invalid_request",
+            "invalid_argument",
             "fs/write takes multipart/form-data with a 'path' field and a 'file' part",
         )
 
@@ -807,13 +809,13 @@ def _write(handler: _Handler) -> None:
                     _refusal(exc, state.target) if state.target else FsError("io_error", str(exc))
                 )
             except ValueError as exc:
-                failure = FsError("invalid_request", f"malformed multipart body: {exc}")
+                failure = FsError("invalid_argument", f"malformed multipart body: {exc}")
         if failure is None:
             parser.finalize()
             if state.result is None:
-                failure = FsError("invalid_request", "the body has no 'file' part")
+                failure = FsError("invalid_argument", "the body has no 'file' part")
     except (ConnectionError, ValueError) as exc:
-        failure = FsError("invalid_request", f"the body ended early: {exc}")
+        failure = FsError("invalid_argument", f"the body ended early: {exc}")
         handler.close_connection = True
     finally:
         state.cleanup()
