@@ -27,7 +27,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 if TYPE_CHECKING:
     from ._runtime import _Handler
@@ -522,19 +522,24 @@ def _flag(args: dict[str, Any], name: str) -> bool:
 def _get_read(handler: _Handler, args: dict[str, str]) -> None:
     fd, size = open_for_read(_target(handler, args))
     with os.fdopen(fd, "rb", buffering=0) as fh:
-        handler.send_response(200)
-        handler.send_header("Content-Type", "application/octet-stream")
-        handler.send_header("Content-Length", str(size))
-        handler.end_headers()
-        remaining = size
-        while remaining > 0:
-            data = fh.read(min(CHUNK_SIZE, remaining))
-            if not data:
-                break
-            handler.wfile.write(data)
-            remaining -= len(data)
-        if remaining:  # the file shrank while we sent it: the client sees a short body
-            handler.close_connection = True
+        send_file(handler, fh, size)
+
+
+def send_file(handler: _Handler, fh: BinaryIO, size: int) -> None:
+    """Answer ``200`` with ``size`` bytes of ``fh``, streamed in chunks (also ``/download``)."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/octet-stream")
+    handler.send_header("Content-Length", str(size))
+    handler.end_headers()
+    remaining = size
+    while remaining > 0:
+        data = fh.read(min(CHUNK_SIZE, remaining))
+        if not data:
+            break
+        handler.wfile.write(data)
+        remaining -= len(data)
+    if remaining:  # the file shrank while we sent it: the client sees a short body
+        handler.close_connection = True
 
 
 def _get_list(handler: _Handler, args: dict[str, str]) -> None:

@@ -292,20 +292,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, f"{relative!r} is not a file")
             return
         with open(full, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            self.send_response(200)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(size))
-            self.end_headers()
-            remaining = size
-            while remaining > 0:
-                data = fh.read(min(CHUNK_SIZE, remaining))
-                if not data:
-                    break
-                self.wfile.write(data)
-                remaining -= len(data)
-            if remaining:  # the file shrank while we sent it
-                self.close_connection = True
+            _fs.send_file(self, fh, os.fstat(fh.fileno()).st_size)
 
     def _list(self) -> None:
         prefix = "/list/" if urllib.parse.urlsplit(self.path).path.startswith("/list/") else "/list"
