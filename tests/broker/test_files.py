@@ -161,6 +161,25 @@ def test_write_refusals_leave_the_old_file(alice: Any, sandbox: dict[str, Any]) 
     assert names == ["adir", "keep.txt"]
 
 
+def test_an_aborted_write_leaves_the_old_file(alice: Any, sandbox: dict[str, Any]) -> None:
+    assert _write(alice, sandbox, "/workspace/f", b"old").status_code == 200
+
+    def body() -> Iterator[bytes]:
+        yield b"x" * 1_000_000
+        raise OSError("the caller's source failed")
+
+    with pytest.raises((httpx.HTTPError, OSError)):
+        _streamed_write(alice, sandbox, "/workspace/f", body())
+    deadline = time.monotonic() + 10
+    while True:  # the runtime notices the broken body, then removes its temporary file
+        names = [e["name"] for e in _get(alice, sandbox, "list", path="/workspace").json()]
+        if names == ["f"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert names == ["f"]
+    assert _get(alice, sandbox, "read", path="/workspace/f").content == b"old"
+
+
 @pytest.mark.parametrize(
     ("path", "status", "code", "named"),
     [

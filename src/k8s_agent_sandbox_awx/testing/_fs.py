@@ -474,6 +474,11 @@ def handle(handler: _Handler, route: str) -> None:
             _GET[route](handler, _query(handler))
     except FsError as exc:
         _send_error(handler, exc)
+    except (BrokenPipeError, ConnectionResetError):
+        handler.close_connection = True  # the client went away
+    except OSError as exc:  # an unexpected file-system failure: still a JSON answer
+        handler.close_connection = True
+        _send_error(handler, FsError("io_error", f"{route} failed: {exc.strerror or exc}"))
 
 
 def _send_error(handler: _Handler, exc: FsError) -> None:
@@ -826,7 +831,8 @@ def _write(handler: _Handler) -> None:
         state.cleanup()
     if failure is not None:
         handler.close_connection = True
-        _send_error(handler, failure)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # client may be gone
+            _send_error(handler, failure)
         return
     handler._send_json(200, state.result)
 
