@@ -294,6 +294,10 @@ def test_mkdir(alice: Any, sandbox: dict[str, Any]) -> None:
     _refused(_post(alice, sandbox, "mkdir", path=5), 400, "invalid_argument", "string")
     resp = alice.http.post("/fs/mkdir", content=b"[1", headers=alice.data_headers(sandbox))
     _refused(resp, 400, "invalid_argument", "JSON")
+    resp = alice.http.post(
+        "/fs/mkdir", content=b'{"path": "a\\ud800b"}', headers=alice.data_headers(sandbox)
+    )
+    _refused(resp, 400, "path_invalid", "surrogate")
 
 
 def test_move_never_overwrites_unless_asked(alice: Any, sandbox: dict[str, Any]) -> None:

@@ -138,6 +138,12 @@ def check_path(raw: Any, base_dir: str, field: str = "path") -> Target:
         raise FsError(
             "path_invalid", f"{field} {raw!r} contains control characters, which are refused", raw
         )
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FsError(
+            "path_invalid", f"{field} {raw!r} is not valid Unicode (a lone surrogate)", shown
+        ) from None
     parts = [p for p in raw.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise FsError(
