@@ -152,10 +152,24 @@ def test_write_refusals_leave_the_old_file(alice: Any, sandbox: dict[str, Any]) 
         headers={**alice.data_headers(sandbox), "Content-Type": "multipart/form-data; boundary=b"},
     )
     _refused(resp, 400, "invalid_argument", "'path' field must come before")
+    path_part = b'--b\r\nContent-Disposition: form-data; name="path"\r\n\r\nkeep.txt\r\n'
+    for body, reason in (
+        (path_part + b"--b--\r\n", "no 'file' part"),
+        (path_part + path_part + b"--b--\r\n", "given twice"),
+    ):
+        resp = alice.http.post(
+            "/fs/write",
+            content=body,
+            headers={
+                **alice.data_headers(sandbox),
+                "Content-Type": "multipart/form-data; boundary=b",
+            },
+        )
+        _refused(resp, 400, "invalid_argument", reason)
     resp = alice.http.post(
         "/fs/write", data={"path": "keep.txt"}, headers=alice.data_headers(sandbox)
     )
-    _refused(resp, 400, "invalid_argument")
+    _refused(resp, 400, "invalid_argument", "multipart/form-data")
     assert _get(alice, sandbox, "read", path="keep.txt").content == b"kept"
     names = [e["name"] for e in _get(alice, sandbox, "list", path=".").json()]
     assert names == ["adir", "keep.txt"]

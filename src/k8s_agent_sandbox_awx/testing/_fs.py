@@ -709,6 +709,8 @@ class _Write:
         name = disp.get(b"name", b"").decode("utf-8", "replace")
         self.headers = {}
         if name == "path":
+            if self.path_value:
+                raise FsError("invalid_argument", "the 'path' field is given twice")
             self.part = "path"
         elif name == "file":
             if self.result is not None or self.out is not None:
