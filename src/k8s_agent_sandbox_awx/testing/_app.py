@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.requests import ClientDisconnect, Request
@@ -30,8 +30,11 @@ from starlette.types import Message, Receive, Scope, Send
 
 from ._backend import RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxSpec
 from ._issuers import Issuer
-from ._policy import RESERVED_PREFIX, Caller
+from ._policy import RESERVED_PREFIX, SCOPES, Caller, Policy, required_scope
 from ._verify import TokenRejected, TokenVerifier
+
+if TYPE_CHECKING:
+    from ._rpc import RpcClaim, RpcEndpoint
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 
@@ -128,13 +131,15 @@ class SandboxRecord:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     executions: int = 0
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
-    expiry: asyncio.TimerHandle | None = None
-    """Deletes the sandbox at ``expires_at`` (rescheduled by an extend)."""
     started_at: float | None = None
     deleted: bool = False
     router_http: httpx.AsyncClient | None = None
     """The router's connections to this sandbox's runtime: closed with the sandbox, so that no
     keep-alive connection to an exited runtime is left behind (CLOSE_WAIT)."""
+    scopes: frozenset[str] = frozenset(SCOPES)
+    """The data-plane action scopes granted to this sandbox (see ``Policy.scopes``)."""
+    rpc: RpcClaim | None = None
+    """The ``/rpc`` claim bound to this sandbox (``None``: created through ``/v1``)."""
 
     def set_phase(self, phase: str, reason: str | None = None, message: str | None = None) -> None:
         self.phase, self.reason, self.message = phase, reason, message
@@ -167,7 +172,7 @@ class SandboxRecord:
     def manifest(self) -> dict[str, Any]:
         ready = self.phase == "Ready"
         metadata: dict[str, Any] = {
-            "name": self.name,
+            "name": self.rpc.claim_name if self.rpc is not None else self.name,
             "namespace": self.namespace,
             "uid": self.uid,
             "creationTimestamp": _rfc3339(self.created_at),
@@ -176,18 +181,21 @@ class SandboxRecord:
         }
         if self.deleted or self.phase == "Terminating":
             metadata["deletionTimestamp"] = _rfc3339(self.transition_at)
+        spec: dict[str, Any] = {
+            "warmPoolRef": {"name": self.rpc.warm_pool if self.rpc is not None else self.template},
+            "lifecycle": {
+                "shutdownTime": _rfc3339(self.expires_at),
+                "shutdownPolicy": "Delete",
+            },
+            "env": [{"name": k, "value": v} for k, v in self.env.items()],
+        }
+        if self.rpc is not None and self.rpc.pod_metadata:
+            spec["additionalPodMetadata"] = self.rpc.pod_metadata
         return {
             "apiVersion": CLAIM_API_VERSION,
             "kind": "SandboxClaim",
             "metadata": metadata,
-            "spec": {
-                "warmPoolRef": {"name": self.template},
-                "lifecycle": {
-                    "shutdownTime": _rfc3339(self.expires_at),
-                    "shutdownPolicy": "Delete",
-                },
-                "env": [{"name": k, "value": v} for k, v in self.env.items()],
-            },
+            "spec": spec,
             "status": {
                 "sandbox": {"name": self.name},
                 "conditions": [
@@ -220,6 +228,7 @@ class Faults:
         self.readiness_delay = readiness_delay
         self.unavailable: list[_UnavailableRule] = []
         self.drops: list[list[Any]] = []  # [remaining, sandbox or None]
+        self.crashes = 0  # the next N sandboxes crash at startup
 
     def take_unavailable(self, scope: str, path: str, sandbox: str | None) -> int | None:
         with self.lock:
@@ -244,10 +253,18 @@ class Faults:
                     return True
             return False
 
+    def take_crash(self) -> bool:
+        with self.lock:
+            if self.crashes > 0:
+                self.crashes -= 1
+                return True
+            return False
+
     def clear(self) -> None:
         with self.lock:
             self.unavailable.clear()
             self.drops.clear()
+            self.crashes = 0
 
 
 class BrokerApp:
@@ -265,8 +282,13 @@ class BrokerApp:
         faults: Faults,
         skew_seconds: int,
         max_token_bytes: int,
+        protocols: tuple[str, ...] = ("v1", "rpc"),
     ) -> None:
         self.url = url
+        self.protocols = protocols
+        self.rpc: RpcEndpoint | None = None
+        """The ``/rpc`` dialect's handler (set by ``LocalBroker``; routed to only when
+        ``protocols`` has ``rpc``, while its claim-header check runs on every data request)."""
         self.templates = dict(templates)
         self.backend = backend
         self.faults = faults
@@ -334,20 +356,27 @@ class BrokerApp:
         request = Request(scope, receive)
         path: str = scope["path"]
         is_control = path == "/v1" or path.startswith("/v1/")
+        is_rpc = path == "/rpc" and "rpc" in self.protocols
         try:
-            if not is_control and "x-sandbox-id" in request.headers:
+            if not is_control and not is_rpc and "x-sandbox-id" in request.headers:
                 await self._data_plane(request, send)
                 return
             if path.startswith("/issuers/") and request.method == "GET":
                 response = self._issuer_document(path)
-            elif is_control:
+            elif is_control and "v1" in self.protocols:
                 response = await self._control_plane(request)
+            elif is_rpc and self.rpc is not None:
+                response = await self.rpc.handle(request)
             else:
+                served = " and ".join(
+                    {"v1": "/v1/ (v1 dialect)", "rpc": "POST /rpc (rpc dialect)"}[p]
+                    for p in self.protocols
+                )
                 raise ApiError(
                     404,
                     "not_found",
-                    f"no route for {request.method} {path}: the control plane is under /v1/ and "
-                    "data-plane requests carry X-Sandbox-ID",
+                    f"no route for {request.method} {path}: this broker's control plane is "
+                    f"{served}; data-plane requests carry X-Sandbox-ID",
                 )
         except ApiError as exc:
             response = exc.response()
@@ -466,30 +495,7 @@ class BrokerApp:
         template = body.get("template")
         if template is not None and (not isinstance(template, str) or not template):
             raise ApiError(400, "invalid_request", "'template' must be a non-empty string or null")
-        labels = _string_map(body.get("labels"), "labels")
-        annotations = _string_map(body.get("annotations"), "annotations")
-        for kind, mapping in (("label", labels), ("annotation", annotations)):
-            for key in mapping:
-                if key.startswith(RESERVED_PREFIX):
-                    raise ApiError(
-                        403,
-                        "reserved_metadata",
-                        f"{kind} {key!r} is under the reserved prefix {RESERVED_PREFIX!r}, which "
-                        "only the broker sets; use another key",
-                    )
-        for key, value in labels.items():
-            _check_qualified_key(key, "label")
-            if len(value) > 63 or (value and not _QUALIFIED_NAME.match(value)):
-                raise ApiError(
-                    400,
-                    "invalid_request",
-                    f"label {key!r} has an invalid value: at most 63 characters, alphanumerics, "
-                    "'-', '_' or '.', beginning and ending with an alphanumeric",
-                )
-        for key in annotations:
-            _check_qualified_key(key, "annotation")
-        if sum(len(k) + len(v) for k, v in annotations.items()) > 256 * 1024:
-            raise ApiError(400, "invalid_request", "annotations are over 256 KiB in total")
+        labels, annotations = check_metadata(body)
         lifetime = body.get("lifetime_seconds")
         if lifetime is None:
             lifetime = max_lifetime
@@ -561,6 +567,41 @@ class BrokerApp:
                 f"provider {caller.provider!r} may not use template {template!r}; allowed: "
                 f"{list(policy.templates)}",
             )
+        record = self._admit(
+            caller,
+            policy,
+            template=template,
+            labels=fields["labels"],
+            annotations=fields["annotations"],
+            env=fields["env"],
+            lifetime=fields["lifetime"],
+        )
+        if key is not None:
+            self.idempotency[(caller.issuer, caller.subject, key)] = (
+                digest,
+                record.name,
+                record.created_at,
+            )
+        log.info("created sandbox %s for %s (%s)", record.name, caller.subject, caller.provider)
+        return JSONResponse(record.api(), 201)
+
+    def _admit(
+        self,
+        caller: Caller,
+        policy: Policy,
+        *,
+        template: str,
+        labels: dict[str, str],
+        annotations: dict[str, str],
+        env: dict[str, str],
+        lifetime: float,
+        rpc: RpcClaim | None = None,
+        failure: tuple[str, str] | None = None,
+    ) -> SandboxRecord:
+        """Admit one sandbox for ``caller`` (both dialects): namespace, quota, attribution
+        stamps, the record, its expiry timer and its start (or ``failure``: the record is
+        ``Failed`` with that reason and message and nothing starts). No await in here, so
+        concurrent creates cannot interleave."""
         try:
             namespace = policy.namespace_for(caller)
         except (ValueError, KeyError) as exc:
@@ -590,26 +631,42 @@ class BrokerApp:
                 stamps[RESERVED_PREFIX + "attr." + attr] = (
                     json.dumps(value) if not isinstance(value, str) else value
                 )
+            if rpc is not None:
+                stamps.update(rpc.stamps())
             record = SandboxRecord(
                 name=name,
                 namespace=namespace,
                 template=template,
                 owner=caller,
-                labels=fields["labels"],
-                annotations=fields["annotations"],
+                labels=labels,
+                annotations=annotations,
                 stamps=stamps,
-                env=fields["env"],
+                env=env,
                 created_at=now,
-                expires_at=now + fields["lifetime"],
+                expires_at=now + lifetime,
+                scopes=rpc.scopes if rpc is not None else frozenset(policy.scopes),
+                rpc=rpc,
             )
+            if failure is not None:
+                record.set_phase("Failed", *failure)
             self.sandboxes[name] = record
             self.history.append(record)
-            if key is not None:
-                self.idempotency[(caller.issuer, caller.subject, key)] = (digest, name, now)
-        self._schedule_expiry(record)
-        self._spawn(self._provision(record))
-        log.info("created sandbox %s for %s (%s)", name, caller.subject, caller.provider)
-        return JSONResponse(record.api(), 201)
+        self.schedule_expiry(record)
+        if failure is None:
+            self._spawn(self._provision(record))
+        return record
+
+    def schedule_expiry(self, record: SandboxRecord) -> None:
+        """(Re)arm ``record``'s expiry timer for its ``expires_at``."""
+        for timer in record.timers:
+            timer.cancel()
+        record.timers.clear()
+        delay = max(0.0, record.expires_at - time.time())
+        record.timers.append(
+            asyncio.get_running_loop().call_later(
+                delay, lambda: self._spawn(self._terminate(record, "Expired"))
+            )
+        )
 
     def _new_name(self) -> str:
         while True:
@@ -625,6 +682,9 @@ class BrokerApp:
             env=record.env,
             command=self.templates.get(record.template),
         )
+        if self.faults.take_crash():
+            record.set_phase("Failed", "RuntimeCrashed", "injected: the sandbox crashed at startup")
+            return
         try:
             handle = await self.backend.start(spec)
         except RuntimeStartError as exc:
@@ -653,8 +713,6 @@ class BrokerApp:
             record.set_phase("Terminating", reason, f"the sandbox is being deleted ({reason})")
         for timer in record.timers:
             timer.cancel()
-        if record.expiry is not None:
-            record.expiry.cancel()
         handle = record.handle
         if handle is not None:
             try:
@@ -666,16 +724,6 @@ class BrokerApp:
         record.deleted = True
         if record.router_http is not None:
             await record.router_http.aclose()
-
-    def _schedule_expiry(self, record: SandboxRecord) -> None:
-        """One timer per sandbox (a heap entry of the loop): delete it at ``expires_at``."""
-        if record.expiry is not None:
-            record.expiry.cancel()
-        loop = asyncio.get_running_loop()
-        delay = max(0.0, record.expires_at - time.time())
-        record.expiry = loop.call_later(
-            delay, lambda: self._spawn(self._terminate(record, "Expired"))
-        )
 
     async def _extend(
         self, request: Request, caller: Caller, issuer: Issuer, name: str
@@ -703,7 +751,7 @@ class BrokerApp:
                 f"at most {left} s are left",
             )
         record.expires_at = now + seconds
-        self._schedule_expiry(record)
+        self.schedule_expiry(record)
         log.info("sandbox %s now expires in %d s", name, seconds)
         return JSONResponse(record.api())
 
@@ -772,10 +820,14 @@ class BrokerApp:
 
     async def _delete(self, caller: Caller, name: str) -> Response:
         record = self._owned(caller, name)
+        self.begin_delete(record)
+        return JSONResponse(record.api(), 202)
+
+    def begin_delete(self, record: SandboxRecord) -> None:
+        """Mark ``record`` Terminating and stop it in the background (both dialects)."""
         if record.phase != "Terminating":
             record.set_phase("Terminating", "Deleted", "the sandbox is being deleted")
             self._spawn(self._terminate(record, "Deleted"))
-        return JSONResponse(record.api(), 202)
 
     # -- data plane ----------------------------------------------------------------------------
     def _router_headers(self, request: Request) -> tuple[str, str, int, float]:
@@ -830,6 +882,16 @@ class BrokerApp:
                 403,
                 "not_owner",
                 f"sandbox {sandbox_id!r} belongs to another identity; only its owner may use it",
+            )
+        if self.rpc is not None:
+            self.rpc.check_data_request(request, record)
+        scope = required_scope(request.url.path)
+        if scope is not None and scope not in record.scopes:
+            raise ApiError(
+                403,
+                "scope_denied",
+                f"sandbox {sandbox_id!r} was not granted the {scope!r} scope (granted: "
+                f"{sorted(record.scopes)}); request it at create, within the caller's policy",
             )
         self._check_alive(record)
         if record.phase == "Terminating":
@@ -989,6 +1051,40 @@ def _check_name(name: str) -> None:
             f"sandbox name {name!r} is not a DNS-1123 label (lowercase alphanumerics "
             "and '-', at most 63 characters)",
         )
+
+
+def check_metadata(
+    body: Mapping[str, Any], labels_field: str = "labels", annotations_field: str = "annotations"
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The labels and annotations of a create body, checked as Kubernetes checks them (both
+    dialects; ``/rpc`` also for ``pod_labels`` / ``pod_annotations``)."""
+    labels = _string_map(body.get(labels_field), labels_field)
+    annotations = _string_map(body.get(annotations_field), annotations_field)
+    label_kind = labels_field.removesuffix("s").replace("_", " ")
+    annotation_kind = annotations_field.removesuffix("s").replace("_", " ")
+    for kind, mapping in ((label_kind, labels), (annotation_kind, annotations)):
+        for key in mapping:
+            if key.startswith(RESERVED_PREFIX):
+                raise ApiError(
+                    403,
+                    "reserved_metadata",
+                    f"{kind} {key!r} is under the reserved prefix {RESERVED_PREFIX!r}, which "
+                    "only the broker sets; use another key",
+                )
+    for key, value in labels.items():
+        _check_qualified_key(key, label_kind)
+        if len(value) > 63 or (value and not _QUALIFIED_NAME.match(value)):
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"{label_kind} {key!r} has an invalid value: at most 63 characters, "
+                "alphanumerics, '-', '_' or '.', beginning and ending with an alphanumeric",
+            )
+    for key in annotations:
+        _check_qualified_key(key, annotation_kind)
+    if sum(len(k) + len(v) for k, v in annotations.items()) > 256 * 1024:
+        raise ApiError(400, "invalid_request", f"{annotations_field} are over 256 KiB in total")
+    return labels, annotations
 
 
 def _check_qualified_key(key: str, kind: str) -> None:
