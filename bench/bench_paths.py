@@ -19,13 +19,16 @@ Paths (the same bundled runtime process behind all of them, one local broker, on
 
 The calls are interleaved: ``--rounds`` rounds, each running ``n / rounds`` calls on every path in
 turn, so a noisy neighbour slows all paths alike. Ratios are against path A of the same run.
-Also printed: the broker hop (B - A, C - D) and the client overhead (C - B, D - A). Prints
+Also printed: the broker hop (B - A, C - D) and the client overhead (C - B, D - A), and per call
+the CPU time of the calling thread (the client's own work) and of the broker's event-loop thread
+(the hop's work): CPU time is far less disturbed by a busy machine than wall time. Prints
 numbers; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import platform
 import statistics
@@ -60,6 +63,18 @@ def _upstream(name: str, namespace: str, config: SandboxDirectConnectionConfig) 
         connection_config=config,
         k8s_helper=_NoKubernetes(),  # type: ignore[arg-type]
     )
+
+
+def _broker_cpu(broker: LocalBroker) -> float:
+    """CPU seconds the broker's event-loop thread has used so far (read on that thread)."""
+    loop = broker._loop
+    assert loop is not None
+    future = asyncio.run_coroutine_threadsafe(_thread_time(), loop)
+    return future.result(10)
+
+
+async def _thread_time() -> float:
+    return time.thread_time()
 
 
 def _stats(values: list[float]) -> tuple[float, float]:
@@ -131,14 +146,20 @@ def main() -> None:
                 for _ in range(args.warmup):
                     call()
             samples: dict[str, list[float]] = {key: [] for key, _, _ in paths}
+            client_cpu: dict[str, list[float]] = {key: [] for key, _, _ in paths}
+            broker_cpu = dict.fromkeys(samples, 0.0)
             per_round = max(1, args.n // args.rounds)
             for _ in range(args.rounds):
                 for key, _, call in paths:
-                    times = samples[key]
+                    times, cpu = samples[key], client_cpu[key]
+                    broker_before = _broker_cpu(broker)
                     for _ in range(per_round):
+                        c = time.thread_time()
                         t = time.perf_counter()
                         call()
                         times.append(time.perf_counter() - t)
+                        cpu.append(time.thread_time() - c)
+                    broker_cpu[key] += _broker_cpu(broker) - broker_before
             direct_client.close()
             up_direct.close_connection()
             up_broker.close_connection()
@@ -151,15 +172,21 @@ def main() -> None:
         f"{os.cpu_count()} cores, Python {platform.python_version()}"
     )
     print()
-    print("| path | | median | p90 | vs A |")
-    print("|---|---|---:|---:|---:|")
+    print("| path | | median | p90 | vs A | client CPU | broker CPU |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for key, label, _ in paths:
         median, p90 = _stats(samples[key])
+        cpu = statistics.median(client_cpu[key]) * 1e6
+        hop = broker_cpu[key] / len(samples[key]) * 1e6
         print(
             f"| {key} | {label} | {median * 1e3:.2f} ms | {p90 * 1e3:.2f} ms | "
-            f"{median / med['A']:.2f}x |"
+            f"{median / med['A']:.2f}x | {cpu:.0f} µs | {f'{hop:.0f} µs' if hop > 0 else '-'} |"
         )
     print()
+    print(
+        "client CPU: median CPU time of the calling thread per call; broker CPU: CPU time of "
+        "the broker's event-loop thread per call (TLS, token check, proxy)"
+    )
     print(f"broker hop, upstream client (B - A): {(med['B'] - med['A']) * 1e3:.2f} ms")
     print(f"broker hop, our client      (C - D): {(med['C'] - med['D']) * 1e3:.2f} ms")
     print(
