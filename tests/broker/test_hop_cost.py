@@ -56,3 +56,26 @@ def test_forwarding_searches_no_module_per_request(
         resp = alice.run(sandbox, "true")
         assert resp.status_code == 200, resp.text
     assert sniffio_searches.searches == before
+
+
+def test_the_router_keeps_no_cookies(broker: LocalBroker, alice: Any) -> None:
+    """The hop is stateless like upstream's router: a sandbox's Set-Cookie goes to the caller
+    and is not stored by the broker and replayed on later requests (nor parsed per request)."""
+    sandbox = alice.ready(template="echo")
+    headers = alice.data_headers(sandbox)
+    first = alice.http.get("/set-cookie", headers=headers)
+    assert first.status_code == 200, first.text
+    assert "session=from-the-sandbox" in first.headers.get("set-cookie", "")
+    alice.http.cookies.clear()  # the caller chooses not to send it back
+    echoed = alice.http.get("/echo", headers=headers).json()
+    assert "cookie" not in echoed["headers"]
+
+
+def test_the_forward_reuses_one_connection(broker: LocalBroker, alice: Any) -> None:
+    sandbox = alice.ready()
+    for _ in range(5):
+        assert alice.run(sandbox, "true").status_code == 200
+    record = broker._require_app().sandboxes[sandbox["name"]]
+    assert record.router_http is not None
+    pool = record.router_http._transport._pool  # type: ignore[attr-defined]
+    assert len(pool.connections) == 1
