@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import http.cookiejar
 import json
 import logging
 import re
@@ -64,6 +65,17 @@ _HOP_BY_HOP = frozenset(
 )
 _CREATE_FIELDS = frozenset({"template", "labels", "annotations", "lifetime_seconds", "env"})
 _NAME_ALPHABET = string.ascii_lowercase + string.digits
+
+
+class _NoCookies(http.cookiejar.CookieJar):
+    """The router is stateless (like upstream's): it never stores a sandbox's cookies to
+    replay them on later requests."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+    def add_cookie_header(self, request: Any) -> None:
+        return None
 
 
 class ApiError(Exception):
@@ -334,6 +346,7 @@ class BrokerApp:
                     connect=5.0, read=DEFAULT_DATA_PLANE_TIMEOUT, write=300.0, pool=10.0
                 ),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+                cookies=_NoCookies(),
             )
         return record.router_http
 
