@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import http.cookiejar
 import json
 import logging
 import re
@@ -64,6 +65,17 @@ _HOP_BY_HOP = frozenset(
 )
 _CREATE_FIELDS = frozenset({"template", "labels", "annotations", "lifetime_seconds", "env"})
 _NAME_ALPHABET = string.ascii_lowercase + string.digits
+
+
+class _NoCookies(http.cookiejar.CookieJar):
+    """The router is stateless (like upstream's): it never stores a sandbox's cookies to
+    replay them on later requests."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+    def add_cookie_header(self, request: Any) -> None:
+        return None
 
 
 class ApiError(Exception):
@@ -131,6 +143,7 @@ class SandboxRecord:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     executions: int = 0
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    started_at: float | None = None
     deleted: bool = False
     router_http: httpx.AsyncClient | None = None
     """The router's connections to this sandbox's runtime: closed with the sandbox, so that no
@@ -156,6 +169,7 @@ class SandboxRecord:
             "reason": self.reason,
             "message": self.message,
             "created_at": _rfc3339(self.created_at),
+            "started_at": _rfc3339(self.started_at) if self.started_at is not None else None,
             "expires_at": _rfc3339(self.expires_at),
             "labels": dict(self.labels),
             "annotations": {**self.annotations, **self.stamps},
@@ -332,6 +346,7 @@ class BrokerApp:
                     connect=5.0, read=DEFAULT_DATA_PLANE_TIMEOUT, write=300.0, pool=10.0
                 ),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+                cookies=_NoCookies(),
             )
         return record.router_http
 
@@ -431,19 +446,20 @@ class BrokerApp:
                 return self._list(request, caller)
         elif path.startswith("/v1/sandboxes/") and path.count("/") == 3:
             name = path.rsplit("/", 1)[1]
-            if method in ("GET", "DELETE") and (len(name) > 63 or not _DNS_LABEL.match(name)):
-                raise ApiError(
-                    400,
-                    "invalid_path",
-                    f"sandbox name {name!r} is not a DNS-1123 label (lowercase alphanumerics "
-                    "and '-', at most 63 characters)",
-                )
+            if method in ("GET", "DELETE"):
+                _check_name(name)
             if method == "GET":
                 caller, _ = await self._authenticate(request)
                 return await self._get(request, caller, name)
             if method == "DELETE":
                 caller, _ = await self._authenticate(request)
                 return await self._delete(caller, name)
+        elif path.startswith("/v1/sandboxes/") and path.count("/") == 4:
+            name, _, sub = path[len("/v1/sandboxes/") :].partition("/")
+            if sub == "lifetime" and method == "PUT":
+                _check_name(name)
+                caller, issuer = await self._authenticate(request)
+                return await self._extend(request, caller, issuer, name)
         raise ApiError(404, "not_found", f"no route for {method} {path}")
 
     def _whoami(self, caller: Caller, issuer: Issuer) -> dict[str, Any]:
@@ -700,6 +716,7 @@ class BrokerApp:
         if record.phase != "Pending":  # deleted or expired while starting
             await self.backend.stop(handle)
             return
+        record.started_at = time.time()
         record.set_phase("Ready", "SandboxReady", "the sandbox runtime is ready")
 
     async def _terminate(self, record: SandboxRecord, reason: str) -> None:
@@ -720,6 +737,36 @@ class BrokerApp:
         record.deleted = True
         if record.router_http is not None:
             await record.router_http.aclose()
+
+    async def _extend(
+        self, request: Request, caller: Caller, issuer: Issuer, name: str
+    ) -> Response:
+        body = await self._json_body(request)
+        if not isinstance(body, dict) or set(body) != {"seconds"}:
+            raise ApiError(
+                400, "invalid_request", 'the body must be {"seconds": N} (N a positive integer)'
+            )
+        seconds = body["seconds"]
+        if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds <= 0:
+            raise ApiError(400, "invalid_request", "'seconds' must be a positive integer")
+        record = self._owned(caller, name)
+        if record.phase == "Terminating" or record.deleted:
+            raise ApiError(409, "terminating", f"sandbox {name!r} is being deleted")
+        cap = issuer.policy.max_lifetime_seconds
+        now = time.time()
+        if now + seconds > record.created_at + cap:
+            left = max(0, int(record.created_at + cap - now))
+            raise ApiError(
+                403,
+                "lifetime_exceeds_policy",
+                f"sandbox {name!r} cannot live {seconds} s more: its policy caps a sandbox's "
+                f"lifetime at {cap} s from its creation ({_rfc3339(record.created_at + cap)}); "
+                f"at most {left} s are left",
+            )
+        record.expires_at = now + seconds
+        self.schedule_expiry(record)
+        log.info("sandbox %s now expires in %d s", name, seconds)
+        return JSONResponse(record.api())
 
     def _owned(self, caller: Caller, name: str) -> SandboxRecord:
         with self.lock:
@@ -1007,6 +1054,16 @@ def _string_map(value: Any, what: str) -> dict[str, str]:
     ):
         raise ApiError(400, "invalid_request", f"'{what}' must be an object of string values")
     return dict(value)
+
+
+def _check_name(name: str) -> None:
+    if len(name) > 63 or not _DNS_LABEL.match(name):
+        raise ApiError(
+            400,
+            "invalid_path",
+            f"sandbox name {name!r} is not a DNS-1123 label (lowercase alphanumerics "
+            "and '-', at most 63 characters)",
+        )
 
 
 def check_metadata(
