@@ -124,7 +124,7 @@ def main() -> None:
                     "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
                 },
             )
-            ours_direct = Commands(direct_client.transport, ours.info.router)
+            ours_direct = Commands(direct_client._transport, ours.info.router)
 
             paths: list[tuple[str, str, Callable[[], Any]]] = [
                 ("A", "upstream client -> runtime (HTTP)", lambda: up_direct.commands.run("true")),

@@ -71,6 +71,17 @@ Steps = Generator[Step, object, T]
 
 
 @dataclass(frozen=True)
+class _RequestPlan:
+    """What one credential request does: run ``steps`` through the cache under ``key``
+    (``None``: a file-backed source, read every time, never cached), storing the result unless
+    ``store`` is off (the single flight of a discovery stores nothing itself)."""
+
+    key: _cache.CacheKey | None
+    steps: Callable[[], Steps[_cache.Fetched]]
+    store: bool
+
+
+@dataclass(frozen=True)
 class _Selection:
     provider: ProviderEntry
     file_backed: bool
@@ -222,10 +233,10 @@ class DefaultCredentials:
     # -- per request ------------------------------------------------------------------------
 
     def get_credential(self, audience: str) -> Credential:
-        key, steps, store = self._plan(audience)
-        if key is None:
-            return _run(steps())[0]
-        return _cache.get_or_fetch(key, lambda: _run(steps()), store=store)
+        plan = self._plan(audience)
+        if plan.key is None:
+            return _run(plan.steps())[0]
+        return _cache.get_or_fetch(plan.key, lambda: _run(plan.steps()), store=plan.store)
 
     async def aget_credential(self, audience: str) -> Credential:
         """:meth:`get_credential` for asyncio code: same order, cache and checks.
@@ -235,10 +246,11 @@ class DefaultCredentials:
         first discovery loads the plugins (imports entry points) in a worker thread, in the one
         task that runs it (the others wait for its result without a thread).
         """
-        key, steps, store = self._plan(audience)
-        if key is None:
-            return (await _arun(steps()))[0]
-        return await _cache.aget_or_fetch(key, lambda: self._arun_loaded(steps), store=store)
+        plan = self._plan(audience)
+        if plan.key is None:
+            return (await _arun(plan.steps()))[0]
+        fetch = lambda: self._arun_loaded(plan.steps)  # noqa: E731
+        return await _cache.aget_or_fetch(plan.key, fetch, store=plan.store)
 
     async def _arun_loaded(self, steps: Callable[[], Steps[T]]) -> T:
         if self._registry is None:
@@ -254,10 +266,8 @@ class DefaultCredentials:
         if selection is not None and not selection.file_backed:
             _cache.invalidate(selection.key)
 
-    def _plan(
-        self, audience: str
-    ) -> tuple[_cache.CacheKey | None, Callable[[], Steps[_cache.Fetched]], bool]:
-        """What a request does: ``(cache key or None for a file read, steps, store)``.
+    def _plan(self, audience: str) -> _RequestPlan:
+        """What a request does (see :class:`_RequestPlan`).
 
         Before a provider is selected: one discovery at a time per audience (a single flight that
         stores nothing) for this instance, or for all instances on ``os.environ`` with the same
@@ -268,10 +278,10 @@ class DefaultCredentials:
         selection = self._selected.get(audience)
         if selection is None:
             key = (self._discovery_scope(), audience)
-            return key, lambda: self._discover(audience), False
+            return _RequestPlan(key, lambda: self._discover(audience), store=False)
         provider = selection.provider
         steps = lambda: self._fetch(provider, audience)  # noqa: E731
-        return (None if selection.file_backed else selection.key), steps, True
+        return _RequestPlan(None if selection.file_backed else selection.key, steps, store=True)
 
     def _discovery_scope(self) -> Hashable:
         if self._custom:
