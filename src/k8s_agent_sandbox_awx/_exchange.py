@@ -312,13 +312,14 @@ class Exchange:
         request must not (or can no longer) be retried."""
         sent = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
         self.reached = self.reached or sent
-        if certificate_failed(exc):
-            raise self.tls_error(exc) from exc
+        permanent = certificate_failed(exc)
         timed_out = isinstance(exc, httpx.TimeoutException)
         delay = self.retry.after_transport_error(
-            self.spec, self.attempt, request_sent=sent, timed_out=timed_out
+            self.spec, self.attempt, request_sent=sent, timed_out=timed_out, permanent=permanent
         )
         if delay is None:
+            if permanent:
+                raise self.tls_error(exc) from exc
             if isinstance(exc, httpx.TimeoutException):
                 raise self.timeout_error(exc) from exc
             raise self.transport_error(exc, sent=sent) from exc

@@ -355,12 +355,14 @@ class RetryPolicy:
         *,
         request_sent: bool,
         timed_out: bool = False,
+        permanent: bool = False,
     ) -> float | None:
         """Seconds to wait before retrying after a connection error, or ``None``.
 
         ``request_sent``: the request may have reached the server. A read timeout of a sent
-        request is never retried; a non-idempotent request (``POST /execute``) never is."""
-        if not spec.retryable or attempt >= self.max_attempts:
+        request is never retried; a non-idempotent request (``POST /execute``) never is; a
+        ``permanent`` failure (a certificate that does not verify) never is."""
+        if permanent or not spec.retryable or attempt >= self.max_attempts:
             return None
         if timed_out and request_sent:
             return None

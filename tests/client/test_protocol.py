@@ -158,6 +158,9 @@ def test_retry_decisions() -> None:
     assert policy.after_status(execute, 1, 503, {"retry-after": "1"}) is None
     assert policy.after_transport_error(execute, 1, request_sent=False) is None
     assert policy.after_transport_error(get, 1, request_sent=True) == 1
+    assert policy.after_transport_error(get, 1, request_sent=False, permanent=True) is None
+    assert policy.after_transport_error(get, 1, request_sent=True, timed_out=True) is None
+    assert policy.after_transport_error(get, 1, request_sent=False, timed_out=True) == 1
 
 
 @pytest.mark.parametrize(
