@@ -1,9 +1,12 @@
 """The architecture (docs/architecture.md) as checks: no import cycle among the core modules,
-no function over 60 lines outside ``testing``, and one-way dependencies between the groups."""
+no function over 60 lines outside ``testing``, one-way dependencies between the groups, shared
+layers free of I/O, and sync/async shells that differ only by their I/O."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import k8s_agent_sandbox_awx
@@ -181,7 +184,41 @@ def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
                 todo.extend(graph.get(current, ()))
         assert reached.isdisjoint({"_exchange", "_transport", "_async_transport"}), name
         for module in reached - {"testing"}:
-            assert "httpx" not in _third_party(modules[module]), (name, module)
+            io = {"httpx", "httpcore", "socket", "ssl", "requests", "urllib3"}
+            assert not io & _third_party(modules[module]), (name, module)
+        assert "asyncio" not in _third_party(modules[name]), name
+
+
+def test_exchange_performs_nothing() -> None:
+    # _exchange builds httpx requests and decides outcomes; it never sends, reads or sleeps.
+    text = (SRC / "_exchange.py").read_text()
+    assert "asyncio" not in _third_party(SRC / "_exchange.py")
+    for call in ("_client.send(", "response.read(", "aread(", "sleep(", "iter_bytes("):
+        assert call not in text, call
+
+
+def test_sync_modules_never_import_asyncio() -> None:
+    for module in ("_transport.py", "_client.py", "_commands.py", "_files.py"):
+        assert "asyncio" not in _third_party(SRC / module), module
+
+
+def test_async_modules_use_the_async_http_client_only() -> None:
+    for module in ("_async_transport.py", "_async_client.py"):
+        text = (SRC / module).read_text()
+        assert "httpx.Client(" not in text and "time.sleep" not in text, module
+
+
+def test_sandbox_use_does_not_load_the_local_stack() -> None:
+    code = (
+        "import sys\n"
+        "from k8s_agent_sandbox_awx import Sandbox, BrokerSandboxClient, BrokerConnectionConfig\n"
+        "import k8s_agent_sandbox_awx._cli\n"
+        "bad = [m for m in sys.modules if m.startswith('k8s_agent_sandbox_awx.testing')\n"
+        "       or m.split('.')[0] in ('uvicorn', 'starlette', 'jwt', 'trustme')]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_abstract_methods_of_the_shared_bases_are_enforced() -> None:
