@@ -96,9 +96,24 @@ def validate_sandbox_path(
     return normalized
 
 
-def _data(method: str, endpoint: str, what: str, target: DataTarget) -> RequestSpec:
+def _data(
+    method: str,
+    endpoint: str,
+    what: str,
+    target: DataTarget,
+    *,
+    headers: Mapping[str, str] | None = None,
+    read_timeout: float | None = None,
+    retryable: bool | None = None,
+) -> RequestSpec:
     return RequestSpec(
-        method, endpoint, what, headers=target.headers(), retryable=method == "GET", data_plane=True
+        method,
+        endpoint,
+        what,
+        headers={**target.headers(), **(headers or {})},
+        retryable=method == "GET" if retryable is None else retryable,
+        read_timeout=read_timeout,
+        data_plane=True,
     )
 
 
@@ -120,18 +135,42 @@ def execute(target: DataTarget, command: str, *, command_timeout: float) -> Requ
             f"of at most {MAX_COMMAND_TIMEOUT:g}, or start longer work in the background "
             "(e.g. `sh -c 'nohup CMD > out.log 2>&1 &'`) and poll for its result."
         )
-    spec = _data("POST", "/execute", "run a command", target)
-    spec.headers["X-Sandbox-Timeout"] = seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)
-    spec.read_timeout = command_timeout + COMMAND_TIMEOUT_MARGIN
+    spec = _data(
+        "POST",
+        "/execute",
+        "run a command",
+        target,
+        headers={"X-Sandbox-Timeout": seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)},
+        read_timeout=command_timeout + COMMAND_TIMEOUT_MARGIN,
+    )
     return json_body(spec, {"command": command, "timeout_seconds": command_timeout})
 
 
-def upload(target: DataTarget, path: str, multipart: Multipart) -> RequestSpec:
-    """``POST /upload``; the body (``multipart.prefix``, content, ``.suffix``) is added by the
-    I/O layer, which decides whether it can be replayed (and so retried)."""
-    spec = _data("POST", "/upload", f"write {path!r}", target)
-    spec.headers["Content-Type"] = multipart.content_type
-    return spec
+def upload(
+    target: DataTarget,
+    path: str,
+    multipart: Multipart,
+    *,
+    size: int | None,
+    replayable: bool,
+    read_timeout: float | None = None,
+) -> RequestSpec:
+    """``POST /upload``; the body (``multipart.prefix``, ``size`` content bytes or a chunked
+    stream, ``.suffix``) is added by the I/O layer; retried only if it is ``replayable``."""
+    length = (
+        {"Content-Length": str(multipart.length(size))}
+        if size is not None
+        else {"Transfer-Encoding": "chunked"}
+    )
+    return _data(
+        "POST",
+        "/upload",
+        f"write {path!r}",
+        target,
+        headers={"Content-Type": multipart.content_type, **length},
+        read_timeout=read_timeout,
+        retryable=replayable,
+    )
 
 
 def download(target: DataTarget, path: str) -> RequestSpec:
