@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
+import socket
+import socketserver
 import ssl
 import subprocess
 import sys
@@ -19,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 # ------------------------------------------------------------------------------ local broker
@@ -40,9 +44,14 @@ def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     """The session's local broker (the pytest plugin's ``sandbox_broker_session``), reset, with
     a clean credential environment and cache."""
     pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    yield from _clean_use(request.getfixturevalue("sandbox_broker_session"), monkeypatch)
+
+
+def _clean_use(session_broker: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``session_broker``, reset, with a clean credential environment and cache (and reset
+    again afterwards)."""
     from k8s_agent_sandbox_awx import clear_credential_cache
 
-    session_broker = request.getfixturevalue("sandbox_broker_session")
     for name in _CLEAN_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
@@ -51,6 +60,39 @@ def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     yield session_broker
     clear_credential_cache()
     session_broker.reset()
+
+
+UNAUTHORIZED_RUNTIME = Path(__file__).with_name("unauthorized_runtime.py")
+
+
+@pytest.fixture(scope="session")
+def _runtime_401_broker_session() -> Iterator[Any]:
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+
+    templates: dict[str, str | list[str] | None] = {
+        "python": None,
+        "unauthorized": [sys.executable, str(UNAUTHORIZED_RUNTIME), "--port", "{port}"],
+    }
+    policy = Policy(
+        templates=("python", "unauthorized"),
+        namespace="gitlab-ci",
+        max_sandboxes=5,
+        max_lifetime_seconds=600,
+    )
+    with LocalBroker(templates=templates, gitlab_policy=policy, warn=False) as session_broker:
+        yield session_broker
+
+
+@pytest.fixture
+def runtime_401_broker(
+    _runtime_401_broker_session: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    """A local broker (its own, for the session) whose GitLab callers may also use the template
+    ``unauthorized``: a runtime that answers every request but ``GET /`` with ``401`` and a
+    runtime-style body (``tests/unauthorized_runtime.py``). Reset and with a clean credential
+    environment, like ``broker``."""
+    yield from _clean_use(_runtime_401_broker_session, monkeypatch)
 
 
 def live_claims(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
@@ -132,11 +174,13 @@ def round_trip_growth(broker: Any) -> Callable[[str, int], int]:
 
 
 class RecordingServer:
-    """A loopback HTTPS server that records every request's path and headers and answers 200,
-    or 307 to ``redirect_to`` + the path. Request bodies (sized or chunked) are read and
-    dropped."""
+    """A loopback HTTPS server (plain HTTP without a ``context``) that records every request's
+    path and headers and answers 200 with ``body`` (JSON when given), or 307 to ``redirect_to``
+    + the path. Request bodies (sized or chunked) are read and dropped."""
 
-    def __init__(self, context: ssl.SSLContext, redirect_to: str | None) -> None:
+    def __init__(
+        self, context: ssl.SSLContext | None, redirect_to: str | None, body: bytes = b""
+    ) -> None:
         self.seen: list[dict[str, str]] = []
         outer = self
 
@@ -157,8 +201,11 @@ class RecordingServer:
                     self.send_header("Location", redirect_to + self.path)
                 else:
                     self.send_response(200)
-                self.send_header("Content-Length", "0")
+                    if body:
+                        self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                self.wfile.write(body)
 
             do_GET = do_POST = do_DELETE = _any
 
@@ -166,9 +213,15 @@ class RecordingServer:
                 pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
-        self.url = f"https://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        scheme = "http"
+        if context is not None:
+            self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+            scheme = "https"
+        self.port = self.httpd.server_address[1]
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
 
     def close(self) -> None:
@@ -178,12 +231,15 @@ class RecordingServer:
 
 @pytest.fixture
 def https_server() -> Iterator[Callable[..., RecordingServer]]:
-    """``https_server(context, redirect_to=None)``: start a :class:`RecordingServer` with the
-    server-side TLS ``context``; every server started is closed after the test."""
+    """``https_server(context, redirect_to=None, body=b"")``: start a :class:`RecordingServer`
+    with the server-side TLS ``context`` (``None``: plain HTTP); every server started is closed
+    after the test."""
     started: list[RecordingServer] = []
 
-    def start(context: ssl.SSLContext, redirect_to: str | None = None) -> RecordingServer:
-        server = RecordingServer(context, redirect_to)
+    def start(
+        context: ssl.SSLContext | None, redirect_to: str | None = None, body: bytes = b""
+    ) -> RecordingServer:
+        server = RecordingServer(context, redirect_to, body)
         started.append(server)
         return server
 
@@ -207,3 +263,303 @@ def redirect_servers(
     recorder = https_server(context)
     redirector = https_server(context, recorder.url)
     return redirector, recorder, str(ca_path)
+
+
+# ------------------------------------------------------------------------------ proxies
+
+PROXY_VARIABLES = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+    "AGENT_SANDBOX_TRUST_ENV_PROXIES",
+)
+
+
+class RecordingProxy:
+    """A loopback HTTP proxy that records every request line it gets (``seen``) and whether one
+    carried an ``Authorization`` header (``saw_authorization``). ``CONNECT host:port`` is
+    tunnelled to ``127.0.0.1:port`` whatever the host (every test server is on this machine);
+    any other request (plain-HTTP forwarding) is answered ``502``."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.saw_authorization = False
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                client: socket.socket = self.request
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = client.recv(65536)
+                    if not chunk:
+                        return
+                    head += chunk
+                lines = head.split(b"\r\n")
+                outer.seen.append(lines[0].decode("latin-1"))
+                if any(line.lower().startswith(b"authorization:") for line in lines):
+                    outer.saw_authorization = True
+                method, target = lines[0].split(b" ")[:2]
+                if method != b"CONNECT":
+                    client.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n")
+                    return
+                port = int(target.rsplit(b":", 1)[1])
+                with socket.create_connection(("127.0.0.1", port)) as upstream:
+                    client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    _pipe(client, upstream)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _pipe(a: socket.socket, b: socket.socket) -> None:
+    """Copy bytes both ways between two sockets until one side closes."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(a, selectors.EVENT_READ, b)
+        selector.register(b, selectors.EVENT_READ, a)
+        while True:
+            for key, _ in selector.select(timeout=30):
+                data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                if not data:
+                    return
+                key.data.sendall(data)
+
+
+@pytest.fixture
+def proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingProxy]:
+    """A :class:`RecordingProxy`, with no proxy variable set (tests set the ones they need)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    server = RecordingProxy()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def resolve_to_loopback(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """``resolve_to_loopback(host)``: name resolution in this process maps ``host`` to
+    127.0.0.1 and refuses every other name that is not a loopback one, so that a test using a
+    non-loopback broker name never sends a packet off this machine."""
+    real = socket.getaddrinfo
+    names: set[str] = set()
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        name = host.decode() if isinstance(host, bytes) else host
+        if name in names:
+            name = "127.0.0.1"
+        elif name not in ("127.0.0.1", "::1", "localhost"):
+            raise socket.gaierror(socket.EAI_NONAME, f"{name!r}: not resolved in tests")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return names.add
+
+
+@pytest.fixture
+def remote_broker(
+    tmp_path: Path,
+    https_server: Callable[..., RecordingServer],
+    resolve_to_loopback: Callable[[str], None],
+) -> tuple[str, str, RecordingServer]:
+    """``(url, ca_path, server)``: a stand-in broker that is not on a loopback address as far
+    as the client can tell — ``https://broker.example:PORT``, with a certificate for that name
+    from a CA made for this test — though the name resolves to 127.0.0.1 (see
+    ``resolve_to_loopback``). It answers every request ``200 {"items": []}``."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("broker.example").configure_cert(context)
+    ca_path = tmp_path / "remote-ca.pem"
+    ca.cert_pem.write_to_path(str(ca_path))
+    server = https_server(context, body=b'{"items": []}')
+    resolve_to_loopback("broker.example")
+    return f"https://broker.example:{server.port}", str(ca_path), server
+
+
+# ------------------------------------------------------------------------------ echoed tokens
+
+ECHO_CALLER_TOKEN = "opaque-caller-token-0123456789"
+ECHO_OTHER_JWT = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJzb21lb25lIn0.c2lnbmF0dXJlLW9mLWFub3RoZXI"
+ECHO_OTHER_BEARER = "0p4qu3-4cc355-t0k3n-fr0m-3ls3wh3r3"
+
+
+class TokenEcho:
+    """One server answer that repeats a secret: ``op`` (``"whoami"``, ``"list"`` or
+    ``"create"``) gets ``answer`` from a scripted broker and must raise ``error`` (the name of
+    an exception class the package exports). The client's token is ``CALLER_TOKEN``."""
+
+    CALLER_TOKEN = ECHO_CALLER_TOKEN
+
+    def __init__(self, name: str, op: str, error: str, answer: Callable[[], Any]) -> None:
+        self.name, self.op, self.error, self.answer = name, op, error, answer
+
+    def handler(self, request: Any) -> Any:
+        if request.method == "DELETE":
+            return httpx.Response(204)
+        return self.answer()
+
+    def secrets(self) -> list[str]:
+        """What must never show: the caller's token, the other tokens and each JWT part."""
+        jwt_parts = ECHO_OTHER_JWT.split(".")[1:]
+        return [ECHO_CALLER_TOKEN, ECHO_OTHER_BEARER, *jwt_parts, jwt_parts[0][:12]]
+
+
+def _token_echoes() -> list[TokenEcho]:
+    def sandbox(**extra: Any) -> dict[str, Any]:
+        obj: dict[str, Any] = {
+            "name": "sbx-1",
+            "namespace": "default",
+            "phase": "Pending",
+            "router": {"sandbox_id": "sbx-1", "namespace": "default", "port": 8888},
+        }
+        obj.update(extra)
+        return obj
+
+    caller = ECHO_CALLER_TOKEN
+    return [
+        TokenEcho(
+            "401 detail repeats the Authorization header",
+            "whoami",
+            "BrokerAuthenticationError",
+            lambda: httpx.Response(
+                401,
+                json={"code": "token_revoked", "detail": f"got Authorization: Bearer {caller}"},
+            ),
+        ),
+        TokenEcho(
+            "400 detail is an object with the headers and a JWT",
+            "whoami",
+            "BrokerError",
+            lambda: httpx.Response(
+                400,
+                json={
+                    "code": "invalid_request",
+                    "detail": {"authorization": f"Bearer {caller}", "jwt": ECHO_OTHER_JWT},
+                },
+            ),
+        ),
+        TokenEcho(
+            "the caller's bare token and another bearer token in a text body",
+            "whoami",
+            "BrokerUnavailableError",
+            lambda: httpx.Response(
+                502, text=f"upstream rejected Bearer {ECHO_OTHER_BEARER}; you sent {caller}"
+            ),
+        ),
+        TokenEcho(
+            "a JWT cut by the length limit of a text body",
+            "whoami",
+            "BrokerError",
+            lambda: httpx.Response(400, text="x" * 264 + " " + ECHO_OTHER_JWT),
+        ),
+        TokenEcho(
+            "a redirect to a URL with a token",
+            "whoami",
+            "BrokerRedirectError",
+            lambda: httpx.Response(
+                307, headers={"Location": f"https://elsewhere.example/?t={ECHO_OTHER_JWT}"}
+            ),
+        ),
+        TokenEcho(
+            "a Retry-After header with a bearer token",
+            "whoami",
+            "BrokerQuotaError",
+            lambda: httpx.Response(
+                429,
+                json={"code": "rate_limited", "detail": "slow down"},
+                headers={"Retry-After": f"Bearer {ECHO_OTHER_BEARER}"},
+            ),
+        ),
+        TokenEcho(
+            "a 200 answer that is not JSON",
+            "whoami",
+            "BrokerProtocolError",
+            lambda: httpx.Response(200, text=f"hello {ECHO_OTHER_JWT}"),
+        ),
+        TokenEcho(
+            "a Sandbox object with a token in a bad field",
+            "list",
+            "BrokerProtocolError",
+            lambda: httpx.Response(
+                200,
+                json={"items": [sandbox(router={"sandbox_id": "s", "port": ECHO_OTHER_JWT})]},
+            ),
+        ),
+        TokenEcho(
+            "a Failed sandbox whose message has a token",
+            "create",
+            "SandboxFailedError",
+            lambda: httpx.Response(
+                201,
+                json=sandbox(
+                    phase="Failed",
+                    reason=f"Bearer {ECHO_OTHER_BEARER}",
+                    message=f"pull failed with {ECHO_OTHER_JWT}",
+                ),
+            ),
+        ),
+    ]
+
+
+@pytest.fixture
+def token_echoes() -> list[TokenEcho]:
+    """Scripted broker answers (for httpx.MockTransport) that repeat the caller's token
+    (``ECHO_CALLER_TOKEN``), a bearer token or a JWT, each in another part of the answer."""
+    return _token_echoes()
+
+
+def leaked(error: BaseException, echo: TokenEcho) -> list[str]:
+    """The secrets of ``echo`` found in anything ``error`` shows: str, repr, notes and the
+    text attributes (``detail``, ``location``, ``reason``)."""
+    shown = [str(error), repr(error), *getattr(error, "__notes__", [])]
+    shown += [str(getattr(error, name, "")) for name in ("detail", "location", "reason")]
+    return [secret for secret in echo.secrets() if any(secret in text for text in shown)]
+
+
+@pytest.fixture
+def find_leaks() -> Callable[[BaseException, TokenEcho], list[str]]:
+    """``find_leaks(error, echo)``: the secrets of ``echo`` that ``error`` shows."""
+    return leaked
+
+
+# ------------------------------------------------------------------------------ unreachable
+
+
+@pytest.fixture
+def wrong_ca_environ(broker: Any, tmp_path: Path) -> tuple[dict[str, str], str]:
+    """``(environ, ca_path)``: the local broker's zero-arg environment, but with a CA bundle
+    of another CA (made for this test), so that the broker's certificate does not verify."""
+    trustme = pytest.importorskip("trustme")
+    wrong = tmp_path / "wrong-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(wrong))
+    return {**broker.environ("kubernetes"), "AGENT_SANDBOX_CA_BUNDLE": str(wrong)}, str(wrong)
+
+
+@pytest.fixture
+def closed_port_broker(broker: Any) -> tuple[Any, Any]:
+    """``(config, auth)`` for a broker URL on a loopback port nothing listens on (fast
+    backoff), with a token for that URL."""
+    from k8s_agent_sandbox_awx import BrokerConnectionConfig, OIDCTokenAuth
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"https://127.0.0.1:{probe.getsockname()[1]}"
+    auth = OIDCTokenAuth(broker.issue_gitlab_token("group/project", audience=url))
+    config = BrokerConnectionConfig(
+        broker_url=url, ca_cert=broker.ca_bundle, backoff_base=0.01, backoff_max=0.01
+    )
+    return config, auth

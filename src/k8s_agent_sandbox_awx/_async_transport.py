@@ -84,7 +84,7 @@ class AsyncBrokerTransport:
         self._sleep = sleep
         self.retry = retry or ex.retry_policy(config)
         self._client = httpx.AsyncClient(
-            transport=http_transport, **ex.client_settings(config, auth)
+            transport=http_transport, **ex.client_settings(config, auth, httpx.Response.aread)
         )
         self._cleanups: set[asyncio.Task[Any]] = set()
 

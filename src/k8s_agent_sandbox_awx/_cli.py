@@ -439,10 +439,13 @@ def _doctor_broker(doc: _Doctor, client: BrokerSandboxClient, credentials_ok: bo
             "Synchronise this machine's clock (NTP); tokens are rejected when clocks disagree.",
         )
     elif date:
+        from ._protocol import redact_answer
+
         doc.check(
             "clock skew",
             False,
-            f"the broker's Date header {date!r} is not an HTTP date with a time zone",
+            f"the broker's Date header {redact_answer(date)!r} is not an HTTP date with a time "
+            "zone",
             "Check that the broker URL points at an agent-sandbox broker, and compare the "
             "clocks by hand.",
         )

@@ -11,12 +11,14 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import Field, model_validator
 
 from ._exceptions import ConfigurationError
+from ._protocol import redact_url
 from ._upstream import SandboxDirectConnectionConfig
 
 __all__ = [
     "ENV_BROKER_URL",
     "ENV_CA_BUNDLE",
     "ENV_TEMPLATE",
+    "ENV_TRUST_ENV_PROXIES",
     "BrokerConnectionConfig",
     "normalize_broker_url",
 ]
@@ -24,6 +26,9 @@ __all__ = [
 ENV_BROKER_URL = "AGENT_SANDBOX_BROKER_URL"
 ENV_CA_BUNDLE = "AGENT_SANDBOX_CA_BUNDLE"
 ENV_TEMPLATE = "AGENT_SANDBOX_TEMPLATE"
+ENV_TRUST_ENV_PROXIES = "AGENT_SANDBOX_TRUST_ENV_PROXIES"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
 # Headers the client sets itself; an extra header must not replace them.
 _RESERVED_EXTRA_HEADERS = frozenset(
@@ -35,9 +40,12 @@ def _is_loopback(host: str) -> bool:
     if host.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
 
 
 def normalize_broker_url(
@@ -57,16 +65,19 @@ def normalize_broker_url(
             "https:// URL, e.g. https://sandbox-broker.example."
         )
     raw = url.strip()
+    shown = redact_url(raw)  # the only form of the URL that messages show
     try:
         parts = urlsplit(raw)
         port = parts.port
     except ValueError as exc:
-        raise ConfigurationError(f"The broker URL {raw!r} is not a valid URL: {exc}.") from exc
+        raise ConfigurationError(
+            f"The broker URL {shown!r} is not a valid URL: {redact_url(str(exc))}."
+        ) from None
     scheme = parts.scheme.lower()
     host = parts.hostname or ""
     if scheme not in ("https", "http") or not host:
         raise ConfigurationError(
-            f"The broker URL {raw!r} must be an absolute https:// URL with a host, "
+            f"The broker URL {shown!r} must be an absolute https:// URL with a host, "
             "e.g. https://sandbox-broker.example."
         )
     if parts.username is not None or parts.password is not None:
@@ -76,18 +87,18 @@ def normalize_broker_url(
         )
     if parts.query or parts.fragment:
         raise ConfigurationError(
-            f"The broker URL {raw!r} must not have a query or fragment; use the plain base URL."
+            f"The broker URL {shown!r} must not have a query or fragment; use the plain base URL."
         )
     if scheme == "http":
         if not _is_loopback(host):
             raise ConfigurationError(
-                f"The broker URL {raw!r} uses http://, which would send tokens in clear text. "
+                f"The broker URL {shown!r} uses http://, which would send tokens in clear text. "
                 "Use https://; plain http:// is only allowed for a loopback host "
                 f"(127.0.0.1, ::1, localhost) with {insecure_option}."
             )
         if not allow_insecure_http:
             raise ConfigurationError(
-                f"The broker URL {raw!r} uses http://. Use https://, or, for a broker on this "
+                f"The broker URL {shown!r} uses http://. Use https://, or, for a broker on this "
                 f"machine only, pass {insecure_option}."
             )
     netloc = host.lower()
@@ -112,6 +123,10 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
     api_url: str = ""
     allow_insecure_http: bool = False
     """Allow ``http://`` for a loopback broker (local development only)."""
+    trust_env_proxies: bool = True
+    """Use the proxy environment variables (``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``) for
+    a broker that is not on this machine; ``False`` (or ``AGENT_SANDBOX_TRUST_ENV_PROXIES=0``):
+    always connect directly. See :attr:`use_env_proxies`."""
     template: str | None = None
     """Template used when ``create`` gets none; ``None``: the broker policy's default."""
     request_timeout: float = Field(default=30.0, gt=0)
@@ -150,7 +165,8 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
             api_normalized = normalize_broker_url(str(api_url), allow_insecure_http=insecure)
             if api_normalized != normalized:
                 raise ConfigurationError(
-                    f"api_url {api_url!r} differs from the broker URL {normalized!r}. With the "
+                    f"api_url {redact_url(str(api_url))!r} differs from the broker URL "
+                    f"{normalized!r}. With the "
                     "broker, api_url must be the broker URL (or be left out): any other URL would "
                     "bypass the broker and talk to a sandbox router directly, without the "
                     "broker's authentication and authorization."
@@ -165,6 +181,24 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
                     "(the token comes from the credential chain; pass auth= to choose it)."
                 )
         return data
+
+    @property
+    def use_env_proxies(self) -> bool:
+        """Whether requests to the broker may go through a proxy named by the environment.
+
+        Never for a loopback broker (``127.0.0.0/8``, ``::1``, ``localhost``): it is on this
+        machine. Never for an ``http://`` broker (loopback only anyway): a proxy would see the
+        token in clear. For any other broker only with :attr:`trust_env_proxies`, and then as
+        the ecosystem does: ``HTTPS_PROXY`` (or ``ALL_PROXY``) names the proxy, which gets a
+        ``CONNECT`` tunnel (the token travels inside TLS to the broker), and ``NO_PROXY`` lists
+        the hosts reached directly. ``HTTP_PROXY`` is never used (it is for ``http://`` URLs).
+        """
+        parts = urlsplit(self.broker_url)
+        return (
+            self.trust_env_proxies
+            and parts.scheme == "https"
+            and not _is_loopback(parts.hostname or "")
+        )
 
     @property
     def audience(self) -> str:
@@ -185,6 +219,8 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
             values["ca_cert"] = env[ENV_CA_BUNDLE]
         if env.get(ENV_TEMPLATE):
             values["template"] = env[ENV_TEMPLATE]
+        if env.get(ENV_TRUST_ENV_PROXIES):
+            values["trust_env_proxies"] = _env_flag(env, ENV_TRUST_ENV_PROXIES)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("broker_url") and not values.get("api_url"):
             raise ConfigurationError(
@@ -200,3 +236,13 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
                 "system trust store."
             )
         return cls(**values)
+
+
+def _env_flag(env: Mapping[str, str], name: str) -> bool:
+    value = env[name].strip().lower()
+    if value in _TRUE | _FALSE:
+        return value in _TRUE
+    raise ConfigurationError(
+        f"The environment variable {name}={env[name]!r} is not a yes/no value; set it to 1 or "
+        "0 (also true/false, yes/no, on/off), or unset it."
+    )

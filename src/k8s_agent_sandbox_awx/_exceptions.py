@@ -30,6 +30,7 @@ __all__ = [
     "BrokerProtocolError",
     "BrokerQuotaError",
     "BrokerRedirectError",
+    "BrokerTLSError",
     "BrokerTemplateNotFoundError",
     "BrokerUnavailableError",
     "CommandTimeoutError",
@@ -50,7 +51,9 @@ class BrokerError(SandboxRequestError):
 
     ``status_code``: the HTTP status (``None`` when no response arrived); ``code``: the broker's
     machine code (``None`` for errors passed through from the sandbox runtime); ``detail``: the
-    human-readable reason from the response body; ``method``/``path``: the request that failed.
+    human-readable reason from the response body; ``method``/``path``: the request that failed;
+    ``request_sent``: whether the request may have reached the broker (``False`` when every
+    attempt failed before anything was sent: no connection, or a TLS handshake that failed).
     """
 
     def __init__(
@@ -63,12 +66,14 @@ class BrokerError(SandboxRequestError):
         method: str | None = None,
         path: str | None = None,
         response: Any = None,
+        request_sent: bool = True,
     ) -> None:
         super().__init__(message, status_code=status_code, response=response)
         self.code = code
         self.detail = detail
         self.method = method
         self.path = path
+        self.request_sent = request_sent
 
 
 class BrokerAuthenticationError(BrokerError):
@@ -97,6 +102,12 @@ class BrokerQuotaError(BrokerError):
 
 class BrokerUnavailableError(BrokerError):
     """The broker or the sandbox could not be reached (502/503/504, connection errors)."""
+
+
+class BrokerTLSError(BrokerError):
+    """The broker's TLS certificate did not verify (wrong or missing CA bundle, a clock outside
+    the certificate's validity, another host name). Nothing was sent, and it is not retried:
+    retrying cannot help."""
 
 
 class BrokerProtocolError(BrokerError):

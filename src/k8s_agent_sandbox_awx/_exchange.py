@@ -14,7 +14,7 @@ import contextlib
 import io
 import logging
 import ssl
-from collections.abc import AsyncGenerator, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from . import _protocol as proto
 from ._auth import CredentialSource
 from ._config import BrokerConnectionConfig
 from ._credential import Credential
-from ._exceptions import BrokerError, BrokerUnavailableError, ConfigurationError
+from ._exceptions import BrokerError, BrokerTLSError, BrokerUnavailableError, ConfigurationError
 from ._exceptions import RequestTimeoutError as _RequestTimeoutError
 from ._upstream import SandboxError
 from ._version import __version__
@@ -66,14 +66,25 @@ def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
 
 class BearerAuth(httpx.Auth):
     """Asks the credential source for a token on every request (sent only to the broker's
-    origin); on a 401 it invalidates the credential, re-reads it and retries once, if the body
-    can be sent again. The sync client calls ``get_credential``, the async one
-    ``aget_credential``; both run the same steps (:meth:`_steps`)."""
+    origin); when the broker rejects the token (a 401 with a token code, see
+    :func:`_protocol.is_token_rejection`) it invalidates the credential, re-reads it and
+    retries once, if the body can be sent again. Any other 401 (a sandbox runtime's own,
+    passed through by the broker) is an answer: no invalidation, never a replay. The sync
+    client calls ``get_credential``, the async one ``aget_credential``; both run the same steps
+    (:meth:`_steps`). ``read_body`` reads a 401's body for the decision: ``httpx.Response.read``
+    from the sync transport, ``httpx.Response.aread`` (awaited) from the async one."""
 
-    def __init__(self, source: CredentialSource, audience: str) -> None:
+    def __init__(
+        self,
+        source: CredentialSource,
+        audience: str,
+        *,
+        read_body: Callable[[httpx.Response], Any],
+    ) -> None:
         self._source = source
         self._audience = audience
         self._origin = _origin(httpx.URL(audience))
+        self._read_body = read_body
 
     def _check_origin(self, request: httpx.Request) -> None:
         if _origin(request.url) != self._origin:
@@ -82,14 +93,20 @@ class BearerAuth(httpx.Auth):
                 f"not the broker's origin ({self._audience}). Tokens only go to the broker."
             )
 
-    def _steps(self, request: httpx.Request) -> Generator[httpx.Request | None, Any, None]:
-        """Yields ``None`` to ask for a credential (send it back) or a request to send (send
-        back its response). The origin is checked before any credential is asked for."""
+    def _steps(
+        self, request: httpx.Request
+    ) -> Generator[httpx.Request | httpx.Response | None, Any, None]:
+        """Yields ``None`` to ask for a credential (send it back), a request to send (send
+        back its response) or a response whose body to read (send back the bytes). The origin
+        is checked before any credential is asked for."""
         self._check_origin(request)
         credential: Credential = yield None
         request.headers["Authorization"] = f"Bearer {credential.token}"
         response = yield request
         if response.status_code != 401:
+            return
+        if not proto.is_token_rejection(response.status_code, (yield response)):
+            logger.info("401 from behind the broker (not a token rejection); not retrying")
             return
         self._source.invalidate(self._audience)
         if not body_replayable(request):
@@ -108,6 +125,8 @@ class BearerAuth(httpx.Auth):
             while True:
                 if step is None:
                     step = steps.send(self._source.get_credential(self._audience))
+                elif isinstance(step, httpx.Response):
+                    step = steps.send(self._read_body(step))
                 else:
                     step = steps.send((yield step))
 
@@ -120,11 +139,12 @@ class BearerAuth(httpx.Auth):
         step = next(steps)
         with contextlib.suppress(StopIteration):
             while True:
-                reply = (
-                    await self._source.aget_credential(self._audience)
-                    if step is None
-                    else (yield step)
-                )
+                if step is None:
+                    reply: Any = await self._source.aget_credential(self._audience)
+                elif isinstance(step, httpx.Response):
+                    reply = await self._read_body(step)
+                else:
+                    reply = yield step
                 step = steps.send(reply)
 
 
@@ -160,15 +180,22 @@ def _ssl_context(config: BrokerConnectionConfig) -> ssl.SSLContext:
     return context
 
 
-def client_settings(config: BrokerConnectionConfig, auth: CredentialSource) -> dict[str, Any]:
-    """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: bearer auth, TLS, never
-    following redirects, the request timeout and the User-Agent."""
+def client_settings(
+    config: BrokerConnectionConfig,
+    auth: CredentialSource,
+    read_body: Callable[[httpx.Response], Any],
+) -> dict[str, Any]:
+    """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: bearer auth (``read_body``:
+    see :class:`BearerAuth`), TLS, never
+    following redirects, proxies from the environment only where they may be used
+    (:attr:`BrokerConnectionConfig.use_env_proxies`), the request timeout and the User-Agent."""
     verify: ssl.SSLContext | bool = True
     if config.broker_url.startswith("https://"):
         verify = _ssl_context(config)
     return {
-        "auth": BearerAuth(auth, config.audience),
+        "auth": BearerAuth(auth, config.audience, read_body=read_body),
         "follow_redirects": False,
+        "trust_env": config.use_env_proxies,  # httpx reads nothing else from it here
         "verify": verify,
         "timeout": httpx.Timeout(config.request_timeout),
         "limits": httpx.Limits(
@@ -213,6 +240,8 @@ class Exchange:
         self.auth: Any = httpx.USE_CLIENT_DEFAULT if authenticate else NoAuth()
         self.attempt = 0
         self.request: httpx.Request | None = None
+        self.reached = False
+        """Whether an attempt may have reached the broker (it was sent, or answered)."""
 
     def next_request(self) -> httpx.Request:
         """The request for the next attempt."""
@@ -251,6 +280,9 @@ class Exchange:
         request must not (or can no longer) be retried."""
         spec = self.spec
         not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+        self.reached = self.reached or not not_sent
+        if _certificate_failed(exc):
+            raise self.tls_error(exc) from exc
         if isinstance(exc, httpx.TimeoutException) and not not_sent:
             raise self.timeout_error(exc) from exc
         delay = self.retry.after_transport_error(spec, self.attempt, request_sent=not not_sent)
@@ -268,6 +300,7 @@ class Exchange:
     def delay_after_response(self, response: httpx.Response) -> float | None:
         """Seconds to wait before retrying after an error ``response``; ``None``: no retry
         (a success, or an error to raise with :meth:`failure`)."""
+        self.reached = True
         status = response.status_code
         if self.succeeded(response) or status < 400:
             return None
@@ -290,10 +323,22 @@ class Exchange:
             body if status >= 400 else b"",
             spec=self.spec,
             retried_auth=retried,
+            secrets=self._sent_token(),
         )
+
+    def _sent_token(self) -> tuple[str, ...]:
+        """The token the last attempt carried: redacted from messages about its outcome."""
+        header = self.request.headers.get("Authorization", "") if self.request else ""
+        token = header.partition(" ")[2].strip()
+        return (token,) if token else ()
+
+    def _reason(self, exc: httpx.TransportError) -> str:
+        """A transport error's text (it may quote what the server sent), redacted."""
+        return proto.redact_answer(str(exc) or type(exc).__name__, self._sent_token())
 
     def read_error(self, exc: httpx.TransportError) -> BrokerError:
         """The typed error for a failure while reading a successful response's body."""
+        self.reached = True
         if isinstance(exc, httpx.TimeoutException):
             return self.timeout_error(exc)
         return self.transport_error(exc, sent=True)
@@ -321,21 +366,36 @@ class Exchange:
             timeout=limit,
             method=spec.method,
             path=spec.path,
+            request_sent=self.reached,
+        )
+
+    def tls_error(self, exc: httpx.TransportError) -> BrokerTLSError:
+        """A certificate that does not verify: typed, never retried, nothing was sent."""
+        spec = self.spec
+        ca = self.config.ca_cert or "the system trust store"
+        return BrokerTLSError(
+            f"Could not {spec.what}: the TLS certificate of the broker {self.config.broker_url} "
+            f"did not verify against {ca} ({self._reason(exc)}). Not retried: retrying cannot "
+            "help. Set "
+            "AGENT_SANDBOX_CA_BUNDLE (or ca_cert=) to the PEM file of the CA that signed the "
+            "broker's certificate; if that is the right CA, check this machine's clock (a "
+            "certificate is only valid between its dates) and that the broker URL names a host "
+            "of the certificate.",
+            method=spec.method,
+            path=spec.path,
+            request_sent=False,
         )
 
     def transport_error(self, exc: httpx.TransportError, *, sent: bool) -> BrokerUnavailableError:
         spec = self.spec
         broker = self.config.broker_url
         if isinstance(exc, httpx.ConnectError):
-            reason = str(exc) or type(exc).__name__
+            reason = self._reason(exc)
             hint = "Check the broker URL, that the broker is running, and the CA bundle."
-            if "CERTIFICATE_VERIFY_FAILED" in reason:
-                hint = (
-                    "TLS verification failed: set AGENT_SANDBOX_CA_BUNDLE (or ca_cert=) to the "
-                    "CA that signed the broker's certificate."
-                )
             msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
-            return BrokerUnavailableError(f"{msg} {hint}", method=spec.method, path=spec.path)
+            return BrokerUnavailableError(
+                f"{msg} {hint}", method=spec.method, path=spec.path, request_sent=self.reached
+            )
         note = ""
         if sent and not spec.retryable:
             note = (
@@ -344,10 +404,23 @@ class Exchange:
             )
         return BrokerUnavailableError(
             f"Could not {spec.what}: the connection to the broker failed "
-            f"({type(exc).__name__}: {exc}).{note} Retry if that is safe.",
+            f"({type(exc).__name__}: {self._reason(exc)}).{note} Retry if that is safe.",
             method=spec.method,
             path=spec.path,
+            request_sent=self.reached,
         )
+
+
+def _certificate_failed(exc: BaseException) -> bool:
+    """Whether a transport error was caused by a certificate that did not verify."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ssl.SSLCertVerificationError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class CappedBody:

@@ -223,6 +223,9 @@ def check_phase(
     deleted = "; its claim is deleted" if creating else ""
     if info.phase == "Ready" or info.ready:
         return True
+    phase = proto.redact_answer(info.phase)  # the broker's words, quoted in messages
+    reason = proto.redact_answer(info.reason) if info.reason else None
+    message = proto.redact_answer(info.message) if info.message else None
     if info.phase == "Terminating":
         raise errors.SandboxTerminatingError(
             f"Sandbox {info.name!r} is being deleted (Terminating) and will not become "
@@ -231,23 +234,23 @@ def check_phase(
         )
     if info.phase == "Failed":
         raise errors.SandboxFailedError(
-            f"Sandbox {info.name!r} is {info.phase} and will not become ready{deleted} "
-            f"(reason: {info.reason or 'none given'}; {info.message or 'no message'}). "
+            f"Sandbox {info.name!r} is {phase} and will not become ready{deleted} "
+            f"(reason: {reason or 'none given'}; {message or 'no message'}). "
             "Check the template and your policy (`agent-sandbox-awx whoami`), then "
             "create a new sandbox.",
             name=info.name,
-            reason=info.reason,
-            detail=info.message,
+            reason=reason,
+            detail=message,
         )
     if remaining <= 0:
         raise errors.SandboxReadyTimeoutError(
             f"Sandbox {info.name!r} did not become ready within {ready_timeout:g}s "
-            f"(phase {info.phase}){deleted}. Pass a larger ready_timeout= "
+            f"(phase {phase}){deleted}. Pass a larger ready_timeout= "
             "(or sandbox_ready_timeout=), or ask the broker's operator why the template "
             "starts slowly.",
             name=info.name,
             ready_timeout=ready_timeout,
-            phase=info.phase,
+            phase=phase,
         )
     return False
 
@@ -329,10 +332,14 @@ def plan_create(
 
 def _outcome_unknown(exc: BaseException) -> bool:
     """Whether the broker may have created the sandbox although we saw no answer: the create
-    was interrupted (Ctrl-C, cancellation) or timed out, or the connection broke."""
-    return not isinstance(exc, Exception) or isinstance(
-        exc, errors.RequestTimeoutError | errors.BrokerUnavailableError
-    )
+    was interrupted (Ctrl-C, cancellation) or timed out, or the connection broke, after the
+    request may have reached the broker. A request that never left (no connection, a TLS
+    certificate that did not verify) cannot have created anything."""
+    if not isinstance(exc, Exception):
+        return True
+    if isinstance(exc, errors.RequestTimeoutError | errors.BrokerUnavailableError):
+        return exc.request_sent
+    return False
 
 
 def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
@@ -494,11 +501,7 @@ def run_command(router: proto.RouterTarget, plan: CommandPlan) -> Op[ExecutionRe
 
 
 def file_path(path: str, allow_unsafe_paths: bool) -> str:
-    if allow_unsafe_paths:
-        if not isinstance(path, str) or not path:
-            raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
-        return path.lstrip("/") or "."
-    return proto.validate_sandbox_path(path)
+    return proto.validate_sandbox_path(path, allow_unsafe=allow_unsafe_paths)
 
 
 def _with_timeout(spec: proto.RequestSpec, timeout: float | None) -> proto.RequestSpec:

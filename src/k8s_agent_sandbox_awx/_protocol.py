@@ -11,9 +11,10 @@ import json
 import math
 import posixpath
 import random
+import re
 import secrets
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -32,17 +33,22 @@ from ._exceptions import (
     BrokerTemplateNotFoundError,
     BrokerUnavailableError,
 )
+from ._jwt import redact
 from ._upstream import ExecutionResult, FileEntry
 
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
+    "MAX_COMMAND_TIMEOUT",
+    "MAX_SANDBOX_TIMEOUT",
     "MAX_WAIT_SECONDS",
+    "TOKEN_REJECTION_CODES",
     "Multipart",
     "RequestSpec",
     "RetryPolicy",
     "RouterTarget",
     "SandboxInfo",
     "error_from_response",
+    "is_token_rejection",
     "multipart_framing",
     "parse_execution_result",
     "parse_exists",
@@ -51,6 +57,8 @@ __all__ = [
     "parse_retry_after",
     "parse_sandbox",
     "parse_sandbox_list",
+    "redact_answer",
+    "redact_url",
     "validate_sandbox_path",
 ]
 
@@ -59,6 +67,10 @@ MAX_WAIT_SECONDS = 60.0
 """The broker's upper bound for one long-poll ``?wait=ready&timeout=``."""
 COMMAND_TIMEOUT_MARGIN = 10.0
 """Seconds the client waits for an answer beyond a command's own time limit."""
+MAX_SANDBOX_TIMEOUT = 86400.0
+"""The largest ``X-Sandbox-Timeout`` the broker accepts (seconds it waits for a runtime)."""
+MAX_COMMAND_TIMEOUT = MAX_SANDBOX_TIMEOUT - COMMAND_TIMEOUT_MARGIN / 2
+"""The longest command time limit: the client sends ``X-Sandbox-Timeout`` = limit + 5 s."""
 RESERVED_PREFIX = "broker.agent-sandbox-awx.io/"
 
 # --------------------------------------------------------------------------------------------
@@ -280,13 +292,29 @@ def _seconds(value: float) -> str:
     return f"{value:g}"
 
 
-def validate_sandbox_path(path: str, *, allow_root: bool = False) -> str:
+def validate_sandbox_path(
+    path: str, *, allow_root: bool = False, allow_unsafe: bool = False
+) -> str:
     """A sandbox-relative path, checked like upstream: no control characters, no empty name,
-    no ``..`` segment. Returns the normalised relative path (``.`` for the root if allowed)."""
+    no ``..`` segment. Returns the normalised relative path (``.`` for the root if allowed).
+
+    ``allow_unsafe`` (a file operation's ``allow_unsafe_paths=True``) skips the name checks,
+    as upstream does, but never the control characters: a CR/LF would end up in the upload's
+    multipart headers (another file name, the framing in the content), a NUL in the runtime's
+    system calls."""
     if not isinstance(path, str):
         raise TypeError(f"A sandbox path must be a str, got {type(path).__name__}.")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
-        raise ValueError(f"The sandbox path {path!r} contains control characters; remove them.")
+    bad = next((i for i, c in enumerate(path) if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(
+            f"The sandbox path {path!r} contains a control character (U+{ord(path[bad]):04X} "
+            f"at index {bad}). Paths must not contain control characters (U+0000-U+001F, "
+            "U+007F), even with allow_unsafe_paths=True; remove them."
+        )
+    if allow_unsafe:
+        if not path:
+            raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
+        return path.lstrip("/") or "."
     if not path.strip():
         if allow_root:
             return "."
@@ -317,6 +345,15 @@ def execute(router: RouterTarget, command: str, *, command_timeout: float) -> Re
         raise ValueError(
             f"The command timeout must be a finite number of seconds greater than 0, got "
             f"{command_timeout}; pass timeout= (or command_timeout=) as, e.g., 60."
+        )
+    if command_timeout > MAX_COMMAND_TIMEOUT:
+        raise ValueError(
+            f"The command timeout {command_timeout:g} s is over the limit of "
+            f"{MAX_COMMAND_TIMEOUT:g} s: the broker waits at most {MAX_SANDBOX_TIMEOUT:g} s for "
+            f"a sandbox's answer (X-Sandbox-Timeout), and the client asks for the command's "
+            f"limit plus {COMMAND_TIMEOUT_MARGIN / 2:g} s. Pass timeout= (or command_timeout=) "
+            f"of at most {MAX_COMMAND_TIMEOUT:g}, or start longer work in the background "
+            "(e.g. `sh -c 'nohup CMD > out.log 2>&1 &'`) and poll for its result."
         )
     spec = _data("POST", "/execute", "run a command", router)
     spec.headers["X-Sandbox-Timeout"] = _seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)
@@ -372,12 +409,36 @@ def multipart_framing(path: str, boundary: str | None = None) -> Multipart:
 # --------------------------------------------------------------------------------------------
 # Response parsing
 
+_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+")
+
+
+def redact_answer(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` from a server's answer, fit for a message: the caller's token (``secrets``),
+    anything shaped like a JWT and the credential after any ``Bearer`` are replaced. Every
+    message (and error attribute) built from an answer goes through it, before any truncation
+    (a cut token would no longer be recognised). Where the caller's token is not at hand (a
+    successful answer that does not parse), the shapes suffice: the broker accepts only JWTs."""
+    return _BEARER.sub(r"\1 <redacted>", redact(text, secrets))
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a message: a user name and password (``user:password@``) become
+    ``***@``. Everything up to the last ``@`` before the query is treated as user info, so that
+    a password with unencoded ``@`` or ``/`` is hidden too; a URL that does not parse (a bad
+    port, no scheme) is redacted all the same."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    ends = [i for i in (rest.find("?"), rest.find("#")) if i >= 0]
+    at = rest.rfind("@", 0, min(ends, default=len(rest)))
+    return url if at < 0 else f"{scheme}{sep}***@{rest[at + 1 :]}"
+
 
 def parse_json(body: bytes, what: str) -> Any:
     try:
         return json.loads(body)
     except ValueError as exc:
-        snippet = body[:200].decode("utf-8", "replace")
+        snippet = redact_answer(body[:4096].decode("utf-8", "replace"))[:200]
         raise BrokerProtocolError(
             f"Could not {what}: the answer is not JSON ({exc}); it starts with {snippet!r}. "
             "Check that the broker URL points at an agent-sandbox broker."
@@ -385,9 +446,10 @@ def parse_json(body: bytes, what: str) -> Any:
 
 
 def _protocol_error(what: str, problem: str) -> BrokerProtocolError:
+    """``problem`` may quote the answer (a bad field's value): it is redacted."""
     return BrokerProtocolError(
-        f"Could not {what}: {problem}. The broker does not follow the broker API v1; "
-        "check the broker URL and the broker's version."
+        f"Could not {what}: {redact_answer(problem)}. The broker does not follow the broker "
+        "API v1; check the broker URL and the broker's version."
     )
 
 
@@ -483,8 +545,9 @@ def parse_exists(obj: Any, path: str) -> bool:
 
 _HINTS: dict[str, str] = {
     "invalid_request": "Fix the request as the detail says.",
-    "invalid_header": "The router headers come from the sandbox object; reconnect with "
-    "Sandbox.connect(name).",
+    "invalid_header": "X-Sandbox-ID, -Namespace and -Port come from the sandbox object "
+    "(reconnect with Sandbox.connect(name)); X-Sandbox-Timeout comes from the command's timeout "
+    f"(at most {MAX_COMMAND_TIMEOUT:g} s).",
     "invalid_path": "Use a path relative to the sandbox root.",
     "token_missing": "No token reached the broker; run `agent-sandbox-awx doctor`.",
     "token_malformed": "The token is not a valid JWT; check the token source with "
@@ -529,6 +592,34 @@ _HINTS: dict[str, str] = {
     "sandbox_timeout": "The sandbox runtime did not answer in time; retry, or allow more time.",
 }
 
+TOKEN_REJECTION_CODES = frozenset(
+    {
+        "token_missing",
+        "token_malformed",
+        "token_expired",
+        "token_not_yet_valid",
+        "audience_mismatch",
+        "unknown_issuer",
+        "bad_signature",
+        "algorithm_not_allowed",
+        "token_too_large",
+        "missing_claim",
+        "token_revoked",
+    }
+)
+"""The ``code`` values of the broker's own 401 answers (docs/broker-api.md, Errors)."""
+
+
+def is_token_rejection(status: int, body: bytes) -> bool:
+    """Whether an answer is the broker rejecting the token: a ``401`` whose error body carries
+    one of the documented token codes. Only such an answer makes the client re-read the
+    credential and send the request once more (the broker refused it before it reached a
+    sandbox). Any other ``401`` comes from behind the broker (a sandbox runtime's own answer,
+    passed through unchanged): it is a result or an error, never a reason to replay (a
+    command must not run twice)."""
+    return status == 401 and _error_body(body)[0] in TOKEN_REJECTION_CODES
+
+
 _STATUS_CLASSES: dict[int, type[BrokerError]] = {
     401: BrokerAuthenticationError,
     403: BrokerPermissionError,
@@ -541,19 +632,22 @@ _STATUS_CLASSES: dict[int, type[BrokerError]] = {
 }
 
 
-def _error_body(body: bytes) -> tuple[str | None, str | None]:
+def _error_body(body: bytes, secrets: Iterable[str] = ()) -> tuple[str | None, str | None]:
+    """``(code, detail)`` of an error body, redacted (:func:`redact_answer`)."""
     try:
         obj = json.loads(body) if body else None
     except ValueError:
-        text = body[:300].decode("utf-8", "replace").strip()
+        text = redact_answer(body.decode("utf-8", "replace"), secrets).strip()[:300]
         return None, text or None
     if not isinstance(obj, dict):
         return None, None
     code = obj.get("code")
     detail = obj.get("detail")
-    if detail is not None and not isinstance(detail, str):
-        detail = json.dumps(detail)[:500]
-    return (code if isinstance(code, str) else None), detail
+    if detail is not None:
+        limit = None if isinstance(detail, str) else 500
+        text = detail if isinstance(detail, str) else json.dumps(detail)
+        detail = redact_answer(text, secrets)[:limit]
+    return (redact_answer(code, secrets) if isinstance(code, str) else None), detail
 
 
 def error_from_response(
@@ -563,9 +657,12 @@ def error_from_response(
     *,
     spec: RequestSpec,
     retried_auth: bool = False,
+    secrets: Iterable[str] = (),
 ) -> BrokerError:
-    """Map an error response to a typed exception whose message says what to do."""
-    code, detail = _error_body(body)
+    """Map an error response to a typed exception whose message says what to do. Everything
+    taken from the answer is redacted, ``secrets`` (the caller's token) included."""
+    secrets = tuple(secrets)
+    code, detail = _error_body(body, secrets)
     request = f"{spec.method} {spec.path}"
     common: dict[str, Any] = {
         "status_code": status,
@@ -576,6 +673,8 @@ def error_from_response(
     }
     if 300 <= status < 400:
         location = headers.get("location")
+        if location is not None:
+            location = redact_url(redact_answer(location, secrets))
         return BrokerRedirectError(
             f"Could not {spec.what}: the server answered {status} with a redirect to "
             f"{location or '(no Location)'}. Redirects are never followed, so that the token "
@@ -616,7 +715,7 @@ def error_from_response(
         extra = " (the credential was re-read and the request retried once)"
     retry_after = headers.get("retry-after")
     if retry_after and status in (429, 503):
-        extra += f" (Retry-After: {retry_after})"
+        extra += f" (Retry-After: {redact_answer(retry_after, secrets)})"
     label = f"{status} {code}" if code else str(status)
     return cls(
         f"Could not {spec.what} ({request}): the broker answered {label}: {reason}{extra}. {hint}",
@@ -645,11 +744,11 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # isdigit() alone: also "²" and other digits
         return float(value)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)

@@ -70,7 +70,9 @@ class BrokerTransport:
         self.auth = auth
         self._sleep = sleep
         self.retry = retry or retry_policy(config)
-        self._client = httpx.Client(transport=http_transport, **client_settings(config, auth))
+        self._client = httpx.Client(
+            transport=http_transport, **client_settings(config, auth, httpx.Response.read)
+        )
 
     @property
     def broker_url(self) -> str:

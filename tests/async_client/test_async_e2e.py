@@ -20,6 +20,7 @@ from k8s_agent_sandbox_awx import (
     AsyncSandbox,
     BrokerAuthenticationError,
     BrokerConnectionConfig,
+    BrokerTLSError,
     BrokerUnavailableError,
     CommandTimeoutError,
     ConfigurationError,
@@ -326,7 +327,7 @@ def test_api_url_and_http_are_rejected(live: Any, broker: Any) -> None:
 def test_tls_is_verified(live: Any, broker: Any) -> None:
     env = broker.environ("kubernetes")
     del env["AGENT_SANDBOX_CA_BUNDLE"]
-    with pytest.raises(BrokerUnavailableError, match="CA"):
+    with pytest.raises(BrokerTLSError, match="CA"):
         run(AsyncSandbox.list(environ=env))
 
 

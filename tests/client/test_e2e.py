@@ -15,6 +15,7 @@ from k8s_agent_sandbox_awx import (
     BrokerAuthenticationError,
     BrokerConnectionConfig,
     BrokerSandboxClient,
+    BrokerTLSError,
     BrokerUnavailableError,
     CommandTimeoutError,
     ConfigurationError,
@@ -217,7 +218,7 @@ def test_http_broker_url_is_rejected(broker: Any) -> None:
 def test_tls_is_verified(broker: Any) -> None:
     env = broker.environ("kubernetes")
     del env["AGENT_SANDBOX_CA_BUNDLE"]
-    with pytest.raises(BrokerUnavailableError, match="CA"):
+    with pytest.raises(BrokerTLSError, match="CA"):
         Sandbox.list(environ=env)
 
 

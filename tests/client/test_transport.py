@@ -77,7 +77,7 @@ def test_redirect_is_not_followed(make_client: Any, fake: Any) -> None:
 def test_token_is_never_sent_to_another_origin(creds: Any) -> None:
     from k8s_agent_sandbox_awx._transport import BearerAuth
 
-    auth = BearerAuth(creds, "https://broker.test")
+    auth = BearerAuth(creds, "https://broker.test", read_body=httpx.Response.read)
     flow = auth.auth_flow(httpx.Request("GET", "https://other.example/"))
     with pytest.raises(proto.BrokerError, match="Refusing"):
         next(flow)

@@ -1,0 +1,330 @@
+"""Regression tests for the client's network path (issue 10): each failed before its fix.
+
+End to end against local brokers over real HTTPS on loopback, or through the public API with a
+scripted broker (httpx.MockTransport) where a broker cannot be made to misbehave."""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+import k8s_agent_sandbox_awx as sdk
+from k8s_agent_sandbox_awx import (
+    BrokerAuthenticationError,
+    BrokerConnectionConfig,
+    BrokerError,
+    BrokerSandboxClient,
+    BrokerUnavailableError,
+    ConfigurationError,
+    OIDCTokenAuth,
+    Sandbox,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_401_from_behind_the_broker_never_replays_the_command(runtime_401_broker: Any) -> None:
+    broker = runtime_401_broker
+    env = broker.environ("gitlab")
+    token = env.pop("AGENT_SANDBOX_TOKEN")
+    fetches: list[str] = []
+
+    def fetch() -> str:
+        fetches.append(token)
+        return token
+
+    with Sandbox.create(template="unauthorized", auth=OIDCTokenAuth(fetch), environ=env) as sandbox:
+        fetched = len(fetches)
+        with pytest.raises(BrokerError) as info:
+            sandbox.commands.run("touch ran-once")
+        assert broker.execution_count(sandbox.name) == 1  # sent once, never replayed
+        error = info.value
+        assert not isinstance(error, BrokerAuthenticationError)  # not the broker's verdict
+        assert (error.status_code, error.code) == (401, None)
+        assert "sandbox runtime answered 401" in str(error)
+        assert "wants its own credentials" in str(error)
+        assert len(fetches) == fetched  # the (valid) credential was not invalidated
+
+
+# ------------------------------------------------------------------------------ proxies
+
+EVERY_PROXY_VARIABLE = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy")
+
+
+def test_a_loopback_broker_never_goes_through_a_proxy(
+    broker: Any, proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = broker.environ("kubernetes")
+    for name in EVERY_PROXY_VARIABLE:
+        monkeypatch.setenv(name, proxy.url)
+    with Sandbox.create(environ=env) as sandbox:
+        assert sandbox.commands.run("echo direct").stdout == "direct\n"
+    assert proxy.seen == []
+
+
+def test_an_http_broker_never_sends_its_token_to_a_proxy(
+    broker: Any, proxy: Any, https_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = https_server(None, body=b'{"items": []}')  # http://127.0.0.1:PORT
+    token = broker.issue_gitlab_token("group/project", audience=plain.url)
+    for name in EVERY_PROXY_VARIABLE:
+        monkeypatch.setenv(name, proxy.url)
+    auth = OIDCTokenAuth(token)
+    with BrokerSandboxClient(broker_url=plain.url, allow_insecure_http=True, auth=auth) as client:
+        assert client.list_sandboxes() == []
+    assert proxy.seen == [] and not proxy.saw_authorization
+    assert [seen["Authorization"] for seen in plain.seen] == [f"Bearer {token}"]
+
+
+@pytest.mark.parametrize(
+    ("env", "settings", "proxied"),
+    [
+        ({"HTTPS_PROXY": "{proxy}"}, {}, True),
+        ({"https_proxy": "{proxy}"}, {}, True),
+        ({"ALL_PROXY": "{proxy}"}, {}, True),
+        ({"HTTP_PROXY": "{proxy}"}, {}, False),  # for http:// URLs only
+        ({"HTTPS_PROXY": "{proxy}", "NO_PROXY": "broker.example"}, {}, False),
+        ({"HTTPS_PROXY": "{proxy}", "NO_PROXY": "*"}, {}, False),
+        ({"HTTPS_PROXY": "{proxy}"}, {"trust_env_proxies": False}, False),
+        ({"HTTPS_PROXY": "{proxy}", "AGENT_SANDBOX_TRUST_ENV_PROXIES": "0"}, {}, False),
+        ({"HTTPS_PROXY": "{proxy}", "AGENT_SANDBOX_TRUST_ENV_PROXIES": "true"}, {}, True),
+    ],
+)
+def test_other_brokers_follow_the_proxy_conventions(
+    broker: Any,
+    proxy: Any,
+    remote_broker: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    settings: dict[str, Any],
+    proxied: bool,
+) -> None:
+    url, ca, server = remote_broker
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(proxy=proxy.url))
+    auth = OIDCTokenAuth(broker.issue_gitlab_token("group/project", audience=url))
+    with BrokerSandboxClient(broker_url=url, ca_cert=ca, auth=auth, **settings) as client:
+        assert client.list_sandboxes() == []
+    assert len(server.seen) == 1
+    if proxied:  # a CONNECT tunnel: the token travels inside TLS, the proxy never sees it
+        assert proxy.seen == [f"CONNECT broker.example:{server.port} HTTP/1.1"]
+        assert not proxy.saw_authorization
+    else:
+        assert proxy.seen == []
+
+
+def test_the_proxy_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENT_SANDBOX_TRUST_ENV_PROXIES", "maybe")
+    with pytest.raises(ConfigurationError, match=r"AGENT_SANDBOX_TRUST_ENV_PROXIES.*'maybe'"):
+        BrokerConnectionConfig.from_env(broker_url="https://broker.example")
+    config = BrokerConnectionConfig(broker_url="https://broker.example", trust_env_proxies=False)
+    assert config.trust_env_proxies is False
+
+
+# ------------------------------------------------------------------------------ echoed tokens
+
+
+def test_a_token_echoed_by_the_server_never_shows_in_an_error(
+    token_echoes: Any, find_leaks: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    leaks: dict[str, Any] = {}
+    for echo in token_echoes:
+        config = BrokerConnectionConfig(
+            broker_url="https://broker.test", max_attempts=2, backoff_base=0, backoff_max=0
+        )
+        client = BrokerSandboxClient(
+            config,
+            auth=OIDCTokenAuth(echo.CALLER_TOKEN),
+            http_transport=httpx.MockTransport(echo.handler),
+        )
+        operation = {
+            "whoami": client.whoami,
+            "list": client.list_sandboxes,
+            "create": client.create_sandbox,
+        }[echo.op]
+        with pytest.raises(getattr(sdk, echo.error)) as info:
+            operation()
+        client.close()
+        leaks[echo.name] = find_leaks(info.value, echo)
+    assert leaks == {echo.name: [] for echo in token_echoes}
+    assert [s for s in token_echoes[0].secrets() if s in caplog.text] == []
+
+
+# ------------------------------------------------------------------------------ TLS and connect
+
+
+def test_a_certificate_failure_is_typed_never_retried_nor_replayed(
+    broker: Any, wrong_ca_environ: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    env, wrong = wrong_ca_environ
+    caplog.set_level(logging.DEBUG, logger="k8s_agent_sandbox_awx")
+    before = len(broker.claims(include_deleted=True))
+    with pytest.raises(sdk.BrokerTLSError) as info:
+        Sandbox.create(environ=env)
+    error = info.value
+    assert error.request_sent is False
+    for hint in ("certificate", "AGENT_SANDBOX_CA_BUNDLE", wrong, "clock"):
+        assert hint in str(error)
+    assert getattr(error, "__notes__", []) == []  # no "could not check ... interrupted create"
+    assert "retrying" not in caplog.text and "interrupted create" not in caplog.text
+    assert len(broker.claims(include_deleted=True)) == before
+
+
+def test_a_create_that_cannot_connect_is_retried_but_never_replayed(
+    closed_port_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    config, auth = closed_port_broker
+    caplog.set_level(logging.DEBUG, logger="k8s_agent_sandbox_awx")
+    with pytest.raises(BrokerUnavailableError) as info:
+        Sandbox.create(config=config, auth=auth)
+    assert info.value.request_sent is False
+    assert getattr(info.value, "__notes__", []) == []
+    retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries) == config.max_attempts - 1  # not sent: retried, the create only
+    assert "interrupted create" not in caplog.text
+
+
+# ------------------------------------------------------------------------------ URL passwords
+
+PASSWORD = "s3cr3t-pw"
+URLS_WITH_A_PASSWORD = [
+    f"https://alice:{PASSWORD}@broker.example:99999",  # bad port
+    f"ftp://alice:{PASSWORD}@broker.example",  # bad scheme
+    f"alice:{PASSWORD}@broker.example",  # no scheme
+    f"http://alice:{PASSWORD}@broker.example",  # http:// off loopback
+    f"https://alice:{PASSWORD}@broker.example/?q=1",
+    f"https://alice:{PASSWORD}@broker.example/base",
+    f"https://alice:p@ss/{PASSWORD}@broker.example",  # unencoded characters in the password
+    f"https://alice:{PASSWORD}@",
+]
+
+
+@pytest.mark.parametrize("url", URLS_WITH_A_PASSWORD)
+def test_a_password_in_the_broker_url_is_never_shown(
+    url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from k8s_agent_sandbox_awx._cli import main
+
+    with pytest.raises(ConfigurationError) as info:
+        BrokerConnectionConfig(broker_url=url)
+    assert PASSWORD not in str(info.value)
+    with pytest.raises(ConfigurationError) as info:
+        BrokerConnectionConfig(broker_url="https://broker.example", api_url=url)
+    assert PASSWORD not in str(info.value)
+    monkeypatch.setenv("AGENT_SANDBOX_BROKER_URL", url)
+    with pytest.raises(ConfigurationError) as info:
+        Sandbox.list()
+    assert PASSWORD not in str(info.value)
+    monkeypatch.delenv("AGENT_SANDBOX_BROKER_URL")
+    for argv in (["--broker-url", url, "ls"], ["--broker-url", url, "doctor"]):
+        assert main(argv) != 0
+        out, err = capsys.readouterr()
+        assert PASSWORD not in out + err and "alice" in url
+
+
+def test_a_password_in_a_redirect_location_is_never_shown() -> None:
+    location = f"https://alice:{PASSWORD}@elsewhere.example/v1/whoami"
+    client = BrokerSandboxClient(
+        broker_url="https://broker.test",
+        auth=OIDCTokenAuth("opaque-caller-token-0123456789"),
+        http_transport=httpx.MockTransport(
+            lambda request: httpx.Response(307, headers={"Location": location})
+        ),
+    )
+    with pytest.raises(sdk.BrokerRedirectError) as info:
+        client.whoami()
+    client.close()
+    assert PASSWORD not in str(info.value) and PASSWORD not in str(info.value.location)
+    assert "elsewhere.example/v1/whoami" in str(info.value)
+
+
+# ------------------------------------------------------------------------------ paths
+
+CONTROL_PATHS = [
+    "evil\r\nContent-Type: text/html\r\n\r\nx.txt",
+    "a\nb",
+    "tab\tname",
+    "nul\0x",
+    "del\x7f",
+]
+
+
+def _use(files: Any, operation: str, path: str, unsafe: bool) -> None:
+    if operation == "write":
+        files.write(path, b"data", allow_unsafe_paths=unsafe)
+    elif operation == "read":
+        files.read(path, allow_unsafe_paths=unsafe)
+    elif operation == "read_to":
+        files.read_to(path, io.BytesIO(), allow_unsafe_paths=unsafe)
+    elif operation == "iter_bytes":
+        list(files.iter_bytes(path, allow_unsafe_paths=unsafe))
+    else:
+        getattr(files, operation)(path)
+
+
+FILE_OPERATIONS = [
+    (operation, unsafe)
+    for operation in ("write", "read", "read_to", "iter_bytes")
+    for unsafe in (False, True)
+] + [("exists", False), ("list", False)]
+
+
+def test_control_characters_in_a_path_are_always_refused(broker: Any) -> None:
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        for path in CONTROL_PATHS:
+            for operation, unsafe in FILE_OPERATIONS:
+                with pytest.raises(ValueError, match="control character") as info:
+                    _use(sandbox.files, operation, path, unsafe)
+                assert repr(path) in str(info.value), operation
+                assert "allow_unsafe_paths" in str(info.value), operation
+        assert sandbox.files.list(".") == []  # nothing was written under any name
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+@pytest.mark.parametrize("value", [b"\xb2", "²".encode(), b"\xb9\xb3", b"1\xbd"])
+def test_a_retry_after_that_is_not_ascii_digits_is_ignored(value: bytes) -> None:
+    answers = iter(
+        [
+            httpx.Response(503, headers=[(b"Retry-After", value)], json={"code": "unavailable"}),
+            httpx.Response(200, json={"subject": "me"}),
+        ]
+    )
+    config = BrokerConnectionConfig(
+        broker_url="https://broker.test", backoff_base=0.001, backoff_max=0.001
+    )
+    client = BrokerSandboxClient(
+        config,
+        auth=OIDCTokenAuth("opaque-caller-token-0123456789"),
+        http_transport=httpx.MockTransport(lambda request: next(answers)),
+    )
+    with client:
+        assert client.whoami() == {"subject": "me"}  # retried after the usual backoff
+    quota = httpx.Response(429, headers=[(b"Retry-After", value)], json={"code": "rate_limited"})
+    client = BrokerSandboxClient(
+        config,
+        auth=OIDCTokenAuth("opaque-caller-token-0123456789"),
+        http_transport=httpx.MockTransport(lambda request: quota),
+    )
+    with client, pytest.raises(sdk.BrokerQuotaError):
+        client.whoami()  # no usable Retry-After: a 429 is not retried
+
+
+def test_a_command_timeout_over_the_brokers_limit_is_refused_before_sending(
+    broker: Any,
+) -> None:
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        for options in ({"timeout": 86396}, {"command_timeout": 86395.5}, {"timeout": 1e9}):
+            with pytest.raises(ValueError) as info:
+                sandbox.commands.run("true", **options)
+            message = str(info.value)
+            for part in ("timeout", "86395", "X-Sandbox-Timeout", "background"):
+                assert part in message, (options, part)
+        assert broker.execution_count(sandbox.name) == 0  # nothing was sent
+        assert sandbox.commands.run("true", timeout=86395).exit_code == 0  # the limit itself
