@@ -495,12 +495,12 @@ def test_cut_event_streams_after_n_events(broker: LocalBroker, cmds: Commands) -
 
 def test_cut_event_streams_after_seconds(broker: LocalBroker, alice: Any) -> None:
     cmds = configured(alice, SANDBOX_COMMAND_HEARTBEAT_SECONDS="0.1")
-    command_id = cmds.start_id("echo started; sleep 30")
-    broker.cut_event_streams(after_seconds=0.5, sandbox=alice.broker.sandboxes()[0]["name"])
-    events = cmds.events(command_id, 0, duration=20)
-    assert events[0]["type"] == "stdout"
-    assert all(e["type"] == "heartbeat" for e in events[1:])
-    assert cmds.status(command_id)["state"] == "running"  # cut long before exit or duration
+    command_id = cmds.start_id("echo started; sleep 3; echo done")
+    broker.cut_event_streams(after_seconds=0.5, sandbox=cmds.headers["X-Sandbox-ID"])
+    events = cmds.events(command_id, 0, duration=20)  # uncut, it would end with the exit event
+    assert events[0] == {"type": "stdout", "seq": 1, "data": "started\n"}
+    assert events[1:] and all(e["type"] == "heartbeat" for e in events[1:])
+    assert output(cmds.follow(command_id)) == "started\ndone\n"
 
 
 def test_cut_only_applies_to_its_sandbox(broker: LocalBroker, cmds: Commands) -> None:
@@ -565,3 +565,14 @@ def test_concurrent_followers_see_the_same_events(cmds: Commands) -> None:
         t.join(60)
     assert len(results) == 3
     assert results[0] == results[1] == results[2]
+
+
+def test_deleting_the_sandbox_kills_its_commands(alice: Any, cmds: Commands) -> None:
+    command_id = cmds.start_id("sleep 300 & echo $!; wait")
+    grandchild = int(cmds.events(command_id, 0, 5)[0]["data"].split()[0])
+    leader = cmds.status(command_id)["pid"]
+    assert not process_gone(leader, within=0.2)
+    deleted = alice.http.delete(f"/v1/sandboxes/{cmds.headers['X-Sandbox-ID']}")
+    assert deleted.status_code == 202
+    assert process_gone(leader)
+    assert process_gone(grandchild)
