@@ -576,3 +576,26 @@ def test_deleting_the_sandbox_kills_its_commands(alice: Any, cmds: Commands) -> 
     assert deleted.status_code == 202
     assert process_gone(leader)
     assert process_gone(grandchild)
+
+
+def test_a_failing_output_reader_still_ends_the_command(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """In process (the runtime's module is standard library only): a bug in the reader thread
+    kills the command's group and ends it visibly instead of leaving it 'running' forever."""
+    from k8s_agent_sandbox_awx.testing import _managed
+
+    manager = _managed.CommandManager(str(tmp_path), _managed.Limits())
+
+    def broken(*_: Any) -> bool:
+        raise RuntimeError("injected reader failure")
+
+    monkeypatch.setattr(manager, "_read", broken)
+    command = manager.start({"command": ["/bin/sh", "-c", "echo hi; sleep 300"]})
+    assert command.done.wait(30)
+    status = command.status()
+    assert status["state"] == "exited"
+    assert "the runtime failed while reading" in status["stderr"]
+    assert "injected reader failure" in capfd.readouterr().err  # logged, not swallowed
+    assert process_gone(status["pid"])
+    manager.kill_all()

@@ -35,6 +35,7 @@ import signal
 import subprocess
 import threading
 import time
+import traceback
 import urllib.parse
 import uuid
 from collections import deque
@@ -436,10 +437,33 @@ class CommandManager:
         command.proc = proc
         command.stdin_open = command.stdin_requested
         threading.Thread(
-            target=self._pump, args=(command,), name=f"command-{command.command_id}", daemon=True
+            target=self._guarded_pump,
+            args=(command,),
+            name=f"command-{command.command_id}",
+            daemon=True,
         ).start()
 
     # -- the per-command thread ----------------------------------------------------------------
+    def _guarded_pump(self, command: Command) -> None:
+        """``_pump``, and if it fails: kill the group and end the command visibly anyway."""
+        try:
+            self._pump(command)
+        except Exception:  # logged to the runtime's log (stderr), and the command ends below
+            traceback.print_exc()
+        finally:
+            if not command.done.is_set() and command.proc is not None:
+                _killpg(command.proc.pid)
+                try:
+                    rc = command.proc.wait(KILL_WAIT_SECONDS)
+                except subprocess.TimeoutExpired:
+                    rc = -int(signal.SIGKILL)
+                with command.cond:
+                    note = (
+                        "\nthe runtime failed while reading this command's output; it was killed\n"
+                    )
+                    command.append("stderr", note, len(note), self.limits)
+                    self._finish(command, rc if rc >= 0 else 128 - rc, "exited")
+
     def _pump(self, command: Command) -> None:
         proc = command.proc
         assert proc is not None and proc.stdout is not None and proc.stderr is not None
