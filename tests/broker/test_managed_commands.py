@@ -599,3 +599,27 @@ def test_a_failing_output_reader_still_ends_the_command(
     assert "injected reader failure" in capfd.readouterr().err  # logged, not swallowed
     assert process_gone(status["pid"])
     manager.kill_all()
+
+
+def test_a_slow_follower_gets_every_byte_beyond_the_cap(alice: Any) -> None:
+    """Backpressure: while a stream follows the command, the live window never drops an event it
+    has not sent; the command waits on its pipe instead (without a follower it would be 410)."""
+    cmds = configured(
+        alice,
+        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="20000",
+        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="20000",
+    )
+    script = "for i in $(seq 1 3000); do printf '%0200d\\n' $i; done; echo end"
+    command_id = cmds.start_id(script)
+    received: list[dict[str, Any]] = []
+    cursor = 0
+    while not received or received[-1]["type"] != "exit":
+        for event in cmds.events(command_id, cursor, 0.3):
+            if event["type"] != "heartbeat":
+                assert event["seq"] == cursor + 1
+                cursor = event["seq"]
+                received.append(event)
+        time.sleep(0.05)  # slower than the command
+    expected = "".join(f"{i:0200d}\n" for i in range(1, 3001)) + "end\n"
+    assert output(received) == expected
+    assert cmds.status(command_id)["output_truncated"] is True

@@ -17,10 +17,11 @@ sequence numbers. Output is decoded as UTF-8 with replacement characters by an i
 per stream, so a multi-byte character split across two reads stays whole.
 
 Retention: the first ``output_bytes`` (1 MiB) of output are kept for replay; later events are kept
-only in a live window of the most recent ``window_bytes`` (1 MiB), so a reader that follows the
-stream (and reconnects with its cursor) still receives every event, while a replay from the start
-finds the events between the two gone: the request is ``410`` naming the lost range and the cursor
-to resume from. The ``exit`` event is always kept.
+only in a live window of the most recent ``window_bytes`` (1 MiB). The window never drops an event
+that a follower (an open stream, or one that ended less than ``FOLLOWER_GRACE_SECONDS`` ago and is
+continued from its cursor) has not sent: the command's pipes are not read until it catches up
+(backpressure). A replay from the start finds the events between the two gone: the request is
+``410`` naming the lost range and the cursor to resume from. The ``exit`` event is always kept.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import traceback
 import urllib.parse
 import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -51,6 +52,7 @@ KILLED_EXIT_CODE = 128 + signal.SIGKILL
 STDIN_WRITE_SECONDS = 30.0
 KILL_WAIT_SECONDS = 10.0
 DRAIN_SECONDS = 2.0
+FOLLOWER_GRACE_SECONDS = 5.0
 _ENV_NAME = re.compile(r"^[^=\x00]+$")
 _REQUEST_FIELDS = frozenset({"command", "timeout", "request_id", "stdin", "envs", "cwd"})
 _STDIN_FIELDS = frozenset({"data", "eof"})
@@ -137,6 +139,14 @@ class _Event:
 
 
 @dataclass
+class _Follower:
+    """An event stream's position: the seq of the last event it sent."""
+
+    cursor: int
+    ended_at: float | None = None
+
+
+@dataclass
 class Command:
     """One managed command and its output events."""
 
@@ -164,6 +174,7 @@ class Command:
     done: threading.Event = field(default_factory=threading.Event)
     stdin_lock: threading.Lock = field(default_factory=threading.Lock)
     stdin_open: bool = False
+    followers: list[_Follower] = field(default_factory=list)
 
     # -- events (callers hold ``cond``) --------------------------------------------------------
     def append(self, kind: str, data: str, size: int, limits: Limits, **extra: Any) -> None:
@@ -184,9 +195,30 @@ class Command:
             self.output_truncated = True
             self.window.append(event)
             self.window_size += size
-            while self.window_size > limits.window_bytes and len(self.window) > 1:
-                self.window_size -= self.window.popleft().size
+            self.evict(limits)
         self.cond.notify_all()
+
+    def evict(self, limits: Limits) -> bool:
+        """Drop the window's oldest events beyond its size, but none that a follower has not
+        sent yet; ``True`` when the window is still over its size (the reader must wait)."""
+        horizon = time.monotonic() - FOLLOWER_GRACE_SECONDS
+        self.followers = [f for f in self.followers if f.ended_at is None or f.ended_at > horizon]
+        slowest = min((f.cursor for f in self.followers), default=None)
+        while self.window_size > limits.window_bytes and len(self.window) > 1:
+            if slowest is not None and slowest < self.window[0].seq:
+                return True
+            self.window_size -= self.window.popleft().size
+        return False
+
+    def follow(self, after: int) -> _Follower:
+        """A follower at ``after``: the one a stream that just ended left there, or a new one."""
+        for follower in self.followers:
+            if follower.ended_at is not None and follower.cursor == after:
+                follower.ended_at = None
+                return follower
+        follower = _Follower(after)
+        self.followers.append(follower)
+        return follower
 
     def event_at(self, seq: int) -> _Event | None:
         """The event ``seq``; ``None`` when it does not exist yet; ``LookupError`` when lost."""
@@ -482,6 +514,13 @@ class CommandManager:
         drain_until: float | None = None
         try:
             while pipes or not leader_done:
+                if not leader_done and command.killed_by is None:
+                    with command.cond:  # backpressure: a follower has not sent the window yet
+                        full = command.evict(self.limits)
+                        if full:
+                            command.cond.wait(0.1)
+                    if full and not _exited(proc.pid) and time.monotonic() < deadline:
+                        continue  # the pipe fills and the command blocks on its writes
                 now = time.monotonic()
                 waits = []
                 if not leader_done:
@@ -673,15 +712,28 @@ class CommandManager:
         handler.send_header("Cache-Control", "no-store")
         handler.send_header("Transfer-Encoding", "chunked")
         handler.end_headers()
-        try:
-            for chunk in self._lines(command, after, duration):
-                handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            handler.wfile.write(b"0\r\n\r\n")
-        except OSError:  # the reader went away
-            handler.close_connection = True
+        with contextlib.closing(self._lines(command, after, duration)) as lines:
+            try:
+                for chunk in lines:
+                    handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                handler.wfile.write(b"0\r\n\r\n")
+            except OSError:  # the reader went away
+                handler.close_connection = True
 
-    def _lines(self, command: Command, after: int, duration: float) -> Iterator[bytes]:
+    def _lines(self, command: Command, after: int, duration: float) -> Generator[bytes, None, None]:
         """Batches of NDJSON lines after ``after``, until the exit event or ``duration``."""
+        with command.cond:
+            follower = command.follow(after)
+        try:
+            yield from self._batches(command, follower, after, duration)
+        finally:
+            with command.cond:
+                follower.ended_at = time.monotonic()
+                command.cond.notify_all()
+
+    def _batches(
+        self, command: Command, follower: _Follower, after: int, duration: float
+    ) -> Iterator[bytes]:
         deadline = time.monotonic() + duration
         beat = self.limits.heartbeat_seconds
         cursor = after
@@ -717,6 +769,9 @@ class CommandManager:
             if batch:
                 yield b"".join(batch)
                 last_sent = time.monotonic()
+                with command.cond:  # sent: the runtime may drop it from the live window now
+                    follower.cursor = cursor
+                    command.cond.notify_all()
             if ended or lost:
                 return
             now = time.monotonic()
