@@ -607,7 +607,7 @@ def test_a_slow_follower_gets_every_byte_beyond_the_cap(alice: Any) -> None:
     cmds = configured(
         alice,
         SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="20000",
-        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="20000",
+        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="100000",
     )
     script = "for i in $(seq 1 3000); do printf '%0200d\\n' $i; done; echo end"
     command_id = cmds.start_id(script)
@@ -621,5 +621,36 @@ def test_a_slow_follower_gets_every_byte_beyond_the_cap(alice: Any) -> None:
                 received.append(event)
         time.sleep(0.05)  # slower than the command
     expected = "".join(f"{i:0200d}\n" for i in range(1, 3001)) + "end\n"
+    assert output(received) == expected
+    assert cmds.status(command_id)["output_truncated"] is True
+
+
+def test_a_follower_cut_by_the_broker_still_gets_every_byte(
+    broker: LocalBroker, alice: Any
+) -> None:
+    """Reconnects forced by the broker (streams cut every 7 lines, one dropped mid-line) while
+    the output runs far beyond the cap: what the runtime sent on a broken connection is still
+    in the window when the follower comes back with its cursor."""
+    cmds = configured(alice, SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="20000")
+    broker.cut_event_streams(after_events=7)
+    broker.drop_event_stream_mid_line(1, after_events=3)
+    script = "for i in $(seq 1 8000); do printf '%0200d\\n' $i; done; echo end"
+    command_id = cmds.start_id(script)
+    received: list[dict[str, Any]] = []
+    cursor = 0
+    drops = 0
+    while not received or received[-1]["type"] != "exit":
+        try:
+            events = cmds.events(command_id, cursor)
+        except httpx.RemoteProtocolError:
+            drops += 1
+            continue
+        for event in events:
+            if event["type"] != "heartbeat":
+                assert event["seq"] == cursor + 1
+                cursor = event["seq"]
+                received.append(event)
+    assert drops == 1
+    expected = "".join(f"{i:0200d}\n" for i in range(1, 8001)) + "end\n"
     assert output(received) == expected
     assert cmds.status(command_id)["output_truncated"] is True

@@ -135,6 +135,8 @@ class _Event:
     kind: str
     data: str
     size: int
+    offset: int
+    """Output bytes before this event (so ``offset + size`` is where it ends)."""
     line: bytes
 
 
@@ -167,6 +169,7 @@ class Command:
     window: deque[_Event] = field(default_factory=deque)
     window_size: int = 0
     retained_size: int = 0
+    output_size: int = 0
     output_truncated: bool = False
     last_seq: int = 0
     exit_event: _Event | None = None
@@ -184,8 +187,10 @@ class Command:
             kind,
             data,
             size,
+            self.output_size,
             _line({"type": kind, "seq": self.last_seq, "data": data, **extra}),
         )
+        self.output_size += size
         if kind == "exit":
             self.exit_event = event
         if not self.output_truncated and self.retained_size + size <= limits.output_bytes:
@@ -199,14 +204,35 @@ class Command:
         self.cond.notify_all()
 
     def evict(self, limits: Limits) -> bool:
-        """Drop the window's oldest events beyond its size, but none that a follower has not
-        sent yet; ``True`` when the window is still over its size (the reader must wait)."""
+        """Drop the window's oldest events beyond its size, but never one that a follower has
+        not sent (then ``True``: the reader waits), and the half window a follower sent last
+        (it may still be in flight when the connection breaks) only to stay within 1.5 times
+        the window's size."""
         horizon = time.monotonic() - FOLLOWER_GRACE_SECONDS
         self.followers = [f for f in self.followers if f.ended_at is None or f.ended_at > horizon]
-        slowest = min((f.cursor for f in self.followers), default=None)
+        slack = limits.window_bytes // 2
+        slowest: int | None = None
+        keep_from: int | None = None  # output offset: what ends after it was sent just now
+        for follower in self.followers:
+            try:
+                self.event_at(follower.cursor + 1)
+            except LookupError:
+                continue  # that follower already lost events: it gets a 410
+            try:
+                sent = self.event_at(follower.cursor) if follower.cursor else None
+                sent_end = sent.offset + sent.size if sent is not None else 0
+            except LookupError:  # sent and dropped already: it ended before the window
+                sent_end = self.window[0].offset if self.window else self.output_size
+            mark = sent_end - slack
+            slowest = follower.cursor if slowest is None else min(slowest, follower.cursor)
+            keep_from = mark if keep_from is None else min(keep_from, mark)
         while self.window_size > limits.window_bytes and len(self.window) > 1:
-            if slowest is not None and slowest < self.window[0].seq:
+            head = self.window[0]
+            if slowest is not None and head.seq > slowest:
                 return True
+            recent = keep_from is not None and head.offset + head.size > keep_from
+            if recent and self.window_size <= limits.window_bytes + slack:
+                return False
             self.window_size -= self.window.popleft().size
         return False
 
@@ -442,6 +468,8 @@ class CommandManager:
                 stdin_requested=request["stdin"],
                 started_at=time.time(),
             )
+            # its caller is about to follow it: the window keeps its start for the grace time
+            command.followers.append(_Follower(0, ended_at=time.monotonic()))
             self.commands[command.command_id] = command
             if request_id is not None:
                 self.by_request[request_id] = command.command_id
