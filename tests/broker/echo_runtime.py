@@ -31,6 +31,8 @@ class Handler(BaseHTTPRequestHandler):
         data = json.dumps(payload).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
+        if self.path.startswith("/set-cookie"):
+            self.send_header("Set-Cookie", "session=from-the-sandbox; Path=/")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

@@ -37,6 +37,21 @@ def test_error_codes_match_the_prose_contract() -> None:
     assert documented == prose - {"detail", "code"}
 
 
+def test_file_error_codes_match_the_runtime_and_the_prose() -> None:
+    from k8s_agent_sandbox_awx.testing._fs import ERROR_CODES
+
+    doc = load_openapi()
+    fs_codes = doc["components"]["schemas"]["FsError"]["properties"]["code"]["enum"]
+    assert fs_codes == list(ERROR_CODES)
+    broker_codes = set(doc["components"]["schemas"]["Error"]["properties"]["code"]["enum"])
+    assert not broker_codes & set(fs_codes)  # a client tells them apart by membership
+    section = DOCS.read_text().split("### Files (`/fs/*`)", 1)[1].split("\n## ", 1)[0]
+    table = section.split("**Refusals**", 1)[1]
+    rows = re.findall(r"^\| (\d{3}) \| (.*?) \|", table, re.M)
+    prose = {code: int(status) for status, codes in rows for code in re.findall(r"`(\w+)`", codes)}
+    assert prose == ERROR_CODES
+
+
 def test_checker_catches_violations() -> None:
     doc = load_openapi()
     sandbox = {"$ref": "#/components/schemas/Sandbox"}
@@ -111,6 +126,30 @@ def test_broker_traffic_conforms(broker: LocalBroker) -> None:
         http.get("/download/..%2F..%2Fetc%2Fpasswd", headers=headers)
         http.get("/list/d", headers=headers)
         http.get("/exists/d%2Ff.txt", headers=headers)
+        http.post(
+            "/fs/write", data={"path": "/workspace/w.txt"}, files={"file": b"x"}, headers=headers
+        )
+        http.post("/fs/write", data={"path": "/etc/x"}, files={"file": b"x"}, headers=headers)
+        http.get("/fs/read", params={"path": "/workspace/w.txt"}, headers=headers)
+        http.get("/fs/read", params={"path": "../x"}, headers=headers)
+        http.get("/fs/read", params={"path": "missing"}, headers=headers)
+        http.get("/fs/list", params={"path": "/workspace"}, headers=headers)
+        http.get("/fs/exists", params={"path": "w.txt"}, headers=headers)
+        http.get("/fs/info", params={"path": "/workspace/w.txt"}, headers=headers)
+        http.post("/fs/mkdir", json={"path": "/workspace/m"}, headers=headers)
+        http.post(
+            "/fs/move",
+            json={"source": "/workspace/m", "destination": "/workspace/n"},
+            headers=headers,
+        )
+        http.post("/fs/remove", json={"path": "/workspace/n", "recursive": True}, headers=headers)
+        http.post("/fs/remove", json={"path": "/app"}, headers=headers)
+        http.get("/fs/watch", params={"path": "/workspace", "duration": 0.3}, headers=headers)
+        http.put(f"/v1/sandboxes/{name}/lifetime", json={"seconds": 300})
+        http.put(f"/v1/sandboxes/{name}/lifetime", json={"seconds": 100000})
+        http.put(f"/v1/sandboxes/{name}/lifetime", json={"seconds": "x"})
+        http.put("/v1/sandboxes/sbx-missing/lifetime", json={"seconds": 1})
+        http.put("/v1/sandboxes/Bad_Name/lifetime", json={"seconds": 1})
         http.get("/", headers={**headers, "X-Sandbox-Port": "0"})
         http.get("/", headers={**headers, "X-Sandbox-Port": "9999"})
         http.get("/", headers={**headers, "Authorization": f"Bearer {other}"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import ssl
@@ -9,13 +10,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker
-from k8s_agent_sandbox_awx.testing._commands import demo_main
+from k8s_agent_sandbox_awx.testing._commands import demo_main, dev_main
 
 
 def test_fixture_sets_zero_arg_environment(sandbox_broker: LocalBroker) -> None:
@@ -108,7 +110,9 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_dev_prints_exports_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _dev(tmp_path: Path, *args: str) -> Iterator[tuple[dict[str, str], str]]:
+    """Run ``agent-sandbox-awx dev`` with ``args``; yield its exports and the token; Ctrl-C."""
     token_file = tmp_path / "tok" / "token"
     proc = subprocess.Popen(
         [
@@ -124,6 +128,7 @@ def test_dev_prints_exports_and_stops_on_ctrl_c(tmp_path: Path) -> None:
             "600",
             "--token-file",
             str(token_file),
+            *args,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -132,6 +137,7 @@ def test_dev_prints_exports_and_stops_on_ctrl_c(tmp_path: Path) -> None:
         # keeps an inherited SIG_IGN: give the child the default disposition, as a terminal would.
         preexec_fn=_default_sigint,
     )
+    token = ""
     try:
         assert proc.stdout is not None
         exports: dict[str, str] = {}
@@ -147,19 +153,47 @@ def test_dev_prints_exports_and_stops_on_ctrl_c(tmp_path: Path) -> None:
             "AGENT_SANDBOX_TOKEN_FILE",
         }
         token = Path(exports["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
-        ctx = ssl.create_default_context(cafile=exports["AGENT_SANDBOX_CA_BUNDLE"])
-        with httpx.Client(verify=ctx) as http:
-            me = http.get(
-                exports["AGENT_SANDBOX_BROKER_URL"] + "/v1/whoami",
-                headers={"Authorization": f"Bearer {token}"},
-            ).json()
-        assert me["subject"] == "system:serviceaccount:team-a:dev"
+        yield exports, token
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "NO isolation" in err
-    assert token not in err
+    assert not token or token not in err
+
+
+def _dev_client(exports: dict[str, str], token: str) -> httpx.Client:
+    return httpx.Client(
+        base_url=exports["AGENT_SANDBOX_BROKER_URL"],
+        verify=ssl.create_default_context(cafile=exports["AGENT_SANDBOX_CA_BUNDLE"]),
+        headers={"Authorization": f"Bearer {token}"},
+    )
+
+
+def test_dev_prints_exports_and_stops_on_ctrl_c(tmp_path: Path) -> None:
+    with _dev(tmp_path) as (exports, token), _dev_client(exports, token) as http:
+        me = http.get("/v1/whoami").json()
+        assert me["subject"] == "system:serviceaccount:team-a:dev"
+        assert http.post("/rpc", json={"op": "status", "claim_name": "broker-x"}).status_code == 404
+
+
+def test_dev_serves_only_the_dialects_asked_for(tmp_path: Path) -> None:
+    with (
+        _dev(tmp_path, "--protocols", "rpc") as (exports, token),
+        _dev_client(exports, token) as http,
+    ):
+        assert http.get("/v1/whoami").status_code == 404
+        created = http.post("/rpc", json={"op": "create"})
+        assert created.status_code == 200, created.text
+        assert created.json()["namespace"] == "team-a"
+
+
+@pytest.mark.parametrize("value", ["v2", "", "v1,grpc"])
+def test_dev_refuses_unknown_protocols(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        dev_main(["--protocols", value])
+    assert exc.value.code == 2
+    assert "--protocols" in capsys.readouterr().err
 
 
 def test_cli_demo_console_script() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import http.cookiejar
 import json
 import logging
 import re
@@ -21,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.requests import ClientDisconnect, Request
@@ -30,9 +31,12 @@ from starlette.types import Message, Receive, Scope, Send
 
 from ._backend import RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxSpec
 from ._issuers import Issuer
-from ._policy import RESERVED_PREFIX, Caller
+from ._policy import RESERVED_PREFIX, SCOPES, Caller, Policy, required_scope
 from ._stream_faults import EVENTS_PATH, CutRule, DropRule, StreamDropped, StreamPlan
 from ._verify import TokenRejected, TokenVerifier
+
+if TYPE_CHECKING:
+    from ._rpc import RpcClaim, RpcEndpoint
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 
@@ -62,6 +66,17 @@ _HOP_BY_HOP = frozenset(
 )
 _CREATE_FIELDS = frozenset({"template", "labels", "annotations", "lifetime_seconds", "env"})
 _NAME_ALPHABET = string.ascii_lowercase + string.digits
+
+
+class _NoCookies(http.cookiejar.CookieJar):
+    """The router is stateless (like upstream's): it never stores a sandbox's cookies to
+    replay them on later requests."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+    def add_cookie_header(self, request: Any) -> None:
+        return None
 
 
 class ApiError(Exception):
@@ -129,10 +144,15 @@ class SandboxRecord:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     executions: int = 0
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    started_at: float | None = None
     deleted: bool = False
     router_http: httpx.AsyncClient | None = None
     """The router's connections to this sandbox's runtime: closed with the sandbox, so that no
     keep-alive connection to an exited runtime is left behind (CLOSE_WAIT)."""
+    scopes: frozenset[str] = frozenset(SCOPES)
+    """The data-plane action scopes granted to this sandbox (see ``Policy.scopes``)."""
+    rpc: RpcClaim | None = None
+    """The ``/rpc`` claim bound to this sandbox (``None``: created through ``/v1``)."""
 
     def set_phase(self, phase: str, reason: str | None = None, message: str | None = None) -> None:
         self.phase, self.reason, self.message = phase, reason, message
@@ -150,6 +170,7 @@ class SandboxRecord:
             "reason": self.reason,
             "message": self.message,
             "created_at": _rfc3339(self.created_at),
+            "started_at": _rfc3339(self.started_at) if self.started_at is not None else None,
             "expires_at": _rfc3339(self.expires_at),
             "labels": dict(self.labels),
             "annotations": {**self.annotations, **self.stamps},
@@ -164,7 +185,7 @@ class SandboxRecord:
     def manifest(self) -> dict[str, Any]:
         ready = self.phase == "Ready"
         metadata: dict[str, Any] = {
-            "name": self.name,
+            "name": self.rpc.claim_name if self.rpc is not None else self.name,
             "namespace": self.namespace,
             "uid": self.uid,
             "creationTimestamp": _rfc3339(self.created_at),
@@ -173,18 +194,21 @@ class SandboxRecord:
         }
         if self.deleted or self.phase == "Terminating":
             metadata["deletionTimestamp"] = _rfc3339(self.transition_at)
+        spec: dict[str, Any] = {
+            "warmPoolRef": {"name": self.rpc.warm_pool if self.rpc is not None else self.template},
+            "lifecycle": {
+                "shutdownTime": _rfc3339(self.expires_at),
+                "shutdownPolicy": "Delete",
+            },
+            "env": [{"name": k, "value": v} for k, v in self.env.items()],
+        }
+        if self.rpc is not None and self.rpc.pod_metadata:
+            spec["additionalPodMetadata"] = self.rpc.pod_metadata
         return {
             "apiVersion": CLAIM_API_VERSION,
             "kind": "SandboxClaim",
             "metadata": metadata,
-            "spec": {
-                "warmPoolRef": {"name": self.template},
-                "lifecycle": {
-                    "shutdownTime": _rfc3339(self.expires_at),
-                    "shutdownPolicy": "Delete",
-                },
-                "env": [{"name": k, "value": v} for k, v in self.env.items()],
-            },
+            "spec": spec,
             "status": {
                 "sandbox": {"name": self.name},
                 "conditions": [
@@ -219,6 +243,7 @@ class Faults:
         self.drops: list[list[Any]] = []  # [remaining, sandbox or None]
         self.event_cuts: list[CutRule] = []
         self.event_drops: list[DropRule] = []
+        self.crashes = 0  # the next N sandboxes crash at startup
 
     def take_unavailable(self, scope: str, path: str, sandbox: str | None) -> int | None:
         with self.lock:
@@ -263,12 +288,20 @@ class Faults:
 
         return StreamPlan(cut, drop.after_events if drop is not None else None, take_drop)
 
+    def take_crash(self) -> bool:
+        with self.lock:
+            if self.crashes > 0:
+                self.crashes -= 1
+                return True
+            return False
+
     def clear(self) -> None:
         with self.lock:
             self.unavailable.clear()
             self.drops.clear()
             self.event_cuts.clear()
             self.event_drops.clear()
+            self.crashes = 0
 
 
 class BrokerApp:
@@ -286,8 +319,13 @@ class BrokerApp:
         faults: Faults,
         skew_seconds: int,
         max_token_bytes: int,
+        protocols: tuple[str, ...] = ("v1", "rpc"),
     ) -> None:
         self.url = url
+        self.protocols = protocols
+        self.rpc: RpcEndpoint | None = None
+        """The ``/rpc`` dialect's handler (set by ``LocalBroker``; routed to only when
+        ``protocols`` has ``rpc``, while its claim-header check runs on every data request)."""
         self.templates = dict(templates)
         self.backend = backend
         self.faults = faults
@@ -333,6 +371,7 @@ class BrokerApp:
                     connect=5.0, read=DEFAULT_DATA_PLANE_TIMEOUT, write=300.0, pool=10.0
                 ),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+                cookies=_NoCookies(),
             )
         return record.router_http
 
@@ -355,20 +394,27 @@ class BrokerApp:
         request = Request(scope, receive)
         path: str = scope["path"]
         is_control = path == "/v1" or path.startswith("/v1/")
+        is_rpc = path == "/rpc" and "rpc" in self.protocols
         try:
-            if not is_control and "x-sandbox-id" in request.headers:
+            if not is_control and not is_rpc and "x-sandbox-id" in request.headers:
                 await self._data_plane(request, send)
                 return
             if path.startswith("/issuers/") and request.method == "GET":
                 response = self._issuer_document(path)
-            elif is_control:
+            elif is_control and "v1" in self.protocols:
                 response = await self._control_plane(request)
+            elif is_rpc and self.rpc is not None:
+                response = await self.rpc.handle(request)
             else:
+                served = " and ".join(
+                    {"v1": "/v1/ (v1 dialect)", "rpc": "POST /rpc (rpc dialect)"}[p]
+                    for p in self.protocols
+                )
                 raise ApiError(
                     404,
                     "not_found",
-                    f"no route for {request.method} {path}: the control plane is under /v1/ and "
-                    "data-plane requests carry X-Sandbox-ID",
+                    f"no route for {request.method} {path}: this broker's control plane is "
+                    f"{served}; data-plane requests carry X-Sandbox-ID",
                 )
         except ApiError as exc:
             response = exc.response()
@@ -425,19 +471,20 @@ class BrokerApp:
                 return self._list(request, caller)
         elif path.startswith("/v1/sandboxes/") and path.count("/") == 3:
             name = path.rsplit("/", 1)[1]
-            if method in ("GET", "DELETE") and (len(name) > 63 or not _DNS_LABEL.match(name)):
-                raise ApiError(
-                    400,
-                    "invalid_path",
-                    f"sandbox name {name!r} is not a DNS-1123 label (lowercase alphanumerics "
-                    "and '-', at most 63 characters)",
-                )
+            if method in ("GET", "DELETE"):
+                _check_name(name)
             if method == "GET":
                 caller, _ = await self._authenticate(request)
                 return await self._get(request, caller, name)
             if method == "DELETE":
                 caller, _ = await self._authenticate(request)
                 return await self._delete(caller, name)
+        elif path.startswith("/v1/sandboxes/") and path.count("/") == 4:
+            name, _, sub = path[len("/v1/sandboxes/") :].partition("/")
+            if sub == "lifetime" and method == "PUT":
+                _check_name(name)
+                caller, issuer = await self._authenticate(request)
+                return await self._extend(request, caller, issuer, name)
         raise ApiError(404, "not_found", f"no route for {method} {path}")
 
     def _whoami(self, caller: Caller, issuer: Issuer) -> dict[str, Any]:
@@ -486,30 +533,7 @@ class BrokerApp:
         template = body.get("template")
         if template is not None and (not isinstance(template, str) or not template):
             raise ApiError(400, "invalid_request", "'template' must be a non-empty string or null")
-        labels = _string_map(body.get("labels"), "labels")
-        annotations = _string_map(body.get("annotations"), "annotations")
-        for kind, mapping in (("label", labels), ("annotation", annotations)):
-            for key in mapping:
-                if key.startswith(RESERVED_PREFIX):
-                    raise ApiError(
-                        403,
-                        "reserved_metadata",
-                        f"{kind} {key!r} is under the reserved prefix {RESERVED_PREFIX!r}, which "
-                        "only the broker sets; use another key",
-                    )
-        for key, value in labels.items():
-            _check_qualified_key(key, "label")
-            if len(value) > 63 or (value and not _QUALIFIED_NAME.match(value)):
-                raise ApiError(
-                    400,
-                    "invalid_request",
-                    f"label {key!r} has an invalid value: at most 63 characters, alphanumerics, "
-                    "'-', '_' or '.', beginning and ending with an alphanumeric",
-                )
-        for key in annotations:
-            _check_qualified_key(key, "annotation")
-        if sum(len(k) + len(v) for k, v in annotations.items()) > 256 * 1024:
-            raise ApiError(400, "invalid_request", "annotations are over 256 KiB in total")
+        labels, annotations = check_metadata(body)
         lifetime = body.get("lifetime_seconds")
         if lifetime is None:
             lifetime = max_lifetime
@@ -581,6 +605,41 @@ class BrokerApp:
                 f"provider {caller.provider!r} may not use template {template!r}; allowed: "
                 f"{list(policy.templates)}",
             )
+        record = self._admit(
+            caller,
+            policy,
+            template=template,
+            labels=fields["labels"],
+            annotations=fields["annotations"],
+            env=fields["env"],
+            lifetime=fields["lifetime"],
+        )
+        if key is not None:
+            self.idempotency[(caller.issuer, caller.subject, key)] = (
+                digest,
+                record.name,
+                record.created_at,
+            )
+        log.info("created sandbox %s for %s (%s)", record.name, caller.subject, caller.provider)
+        return JSONResponse(record.api(), 201)
+
+    def _admit(
+        self,
+        caller: Caller,
+        policy: Policy,
+        *,
+        template: str,
+        labels: dict[str, str],
+        annotations: dict[str, str],
+        env: dict[str, str],
+        lifetime: float,
+        rpc: RpcClaim | None = None,
+        failure: tuple[str, str] | None = None,
+    ) -> SandboxRecord:
+        """Admit one sandbox for ``caller`` (both dialects): namespace, quota, attribution
+        stamps, the record, its expiry timer and its start (or ``failure``: the record is
+        ``Failed`` with that reason and message and nothing starts). No await in here, so
+        concurrent creates cannot interleave."""
         try:
             namespace = policy.namespace_for(caller)
         except (ValueError, KeyError) as exc:
@@ -610,31 +669,42 @@ class BrokerApp:
                 stamps[RESERVED_PREFIX + "attr." + attr] = (
                     json.dumps(value) if not isinstance(value, str) else value
                 )
+            if rpc is not None:
+                stamps.update(rpc.stamps())
             record = SandboxRecord(
                 name=name,
                 namespace=namespace,
                 template=template,
                 owner=caller,
-                labels=fields["labels"],
-                annotations=fields["annotations"],
+                labels=labels,
+                annotations=annotations,
                 stamps=stamps,
-                env=fields["env"],
+                env=env,
                 created_at=now,
-                expires_at=now + fields["lifetime"],
+                expires_at=now + lifetime,
+                scopes=rpc.scopes if rpc is not None else frozenset(policy.scopes),
+                rpc=rpc,
             )
+            if failure is not None:
+                record.set_phase("Failed", *failure)
             self.sandboxes[name] = record
             self.history.append(record)
-            if key is not None:
-                self.idempotency[(caller.issuer, caller.subject, key)] = (digest, name, now)
-        loop = asyncio.get_running_loop()
+        self.schedule_expiry(record)
+        if failure is None:
+            self._spawn(self._provision(record))
+        return record
+
+    def schedule_expiry(self, record: SandboxRecord) -> None:
+        """(Re)arm ``record``'s expiry timer for its ``expires_at``."""
+        for timer in record.timers:
+            timer.cancel()
+        record.timers.clear()
+        delay = max(0.0, record.expires_at - time.time())
         record.timers.append(
-            loop.call_later(
-                fields["lifetime"], lambda: self._spawn(self._terminate(record, "Expired"))
+            asyncio.get_running_loop().call_later(
+                delay, lambda: self._spawn(self._terminate(record, "Expired"))
             )
         )
-        self._spawn(self._provision(record))
-        log.info("created sandbox %s for %s (%s)", name, caller.subject, caller.provider)
-        return JSONResponse(record.api(), 201)
 
     def _new_name(self) -> str:
         while True:
@@ -650,6 +720,9 @@ class BrokerApp:
             env=record.env,
             command=self.templates.get(record.template),
         )
+        if self.faults.take_crash():
+            record.set_phase("Failed", "RuntimeCrashed", "injected: the sandbox crashed at startup")
+            return
         try:
             handle = await self.backend.start(spec)
         except RuntimeStartError as exc:
@@ -668,6 +741,7 @@ class BrokerApp:
         if record.phase != "Pending":  # deleted or expired while starting
             await self.backend.stop(handle)
             return
+        record.started_at = time.time()
         record.set_phase("Ready", "SandboxReady", "the sandbox runtime is ready")
 
     async def _terminate(self, record: SandboxRecord, reason: str) -> None:
@@ -688,6 +762,36 @@ class BrokerApp:
         record.deleted = True
         if record.router_http is not None:
             await record.router_http.aclose()
+
+    async def _extend(
+        self, request: Request, caller: Caller, issuer: Issuer, name: str
+    ) -> Response:
+        body = await self._json_body(request)
+        if not isinstance(body, dict) or set(body) != {"seconds"}:
+            raise ApiError(
+                400, "invalid_request", 'the body must be {"seconds": N} (N a positive integer)'
+            )
+        seconds = body["seconds"]
+        if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds <= 0:
+            raise ApiError(400, "invalid_request", "'seconds' must be a positive integer")
+        record = self._owned(caller, name)
+        if record.phase == "Terminating" or record.deleted:
+            raise ApiError(409, "terminating", f"sandbox {name!r} is being deleted")
+        cap = issuer.policy.max_lifetime_seconds
+        now = time.time()
+        if now + seconds > record.created_at + cap:
+            left = max(0, int(record.created_at + cap - now))
+            raise ApiError(
+                403,
+                "lifetime_exceeds_policy",
+                f"sandbox {name!r} cannot live {seconds} s more: its policy caps a sandbox's "
+                f"lifetime at {cap} s from its creation ({_rfc3339(record.created_at + cap)}); "
+                f"at most {left} s are left",
+            )
+        record.expires_at = now + seconds
+        self.schedule_expiry(record)
+        log.info("sandbox %s now expires in %d s", name, seconds)
+        return JSONResponse(record.api())
 
     def _owned(self, caller: Caller, name: str) -> SandboxRecord:
         with self.lock:
@@ -754,10 +858,14 @@ class BrokerApp:
 
     async def _delete(self, caller: Caller, name: str) -> Response:
         record = self._owned(caller, name)
+        self.begin_delete(record)
+        return JSONResponse(record.api(), 202)
+
+    def begin_delete(self, record: SandboxRecord) -> None:
+        """Mark ``record`` Terminating and stop it in the background (both dialects)."""
         if record.phase != "Terminating":
             record.set_phase("Terminating", "Deleted", "the sandbox is being deleted")
             self._spawn(self._terminate(record, "Deleted"))
-        return JSONResponse(record.api(), 202)
 
     # -- data plane ----------------------------------------------------------------------------
     def _router_headers(self, request: Request) -> tuple[str, str, int, float]:
@@ -812,6 +920,16 @@ class BrokerApp:
                 403,
                 "not_owner",
                 f"sandbox {sandbox_id!r} belongs to another identity; only its owner may use it",
+            )
+        if self.rpc is not None:
+            self.rpc.check_data_request(request, record)
+        scope = required_scope(request.url.path)
+        if scope is not None and scope not in record.scopes:
+            raise ApiError(
+                403,
+                "scope_denied",
+                f"sandbox {sandbox_id!r} was not granted the {scope!r} scope (granted: "
+                f"{sorted(record.scopes)}); request it at create, within the caller's policy",
             )
         self._check_alive(record)
         if record.phase == "Terminating":
@@ -969,6 +1087,50 @@ def _string_map(value: Any, what: str) -> dict[str, str]:
     ):
         raise ApiError(400, "invalid_request", f"'{what}' must be an object of string values")
     return dict(value)
+
+
+def _check_name(name: str) -> None:
+    if len(name) > 63 or not _DNS_LABEL.match(name):
+        raise ApiError(
+            400,
+            "invalid_path",
+            f"sandbox name {name!r} is not a DNS-1123 label (lowercase alphanumerics "
+            "and '-', at most 63 characters)",
+        )
+
+
+def check_metadata(
+    body: Mapping[str, Any], labels_field: str = "labels", annotations_field: str = "annotations"
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The labels and annotations of a create body, checked as Kubernetes checks them (both
+    dialects; ``/rpc`` also for ``pod_labels`` / ``pod_annotations``)."""
+    labels = _string_map(body.get(labels_field), labels_field)
+    annotations = _string_map(body.get(annotations_field), annotations_field)
+    label_kind = labels_field.removesuffix("s").replace("_", " ")
+    annotation_kind = annotations_field.removesuffix("s").replace("_", " ")
+    for kind, mapping in ((label_kind, labels), (annotation_kind, annotations)):
+        for key in mapping:
+            if key.startswith(RESERVED_PREFIX):
+                raise ApiError(
+                    403,
+                    "reserved_metadata",
+                    f"{kind} {key!r} is under the reserved prefix {RESERVED_PREFIX!r}, which "
+                    "only the broker sets; use another key",
+                )
+    for key, value in labels.items():
+        _check_qualified_key(key, label_kind)
+        if len(value) > 63 or (value and not _QUALIFIED_NAME.match(value)):
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"{label_kind} {key!r} has an invalid value: at most 63 characters, "
+                "alphanumerics, '-', '_' or '.', beginning and ending with an alphanumeric",
+            )
+    for key in annotations:
+        _check_qualified_key(key, annotation_kind)
+    if sum(len(k) + len(v) for k, v in annotations.items()) > 256 * 1024:
+        raise ApiError(400, "invalid_request", f"{annotations_field} are over 256 KiB in total")
+    return labels, annotations
 
 
 def _check_qualified_key(key: str, kind: str) -> None:

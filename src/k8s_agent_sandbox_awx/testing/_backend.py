@@ -38,7 +38,8 @@ DEFAULT_RUNTIME_COMMAND = (
 """The default runtime command line. Placeholders: ``{python}`` (this interpreter), ``{host}``,
 ``{port}`` (a free loopback port chosen by the broker), ``{base_dir}`` (the sandbox's own
 directory), ``{name}``, ``{namespace}``, ``{template}``. The environment also carries ``PORT``,
-``SANDBOX_BASE_DIR`` and the sandbox's ``env``."""
+``SANDBOX_BASE_DIR``, ``SANDBOX_WORKSPACE_DIR`` (the sandbox's persistent area, ``/workspace`` of
+the file API) and the sandbox's ``env``."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,10 @@ class LocalProcessBackend:
         root = os.path.join(self.root_dir, spec.name)
         base_dir = os.path.join(root, "work")
         os.makedirs(base_dir, exist_ok=True)
+        # The sandbox's persistent area (/workspace of the file API), beside the base directory
+        # so that a fresh base directory is empty; removed with the sandbox.
+        workspace_dir = os.path.join(root, "workspace")
+        os.makedirs(workspace_dir, exist_ok=True)
         log_path = os.path.join(root, "runtime.log")
         use_fork = self._fork is not None and spec.command is None
         last_error = ""
@@ -314,6 +319,7 @@ class LocalProcessBackend:
                 **spec.env,
                 "PORT": str(port),
                 "SANDBOX_BASE_DIR": base_dir,
+                "SANDBOX_WORKSPACE_DIR": workspace_dir,
                 PARENT_PID_ENV: str(os.getpid()),
             }
             if use_fork:

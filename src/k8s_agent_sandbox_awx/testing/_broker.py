@@ -35,6 +35,7 @@ from ._issuers import (
     kubernetes_attributes,
 )
 from ._policy import Policy, caller_namespace
+from ._rpc import DEFAULT_WARM_POOL, RpcEndpoint
 from ._stream_faults import CutRule, DropRule
 from ._verify import token_fingerprint
 
@@ -45,6 +46,9 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DEFAULT_KUBERNETES_POLICY = Policy(
     templates=("python",), namespace=caller_namespace, max_sandboxes=5, max_lifetime_seconds=3600
 )
+PROTOCOLS = ("v1", "rpc")
+"""The control-plane dialects the local broker can serve (see docs/local-broker.md)."""
+
 DEFAULT_GITLAB_POLICY = Policy(
     templates=("python",), namespace="gitlab-ci", max_sandboxes=5, max_lifetime_seconds=3600
 )
@@ -66,6 +70,13 @@ class LocalBroker:
     - ``readiness_delay``: seconds a new sandbox stays ``Pending`` after its runtime is up.
     - ``skew_seconds``: clock skew allowed on ``exp``/``nbf``/``iat``; ``max_token_bytes``.
     - ``warn``: log the no-isolation warning at start.
+    - ``protocols``: the control-plane dialects served on the one URL, ``("v1", "rpc")`` by
+      default; ``("rpc",)`` makes every ``/v1/...`` answer 404 and ``("v1",)`` makes ``/rpc``
+      answer 404, so that each dialect can be tested alone. The data plane serves both.
+    - ``warm_pools``: extra ``/rpc`` warm pools, name -> template. Every template is also a
+      warm pool of its own name, and ``python-sandbox-warmpool`` (the original package's
+      default) is template ``python``. A warm pool naming a template that does not exist makes
+      its claims fail with ``TemplateNotFound``; an unknown warm pool with ``WarmPoolNotFound``.
 
     WARNING: local sandboxes are host processes with NO isolation (development and tests only).
     """
@@ -83,7 +94,14 @@ class LocalBroker:
         max_token_bytes: int = 16 * 1024,
         host: str = "127.0.0.1",
         warn: bool = True,
+        protocols: Sequence[str] = PROTOCOLS,
+        warm_pools: Mapping[str, str] | None = None,
     ) -> None:
+        if isinstance(protocols, str) or not protocols or not set(protocols) <= set(PROTOCOLS):
+            raise ValueError(
+                f"protocols={protocols!r}: give a non-empty sequence of {list(PROTOCOLS)}, "
+                'e.g. protocols=("rpc",)'
+            )
         self._templates: dict[str, str | list[str] | None] = dict(templates or {"python": None})
         self._runtime_command = runtime_command
         self._backend = backend
@@ -94,6 +112,11 @@ class LocalBroker:
         self._max_token_bytes = max_token_bytes
         self._host = host
         self._warn = warn
+        self._protocols = tuple(p for p in PROTOCOLS if p in protocols)
+        self._warm_pools = {name: name for name in self._templates}
+        if "python" in self._templates:
+            self._warm_pools[DEFAULT_WARM_POOL] = "python"
+        self._warm_pools.update(warm_pools or {})
         self._lock = threading.Lock()
         self._issuers_by_url: dict[str, Issuer] = {}
         self._issuers_by_name: dict[str, Issuer] = {}
@@ -174,7 +197,9 @@ class LocalBroker:
             faults=self._faults,
             skew_seconds=self._skew,
             max_token_bytes=self._max_token_bytes,
+            protocols=self._protocols,
         )
+        self._app.rpc = RpcEndpoint(self._app, self._warm_pools)
         install_log_filter()
         config = uvicorn.Config(
             self._app,
@@ -271,6 +296,16 @@ class LocalBroker:
         if self._url is None:
             raise RuntimeError("the LocalBroker is not started")
         return self._url
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        """The control-plane dialects this broker serves (``"v1"``, ``"rpc"``)."""
+        return self._protocols
+
+    @property
+    def warm_pools(self) -> dict[str, str]:
+        """The ``/rpc`` warm pools: name -> template."""
+        return dict(self._warm_pools)
 
     @property
     def ca_bundle(self) -> str:
@@ -665,8 +700,18 @@ class LocalBroker:
         with self._faults.lock:
             self._faults.event_drops.append(DropRule(count, after_events, sandbox))
 
+    def crash_next_start(self, count: int = 1) -> None:
+        """The next ``count`` sandboxes crash at startup: phase ``Failed``, reason
+        ``RuntimeCrashed`` under ``/v1``; condition ``Ready``/``False``/``crashed`` under
+        ``/rpc``."""
+        if count < 0:
+            raise ValueError("count must be >= 0")
+        with self._faults.lock:
+            self._faults.crashes = count
+
     def clear_faults(self) -> None:
-        """Remove injected 503s, drops, event-stream cuts and the readiness delay."""
+        """Remove injected 503s, drops, start crashes, event-stream cuts and the readiness
+        delay."""
         self._faults.clear()
         self.set_readiness_delay(0.0)
 

@@ -51,9 +51,17 @@ def dev_main(argv: list[str]) -> int:
     parser.add_argument(
         "--token-file", default=None, help="where to keep the projected token (default: temp)"
     )
+    parser.add_argument(
+        "--protocols",
+        default="v1,rpc",
+        help="control-plane dialects to serve, comma-separated: v1, rpc (default: v1,rpc)",
+    )
     args = parser.parse_args(argv)
     if args.ttl < 10:
         parser.error("--ttl must be at least 10 seconds")
+    protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
+    if not protocols or not set(protocols) <= {"v1", "rpc"}:
+        parser.error(f"--protocols {args.protocols!r}: give v1, rpc or v1,rpc")
     local_broker = _import_broker()
     _warn()
     token_dir = None
@@ -68,7 +76,7 @@ def dev_main(argv: list[str]) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
-        with local_broker(warn=False) as broker:
+        with local_broker(warn=False, protocols=protocols) as broker:
             broker.keep_projected_token_rotated(
                 token_file, args.namespace, args.service_account, args.ttl
             )
@@ -77,8 +85,9 @@ def dev_main(argv: list[str]) -> int:
             print(f"export AGENT_SANDBOX_TOKEN_FILE={shlex.quote(os.path.abspath(token_file))}")
             print(
                 f"# local broker up in {broker.startup_seconds:.3f} s as "
-                f"system:serviceaccount:{args.namespace}:{args.service_account}; "
-                "the token file is rotated at 80% of its lifetime. Ctrl-C stops it.",
+                f"system:serviceaccount:{args.namespace}:{args.service_account}, serving "
+                f"{' and '.join(broker.protocols)}; the token file is rotated at 80% of its "
+                "lifetime. Ctrl-C stops it.",
                 flush=True,
             )
             try:

@@ -35,6 +35,7 @@ SDK_VARIABLES: tuple[str, ...] = (
     "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD",
     "AGENT_SANDBOX_LOAD_PLUGINS",
     "AGENT_SANDBOX_DEBUG",
+    "AGENT_SANDBOX_TRUST_ENV_PROXIES",
 )
 """Every environment variable the SDK reads. Remove them all (and your platform's variables)
 before a test that uses ``os.environ``, so the developer's or CI's own settings cannot leak in."""

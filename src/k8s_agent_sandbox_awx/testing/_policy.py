@@ -12,6 +12,27 @@ RESERVED_PREFIX = "broker.agent-sandbox-awx.io/"
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
+SCOPES = ("commands", "files")
+"""The data-plane action scopes of the local broker: ``commands`` (``POST /execute`` and the
+managed ``commands`` endpoints) and ``files`` (``/upload``, ``/download``, ``/list``,
+``/exists`` and the ``fs/`` endpoints). A ``/rpc`` create may request a subset; see
+docs/local-broker.md."""
+
+
+_SCOPE_PREFIXES = (
+    ("commands", ("/execute", "/commands")),
+    ("files", ("/upload", "/download", "/list", "/exists", "/fs")),
+)
+
+
+def required_scope(path: str) -> str | None:
+    """The scope a data-plane request to ``path`` needs (``None``: none, e.g. ``GET /``)."""
+    for scope, prefixes in _SCOPE_PREFIXES:
+        for prefix in prefixes:
+            if path == prefix or path.startswith(prefix + "/"):
+                return scope
+    return None
+
 
 @dataclass(frozen=True)
 class Caller:
@@ -53,6 +74,9 @@ class Policy:
       :class:`Caller` (for example :func:`caller_namespace`, the Kubernetes default).
     - ``max_sandboxes``: live sandboxes per caller (more is ``429 quota_exceeded``).
     - ``max_lifetime_seconds``: the lifetime cap (and the default lifetime).
+    - ``scopes``: the data-plane action scopes (:data:`SCOPES`) its callers may be granted. A
+      ``/rpc`` create that requests scopes gets ``allowed ∩ requested`` (``403`` when that is
+      empty); without a request, and for every ``/v1`` sandbox, it gets all of them.
     """
 
     templates: tuple[str, ...] = ("python",)
@@ -60,6 +84,7 @@ class Policy:
     namespace: NamespaceRule = "default"
     max_sandboxes: int = 5
     max_lifetime_seconds: int = 3600
+    scopes: tuple[str, ...] = SCOPES
 
     def __post_init__(self) -> None:
         if not self.templates:
@@ -71,6 +96,12 @@ class Policy:
             )
         if self.max_sandboxes < 0 or self.max_lifetime_seconds <= 0:
             raise ValueError("Policy.max_sandboxes must be >= 0 and max_lifetime_seconds > 0")
+        unknown = [s for s in self.scopes if s not in SCOPES]
+        if unknown:
+            raise ValueError(
+                f"Policy.scopes {unknown!r} are not scopes of the local broker; use a subset "
+                f"of {list(SCOPES)}"
+            )
         if isinstance(self.namespace, str) and not _DNS_LABEL.match(self.namespace):
             raise ValueError(f"Policy.namespace {self.namespace!r} is not a DNS-1123 label")
 

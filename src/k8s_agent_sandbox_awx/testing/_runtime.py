@@ -13,6 +13,8 @@ Semantics (as upstream's python-runtime-sandbox):
 - ``POST /upload`` multipart field ``file``, filename = destination path (parents created);
   ``GET /download/{path}``, ``GET /list/{path}``, ``GET /exists/{path}``.
 - Every path is resolved inside the base directory; a path that escapes it is ``403``.
+- The deployed runtimes' file endpoints ``/fs/*`` (``/app`` = the base directory, ``/workspace`` =
+  ``SANDBOX_WORKSPACE_DIR``): see :mod:`._fs`.
 
 The process dies with its parent: ``PR_SET_PDEATHSIG`` (Linux) plus a thread that watches the
 parent pid. On ``SIGTERM`` it kills the process groups of running commands and exits.
@@ -39,7 +41,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from . import _managed
+from . import _fs, _managed
 
 CHUNK_SIZE = 256 * 1024
 MAX_JSON_BODY = 1024 * 1024
@@ -243,6 +245,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._exists()
         elif path == "/commands" or path.startswith("/commands/"):
             self.commands.handle(self, "GET")
+        elif path in _fs.GET_ROUTES:
+            _fs.handle(self, path)
         else:
             self._error(404, f"no route for GET {path}")
 
@@ -254,6 +258,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._upload()
         elif path == "/commands" or path.startswith("/commands/"):
             self.commands.handle(self, "POST")
+        elif path in _fs.POST_ROUTES:
+            _fs.handle(self, path)
         else:
             self._drain()
             self._error(404, f"no route for POST {path}")
@@ -292,20 +298,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, f"{relative!r} is not a file")
             return
         with open(full, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            self.send_response(200)
-            self.send_header("Content-Type", "application/octet-stream")
-            self.send_header("Content-Length", str(size))
-            self.end_headers()
-            remaining = size
-            while remaining > 0:
-                data = fh.read(min(CHUNK_SIZE, remaining))
-                if not data:
-                    break
-                self.wfile.write(data)
-                remaining -= len(data)
-            if remaining:  # the file shrank while we sent it
-                self.close_connection = True
+            _fs.send_file(self, fh, os.fstat(fh.fileno()).st_size)
 
     def _list(self) -> None:
         prefix = "/list/" if urllib.parse.urlsplit(self.path).path.startswith("/list/") else "/list"

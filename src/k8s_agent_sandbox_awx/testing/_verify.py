@@ -7,9 +7,11 @@ import base64
 import binascii
 import hashlib
 import json
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 import jwt
@@ -54,6 +56,79 @@ def _b64json(segment: str, what: str) -> dict[str, Any]:
     return value
 
 
+T = TypeVar("T")
+
+
+class VerifiedTokens(Generic[T]):
+    """Tokens whose signature was verified, so a token seen again costs no signature check.
+
+    Keyed by the SHA-256 digest of the exact token string (the token itself is not kept): a
+    different string with the same claims, or a forged signature, is a miss. An entry lives
+    until the token's ``exp`` and at most ``max_age`` seconds (the JWKS cache time, so a key
+    that leaves the JWKS unannounced stops being trusted as soon as a refetch could notice);
+    at most ``max_entries`` entries, least recently used first out. Thread-safe. Only the
+    signature is cached: the caller still applies the claim rules (expiry, audience,
+    revocation) on every use.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_entries: int = 4096,
+        max_age: float = 300.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, not {max_entries}")
+        self.max_entries = max_entries
+        self.max_age = max_age
+        self._clock = clock
+        self._lock = threading.Lock()
+        # digest -> (valid until, issuer url, value)
+        self._entries: OrderedDict[bytes, tuple[float, str, T]] = OrderedDict()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    @staticmethod
+    def _digest(token: str) -> bytes:
+        return hashlib.sha256(token.encode()).digest()
+
+    def get(self, token: str) -> T | None:
+        key = self._digest(token)
+        now = self._clock()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if now >= entry[0]:
+                del self._entries[key]
+                return None
+            self._entries.move_to_end(key)
+            return entry[2]
+
+    def put(self, token: str, value: T, *, issuer_url: str, exp: float) -> None:
+        now = self._clock()
+        until = min(exp, now + self.max_age)
+        if until <= now:
+            return
+        key = self._digest(token)
+        with self._lock:
+            self._entries[key] = (until, issuer_url, value)
+            self._entries.move_to_end(key)
+            if len(self._entries) > self.max_entries:
+                for stale in [k for k, e in self._entries.items() if now >= e[0]]:
+                    del self._entries[stale]
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def forget_issuer(self, issuer_url: str) -> None:
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if e[1] == issuer_url]:
+                del self._entries[key]
+
+
 class TokenVerifier:
     """Verifies bearer tokens against the trusted issuers' JWKS (fetched over HTTPS, cached)."""
 
@@ -78,10 +153,17 @@ class TokenVerifier:
         self._jwks: dict[str, tuple[float, dict[str, jwt.PyJWK]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.jwks_fetches = 0
+        self.verified: VerifiedTokens[tuple[dict[str, Any], Issuer]] = VerifiedTokens(
+            max_age=jwks_cache_seconds
+        )
+        self._forgotten = 0  # bumped by forget(): a verification begun before is not cached
 
     def forget(self, issuer_url: str) -> None:
-        """Drop the cached JWKS of ``issuer_url`` (called when an issuer retires a key)."""
+        """Drop the cached JWKS of ``issuer_url`` and the tokens verified with it (called when
+        an issuer retires a key)."""
+        self._forgotten += 1
         self._jwks.pop(issuer_url, None)
+        self.verified.forget_issuer(issuer_url)
 
     async def _fetch_jwks(self, issuer: Issuer) -> dict[str, jwt.PyJWK]:
         client = self._http()
@@ -136,6 +218,10 @@ class TokenVerifier:
                 "token_too_large",
                 f"the token is {len(token)} bytes; the limit is {self.max_token_bytes} bytes",
             )
+        seen = self.verified.get(token)
+        if seen is not None and self._issuers().get(seen[1].url) is seen[1]:  # still trusted
+            return self._check_claims(seen[0], seen[1], token), seen[1]
+        forgotten = self._forgotten
         parts = token.split(".")
         if len(parts) != 3:
             raise TokenRejected(
@@ -199,7 +285,10 @@ class TokenVerifier:
             raise TokenRejected(
                 "token_malformed", f"the token cannot be decoded: {type(exc).__name__}"
             ) from exc
-        return self._check_claims(claims, issuer, token), issuer
+        caller = self._check_claims(claims, issuer, token)
+        if forgotten == self._forgotten:  # no key retired while the JWKS was being fetched
+            self.verified.put(token, (claims, issuer), issuer_url=issuer.url, exp=caller.expires_at)
+        return caller, issuer
 
     def _check_claims(self, claims: Mapping[str, Any], issuer: Issuer, token: str) -> Caller:
         aud = claims.get("aud")
