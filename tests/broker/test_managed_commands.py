@@ -654,3 +654,45 @@ def test_a_follower_cut_by_the_broker_still_gets_every_byte(
     expected = "".join(f"{i:0200d}\n" for i in range(1, 8001)) + "end\n"
     assert output(received) == expected
     assert cmds.status(command_id)["output_truncated"] is True
+
+
+def test_sixty_four_commands_followed_at_once(alice: Any) -> None:
+    """64 running commands (the limit raised for this sandbox), each followed by its own open
+    event stream at the same time, all through the broker."""
+    import asyncio
+    import ssl
+
+    cmds = configured(alice, SANDBOX_COMMAND_MAX_RUNNING="64")
+    ids = [cmds.start_id(f"read go; echo out-{i}", stdin=True) for i in range(64)]
+
+    async def follow_all() -> list[str]:
+        ctx = ssl.create_default_context(cafile=alice.broker.ca_bundle)
+        async with httpx.AsyncClient(
+            base_url=alice.broker.url,
+            verify=ctx,
+            headers={"Authorization": f"Bearer {alice.token}", **cmds.headers},
+            timeout=30,
+            limits=httpx.Limits(max_connections=100),
+        ) as http:
+
+            async def follow(command_id: str) -> str:
+                out = ""
+                async with http.stream(
+                    "GET", f"/commands/{command_id}/events", params={"after": 0}
+                ) as resp:
+                    async for line in resp.aiter_lines():
+                        event = json.loads(line)
+                        if event["type"] == "stdout":
+                            out += event["data"]
+                return out
+
+            tasks = [asyncio.create_task(follow(c)) for c in ids]
+            await asyncio.sleep(0.5)  # every stream is open and waiting
+            for command_id in ids:
+                resp = await http.post(f"/commands/{command_id}/stdin", json={"data": "\n"})
+                assert resp.status_code == 200, resp.text
+            return list(await asyncio.gather(*tasks))
+
+    outputs = asyncio.run(follow_all())
+    assert outputs == [f"out-{i}\n" for i in range(64)]
+    assert all(c["state"] == "exited" for c in cmds.list())
