@@ -194,18 +194,26 @@ def test_managed_command_traffic_conforms(broker: LocalBroker) -> None:
             return http.post("/commands", json=body, headers=headers)
 
         big = start(
-            command=["/bin/bash", "-c", "echo start; sleep 0.2; head -c 100000 /dev/zero; echo end"]
+            command=[
+                "/bin/bash",
+                "-c",
+                "echo start; sleep 0.2; head -c 1000000 /dev/zero; echo end",
+            ]
         )
         big_id = big.json()["command_id"]
         running = start(command=["cat"], stdin=True, envs={"A": "b"}, cwd="/").json()["command_id"]
         start(command=["sleep", "30"])  # the second running command: the limit is 2
         start(command=["true"])  # 429
         start(command=[])  # 400
-        for _ in range(200):
+        for _ in range(600):  # unfollowed, it waits up to 5 s for a follower beyond the cap
             if http.get(f"/commands/{big_id}", headers=headers).json()["state"] != "running":
                 break
             time.sleep(0.05)
-        events = http.get(f"/commands/{big_id}/events", params={"after": 0}, headers=headers)
+        big_status = http.get(f"/commands/{big_id}", headers=headers).json()
+        assert big_status["state"] == "exited", big_status
+        events = http.get(
+            f"/commands/{big_id}/events", params={"after": 0, "duration": 0}, headers=headers
+        )
         for line in events.text.splitlines():
             problems += validate(
                 json.loads(line), {"$ref": "#/components/schemas/CommandEvent"}, doc
