@@ -479,7 +479,7 @@ class LocalBroker:
 
         with app.lock:
             app.revoked.add("sha256:" + token_fingerprint(token))
-            with contextlib.suppress(jwt.PyJWTError):
+            with contextlib.suppress(jwt.PyJWTError, RecursionError):  # revoked by digest
                 jti = jwt.decode(token, options={"verify_signature": False}).get("jti")
                 if isinstance(jti, str):
                     app.revoked.add(f"jti:{jti}")
