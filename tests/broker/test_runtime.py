@@ -44,6 +44,7 @@ def test_nonzero_exit_is_a_result(alice: Any, sandbox: dict[str, Any]) -> None:
         ("definitely-not-a-command-xyz", "definitely-not-a-command-xyz"),
         ("echo 'unbalanced", "cannot parse"),
         ("", "empty command"),
+        ("echo a\x00b", "null byte"),
     ],
 )
 def test_unstartable_command_is_exit_1(
@@ -55,6 +56,19 @@ def test_unstartable_command_is_exit_1(
     assert out["exit_code"] == 1
     assert reason in out["stderr"]
     assert out["timed_out"] is False
+
+
+def test_command_with_a_lone_surrogate_is_exit_1(alice: Any, sandbox: dict[str, Any]) -> None:
+    """Valid JSON ('\\ud800' escape) that no file system encoding can pass to exec."""
+    resp = alice.http.post(
+        "/execute",
+        content=b'{"command": "echo \\ud800"}',
+        headers={**alice.data_headers(sandbox), "Content-Type": "application/json"},
+    )
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["exit_code"] == 1
+    assert "surrogates not allowed" in out["stderr"]
 
 
 def test_time_limit_kills_the_process_group(alice: Any, sandbox: dict[str, Any]) -> None:

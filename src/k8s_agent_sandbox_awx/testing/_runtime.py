@@ -119,6 +119,8 @@ def run_command(command: str, timeout: float, cwd: str) -> dict[str, Any]:
         )
     except OSError as exc:
         return _result("", f"cannot start {argv[0]!r}: {exc.strerror or exc}", 1)
+    except ValueError as exc:  # a NUL byte or a lone surrogate in an argument
+        return _result("", f"cannot start {argv[0]!r}: {exc}", 1)
     with _active_lock:
         _active_groups.add(proc.pid)
     timed_out = False
