@@ -875,7 +875,8 @@ class BrokerApp:
                 and k.lower() not in (b"date", b"server")
             ]
             if is_execute and self.faults.take_drop(record.name):
-                await response.aread()  # the command ran; now lose the answer
+                async for _ in response.aiter_raw():  # the command ran; now lose the answer
+                    pass  # (read and dropped, never held: an answer may be large)
                 await send({"type": "http.response.start", "status": 200, "headers": out_headers})
                 raise _DroppedConnection("injected: connection dropped after the command ran")
             await send(

@@ -9,7 +9,9 @@ Semantics (as upstream's python-runtime-sandbox):
 - ``GET /`` health; ``POST /execute`` ``{"command", "timeout_seconds"?}`` splits the command with
   :func:`shlex.split` and runs it **without a shell**, in the base directory, in its own process
   group; at the time limit the group is killed (``timed_out: true``, ``exit_code`` 124); a command
-  that cannot start is ``exit_code`` 1 with the reason in ``stderr``.
+  that cannot start is ``exit_code`` 1 with the reason in ``stderr``. The first
+  :data:`OUTPUT_CAP` bytes of stdout and of stderr are kept, the rest is read and dropped
+  (``output_truncated: true``).
 - ``POST /upload`` multipart field ``file``, filename = destination path (parents created);
   ``GET /download/{path}``, ``GET /list/{path}``, ``GET /exists/{path}``.
 - Every path is resolved inside the base directory; a path that escapes it is ``403``.
@@ -27,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import selectors
 import shlex
 import signal
 import subprocess
@@ -40,6 +43,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 CHUNK_SIZE = 256 * 1024
+OUTPUT_CAP = 1024 * 1024
+"""Bytes of a command's stdout, and of its stderr, that the runtime keeps (the rest is read and
+dropped, and the answer says ``output_truncated: true``)."""
 MAX_JSON_BODY = 1024 * 1024
 DEFAULT_EXEC_TIMEOUT = 300.0
 TIMEOUT_EXIT_CODE = 124
@@ -123,19 +129,8 @@ def run_command(command: str, timeout: float, cwd: str) -> dict[str, Any]:
         return _result("", f"cannot start {argv[0]!r}: {exc}", 1)
     with _active_lock:
         _active_groups.add(proc.pid)
-    timed_out = False
     try:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            try:
-                out, err = proc.communicate(timeout=5)
-            except subprocess.TimeoutExpired:  # a detached grandchild holds the pipes
-                proc.kill()
-                out, err = b"", b""
+        out, err, truncated, timed_out = _communicate(proc, timeout)
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # nothing the command started outlives it
@@ -143,16 +138,78 @@ def run_command(command: str, timeout: float, cwd: str) -> dict[str, Any]:
             _active_groups.discard(proc.pid)
     if timed_out:
         note = f"\ncommand timed out after {timeout:g} seconds and was killed"
-        return _result(_text(out), _text(err) + note, TIMEOUT_EXIT_CODE, timed_out=True)
-    return _result(_text(out), _text(err), proc.returncode)
+        return _result(
+            _text(out), _text(err) + note, TIMEOUT_EXIT_CODE, timed_out=True, truncated=truncated
+        )
+    return _result(_text(out), _text(err), proc.returncode, truncated=truncated)
+
+
+def _communicate(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes, bool, bool]:
+    """``Popen.communicate`` with a memory bound: ``(stdout, stderr, truncated, timed_out)``.
+
+    Both pipes are read until they close; the first :data:`OUTPUT_CAP` bytes of each are kept
+    and the rest is read and dropped (the command never blocks on a full pipe). At the time
+    limit the process group is killed and the pipes are read for up to 5 more seconds (a
+    detached grandchild may hold them open); then the command is reaped.
+    """
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = bytearray(), bytearray()
+    kept = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    truncated = timed_out = False
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        for fd in kept:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if timed_out:
+                    break  # the pipes are still open 5 s after the kill: give up on them
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5.0
+                continue
+            for key, _ in selector.select(remaining):
+                data = os.read(key.fd, CHUNK_SIZE)
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                buf = kept[key.fd]
+                room = OUTPUT_CAP - len(buf)
+                if len(data) > room:
+                    truncated = True
+                if room > 0:
+                    buf += data[:room]
+    proc.stdout.close()
+    proc.stderr.close()
+    if not timed_out:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:  # it closed its output but kept running
+            timed_out = True
+    if timed_out:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    return bytes(out), bytes(err), truncated, timed_out
 
 
 def _text(data: bytes | None) -> str:
     return (data or b"").decode("utf-8", errors="replace")
 
 
-def _result(stdout: str, stderr: str, exit_code: int, *, timed_out: bool = False) -> dict[str, Any]:
-    return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "timed_out": timed_out}
+def _result(
+    stdout: str, stderr: str, exit_code: int, *, timed_out: bool = False, truncated: bool = False
+) -> dict[str, Any]:
+    return {
+        "stdout": stdout,
+        "stderr": stderr,
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "output_truncated": truncated,
+    }
 
 
 class _Handler(BaseHTTPRequestHandler):
