@@ -622,6 +622,11 @@ def fork_server() -> int:
     with contextlib.suppress(ImportError):  # warm for the children's first upload
         import python_multipart.multipart  # noqa: F401
     supervisors: dict[int, int] = {}  # supervisor pid -> runtime pid
+    # a supervisor reports its runtime's pid (or why it could not start it) on a pipe, read
+    # here without blocking so that the next fork need not wait: report fd -> (supervisor pid,
+    # request id, data so far); and the exit codes of supervisors reaped before their report
+    starting: dict[int, tuple[int, Any, bytes]] = {}
+    early: dict[int, int] = {}
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -639,8 +644,36 @@ def fork_server() -> int:
         while data:
             data = data[os.write(1, data) :]
 
+    def spawn(request: dict[str, Any]) -> None:
+        try:
+            supervisor, report = _fork_supervisor(request, (wake_r, wake_w, *starting))
+        except OSError as exc:
+            reply({"id": request.get("id"), "error": f"fork failed: {exc}"})
+            return
+        starting[report] = (supervisor, request.get("id"), b"")
+        selector.register(report, selectors.EVENT_READ)
+
+    def read_report(fd: int) -> None:
+        supervisor, ident, data = starting[fd]
+        chunk = os.read(fd, 65536)
+        if chunk:
+            starting[fd] = (supervisor, ident, data + chunk)
+            return
+        del starting[fd]
+        selector.unregister(fd)
+        os.close(fd)
+        started = json.loads(data) if data else {"error": "the sandbox supervisor exited early"}
+        reply({"id": ident, **started})
+        if "pid" not in started:
+            early.pop(supervisor, None)
+        elif supervisor in early:  # the runtime has already ended, and its supervisor too
+            reply({"exited": started["pid"], "status": early.pop(supervisor)})
+        else:
+            supervisors[supervisor] = int(started["pid"])
+
     def reap() -> None:
         orphans = False
+        reporting = {entry[0] for entry in starting.values()}
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -652,10 +685,12 @@ def fork_server() -> int:
             runtime = supervisors.pop(pid, None)
             if runtime is not None:
                 reply({"exited": runtime, "status": code})
+            elif pid in reporting:
+                early[pid] = code
             # not a supervisor (an orphan), or a supervisor killed before it could clean up
-            orphans = orphans or runtime is None or code < 0
+            orphans = orphans or (runtime is None and pid not in reporting) or code < 0
         if orphans:  # only a dead supervisor's processes come to us: kill them all
-            _kill_children(keep=supervisors)
+            _kill_children(keep={*supervisors, *reporting})
 
     try:
         while True:
@@ -667,50 +702,54 @@ def fork_server() -> int:
                     with contextlib.suppress(BlockingIOError):
                         while os.read(wake_r, 4096):
                             pass
-                    continue
-                data = os.read(0, 65536)
-                if not data:
-                    raise _Stop
-                pending += data
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    request = json.loads(line)
-                    try:
-                        supervisor, started = _fork_supervisor(request, (wake_r, wake_w))
-                    except OSError as exc:
-                        reply({"id": request.get("id"), "error": f"fork failed: {exc}"})
-                        continue
-                    if "pid" in started:
-                        supervisors[supervisor] = int(started["pid"])
-                    reply({"id": request.get("id"), **started})
+                elif key.fd in starting:
+                    read_report(key.fd)
+                else:
+                    data = os.read(0, 65536)
+                    if not data:
+                        raise _Stop
+                    pending += data
+                    while b"\n" in pending:
+                        line, pending = pending.split(b"\n", 1)
+                        spawn(json.loads(line))
             reap()
     except (_Stop, BrokenPipeError):
         pass
     finally:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for pid in supervisors:
+        alive = {*supervisors, *(entry[0] for entry in starting.values())}
+        for pid in alive:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)  # each stops its runtime and kills what is left
         deadline = time.monotonic() + 2.0
-        while supervisors and time.monotonic() < deadline:
+        while alive and time.monotonic() < deadline:
             with contextlib.suppress(ChildProcessError):
                 pid, _status = os.waitpid(-1, os.WNOHANG)
                 if pid:
-                    supervisors.pop(pid, None)
+                    alive.discard(pid)
                     continue
             time.sleep(0.01)
         _kill_children()
     return 0
 
 
-def _fork_supervisor(
-    request: dict[str, Any], close_fds: tuple[int, ...]
-) -> tuple[int, dict[str, Any]]:
-    """Fork the supervisor of one sandbox; return its pid and ``{"pid": runtime}`` or
-    ``{"error": reason}`` once the runtime has started (or failed to)."""
+def _fork_supervisor(request: dict[str, Any], close_fds: tuple[int, ...]) -> tuple[int, int]:
+    """Fork the supervisor of one sandbox; return its pid and the read end of the pipe on which
+    it reports ``{"pid": runtime}`` or ``{"error": reason}`` (then closes it)."""
     report_r, report_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the supervisor: never returns into the fork server's loop
+    # The supervisor takes these signals with sigtimedwait: blocked across the fork, so that
+    # none reaches the fork server's handlers in the child.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _WATCHED)
+        os.close(report_r)
+        os.close(report_w)
+        raise
+    if pid:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _WATCHED)
+    else:  # the supervisor: never returns into the fork server's loop
         try:
             os.close(report_r)
             _supervise(request, report_w, close_fds)
@@ -721,16 +760,7 @@ def _fork_supervisor(
             sys.stderr.flush()
         os._exit(1)
     os.close(report_w)
-    data = b""
-    try:
-        while chunk := os.read(report_r, 65536):
-            data += chunk
-    finally:
-        os.close(report_r)
-    if not data:
-        return pid, {"error": "the sandbox supervisor exited before it started the runtime"}
-    started: dict[str, Any] = json.loads(data)
-    return pid, started
+    return pid, report_r
 
 
 def _supervise(request: dict[str, Any], report_fd: int, close_fds: tuple[int, ...]) -> None:
@@ -741,7 +771,6 @@ def _supervise(request: dict[str, Any], report_fd: int, close_fds: tuple[int, ..
         return
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     signal.set_wakeup_fd(-1)
-    signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)  # taken with sigtimedwait below
     for fd in close_fds:
         os.close(fd)
     devnull = os.open(os.devnull, os.O_RDONLY)
