@@ -781,7 +781,8 @@ def _supervise(request: dict[str, Any], report_fd: int, close_fds: tuple[int, ..
     os.dup2(log, 2)
     os.close(log)
     runtime, error = _start_runtime(request, report_fd)
-    os.write(report_fd, json.dumps({"error": error} if error else {"pid": runtime}).encode())
+    with contextlib.suppress(OSError):  # the fork server is gone: _watch stops the runtime
+        os.write(report_fd, json.dumps({"error": error} if error else {"pid": runtime}).encode())
     os.close(report_fd)
     code = 1 if error else _watch(runtime, fork_server_pid)
     _kill_children()
