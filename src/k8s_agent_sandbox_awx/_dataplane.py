@@ -223,6 +223,7 @@ def parse_execution_result(obj: Any) -> ExecutionResult:
             stderr=obj.get("stderr") or "",
             exit_code=obj["exit_code"],
             timed_out=bool(obj.get("timed_out", False)),
+            output_truncated=obj.get("output_truncated") is True,
         )
     except ValueError as exc:
         raise protocol_error("run a command", f"bad execution result ({exc})") from exc
