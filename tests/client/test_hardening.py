@@ -201,6 +201,12 @@ URLS_WITH_A_PASSWORD = [
     f"https://alice:{PASSWORD}@broker.example/base",
     f"https://alice:p@ss/{PASSWORD}@broker.example",  # unencoded characters in the password
     f"https://alice:{PASSWORD}@",
+    # unencoded '#', '?' or '/' in the password: urlsplit takes part of it for the port (and
+    # says so in its error) or for the fragment/query
+    f"https://alice:{PASSWORD}#x@broker.example:8443",
+    f"https://alice:{PASSWORD}?x@broker.example:8443",
+    f"https://alice:{PASSWORD}/x@broker.example:8443",
+    f"https://alice:x#{PASSWORD}@broker.example",
 ]
 
 
