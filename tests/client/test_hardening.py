@@ -291,6 +291,24 @@ def test_control_characters_in_a_path_are_always_refused(broker: Any) -> None:
         assert sandbox.files.list(".") == []  # nothing was written under any name
 
 
+QUOTED_NAMES = ['say "hi".txt', "back\\slash.txt", 'both\\".txt']
+
+
+def test_a_path_with_a_quote_or_backslash_is_written_under_its_own_name(broker: Any) -> None:
+    # the filename of the upload's Content-Disposition is a quoted-string: '"' was sent as
+    # %22, which a multipart parser keeps, so the file was written as 'say %22hi%22.txt' (over
+    # a file of that name) and write() reported success
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        sandbox.files.write("say %22hi%22.txt", b"other file")
+        for index, name in enumerate(QUOTED_NAMES):
+            sandbox.files.write(name, f"content {index}".encode())
+        for index, name in enumerate(QUOTED_NAMES):
+            assert sandbox.files.read(name) == f"content {index}".encode()
+        assert sandbox.files.read("say %22hi%22.txt") == b"other file"
+        names = sorted(entry.name for entry in sandbox.files.list("."))
+        assert names == sorted([*QUOTED_NAMES, "say %22hi%22.txt"])
+
+
 # ------------------------------------------------------------------------------ limits
 
 
