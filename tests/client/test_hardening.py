@@ -50,6 +50,23 @@ def test_a_401_from_behind_the_broker_never_replays_the_command(runtime_401_brok
         assert len(fetches) == fetched  # the (valid) credential was not invalidated
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the broker forwards a runtime's 401 unchanged, so nothing in the answer "
+    "tells the broker's token rejection from a runtime's copy of it (needs a broker-set "
+    "mark that the broker strips from forwarded answers, or a check with the broker)",
+)
+def test_a_runtime_that_imitates_a_token_rejection_never_gets_a_replay(
+    runtime_401_broker: Any,
+) -> None:
+    # code in a sandbox can replace its runtime and answer 401 {"code": "token_expired"}
+    broker = runtime_401_broker
+    with Sandbox.create(template="forging", environ=broker.environ("gitlab")) as sandbox:
+        with pytest.raises(BrokerError):
+            sandbox.commands.run("touch ran-once")
+        assert broker.execution_count(sandbox.name) == 1  # the command ran; never again
+
+
 # ------------------------------------------------------------------------------ proxies
 
 EVERY_PROXY_VARIABLE = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy")
