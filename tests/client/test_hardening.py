@@ -134,6 +134,43 @@ def test_other_brokers_follow_the_proxy_conventions(
         assert proxy.seen == []
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "problem"),
+    [
+        ("ALL_PROXY", "socks5://alice:pw-s3cr3t@127.0.0.1:9", "socksio"),
+        ("all_proxy", "socks5h://127.0.0.1:9", "socksio"),
+        ("HTTPS_PROXY", "ftp://127.0.0.1:9", "ftp:// is not a proxy scheme"),
+    ],
+)
+def test_a_proxy_the_client_cannot_use_is_a_typed_error(
+    name: str, value: str, problem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # httpx built every environment proxy when the client was made: a raw ImportError (SOCKS
+    # without socksio) or ValueError (another scheme) from BrokerSandboxClient(...)
+    if "socks" in value:
+        try:
+            import socksio  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            pytest.skip("socksio is installed: a SOCKS proxy can be used")
+    for variable in (*EVERY_PROXY_VARIABLE, "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv(name, value)
+    auth = OIDCTokenAuth("opaque-caller-token-0123456789")
+    with pytest.raises(ConfigurationError, match=problem) as info:
+        BrokerSandboxClient(broker_url="https://broker.example", auth=auth)
+    assert name in str(info.value) and "AGENT_SANDBOX_TRUST_ENV_PROXIES=0" in str(info.value)
+    assert "pw-s3cr3t" not in str(info.value)
+    with pytest.raises(ConfigurationError, match=problem):
+        sdk.AsyncBrokerSandboxClient(broker_url="https://broker.example", auth=auth)
+    # the documented ways out: no proxies from the environment, or a loopback broker
+    BrokerSandboxClient(
+        broker_url="https://broker.example", auth=auth, trust_env_proxies=False
+    ).close()
+    BrokerSandboxClient(broker_url="https://127.0.0.1:9", auth=auth).close()
+
+
 def test_the_proxy_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENT_SANDBOX_TRUST_ENV_PROXIES", "maybe")
     with pytest.raises(ConfigurationError, match=r"AGENT_SANDBOX_TRUST_ENV_PROXIES.*'maybe'"):
