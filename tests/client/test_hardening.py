@@ -182,6 +182,34 @@ def test_the_proxy_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------------------ echoed tokens
 
 
+OPAQUE = "opaque-caller-token-0123456789"
+SUCCESS_ECHOES = {
+    "a 200 answer that is not JSON": lambda: httpx.Response(200, text=f"you sent {OPAQUE}"),
+    "a bad field": lambda: httpx.Response(
+        200,
+        json={"items": [{"name": "s", "phase": "Ready", "router": {"port": OPAQUE}}]},
+    ),
+}
+
+
+@pytest.mark.parametrize("answer", SUCCESS_ECHOES.values(), ids=SUCCESS_ECHOES.keys())
+def test_the_callers_opaque_token_echoed_in_a_success_never_shows(answer: Any) -> None:
+    # a 2xx answer that does not parse was redacted by shape only (JWTs, 'Bearer ...'): an
+    # opaque token echoed bare showed in the BrokerProtocolError and its __cause__
+    import traceback
+
+    client = BrokerSandboxClient(
+        broker_url="https://broker.test",
+        auth=OIDCTokenAuth(OPAQUE),
+        http_transport=httpx.MockTransport(lambda request: answer()),
+    )
+    with pytest.raises(sdk.BrokerProtocolError) as info:
+        client.list_sandboxes()
+    client.close()
+    shown = "".join(traceback.format_exception(info.value)) + repr(info.value)
+    assert OPAQUE not in shown and "<redacted>" in str(info.value)
+
+
 def test_a_token_echoed_by_the_server_never_shows_in_an_error(
     token_echoes: Any, find_leaks: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
