@@ -192,6 +192,37 @@ SUCCESS_ECHOES = {
 }
 
 
+FAILED_SANDBOX = {
+    "name": "sbx-1",
+    "namespace": "default",
+    "phase": "Failed",
+    "reason": f"saw {OPAQUE}",
+    "message": f"pull failed for {OPAQUE}",
+    "router": {"sandbox_id": "sbx-1", "namespace": "default", "port": 8888},
+}
+
+
+def test_the_callers_opaque_token_in_a_failed_sandboxs_reason_never_shows() -> None:
+    import traceback
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(204)
+        return httpx.Response(201 if request.method == "POST" else 200, json=FAILED_SANDBOX)
+
+    client = BrokerSandboxClient(
+        broker_url="https://broker.test",
+        auth=OIDCTokenAuth(OPAQUE),
+        http_transport=httpx.MockTransport(answer),
+    )
+    with pytest.raises(sdk.SandboxFailedError) as info:
+        client.create_sandbox(sandbox_ready_timeout=5)
+    client.close()
+    error = info.value
+    shown = "".join(traceback.format_exception(error)) + repr(error) + repr(vars(error))
+    assert OPAQUE not in shown and "<redacted>" in str(error)
+
+
 @pytest.mark.parametrize("answer", SUCCESS_ECHOES.values(), ids=SUCCESS_ECHOES.keys())
 def test_the_callers_opaque_token_echoed_in_a_success_never_shows(answer: Any) -> None:
     # a 2xx answer that does not parse was redacted by shape only (JWTs, 'Bearer ...'): an
