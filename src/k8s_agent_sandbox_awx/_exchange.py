@@ -315,7 +315,9 @@ class Exchange:
         """Seconds to wait before the next attempt after ``exc``; raises the typed error if the
         request must not (or can no longer) be retried."""
         spec = self.spec
-        not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+        not_sent = isinstance(
+            exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout | httpx.ProxyError
+        )  # a ProxyError: the proxy refused the CONNECT tunnel, nothing went through it
         self.reached = self.reached or not not_sent
         if _certificate_failed(exc):
             raise self.tls_error(exc) from exc
@@ -431,6 +433,17 @@ class Exchange:
             msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
             return BrokerUnavailableError(
                 f"{msg} {hint}", method=spec.method, path=spec.path, request_sent=self.reached
+            )
+        if isinstance(exc, httpx.ProxyError):
+            return BrokerUnavailableError(
+                f"Could not {spec.what}: the proxy refused to connect to the broker {broker} "
+                f"({self._reason(exc)}); nothing reached the broker. The proxy comes from "
+                "HTTPS_PROXY (or https_proxy, ALL_PROXY): check its address and credentials, or "
+                f"list the broker's host in NO_PROXY, or set {ENV_TRUST_ENV_PROXIES}=0 to connect "
+                "directly.",
+                method=spec.method,
+                path=spec.path,
+                request_sent=self.reached,
             )
         note = ""
         if sent and not spec.retryable:

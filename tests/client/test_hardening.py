@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 from typing import Any
 
 import httpx
@@ -300,6 +301,63 @@ def test_a_create_that_cannot_connect_is_retried_but_never_replayed(
     retries = [r for r in caplog.records if "retrying" in r.getMessage()]
     assert len(retries) == config.max_attempts - 1  # not sent: retried, the create only
     assert "interrupted create" not in caplog.text
+
+
+class RefusingProxy:
+    """A loopback proxy that answers every CONNECT with 407: nothing reaches the broker."""
+
+    def __init__(self) -> None:
+        import socketserver
+
+        outer = self
+        self.seen: list[bytes] = []
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = self.request.recv(65536)
+                    if not chunk:
+                        return
+                    head += chunk
+                outer.seen.append(head.split(b"\r\n")[0])
+                self.request.sendall(
+                    b"HTTP/1.1 407 Proxy Authentication Required\r\n"
+                    b'Proxy-Authenticate: Basic realm="corp"\r\nContent-Length: 0\r\n\r\n'
+                )
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_create_refused_by_the_proxy_is_never_replayed(
+    broker: Any, proxy: Any, remote_broker: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    # a proxy that refuses the tunnel (407) counted as "the request may have reached the
+    # broker": the create was replayed through it and the user saw "could not check whether an
+    # interrupted create left a sandbox" although nothing reached the broker
+    url, ca, server = remote_broker
+    refusing = RefusingProxy()
+    monkeypatch.setenv("HTTPS_PROXY", refusing.url)
+    caplog.set_level(logging.DEBUG, logger="k8s_agent_sandbox_awx")
+    auth = OIDCTokenAuth(broker.issue_gitlab_token("group/project", audience=url))
+    config = BrokerConnectionConfig(broker_url=url, ca_cert=ca, backoff_base=0.01)
+    try:
+        with pytest.raises(BrokerUnavailableError) as info:
+            Sandbox.create(config=config, auth=auth)
+    finally:
+        refusing.close()
+    assert info.value.request_sent is False
+    assert getattr(info.value, "__notes__", []) == []
+    assert "interrupted create" not in caplog.text
+    assert "HTTPS_PROXY" in str(info.value) and "NO_PROXY" in str(info.value)
+    assert server.seen == [] and refusing.seen
 
 
 # ------------------------------------------------------------------------------ URL passwords
