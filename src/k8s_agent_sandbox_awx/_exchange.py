@@ -11,9 +11,12 @@ retry and failure decisions for an attempt's outcome, and the bookkeeping of str
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
+import os
 import ssl
+import urllib.request
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +25,7 @@ import httpx
 
 from . import _protocol as proto
 from ._auth import CredentialSource
-from ._config import BrokerConnectionConfig
+from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 from ._credential import Credential
 from ._exceptions import BrokerError, BrokerTLSError, BrokerUnavailableError, ConfigurationError
 from ._exceptions import RequestTimeoutError as _RequestTimeoutError
@@ -180,6 +183,37 @@ def _ssl_context(config: BrokerConnectionConfig) -> ssl.SSLContext:
     return context
 
 
+_PROXY_SCHEMES = frozenset({"http", "https", "socks5", "socks5h"})
+
+
+def _check_env_proxies() -> None:
+    """Refuse, with a typed error naming the variable, a proxy from the environment that httpx
+    cannot use: it would fail when the client is built (a raw ``ImportError`` for a SOCKS proxy
+    without ``socksio``, a raw ``ValueError`` for another scheme), whatever the broker."""
+    found = urllib.request.getproxies()
+    if "*" in (host.strip() for host in found.get("no", "").split(",")):
+        return  # NO_PROXY=*: httpx uses no proxy at all
+    for key in ("https", "all", "http"):  # the variables httpx reads (it mounts all of them)
+        value = found.get(key)
+        if not value:
+            continue
+        names = [n for n in (f"{key}_proxy", f"{key.upper()}_PROXY") if os.environ.get(n)]
+        name = names[0] if names else f"{key.upper()}_PROXY"
+        scheme = value.partition("://")[0].lower() if "://" in value else "http"
+        if scheme not in _PROXY_SCHEMES:
+            problem = f"its scheme {scheme}:// is not a proxy scheme (http, https, socks5)"
+        elif scheme.startswith("socks") and importlib.util.find_spec("socksio") is None:
+            problem = "a SOCKS proxy needs the socksio package: pip install 'httpx[socks]'"
+        else:
+            continue
+        shown = proto.redact_url(value, typed=True)
+        raise ConfigurationError(
+            f"The proxy {name}={shown!r} from the environment cannot be used: {problem}. "
+            f"Fix or unset {name}, or set {ENV_TRUST_ENV_PROXIES}=0 to reach the broker "
+            "without the environment's proxies."
+        )
+
+
 def client_settings(
     config: BrokerConnectionConfig,
     auth: CredentialSource,
@@ -192,6 +226,8 @@ def client_settings(
     verify: ssl.SSLContext | bool = True
     if config.broker_url.startswith("https://"):
         verify = _ssl_context(config)
+    if config.use_env_proxies:
+        _check_env_proxies()
     return {
         "auth": BearerAuth(auth, config.audience, read_body=read_body),
         "follow_redirects": False,
@@ -279,7 +315,9 @@ class Exchange:
         """Seconds to wait before the next attempt after ``exc``; raises the typed error if the
         request must not (or can no longer) be retried."""
         spec = self.spec
-        not_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+        not_sent = isinstance(
+            exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout | httpx.ProxyError
+        )  # a ProxyError: the proxy refused the CONNECT tunnel, nothing went through it
         self.reached = self.reached or not not_sent
         if _certificate_failed(exc):
             raise self.tls_error(exc) from exc
@@ -395,6 +433,17 @@ class Exchange:
             msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
             return BrokerUnavailableError(
                 f"{msg} {hint}", method=spec.method, path=spec.path, request_sent=self.reached
+            )
+        if isinstance(exc, httpx.ProxyError):
+            return BrokerUnavailableError(
+                f"Could not {spec.what}: the proxy refused to connect to the broker {broker} "
+                f"({self._reason(exc)}); nothing reached the broker. The proxy comes from "
+                "HTTPS_PROXY (or https_proxy, ALL_PROXY): check its address and credentials, or "
+                f"list the broker's host in NO_PROXY, or set {ENV_TRUST_ENV_PROXIES}=0 to connect "
+                "directly.",
+                method=spec.method,
+                path=spec.path,
+                request_sent=self.reached,
             )
         note = ""
         if sent and not spec.retryable:

@@ -85,6 +85,32 @@ class Stepper(Generic[T]):
         except StopIteration as stop:
             self.result = stop.value
             return None
+        except (errors.BrokerError, errors.SandboxFailedError) as exc:
+            if error is None:
+                _redact_sent_token(exc, self.reply)
+            raise
+
+
+def _redact_sent_token(exc: Exception, reply: object) -> None:
+    """An error built from a successful ``reply`` (an answer that does not parse, a Failed
+    sandbox's reason) may quote it, and so the token its request carried (an opaque one has no
+    shape to recognise): replaced in the message and the text attributes, and a cause that
+    quotes it is dropped."""
+    try:
+        header = reply.request.headers.get("Authorization", "")  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # not a response, or one without its request
+        return
+    token = str(header).partition(" ")[2].strip()
+    if not token:
+        return
+    exc.args = tuple(
+        proto.redact_answer(arg, (token,)) if isinstance(arg, str) else arg for arg in exc.args
+    )
+    for name, value in vars(exc).items():
+        if isinstance(value, str):
+            setattr(exc, name, proto.redact_answer(value, (token,)))
+    if any(c is not None and token in str(c) for c in (exc.__cause__, exc.__context__)):
+        exc.__cause__ = exc.__context__ = None
 
 
 def drive(op: Op[T], perform: Callable[[Call], Reply]) -> T:

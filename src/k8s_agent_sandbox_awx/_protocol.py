@@ -395,8 +395,9 @@ class Multipart:
 
 def multipart_framing(path: str, boundary: str | None = None) -> Multipart:
     boundary = boundary or secrets.token_hex(16)
-    # The filename is the destination path; quote characters that would break the header.
-    filename = path.replace("\\", "\\\\").replace('"', "%22")
+    # The filename is the destination path, a quoted-string: '\\' and '"' are escaped with a
+    # backslash, which multipart parsers undo (a "%22" would be kept: another file's name).
+    filename = path.replace("\\", "\\\\").replace('"', '\\"')
     prefix = (
         f"--{boundary}\r\n"
         f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n'
@@ -421,15 +422,18 @@ def redact_answer(text: str, secrets: Iterable[str] = ()) -> str:
     return _BEARER.sub(r"\1 <redacted>", redact(text, secrets))
 
 
-def redact_url(url: str) -> str:
+def redact_url(url: str, *, typed: bool = False) -> str:
     """``url`` fit for a message: a user name and password (``user:password@``) become
     ``***@``. Everything up to the last ``@`` before the query is treated as user info, so that
     a password with unencoded ``@`` or ``/`` is hidden too; a URL that does not parse (a bad
-    port, no scheme) is redacted all the same."""
+    port, no scheme) is redacted all the same. ``typed=True`` (a URL a person typed, such as
+    the broker URL): up to the last ``@`` anywhere, as a typed password may also hold an
+    unencoded ``?`` or ``#`` (a server's URL, such as a redirect's ``Location``, may have an
+    ``@`` in its query instead)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    ends = [i for i in (rest.find("?"), rest.find("#")) if i >= 0]
+    ends = [i for i in (rest.find("?"), rest.find("#")) if i >= 0 and not typed]
     at = rest.rfind("@", 0, min(ends, default=len(rest)))
     return url if at < 0 else f"{scheme}{sep}***@{rest[at + 1 :]}"
 
