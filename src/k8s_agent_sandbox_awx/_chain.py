@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from . import _cache
-from ._auth import CredentialSource, ProviderGuard, accept_credential
+from ._auth import CredentialSource, ProviderGuard, accept_credential, plain_answer
 from ._credential import Credential, CredentialRequest
 from ._credential_errors import (
     CredentialError,
@@ -131,13 +131,13 @@ def _guard(provider: ProviderEntry, request: CredentialRequest) -> ProviderGuard
 
 def _call(provider: ProviderEntry, request: CredentialRequest) -> object:
     with _guard(provider, request) as guard:
-        return provider.call(request)
+        return plain_answer(provider.call(request))
     guard.reraise()
 
 
 async def _acall(provider: ProviderEntry, request: CredentialRequest) -> object:
     with _guard(provider, request) as guard:
-        return await provider.acall(request)
+        return plain_answer(await provider.acall(request))
     guard.reraise()
 
 
