@@ -631,7 +631,13 @@ def test_a_follower_cut_by_the_broker_still_gets_every_byte(
     """Reconnects forced by the broker (streams cut every 7 lines, one dropped mid-line) while
     the output runs far beyond the cap: what the runtime sent on a broken connection is still
     in the window when the follower comes back with its cursor."""
-    cmds = configured(alice, SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="20000")
+    cmds = configured(
+        alice,
+        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="20000",
+        # a loaded machine may take seconds between two requests of this loop: the window is
+        # what is tested here, not the grace time
+        SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="120",
+    )
     broker.cut_event_streams(after_events=7)
     broker.drop_event_stream_mid_line(1, after_events=3)
     script = "for i in $(seq 1 8000); do printf '%0200d\\n' $i; done; echo end"

@@ -80,6 +80,7 @@ class Limits:
     max_timeout: float = 300.0
     heartbeat_seconds: float = 2.0
     max_duration: float = 20.0
+    follower_grace_seconds: float = FOLLOWER_GRACE_SECONDS
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], max_timeout: float) -> Limits:
@@ -107,6 +108,9 @@ class Limits:
             ),
             heartbeat_seconds=number(
                 "SANDBOX_COMMAND_HEARTBEAT_SECONDS", cls.heartbeat_seconds, float
+            ),
+            follower_grace_seconds=number(
+                "SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS", cls.follower_grace_seconds, float
             ),
             max_timeout=max_timeout,
             default_timeout=min(cls.default_timeout, max_timeout),
@@ -208,7 +212,7 @@ class Command:
         not sent (then ``True``: the reader waits), and the half window a follower sent last
         (it may still be in flight when the connection breaks) only to stay within 1.5 times
         the window's size."""
-        horizon = time.monotonic() - FOLLOWER_GRACE_SECONDS
+        horizon = time.monotonic() - limits.follower_grace_seconds
         self.followers = [f for f in self.followers if f.ended_at is None or f.ended_at > horizon]
         slack = limits.window_bytes // 2
         slowest: int | None = None
