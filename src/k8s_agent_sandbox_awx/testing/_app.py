@@ -99,7 +99,9 @@ class ApiError(Exception):
         # the mark of the broker's own answers: stripped from every forwarded answer, so a
         # sandbox runtime cannot pass its answer off as the broker's (docs/broker-api.md)
         headers = {**self.headers, BROKER_ERROR_HEADER: self.code}
-        return JSONResponse({"detail": self.detail, "code": self.code}, self.status, headers=headers)
+        return JSONResponse(
+            {"detail": self.detail, "code": self.code}, self.status, headers=headers
+        )
 
 
 class _DroppedConnection(Exception):
