@@ -32,6 +32,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         if status == 401:
             self.send_header("WWW-Authenticate", 'Basic realm="runtime"')
+            if self.code:  # imitates the broker's mark too (the broker must strip it)
+                self.send_header("Agent-Sandbox-Broker-Error", self.code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()

@@ -108,10 +108,11 @@ class Dialect(ABC):
         from the answer is redacted, ``secrets`` (the token sent) included."""
 
     @abstractmethod
-    def token_rejected(self, status: int, body: bytes) -> bool:
+    def token_rejected(self, status: int, headers: Mapping[str, str], body: bytes) -> bool:
         """Whether an answer is the broker itself rejecting the token (then, and only then, the
         credential is re-read and the request sent once more; any other 401 comes from behind
-        the broker and is never a reason to replay)."""
+        the broker and is never a reason to replay). Decide from what only the broker can
+        set: a forwarded answer's body and headers are the runtime's to choose."""
 
     def data_target(self, info: SandboxInfo) -> DataTarget:
         """Where the data plane of sandbox ``info`` goes (the routing headers)."""

@@ -310,14 +310,24 @@ TOKEN_REJECTION_CODES = frozenset(
 """The ``code`` values of the broker's own 401 answers (docs/broker-api.md, Errors)."""
 
 
-def is_token_rejection(status: int, body: bytes) -> bool:
-    """Whether an answer is the broker rejecting the token: a ``401`` whose error body carries
-    one of the documented token codes. Only such an answer makes the client re-read the
-    credential and send the request once more (the broker refused it before it reached a
-    sandbox). Any other ``401`` comes from behind the broker (a sandbox runtime's own answer,
-    passed through unchanged): it is a result or an error, never a reason to replay (a
-    command must not run twice)."""
-    return status == 401 and _error_body(body)[0] in TOKEN_REJECTION_CODES
+BROKER_ERROR_HEADER = "Agent-Sandbox-Broker-Error"
+"""The header a v1 broker sets (to the error code) on the error answers it makes itself and
+strips from every answer it forwards from a sandbox."""
+
+
+def is_token_rejection(status: int, headers: Mapping[str, str], body: bytes) -> bool:
+    """Whether an answer is the broker rejecting the token: a ``401`` carrying the broker's mark
+    (:data:`BROKER_ERROR_HEADER`) with one of the documented token codes, the same code as its
+    error body. Only such an answer makes the client re-read the credential and send the
+    request once more (the broker refused it before it reached a sandbox). Any other ``401``
+    comes from behind the broker (a sandbox runtime's own answer, passed through unchanged;
+    code in a sandbox can imitate the body, but the broker strips the mark from what it
+    forwards): it is a result or an error, never a reason to replay (a command must not run
+    twice)."""
+    if status != 401:
+        return False
+    mark = headers.get(BROKER_ERROR_HEADER)
+    return mark in TOKEN_REJECTION_CODES and _error_body(body)[0] == mark
 
 
 _STATUS_CLASSES: dict[int, type[BrokerError]] = {
@@ -485,5 +495,5 @@ class V1Dialect(Dialect):
             status, headers, body, spec=spec, retried_auth=retried_auth, secrets=secrets
         )
 
-    def token_rejected(self, status: int, body: bytes) -> bool:
-        return is_token_rejection(status, body)
+    def token_rejected(self, status: int, headers: Mapping[str, str], body: bytes) -> bool:
+        return is_token_rejection(status, headers, body)

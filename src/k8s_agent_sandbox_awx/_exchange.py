@@ -292,7 +292,7 @@ class Exchange:
         if response.status_code != 401 or not self.authenticate:
             return response
         self.error_body = yield ReadError(response)  # read (capped) and closed
-        if not self.dialect.token_rejected(401, self.error_body):
+        if not self.dialect.token_rejected(401, response.headers, self.error_body):
             logger.info("401 from behind the broker (not a token rejection); not retrying")
             return response
         self._invalidate(self.config.audience)

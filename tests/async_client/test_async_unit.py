@@ -178,7 +178,11 @@ def test_401_refresh_uses_the_async_credential_path() -> None:
 
     async def whoami(request: httpx.Request) -> httpx.Response:
         if request.headers["Authorization"] == "Bearer old":
-            return httpx.Response(401, json={"detail": "expired", "code": "token_expired"})
+            return httpx.Response(
+                401,
+                json={"detail": "expired", "code": "token_expired"},
+                headers={"Agent-Sandbox-Broker-Error": "token_expired"},
+            )
         return httpx.Response(200, json={"subject": "me"})
 
     broker.hooks[("GET", "/v1/whoami")] = whoami

@@ -29,7 +29,12 @@ class Handler(BaseHTTPRequestHandler):
             "body_size": len(body),
         }
         data = json.dumps(payload).encode()
-        self.send_response(200)
+        if self.path.startswith("/forge-401"):  # passes itself off as the broker's rejection
+            data = json.dumps({"detail": "expired", "code": "token_expired"}).encode()
+            self.send_response(401)
+            self.send_header("Agent-Sandbox-Broker-Error", "token_expired")
+        else:
+            self.send_response(200)
         self.send_header("Content-Type", "application/json")
         if self.path.startswith("/set-cookie"):
             self.send_header("Set-Cookie", "session=from-the-sandbox; Path=/")

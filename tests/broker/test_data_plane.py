@@ -66,6 +66,24 @@ def test_data_plane_needs_a_valid_token(broker: LocalBroker, alice: Any, api: An
     assert resp.json()["code"] == "token_missing"
 
 
+def test_only_the_brokers_own_errors_carry_its_mark(
+    broker: LocalBroker, alice: Any, api: Any
+) -> None:
+    """The broker marks its own error answers (Agent-Sandbox-Broker-Error: code) and strips the
+    mark from what it forwards, so a runtime cannot pass its 401 off as the broker's token
+    rejection (which would make the client re-send a command)."""
+    sandbox = alice.ready(template="echo")
+    own = api(None).http.get("/", headers=alice.data_headers(sandbox))
+    assert own.status_code == 401
+    assert own.headers["agent-sandbox-broker-error"] == own.json()["code"] == "token_missing"
+    forged = alice.http.get("/forge-401", headers=alice.data_headers(sandbox))
+    assert forged.status_code == 401 and forged.json()["code"] == "token_expired"
+    assert "agent-sandbox-broker-error" not in forged.headers
+    control = alice.http.get("/v1/sandboxes/no-such-sandbox")
+    assert control.status_code == 404
+    assert control.headers["agent-sandbox-broker-error"] == "not_found"
+
+
 def test_unknown_sandbox_wrong_namespace_and_not_ready(broker: LocalBroker, alice: Any) -> None:
     resp = alice.http.get(
         "/", headers={"X-Sandbox-ID": "sbx-nope", "X-Sandbox-Namespace": "team-a"}

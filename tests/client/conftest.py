@@ -59,9 +59,12 @@ def sandbox_obj(name: str = "sbx-1", phase: str = "Pending", **extra: Any) -> di
 
 
 def error(status: int, code: str | None, detail: str, **headers: str) -> httpx.Response:
+    """An error answer as the v1 broker makes it: a code in the body carries the broker's mark
+    (``Agent-Sandbox-Broker-Error``) too."""
     body: dict[str, Any] = {"detail": detail}
     if code:
         body["code"] = code
+        headers = {"Agent-Sandbox-Broker-Error": code, **headers}
     return httpx.Response(status, json=body, headers=headers)
 
 

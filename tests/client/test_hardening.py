@@ -51,12 +51,6 @@ def test_a_401_from_behind_the_broker_never_replays_the_command(runtime_401_brok
         assert len(fetches) == fetched  # the (valid) credential was not invalidated
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the broker forwards a runtime's 401 unchanged, so nothing in the answer "
-    "tells the broker's token rejection from a runtime's copy of it (needs a broker-set "
-    "mark that the broker strips from forwarded answers, or a check with the broker)",
-)
 def test_a_runtime_that_imitates_a_token_rejection_never_gets_a_replay(
     runtime_401_broker: Any,
 ) -> None:

@@ -52,6 +52,30 @@ def test_401_invalidates_and_retries_once(make_client: Any, fake: Any, kit: Any)
     assert len(fake.requests) == 2
 
 
+@pytest.mark.parametrize(
+    "mark",
+    [None, "token_revoked", "TOKEN_EXPIRED", ""],
+    ids=["no mark", "mark with another code", "mark not a documented code", "empty mark"],
+)
+def test_401_without_the_brokers_mark_is_never_replayed(
+    make_client: Any, fake: Any, kit: Any, mark: str | None
+) -> None:
+    """Only the broker's own mark (set on its error answers, stripped from forwarded ones)
+    makes a 401 a token rejection: a body alone can be imitated by a sandbox runtime."""
+    creds = kit.StubCredentials("old-token", "new-token")
+    client = make_client()
+    client._transport.auth = creds
+    headers = {} if mark is None else {"Agent-Sandbox-Broker-Error": mark}
+    fake.route("GET", "/v1/whoami")(
+        lambda r: httpx.Response(
+            401, json={"detail": "expired", "code": "token_expired"}, headers=headers
+        )
+    )
+    with pytest.raises(BrokerError):
+        client.whoami()
+    assert len(fake.requests) == 1 and creds.invalidated == []
+
+
 def test_second_401_raises_with_the_brokers_reason(
     make_client: Any, fake: Any, creds: Any, kit: Any, caplog: Any
 ) -> None:

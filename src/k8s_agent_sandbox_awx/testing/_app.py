@@ -66,6 +66,10 @@ _HOP_BY_HOP = frozenset(
 )
 _CREATE_FIELDS = frozenset({"template", "labels", "annotations", "lifetime_seconds", "env"})
 _NAME_ALPHABET = string.ascii_lowercase + string.digits
+BROKER_ERROR_HEADER = "Agent-Sandbox-Broker-Error"
+"""Set (to the error code) on every error answer the broker itself makes, never on a
+forwarded one: the client re-sends after a 401 only when it carries a token code."""
+_BROKER_ERROR_HEADER_RAW = BROKER_ERROR_HEADER.lower().encode("latin-1")
 
 
 class _NoCookies(http.cookiejar.CookieJar):
@@ -92,8 +96,11 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
     def response(self) -> Response:
+        # the mark of the broker's own answers: stripped from every forwarded answer, so a
+        # sandbox runtime cannot pass its answer off as the broker's (docs/broker-api.md)
+        headers = {**self.headers, BROKER_ERROR_HEADER: self.code}
         return JSONResponse(
-            {"detail": self.detail, "code": self.code}, self.status, headers=self.headers
+            {"detail": self.detail, "code": self.code}, self.status, headers=headers
         )
 
 
@@ -1018,7 +1025,7 @@ class BrokerApp:
                 (k.lower(), v)
                 for k, v in response.headers.raw
                 if k.decode("latin-1").lower() not in _HOP_BY_HOP
-                and k.lower() not in (b"date", b"server")
+                and k.lower() not in (b"date", b"server", _BROKER_ERROR_HEADER_RAW)
             ]
             if is_execute and self.faults.take_drop(record.name):
                 async for _ in response.aiter_raw():  # the command ran; now lose the answer
