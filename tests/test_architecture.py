@@ -17,6 +17,7 @@ MAX_FUNCTION_LINES = 60
 
 CREDENTIALS = {
     "_auth",
+    "_bridge",
     "_cache",
     "_chain",
     "_credential",

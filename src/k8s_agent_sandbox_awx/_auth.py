@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import dataclasses
 import inspect
 import os
-import threading
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from types import TracebackType
-from typing import Generic, NoReturn, Protocol, TypeVar, runtime_checkable
+from typing import NoReturn, Protocol, runtime_checkable
 
 from . import _cache
+from ._bridge import aresult, awaited_in_thread, in_thread, result
 from ._credential import Credential
 from ._credential_errors import (
     CredentialError,
@@ -30,8 +28,6 @@ __all__ = [
     "accept_credential",
     "plain_answer",
 ]
-
-T = TypeVar("T")
 
 TokenCallable = (
     Callable[[], str]
@@ -174,110 +170,6 @@ class ProviderGuard:
         raise self.error from None
 
 
-class FetchTimeout(Exception):
-    """A fetch did not finish within its time limit (internal: callers turn it into an answer)."""
-
-
-class _ThreadCall(Generic[T]):
-    """``function()`` run once in a new daemon thread, with the caller's context variables.
-
-    Its result or exception is kept for :meth:`outcome`; ``notify`` is called when it ends. A
-    daemon thread (rather than an executor's worker) so that a call that never ends holds no
-    pool worker and never delays the interpreter's or an event loop's shutdown.
-    """
-
-    def __init__(self, function: Callable[[], T], notify: Callable[[], None] | None = None):
-        self._function = function
-        self._context = contextvars.copy_context()
-        self._notify = notify
-        self._result: list[T] = []
-        self._failure: list[BaseException] = []
-        self.thread = threading.Thread(
-            target=self._run, name="agent-sandbox-credential-fetch", daemon=True
-        )
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._result.append(self._context.run(self._function))
-        except BaseException as exc:  # handed to the caller by outcome()
-            self._failure.append(exc)
-        finally:
-            if self._notify is not None:
-                self._notify()
-
-    def outcome(self) -> T:
-        """The function's result, or its exception raised in the caller's thread."""
-        if self._failure:
-            raise self._failure[0]
-        return self._result[0]
-
-
-def run_in_thread(function: Callable[[], T], timeout: float | None = None) -> T:
-    """Call ``function`` in a helper thread and wait for it, at most ``timeout`` seconds.
-
-    Past the timeout, :class:`FetchTimeout` is raised; the thread is left to end on its own and
-    whatever it returns is dropped.
-    """
-    call = _ThreadCall(function)
-    call.thread.join(timeout)
-    if call.thread.is_alive():
-        raise FetchTimeout
-    return call.outcome()
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-async def arun_in_thread(function: Callable[[], T], limit: float | None = None) -> T:
-    """:func:`run_in_thread` for asyncio code: the loop runs on while the thread works."""
-    loop = asyncio.get_running_loop()
-    ended = loop.create_future()
-
-    def notify() -> None:
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
-            loop.call_soon_threadsafe(_settle, ended)
-
-    call = _ThreadCall(function, notify)
-    await within(ended, limit)
-    return call.outcome()
-
-
-async def within(awaitable: Awaitable[T], limit: float | None) -> T:
-    """Await ``awaitable`` for at most ``limit`` seconds; then it is cancelled and
-    :class:`FetchTimeout` is raised (a ``TimeoutError`` of its own passes unchanged)."""
-    if limit is None:
-        return await awaitable
-    scope = asyncio.timeout(limit)
-    try:
-        async with scope:
-            return await awaitable
-    except TimeoutError:
-        if scope.expired():
-            raise FetchTimeout from None
-        raise
-
-
-def run_in_helper_thread(awaitable: Awaitable[T], timeout: float | None = None) -> T:
-    """Run ``awaitable`` to completion on a fresh event loop in a helper thread, from sync code.
-
-    How the sync path calls an async-only fetch (an ``async def`` token callable, a plugin with
-    only ``agent_sandbox_get_credential_async``): ``asyncio.run`` cannot run in a thread whose
-    event loop is running, and a helper thread works whether or not the caller has one. The
-    caller's thread waits for it (at most ``timeout`` seconds: then the awaitable is cancelled
-    on its loop and :class:`FetchTimeout` is raised); this happens only on a cache miss. An
-    awaitable bound to another event loop (a Task or Future) cannot be run this way and fails
-    with the error asyncio gives.
-    """
-
-    async def main() -> T:
-        return await within(awaitable, timeout)
-
-    return run_in_thread(lambda: asyncio.run(main()), timeout)
-
-
 class KubernetesAuth:
     """A token file (a projected ServiceAccount token), re-read on every request.
 
@@ -357,16 +249,16 @@ class OIDCTokenAuth:
     ============================  ===========================  ==============================
     callable                      ``get_credential`` (sync)    ``aget_credential`` (async)
     ============================  ===========================  ==============================
-    plain function                called in the caller         in a worker thread
-                                                               (``asyncio.to_thread``: it may
+    plain function                called in the caller         in a helper thread (it may
                                                                block, e.g. an HTTP fetch)
     ``async def``                 awaited on a fresh loop in   awaited on the running loop
                                   a helper thread
-    returns an awaitable          called in the caller; the    called in a worker thread; the
+    returns an awaitable          called in the caller; the    called in a helper thread; the
                                   awaitable is awaited in a    awaitable is awaited on the
                                   helper thread                running loop
     ============================  ===========================  ==============================
 
+    A helper thread is a new daemon thread that runs with the caller's context variables.
     A callable that needs the running event loop (creates tasks) must be an ``async def``.
     Each instance has its own cache key, so two instances never see each other's tokens.
     """
@@ -459,7 +351,7 @@ class OIDCTokenAuth:
         with ProviderGuard(provider=self.provider_name, source=self._source) as guard:
             value = fetch(audience)
             if inspect.isawaitable(value):
-                value = run_in_helper_thread(value)
+                value = result(awaited_in_thread(value))
             return self._accept(value, audience)
         guard.reraise()
 
@@ -470,7 +362,7 @@ class OIDCTokenAuth:
             if self._async or not self._blocking:
                 value = fetch(audience)
             else:
-                value = await asyncio.to_thread(fetch, audience)
+                value = await aresult(in_thread(lambda: fetch(audience)))
             if inspect.isawaitable(value):
                 value = await value
             return self._accept(value, audience)

@@ -7,32 +7,31 @@ Keyed by ``(source key, audience)``: the source key is a provider name for the d
 An entry lives until the deadline computed by :func:`._jwt.cache_deadline` (``exp`` minus a
 margin, never past ``exp``). File-backed credentials are never stored.
 
-Single flight: a miss starts (or joins) the key's *flight*, registered under the cache's one
-short-held lock after checking the cache again. The caller that starts it (sync or async) is the
-leader and fetches; every other caller of that key waits for the leader's result instead of
-fetching: a thread waits on the flight's :class:`threading.Event`, an asyncio task awaits a
-future of its own event loop (woken with ``call_soon_threadsafe``), so no thread is parked for an
-async waiter. Sync and async callers join the same flights and read the same cache, so any mix
-of threads and tasks causes one fetch per key and expiry. When the leader fails with a
-:class:`CredentialError`, its waiters raise that error too (like the waiters of one shared
-:class:`asyncio.Future`); when it is cancelled or interrupted, they retry and one of them leads.
-A thread never waits for an async flight led from its own thread (that would deadlock the event
-loop it runs on): it fetches by itself instead.
+Single flight: under the cache's one short-held lock, a miss checks the cache again, then starts
+or joins the key's *flight*: a :class:`concurrent.futures.Future` (see ``_bridge``). The caller
+that starts it (sync or async) is the leader and fetches; every other caller of that key waits
+for that future (a thread with ``result()``, a task of any event loop with
+``asyncio.wrap_future``: no thread is parked for a task). So any mix of threads and tasks causes
+one fetch per key and expiry. The leader stores its result and ends the flight under the lock,
+then resolves the future: a credential, a :class:`CredentialError` (its waiters raise it too), or
+``None`` when it was cancelled or interrupted (its waiters retry, and one of them leads). A thread
+never waits for a flight led by an asyncio task of its own thread (that would deadlock the loop
+that must finish it): it fetches by itself instead.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable
+from concurrent.futures import Future
 from types import TracebackType
 from typing import NamedTuple
 
 from cachetools import TLRUCache
 
+from ._bridge import aresult, result, running
 from ._credential import Credential
 from ._credential_errors import CredentialError
 from ._jwt import clear_claims_cache
@@ -45,6 +44,7 @@ __all__ = [
     "invalidate",
     "new_instance_key",
     "now",
+    "put",
 ]
 
 CacheKey = tuple[Hashable, str]
@@ -66,31 +66,17 @@ class _Entry(NamedTuple):
     deadline: float
 
 
-def _ttu(_key: CacheKey, entry: _Entry, _now: float) -> float:
-    return entry.deadline
+class _Flight(NamedTuple):
+    """One fetch in progress: its outcome (``None``: given up, retry) and who leads it."""
+
+    future: Future[Credential | None]
+    thread: int
+    is_async: bool
 
 
-class _Flight:
-    """One fetch in progress for one key, and who waits for it."""
-
-    __slots__ = ("credential", "done", "error", "is_async", "thread", "waiters")
-
-    def __init__(self, is_async: bool) -> None:
-        self.is_async = is_async
-        self.thread = threading.get_ident()
-        self.done = threading.Event()
-        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self.credential: Credential | None = None
-        self.error: CredentialError | None = None
-
-    def outcome(self) -> Credential | None:
-        """The leader's credential; its error raised; ``None`` if it gave up (retry)."""
-        if self.error is not None:
-            raise self.error
-        return self.credential
-
-
-_cache: TLRUCache[CacheKey, _Entry] = TLRUCache(maxsize=MAX_ENTRIES, ttu=_ttu, timer=now)
+_cache: TLRUCache[CacheKey, _Entry] = TLRUCache(
+    maxsize=MAX_ENTRIES, ttu=lambda _key, entry, _now: entry.deadline, timer=now
+)
 _lock = threading.Lock()
 _flights: dict[CacheKey, _Flight] = {}
 _instance_keys = itertools.count(1)
@@ -117,60 +103,44 @@ def _store_locked(key: CacheKey, credential: Credential, deadline: float) -> Non
         _cache.pop(key, None)
 
 
-class _Start(NamedTuple):
-    cached: Credential | None
-    flight: _Flight | None
-    leader: bool
-    wakeup: asyncio.Future[None] | None
+def put(key: CacheKey, credential: Credential, deadline: float) -> None:
+    """Store an already fetched non-file credential (used during discovery)."""
+    with _lock:
+        _store_locked(key, credential, deadline)
 
 
-def _start(key: CacheKey, loop: asyncio.AbstractEventLoop | None) -> _Start:
-    """Check the cache again, then lead a new flight for ``key`` or join the current one.
-
-    An async caller (``loop`` given) that joins gets a future of its loop, registered with the
-    flight under the lock so that the leader cannot land unseen.
-    """
+def _join(key: CacheKey, is_async: bool) -> tuple[Credential | None, _Flight | None]:
+    """The cached credential, else the key's flight; ``(None, None)``: this caller leads a new
+    flight (registered, found by the others)."""
     with _lock:
         entry = _cache.get(key)
         if entry is not None:
-            return _Start(entry.credential, None, False, None)
+            return entry.credential, None
         flight = _flights.get(key)
-        if flight is None:
-            flight = _flights[key] = _Flight(is_async=loop is not None)
-            return _Start(None, flight, True, None)
-        wakeup: asyncio.Future[None] | None = None
-        if loop is not None:
-            wakeup = loop.create_future()
-            flight.waiters.append((loop, wakeup))
-        return _Start(None, flight, False, wakeup)
+        if flight is not None:
+            return None, flight
+        _flights[key] = _Flight(running(), threading.get_ident(), is_async)
+        return None, None
 
 
-def _wake(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+class _Lead:
+    """The leader's side of a flight: ``with _Lead(key, store) as lead: return lead.land(...)``.
 
-
-class _Leading:
-    """The leader's side of a flight: ``with _Leading(...) as lead: return lead.land(*fetch())``.
-
-    Lands the flight however the block ends: stores a result, records a credential error for
-    the waiters, or lets them retry after any other exception (cancellation, interrupt).
-    ``flight=None``: a thread fetching by itself, outside the flight that an async task of its
-    own thread leads (nothing to land).
+    Ends the flight however the block ends: stores and hands over the landed credential, hands
+    over a credential error, or lets the waiters retry after any other exception (cancellation,
+    interrupt). ``alone``: a thread fetching by itself (see the module docstring): it stores its
+    result, but the flight is not its own to end.
     """
 
-    def __init__(self, key: CacheKey, flight: _Flight | None, store: bool) -> None:
-        self.key, self.flight, self.store = key, flight, store
+    def __init__(self, key: CacheKey, store: bool, *, alone: bool = False) -> None:
+        self.key, self.store, self.alone = key, store, alone
+        self.landed: Fetched | None = None
 
-    def __enter__(self) -> _Leading:
+    def __enter__(self) -> _Lead:
         return self
 
     def land(self, credential: Credential, deadline: float) -> Credential:
-        if self.flight is not None:
-            self.flight.credential = credential
-        if self.store:
-            with _lock:
-                _store_locked(self.key, credential, deadline)
+        self.landed = (credential, deadline)
         return credential
 
     def __exit__(
@@ -179,19 +149,17 @@ class _Leading:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        flight = self.flight
+        landed = self.landed if exc is None else None
+        with _lock:
+            if landed is not None and self.store:
+                _store_locked(self.key, *landed)
+            flight = None if self.alone else _flights.pop(self.key)
         if flight is None:
             return
         if isinstance(exc, CredentialError):
-            flight.error = exc
-        with _lock:
-            if _flights.get(self.key) is flight:
-                del _flights[self.key]
-            waiters, flight.waiters = flight.waiters, []
-        flight.done.set()
-        for loop, future in waiters:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody left to wake
-                loop.call_soon_threadsafe(_wake, future)
+            flight.future.set_exception(exc)
+        else:
+            flight.future.set_result(None if landed is None else landed[0])
 
 
 def get_or_fetch(key: CacheKey, fetch: Callable[[], Fetched], *, store: bool = True) -> Credential:
@@ -202,45 +170,33 @@ def get_or_fetch(key: CacheKey, fetch: Callable[[], Fetched], *, store: bool = T
     credential, one whose deadline has passed, or any credential with ``store=False`` (the
     single flight of a discovery) is returned but not stored.
     """
-    credential = get_cached(key)
     while True:
+        credential, flight = _join(key, is_async=False)
         if credential is not None:
             return credential
-        start = _start(key, None)
-        credential, flight = start.cached, start.flight
-        if flight is None:
-            continue
-        if start.leader or (flight.is_async and flight.thread == threading.get_ident()):
-            with _Leading(key, flight if start.leader else None, store) as lead:
+        alone = flight is not None and flight.is_async and flight.thread == threading.get_ident()
+        if flight is None or alone:
+            with _Lead(key, store, alone=alone) as lead:
                 return lead.land(*fetch())
-        flight.done.wait()
-        credential = flight.outcome()
+        credential = result(flight.future)
+        if credential is not None:
+            return credential
 
 
 async def aget_or_fetch(
     key: CacheKey, fetch: Callable[[], Awaitable[Fetched]], *, store: bool = True
 ) -> Credential:
     """The async :func:`get_or_fetch`: same cache, same flights; waiting never blocks the loop."""
-    credential = get_cached(key)
     while True:
+        credential, flight = _join(key, is_async=True)
         if credential is not None:
             return credential
-        start = _start(key, asyncio.get_running_loop())
-        credential, flight = start.cached, start.flight
         if flight is None:
-            continue
-        if start.leader:
-            with _Leading(key, flight, store) as lead:
+            with _Lead(key, store) as lead:
                 return lead.land(*await fetch())
-        assert start.wakeup is not None
-        await start.wakeup
-        credential = flight.outcome()
-
-
-def put(key: CacheKey, credential: Credential, deadline: float) -> None:
-    """Store an already fetched non-file credential (used right after discovery)."""
-    with _lock:
-        _store_locked(key, credential, deadline)
+        credential = await aresult(flight.future)
+        if credential is not None:
+            return credential
 
 
 def invalidate(key: CacheKey) -> None:

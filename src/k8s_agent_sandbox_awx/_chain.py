@@ -25,7 +25,6 @@ cache.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -36,6 +35,7 @@ from typing import Any, Literal, TypeVar
 
 from . import _cache
 from ._auth import CredentialSource, ProviderGuard, accept_credential, plain_answer
+from ._bridge import aresult, in_thread
 from ._credential import Credential, CredentialRequest
 from ._credential_errors import (
     CredentialError,
@@ -241,8 +241,8 @@ class DefaultCredentials:
         """:meth:`get_credential` for asyncio code: same order, cache and checks.
 
         Built-in providers run inline (an environment lookup, one small file read); a plugin's
-        async hook is awaited; a plugin with only the sync hook runs in a worker thread. The
-        first discovery loads the plugins (imports entry points) in a worker thread, in the one
+        async hook is awaited; a plugin with only the sync hook runs in a helper thread. The
+        first discovery loads the plugins (imports entry points) in a helper thread, in the one
         task that runs it (the others wait for its result without a thread).
         """
         plan = self._plan(audience)
@@ -253,7 +253,7 @@ class DefaultCredentials:
 
     async def _arun_loaded(self, steps: Callable[[], Steps[T]]) -> T:
         if self._registry is None:
-            await asyncio.to_thread(self.registry)
+            await aresult(in_thread(self.registry))
         return await _arun(steps())
 
     def invalidate(self, audience: str) -> None:

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import pluggy
 
 from . import hookspecs
-from ._auth import FetchTimeout, arun_in_thread, run_in_helper_thread, run_in_thread, within
+from ._bridge import FetchTimeout, aresult, awaited_in_thread, in_thread, result, within
 from ._credential import CredentialRequest, ProviderInfo
 from ._credential_errors import CredentialPluginWarning
 from ._jwt import redact
@@ -124,9 +124,9 @@ class ProviderEntry:
         limit = answer_limit(request.timeout)
         try:
             if sync_hook is not None:
-                return run_in_thread(lambda: sync_hook(request), limit)
+                return result(in_thread(lambda: sync_hook(request)), limit)
             assert self.get_credential_async is not None
-            return run_in_helper_thread(self.get_credential_async(request), limit)
+            return result(awaited_in_thread(self.get_credential_async(request), limit), limit)
         except FetchTimeout:
             return TimedOut(request.timeout)
 
@@ -143,7 +143,7 @@ class ProviderEntry:
             if self.get_credential_async is not None:
                 return await within(self.get_credential_async(request), limit)
             assert sync_hook is not None
-            return await arun_in_thread(lambda: sync_hook(request), limit)
+            return await aresult(in_thread(lambda: sync_hook(request)), limit)
         except FetchTimeout:
             return TimedOut(request.timeout)
 
