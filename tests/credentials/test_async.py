@@ -194,6 +194,33 @@ async def test_oidc_sync_callable_runs_in_a_worker_thread_and_is_cached(mint) ->
     assert threading.get_ident() not in counter.threads  # not on the event loop's thread
 
 
+def test_a_hung_sync_callable_never_holds_up_the_end_of_asyncio_run(mint) -> None:
+    """The sync callable runs in a daemon helper thread, not in the loop's default executor,
+    whose shutdown ``asyncio.run`` would wait for: a cancelled request lets the program end."""
+    started, release = threading.Event(), threading.Event()
+
+    def fetch() -> str:
+        started.set()
+        release.wait(30)  # a token endpoint that never answers
+        return mint()
+
+    auth = OIDCTokenAuth(fetch)
+
+    async def main() -> None:
+        task = asyncio.create_task(auth.aget_credential(BROKER))
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    runner = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    runner.start()
+    runner.join(10)
+    ended = not runner.is_alive()
+    release.set()
+    assert ended  # asyncio.run returned while the fetch was still hung
+
+
 @pytest.mark.asyncio
 async def test_oidc_async_callable_with_and_without_audience(mint) -> None:
     counter = Counter()
