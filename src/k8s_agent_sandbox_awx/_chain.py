@@ -129,24 +129,20 @@ def _guard(provider: ProviderEntry, request: CredentialRequest) -> ProviderGuard
     return ProviderGuard(provider=provider.name, source=provider.origin, secrets=secrets)
 
 
-def _call(provider: ProviderEntry, request: CredentialRequest) -> object:
+def _perform(step: Step) -> object:
+    """Answer one step with a sync provider call (its guard around it)."""
+    provider, request = step
     with _guard(provider, request) as guard:
         return plain_answer(provider.call(request))
     guard.reraise()
 
 
-async def _acall(provider: ProviderEntry, request: CredentialRequest) -> object:
+async def _aperform(step: Step) -> object:
+    """Answer one step with an awaited provider call (its guard around it)."""
+    provider, request = step
     with _guard(provider, request) as guard:
         return plain_answer(await provider.acall(request))
     guard.reraise()
-
-
-def _perform(step: Step) -> object:
-    return _call(*step)
-
-
-async def _aperform(step: Step) -> object:
-    return await _acall(*step)
 
 
 def _run(steps: Steps[T]) -> T:

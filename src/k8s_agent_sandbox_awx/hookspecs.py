@@ -55,8 +55,8 @@ async def agent_sandbox_get_credential_async(
     both:
 
     - the async path (``aget_credential``) awaits this hook when the plugin has it, and
-      otherwise runs the sync hook in a worker thread (``asyncio.to_thread``) so that a blocking
-      fetch never blocks the event loop;
+      otherwise runs the sync hook in a helper thread so that a blocking fetch never blocks
+      the event loop;
     - the sync path (``get_credential``, ``explain``) calls the sync hook when the plugin has
       it, and otherwise runs this hook to completion on a fresh event loop in a helper thread.
     """
