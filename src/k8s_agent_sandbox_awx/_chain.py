@@ -192,11 +192,11 @@ class DefaultCredentials:
         self._token_path = DEFAULT_TOKEN_PATH if _token_path is None else _token_path
         self._plugins = tuple(_plugins or ())
         self._custom = environ is not None or _token_path is not None or bool(self._plugins)
-        self._scope: Hashable = (
-            _cache.new_instance_key("DefaultCredentials") if self._custom else "DefaultCredentials"
+        self._scope = (
+            _cache.new_instance_key("DefaultCredentials") if self._custom else ("os.environ", 0)
         )
-        """The one scope of this chain's cache keys: shared by every chain on ``os.environ``
-        (they consult the same providers), its own for a custom one."""
+        """The scope of this chain's cache keys (see :meth:`_key`): shared by every chain on
+        ``os.environ`` (they consult the same providers), its own for a custom one."""
         self._registry: ProviderRegistry | None = None
         self._selected: dict[str, _Selection] = {}
         self._lock = threading.RLock()
@@ -272,20 +272,20 @@ class DefaultCredentials:
         """
         selection = self._selected.get(audience)
         if selection is None:
-            key = (self._discovery_scope(), audience)
+            environ = self.environ
+            controls = (environ.get(DISABLE_AUTOLOAD_ENV), environ.get(LOAD_PLUGINS_ENV))
+            key = self._key(audience, "discovery", controls)
             return _RequestPlan(key, lambda: self._discover(audience), store=False)
         provider = selection.provider
         steps = lambda: self._fetch(provider, audience)  # noqa: E731
         return _RequestPlan(None if selection.file_backed else selection.key, steps, store=True)
 
-    def _discovery_scope(self) -> Hashable:
-        """The key of this chain's discovery flight: its scope (and, on ``os.environ``, the
-        plugin controls, which decide what the chain consults)."""
-        if self._custom:
-            return ("discovery", self._scope)
-        environ = self.environ
-        controls = (environ.get(DISABLE_AUTOLOAD_ENV), environ.get(LOAD_PLUGINS_ENV))
-        return ("discovery", self._scope, controls)
+    def _key(self, audience: str, *what: Hashable) -> _cache.CacheKey:
+        """This chain's cache keys, all of one shape: ``((scope, *what), audience)``. ``what``
+        is a provider's name (its credential), or ``("discovery", plugin controls)`` for the
+        discovery flight (the controls decide what a chain on ``os.environ`` consults; two parts,
+        so it never equals a provider's key)."""
+        return ((self._scope, *what), audience)
 
     def _request(self, audience: str) -> CredentialRequest:
         return CredentialRequest(audience, self.environ, self._timeout)
@@ -356,7 +356,7 @@ class DefaultCredentials:
         registry = self.registry()
         tried: list[tuple[str, str]] = []
         for provider in registry.providers:
-            key: _cache.CacheKey = ((self._scope, provider.name), audience)
+            key = self._key(audience, provider.name)
             if record is None and (cached := _cache.get_cached(key)) is not None:
                 return provider, cached, key
             request = self._request(audience)
