@@ -549,6 +549,40 @@ async def test_a_cancelled_leader_hands_the_fetch_to_a_waiter(mint) -> None:
 
 
 @pytest.mark.asyncio
+async def test_threads_waiting_for_a_cancelled_task_take_over_the_fetch(mint) -> None:
+    """A flight led by a task and joined by threads: the task is cancelled, one thread fetches
+    for all the others (one more fetch, never one per thread)."""
+    counter = Counter()
+    token = mint()
+    first_started = asyncio.Event()
+
+    async def fetch() -> str:
+        counter.hit()
+        if counter.calls == 1:
+            first_started.set()
+            await asyncio.sleep(10)  # cancelled before it answers
+        return token
+
+    auth = OIDCTokenAuth(fetch)
+    leader = asyncio.create_task(auth.aget_credential(BROKER))
+    await first_started.wait()
+    seen: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: seen.append(auth.get_credential(BROKER).token))
+        for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    await asyncio.sleep(0.2)  # let them join the task's flight
+    leader.cancel()
+    for t in threads:
+        await asyncio.to_thread(t.join, 10)
+    assert seen == [token] * 8
+    assert counter.calls == 2
+    assert leader.cancelled()
+
+
+@pytest.mark.asyncio
 async def test_a_cancelled_waiter_does_not_disturb_the_flight(mint) -> None:
     counter = Counter()
     release = asyncio.Event()
