@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -295,6 +296,27 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    with warnings.catch_warnings():  # restored on return (main may run inside a program)
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """A warning as the CLI's own line (a broken plugin, ...): no file path or source line."""
+    first, *more = _lines(str(message)) or [category.__name__]
+    print(f"{PROG}: warning: {first}", file=sys.stderr)
+    for rest in more:
+        print(f"  {rest}", file=sys.stderr)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments and arguments[0] in ("dev", "demo"):
         # dispatched before parsing, so that `dev --help` reaches the dev command's own parser

@@ -567,6 +567,10 @@ def test_cli_whoami_and_doctor_survive_bad_plugins(bad, broker: Any, no_secret) 
         assert run.stderr.count("entry point 'bails'") == 1, run.stderr
         assert "SystemExit: plugin refuses to start" in run.stderr
         assert "Traceback" not in run.stderr
+        # printed as the CLI's own warnings: no file path, line number or source line
+        for line in run.stderr.splitlines():
+            assert line.startswith(("agent-sandbox-awx: warning: ", "  ")), run.stderr
+        assert ".py:" not in run.stderr and "CredentialPluginWarning" not in run.stderr
         no_secret(token, run.stdout, run.stderr)
 
     # no other source: the int-token plugin is consulted first, and reported, not a crash
