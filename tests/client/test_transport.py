@@ -90,6 +90,19 @@ def test_second_401_raises_with_the_brokers_reason(
     assert kit.TOKEN not in caplog.text
 
 
+def test_the_client_keeps_no_cookies(make_client: Any, fake: Any) -> None:
+    """A Set-Cookie (a sandbox's, passed through the broker) is never stored and sent back."""
+    fake.route("GET", "/v1/whoami")(
+        lambda r: httpx.Response(
+            200, json={"subject": "me"}, headers={"Set-Cookie": "session=sandbox; Path=/"}
+        )
+    )
+    client = make_client()
+    client.whoami()
+    client.whoami()
+    assert [r.headers.get("Cookie") for r in fake.requests] == [None, None]
+
+
 def test_redirect_is_not_followed(make_client: Any, fake: Any) -> None:
     fake.route("GET", "/v1/sandboxes")(
         lambda r: httpx.Response(307, headers={"Location": "https://other.example/v1/sandboxes"})
