@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
+import ssl
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +60,10 @@ def test_checker_catches_violations() -> None:
     assert check_response(doc, "GET", "/v1/whoami", 401, {"detail": "x", "code": "nope"})
 
 
-def test_broker_traffic_conforms(broker: LocalBroker) -> None:
-    doc = load_openapi()
-    problems: list[str] = []
-    seen: set[tuple[str, str, int]] = set()
+def _contract_hook(
+    doc: dict[str, Any], problems: list[str], seen: set[tuple[str, str, int]]
+) -> Callable[[httpx.Response], None]:
+    """An httpx response hook that records every violation of ``doc``."""
 
     def hook(response: httpx.Response) -> None:
         response.read()
@@ -74,7 +78,14 @@ def test_broker_traffic_conforms(broker: LocalBroker) -> None:
         )
         seen.add((request.method, path, response.status_code))
 
-    import ssl
+    return hook
+
+
+def test_broker_traffic_conforms(broker: LocalBroker) -> None:
+    doc = load_openapi()
+    problems: list[str] = []
+    seen: set[tuple[str, str, int]] = set()
+    hook = _contract_hook(doc, problems, seen)
 
     ctx = ssl.create_default_context(cafile=broker.ca_bundle)
     token = broker.issue_kubernetes_token("team-a", "openapi")
@@ -158,3 +169,77 @@ def test_broker_traffic_conforms(broker: LocalBroker) -> None:
     assert problems == []
     statuses = {status for _, _, status in seen}
     assert statuses >= {200, 201, 202, 400, 401, 403, 404, 409, 429, 502, 503, 504}
+
+
+def test_managed_command_traffic_conforms(broker: LocalBroker) -> None:
+    doc = load_openapi()
+    problems: list[str] = []
+    seen: set[tuple[str, str, int]] = set()
+    token = broker.issue_kubernetes_token("team-a", "openapi-commands")
+    with httpx.Client(
+        base_url=broker.url,
+        verify=ssl.create_default_context(cafile=broker.ca_bundle),
+        headers={"Authorization": f"Bearer {token}"},
+        event_hooks={"response": [_contract_hook(doc, problems, seen)]},
+        timeout=30,
+    ) as http:
+        env = {"SANDBOX_COMMAND_MAX_RUNNING": "2", "SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES": "1000"}
+        env["SANDBOX_COMMAND_LIVE_WINDOW_BYTES"] = "1000"
+        name = http.post("/v1/sandboxes", json={"env": env}).json()["name"]
+        http.get(f"/v1/sandboxes/{name}", params={"wait": "ready", "timeout": 20})
+        headers = {"X-Sandbox-ID": name, "X-Sandbox-Namespace": "team-a"}
+
+        def start(**body: Any) -> httpx.Response:
+            body.setdefault("request_id", str(uuid.uuid4()))
+            return http.post("/commands", json=body, headers=headers)
+
+        big = start(
+            command=[
+                "/bin/bash",
+                "-c",
+                "echo start; sleep 0.2; head -c 1000000 /dev/zero; echo end",
+            ]
+        )
+        big_id = big.json()["command_id"]
+        running = start(command=["cat"], stdin=True, envs={"A": "b"}, cwd="/").json()["command_id"]
+        start(command=["sleep", "30"])  # the second running command: the limit is 2
+        start(command=["true"])  # 429
+        start(command=[])  # 400
+        for _ in range(600):  # unfollowed, it waits up to 5 s for a follower beyond the cap
+            if http.get(f"/commands/{big_id}", headers=headers).json()["state"] != "running":
+                break
+            time.sleep(0.05)
+        big_status = http.get(f"/commands/{big_id}", headers=headers).json()
+        assert big_status["state"] == "exited", big_status
+        events = http.get(
+            f"/commands/{big_id}/events", params={"after": 0, "duration": 0}, headers=headers
+        )
+        for line in events.text.splitlines():
+            problems += validate(
+                json.loads(line), {"$ref": "#/components/schemas/CommandEvent"}, doc
+            )
+        last = json.loads(events.text.splitlines()[-1])["seq"] if events.text else 0
+        http.get(f"/commands/{big_id}/events", params={"after": last}, headers=headers)  # 410
+        http.get(f"/commands/{big_id}/events", params={"duration": 99}, headers=headers)  # 400
+        http.get("/commands", headers=headers)
+        http.post(f"/commands/{running}/stdin", json={"data": "x"}, headers=headers)
+        http.post(f"/commands/{big_id}/stdin", json={"data": "x"}, headers=headers)  # 409
+        http.post(f"/commands/{running}/kill", headers=headers)
+        http.get("/commands/missing", headers=headers)  # 404
+        http.get("/commands", headers={**headers, "X-Sandbox-Port": "0"})  # broker 400
+        http.delete(f"/v1/sandboxes/{name}")
+    assert problems == []
+    codes = {(m, p.split("/")[-1] if p.count("/") > 2 else p, s) for m, p, s in seen}
+    assert {
+        ("POST", "/commands", 200),
+        ("POST", "/commands", 429),
+        ("POST", "/commands", 400),
+        ("GET", "events", 200),
+        ("GET", "events", 410),
+        ("GET", "events", 400),
+        ("POST", "stdin", 200),
+        ("POST", "stdin", 409),
+        ("POST", "kill", 200),
+        ("GET", "/commands", 200),
+        ("GET", "/commands", 400),
+    } <= codes

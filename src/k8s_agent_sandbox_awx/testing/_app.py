@@ -32,6 +32,7 @@ from starlette.types import Message, Receive, Scope, Send
 from ._backend import RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxSpec
 from ._issuers import Issuer
 from ._policy import RESERVED_PREFIX, SCOPES, Caller, Policy, required_scope
+from ._stream_faults import EVENTS_PATH, CutRule, DropRule, StreamDropped, StreamPlan
 from ._verify import TokenRejected, TokenVerifier
 
 if TYPE_CHECKING:
@@ -240,6 +241,8 @@ class Faults:
         self.readiness_delay = readiness_delay
         self.unavailable: list[_UnavailableRule] = []
         self.drops: list[list[Any]] = []  # [remaining, sandbox or None]
+        self.event_cuts: list[CutRule] = []
+        self.event_drops: list[DropRule] = []
         self.crashes = 0  # the next N sandboxes crash at startup
 
     def take_unavailable(self, scope: str, path: str, sandbox: str | None) -> int | None:
@@ -265,6 +268,26 @@ class Faults:
                     return True
             return False
 
+    def event_stream_plan(self, sandbox: str) -> StreamPlan | None:
+        """How to damage one event stream of ``sandbox`` (``None``: pass it through)."""
+        with self.lock:
+            cut = next((r for r in self.event_cuts if r.sandbox in (None, sandbox)), None)
+            drop = next(
+                (r for r in self.event_drops if r.remaining > 0 and r.sandbox in (None, sandbox)),
+                None,
+            )
+        if cut is None and drop is None:
+            return None
+
+        def take_drop() -> bool:
+            with self.lock:
+                if drop is None or drop.remaining <= 0:
+                    return False
+                drop.remaining -= 1
+                return True
+
+        return StreamPlan(cut, drop.after_events if drop is not None else None, take_drop)
+
     def take_crash(self) -> bool:
         with self.lock:
             if self.crashes > 0:
@@ -276,6 +299,8 @@ class Faults:
         with self.lock:
             self.unavailable.clear()
             self.drops.clear()
+            self.event_cuts.clear()
+            self.event_drops.clear()
             self.crashes = 0
 
 
@@ -962,7 +987,10 @@ class BrokerApp:
             content=body() if has_body else None,
             timeout=httpx.Timeout(connect=5.0, read=read_timeout, write=300.0, pool=10.0),
         )
-        is_execute = request.method == "POST" and request.url.path == "/execute"
+        is_execute = request.method == "POST" and request.url.path in ("/execute", "/commands")
+        plan = None
+        if request.method == "GET" and EVENTS_PATH.match(request.url.path):
+            plan = self.faults.event_stream_plan(record.name)
         if is_execute:
             record.executions += 1
         try:
@@ -1005,8 +1033,11 @@ class BrokerApp:
                 }
             )
             gone = asyncio.get_running_loop().create_task(_client_gone(request.receive))
+            chunks = response.aiter_raw()
+            if plan is not None and 200 <= response.status_code < 300:
+                chunks = plan.apply(chunks)
             try:
-                async for chunk in response.aiter_raw():
+                async for chunk in chunks:
                     if gone.done():  # the client went away: stop reading from the sandbox
                         return
                     if chunk:
@@ -1017,6 +1048,8 @@ class BrokerApp:
                         }
                         await send(message)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except StreamDropped as exc:
+                raise _DroppedConnection(str(exc)) from None
             finally:
                 gone.cancel()
         finally:

@@ -36,6 +36,7 @@ from ._issuers import (
 )
 from ._policy import Policy, caller_namespace
 from ._rpc import DEFAULT_WARM_POOL, RpcEndpoint
+from ._stream_faults import CutRule, DropRule
 from ._verify import token_fingerprint
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
@@ -662,9 +663,42 @@ class LocalBroker:
             )
 
     def drop_connection_after_execute(self, count: int = 1, *, sandbox: str | None = None) -> None:
-        """The next ``count`` ``POST /execute``: the command runs, then the connection drops."""
+        """The next ``count`` ``POST /execute`` or ``POST /commands``: the command starts, the
+        runtime answers, then the connection drops."""
         with self._faults.lock:
             self._faults.drops.append([count, sandbox])
+
+    def cut_event_streams(
+        self,
+        *,
+        after_events: int | None = None,
+        after_seconds: float | None = None,
+        sandbox: str | None = None,
+    ) -> None:
+        """From now on (until ``clear_faults``), every command event stream
+        (``GET /commands/{id}/events``) ends cleanly after ``after_events`` NDJSON lines
+        (heartbeats included) or ``after_seconds``, whichever comes first, at a line boundary,
+        as a proxy that times out would end it. ``sandbox``: only that sandbox's streams."""
+        if after_events is None and after_seconds is None:
+            raise ValueError("give after_events, after_seconds or both")
+        if after_events is not None and (isinstance(after_events, bool) or after_events < 1):
+            raise ValueError(f"after_events must be an integer >= 1, not {after_events!r}")
+        if after_seconds is not None and not after_seconds > 0:
+            raise ValueError(f"after_seconds must be a number > 0, not {after_seconds!r}")
+        with self._faults.lock:
+            self._faults.event_cuts.insert(0, CutRule(after_events, after_seconds, sandbox))
+
+    def drop_event_stream_mid_line(
+        self, count: int = 1, *, after_events: int = 0, sandbox: str | None = None
+    ) -> None:
+        """The next ``count`` command event streams that get that far: after ``after_events``
+        whole NDJSON lines the broker sends half of the next line, then drops the connection
+        (no end of the chunked body: the client sees a protocol error). ``sandbox``: only that
+        sandbox's streams."""
+        if isinstance(after_events, bool) or after_events < 0:
+            raise ValueError(f"after_events must be an integer >= 0, not {after_events!r}")
+        with self._faults.lock:
+            self._faults.event_drops.append(DropRule(count, after_events, sandbox))
 
     def crash_next_start(self, count: int = 1) -> None:
         """The next ``count`` sandboxes crash at startup: phase ``Failed``, reason
@@ -676,7 +710,8 @@ class LocalBroker:
             self._faults.crashes = count
 
     def clear_faults(self) -> None:
-        """Remove injected 503s, drops, start crashes and the readiness delay."""
+        """Remove injected 503s, drops, start crashes, event-stream cuts and the readiness
+        delay."""
         self._faults.clear()
         self.set_readiness_delay(0.0)
 

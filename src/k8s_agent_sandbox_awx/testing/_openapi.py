@@ -3,8 +3,8 @@
 It supports the subset the document uses: ``$ref`` (local), ``type`` (also lists with "null"),
 ``properties``, ``required``, ``additionalProperties``, ``propertyNames``, ``items``, ``enum``,
 ``const``, ``allOf``, ``anyOf``, ``oneOf``, ``minimum``, ``maximum``, ``exclusiveMinimum``,
-``minLength``, ``maxLength`` and ``pattern``. Tests use it to check the broker's (and the client's)
-real traffic against the contract.
+``minLength``, ``maxLength``, ``minItems`` and ``pattern``. Tests use it to check the broker's (and
+the client's) real traffic against the contract.
 """
 
 from __future__ import annotations
@@ -110,6 +110,8 @@ def validate(
                     errors.append(f"{at}: unexpected property {name!r}")
                 elif isinstance(extra, dict):
                     errors += validate(value, extra, root, f"{at}.{name}")
+    if isinstance(instance, list) and len(instance) < schema.get("minItems", 0):
+        errors.append(f"{at}: fewer than {schema['minItems']} items")
     if isinstance(instance, list) and "items" in schema:
         for index, item in enumerate(instance):
             errors += validate(item, schema["items"], root, f"{at}[{index}]")

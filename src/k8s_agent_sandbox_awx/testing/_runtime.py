@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from . import _fs
+from . import _fs, _managed
 
 CHUNK_SIZE = 256 * 1024
 MAX_JSON_BODY = 1024 * 1024
@@ -59,6 +59,7 @@ def _kill_active_groups() -> None:
     for pgid in groups:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
+    _managed.kill_all()
 
 
 def _exit_now(*_: object) -> None:
@@ -164,6 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
     base_dir: str = "/"
     exec_timeout: float = DEFAULT_EXEC_TIMEOUT
+    commands: _managed.CommandManager
 
     def log_message(self, format: str, *args: Any) -> None:
         return  # quiet: the broker logs requests
@@ -241,6 +243,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._list()
         elif path.startswith("/exists/"):
             self._exists()
+        elif path == "/commands" or path.startswith("/commands/"):
+            self.commands.handle(self, "GET")
         elif path in _fs.GET_ROUTES:
             _fs.handle(self, path)
         else:
@@ -252,6 +256,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._execute()
         elif path == "/upload":
             self._upload()
+        elif path == "/commands" or path.startswith("/commands/"):
+            self.commands.handle(self, "POST")
         elif path in _fs.POST_ROUTES:
             _fs.handle(self, path)
         else:
@@ -440,7 +446,14 @@ def serve(host: str, port: int, base_dir: str) -> None:
     base_dir = os.path.realpath(base_dir)
     os.makedirs(base_dir, exist_ok=True)
     exec_timeout = float(os.environ.get("SANDBOX_EXEC_TIMEOUT_SECONDS") or DEFAULT_EXEC_TIMEOUT)
-    handler = type("Handler", (_Handler,), {"base_dir": base_dir, "exec_timeout": exec_timeout})
+    commands = _managed.CommandManager(
+        base_dir, _managed.Limits.from_environ(os.environ, exec_timeout)
+    )
+    handler = type(
+        "Handler",
+        (_Handler,),
+        {"base_dir": base_dir, "exec_timeout": exec_timeout, "commands": commands},
+    )
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     try:

@@ -1,0 +1,857 @@
+"""Managed commands for the local sandbox runtime: start, follow, feed, kill and reattach.
+
+Standard library only (the runtime is forked per sandbox). The wire protocol (documented in
+docs/broker-api.md and openapi.json):
+
+- ``POST /commands`` ``{"command": [argv...], "timeout"?, "request_id"?, "stdin"?, "envs"?,
+  "cwd"?}`` -> ``{"command_id"}``; a repeated ``request_id`` returns the same command.
+- ``GET /commands`` -> ``{"commands": [summary...]}``; ``GET /commands/{id}`` -> the status.
+- ``GET /commands/{id}/events?after=SEQ&duration=S`` -> NDJSON lines
+  ``{"type": "stdout"|"stderr"|"exit"|"heartbeat", "seq", "data"}``.
+- ``POST /commands/{id}/kill`` -> the final status; ``POST /commands/{id}/stdin``
+  ``{"data", "eof"}``.
+
+Each command runs in its own process group (``start_new_session``); one thread per command reads
+its pipes as the bytes arrive (not line-buffered) and turns them into events with contiguous
+sequence numbers. Output is decoded as UTF-8 with replacement characters by an incremental decoder
+per stream, so a multi-byte character split across two reads stays whole.
+
+Retention: the first ``output_bytes`` (1 MiB) of output are kept for replay; later events are kept
+only in a live window of the most recent ``window_bytes`` (1 MiB). The window never drops an event
+that a follower (an open stream, or one that ended less than ``FOLLOWER_GRACE_SECONDS`` ago and is
+continued from its cursor) has not sent: the command's pipes are not read until it catches up
+(backpressure). A replay from the start finds the events between the two gone: the request is
+``410`` naming the lost range and the cursor to resume from. The ``exit`` event is always kept.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import threading
+import time
+import traceback
+import urllib.parse
+import uuid
+from collections import deque
+from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+READ_SIZE = 64 * 1024
+BATCH_BYTES = 256 * 1024
+TIMEOUT_EXIT_CODE = 124
+KILLED_EXIT_CODE = 128 + signal.SIGKILL
+STDIN_WRITE_SECONDS = 30.0
+KILL_WAIT_SECONDS = 10.0
+DRAIN_SECONDS = 2.0
+FOLLOWER_GRACE_SECONDS = 5.0
+_ENV_NAME = re.compile(r"^[^=\x00]+$")
+_REQUEST_FIELDS = frozenset({"command", "timeout", "request_id", "stdin", "envs", "cwd"})
+_STDIN_FIELDS = frozenset({"data", "eof"})
+
+
+class CommandError(Exception):
+    """An error answer: HTTP ``status`` and a JSON body ``{"detail", ...extra}``."""
+
+    def __init__(self, status: int, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.body: dict[str, Any] = {"detail": detail, **extra}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The runtime's limits for managed commands (see ``from_environ`` for the variables)."""
+
+    output_bytes: int = 1024 * 1024
+    window_bytes: int = 1024 * 1024
+    max_running: int = 16
+    max_handles: int = 64
+    retention_seconds: float = 900.0
+    default_timeout: float = 60.0
+    max_timeout: float = 300.0
+    heartbeat_seconds: float = 2.0
+    max_duration: float = 20.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str], max_timeout: float) -> Limits:
+        """Limits from ``SANDBOX_COMMAND_*`` variables; a bad value is a ``ValueError``."""
+
+        def number(name: str, default: float, kind: type[int] | type[float]) -> Any:
+            raw = environ.get(name)
+            if not raw:
+                return default
+            try:
+                value = kind(raw)
+            except ValueError:
+                value = 0
+            if value <= 0:
+                raise ValueError(f"{name}={raw!r}: must be a positive {kind.__name__}")
+            return value
+
+        limits = cls(
+            output_bytes=number("SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES", cls.output_bytes, int),
+            window_bytes=number("SANDBOX_COMMAND_LIVE_WINDOW_BYTES", cls.window_bytes, int),
+            max_running=number("SANDBOX_COMMAND_MAX_RUNNING", cls.max_running, int),
+            max_handles=number("SANDBOX_COMMAND_MAX_HANDLES", cls.max_handles, int),
+            retention_seconds=number(
+                "SANDBOX_COMMAND_RETENTION_SECONDS", cls.retention_seconds, float
+            ),
+            heartbeat_seconds=number(
+                "SANDBOX_COMMAND_HEARTBEAT_SECONDS", cls.heartbeat_seconds, float
+            ),
+            max_timeout=max_timeout,
+            default_timeout=min(cls.default_timeout, max_timeout),
+        )
+        if limits.max_handles < limits.max_running:
+            raise ValueError(
+                f"SANDBOX_COMMAND_MAX_HANDLES={limits.max_handles} must be at least "
+                f"SANDBOX_COMMAND_MAX_RUNNING={limits.max_running}"
+            )
+        return limits
+
+
+def _timestamp(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _line(event: Mapping[str, Any]) -> bytes:
+    return json.dumps(event, separators=(",", ":")).encode() + b"\n"
+
+
+@dataclass
+class _Event:
+    seq: int
+    kind: str
+    data: str
+    size: int
+    offset: int
+    """Output bytes before this event (so ``offset + size`` is where it ends)."""
+    line: bytes
+
+
+@dataclass
+class _Follower:
+    """An event stream's position: the seq of the last event it sent."""
+
+    cursor: int
+    ended_at: float | None = None
+
+
+@dataclass
+class Command:
+    """One managed command and its output events."""
+
+    command_id: str
+    request_id: str | None
+    request: dict[str, Any]
+    argv: list[str]
+    cwd: str
+    timeout: float
+    stdin_requested: bool
+    started_at: float
+    proc: subprocess.Popen[bytes] | None = None
+    state: str = "running"
+    exit_code: int | None = None
+    ended_at: float | None = None
+    killed_by: str | None = None
+    retained: list[_Event] = field(default_factory=list)
+    window: deque[_Event] = field(default_factory=deque)
+    window_size: int = 0
+    retained_size: int = 0
+    output_size: int = 0
+    output_truncated: bool = False
+    last_seq: int = 0
+    exit_event: _Event | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    done: threading.Event = field(default_factory=threading.Event)
+    stdin_lock: threading.Lock = field(default_factory=threading.Lock)
+    stdin_open: bool = False
+    followers: list[_Follower] = field(default_factory=list)
+
+    # -- events (callers hold ``cond``) --------------------------------------------------------
+    def append(self, kind: str, data: str, size: int, limits: Limits, **extra: Any) -> None:
+        self.last_seq += 1
+        event = _Event(
+            self.last_seq,
+            kind,
+            data,
+            size,
+            self.output_size,
+            _line({"type": kind, "seq": self.last_seq, "data": data, **extra}),
+        )
+        self.output_size += size
+        if kind == "exit":
+            self.exit_event = event
+        if not self.output_truncated and self.retained_size + size <= limits.output_bytes:
+            self.retained.append(event)
+            self.retained_size += size
+        else:
+            self.output_truncated = True
+            self.window.append(event)
+            self.window_size += size
+            self.evict(limits)
+        self.cond.notify_all()
+
+    def evict(self, limits: Limits) -> bool:
+        """Drop the window's oldest events beyond its size, but never one that a follower has
+        not sent (then ``True``: the reader waits), and the half window a follower sent last
+        (it may still be in flight when the connection breaks) only to stay within 1.5 times
+        the window's size."""
+        horizon = time.monotonic() - FOLLOWER_GRACE_SECONDS
+        self.followers = [f for f in self.followers if f.ended_at is None or f.ended_at > horizon]
+        slack = limits.window_bytes // 2
+        slowest: int | None = None
+        keep_from: int | None = None  # output offset: what ends after it was sent just now
+        for follower in self.followers:
+            try:
+                self.event_at(follower.cursor + 1)
+            except LookupError:
+                continue  # that follower already lost events: it gets a 410
+            try:
+                sent = self.event_at(follower.cursor) if follower.cursor else None
+                sent_end = sent.offset + sent.size if sent is not None else 0
+            except LookupError:  # sent and dropped already: it ended before the window
+                sent_end = self.window[0].offset if self.window else self.output_size
+            mark = sent_end - slack
+            slowest = follower.cursor if slowest is None else min(slowest, follower.cursor)
+            keep_from = mark if keep_from is None else min(keep_from, mark)
+        while self.window_size > limits.window_bytes and len(self.window) > 1:
+            head = self.window[0]
+            if slowest is not None and head.seq > slowest:
+                return True
+            recent = keep_from is not None and head.offset + head.size > keep_from
+            if recent and self.window_size <= limits.window_bytes + slack:
+                return False
+            self.window_size -= self.window.popleft().size
+        return False
+
+    def follow(self, after: int) -> _Follower:
+        """A follower at ``after``: the one a stream that just ended left there, or a new one."""
+        for follower in self.followers:
+            if follower.ended_at is not None and follower.cursor == after:
+                follower.ended_at = None
+                return follower
+        follower = _Follower(after)
+        self.followers.append(follower)
+        return follower
+
+    def event_at(self, seq: int) -> _Event | None:
+        """The event ``seq``; ``None`` when it does not exist yet; ``LookupError`` when lost."""
+        if seq > self.last_seq:
+            return None
+        if seq <= len(self.retained):
+            return self.retained[seq - 1]
+        if self.window and self.window[0].seq <= seq:
+            return self.window[seq - self.window[0].seq]
+        if self.exit_event is not None and self.exit_event.seq == seq:
+            return self.exit_event
+        first = self.window[0].seq if self.window else self.last_seq + 1
+        if self.exit_event is not None:
+            first = min(first, self.exit_event.seq)
+        raise LookupError(first)
+
+    def text(self, kind: str) -> str:
+        return "".join(e.data for e in self.retained if e.kind == kind)
+
+    # -- answers -------------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        return {
+            "command_id": self.command_id,
+            "request_id": self.request_id,
+            "command": list(self.argv),
+            "cwd": self.cwd,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "pid": self.proc.pid if self.proc is not None else None,
+            "timeout": self.timeout,
+            "stdin": self.stdin_open,
+            "last_seq": self.last_seq,
+            "output_truncated": self.output_truncated,
+            "started_at": _timestamp(self.started_at),
+            "ended_at": _timestamp(self.ended_at),
+        }
+
+    def status(self) -> dict[str, Any]:
+        with self.cond:
+            return {**self.summary(), "stdout": self.text("stdout"), "stderr": self.text("stderr")}
+
+
+class Handler(Protocol):
+    """What the runtime's request handler offers this module."""
+
+    path: str
+
+    def _read_json(self) -> Any: ...
+
+    def _send_json(self, status: int, payload: Any) -> None: ...
+
+    def send_response(self, code: int, message: str | None = None) -> None: ...
+
+    def send_header(self, keyword: str, value: str) -> None: ...
+
+    def end_headers(self) -> None: ...
+
+    @property
+    def wfile(self) -> Any: ...
+
+    close_connection: bool
+
+
+_MANAGERS: list[CommandManager] = []
+
+
+def kill_all() -> None:
+    """Kill the process group of every running managed command (the runtime is going away)."""
+    for manager in list(_MANAGERS):
+        manager.kill_all()
+
+
+class CommandManager:
+    """The managed commands of one runtime (one sandbox)."""
+
+    def __init__(self, base_dir: str, limits: Limits) -> None:
+        self.base_dir = base_dir
+        self.limits = limits
+        self.lock = threading.Lock()
+        self.commands: dict[str, Command] = {}
+        self.by_request: dict[str, str] = {}
+        _MANAGERS.append(self)
+
+    # -- HTTP routing --------------------------------------------------------------------------
+    def handle(self, handler: Handler, method: str) -> None:
+        """Answer one request whose path is ``/commands`` or under ``/commands/``."""
+        split = urllib.parse.urlsplit(handler.path)
+        parts = split.path.split("/")[2:]  # "", "commands", ...
+        body: dict[str, Any] = {}
+        try:
+            if method == "POST":
+                try:
+                    body = handler._read_json()
+                except (ValueError, ConnectionError) as exc:
+                    handler.close_connection = True
+                    raise CommandError(400, f"the body must be a JSON object: {exc}") from None
+                if not isinstance(body, dict):
+                    raise CommandError(400, "the body must be a JSON object")
+            if method == "POST" and parts == []:
+                handler._send_json(200, {"command_id": self.start(body).command_id})
+            elif method == "GET" and parts == []:
+                handler._send_json(200, {"commands": self.list_commands()})
+            elif method == "GET" and len(parts) == 1:
+                handler._send_json(200, self.get(parts[0]).status())
+            elif method == "GET" and len(parts) == 2 and parts[1] == "events":
+                query = urllib.parse.parse_qs(split.query)
+                self.stream(handler, self.get(parts[0]), query)
+            elif method == "POST" and len(parts) == 2 and parts[1] == "kill":
+                handler._send_json(200, self.kill(self.get(parts[0])))
+            elif method == "POST" and len(parts) == 2 and parts[1] == "stdin":
+                handler._send_json(200, self.write_stdin(self.get(parts[0]), body))
+            else:
+                raise CommandError(404, f"no route for {method} {split.path}")
+        except CommandError as exc:
+            handler._send_json(exc.status, exc.body)
+
+    # -- start ---------------------------------------------------------------------------------
+    def _parse(self, body: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(body) - _REQUEST_FIELDS)
+        if unknown:
+            raise CommandError(
+                400, f"unknown field(s) {unknown}: the fields are {sorted(_REQUEST_FIELDS)}"
+            )
+        argv = body.get("command")
+        if (
+            not isinstance(argv, list)
+            or not argv
+            or not all(isinstance(a, str) for a in argv)
+            or not argv[0]
+        ):
+            raise CommandError(
+                400,
+                "field 'command' must be a non-empty list of strings (the argv; to use a shell "
+                'send ["/bin/bash", "-c", "..."])',
+            )
+        if any("\x00" in a for a in argv):
+            raise CommandError(400, "field 'command' contains a NUL byte, which argv cannot carry")
+        timeout = body.get("timeout")
+        if timeout is None:
+            timeout = self.limits.default_timeout
+        max_timeout = self.limits.max_timeout
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout <= max_timeout
+        ):
+            raise CommandError(
+                400,
+                f"field 'timeout' must be a number of seconds above 0 and at most {max_timeout:g} "
+                "(this runtime's SANDBOX_EXEC_TIMEOUT_SECONDS)",
+            )
+        request_id = body.get("request_id")
+        if request_id is not None and (
+            not isinstance(request_id, str) or not 0 < len(request_id) <= 255
+        ):
+            raise CommandError(400, "field 'request_id' must be a string of 1 to 255 characters")
+        stdin = body.get("stdin", False)
+        if not isinstance(stdin, bool):
+            raise CommandError(400, "field 'stdin' must be true or false")
+        envs = body.get("envs") or {}
+        if not isinstance(envs, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in envs.items()
+        ):
+            raise CommandError(400, "field 'envs' must be an object of string values")
+        for key, value in envs.items():
+            if not _ENV_NAME.match(key) or "\x00" in value:
+                raise CommandError(
+                    400,
+                    f"field 'envs': {key!r} is not a valid variable (a name is non-empty, without "
+                    "'=' or NUL; a value without NUL)",
+                )
+        cwd = body.get("cwd")
+        if cwd is None:
+            cwd = self.base_dir
+        elif not isinstance(cwd, str) or not cwd.startswith("/") or "\x00" in cwd:
+            raise CommandError(400, f"field 'cwd' must be an absolute path, not {cwd!r}")
+        elif not os.path.isdir(cwd):
+            raise CommandError(400, f"field 'cwd': {cwd!r} is not an existing directory")
+        return {
+            "command": argv,
+            "timeout": float(timeout),
+            "request_id": request_id,
+            "stdin": stdin,
+            "envs": envs,
+            "cwd": cwd,
+        }
+
+    def start(self, body: dict[str, Any]) -> Command:
+        request = self._parse(body)
+        request_id = request["request_id"]
+        with self.lock:
+            self._sweep()
+            if request_id is not None and request_id in self.by_request:
+                existing = self.commands[self.by_request[request_id]]
+                if existing.request != request:
+                    raise CommandError(
+                        409,
+                        f"request_id {request_id!r} was already used for a different command; "
+                        "use a new request id for a new command",
+                    )
+                return existing
+            running = sum(1 for c in self.commands.values() if c.state == "running")
+            if running >= self.limits.max_running:
+                raise CommandError(
+                    429,
+                    f"too many running commands: this sandbox runs at most "
+                    f"{self.limits.max_running} at a time; wait for one to end or kill one",
+                    limit=self.limits.max_running,
+                )
+            if len(self.commands) >= self.limits.max_handles:
+                finished = [c for c in self.commands.values() if c.state != "running"]
+                oldest = min(finished, key=lambda c: c.ended_at or 0.0)
+                self._forget(oldest)
+            command = Command(
+                command_id=str(uuid.uuid4()),
+                request_id=request_id,
+                request=request,
+                argv=list(request["command"]),
+                cwd=request["cwd"],
+                timeout=request["timeout"],
+                stdin_requested=request["stdin"],
+                started_at=time.time(),
+            )
+            # its caller is about to follow it: the window keeps its start for the grace time
+            command.followers.append(_Follower(0, ended_at=time.monotonic()))
+            self.commands[command.command_id] = command
+            if request_id is not None:
+                self.by_request[request_id] = command.command_id
+            self._launch(command, request["envs"])
+        return command
+
+    def _launch(self, command: Command, envs: dict[str, str]) -> None:
+        try:
+            proc = subprocess.Popen(
+                command.argv,
+                cwd=command.cwd,
+                env={**os.environ, **envs},
+                stdin=subprocess.PIPE if command.stdin_requested else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:  # not found / not executable: a result, as a shell reports it
+            code = 126 if isinstance(exc, PermissionError) else 127
+            with command.cond:
+                reason = f"cannot start {command.argv[0]!r}: {exc.strerror or exc}\n"
+                command.append("stderr", reason, len(reason.encode()), self.limits)
+                self._finish(command, code, "exited")
+            return
+        command.proc = proc
+        command.stdin_open = command.stdin_requested
+        threading.Thread(
+            target=self._guarded_pump,
+            args=(command,),
+            name=f"command-{command.command_id}",
+            daemon=True,
+        ).start()
+
+    # -- the per-command thread ----------------------------------------------------------------
+    def _guarded_pump(self, command: Command) -> None:
+        """``_pump``, and if it fails: kill the group and end the command visibly anyway."""
+        try:
+            self._pump(command)
+        except Exception:  # logged to the runtime's log (stderr), and the command ends below
+            traceback.print_exc()
+        finally:
+            if not command.done.is_set() and command.proc is not None:
+                _killpg(command.proc.pid)
+                try:
+                    rc = command.proc.wait(KILL_WAIT_SECONDS)
+                except subprocess.TimeoutExpired:
+                    rc = -int(signal.SIGKILL)
+                with command.cond:
+                    note = (
+                        "\nthe runtime failed while reading this command's output; it was killed\n"
+                    )
+                    command.append("stderr", note, len(note), self.limits)
+                    self._finish(command, rc if rc >= 0 else 128 - rc, "exited")
+
+    def _pump(self, command: Command) -> None:
+        proc = command.proc
+        assert proc is not None and proc.stdout is not None and proc.stderr is not None
+        selector = selectors.DefaultSelector()
+        decoders = {}
+        for stream, kind in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+            selector.register(stream.fileno(), selectors.EVENT_READ, kind)
+            decoders[kind] = codecs.getincrementaldecoder("utf-8")("replace")
+        pidfd = -1
+        with contextlib.suppress(AttributeError, OSError):
+            pidfd = os.pidfd_open(proc.pid)  # readable when the leader exits
+            selector.register(pidfd, selectors.EVENT_READ, "exit")
+        deadline = time.monotonic() + command.timeout
+        pipes = 2
+        leader_done = False
+        drain_until: float | None = None
+        try:
+            while pipes or not leader_done:
+                if not leader_done and command.killed_by is None:
+                    with command.cond:  # backpressure: a follower has not sent the window yet
+                        full = command.evict(self.limits)
+                        if full:
+                            command.cond.wait(0.1)
+                    if full and not _exited(proc.pid) and time.monotonic() < deadline:
+                        continue  # the pipe fills and the command blocks on its writes
+                now = time.monotonic()
+                waits = []
+                if not leader_done:
+                    if command.killed_by is None:
+                        waits.append(deadline - now)
+                    if pidfd < 0:
+                        waits.append(0.05)
+                if drain_until is not None:
+                    waits.append(drain_until - now)
+                for key, _ in selector.select(max(0.0, min(waits)) if waits else None):
+                    if key.data == "exit":
+                        selector.unregister(pidfd)
+                    elif not self._read(command, key.fd, key.data, decoders[key.data]):
+                        selector.unregister(key.fd)
+                        pipes -= 1
+                if not leader_done and _exited(proc.pid):
+                    leader_done = True
+                    _killpg(proc.pid)  # what the command left in its group ends with it
+                    drain_until = time.monotonic() + DRAIN_SECONDS
+                elif not leader_done and time.monotonic() >= deadline:
+                    with command.cond:
+                        if command.killed_by is None:
+                            command.killed_by = "timeout"
+                    _killpg(proc.pid)
+                if drain_until is not None and time.monotonic() >= drain_until:
+                    break  # a process that left the group holds the pipes: stop reading
+        finally:
+            selector.close()
+            if pidfd >= 0:
+                os.close(pidfd)
+            proc.stdout.close()
+            proc.stderr.close()
+        rc = proc.wait()
+        with command.cond:
+            if rc < 0 and command.killed_by == "cancel":
+                self._finish(command, KILLED_EXIT_CODE, "cancelled")
+            elif rc < 0 and command.killed_by == "timeout":
+                self._finish(command, TIMEOUT_EXIT_CODE, "timed_out")
+            else:
+                self._finish(command, rc if rc >= 0 else 128 - rc, "exited")
+
+    def _read(
+        self, command: Command, fd: int, kind: str, decoder: codecs.IncrementalDecoder
+    ) -> bool:
+        """Read what the pipe holds now into events; ``False`` at its end."""
+        try:
+            data = os.read(fd, READ_SIZE)
+        except OSError:
+            data = b""
+        text = decoder.decode(data, final=not data)  # a split character waits for its rest
+        if text:
+            with command.cond:
+                command.append(kind, text, len(text.encode()), self.limits)
+        return bool(data)
+
+    def _finish(self, command: Command, exit_code: int, state: str) -> None:
+        """Record the end and the ``exit`` event (the caller holds ``command.cond``)."""
+        command.exit_code = exit_code
+        command.state = state
+        command.ended_at = time.time()
+        command.stdin_open = False
+        if command.proc is not None and command.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                command.proc.stdin.close()
+        command.append("exit", "", 0, self.limits, exit_code=exit_code, state=state)
+        command.done.set()
+
+    # -- lookups -------------------------------------------------------------------------------
+    def _sweep(self) -> None:
+        """Forget finished commands older than the retention time (the caller holds the lock)."""
+        horizon = time.time() - self.limits.retention_seconds
+        for command in list(self.commands.values()):
+            if command.ended_at is not None and command.ended_at < horizon:
+                self._forget(command)
+
+    def _forget(self, command: Command) -> None:
+        self.commands.pop(command.command_id, None)
+        if command.request_id is not None:
+            self.by_request.pop(command.request_id, None)
+        with command.cond:
+            command.cond.notify_all()
+
+    def get(self, command_id: str) -> Command:
+        with self.lock:
+            self._sweep()
+            command = self.commands.get(command_id)
+        if command is None:
+            raise CommandError(
+                404,
+                f"no command {command_id!r} in this sandbox (finished commands are kept "
+                f"{self.limits.retention_seconds:g} s, at most {self.limits.max_handles})",
+            )
+        return command
+
+    def list_commands(self) -> list[dict[str, Any]]:
+        with self.lock:
+            self._sweep()
+            commands = sorted(self.commands.values(), key=lambda c: c.started_at)
+        out = []
+        for command in commands:
+            with command.cond:
+                out.append(command.summary())
+        return out
+
+    # -- kill and stdin ------------------------------------------------------------------------
+    def kill(self, command: Command) -> dict[str, Any]:
+        with command.cond:
+            if command.state == "running" and command.proc is not None:
+                if command.killed_by is None:
+                    command.killed_by = "cancel"
+                _killpg(command.proc.pid)
+        command.done.wait(KILL_WAIT_SECONDS)
+        return command.status()
+
+    def kill_all(self) -> None:
+        with self.lock:
+            commands = list(self.commands.values())
+        for command in commands:
+            if command.state == "running" and command.proc is not None:
+                _killpg(command.proc.pid)
+
+    def write_stdin(self, command: Command, body: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(body) - _STDIN_FIELDS)
+        if unknown:
+            raise CommandError(400, f"unknown field(s) {unknown}: the fields are 'data' and 'eof'")
+        data = body.get("data", "")
+        eof = body.get("eof", False)
+        if not isinstance(data, str) or not isinstance(eof, bool):
+            raise CommandError(400, "field 'data' must be a string and 'eof' true or false")
+        if not command.stdin_requested:
+            raise CommandError(
+                409, 'the command was started without stdin; start it with "stdin": true'
+            )
+        with command.stdin_lock:
+            proc = command.proc
+            if command.state != "running" or proc is None or proc.stdin is None:
+                raise CommandError(409, f"the command is {command.state}: its stdin is closed")
+            if not command.stdin_open:
+                raise CommandError(409, "stdin was closed (eof was sent)")
+            payload = data.encode()
+            try:
+                _write_all(proc.stdin.fileno(), payload)
+            except TimeoutError:
+                raise CommandError(
+                    409,
+                    f"the command did not read its stdin for {STDIN_WRITE_SECONDS:g} s",
+                ) from None
+            except OSError:
+                command.stdin_open = False
+                raise CommandError(409, "the command closed its stdin") from None
+            if eof:
+                command.stdin_open = False
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        return {"command_id": command.command_id, "written": len(payload), "stdin": not eof}
+
+    # -- the event stream ----------------------------------------------------------------------
+    def stream(self, handler: Handler, command: Command, query: dict[str, list[str]]) -> None:
+        after = _query_number(query, "after", 0, int)
+        duration = _query_number(query, "duration", self.limits.max_duration, float)
+        if after < 0:
+            raise CommandError(400, "query 'after' must be an integer sequence number >= 0")
+        if not 0 <= duration <= self.limits.max_duration:
+            raise CommandError(
+                400,
+                f"query 'duration' must be a number of seconds from 0 to "
+                f"{self.limits.max_duration:g}",
+            )
+        with command.cond:
+            if after > command.last_seq:
+                raise CommandError(
+                    400,
+                    f"query 'after'={after} is beyond the last event ({command.last_seq})",
+                    last_seq=command.last_seq,
+                )
+            try:
+                command.event_at(after + 1)
+            except LookupError as lost:
+                first = int(lost.args[0])
+                raise CommandError(
+                    410,
+                    f"events {after + 1} to {first - 1} were dropped: output beyond "
+                    f"{self.limits.output_bytes} bytes is streamed live but not kept for replay; "
+                    f"resume with after={first - 1} (the output is truncated)",
+                    resume_after=first - 1,
+                ) from None
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/x-ndjson")
+        handler.send_header("Cache-Control", "no-store")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        with contextlib.closing(self._lines(command, after, duration)) as lines:
+            try:
+                for chunk in lines:
+                    handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                handler.wfile.write(b"0\r\n\r\n")
+            except OSError:  # the reader went away
+                handler.close_connection = True
+
+    def _lines(self, command: Command, after: int, duration: float) -> Generator[bytes, None, None]:
+        """Batches of NDJSON lines after ``after``, until the exit event or ``duration``."""
+        with command.cond:
+            follower = command.follow(after)
+        try:
+            yield from self._batches(command, follower, after, duration)
+        finally:
+            with command.cond:
+                follower.ended_at = time.monotonic()
+                command.cond.notify_all()
+
+    def _batches(
+        self, command: Command, follower: _Follower, after: int, duration: float
+    ) -> Iterator[bytes]:
+        deadline = time.monotonic() + duration
+        beat = self.limits.heartbeat_seconds
+        cursor = after
+        last_sent = time.monotonic()
+        while True:
+            batch: list[bytes] = []
+            size = 0
+            ended = lost = False
+            with command.cond:
+                while True:
+                    try:
+                        event = command.event_at(cursor + 1)
+                    except LookupError:
+                        lost = True
+                        break
+                    if event is None:
+                        break
+                    batch.append(event.line)
+                    size += len(event.line)
+                    cursor = event.seq
+                    if event.kind == "exit":
+                        ended = True
+                        break
+                    if size >= BATCH_BYTES:
+                        break
+                now = time.monotonic()
+                if not batch and not lost and now < deadline:
+                    gone = command.command_id not in self.commands
+                    if not gone:
+                        command.cond.wait(max(0.0, min(deadline, last_sent + beat) - now))
+                    else:
+                        lost = True
+            if batch:
+                yield b"".join(batch)
+                last_sent = time.monotonic()
+                with command.cond:  # sent: the runtime may drop it from the live window now
+                    follower.cursor = cursor
+                    command.cond.notify_all()
+            if ended or lost:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            if not batch and now - last_sent >= beat:
+                yield _line({"type": "heartbeat", "seq": cursor, "data": ""})
+                last_sent = now
+
+
+def _query_number(
+    query: dict[str, list[str]], name: str, default: float, kind: type[int] | type[float]
+) -> Any:
+    values = query.get(name)
+    if not values:
+        return default
+    try:
+        return kind(values[-1])
+    except ValueError:
+        raise CommandError(400, f"query {name!r}={values[-1]!r} is not a number") from None
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited, without reaping it (its pgid stays valid)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _killpg(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` to a pipe, waiting at most ``STDIN_WRITE_SECONDS`` for the reader."""
+    if not data:
+        return
+    deadline = time.monotonic() + STDIN_WRITE_SECONDS
+    os.set_blocking(fd, False)
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_WRITE)
+        view = memoryview(data)
+        while view:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            if not selector.select(remaining):
+                continue
+            try:
+                written = os.write(fd, view)
+            except BlockingIOError:
+                continue
+            view = view[written:]
