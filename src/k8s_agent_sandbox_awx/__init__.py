@@ -107,8 +107,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._command_flow import CommandEvent
     from ._commands import CommandHandle
     from ._config import BrokerConnectionConfig
-    from ._dataplane import CommandInfo
     from ._credential import Credential, CredentialRequest, ProviderInfo
+    from ._dataplane import CommandInfo
     from .errors import *  # noqa: F403 - the old top-level error names
     from .errors import SandboxError
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl

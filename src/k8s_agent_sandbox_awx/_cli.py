@@ -247,7 +247,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         client.close()
     if args.json:
         _print_result(args, sandbox.name, result)
-    return result.exit_code
+    return int(result.exit_code)
 
 
 def _writer(stream: Any) -> Any:

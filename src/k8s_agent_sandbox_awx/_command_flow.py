@@ -365,7 +365,10 @@ def follow(
 
 def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> flow.Op[str]:
     """``POST /commands`` (never retried); returns the command id. A runtime without the
-    endpoint is :class:`UnsupportedByRuntimeError`."""
+    endpoint is :class:`UnsupportedByRuntimeError` (known from an earlier answer: nothing is
+    sent)."""
+    if features.managed is False:
+        raise _unsupported(target, plan.needs_managed(True))
     try:
         command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
     except errors.BrokerError as exc:

@@ -36,10 +36,10 @@ __all__ = [
     "DataTarget",
     "DownloadMeter",
     "Multipart",
+    "check_command_timeout",
     "command_events",
     "command_status",
     "command_stdin",
-    "check_command_timeout",
     "download",
     "execute",
     "exists",
@@ -123,9 +123,26 @@ def validate_sandbox_path(
     return normalized
 
 
-def _data(method: str, endpoint: str, what: str, target: DataTarget) -> RequestSpec:
+def _data(
+    method: str,
+    endpoint: str,
+    what: str,
+    target: DataTarget,
+    *,
+    headers: Mapping[str, str] | None = None,
+    read_timeout: float | None = None,
+    retryable: bool | None = None,
+    params: Mapping[str, str] | None = None,
+) -> RequestSpec:
     return RequestSpec(
-        method, endpoint, what, headers=target.headers(), retryable=method == "GET", data_plane=True
+        method,
+        endpoint,
+        what,
+        params=dict(params or {}),
+        headers={**target.headers(), **(headers or {})},
+        retryable=method == "GET" if retryable is None else retryable,
+        read_timeout=read_timeout,
+        data_plane=True,
     )
 
 
@@ -153,9 +170,14 @@ def execute(target: DataTarget, command: str, *, command_timeout: float) -> Requ
     if not isinstance(command, str) or not command.strip():
         raise ValueError("The command is empty; pass the command line to run, e.g. 'echo hi'.")
     check_command_timeout(command_timeout)
-    spec = _data("POST", "/execute", "run a command", target)
-    spec.headers["X-Sandbox-Timeout"] = seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)
-    spec.read_timeout = command_timeout + COMMAND_TIMEOUT_MARGIN
+    spec = _data(
+        "POST",
+        "/execute",
+        "run a command",
+        target,
+        headers={"X-Sandbox-Timeout": seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)},
+        read_timeout=command_timeout + COMMAND_TIMEOUT_MARGIN,
+    )
     return json_body(spec, {"command": command, "timeout_seconds": command_timeout})
 
 
@@ -186,10 +208,14 @@ def command_events(
 ) -> RequestSpec:
     """``GET /commands/{id}/events``: the NDJSON events after ``after`` for ``duration`` s."""
     path = _command_path(command_id, "/events")
-    spec = _data("GET", path, f"follow the output of command {command_id!r}", target)
-    spec.params = {"after": str(after), "duration": f"{duration:.3f}".rstrip("0").rstrip(".")}
-    spec.read_timeout = duration + EVENTS_READ_MARGIN
-    return spec
+    return _data(
+        "GET",
+        path,
+        f"follow the output of command {command_id!r}",
+        target,
+        params={"after": str(after), "duration": f"{duration:.3f}".rstrip("0").rstrip(".")},
+        read_timeout=duration + EVENTS_READ_MARGIN,
+    )
 
 
 def kill_command(target: DataTarget, command_id: str) -> RequestSpec:
@@ -199,17 +225,36 @@ def kill_command(target: DataTarget, command_id: str) -> RequestSpec:
 
 def command_stdin(target: DataTarget, command_id: str, data: str, eof: bool) -> RequestSpec:
     """``POST /commands/{id}/stdin``: never retried (the data would be written twice)."""
-    spec = _data("POST", _command_path(command_id, "/stdin"), "send stdin", target)
-    spec.what = f"write to the stdin of command {command_id!r}"
+    path = _command_path(command_id, "/stdin")
+    spec = _data("POST", path, f"write to the stdin of command {command_id!r}", target)
     return json_body(spec, {"data": data, "eof": bool(eof)})
 
 
-def upload(target: DataTarget, path: str, multipart: Multipart) -> RequestSpec:
-    """``POST /upload``; the body (``multipart.prefix``, content, ``.suffix``) is added by the
-    I/O layer, which decides whether it can be replayed (and so retried)."""
-    spec = _data("POST", "/upload", f"write {path!r}", target)
-    spec.headers["Content-Type"] = multipart.content_type
-    return spec
+def upload(
+    target: DataTarget,
+    path: str,
+    multipart: Multipart,
+    *,
+    size: int | None,
+    replayable: bool,
+    read_timeout: float | None = None,
+) -> RequestSpec:
+    """``POST /upload``; the body (``multipart.prefix``, ``size`` content bytes or a chunked
+    stream, ``.suffix``) is added by the I/O layer; retried only if it is ``replayable``."""
+    length = (
+        {"Content-Length": str(multipart.length(size))}
+        if size is not None
+        else {"Transfer-Encoding": "chunked"}
+    )
+    return _data(
+        "POST",
+        "/upload",
+        f"write {path!r}",
+        target,
+        headers={"Content-Type": multipart.content_type, **length},
+        read_timeout=read_timeout,
+        retryable=replayable,
+    )
 
 
 def download(target: DataTarget, path: str) -> RequestSpec:
@@ -262,6 +307,7 @@ def parse_execution_result(obj: Any) -> ExecutionResult:
             stderr=obj.get("stderr") or "",
             exit_code=obj["exit_code"],
             timed_out=bool(obj.get("timed_out", False)),
+            output_truncated=obj.get("output_truncated") is True,
         )
     except ValueError as exc:
         raise protocol_error("run a command", f"bad execution result ({exc})") from exc

@@ -559,10 +559,6 @@ def plan_upload(
     else:
         _check_binary_reader(content)
         body = content
-    framing = multipart_framing(dest)
-    spec = dp.upload(target, dest, framing)
-    if timeout is not None:
-        spec.read_timeout = float(timeout)
     if isinstance(body, bytes):
         start: int | None = None
         size: int | None = len(body)
@@ -570,14 +566,13 @@ def plan_upload(
         start, size = None, None
     else:
         start, size = _start_and_size(body)
-    if size is not None:
-        spec.headers["Content-Length"] = str(framing.length(size))
-    else:
-        spec.headers["Transfer-Encoding"] = "chunked"
-    upload = UploadBody(framing, body, start, size)
-    upload.replayable = isinstance(body, bytes) or start is not None
-    spec.retryable = upload.replayable
-    return spec, upload
+    framing = multipart_framing(dest)
+    replayable = isinstance(body, bytes) or start is not None
+    read_timeout = None if timeout is None else float(timeout)
+    spec = dp.upload(
+        target, dest, framing, size=size, replayable=replayable, read_timeout=read_timeout
+    )
+    return spec, UploadBody(framing, body, start, size, replayable=replayable)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ below for the data plane. Also here: the keyword options of the public signature
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
@@ -436,9 +437,7 @@ def file_path(path: str, allow_unsafe_paths: bool) -> str:
 
 
 def _with_timeout(spec: proto.RequestSpec, timeout: float | None) -> proto.RequestSpec:
-    if timeout is not None:
-        spec.read_timeout = float(timeout)
-    return spec
+    return spec if timeout is None else dataclasses.replace(spec, read_timeout=float(timeout))
 
 
 def download_spec(

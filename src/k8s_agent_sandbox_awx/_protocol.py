@@ -8,6 +8,7 @@ runtime endpoints decide lives in ``_dataplane``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -100,9 +101,11 @@ class SandboxInfo:
         }
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestSpec:
-    """One request, described without I/O. ``path`` is relative to the broker URL."""
+    """One request, described without I/O. ``path`` is relative to the broker URL. Built once
+    by a dialect or the data plane and never changed afterwards (a variant is a new spec:
+    ``dataclasses.replace``)."""
 
     method: str
     path: str
@@ -164,10 +167,10 @@ class Call(Generic[T]):
 
 
 def json_body(spec: RequestSpec, body: Any) -> RequestSpec:
-    """Set ``spec``'s body to ``body`` as compact JSON."""
-    spec.content = json.dumps(body, separators=(",", ":")).encode("utf-8")
-    spec.headers["Content-Type"] = "application/json"
-    return spec
+    """``spec`` with ``body`` as its compact JSON body."""
+    content = json.dumps(body, separators=(",", ":")).encode("utf-8")
+    headers = {**spec.headers, "Content-Type": "application/json"}
+    return dataclasses.replace(spec, content=content, headers=headers)
 
 
 def new_idempotency_key() -> str:

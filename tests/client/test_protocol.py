@@ -237,3 +237,11 @@ def test_create_rejects_a_ready_timeout_that_is_nan_or_negative(ready: float) ->
     config = BrokerConnectionConfig(broker_url="https://broker.test")
     with pytest.raises(ValueError, match="sandbox_ready_timeout"):
         flow.plan_create(config, v1.V1Dialect(), flow.SandboxSpec(ready_timeout=ready))
+
+
+def test_parse_output_truncated() -> None:
+    """Absent (a runtime that never truncates) is False; only a JSON true is True."""
+    base = {"stdout": "o", "stderr": "", "exit_code": 0}
+    assert dp.parse_execution_result(base).output_truncated is False
+    assert dp.parse_execution_result({**base, "output_truncated": True}).output_truncated
+    assert not dp.parse_execution_result({**base, "output_truncated": "no"}).output_truncated
