@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,26 +26,6 @@ from k8s_agent_sandbox_awx.errors import (
 )
 
 pytestmark = pytest.mark.e2e
-
-LEGACY_RUNTIME = Path(__file__).parents[1] / "legacy_runtime.py"
-
-# 3000 lines through a shell loop: thousands of events (the runtime sends what each read got)
-MANY_LINES = 'for i in $(seq 1 3000); do echo "line $i of the long output"; done'
-EXPECTED_LINES = "".join(f"line {i} of the long output\n" for i in range(1, 3001))
-
-
-def process_gone(pid: int, within: float = 10.0) -> bool:
-    """Whether ``pid`` is gone (or a zombie) within ``within`` s (a wait, not a speed test)."""
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -149,7 +128,9 @@ def test_a_command_over_its_time_limit_is_killed(sandbox: Sandbox) -> None:
     assert (result.state, result.exit_code, result.timed_out) == ("timed_out", 124, True)
 
 
-def test_an_interrupted_foreground_run_kills_the_process_group(sandbox: Sandbox) -> None:
+def test_an_interrupted_foreground_run_kills_the_process_group(
+    sandbox: Sandbox, process_gone: Any
+) -> None:
     pids: list[int] = []
 
     def interrupt(text: str) -> None:
@@ -246,14 +227,17 @@ def test_the_running_limit_is_a_clear_error(sandbox: Sandbox) -> None:
 # ----------------------------------------------------------------------- long streams
 
 
-def test_forced_reconnects_lose_and_repeat_nothing(broker: Any, sandbox: Sandbox) -> None:
+def test_forced_reconnects_lose_and_repeat_nothing(
+    broker: Any, sandbox: Sandbox, long_output: tuple[str, str]
+) -> None:
+    script, expected = long_output
     broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
     broker.drop_event_stream_mid_line(3, after_events=20, sandbox=sandbox.name)
     chunks: list[str] = []
-    result = sandbox.commands.run(MANY_LINES, on_stdout=chunks.append)
-    assert result.stdout == EXPECTED_LINES == "".join(chunks)  # byte for byte
-    handle = sandbox.commands.run(MANY_LINES, background=True)
-    assert "".join(e.data for e in handle) == EXPECTED_LINES
+    result = sandbox.commands.run(script, on_stdout=chunks.append)
+    assert result.stdout == expected == "".join(chunks)  # byte for byte
+    handle = sandbox.commands.run(script, background=True)
+    assert "".join(e.data for e in handle) == expected
     assert handle.command_id in {c.command_id for c in sandbox.commands.list()}
 
 
@@ -280,23 +264,7 @@ def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Path) -> N
 # ----------------------------------------------------------------------- legacy runtimes
 
 
-@pytest.fixture(scope="module")
-def legacy_broker() -> Iterator[Any]:
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
-    from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
-
-    templates: dict[str, str | list[str] | None] = {
-        "legacy": [sys.executable, str(LEGACY_RUNTIME), "--port", "{port}"],
-    }
-    policy = Policy(templates=("legacy",), namespace="default", max_sandboxes=3)
-    with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False) as b:
-        yield b
-
-
-def test_a_runtime_without_managed_commands_falls_back_to_execute(
-    legacy_broker: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
+def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker: Any) -> None:
     with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
         chunks: list[str] = []
         result = sandbox.commands.run("echo a | tr a b; cd /tmp && pwd", on_stdout=chunks.append)
