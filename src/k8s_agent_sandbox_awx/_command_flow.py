@@ -367,15 +367,23 @@ def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> 
     """``POST /commands`` (never retried); returns the command id. A runtime without the
     endpoint is :class:`UnsupportedByRuntimeError` (known from an earlier answer: nothing is
     sent)."""
-    if features.managed is False:
+    command_id = None if features.managed is False else (yield from _start(target, plan, features))
+    if command_id is None:
         raise _unsupported(target, plan.needs_managed(True))
+    return command_id
+
+
+def _start(
+    target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures
+) -> flow.Op[str | None]:
+    """``POST /commands``; ``None`` when the runtime has no such endpoint (remembered)."""
     try:
         command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
     except errors.BrokerError as exc:
         if not _lacks_commands(exc):
             raise
         features.managed = False
-        raise _unsupported(target, plan.needs_managed(True)) from exc
+        return None
     features.managed = True
     return command_id
 
@@ -409,16 +417,9 @@ def run(
     """A foreground ``commands.run``: start, follow to the exit (emitting the output), and kill
     the command if the wait fails or is interrupted (Ctrl-C, a cancelled task, no exit in
     time). Falls back to ``/execute`` on a legacy runtime."""
-    if features.managed is False:
+    command_id = None if features.managed is False else (yield from _start(target, plan, features))
+    if command_id is None:
         return (yield from _legacy(target, plan, raise_on_timeout))
-    try:
-        command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
-    except errors.BrokerError as exc:
-        if not _lacks_commands(exc):
-            raise
-        features.managed = False
-        return (yield from _legacy(target, plan, raise_on_timeout))
-    features.managed = True
     output = CommandOutput(command_id)
     deadline = clock() + plan.timeout + dp.COMMAND_TIMEOUT_MARGIN
     try:
