@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -183,14 +184,17 @@ def test_wait_callbacks_and_reattach_replays_the_output(broker: Any, sandbox: Sa
     handle = sandbox.commands.run("echo one; sleep 0.3; echo two", background=True)
     got: list[str] = []
     assert handle.wait(on_stdout=got.append).stdout == "one\ntwo\n" == "".join(got)
-    with Sandbox.connect(sandbox.name, environ=broker.environ("kubernetes")) as other:
+    other = Sandbox.connect(sandbox.name, environ=broker.environ("kubernetes"))
+    try:
         again = other.commands.get(handle.command_id)
         assert again.wait().stdout == "one\ntwo\n"  # replayed from the start
         listed = {c.command_id: c for c in other.commands.list()}
         assert listed[handle.command_id].state == "exited"
         assert listed[handle.command_id].stdout is None  # a listing has no output
-    with pytest.raises(BrokerError, match="404"):
-        sandbox.commands.get("no-such-command")
+        with pytest.raises(BrokerError, match="404"):
+            other.commands.get("no-such-command")
+    finally:
+        other.close_connection()  # the sandbox keeps running
 
 
 def test_reattach_from_another_process(broker: Any, sandbox: Sandbox) -> None:
@@ -299,3 +303,26 @@ def test_cli_run_streams_and_exits_with_the_command_code(broker: Any) -> None:
     rest, err = proc.communicate(timeout=60)
     assert (proc.returncode, rest) == (7, "second\n"), err
     assert json.dumps(err).count("Traceback") == 0
+
+
+def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any) -> None:
+    env = {
+        **os.environ,
+        **broker.environ("kubernetes"),
+        "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    cli = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli"]
+    proc = subprocess.Popen(
+        [*cli, "run", "--", "sh", "-c", "echo $$; exec sleep 60"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    pid = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert process_gone(pid)
+    assert broker.sandboxes() == []  # and the sandbox is gone too
