@@ -354,9 +354,23 @@ def follow(
             if event is not None:
                 failures = 0
                 yield Emit(event)
-            if output.exit is not None or (deadline is not None and clock() >= deadline):
+            if output.exit is not None:
+                yield from _drain()
+                break
+            if deadline is not None and clock() >= deadline:
                 break
     return output.result()
+
+
+def _drain() -> Op:
+    """Read the stream to its end (the runtime ends it after the exit event), so that its
+    connection goes back to the pool instead of being closed (a new TLS handshake per command
+    otherwise). The result is complete: a failure here changes nothing and is not raised."""
+    try:
+        while (yield _NEXT) is not None:
+            pass
+    except (errors.BrokerUnavailableError, errors.RequestTimeoutError, errors.BrokerProtocolError):
+        logger.debug("an event stream broke after its exit event", exc_info=True)
 
 
 # --------------------------------------------------------------------------------------------
