@@ -326,3 +326,24 @@ def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any)
     assert proc.returncode == 130 and "interrupted" in err, err
     assert process_gone(pid)
     assert broker.sandboxes() == []  # and the sandbox is gone too
+
+
+def test_sequential_runs_reuse_one_connection(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event stream is read to its end after the exit event, so that its connection goes
+    back to the pool (closing it early cost a TLS handshake per command)."""
+    import httpcore
+
+    opened: list[Any] = []
+    create = httpcore.ConnectionPool.create_connection
+
+    def counting(self: Any, origin: Any) -> Any:
+        opened.append(origin)
+        return create(self, origin)
+
+    sandbox.commands.run("true")  # a connection is open and idle now
+    monkeypatch.setattr(httpcore.ConnectionPool, "create_connection", counting)
+    for _ in range(5):
+        assert sandbox.commands.run(["echo", "hi"]).stdout == "hi\n"
+    assert opened == []
