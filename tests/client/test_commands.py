@@ -232,13 +232,23 @@ def test_the_running_limit_is_a_clear_error(sandbox: Sandbox) -> None:
 
 
 def test_forced_reconnects_lose_and_repeat_nothing(
-    broker: Any, sandbox: Sandbox, long_output: tuple[str, str]
+    broker: Any, sandbox: Sandbox, long_output: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     script, expected = long_output
     broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
     broker.drop_event_stream_mid_line(3, after_events=20, sandbox=sandbox.name)
+    transport: Any = sandbox.commands._transport
+    requests: list[str] = []
+    events = transport.events
+
+    def counting(spec: Any) -> Any:
+        requests.append(spec.params["after"])
+        return events(spec)
+
+    monkeypatch.setattr(transport, "events", counting)
     chunks: list[str] = []
     result = sandbox.commands.run(script, on_stdout=chunks.append)
+    assert len(requests) >= 5 and requests[0] == "0"  # cut every 50 events, dropped 3 times
     assert result.stdout == expected == "".join(chunks)  # byte for byte
     handle = sandbox.commands.run(script, background=True)
     assert "".join(e.data for e in handle) == expected
