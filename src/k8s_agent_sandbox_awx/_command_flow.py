@@ -19,6 +19,7 @@ killed. The operations are generators of steps (:data:`Step`), run by the one dr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import shlex
@@ -55,6 +56,8 @@ logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 SHELL = ("/bin/bash", "-c")
 """How a string command runs (``shell=None`` or ``True``): ``/bin/bash -c COMMAND``."""
+FALLBACK_SHELL = ("/bin/sh", "-c")
+"""How it runs in a sandbox where ``/bin/bash`` could not start."""
 COLLECT_LIMIT = 16 * 1024 * 1024
 """Characters of output (stdout and stderr together) a result keeps; beyond it the output still
 reaches the callbacks but the result's ``output_truncated`` is ``True``."""
@@ -107,6 +110,9 @@ class RuntimeFeatures:
 
     managed: bool | None = None
     """``False`` once ``POST /commands`` answered 404 without a code: the legacy runtime."""
+    bash: bool | None = None
+    """``False`` once ``/bin/bash`` could not start (the image has none): strings run through
+    ``/bin/sh -c`` from then on."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,6 +198,8 @@ class StartPlan:
     cwd: str | None = None
     stdin: bool = False
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    shell_command: str | None = None
+    """The string, when it runs through a shell (the argv is then ``SHELL + [string]``)."""
 
     @classmethod
     def make(
@@ -211,7 +219,21 @@ class StartPlan:
                 "send_stdin(); start it with background=True."
             )
         argv = command_argv(command, shell)
-        return cls(argv, _check_timeout(timeout), _check_envs(envs), _check_cwd(cwd), stdin)
+        through_shell = command if isinstance(command, str) and shell is not False else None
+        limit, checked_envs, checked_cwd = (
+            _check_timeout(timeout),
+            _check_envs(envs),
+            _check_cwd(cwd),
+        )
+        return cls(argv, limit, checked_envs, checked_cwd, stdin, shell_command=through_shell)
+
+    def for_runtime(self, features: RuntimeFeatures) -> StartPlan:
+        """This plan, with ``/bin/sh -c`` for a string where ``/bin/bash`` is known to be
+        missing (and a new ``request_id``: it is another start)."""
+        if self.shell_command is None or features.bash is not False:
+            return self
+        argv = [*FALLBACK_SHELL, self.shell_command]
+        return dataclasses.replace(self, argv=argv, request_id=str(uuid.uuid4()))
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -354,7 +376,7 @@ def follow(
             if event is not None:
                 failures = 0
                 yield Emit(event)
-            if output.exit is not None:
+            if event is not None and event.type == "exit":
                 yield from _drain()
                 break
             if deadline is not None and clock() >= deadline:
@@ -381,6 +403,7 @@ def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> 
     """``POST /commands`` (never retried); returns the command id. A runtime without the
     endpoint is :class:`UnsupportedByRuntimeError` (known from an earlier answer: nothing is
     sent)."""
+    plan = plan.for_runtime(features)
     command_id = None if features.managed is False else (yield from _start(target, plan, features))
     if command_id is None:
         raise _unsupported(target, plan.needs_managed(True))
@@ -431,6 +454,7 @@ def run(
     """A foreground ``commands.run``: start, follow to the exit (emitting the output), and kill
     the command if the wait fails or is interrupted (Ctrl-C, a cancelled task, no exit in
     time). Falls back to ``/execute`` on a legacy runtime."""
+    plan = plan.for_runtime(features)
     command_id = None if features.managed is False else (yield from _start(target, plan, features))
     if command_id is None:
         return (yield from _legacy(target, plan, raise_on_timeout))
@@ -445,7 +469,25 @@ def run(
         if isinstance(exc, errors.CommandWaitTimeoutError):
             raise _no_exit(target, plan.timeout, output.result()) from exc
         raise
+    if (yield from _bash_missing(target, plan, result)):
+        features.bash = False
+        return (yield from run(target, plan, features, raise_on_timeout=raise_on_timeout))
     return _checked(result, plan.timeout, raise_on_timeout)
+
+
+def _bash_missing(target: dp.DataTarget, plan: StartPlan, result: ExecutionResult) -> Op:
+    """Whether ``/bin/bash`` itself could not start: exit code 127 without output on stdout,
+    and the runtime reports no process (``pid`` null). Anything else is the command's own
+    result: a command that ran is never run again."""
+    if plan.argv[: len(SHELL)] != list(SHELL) or plan.shell_command is None:
+        return False
+    if result.exit_code != 127 or result.stdout or result.command_id is None:
+        return False
+    info: dp.CommandInfo = yield status(target, result.command_id)
+    if info.pid is not None:
+        return False
+    logger.info("/bin/bash could not start in sandbox %s; using /bin/sh", target.sandbox_id)
+    return True
 
 
 def _kill_quietly(target: dp.DataTarget, command_id: str) -> Op:
