@@ -139,12 +139,22 @@ def _process_gone() -> Callable[..., bool]:
     return process_gone
 
 
+LONG_OUTPUT = """
+import sys, time
+for i in range(1, 3001):
+    sys.stdout.write(f"line {i} of the long output\\n")
+    if i % 10 == 0:
+        sys.stdout.flush()
+        time.sleep(0.003)  # a pause every 10 lines: hundreds of events, not a few big reads
+"""
+
+
 @pytest.fixture
-def long_output() -> tuple[str, str]:
-    """``(script, expected)``: a shell loop printing 3000 lines (hundreds of events, as the
-    runtime sends what each read got) and the exact output it prints."""
-    script = 'for i in $(seq 1 3000); do echo "line $i of the long output"; done'
-    return script, "".join(f"line {i} of the long output\n" for i in range(1, 3001))
+def long_output() -> tuple[list[str], str]:
+    """``(argv, expected)``: a command printing 3000 lines in 300 flushes 3 ms apart (about 300
+    events) and the exact output it prints."""
+    argv = [sys.executable, "-c", LONG_OUTPUT]
+    return argv, "".join(f"line {i} of the long output\n" for i in range(1, 3001))
 
 
 def live_claims(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:

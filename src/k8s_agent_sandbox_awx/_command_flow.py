@@ -310,6 +310,10 @@ class CommandOutput:
             (self.stdout if kind == "stdout" else self.stderr).append(data)
             self.collected += len(data)
 
+    @property
+    def ended(self) -> bool:
+        return self.exit is not None
+
     def lost(self, exc: errors.CommandOutputLostError) -> None:
         """Events up to ``exc.resume_after`` are gone (not retained): go on after them."""
         if exc.resume_after is None or exc.resume_after < self.cursor:
@@ -357,7 +361,8 @@ def follow(
                 timeout=0.0 if deadline is None else remaining,
             )
         duration = min(dp.EVENTS_DURATION, max(remaining, 0.05))
-        yield OpenEvents(dp.command_events(target, output.command_id, output.cursor, duration))
+        position = output.cursor
+        yield OpenEvents(dp.command_events(target, output.command_id, position, duration))
         while True:
             try:
                 value = yield _NEXT
@@ -370,16 +375,17 @@ def follow(
                     raise
                 yield Pause(min(0.1 * 2**failures, 2.0))
                 break
-            if value is None:
-                break
+            if value is None or output.cursor != position:
+                break  # the stream ended, or another reader of this handle went on: resume
             event = output.accept(value)
+            position = output.cursor
             if event is not None:
                 failures = 0
                 yield Emit(event)
-            if event is not None and event.type == "exit":
-                yield from _drain()
-                break
-            if deadline is not None and clock() >= deadline:
+                if event.type == "exit":
+                    yield from _drain()
+                    break
+            if output.ended or (deadline is not None and clock() >= deadline):
                 break
     return output.result()
 

@@ -146,21 +146,23 @@ def test_64_background_commands_waited_concurrently(broker: Any) -> None:
         async with await create(broker, SANDBOX_COMMAND_MAX_RUNNING="64") as sandbox:
             handles = await asyncio.gather(
                 *(
-                    sandbox.commands.run(f"sleep 1; echo done {i}", background=True)
+                    sandbox.commands.run(f"read x; echo done {i} $x", background=True, stdin=True)
                     for i in range(64)
                 )
             )
             running = [c for c in await sandbox.commands.list() if c.state == "running"]
-            assert len(running) == 64  # all at once: nothing waits for another
-            results = await asyncio.gather(*(h.wait(timeout=120) for h in handles))
-            assert [r.stdout for r in results] == [f"done {i}\n" for i in range(64)]
+            assert len(running) == 64  # all at once, each waiting for its stdin
+            waits = [asyncio.ensure_future(h.wait(timeout=120)) for h in handles]
+            await asyncio.gather(*(h.send_stdin("go\n", eof=True) for h in handles))
+            results = await asyncio.gather(*waits)
+            assert [r.stdout for r in results] == [f"done {i} go\n" for i in range(64)]
             assert {r.state for r in results} == {"exited"}
 
     run(main())
 
 
 def test_forced_reconnects_lose_and_repeat_nothing(
-    broker: Any, long_output: tuple[str, str]
+    broker: Any, long_output: tuple[list[str], str]
 ) -> None:
     script, expected = long_output
 

@@ -232,7 +232,10 @@ def test_the_running_limit_is_a_clear_error(sandbox: Sandbox) -> None:
 
 
 def test_forced_reconnects_lose_and_repeat_nothing(
-    broker: Any, sandbox: Sandbox, long_output: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+    broker: Any,
+    sandbox: Sandbox,
+    long_output: tuple[list[str], str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     script, expected = long_output
     broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
