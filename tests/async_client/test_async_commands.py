@@ -120,6 +120,9 @@ def test_background_wait_kill_stdin_iteration_and_reattach(broker: Any) -> None:
             with pytest.raises(CommandWaitTimeoutError):
                 await server.wait(timeout=0.5)
             assert (await server.status()).state == "running"
+            with pytest.raises(TimeoutError):  # a cancelled wait leaves it running too
+                await asyncio.wait_for(server.wait(), 0.5)
+            assert (await server.status()).state == "running"
             final = await server.kill()
             assert (final.state, final.exit_code) == ("cancelled", 137)
             assert await server.kill() == final

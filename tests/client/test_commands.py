@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -360,3 +361,19 @@ def test_sequential_runs_reuse_one_connection(
     for _ in range(5):
         assert sandbox.commands.run(["echo", "hi"]).stdout == "hi\n"
     assert opened == []
+
+
+def test_output_no_longer_retained_is_skipped_and_flagged(sandbox: Sandbox) -> None:
+    """Nobody follows a command that prints 3 MB: past the runtime's 1 MiB cap its oldest live
+    events are dropped; a later reader gets 410 for them, goes on after them and says so."""
+    handle = sandbox.commands.run(
+        "head -c 1048576 /dev/zero | tr '\\0' a; head -c 2000000 /dev/zero | tr '\\0' b; echo end",
+        background=True,
+    )
+    deadline = time.monotonic() + 60
+    while handle.status().running and time.monotonic() < deadline:
+        time.sleep(0.2)  # not read: the runtime keeps the first 1 MiB and a live window
+    result = sandbox.commands.get(handle.command_id).wait()
+    assert (result.exit_code, result.output_truncated) == (0, True)
+    assert result.stdout.startswith("a" * 1048576) and result.stdout.endswith("bbend\n")
+    assert len(result.stdout) < 3000000 + 4  # the dropped part is not there
