@@ -25,7 +25,7 @@ from k8s_agent_sandbox.models import (
 
 
 class ExecutionResult(_UpstreamExecutionResult):
-    """Upstream's ``ExecutionResult`` (what ``commands.run`` returns) plus one field.
+    """Upstream's ``ExecutionResult`` (what ``commands.run`` returns) plus the overlay's fields.
 
     ``output_truncated``: the runtime kept only the first part of ``stdout`` or ``stderr`` (the
     local runtime keeps 1 MiB of each). A runtime that does not send the field never truncates:
