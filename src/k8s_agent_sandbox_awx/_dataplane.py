@@ -283,8 +283,9 @@ class Multipart:
 
 def multipart_framing(path: str, boundary: str | None = None) -> Multipart:
     boundary = boundary or secrets.token_hex(16)
-    # The filename is the destination path; quote characters that would break the header.
-    filename = path.replace("\\", "\\\\").replace('"', "%22")
+    # The filename is the destination path, a quoted-string: '\\' and '"' are escaped with a
+    # backslash, which multipart parsers undo (a "%22" would be kept: another file's name).
+    filename = path.replace("\\", "\\\\").replace('"', '\\"')
     prefix = (
         f"--{boundary}\r\n"
         f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n'

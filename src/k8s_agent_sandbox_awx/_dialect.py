@@ -16,9 +16,12 @@ from typing import Any, ClassVar
 
 from ._dataplane import DataTarget
 from ._protocol import Call, Reply, RequestSpec, SandboxInfo
-from .errors import BrokerError
+from .errors import BrokerError, ConfigurationError
 
-__all__ = ["CreateRequest", "Dialect"]
+__all__ = ["FEATURES", "CreateRequest", "Dialect"]
+
+FEATURES = frozenset({"list", "whoami", "idempotent_create"})
+"""What a dialect may lack: listing my sandboxes, asking who I am, replaying a create."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,16 @@ class Dialect(ABC):
     """One broker control-plane protocol. Stateless: one instance serves every client."""
 
     name: ClassVar[str]
+    features: ClassVar[frozenset[str]] = FEATURES
+    """The optional operations (:data:`FEATURES`) this dialect has."""
+
+    def require(self, feature: str, what: str) -> None:
+        """Refuse ``what`` before anything is sent if this dialect lacks ``feature``."""
+        if feature not in self.features:
+            raise ConfigurationError(
+                f"Cannot {what}: the broker speaks the {self.name!r} dialect, which has no "
+                f"{feature.replace('_', ' ')} operation."
+            )
 
     # -- control plane: requests and their answers -----------------------------------------
 

@@ -429,7 +429,7 @@ def _sandbox_of(spec: RequestSpec) -> Call[SandboxInfo]:
 
 
 class V1Dialect(Dialect):
-    """The broker API v1."""
+    """The broker API v1 (every optional operation)."""
 
     name = "v1"
 

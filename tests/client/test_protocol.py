@@ -78,7 +78,7 @@ def test_path_normalisation() -> None:
 def test_multipart_framing() -> None:
     framing = dp.multipart_framing('dir/"x".bin', boundary="b0")
     assert framing.prefix.startswith(b"--b0\r\n")
-    assert b'filename="dir/%22x%22.bin"' in framing.prefix
+    assert b'filename="dir/\\"x\\".bin"' in framing.prefix
     assert framing.suffix == b"\r\n--b0--\r\n"
     assert framing.content_type == "multipart/form-data; boundary=b0"
     assert framing.length(10) == len(framing.prefix) + 10 + len(framing.suffix)
