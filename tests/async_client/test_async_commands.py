@@ -193,3 +193,27 @@ def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker:
                 await sandbox.commands.run("sleep 1", background=True)
 
     run(main())
+
+
+def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Any) -> None:
+    path = tmp_path / "tokens" / "agent-sandbox-token"
+    env = broker.environ("kubernetes", token_file=path)
+    old = path.read_text()
+
+    async def main() -> None:
+        async with await AsyncSandbox.create(environ=env) as sandbox:
+            broker.cut_event_streams(after_events=5, sandbox=sandbox.name)  # many re-requests
+            rotated: list[bool] = []
+
+            async def on_stdout(text: str) -> None:
+                if "tick 3\n" in text and not rotated:
+                    broker.write_projected_token(path)  # kubelet-style swap
+                    broker.revoke_token(old)  # only the re-read token works from now on
+                    rotated.append(True)
+
+            script = "for i in $(seq 1 12); do echo tick $i; sleep 0.1; done"
+            result = await sandbox.commands.run(script, on_stdout=on_stdout)
+            assert rotated == [True]
+            assert result.stdout == "".join(f"tick {i}\n" for i in range(1, 13))
+
+    run(main())
