@@ -246,3 +246,27 @@ def test_a_127_from_a_process_that_ran_is_a_result(make_client: Any, fake: Any) 
     result = sandbox.commands.run("echo ran")
     assert result.exit_code == 127 and "cannot start" in result.stderr
     assert runtime.starts == [["/bin/bash", "-c", "echo ran"]]  # never run twice
+
+
+def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
+    """The runtime should end a command at its limit; if no exit arrives within the limit plus
+    the margin, the client kills it and raises CommandTimeoutError."""
+    from k8s_agent_sandbox_awx.errors import CommandTimeoutError
+
+    now = [0.0]
+    sent: list[tuple[str, str, bool]] = []
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, cf.Call):
+            sent.append((step.spec.method, step.spec.path, step.cleanup))
+            return "c1" if step.spec.path == "/commands" else None
+        if isinstance(step, cf.NextEvent):
+            now[0] += 5.0  # a heartbeat every 5 s, never an exit
+            return {"type": "heartbeat", "seq": 0, "data": ""}
+        return None
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    with pytest.raises(CommandTimeoutError, match="killed") as info:
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: now[0]), perform)
+    assert sent == [("POST", "/commands", False), ("POST", "/commands/c1/kill", True)]
+    assert info.value.result is not None and info.value.result.command_id == "c1"
