@@ -77,9 +77,8 @@ class AsyncCommandHandle(cf.HandleBase):
         """Wait until the command ends (see ``CommandHandle.wait``): a timeout raises
         :class:`CommandWaitTimeoutError` and leaves the command running; so does a cancelled
         wait."""
-        deadline = cf.wait_deadline(timeout)
         performer = _AsyncPerformer(self._transport, on_stdout, on_stderr)
-        result: ExecutionResult = await performer.drive(self._follow(deadline))
+        result: ExecutionResult = await performer.drive(self._follow(timeout))
         return result
 
     async def kill(self) -> ExecutionResult:

@@ -343,22 +343,24 @@ def follow(
     output: CommandOutput,
     deadline: float | None = None,
     *,
+    timeout: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> Op:
     """Follow ``output``'s command from its cursor to its exit event, yielding each output event
     (:class:`Emit`); returns its :class:`ExecutionResult`. The stream is re-requested with the
     cursor when it ends (every 20 s) or drops (a fresh token each time); a ``410`` goes on after
-    the lost events. Past ``deadline`` (``clock`` time) :class:`CommandWaitTimeoutError` is
-    raised; the command is left running."""
+    the lost events. Past ``deadline`` (``clock`` time; ``timeout``: the wait's, for the
+    message) :class:`CommandWaitTimeoutError` is raised; the command is left running."""
     failures = 0
     while output.exit is None:
         remaining = dp.EVENTS_DURATION if deadline is None else deadline - clock()
         if remaining <= 0:
+            waited = f" after {timeout:g}s" if timeout is not None else ""
             raise errors.CommandWaitTimeoutError(
-                f"Command {output.command_id!r} is still running (the wait timed out); it goes "
-                "on. Call wait() again, or kill() to stop it.",
+                f"Command {output.command_id!r} is still running{waited} (the wait timed out); "
+                "it goes on. Call wait() again, or kill() to stop it.",
                 command_id=output.command_id,
-                timeout=0.0 if deadline is None else remaining,
+                timeout=timeout if timeout is not None else 0.0,
             )
         duration = min(dp.EVENTS_DURATION, max(remaining, 0.05))
         position = output.cursor
@@ -681,5 +683,5 @@ class HandleBase:
         state = f"{end.state}, exit {end.exit_code}" if end is not None else "not seen ended"
         return f"{type(self).__name__}(command_id={self.command_id!r}, {state})"
 
-    def _follow(self, deadline: float | None) -> Op:
-        return follow(self._target, self._output, deadline)
+    def _follow(self, timeout: float | None) -> Op:
+        return follow(self._target, self._output, wait_deadline(timeout), timeout=timeout)

@@ -79,9 +79,8 @@ class CommandHandle(cf.HandleBase):
         handle). ``timeout`` (seconds, ``None``: no limit): :class:`CommandWaitTimeoutError` is
         raised when it passes; the command keeps running. The callbacks get the output as it
         is produced."""
-        deadline = cf.wait_deadline(timeout)
         result: ExecutionResult = _Performer(self._transport, on_stdout, on_stderr).drive(
-            self._follow(deadline)
+            self._follow(timeout)
         )
         return result
 

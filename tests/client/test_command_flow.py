@@ -172,8 +172,7 @@ def test_follow_stops_at_its_deadline_without_killing() -> None:
     script = Script([ev(1), ev(2), ev(3)])
     with pytest.raises(CommandWaitTimeoutError) as info:
         drive(cf.follow(TARGET, cf.CommandOutput("c1"), deadline=2.5, clock=clock), script)
-    assert info.value.command_id == "c1"
-    assert all(not isinstance(s, cf.Call) for s in script.opened)  # no kill was asked for
+    assert info.value.command_id == "c1"  # and no kill was asked for: Script refuses any Call
 
 
 class BashlessRuntime:

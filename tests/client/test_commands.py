@@ -157,7 +157,8 @@ def test_a_background_server_is_waited_on_and_killed(sandbox: Sandbox) -> None:
     assert handle.status().state == "running"
     with pytest.raises(CommandWaitTimeoutError) as info:
         handle.wait(timeout=0.5)
-    assert info.value.command_id == handle.command_id
+    assert (info.value.command_id, info.value.timeout) == (handle.command_id, 0.5)
+    assert "after 0.5s" in str(info.value)
     assert handle.status().state == "running"  # a wait timeout does not kill
     final = handle.kill()
     assert (final.state, final.exit_code, final.stdout) == ("cancelled", 137, "ready\n")
