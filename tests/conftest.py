@@ -100,6 +100,68 @@ def runtime_401_broker(
     yield from _clean_use(_runtime_401_broker_session, monkeypatch)
 
 
+LEGACY_RUNTIME = Path(__file__).with_name("legacy_runtime.py")
+
+
+@pytest.fixture(scope="session")
+def _legacy_broker_session() -> Iterator[Any]:
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+
+    templates: dict[str, str | list[str] | None] = {
+        "legacy": [sys.executable, str(LEGACY_RUNTIME), "--port", "{port}"],
+    }
+    policy = Policy(templates=("legacy",), namespace="default", max_sandboxes=3)
+    with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False) as session_broker:
+        yield session_broker
+
+
+@pytest.fixture
+def legacy_broker(_legacy_broker_session: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A local broker (its own, for the session) whose sandboxes run an old runtime: the local
+    runtime without the managed-command endpoints (``tests/legacy_runtime.py``; ``/commands``
+    answers ``404`` without a code). Reset and with a clean credential environment."""
+    yield from _clean_use(_legacy_broker_session, monkeypatch)
+
+
+def process_gone(pid: int, within: float = 10.0) -> bool:
+    """Whether ``pid`` is gone (or a zombie) within ``within`` s (a wait, not a speed test)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(name="process_gone")
+def _process_gone() -> Callable[..., bool]:
+    """``process_gone(pid, within=10.0)``: whether the process ended within ``within`` s."""
+    return process_gone
+
+
+LONG_OUTPUT = """
+import sys, time
+for i in range(1, 3001):
+    sys.stdout.write(f"line {i} of the long output\\n")
+    if i % 10 == 0:
+        sys.stdout.flush()
+        time.sleep(0.003)  # a pause every 10 lines: hundreds of events, not a few big reads
+"""
+
+
+@pytest.fixture
+def long_output() -> tuple[list[str], str]:
+    """``(argv, expected)``: a command printing 3000 lines in 300 flushes 3 ms apart (about 300
+    events) and the exact output it prints."""
+    argv = [sys.executable, "-c", LONG_OUTPUT]
+    return argv, "".join(f"line {i} of the long output\n" for i in range(1, 3001))
+
+
 def live_claims(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
     """The broker's live claims once deletions have settled (a DELETE is asynchronous)."""
     deadline = time.monotonic() + timeout

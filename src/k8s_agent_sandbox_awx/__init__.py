@@ -24,6 +24,10 @@ _EXPORTS: dict[str, str] = {
     "AsyncBrokerSandboxClient": "._async_client",
     "BrokerConnectionConfig": "._config",
     "SandboxError": ".errors",
+    "CommandHandle": "._commands",
+    "AsyncCommandHandle": "._async_commands",
+    "CommandEvent": "._command_flow",
+    "CommandInfo": "._dataplane",
     # --- credential framework -------------------------------------------------------------
     "DefaultCredentials": "._chain",
     "explain": "._chain",
@@ -45,9 +49,13 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "ENTRY_POINT_GROUP",
     "AsyncBrokerSandboxClient",
+    "AsyncCommandHandle",
     "AsyncSandbox",
     "BrokerConnectionConfig",
     "BrokerSandboxClient",
+    "CommandEvent",
+    "CommandHandle",
+    "CommandInfo",
     "Credential",
     "CredentialRequest",
     "CredentialSource",
@@ -91,12 +99,16 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from . import errors
     from ._async_client import AsyncBrokerSandboxClient, AsyncSandbox
+    from ._async_commands import AsyncCommandHandle
     from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
     from ._cache import clear_credential_cache
     from ._chain import DefaultCredentials, Explanation, ProviderDecision, explain
     from ._client import BrokerSandboxClient, Sandbox, SandboxInfo
+    from ._command_flow import CommandEvent
+    from ._commands import CommandHandle
     from ._config import BrokerConnectionConfig
     from ._credential import Credential, CredentialRequest, ProviderInfo
+    from ._dataplane import CommandInfo
     from .errors import *  # noqa: F403 - the old top-level error names
     from .errors import SandboxError
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl

@@ -19,15 +19,17 @@ from collections.abc import (
     Awaitable,
     Callable,
     Mapping,
+    Sequence,
 )
-from typing import Any, BinaryIO, Self, Unpack
+from typing import Any, BinaryIO, Literal, Self, Unpack, overload
 
 import httpx
 
 from . import _flow as flow
 from . import _protocol as proto
+from ._async_commands import AsyncCommandHandle, AsyncCommands
 from ._async_transport import AsyncBrokerTransport, AsyncUploadStream
-from ._base import ClientBase, ExcType, FilesBase, SandboxBase, SandboxPart, Traceback, make_client
+from ._base import ClientBase, ExcType, FilesBase, SandboxBase, Traceback, make_client
 from ._dataplane import DownloadMeter
 from ._exchange import plan_upload
 from ._files import partial_file, writer_or_path
@@ -35,6 +37,7 @@ from ._upstream import ExecutionResult, FileEntry, SandboxNotFoundError
 
 __all__ = [
     "AsyncBrokerSandboxClient",
+    "AsyncCommandHandle",
     "AsyncCommands",
     "AsyncFiles",
     "AsyncSandbox",
@@ -180,21 +183,6 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
 
 
 AsyncContent = bytes | bytearray | memoryview | str | BinaryIO | AsyncIterable[bytes]
-
-
-class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
-    """Runs commands in one sandbox. Returned by ``AsyncSandbox.commands``."""
-
-    async def run(
-        self,
-        command: str,
-        timeout: float = 60,  # noqa: ASYNC109
-        **options: Unpack[flow.RunOptions],
-    ) -> ExecutionResult:
-        """Async ``Sandbox.commands.run``: the same time limits, errors and results; never
-        retried."""
-        plan = flow.command(self._target, command, timeout, options)
-        return await self._transport.call(plan)
 
 
 def _awaiting_writer(out: Any) -> Callable[[bytes], Awaitable[Any]]:
@@ -399,17 +387,57 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
 
 class AsyncUpstreamCommands(AsyncCommands):
     """``commands`` of a handle from ``AsyncBrokerSandboxClient``: upstream's
-    ``command_timeout`` too (see ``flow.upstream_timeout``)."""
+    ``command_timeout`` and ``env`` too (see ``UpstreamCommands``)."""
+
+    @overload
+    async def run(
+        self,
+        command: str | Sequence[str],
+        timeout: float = 60,  # noqa: ASYNC109
+        command_timeout: float | None = None,
+        *,
+        background: Literal[True],
+        env: Mapping[str, str] | None = None,
+        **options: Unpack[flow.RunOptions],
+    ) -> AsyncCommandHandle: ...
+
+    @overload
+    async def run(
+        self,
+        command: str | Sequence[str],
+        timeout: float = 60,  # noqa: ASYNC109
+        command_timeout: float | None = None,
+        *,
+        background: Literal[False] = False,
+        env: Mapping[str, str] | None = None,
+        **options: Unpack[flow.RunOptions],
+    ) -> ExecutionResult: ...
+
+    @overload
+    async def run(
+        self,
+        command: str | Sequence[str],
+        timeout: float = 60,  # noqa: ASYNC109
+        command_timeout: float | None = None,
+        *,
+        background: bool,
+        env: Mapping[str, str] | None = None,
+        **options: Unpack[flow.RunOptions],
+    ) -> ExecutionResult | AsyncCommandHandle: ...
 
     async def run(
         self,
-        command: str,
+        command: str | Sequence[str],
         timeout: float = 60,  # noqa: ASYNC109
         command_timeout: float | None = None,
+        *,
+        background: bool = False,
+        env: Mapping[str, str] | None = None,
         **options: Unpack[flow.RunOptions],
-    ) -> ExecutionResult:
+    ) -> ExecutionResult | AsyncCommandHandle:
         limit = flow.upstream_timeout(timeout, command_timeout)
-        return await super().run(command, limit, **options)
+        flow.upstream_envs(options, env)
+        return await super().run(command, limit, background=background, **options)
 
 
 class AsyncUpstreamSandbox(AsyncSandbox):

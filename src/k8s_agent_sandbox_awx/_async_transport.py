@@ -174,12 +174,13 @@ class AsyncBrokerTransport(ex.TransportBase):
         return task.result()
 
     async def stream(
-        self, spec: proto.RequestSpec, meter: DownloadMeter
+        self, spec: proto.RequestSpec, meter: DownloadMeter, chunk_size: int | None = ex.CHUNK_SIZE
     ) -> AsyncGenerator[bytes, None]:
-        """The answer to ``spec`` in chunks (the request is sent on first iteration)."""
+        """The answer to ``spec`` in chunks of ``chunk_size`` (``None``: each as it arrives);
+        the request is sent on first iteration."""
         response = await self.send(spec, stream=True)
         try:
-            async for chunk in response.aiter_bytes(ex.CHUNK_SIZE):
+            async for chunk in response.aiter_bytes(chunk_size):
                 yield meter.count(chunk)
         except httpx.TransportError as exc:
             raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
@@ -191,7 +192,7 @@ class AsyncBrokerTransport(ex.TransportBase):
         ``contextlib.aclosing`` to stop early)."""
         decoder = proto.NdjsonDecoder(spec.what)
         meter = DownloadMeter(spec, spec.path, None)
-        async with contextlib.aclosing(self.stream(spec, meter)) as chunks:
+        async with contextlib.aclosing(self.stream(spec, meter, None)) as chunks:  # not held back
             async for chunk in chunks:
                 for value in decoder.feed(chunk):
                     yield value

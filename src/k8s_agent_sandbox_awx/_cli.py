@@ -217,8 +217,6 @@ def _cmd_kill(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import shlex
-
     from .errors import CommandTimeoutError
 
     cmd = list(args.cmd)
@@ -226,19 +224,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise _CliError(f"run: no command given; use `{PROG} run -- COMMAND [ARG...]`.", 2)
-    command = shlex.join(cmd)
+    streams = (
+        {} if args.json else {"on_stdout": _writer(sys.stdout), "on_stderr": _writer(sys.stderr)}
+    )
     client = _client(args)
     try:
         with client.create_sandbox(
             template=args.template, sandbox_ready_timeout=args.ready_timeout
         ) as sandbox:
-            try:
-                result = sandbox.commands.run(command, timeout=args.timeout)
+            try:  # an argv: no shell; Ctrl-C kills the command, then the sandbox
+                result = sandbox.commands.run(cmd, timeout=args.timeout, **streams)
             except CommandTimeoutError as exc:
-                if exc.result is not None:
+                if exc.result is not None and args.json:
                     _print_result(args, sandbox.name, exc.result)
-                    if not args.json and exc.result.stderr[-1:] not in ("", "\n"):
-                        sys.stderr.write("\n")
+                if not args.json and exc.result is not None:
+                    sys.stderr.write("\n" if exc.result.stderr[-1:] not in ("", "\n") else "")
                 raise _CliError(
                     f"the command ran longer than --timeout {args.timeout:g}s and was killed; "
                     "pass a larger --timeout.",
@@ -246,8 +246,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 ) from exc
     finally:
         client.close()
-    _print_result(args, sandbox.name, result)
-    return result.exit_code
+    if args.json:
+        _print_result(args, sandbox.name, result)
+    return int(result.exit_code)
+
+
+def _writer(stream: Any) -> Any:
+    """A callback that prints output as it arrives."""
+
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+    return write
 
 
 def _print_result(args: argparse.Namespace, sandbox: str, result: Any) -> None:

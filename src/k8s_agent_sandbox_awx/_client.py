@@ -6,8 +6,8 @@ from __future__ import annotations
 import atexit
 import builtins
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any, Self, Unpack
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Self, Unpack, overload
 
 import httpx
 
@@ -15,7 +15,7 @@ from . import _flow as flow
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._base import ClientBase, ExcType, SandboxBase, Traceback, make_client
-from ._commands import Commands
+from ._commands import CommandHandle, Commands
 from ._config import BrokerConnectionConfig
 from ._files import Files
 from ._transport import BrokerTransport
@@ -339,16 +339,57 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
 
 class UpstreamCommands(Commands):
     """``commands`` of a handle from ``BrokerSandboxClient``: upstream's ``command_timeout``
-    too (it wins over ``timeout``; see ``flow.upstream_timeout``)."""
+    (it wins over ``timeout``; see ``flow.upstream_timeout``) and ``env`` (``envs``) too."""
+
+    @overload
+    def run(
+        self,
+        command: str | Sequence[str],
+        timeout: float = 60,
+        command_timeout: float | None = None,
+        *,
+        background: Literal[True],
+        env: Mapping[str, str] | None = None,
+        **options: Unpack[flow.RunOptions],
+    ) -> CommandHandle: ...
+
+    @overload
+    def run(
+        self,
+        command: str | Sequence[str],
+        timeout: float = 60,
+        command_timeout: float | None = None,
+        *,
+        background: Literal[False] = False,
+        env: Mapping[str, str] | None = None,
+        **options: Unpack[flow.RunOptions],
+    ) -> ExecutionResult: ...
+
+    @overload
+    def run(
+        self,
+        command: str | Sequence[str],
+        timeout: float = 60,
+        command_timeout: float | None = None,
+        *,
+        background: bool,
+        env: Mapping[str, str] | None = None,
+        **options: Unpack[flow.RunOptions],
+    ) -> ExecutionResult | CommandHandle: ...
 
     def run(
         self,
-        command: str,
+        command: str | Sequence[str],
         timeout: float = 60,
         command_timeout: float | None = None,
+        *,
+        background: bool = False,
+        env: Mapping[str, str] | None = None,
         **options: Unpack[flow.RunOptions],
-    ) -> ExecutionResult:
-        return super().run(command, flow.upstream_timeout(timeout, command_timeout), **options)
+    ) -> ExecutionResult | CommandHandle:
+        limit = flow.upstream_timeout(timeout, command_timeout)
+        flow.upstream_envs(options, env)
+        return super().run(command, limit, background=background, **options)
 
 
 class UpstreamSandbox(Sandbox):

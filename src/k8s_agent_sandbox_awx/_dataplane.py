@@ -3,11 +3,13 @@
 Shared by every dialect: a dialect only says which headers route a request to its sandbox
 (:meth:`Dialect.data_target`); the paths, bodies, answers and the runtime's own errors are
 decided here, once. Today these are the legacy python-runtime endpoints (``/execute``,
-``/upload``, ``/download``, ``/list``, ``/exists``).
+``/upload``, ``/download``, ``/list``, ``/exists``) and the managed commands (``/commands``,
+see ``docs/broker-api.md#managed-commands``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import posixpath
 import secrets
@@ -18,24 +20,41 @@ from urllib.parse import quote
 
 from ._protocol import RequestSpec, json_body, protocol_error, seconds
 from ._upstream import ExecutionResult, FileEntry, SandboxError
-from .errors import BrokerError, BrokerUnavailableError, RequestTimeoutError
+from .errors import (
+    BrokerError,
+    BrokerUnavailableError,
+    CommandOutputLostError,
+    RequestTimeoutError,
+)
 
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
+    "EVENTS_DURATION",
     "MAX_COMMAND_TIMEOUT",
     "MAX_SANDBOX_TIMEOUT",
+    "CommandInfo",
     "DataTarget",
     "DownloadMeter",
     "Multipart",
+    "check_command_timeout",
+    "command_events",
+    "command_status",
+    "command_stdin",
     "download",
     "execute",
     "exists",
+    "kill_command",
+    "list_commands",
     "list_files",
     "multipart_framing",
+    "parse_command_id",
+    "parse_command_info",
+    "parse_command_list",
     "parse_execution_result",
     "parse_exists",
     "parse_file_entries",
     "runtime_error",
+    "start_command",
     "upload",
     "validate_sandbox_path",
 ]
@@ -46,6 +65,14 @@ MAX_SANDBOX_TIMEOUT = 86400.0
 """The largest ``X-Sandbox-Timeout`` the broker accepts (seconds it waits for a runtime)."""
 MAX_COMMAND_TIMEOUT = MAX_SANDBOX_TIMEOUT - COMMAND_TIMEOUT_MARGIN / 2
 """The longest command time limit: the client sends ``X-Sandbox-Timeout`` = limit + 5 s."""
+
+
+EVENTS_DURATION = 20.0
+"""Seconds an event stream is asked to stay open (the protocol's maximum): a client re-requests
+with its cursor at least this often, so no HTTP or proxy timeout cuts a long command."""
+EVENTS_READ_MARGIN = 15.0
+"""Seconds of silence (no event, no heartbeat) beyond ``duration`` before a stream counts as
+stalled and is re-requested."""
 
 
 class DataTarget(Protocol):
@@ -105,11 +132,13 @@ def _data(
     headers: Mapping[str, str] | None = None,
     read_timeout: float | None = None,
     retryable: bool | None = None,
+    params: Mapping[str, str] | None = None,
 ) -> RequestSpec:
     return RequestSpec(
         method,
         endpoint,
         what,
+        params=dict(params or {}),
         headers={**target.headers(), **(headers or {})},
         retryable=method == "GET" if retryable is None else retryable,
         read_timeout=read_timeout,
@@ -117,10 +146,8 @@ def _data(
     )
 
 
-def execute(target: DataTarget, command: str, *, command_timeout: float) -> RequestSpec:
-    """``POST /execute``: never retried (it is not idempotent)."""
-    if not isinstance(command, str) or not command.strip():
-        raise ValueError("The command is empty; pass the command line to run, e.g. 'echo hi'.")
+def check_command_timeout(command_timeout: float) -> float:
+    """A command's time limit, checked before anything is sent."""
     if not math.isfinite(command_timeout) or command_timeout <= 0:
         raise ValueError(
             f"The command timeout must be a finite number of seconds greater than 0, got "
@@ -133,8 +160,16 @@ def execute(target: DataTarget, command: str, *, command_timeout: float) -> Requ
             f"a sandbox's answer (X-Sandbox-Timeout), and the client asks for the command's "
             f"limit plus {COMMAND_TIMEOUT_MARGIN / 2:g} s. Pass timeout= (or command_timeout=) "
             f"of at most {MAX_COMMAND_TIMEOUT:g}, or start longer work in the background "
-            "(e.g. `sh -c 'nohup CMD > out.log 2>&1 &'`) and poll for its result."
+            "(commands.run(..., background=True)) and wait on its handle."
         )
+    return command_timeout
+
+
+def execute(target: DataTarget, command: str, *, command_timeout: float) -> RequestSpec:
+    """``POST /execute``: never retried (it is not idempotent)."""
+    if not isinstance(command, str) or not command.strip():
+        raise ValueError("The command is empty; pass the command line to run, e.g. 'echo hi'.")
+    check_command_timeout(command_timeout)
     spec = _data(
         "POST",
         "/execute",
@@ -144,6 +179,55 @@ def execute(target: DataTarget, command: str, *, command_timeout: float) -> Requ
         read_timeout=command_timeout + COMMAND_TIMEOUT_MARGIN,
     )
     return json_body(spec, {"command": command, "timeout_seconds": command_timeout})
+
+
+def _command_path(command_id: str, tail: str = "") -> str:
+    if not isinstance(command_id, str) or not command_id or len(command_id) > 255:
+        raise ValueError(
+            f"command_id must be the non-empty id a command was started with, got {command_id!r}."
+        )
+    return f"/commands/{quote(command_id, safe='')}{tail}"
+
+
+def start_command(target: DataTarget, body: Mapping[str, Any]) -> RequestSpec:
+    """``POST /commands``: never retried (a command must not run twice); ``body`` carries a
+    fresh ``request_id`` so that the runtime can deduplicate."""
+    return json_body(_data("POST", "/commands", "start a command", target), dict(body))
+
+
+def command_status(target: DataTarget, command_id: str) -> RequestSpec:
+    return _data("GET", _command_path(command_id), f"get command {command_id!r}", target)
+
+
+def list_commands(target: DataTarget) -> RequestSpec:
+    return _data("GET", "/commands", "list the sandbox's commands", target)
+
+
+def command_events(
+    target: DataTarget, command_id: str, after: int, duration: float = EVENTS_DURATION
+) -> RequestSpec:
+    """``GET /commands/{id}/events``: the NDJSON events after ``after`` for ``duration`` s."""
+    path = _command_path(command_id, "/events")
+    return _data(
+        "GET",
+        path,
+        f"follow the output of command {command_id!r}",
+        target,
+        params={"after": str(after), "duration": f"{duration:.3f}".rstrip("0").rstrip(".")},
+        read_timeout=duration + EVENTS_READ_MARGIN,
+    )
+
+
+def kill_command(target: DataTarget, command_id: str) -> RequestSpec:
+    """``POST /commands/{id}/kill``: not retried (safe to repeat by the caller)."""
+    return _data("POST", _command_path(command_id, "/kill"), f"kill command {command_id!r}", target)
+
+
+def command_stdin(target: DataTarget, command_id: str, data: str, eof: bool) -> RequestSpec:
+    """``POST /commands/{id}/stdin``: never retried (the data would be written twice)."""
+    path = _command_path(command_id, "/stdin")
+    spec = _data("POST", path, f"write to the stdin of command {command_id!r}", target)
+    return json_body(spec, {"data": data, "eof": bool(eof)})
 
 
 def upload(
@@ -230,6 +314,88 @@ def parse_execution_result(obj: Any) -> ExecutionResult:
         raise protocol_error("run a command", f"bad execution result ({exc})") from exc
 
 
+@dataclass(frozen=True)
+class CommandInfo:
+    """A managed command as the runtime reports it (``commands.list()``, ``handle.status()``).
+
+    ``state``: ``running``, ``exited``, ``cancelled`` (killed) or ``timed_out``; ``exit_code``
+    is ``None`` while running. ``stdout``/``stderr`` (status only, ``None`` in a listing) hold
+    the retained output (the first 1 MiB on the local runtime; ``output_truncated`` beyond)."""
+
+    command_id: str
+    state: str
+    exit_code: int | None
+    command: tuple[str, ...]
+    cwd: str | None = None
+    pid: int | None = None
+    stdin: bool = False
+    last_seq: int = 0
+    output_truncated: bool = False
+    started_at: str | None = None
+    ended_at: str | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def result(self) -> ExecutionResult:
+        """The status as a result (the retained output)."""
+        return ExecutionResult(
+            stdout=self.stdout or "",
+            stderr=self.stderr or "",
+            exit_code=-1 if self.exit_code is None else self.exit_code,
+            timed_out=self.state == "timed_out",
+            output_truncated=self.output_truncated,
+            command_id=self.command_id,
+            state=self.state,
+        )
+
+
+def parse_command_id(obj: Any) -> str:
+    command_id = obj.get("command_id") if isinstance(obj, dict) else None
+    if not isinstance(command_id, str) or not command_id:
+        raise protocol_error("start a command", "the answer has no command_id", _MANAGED)
+    return command_id
+
+
+_MANAGED = "the managed-command protocol"
+
+
+def parse_command_info(obj: Any, what: str = "get a command's status") -> CommandInfo:
+    try:
+        if not isinstance(obj, dict):
+            raise TypeError("not a JSON object")
+        exit_code = obj.get("exit_code")
+        last_seq = obj.get("last_seq") or 0
+        return CommandInfo(
+            command_id=str(obj["command_id"]),
+            state=str(obj["state"]),
+            exit_code=None if exit_code is None else int(exit_code),
+            command=tuple(str(arg) for arg in obj.get("command") or ()),
+            cwd=obj.get("cwd"),
+            pid=obj.get("pid"),
+            stdin=bool(obj.get("stdin", False)),
+            last_seq=int(last_seq),
+            output_truncated=bool(obj.get("output_truncated", False)),
+            started_at=obj.get("started_at"),
+            ended_at=obj.get("ended_at"),
+            stdout=obj.get("stdout"),
+            stderr=obj.get("stderr"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise protocol_error(what, f"bad command status ({exc!r})", _MANAGED) from exc
+
+
+def parse_command_list(obj: Any) -> list[CommandInfo]:
+    what = "list the sandbox's commands"
+    items = obj.get("commands") if isinstance(obj, dict) else None
+    if not isinstance(items, list):
+        raise protocol_error(what, 'expected {"commands": [...]}', _MANAGED)
+    return [parse_command_info(item, what) for item in items]
+
+
 def parse_file_entries(obj: Any, path: str) -> list[FileEntry]:
     what = f"list {path!r}"
     if not isinstance(obj, list):
@@ -247,9 +413,17 @@ def parse_exists(obj: Any, path: str) -> bool:
 
 
 def runtime_error(
-    status: int, reason: str, spec: RequestSpec, common: Mapping[str, Any]
+    status: int, reason: str, spec: RequestSpec, common: Mapping[str, Any], body: bytes = b""
 ) -> BrokerError:
-    """An error answer of the sandbox runtime itself (no broker error code), passed through."""
+    """An error answer of the sandbox runtime itself (no broker error code), passed through.
+    A ``410`` with ``resume_after`` (command output no longer retained) is a
+    :class:`CommandOutputLostError` carrying the cursor to resume from."""
+    if status == 410:
+        return CommandOutputLostError(
+            f"Could not {spec.what}: the sandbox runtime answered 410 ({reason}).",
+            resume_after=_resume_after(body),
+            **common,
+        )
     hint = {
         404: "The path does not exist in the sandbox (or is not a file/directory as needed).",
         403: "The path escapes the sandbox's base directory; use a relative path inside it.",
@@ -258,6 +432,14 @@ def runtime_error(
         f"Could not {spec.what}: the sandbox runtime answered {status} ({reason}). {hint}",
         **common,
     )
+
+
+def _resume_after(body: bytes) -> int | None:
+    try:
+        value = json.loads(body).get("resume_after")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 class DownloadMeter:

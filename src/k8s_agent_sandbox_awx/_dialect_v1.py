@@ -415,7 +415,7 @@ def error_from_response(
         )
     reason = detail or "no detail given"
     if spec.data_plane and code is None and 400 <= status < 500:
-        return runtime_error(status, reason, spec, common)
+        return runtime_error(status, reason, spec, common, body)
     cls, hint = _error_class(status, code), _hint(status, code, spec)
     extra = ""
     if status == 401 and retried_auth:

@@ -26,7 +26,7 @@ from . import _protocol as proto
 from . import errors
 from ._dialect import CreateRequest, Dialect
 from ._protocol import Call
-from ._upstream import ExecutionResult, FileEntry
+from ._upstream import FileEntry
 
 if TYPE_CHECKING:
     from ._auth import CredentialSource
@@ -94,11 +94,20 @@ class SandboxCreateOptions(ConnectOptions, total=False):
     idempotency_key: str | None
 
 
-class RunOptions(TypedDict, total=False):
-    """Keyword arguments of ``commands.run`` after ``timeout``."""
+OutputCallback = Callable[[str], Any]
+"""``on_stdout``/``on_stderr``: called with each chunk of text as it is produced (an async
+sandbox also awaits what a callback returns, so a coroutine function works)."""
 
-    env: dict[str, str] | None
+
+class RunOptions(TypedDict, total=False):
+    """Keyword arguments of ``commands.run`` after ``timeout`` (and ``background``)."""
+
+    shell: bool | None
+    envs: Mapping[str, str] | None
     cwd: str | None
+    stdin: bool
+    on_stdout: OutputCallback | None
+    on_stderr: OutputCallback | None
     raise_on_timeout: bool
 
 
@@ -120,6 +129,7 @@ UPSTREAM_SPELLINGS = {
     "resolve_timeout": "ready_timeout",
     "shutdown_after_seconds": "lifetime_seconds",
     "command_timeout": "timeout",
+    "env": "envs",
     "claim_name": "name",
 }
 """Upstream ``SandboxClient``'s spellings and the SDK's name for each: they are accepted only
@@ -414,46 +424,13 @@ def client_overrides(
 # Data plane: one call each
 
 
-def command(
-    target: dp.DataTarget, command: str, timeout: float, options: RunOptions
-) -> Call[ExecutionResult]:
-    """``commands.run``: ``POST /execute`` (never retried); a command over its limit raises
-    :class:`errors.CommandTimeoutError` unless ``raise_on_timeout`` is off."""
-    check_options("commands.run()", options, RunOptions, ("command", "timeout"))
-    if options.get("env") or options.get("cwd"):
-        raise NotImplementedError(
-            "env and cwd are not supported by the legacy python-runtime behind the broker; "
-            "set variables at create time (Sandbox.create(env=...)) or prefix the command."
-        )
-    limit = float(timeout)
-    raise_on_timeout = options.get("raise_on_timeout", True)
-
-    def no_answer(exc: Exception) -> Exception | None:
-        if not isinstance(exc, errors.RequestTimeoutError):
-            return None
-        return errors.CommandTimeoutError(
-            f"No answer for the command within its time limit of {limit:g}s plus "
-            f"{dp.COMMAND_TIMEOUT_MARGIN:g}s; it may still be running in sandbox "
-            f"{target.sandbox_id!r}. Pass a larger timeout= to commands.run.",
-            command_timeout=limit,
-        )
-
-    def result(reply: proto.Reply) -> ExecutionResult:
-        outcome = dp.parse_execution_result(proto.parse_json(reply.content, "run a command"))
-        if outcome.timed_out and raise_on_timeout:
-            raise errors.CommandTimeoutError(
-                f"The command ran longer than its time limit of {limit:g}s and was killed "
-                f"(exit code {outcome.exit_code}). Pass a larger timeout= to commands.run, or "
-                "raise_on_timeout=False to get the partial output as a result.",
-                command_timeout=limit,
-                result=outcome,
-            )
-        logger.debug(
-            "command finished in sandbox %s: exit %s", target.sandbox_id, outcome.exit_code
-        )
-        return outcome
-
-    return Call(dp.execute(target, command, command_timeout=limit), result, fail=no_answer)
+def upstream_envs(options: RunOptions, env: Mapping[str, str] | None) -> None:
+    """Upstream ``commands.run``'s ``env=`` is the SDK's ``envs=`` (both given: refused)."""
+    if env is None:
+        return
+    if options.get("envs") is not None:
+        raise TypeError("commands.run() got both env= and envs=; pass only envs=.")
+    options["envs"] = env
 
 
 def upstream_timeout(timeout: float, command_timeout: float | None) -> float:

@@ -293,6 +293,12 @@ class NdjsonDecoder:
     def feed(self, chunk: bytes) -> list[Any]:
         """The values completed by ``chunk``."""
         self._pending += chunk
+        if b"\n" not in chunk:  # no line completed: do not split the whole pending line again
+            if len(self._pending) > self.max_line:
+                raise protocol_error(
+                    self.what, f"an event line is longer than {self.max_line} bytes"
+                )
+            return []
         *lines, rest = self._pending.split(b"\n")
         if len(rest) > self.max_line:
             raise protocol_error(self.what, f"an event line is longer than {self.max_line} bytes")

@@ -143,11 +143,14 @@ class BrokerTransport(TransportBase):
             proto.redact_sent(exc, sent)
             raise
 
-    def stream(self, spec: proto.RequestSpec, meter: DownloadMeter) -> Generator[bytes, None, None]:
-        """The answer to ``spec`` in chunks (the request is sent on first iteration)."""
+    def stream(
+        self, spec: proto.RequestSpec, meter: DownloadMeter, chunk_size: int | None = CHUNK_SIZE
+    ) -> Generator[bytes, None, None]:
+        """The answer to ``spec`` in chunks of ``chunk_size`` (``None``: each as it arrives);
+        the request is sent on first iteration."""
         response = self.send(spec, stream=True)
         try:
-            for chunk in response.iter_bytes(CHUNK_SIZE):
+            for chunk in response.iter_bytes(chunk_size):
                 yield meter.count(chunk)
         except httpx.TransportError as exc:
             raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
@@ -158,7 +161,8 @@ class BrokerTransport(TransportBase):
         """The answer to ``spec`` as a stream of NDJSON values, each as soon as its line is
         complete (the request is sent on first iteration; close the generator to stop)."""
         decoder = proto.NdjsonDecoder(spec.what)
-        with contextlib.closing(self.stream(spec, DownloadMeter(spec, spec.path, None))) as chunks:
+        meter = DownloadMeter(spec, spec.path, None)
+        with contextlib.closing(self.stream(spec, meter, None)) as chunks:  # not held back
             for chunk in chunks:
                 yield from decoder.feed(chunk)
         yield from decoder.end()

@@ -25,14 +25,20 @@ from k8s_agent_sandbox.models import (
 
 
 class ExecutionResult(_UpstreamExecutionResult):
-    """Upstream's ``ExecutionResult`` (what ``commands.run`` returns) plus one field.
+    """Upstream's ``ExecutionResult`` (what ``commands.run`` returns) plus the overlay's fields.
 
     ``output_truncated``: the runtime kept only the first part of ``stdout`` or ``stderr`` (the
     local runtime keeps 1 MiB of each). A runtime that does not send the field never truncates:
     ``False``.
+
+    A managed command (``POST /commands``) also sets ``command_id`` (the runtime's id) and
+    ``state``: ``exited``, ``cancelled`` (killed) or ``timed_out``; a legacy ``/execute`` result
+    has ``command_id=None`` and ``state`` ``exited`` (``timed_out`` when it timed out).
     """
 
     output_truncated: bool = False
+    command_id: str | None = None
+    state: str = "exited"
 
 
 UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {

@@ -48,7 +48,9 @@ __all__ = [
     "BrokerTLSError",
     "BrokerTemplateNotFoundError",
     "BrokerUnavailableError",
+    "CommandOutputLostError",
     "CommandTimeoutError",
+    "CommandWaitTimeoutError",
     "ConfigurationError",
     "CredentialError",
     "CredentialPluginWarning",
@@ -64,6 +66,7 @@ __all__ = [
     "SandboxTerminatingError",
     "TokenExpiredError",
     "UnreadableCredentialError",
+    "UnsupportedByRuntimeError",
 ]
 
 
@@ -173,6 +176,30 @@ class CommandTimeoutError(SandboxError):
         super().__init__(message)
         self.command_timeout = command_timeout
         self.result = result
+
+
+class CommandWaitTimeoutError(SandboxError, TimeoutError):
+    """``handle.wait(timeout=...)`` returned before the background command ended. The command
+    keeps running (``handle.kill()`` stops it); ``command_id`` names it."""
+
+    def __init__(self, message: str, *, command_id: str, timeout: float) -> None:
+        super().__init__(message)
+        self.command_id = command_id
+        self.timeout = timeout
+
+
+class CommandOutputLostError(BrokerError):
+    """``410`` from the runtime: events a reader asked for are no longer retained (output beyond
+    the runtime's cap that no reader followed). ``resume_after``: the cursor to go on from."""
+
+    def __init__(self, message: str, *, resume_after: int | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.resume_after = resume_after
+
+
+class UnsupportedByRuntimeError(SandboxError, NotImplementedError):
+    """The sandbox's runtime is too old for what was asked (for example ``envs=``, ``cwd=`` or
+    ``background=True`` need the managed-command endpoints, ``POST /commands``)."""
 
 
 class SandboxReadyTimeoutError(SandboxNotReadyError):

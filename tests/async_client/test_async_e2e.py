@@ -201,7 +201,9 @@ def test_retries_never_run_a_command_twice(live: Any, broker: Any) -> None:
             with pytest.raises(BrokerUnavailableError, match="not idempotent"):
                 await sandbox.commands.run("echo once")
             assert broker.execution_count(name) == 1
-            broker.inject_unavailable(1, retry_after=0, scope="data", path="/execute", sandbox=name)
+            broker.inject_unavailable(
+                1, retry_after=0, scope="data", path="/commands", sandbox=name
+            )
             with pytest.raises(BrokerUnavailableError):
                 await sandbox.commands.run("echo never")
             assert broker.execution_count(name) == 1

@@ -206,12 +206,13 @@ def test_retries_are_bounded_and_only_for_idempotent_requests() -> None:
     attempts = {"exists": 0, "execute": 0}
 
     async def busy(request: httpx.Request) -> httpx.Response:
-        key = "execute" if request.url.path == "/execute" else "exists"
+        key = "execute" if request.url.path in ("/execute", "/commands") else "exists"
         attempts[key] += 1
         return httpx.Response(503, json={"detail": "busy", "code": "unavailable"})
 
     broker.hooks[("GET", "/exists/x")] = busy
     broker.hooks[("POST", "/execute")] = busy
+    broker.hooks[("POST", "/commands")] = busy
 
     async def main() -> None:
         from k8s_agent_sandbox_awx._async_client import AsyncSandbox

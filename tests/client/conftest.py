@@ -122,6 +122,8 @@ class FakeBroker:
             return httpx.Response(200, json=self.sandboxes[name])
         if path == "/v1/sandboxes":
             return httpx.Response(200, json={"items": list(self.sandboxes.values())})
+        if path.startswith("/commands"):
+            return error(404, None, f"no route for {request.method} {path}")
         if path == "/execute":
             cmd = json.loads(request.content)["command"]
             return httpx.Response(

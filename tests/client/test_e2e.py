@@ -146,7 +146,7 @@ def test_retries_never_run_a_command_twice(broker: Any) -> None:
         with pytest.raises(BrokerUnavailableError, match="not idempotent"):
             sandbox.commands.run("echo once")
         assert broker.execution_count(name) == 1
-        broker.inject_unavailable(1, retry_after=0, scope="data", path="/execute", sandbox=name)
+        broker.inject_unavailable(1, retry_after=0, scope="data", path="/commands", sandbox=name)
         with pytest.raises(BrokerUnavailableError):
             sandbox.commands.run("echo never")
         assert broker.execution_count(name) == 1
@@ -378,11 +378,15 @@ def test_iter_bytes_streams_a_file(broker: Any) -> None:
 
 
 def test_truncated_command_output_is_flagged(broker: Any, use_env: Any) -> None:
-    """The runtime keeps the first 1 MiB of each stream; the result says it cut the rest."""
+    """The runtime keeps the first 1 MiB of each stream (its status says it cut the rest); a
+    followed command's result has everything, streamed live."""
     use_env(broker.environ("kubernetes"))
     with Sandbox.create() as sandbox:
         big = sandbox.commands.run("head -c 3000000 /dev/zero")
         small = sandbox.commands.run("echo hi")
+        assert big.command_id is not None
+        retained = sandbox.commands.get(big.command_id).status()
     assert isinstance(big, ExecutionResult)
-    assert (len(big.stdout), big.exit_code, big.output_truncated) == (1024 * 1024, 0, True)
+    assert (len(big.stdout), big.exit_code, big.output_truncated) == (3000000, 0, False)
+    assert (len(retained.stdout or ""), retained.output_truncated) == (1024 * 1024, True)
     assert (small.stdout, small.output_truncated) == ("hi\n", False)

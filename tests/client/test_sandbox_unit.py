@@ -117,7 +117,10 @@ def test_commands_run(make_client: Any, fake: Any) -> None:
     sandbox = make_client().create_sandbox()
     result = sandbox.commands.run("echo hi", timeout=5)
     assert isinstance(result, ExecutionResult)
-    assert result.stdout == "ran echo hi\n"
+    # a runtime without POST /commands (404, no code): /execute with the shell argv quoted
+    assert [r.url.path for r in fake.requests[-2:]] == ["/commands", "/execute"]
+    assert result.stdout == "ran /bin/bash -c 'echo hi'\n"
+    assert (result.state, result.command_id) == ("exited", None)
     execute = fake.requests[-1]
     assert execute.headers["X-Sandbox-ID"] == "sbx-1"
     assert execute.headers["X-Sandbox-Namespace"] == "team-a"

@@ -1,0 +1,271 @@
+"""The I/O-free command layer (``_command_flow``): argv rules, the start body, the event cursor
+and its contiguity check, lost output, the collection cap, and when a stream is re-requested."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+
+from k8s_agent_sandbox_awx import _command_flow as cf
+from k8s_agent_sandbox_awx import _dataplane as dp
+from k8s_agent_sandbox_awx._driver import drive
+from k8s_agent_sandbox_awx._protocol import RouterTarget
+from k8s_agent_sandbox_awx.errors import (
+    BrokerProtocolError,
+    BrokerUnavailableError,
+    CommandOutputLostError,
+    CommandWaitTimeoutError,
+)
+
+TARGET = RouterTarget("sbx")
+
+
+def test_argv_rules() -> None:
+    assert cf.command_argv("echo a | b", None) == ["/bin/bash", "-c", "echo a | b"]
+    assert cf.command_argv("echo a | b", True) == ["/bin/bash", "-c", "echo a | b"]
+    assert cf.command_argv("echo 'a b' c", False) == ["echo", "a b", "c"]
+    assert cf.command_argv(["ls", "-l"], None) == ["ls", "-l"]
+    assert cf.command_argv(("ls",), False) == ["ls"]
+    for bad in ("", " ", [], [""], "a\0", ["a", "\0"]):
+        with pytest.raises(ValueError):
+            cf.command_argv(bad, None)
+    with pytest.raises(TypeError):
+        cf.command_argv(["ls", 1], None)  # type: ignore[list-item]
+
+
+def test_the_start_body_has_a_fresh_request_id_and_is_never_retried() -> None:
+    one = cf.StartPlan.make("true", 5, envs={"A": "b"}, cwd="/tmp")
+    two = cf.StartPlan.make("true", 5)
+    assert one.body() == {
+        "command": ["/bin/bash", "-c", "true"],
+        "timeout": 5.0,
+        "request_id": one.request_id,
+        "stdin": False,
+        "envs": {"A": "b"},
+        "cwd": "/tmp",
+    }
+    assert uuid.UUID(one.request_id).version == 4 and one.request_id != two.request_id
+    assert "envs" not in two.body() and "cwd" not in two.body()
+    mutating = [
+        dp.start_command(TARGET, one.body()),
+        dp.kill_command(TARGET, "c1"),
+        dp.command_stdin(TARGET, "c1", "x", False),
+    ]
+    assert [spec.retryable for spec in mutating] == [False, False, False]
+    events = dp.command_events(TARGET, "c/1", 7, 20)
+    assert events.path == "/commands/c%2F1/events" and events.retryable
+    assert events.params == {"after": "7", "duration": "20"}
+
+
+def test_the_cursor_skips_heartbeats_and_refuses_gaps_and_repeats() -> None:
+    out = cf.CommandOutput("c1")
+    assert out.accept({"type": "heartbeat", "seq": 0, "data": ""}) is None
+    assert out.accept({"type": "stdout", "seq": 1, "data": "a"}) == cf.CommandEvent(
+        "stdout", "a", 1
+    )
+    assert out.accept({"type": "heartbeat", "seq": 1, "data": ""}) is None
+    assert out.accept({"type": "stderr", "seq": 2, "data": "b"}) is not None
+    with pytest.raises(BrokerProtocolError, match="not contiguous"):
+        cf.CommandOutput("c1").accept({"type": "stdout", "seq": 2, "data": "x"})
+    with pytest.raises(BrokerProtocolError, match="not contiguous"):
+        out.accept({"type": "stdout", "seq": 2, "data": "again"})
+    with pytest.raises(BrokerProtocolError):
+        out.accept({"type": "stdout", "data": "no seq"})
+    end = out.accept({"type": "exit", "seq": 3, "data": "", "exit_code": 2, "state": "exited"})
+    assert end == cf.CommandEvent("exit", "", 3, 2, "exited")
+    result = out.result()
+    assert (result.stdout, result.stderr, result.exit_code, result.state) == ("a", "b", 2, "exited")
+
+
+def test_lost_output_moves_the_cursor_and_marks_the_result_truncated() -> None:
+    out = cf.CommandOutput("c1")
+    out.accept({"type": "stdout", "seq": 1, "data": "a"})
+    out.lost(CommandOutputLostError("gone", resume_after=40))
+    assert out.cursor == 40 and out.truncated
+    with pytest.raises(CommandOutputLostError):
+        out.lost(CommandOutputLostError("no cursor"))
+    with pytest.raises(CommandOutputLostError):
+        out.lost(CommandOutputLostError("backwards", resume_after=3))
+
+
+def test_the_collected_output_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cf, "COLLECT_LIMIT", 5)
+    out = cf.CommandOutput("c1")
+    out.accept({"type": "stdout", "seq": 1, "data": "abc"})
+    out.accept({"type": "stderr", "seq": 2, "data": "defg"})
+    out.accept({"type": "stdout", "seq": 3, "data": "h"})
+    result = out.result()
+    assert (result.stdout, result.stderr, result.output_truncated) == ("abc", "de", True)
+
+
+class Script:
+    """Performs follow()'s steps from a script of streams: each a list of values or an
+    exception raised when the stream is read that far."""
+
+    def __init__(self, *streams: list[Any]) -> None:
+        self.streams = list(streams)
+        self.opened: list[dict[str, str]] = []
+        self.current: list[Any] = []
+        self.emitted: list[cf.CommandEvent] = []
+        self.pauses: list[float] = []
+
+    def __call__(self, step: cf.Step) -> Any:
+        if isinstance(step, cf.OpenEvents):
+            self.opened.append(step.spec.params)
+            self.current = list(self.streams.pop(0))
+        elif isinstance(step, cf.NextEvent):
+            if not self.current:
+                return None
+            value = self.current.pop(0)
+            if isinstance(value, Exception):
+                raise value
+            return value
+        elif isinstance(step, cf.Emit):
+            self.emitted.append(step.event)
+        elif isinstance(step, cf.Pause):
+            self.pauses.append(step.seconds)
+        else:
+            raise AssertionError(step)
+
+
+def ev(seq: int, data: str = "x") -> dict[str, Any]:
+    return {"type": "stdout", "seq": seq, "data": data}
+
+
+EXIT = {"type": "exit", "seq": 4, "data": "", "exit_code": 0, "state": "exited"}
+DROPPED = BrokerUnavailableError("the connection broke")
+
+
+def test_follow_resumes_from_the_cursor_after_an_end_a_drop_and_a_410() -> None:
+    script = Script(
+        [ev(1), {"type": "heartbeat", "seq": 1, "data": ""}],  # ended cleanly (duration)
+        [ev(2), DROPPED],  # dropped
+        [CommandOutputLostError("gone", resume_after=3)],
+        [EXIT],
+    )
+    result = drive(cf.follow(TARGET, cf.CommandOutput("c1")), script)
+    assert [p["after"] for p in script.opened] == ["0", "1", "2", "3"]
+    assert [e.seq for e in script.emitted] == [1, 2, 4]
+    assert result.stdout == "xx" and result.output_truncated and len(script.pauses) == 1
+
+
+def test_follow_gives_up_after_repeated_failures_without_progress() -> None:
+    script = Script(*([DROPPED] for _ in range(cf.MAX_STREAM_FAILURES + 1)))
+    with pytest.raises(BrokerUnavailableError):
+        drive(cf.follow(TARGET, cf.CommandOutput("c1")), script)
+    assert len(script.opened) == cf.MAX_STREAM_FAILURES + 1
+    progress = [[ev(i), DROPPED] for i in range(1, 4)]  # a failure after progress is forgiven
+    script = Script(*progress, *([DROPPED] for _ in range(cf.MAX_STREAM_FAILURES - 1)), [EXIT])
+    assert drive(cf.follow(TARGET, cf.CommandOutput("c1")), script).stdout == "xxx"
+
+
+def test_follow_stops_at_its_deadline_without_killing() -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    script = Script([ev(1), ev(2), ev(3)])
+    with pytest.raises(CommandWaitTimeoutError) as info:
+        drive(cf.follow(TARGET, cf.CommandOutput("c1"), deadline=2.5, clock=clock), script)
+    assert info.value.command_id == "c1"  # and no kill was asked for: Script refuses any Call
+
+
+class BashlessRuntime:
+    """``/commands`` of a runtime whose image has no ``/bin/bash`` (scripted for FakeBroker):
+    a start of ``/bin/bash`` is a command that could not start (exit 127, no pid)."""
+
+    def __init__(self, fake: Any, *, pid_when_missing: int | None = None) -> None:
+        self.starts: list[list[str]] = []
+        self.commands: dict[str, dict[str, Any]] = {}
+        self.pid_when_missing = pid_when_missing
+        fake.route("POST", "/commands")(self.start)
+        for n in range(1, 6):
+            fake.route("GET", f"/commands/c{n}")(self.status)
+            fake.route("GET", f"/commands/c{n}/events")(self.events)
+
+    def start(self, request: Any) -> Any:
+        import httpx
+
+        argv = json.loads(request.content)["command"]
+        self.starts.append(argv)
+        command_id = f"c{len(self.starts)}"
+        if argv[0] == "/bin/bash":
+            reason = "cannot start '/bin/bash': No such file or directory\n"
+            self.commands[command_id] = {"pid": self.pid_when_missing, "out": ("stderr", reason)}
+            self.commands[command_id]["exit"] = 127
+        else:
+            self.commands[command_id] = {"pid": 42, "out": ("stdout", "ran\n"), "exit": 0}
+        return httpx.Response(200, json={"command_id": command_id})
+
+    def status(self, request: Any) -> Any:
+        import httpx
+
+        command_id = request.url.path.rsplit("/", 1)[1]
+        c = self.commands[command_id]
+        body = {
+            "command_id": command_id,
+            "state": "exited",
+            "exit_code": c["exit"],
+            "pid": c["pid"],
+        }
+        return httpx.Response(200, json=body)
+
+    def events(self, request: Any) -> Any:
+        import httpx
+
+        c = self.commands[request.url.path.split("/")[2]]
+        kind, data = c["out"]
+        lines = [
+            {"type": kind, "seq": 1, "data": data},
+            {"type": "exit", "seq": 2, "data": "", "exit_code": c["exit"], "state": "exited"},
+        ]
+        body = "".join(json.dumps(line) + "\n" for line in lines)
+        return httpx.Response(200, content=body, headers={"Content-Type": "application/x-ndjson"})
+
+
+def test_strings_fall_back_to_sh_where_bash_cannot_start(make_client: Any, fake: Any) -> None:
+    runtime = BashlessRuntime(fake)
+    sandbox = make_client().create_sandbox()
+    result = sandbox.commands.run("echo ran")
+    assert (result.stdout, result.exit_code) == ("ran\n", 0)
+    assert runtime.starts == [["/bin/bash", "-c", "echo ran"], ["/bin/sh", "-c", "echo ran"]]
+    sandbox.commands.run("echo again")  # remembered: straight to /bin/sh
+    sandbox.commands.run(["ls"])  # an argv is never rewritten
+    assert runtime.starts[2:] == [["/bin/sh", "-c", "echo again"], ["ls"]]
+
+
+def test_a_127_from_a_process_that_ran_is_a_result(make_client: Any, fake: Any) -> None:
+    runtime = BashlessRuntime(fake, pid_when_missing=7)  # a pid: something did start
+    sandbox = make_client().create_sandbox()
+    result = sandbox.commands.run("echo ran")
+    assert result.exit_code == 127 and "cannot start" in result.stderr
+    assert runtime.starts == [["/bin/bash", "-c", "echo ran"]]  # never run twice
+
+
+def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
+    """The runtime should end a command at its limit; if no exit arrives within the limit plus
+    the margin, the client kills it and raises CommandTimeoutError."""
+    from k8s_agent_sandbox_awx.errors import CommandTimeoutError
+
+    now = [0.0]
+    sent: list[tuple[str, str, bool]] = []
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, cf.Call):
+            sent.append((step.spec.method, step.spec.path, step.cleanup))
+            return "c1" if step.spec.path == "/commands" else None
+        if isinstance(step, cf.NextEvent):
+            now[0] += 5.0  # a heartbeat every 5 s, never an exit
+            return {"type": "heartbeat", "seq": 0, "data": ""}
+        return None
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    with pytest.raises(CommandTimeoutError, match="killed") as info:
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: now[0]), perform)
+    assert sent == [("POST", "/commands", False), ("POST", "/commands/c1/kill", True)]
+    assert info.value.result is not None and info.value.result.command_id == "c1"

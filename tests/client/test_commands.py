@@ -1,0 +1,367 @@
+"""commands.run and background commands end to end (sync) against the local broker: shell rules,
+envs/cwd, live callbacks, results, kill on an interrupted wait, background handles (wait, kill,
+status, stdin, iteration), reattach, list, long streams across forced reconnects and token
+rotation, and the /execute fallback on a runtime without managed commands."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k8s_agent_sandbox_awx import CommandHandle, Sandbox
+from k8s_agent_sandbox_awx._upstream import ExecutionResult
+from k8s_agent_sandbox_awx.errors import (
+    BrokerError,
+    CommandTimeoutError,
+    CommandWaitTimeoutError,
+    UnsupportedByRuntimeError,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def sandbox(broker: Any) -> Iterator[Sandbox]:
+    with Sandbox.create(environ=broker.environ("kubernetes"), env={"BASE_VAR": "base"}) as sb:
+        yield sb
+
+
+# ------------------------------------------------------------------------------- shell rules
+
+
+def test_a_string_runs_through_bash_and_a_list_is_an_argv(sandbox: Sandbox) -> None:
+    assert sandbox.commands.run("echo a | tr a b").stdout == "b\n"
+    assert sandbox.commands.run("cd /tmp && pwd").stdout == "/tmp\n"
+    assert sandbox.commands.run("echo $BASH_VERSION | cut -c1").stdout.strip().isdigit()
+    assert sandbox.commands.run(["echo", "a | tr a b", "$HOME"]).stdout == "a | tr a b $HOME\n"
+    split = sandbox.commands.run("printf '%s|' 'a b' c $HOME", shell=False)
+    assert split.stdout == "a b|c|$HOME|"  # shell-like split, no shell: nothing expanded
+    assert sandbox.commands.run("echo explicit", shell=True).stdout == "explicit\n"
+
+
+@pytest.mark.parametrize(
+    ("command", "options", "error", "match"),
+    [
+        (["echo", "x"], {"shell": True}, ValueError, "shell=True needs the command as one string"),
+        ("cat", {"stdin": True}, ValueError, "stdin=True needs background=True"),
+        ("", {}, ValueError, "empty"),
+        ("   ", {}, ValueError, "empty"),
+        ([], {}, ValueError, "empty"),
+        ("echo a\0b", {}, ValueError, "NUL"),
+        (["echo", "a\0"], {}, ValueError, "NUL"),
+        (b"echo", {}, TypeError, "str"),
+        ("true", {"cwd": "relative"}, ValueError, "absolute path"),
+        ("true", {"envs": {"A=B": "x"}}, ValueError, "invalid variable"),
+        ("true", {"envs": {"A": 1}}, TypeError, "str to str"),
+        ("true", {"timeout": 0}, ValueError, "greater than 0"),
+        ("true", {"on_stdout": "print"}, TypeError, "callable"),
+        ("true", {"background": True, "on_stdout": print}, ValueError, "wait\\(on_stdout"),
+        ("true", {"env": {"A": "b"}}, TypeError, "did you mean 'envs'"),
+    ],
+)
+def test_bad_commands_are_refused_before_anything_is_sent(
+    broker: Any, sandbox: Sandbox, command: Any, options: dict[str, Any], error: Any, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        sandbox.commands.run(command, **options)
+    assert broker.execution_count(sandbox.name) == 0
+
+
+def test_envs_merge_over_the_sandbox_environment_and_cwd_applies(sandbox: Sandbox) -> None:
+    result = sandbox.commands.run(
+        'echo "$BASE_VAR $MINE"; pwd', envs={"MINE": "mine value"}, cwd="/tmp"
+    )
+    assert result.stdout == "base mine value\n/tmp\n"
+    assert sandbox.commands.run('echo "[$MINE]"').stdout == "[]\n"  # per command
+    with pytest.raises(BrokerError, match="400"):
+        sandbox.commands.run("true", cwd="/no/such/dir")
+
+
+# ----------------------------------------------------------------------- results and callbacks
+
+
+def test_result_carries_the_command_id_state_and_a_non_zero_exit(sandbox: Sandbox) -> None:
+    result = sandbox.commands.run("echo out; echo err >&2; exit 3")
+    assert isinstance(result, ExecutionResult)
+    assert (result.stdout, result.stderr, result.exit_code) == ("out\n", "err\n", 3)
+    assert result.state == "exited" and not result.timed_out and not result.output_truncated
+    assert result.command_id and sandbox.commands.get(result.command_id).status().exit_code == 3
+
+
+def test_callbacks_get_the_output_while_the_command_runs(sandbox: Sandbox) -> None:
+    seen: list[tuple[str, str, str]] = []
+
+    def on_stdout(text: str) -> None:
+        [mine] = [c for c in sandbox.commands.list() if c.command[-1] == script]
+        seen.append(("out", text, mine.state))
+
+    script = "echo first; sleep 0.5; echo second >&2; sleep 0.5; printf 'no newline'"
+    result = sandbox.commands.run(
+        script, on_stdout=on_stdout, on_stderr=lambda t: seen.append(("err", t, "-"))
+    )
+    assert seen[0] == ("out", "first\n", "running")  # delivered before the command ended
+    assert ("err", "second\n", "-") in seen
+    assert "".join(t for kind, t, _ in seen if kind == "out") == result.stdout
+    assert result.stdout == "first\nno newline" and result.stderr == "second\n"
+
+
+def test_invalid_utf8_is_replaced(sandbox: Sandbox) -> None:
+    chunks: list[str] = []
+    result = sandbox.commands.run(r"printf 'a\377b'", on_stdout=chunks.append)
+    assert result.stdout == "a\ufffdb" == "".join(chunks)
+
+
+def test_a_command_over_its_time_limit_is_killed(sandbox: Sandbox) -> None:
+    with pytest.raises(CommandTimeoutError) as info:
+        sandbox.commands.run("echo started; sleep 30", timeout=1)
+    assert info.value.result is not None and info.value.result.state == "timed_out"
+    assert info.value.result.stdout == "started\n"
+    result = sandbox.commands.run("sleep 30", timeout=1, raise_on_timeout=False)
+    assert (result.state, result.exit_code, result.timed_out) == ("timed_out", 124, True)
+
+
+def test_an_interrupted_foreground_run_kills_the_process_group(
+    sandbox: Sandbox, process_gone: Any
+) -> None:
+    pids: list[int] = []
+
+    def interrupt(text: str) -> None:
+        pids.append(int(text.split()[0]))
+        raise KeyboardInterrupt  # as Ctrl-C would, while the wait is under way
+
+    with pytest.raises(KeyboardInterrupt):
+        sandbox.commands.run("sleep 60 & echo $!; wait", on_stdout=interrupt)
+    [mine] = [c for c in sandbox.commands.list() if c.command[-1].startswith("sleep 60 &")]
+    assert mine.state == "cancelled"
+    assert process_gone(pids[0])  # the background child of the shell too: the whole group
+
+
+# ------------------------------------------------------------------------------- background
+
+
+def test_a_background_server_is_waited_on_and_killed(sandbox: Sandbox) -> None:
+    handle = sandbox.commands.run("echo ready; exec sleep 60", background=True)
+    assert isinstance(handle, CommandHandle) and handle.command_id
+    events = iter(handle)
+    first = next(events)
+    assert (first.type, first.data, first.seq) == ("stdout", "ready\n", 1)
+    assert handle.status().state == "running"
+    with pytest.raises(CommandWaitTimeoutError) as info:
+        handle.wait(timeout=0.5)
+    assert (info.value.command_id, info.value.timeout) == (handle.command_id, 0.5)
+    assert "after 0.5s" in str(info.value)
+    assert handle.status().state == "running"  # a wait timeout does not kill
+    final = handle.kill()
+    assert (final.state, final.exit_code, final.stdout) == ("cancelled", 137, "ready\n")
+    assert handle.kill() == final  # safe to repeat
+    waited = handle.wait()
+    assert (waited.state, waited.stdout) == ("cancelled", "ready\n")
+    assert list(events) == []  # wait() read on to the exit: reading continues, nothing repeated
+    assert [e.type for e in sandbox.commands.get(handle.command_id)] == ["stdout", "exit"]
+
+
+def test_stdin_and_iteration(sandbox: Sandbox) -> None:
+    handle = sandbox.commands.run(["cat"], background=True, stdin=True)
+    handle.send_stdin("hello\n")
+    handle.send_stdin("wörld".encode())
+    handle.send_stdin("", eof=True)
+    out = [(e.type, e.data) for e in handle if e.type != "exit"]
+    assert "".join(data for _, data in out) == "hello\nwörld"
+    assert handle.wait().exit_code == 0
+    with pytest.raises(BrokerError, match="409"):
+        handle.send_stdin("late")
+
+
+def test_wait_callbacks_and_reattach_replays_the_output(broker: Any, sandbox: Sandbox) -> None:
+    handle = sandbox.commands.run("echo one; sleep 0.3; echo two", background=True)
+    got: list[str] = []
+    assert handle.wait(on_stdout=got.append).stdout == "one\ntwo\n" == "".join(got)
+    other = Sandbox.connect(sandbox.name, environ=broker.environ("kubernetes"))
+    try:
+        again = other.commands.get(handle.command_id)
+        assert again.wait().stdout == "one\ntwo\n"  # replayed from the start
+        listed = {c.command_id: c for c in other.commands.list()}
+        assert listed[handle.command_id].state == "exited"
+        assert listed[handle.command_id].stdout is None  # a listing has no output
+        with pytest.raises(BrokerError, match="404"):
+            other.commands.get("no-such-command")
+    finally:
+        other.close_connection()  # the sandbox keeps running
+
+
+def test_reattach_from_another_process(broker: Any, sandbox: Sandbox) -> None:
+    handle = sandbox.commands.run("sleep 0.5; echo from-afar", background=True)
+    script = (
+        "import sys\nfrom k8s_agent_sandbox_awx import Sandbox\n"
+        "sb = Sandbox.connect(sys.argv[1])\n"
+        "print(sb.commands.get(sys.argv[2]).wait().stdout, end='')\n"
+    )
+    env = {
+        **os.environ,
+        **broker.environ("kubernetes"),
+        "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script, sandbox.name, handle.command_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout) == (0, "from-afar\n"), out.stderr
+
+
+def test_the_running_limit_is_a_clear_error(sandbox: Sandbox) -> None:
+    handles = [sandbox.commands.run("sleep 60", background=True) for _ in range(16)]
+    with pytest.raises(BrokerError, match=r"429.*16"):
+        sandbox.commands.run("true")
+    for handle in handles:
+        handle.kill()
+    assert sandbox.commands.run("echo room").stdout == "room\n"
+
+
+# ----------------------------------------------------------------------- long streams
+
+
+def test_forced_reconnects_lose_and_repeat_nothing(
+    broker: Any,
+    sandbox: Sandbox,
+    long_output: tuple[list[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    script, expected = long_output
+    broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
+    broker.drop_event_stream_mid_line(3, after_events=20, sandbox=sandbox.name)
+    transport: Any = sandbox.commands._transport
+    requests: list[str] = []
+    events = transport.events
+
+    def counting(spec: Any) -> Any:
+        requests.append(spec.params["after"])
+        return events(spec)
+
+    monkeypatch.setattr(transport, "events", counting)
+    chunks: list[str] = []
+    result = sandbox.commands.run(script, on_stdout=chunks.append)
+    assert len(requests) >= 5 and requests[0] == "0"  # cut every 50 events, dropped 3 times
+    assert result.stdout == expected == "".join(chunks)  # byte for byte
+    handle = sandbox.commands.run(script, background=True)
+    assert "".join(e.data for e in handle) == expected
+    assert handle.command_id in {c.command_id for c in sandbox.commands.list()}
+
+
+def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Path) -> None:
+    path = tmp_path / "tokens" / "agent-sandbox-token"
+    env = broker.environ("kubernetes", token_file=path)
+    old = path.read_text()
+    with Sandbox.create(environ=env) as sandbox:
+        broker.cut_event_streams(after_events=5, sandbox=sandbox.name)  # many re-requests
+        rotated = threading.Event()
+
+        def on_stdout(text: str) -> None:
+            if "tick 3\n" in text and not rotated.is_set():
+                broker.write_projected_token(path)  # kubelet-style swap
+                broker.revoke_token(old)  # only the re-read token works from now on
+                rotated.set()
+
+        script = "for i in $(seq 1 12); do echo tick $i; sleep 0.1; done"
+        result = sandbox.commands.run(script, on_stdout=on_stdout)
+        assert rotated.is_set()
+        assert result.stdout == "".join(f"tick {i}\n" for i in range(1, 13))
+
+
+# ----------------------------------------------------------------------- legacy runtimes
+
+
+def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker: Any) -> None:
+    with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
+        chunks: list[str] = []
+        result = sandbox.commands.run("echo a | tr a b; cd /tmp && pwd", on_stdout=chunks.append)
+        assert (result.stdout, result.exit_code, result.command_id) == ("b\n/tmp\n", 0, None)
+        assert chunks == ["b\n/tmp\n"]  # at the end: the legacy runtime does not stream
+        assert sandbox.commands.run(["echo", "a | b"]).stdout == "a | b\n"
+        assert sandbox.commands.run("printf '%s|' 'a b' c", shell=False).stdout == "a b|c|"
+        for options in ({"envs": {"A": "b"}}, {"cwd": "/tmp"}, {"background": True}):
+            with pytest.raises(UnsupportedByRuntimeError, match=r"POST /commands.*v0\.3\.0"):
+                sandbox.commands.run("true", **options)
+        assert isinstance(UnsupportedByRuntimeError("x"), NotImplementedError)
+        assert legacy_broker.execution_count(sandbox.name) == 4  # 1 POST /commands + 3 /execute
+
+
+def cli_run(broker: Any, *argv: str) -> subprocess.Popen[str]:
+    """``agent-sandbox-awx run -- ARGV`` in a child process, its output piped."""
+    env = {
+        **os.environ,
+        **broker.environ("kubernetes"),
+        "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    cli = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli", "run", "--", *argv]
+    pipe = subprocess.PIPE
+    return subprocess.Popen(cli, env=env, stdout=pipe, stderr=pipe, text=True)
+
+
+def test_cli_run_streams_and_exits_with_the_command_code(broker: Any) -> None:
+    proc = cli_run(broker, "sh", "-c", "echo first; sleep 1; echo second; exit 7")
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first == "first\n" and proc.poll() is None  # printed while the command still runs
+    rest, err = proc.communicate(timeout=60)
+    assert (proc.returncode, rest) == (7, "second\n"), err
+    assert "Traceback" not in err
+
+
+def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any) -> None:
+    proc = cli_run(broker, "sh", "-c", "echo $$; exec sleep 60")
+    assert proc.stdout is not None
+    pid = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert process_gone(pid)
+    assert broker.sandboxes() == []  # and the sandbox is gone too
+
+
+def test_sequential_runs_reuse_one_connection(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The event stream is read to its end after the exit event, so that its connection goes
+    back to the pool (closing it early cost a TLS handshake per command)."""
+    import httpcore
+
+    opened: list[Any] = []
+    create = httpcore.ConnectionPool.create_connection
+
+    def counting(self: Any, origin: Any) -> Any:
+        opened.append(origin)
+        return create(self, origin)
+
+    sandbox.commands.run("true")  # a connection is open and idle now
+    monkeypatch.setattr(httpcore.ConnectionPool, "create_connection", counting)
+    for _ in range(5):
+        assert sandbox.commands.run(["echo", "hi"]).stdout == "hi\n"
+    assert opened == []
+
+
+def test_output_no_longer_retained_is_skipped_and_flagged(sandbox: Sandbox) -> None:
+    """Nobody follows a command that prints 3 MB: past the runtime's 1 MiB cap its oldest live
+    events are dropped; a later reader gets 410 for them, goes on after them and says so."""
+    handle = sandbox.commands.run(
+        "head -c 1048576 /dev/zero | tr '\\0' a; head -c 2000000 /dev/zero | tr '\\0' b; echo end",
+        background=True,
+    )
+    deadline = time.monotonic() + 60
+    while handle.status().running and time.monotonic() < deadline:
+        time.sleep(0.2)  # not read: the runtime keeps the first 1 MiB and a live window
+    result = sandbox.commands.get(handle.command_id).wait()
+    assert (result.exit_code, result.output_truncated) == (0, True)
+    assert result.stdout.startswith("a" * 1048576) and result.stdout.endswith("bbend\n")
+    assert len(result.stdout) < 3000000 + 4  # the dropped part is not there

@@ -1,0 +1,34 @@
+"""A stand-in for an old sandbox runtime: the local runtime without the managed-command
+endpoints. ``/commands`` answers ``404`` with a runtime-style body (``{"detail": ...}``, no broker
+``code``), as a runtime older than the managed-command protocol does; ``/execute`` and the rest
+work. Started by a local broker from its template command line (``--port {port}``)."""
+
+from __future__ import annotations
+
+import sys
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from k8s_agent_sandbox_awx.testing import _runtime
+
+
+def _without_commands(method: str) -> None:
+    original: Callable[[Any], None] = getattr(_runtime._Handler, method)
+
+    def handle(self: Any) -> None:
+        path = urllib.parse.urlsplit(self.path).path
+        if path == "/commands" or path.startswith("/commands/"):
+            if self.command == "POST":
+                self._drain()
+            self._error(404, f"no route for {self.command} {path}")
+            return
+        original(self)
+
+    setattr(_runtime._Handler, method, handle)
+
+
+if __name__ == "__main__":
+    _without_commands("do_GET")
+    _without_commands("do_POST")
+    sys.exit(_runtime.main(sys.argv[1:]))
