@@ -95,6 +95,38 @@ def runtime_401_broker(
     yield from _clean_use(_runtime_401_broker_session, monkeypatch)
 
 
+LEGACY_RUNTIME = Path(__file__).with_name("legacy_runtime.py")
+FILES_POLICY_CAP = 120
+
+
+@pytest.fixture(scope="session")
+def _files_broker_session() -> Iterator[Any]:
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+
+    templates: dict[str, str | list[str] | None] = {
+        "python": None,
+        "legacy": [sys.executable, str(LEGACY_RUNTIME), "--port", "{port}"],
+    }
+    policy = Policy(
+        templates=("python", "legacy"),
+        namespace="team-a",
+        max_sandboxes=10,
+        max_lifetime_seconds=FILES_POLICY_CAP,
+    )
+    with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False) as session:
+        yield session
+
+
+@pytest.fixture
+def files_broker(_files_broker_session: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A local broker (its own, for the session) whose Kubernetes callers may use the templates
+    ``python`` (the local runtime, with the file API) and ``legacy`` (``tests/legacy_runtime.py``:
+    no ``/fs/*``); the policy caps lifetimes at ``FILES_POLICY_CAP`` (120) seconds. Reset and
+    with a clean credential environment, like ``broker``."""
+    yield from _clean_use(_files_broker_session, monkeypatch)
+
+
 def live_claims(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
     """The broker's live claims once deletions have settled (a DELETE is asynchronous)."""
     deadline = time.monotonic() + timeout

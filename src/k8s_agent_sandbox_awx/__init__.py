@@ -23,6 +23,8 @@ _EXPORTS: dict[str, str] = {
     "AsyncSandbox": "._async_client",
     "AsyncBrokerSandboxClient": "._async_client",
     "BrokerConnectionConfig": "._config",
+    "FileInfo": "._fsapi",
+    "WatchEvent": "._fsapi",
     "SandboxError": ".errors",
     # --- credential framework -------------------------------------------------------------
     "DefaultCredentials": "._chain",
@@ -53,6 +55,7 @@ __all__ = [
     "CredentialSource",
     "DefaultCredentials",
     "Explanation",
+    "FileInfo",
     "KubernetesAuth",
     "OIDCTokenAuth",
     "ProviderDecision",
@@ -60,6 +63,7 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxInfo",
+    "WatchEvent",
     "__version__",
     "clear_credential_cache",
     "explain",
@@ -97,6 +101,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._client import BrokerSandboxClient, Sandbox, SandboxInfo
     from ._config import BrokerConnectionConfig
     from ._credential import Credential, CredentialRequest, ProviderInfo
+    from ._fsapi import FileInfo, WatchEvent
     from .errors import *  # noqa: F403 - the old top-level error names
     from .errors import SandboxError
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl

@@ -78,6 +78,14 @@ class Dialect(ABC):
     def delete(self, name: str) -> Call[bool]:
         """Delete one sandbox; the answer is ``False`` if it was already gone."""
 
+    def extend(self, name: str, seconds: int) -> Call[SandboxInfo]:
+        """Set sandbox ``name``'s deadline to now + ``seconds`` (later or earlier); the answer
+        is its new state. Retryable (idempotent in effect)."""
+        raise NotImplementedError(
+            f"The {self.name!r} broker dialect cannot change a sandbox's lifetime; set the "
+            "lifetime at create (timeout=) instead."
+        )
+
     # -- errors and the data plane ---------------------------------------------------------
 
     @abstractmethod

@@ -53,11 +53,13 @@ class UploadStream(httpx.SyncByteStream):
         body = self._body
         body.begin()
         yield body.framing.prefix
-        if isinstance(body.content, bytes):
-            yield from body.byte_chunks()
+        yield from body.byte_chunks()
+        if body.kind == "iter":
+            for piece in body.content:
+                if chunk := body.accept(piece):
+                    yield chunk
         while want := body.want():
-            chunk = body.accept(body.content.read(want))
-            if chunk:
+            if chunk := body.accept(body.content.read(want)):
                 yield chunk
         yield body.framing.suffix
 
@@ -136,9 +138,17 @@ class BrokerTransport(TransportBase):
         """Run an operation of ``_flow`` (a generator of calls) to its result."""
         return drive(op, self.call)
 
+    def upload_stream(self, body: UploadBody) -> UploadStream:
+        return UploadStream(body)
+
     def stream(self, spec: proto.RequestSpec, meter: DownloadMeter) -> Generator[bytes, None, None]:
         """The answer to ``spec`` in chunks (the request is sent on first iteration)."""
-        response = self.send(spec, stream=True)
+        yield from self.chunks(self.send(spec, stream=True), meter)
+
+    def chunks(
+        self, response: httpx.Response, meter: DownloadMeter
+    ) -> Generator[bytes, None, None]:
+        """An open ``response``'s body in chunks, counted by ``meter``; closed at the end."""
         try:
             for chunk in response.iter_bytes(CHUNK_SIZE):
                 yield meter.count(chunk)
