@@ -181,11 +181,12 @@ class AsyncBrokerTransport(ex.TransportBase):
                 yield chunk
 
     async def chunks(
-        self, response: httpx.Response, meter: DownloadMeter
+        self, response: httpx.Response, meter: DownloadMeter, size: int | None = ex.CHUNK_SIZE
     ) -> AsyncGenerator[bytes, None]:
-        """An open ``response``'s body in chunks, counted by ``meter``; closed at the end."""
+        """An open ``response``'s body in chunks of ``size`` bytes (``None``: as they arrive),
+        counted by ``meter``; closed at the end."""
         try:
-            async for chunk in response.aiter_bytes(ex.CHUNK_SIZE):
+            async for chunk in response.aiter_bytes(size):
                 yield meter.count(chunk)
         except httpx.TransportError as exc:
             raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
@@ -197,7 +198,9 @@ class AsyncBrokerTransport(ex.TransportBase):
         ``contextlib.aclosing`` to stop early)."""
         decoder = proto.NdjsonDecoder(spec.what)
         meter = DownloadMeter(spec, spec.path, None)
-        async with contextlib.aclosing(self.stream(spec, meter)) as chunks:
+        # chunks as they arrive: a chunk size would hold an event back until enough followed
+        response = await self.send(spec, stream=True)
+        async with contextlib.aclosing(self.chunks(response, meter, None)) as chunks:
             async for chunk in chunks:
                 for value in decoder.feed(chunk):
                     yield value

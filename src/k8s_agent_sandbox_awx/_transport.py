@@ -146,11 +146,12 @@ class BrokerTransport(TransportBase):
         yield from self.chunks(self.send(spec, stream=True), meter)
 
     def chunks(
-        self, response: httpx.Response, meter: DownloadMeter
+        self, response: httpx.Response, meter: DownloadMeter, size: int | None = CHUNK_SIZE
     ) -> Generator[bytes, None, None]:
-        """An open ``response``'s body in chunks, counted by ``meter``; closed at the end."""
+        """An open ``response``'s body in chunks of ``size`` bytes (``None``: as they arrive),
+        counted by ``meter``; closed at the end."""
         try:
-            for chunk in response.iter_bytes(CHUNK_SIZE):
+            for chunk in response.iter_bytes(size):
                 yield meter.count(chunk)
         except httpx.TransportError as exc:
             raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
@@ -161,7 +162,9 @@ class BrokerTransport(TransportBase):
         """The answer to ``spec`` as a stream of NDJSON values, each as soon as its line is
         complete (the request is sent on first iteration; close the generator to stop)."""
         decoder = proto.NdjsonDecoder(spec.what)
-        with contextlib.closing(self.stream(spec, DownloadMeter(spec, spec.path, None))) as chunks:
+        meter = DownloadMeter(spec, spec.path, None)
+        # chunks as they arrive: a chunk size would hold an event back until enough followed
+        with contextlib.closing(self.chunks(self.send(spec, stream=True), meter, None)) as chunks:
             for chunk in chunks:
                 yield from decoder.feed(chunk)
         yield from decoder.end()
