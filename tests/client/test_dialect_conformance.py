@@ -98,3 +98,20 @@ def test_a_failed_create_is_rolled_back(
 def test_an_unknown_dialect_is_a_configuration_error(broker: Any) -> None:
     with pytest.raises(ConfigurationError, match="broker protocol"):
         BrokerSandboxClient(environ=broker.environ("kubernetes"), broker_protocol="nope")
+
+
+def test_the_lifetime_is_set_moved_and_capped(client: BrokerSandboxClient) -> None:
+    """``timeout=`` at create and ``set_timeout``/``extend`` (the dialect's ``extend``): the
+    deadline moves both ways, past the policy cap is ``LifetimeExceedsPolicyError``."""
+    from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
+    from k8s_agent_sandbox_awx.errors import LifetimeExceedsPolicyError
+
+    sandbox = client.create_sandbox(shutdown_after_seconds=120)
+    left = sandbox.get_info().seconds_left()
+    assert left is not None and 100 < left <= 120
+    shorter = sandbox.set_timeout(30)
+    assert (rfc3339_seconds(shorter.expires_at) or 0) <= time.time() + 31
+    assert (client.extend(sandbox.name, 200).seconds_left() or 0) > 150
+    with pytest.raises(LifetimeExceedsPolicyError):
+        sandbox.set_timeout(10**6)
+    sandbox.kill()

@@ -90,3 +90,43 @@ def test_keepalive_never_fails_the_operation(
         with caplog.at_level("WARNING", logger="k8s_agent_sandbox_awx.transport"):
             assert sb.files.write("a.txt", b"still works").size == 11
         assert "keepalive of sandbox sbx-gone0000 failed (ignored)" in caplog.text
+
+
+def test_lifetime_settings_from_the_environment_and_arguments() -> None:
+    from k8s_agent_sandbox_awx import BrokerConnectionConfig
+    from k8s_agent_sandbox_awx._flow import sandbox_timeout, spec_from_create
+    from k8s_agent_sandbox_awx.errors import ConfigurationError
+
+    base = {"AGENT_SANDBOX_BROKER_URL": "https://broker.example"}
+    config = BrokerConnectionConfig.from_env(base)
+    assert (config.sandbox_timeout, config.sandbox_keepalive) == (300, 0)
+    env = {**base, "AGENT_SANDBOX_TTL_SECONDS": "0", "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS": "60"}
+    config = BrokerConnectionConfig.from_env(env)
+    assert (config.sandbox_timeout, config.sandbox_keepalive) == (0, 60)
+    assert sandbox_timeout(None, config) is None  # 0: the policy's maximum
+    assert sandbox_timeout(45, config) == 45
+    with pytest.raises(ConfigurationError, match="AGENT_SANDBOX_TTL_SECONDS"):
+        BrokerConnectionConfig.from_env({**base, "AGENT_SANDBOX_TTL_SECONDS": "5m"})
+    assert spec_from_create(None, None, {"lifetime_seconds": 60}).lifetime_seconds == 60
+    assert spec_from_create(None, None, {"timeout": 60.0}).lifetime_seconds == 60
+    with pytest.raises(ConfigurationError, match="differ"):
+        spec_from_create(None, None, {"timeout": 60, "lifetime_seconds": 30})
+    with pytest.raises(TypeError, match="whole number"):
+        spec_from_create(None, None, {"timeout": 1.5})
+    with pytest.raises(ValueError, match="positive"):
+        spec_from_create(None, None, {"timeout": 0})
+
+
+def test_keepalive_is_due_once_per_half_window_and_only_when_it_extends() -> None:
+    from k8s_agent_sandbox_awx._protocol import Keepalive
+
+    now = [1000.0]
+    keepalive = Keepalive("sbx", 60, deadline=1300.0, clock=lambda: now[0])
+    assert not keepalive.claim()  # now + 60 is before the deadline it knows
+    now[0] = 1250.0
+    assert keepalive.claim()  # 1310 > 1300: extend
+    keepalive.deadline = 1310.0
+    now[0] = 1270.0
+    assert not keepalive.claim()  # within the half window
+    now[0] = 1281.0
+    assert keepalive.claim()
