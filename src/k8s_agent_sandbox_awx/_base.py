@@ -20,7 +20,7 @@ from . import _protocol as proto
 from ._auth import CredentialSource
 from ._chain import DefaultCredentials
 from ._config import BrokerConnectionConfig
-from ._dataplane import DataTarget, DownloadMeter, KeptAlive
+from ._dataplane import DataTarget, KeptAlive, check_max_bytes
 from ._dialects import get_dialect
 from ._flow import (
     ConnectOptions,
@@ -214,7 +214,7 @@ class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
         (sync) or ``async for`` (async); the download starts with the first chunk. Close it
         (``contextlib.closing`` / ``contextlib.aclosing``) if you stop early. The same as
         ``read(path, format="stream")``, with ``max_bytes``."""
-        DownloadMeter(proto.RequestSpec("GET", "", ""), path, max_bytes)  # checks max_bytes
+        check_max_bytes(max_bytes)  # now, not at the first chunk
         op = fsapi.read(self._api, path, timeout, allow_unsafe_paths, stream=True)
         return self._stream(op, path, max_bytes)
 

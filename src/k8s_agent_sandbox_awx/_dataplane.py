@@ -333,15 +333,20 @@ def runtime_error(
     )
 
 
+def check_max_bytes(max_bytes: int | None) -> int | None:
+    """``max_bytes`` of a download: ``None`` (no limit) or >= 0."""
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}.")
+    return max_bytes
+
+
 class DownloadMeter:
     """Counts a streamed download, enforces ``max_bytes`` and names a broken stream's error."""
 
     def __init__(self, spec: RequestSpec, src: str, max_bytes: int | None) -> None:
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}.")
         self.spec = spec
         self.src = src
-        self.max_bytes = max_bytes
+        self.max_bytes = check_max_bytes(max_bytes)
         self.total = 0
 
     def count(self, chunk: bytes) -> bytes:
