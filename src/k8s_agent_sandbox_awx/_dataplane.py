@@ -3,7 +3,7 @@
 Shared by every dialect: a dialect only says which headers route a request to its sandbox
 (:meth:`Dialect.data_target`); the paths, bodies, answers and the runtime's own errors are
 decided here, once. Today these are the legacy python-runtime endpoints (``/execute``,
-``/upload``, ``/download``, ``/list``, ``/exists``).
+``/upload``, ``/download``, ``/list``, ``/exists``; the file API is in ``_fsapi``).
 """
 
 from __future__ import annotations

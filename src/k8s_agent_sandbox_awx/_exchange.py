@@ -26,7 +26,7 @@ from . import _protocol as proto
 from ._config import BrokerConnectionConfig
 from ._credential import Credential
 from ._dialect import Dialect
-from ._upload import CHUNK_SIZE, UploadBody, plan_upload
+from ._upload import CHUNK_SIZE, UploadBody
 from ._version import __version__
 from .errors import BrokerError, BrokerTLSError, BrokerUnavailableError, ConfigurationError
 from .errors import RequestTimeoutError as _RequestTimeoutError
@@ -43,7 +43,6 @@ __all__ = [
     "Sleep",
     "UploadBody",
     "client_settings",
-    "plan_upload",
     "retry_policy",
 ]
 

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from . import _dataplane as dp
 from . import _protocol as proto
 from ._dataplane import Multipart
 from .errors import BrokerError
@@ -24,9 +23,9 @@ from .errors import BrokerError
 __all__ = [
     "CHUNK_SIZE",
     "UploadBody",
+    "finish_spec",
     "fs_write_framing",
     "plan_body",
-    "plan_upload",
 ]
 
 CHUNK_SIZE = 1024 * 1024
@@ -181,18 +180,3 @@ def fs_write_framing(path: str, boundary: str | None = None) -> Multipart:
     )
     suffix = f"\r\n--{boundary}--\r\n".encode()
     return Multipart(prefix, suffix, f"multipart/form-data; boundary={boundary}")
-
-
-def plan_upload(
-    target: Any,
-    dest: str,
-    content: Any,
-    timeout: float | None,
-    *,
-    streamed: bool = False,
-) -> tuple[proto.RequestSpec, UploadBody]:
-    """The legacy ``POST /upload`` of ``content`` to ``dest`` (``streamed``: an async
-    iterable is allowed)."""
-    framing = dp.multipart_framing(dest)
-    body = plan_body(framing, content, allow_async=streamed)
-    return finish_spec(dp.upload(target, dest, framing), body, timeout), body
