@@ -185,3 +185,30 @@ def test_watch_dir_closes_cleanly_and_ends_at_its_timeout(files_broker: Any) -> 
         watch.close()  # before it started: nothing was sent
         with pytest.raises(ValueError, match="timeout"):
             sb.files.watch_dir("quiet", timeout=0)
+
+
+def test_watch_dir_reconnects_and_loses_no_change(
+    files_broker: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Short segments (1 s instead of 20): every reconnection reads the token again and diffs
+    the runtime's new snapshot, so files created around the reconnections each arrive once."""
+    from k8s_agent_sandbox_awx import _fsapi
+
+    monkeypatch.setattr(_fsapi, "MAX_WATCH_SEGMENT", 1.0)
+    with _sandbox(files_broker) as sb:
+        sb.files.make_dir("r/sub")
+        events: list[WatchEvent] = []
+        watch = sb.files.watch_dir("r", timeout=6, recursive=True)
+        thread = threading.Thread(target=lambda: events.extend(watch))
+        with caplog.at_level("DEBUG", logger="k8s_agent_sandbox_awx.transport"):
+            thread.start()
+            time.sleep(0.5)
+            for i in range(8):
+                sb.files.write(f"r/sub/{i}.txt", b"x")
+                time.sleep(0.4)
+            thread.join(15)
+        assert not thread.is_alive()
+        created = sorted(e.path for e in events if e.type == "created")
+        assert created == [f"/app/r/sub/{i}.txt" for i in range(8)]  # each once, none lost
+        segments = caplog.text.count("GET /fs/watch -> 200")
+        assert segments >= 4, caplog.text[-2000:]
