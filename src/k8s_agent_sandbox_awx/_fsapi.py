@@ -182,22 +182,24 @@ def legacy_path(path: str, *, allow_root: bool = False, allow_unsafe: bool = Fal
 
 
 def _timed(spec: proto.RequestSpec, timeout: float | None) -> proto.RequestSpec:
-    if timeout is not None:
-        if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}.")
-        spec.read_timeout = float(timeout)
-    return spec
+    """``spec`` with ``timeout`` (seconds) to read its answer."""
+    if timeout is None:
+        return spec
+    if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}.")
+    return dataclasses.replace(spec, read_timeout=float(timeout))
 
 
 def _get(api: FileAPI, endpoint: str, what: str, path: str, **params: str) -> proto.RequestSpec:
     spec = dp.data_request("GET", endpoint, what, api.target, path)
-    spec.params = {"path": path, **params}
-    return spec
+    return dataclasses.replace(spec, params={"path": path, **params})
 
 
-def _post(api: FileAPI, endpoint: str, what: str, path: str, body: Any) -> proto.RequestSpec:
+def _post(
+    api: FileAPI, endpoint: str, what: str, path: str, body: Any, *, retryable: bool = False
+) -> proto.RequestSpec:
     spec = dp.data_request("POST", endpoint, what, api.target, path)
-    return proto.json_body(spec, body)
+    return proto.json_body(dataclasses.replace(spec, retryable=retryable), body)
 
 
 def _json(parse: Callable[[Any, str], T], what: str) -> Callable[[proto.Reply], T]:
@@ -390,8 +392,8 @@ def get_info(api: FileAPI, path: str, timeout: float | None) -> Op[FileInfo]:
 
 def make_dir(api: FileAPI, path: str, timeout: float | None) -> Op[bool]:
     what = f"make the directory {fs_path(path)!r}"
-    spec = _timed(_post(api, "/fs/mkdir", what, path, {"path": path}), timeout)
-    spec.retryable = True  # creating an existing directory again answers false
+    # retryable: creating an existing directory again answers false
+    spec = _timed(_post(api, "/fs/mkdir", what, path, {"path": path}, retryable=True), timeout)
     return (yield from _either(api, Call(spec, _json(_flag("created"), what)), None, path))
 
 
@@ -406,10 +408,9 @@ def move(
 
 def remove(api: FileAPI, path: str, recursive: bool, timeout: float | None) -> Op[bool]:
     what = f"remove {fs_path(path)!r}"
-    spec = _timed(
-        _post(api, "/fs/remove", what, path, {"path": path, "recursive": recursive}), timeout
-    )
-    spec.retryable = True  # a replayed remove answers false
+    body = {"path": path, "recursive": recursive}
+    # retryable: a replayed remove answers false
+    spec = _timed(_post(api, "/fs/remove", what, path, body, retryable=True), timeout)
     return (yield from _either(api, Call(spec, _json(_flag("removed"), what)), None, path))
 
 

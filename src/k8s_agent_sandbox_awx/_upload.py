@@ -10,6 +10,7 @@ memory); only bytes and seekable files are replayable, so only they are retried.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import secrets
 from collections.abc import AsyncIterable, Iterable, Iterator
@@ -152,15 +153,18 @@ def finish_spec(
     spec: proto.RequestSpec, body: UploadBody, timeout: float | None
 ) -> proto.RequestSpec:
     """``spec`` with the body's length (or chunked), retryable only if replayable."""
-    spec.headers["Content-Type"] = body.framing.content_type
-    if body.size is not None:
-        spec.headers["Content-Length"] = str(body.framing.length(body.size))
-    else:
-        spec.headers["Transfer-Encoding"] = "chunked"
-    if timeout is not None:
-        spec.read_timeout = float(timeout)
-    spec.retryable = body.replayable
-    return spec
+    length = (
+        {"Content-Length": str(body.framing.length(body.size))}
+        if body.size is not None
+        else {"Transfer-Encoding": "chunked"}
+    )
+    headers = {**spec.headers, "Content-Type": body.framing.content_type, **length}
+    return dataclasses.replace(
+        spec,
+        headers=headers,
+        read_timeout=spec.read_timeout if timeout is None else float(timeout),
+        retryable=body.replayable,
+    )
 
 
 def fs_write_framing(path: str, boundary: str | None = None) -> Multipart:
