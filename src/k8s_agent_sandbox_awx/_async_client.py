@@ -394,6 +394,8 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
 
     async def is_running(self) -> bool:
         """Whether the sandbox exists and is Ready."""
+        if self._killed:
+            return False
         try:
             return self._running(await self.refresh())
         except SandboxNotFoundError:

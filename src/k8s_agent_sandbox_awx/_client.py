@@ -227,6 +227,8 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
 
     def is_running(self) -> bool:
         """Whether the sandbox exists and is Ready (``False`` once expired or deleted)."""
+        if self._killed:
+            return False
         try:
             return self._running(self.refresh())
         except SandboxNotFoundError:

@@ -47,6 +47,7 @@ def test_timeout_default_environment_and_policy_cap(files_broker: Any) -> None:
         assert sb.info == longer
         with pytest.raises(ValueError, match="positive"):
             sb.set_timeout(0)
+    assert not sb.is_running()  # killed (its connections closed): no request needed
 
 
 def test_set_timeout_shortening_makes_the_broker_delete_it_on_time(files_broker: Any) -> None:
