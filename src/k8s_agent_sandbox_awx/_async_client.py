@@ -18,7 +18,6 @@ from collections.abc import (
     AsyncGenerator,
     Awaitable,
     Callable,
-    Coroutine,
     Mapping,
     Sequence,
 )
@@ -58,9 +57,7 @@ __all__ = [
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 
-class AsyncBrokerSandboxClient(
-    ClientBase["AsyncSandbox", AsyncBrokerTransport, Coroutine[Any, Any, "AsyncSandbox"]]
-):
+class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport]):
     """The async counterpart of :class:`BrokerSandboxClient` (upstream ``AsyncSandboxClient``'s
     method names): the same configuration, credentials (``aget_credential``), errors, retries,
     redirect and timeout rules, and cleanup of a failed or cancelled create. One
@@ -127,6 +124,19 @@ class AsyncBrokerSandboxClient(
         """Delete sandbox ``name`` at the broker (to the end, even if cancelled); ``False`` if it
         was already gone."""
         return await self._transport.call(flow.cleanup(self.dialect.delete(name)))
+
+    async def create_sandbox(
+        self,
+        warmpool: str | None = None,
+        namespace: str | None = None,
+        sandbox_ready_timeout: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        **options: Unpack[flow.UpstreamCreateOptions],
+    ) -> AsyncSandbox:
+        """``BrokerSandboxClient.create_sandbox``, awaited: a cancelled create deletes the
+        claim it made before ``CancelledError`` propagates."""
+        plan = self._upstream_plan(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        return await self._create(plan, upstream=True)
 
     def _handle(
         self, info: proto.SandboxInfo, *, upstream: bool, keepalive: int | None = None

@@ -13,7 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Generic, TypeVar, Unpack
+from typing import Any, Generic, TypeVar
 
 from . import _fsapi as fsapi
 from . import _protocol as proto
@@ -53,18 +53,17 @@ Traceback = TracebackType | None
 
 
 H = TypeVar("H", bound="SandboxBase[Any, Any, Any]")
-CL = TypeVar("CL", bound="ClientBase[Any, Any, Any]")
+CL = TypeVar("CL", bound="ClientBase[Any, Any]")
 C = TypeVar("C")
 Cmd = TypeVar("Cmd")
 F = TypeVar("F")
 T = TypeVar("T")
-R = TypeVar("R")
 
 
-class ClientBase(ABC, Generic[H, T, R]):
+class ClientBase(ABC, Generic[H, T]):
     """Configuration, credentials, the transport (``T``) and the handles a client created or
-    attached to; ``create_sandbox`` (its signature and checks exist once: ``R`` is the sync
-    client's handle, or the async client's coroutine returning one).
+    attached to, and the checks of ``create_sandbox`` (:meth:`_upstream_plan`); the sync and
+    the async client add the methods that do I/O.
 
     ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
     ``config_overrides`` such as ``broker_url=``/``ca_cert=`` winning); ``auth`` defaults to
@@ -112,32 +111,17 @@ class ClientBase(ABC, Generic[H, T, R]):
     @abstractmethod
     def _new_transport(self, http_transport: Any) -> T: ...
 
-    @abstractmethod
-    def _create(self, plan: CreatePlan, *, upstream: bool) -> R:
-        """Create, wait, register and return the handle (``upstream``: with upstream's
-        spellings too, for ``create_sandbox``)."""
-
-    def create_sandbox(
+    def _upstream_plan(
         self,
-        warmpool: str | None = None,
-        namespace: str | None = None,
-        sandbox_ready_timeout: float | None = None,
-        labels: Mapping[str, str] | None = None,
-        **options: Unpack[UpstreamCreateOptions],
-    ) -> R:
-        """Create a sandbox, wait until it is Ready and return its handle (the async client:
-        ``await client.create_sandbox(...)``).
-
-        ``template`` (or upstream's ``warmpool``) names the template; neither: the config's
-        template (``AGENT_SANDBOX_TEMPLATE``), else the broker policy's default. ``namespace`` is
-        decided by the broker (the argument is accepted for compatibility and ignored).
-        Keyword options: ``template``, ``annotations``, ``shutdown_after_seconds`` (the
-        sandbox's lifetime), ``env``, ``idempotency_key``. If anything fails after the claim
-        was created (ready timeout, Failed phase, Ctrl-C, a cancelled task), the claim is
-        deleted before raising.
-        """
+        warmpool: str | None,
+        namespace: str | None,
+        sandbox_ready_timeout: float | None,
+        labels: Mapping[str, str] | None,
+        options: UpstreamCreateOptions,
+    ) -> CreatePlan:
+        """``create_sandbox``'s arguments (upstream's spellings) as the plan of a create."""
         spec = spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
-        return self._create(plan_create(self.connection_config, self.dialect, spec), upstream=True)
+        return plan_create(self.connection_config, self.dialect, spec)
 
     @property
     def broker_url(self) -> str:

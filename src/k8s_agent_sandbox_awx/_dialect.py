@@ -16,9 +16,13 @@ from typing import Any, ClassVar
 
 from ._dataplane import DataTarget
 from ._protocol import Call, Reply, RequestSpec, SandboxInfo
-from .errors import BrokerError
+from .errors import BrokerError, ConfigurationError
 
-__all__ = ["CreateRequest", "Dialect"]
+__all__ = ["FEATURES", "CreateRequest", "Dialect"]
+
+FEATURES = frozenset({"list", "whoami", "idempotent_create", "lifetime"})
+"""What a dialect may lack: listing my sandboxes, asking who I am, replaying a create,
+changing a sandbox's lifetime (:meth:`Dialect.extend`)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,16 @@ class Dialect(ABC):
     """One broker control-plane protocol. Stateless: one instance serves every client."""
 
     name: ClassVar[str]
+    features: ClassVar[frozenset[str]] = FEATURES
+    """The optional operations (:data:`FEATURES`) this dialect has."""
+
+    def require(self, feature: str, what: str) -> None:
+        """Refuse ``what`` before anything is sent if this dialect lacks ``feature``."""
+        if feature not in self.features:
+            raise ConfigurationError(
+                f"Cannot {what}: the broker speaks the {self.name!r} dialect, which has no "
+                f"{feature.replace('_', ' ')} operation."
+            )
 
     # -- control plane: requests and their answers -----------------------------------------
 
@@ -80,7 +94,9 @@ class Dialect(ABC):
 
     def extend(self, name: str, seconds: int) -> Call[SandboxInfo]:
         """Set sandbox ``name``'s deadline to now + ``seconds`` (later or earlier); the answer
-        is its new state. Retryable (idempotent in effect)."""
+        is its new state. Retryable (idempotent in effect). A dialect without the ``lifetime``
+        feature refuses it (:meth:`require`)."""
+        self.require("lifetime", "change a sandbox's lifetime")
         raise NotImplementedError(
             f"The {self.name!r} broker dialect cannot change a sandbox's lifetime; set the "
             "lifetime at create (timeout=) instead."

@@ -123,17 +123,21 @@ def get(
     name: str, *, wait_ready: float | None = None, request_timeout: float = 30.0
 ) -> RequestSpec:
     """``wait_ready``: seconds the broker may hold the request until Ready (long-poll)."""
-    spec = RequestSpec("GET", _name_path(name), f"get sandbox {name!r}", retryable=True)
-    if wait_ready is not None:
-        wait = max(0.0, min(MAX_WAIT_SECONDS, wait_ready))
-        spec.params = {"wait": "ready", "timeout": seconds(wait)}
-        spec.read_timeout = wait + request_timeout
-        spec.what = f"wait for sandbox {name!r} to become ready"
-    return spec
+    if wait_ready is None:
+        return RequestSpec("GET", _name_path(name), f"get sandbox {name!r}", retryable=True)
+    wait = max(0.0, min(MAX_WAIT_SECONDS, wait_ready))
+    return RequestSpec(
+        "GET",
+        _name_path(name),
+        f"wait for sandbox {name!r} to become ready",
+        params={"wait": "ready", "timeout": seconds(wait)},
+        retryable=True,
+        read_timeout=wait + request_timeout,
+    )
 
 
 def list_sandboxes(label_selector: Mapping[str, str] | str | None = None) -> RequestSpec:
-    spec = RequestSpec("GET", f"{API}/sandboxes", "list my sandboxes", retryable=True)
+    params: dict[str, str] = {}
     if label_selector:
         if isinstance(label_selector, str):
             selector = label_selector
@@ -145,8 +149,8 @@ def list_sandboxes(label_selector: Mapping[str, str] | str | None = None) -> Req
         else:
             pairs = str_mapping("label_selector", label_selector)
             selector = ",".join(f"{k}={v}" for k, v in pairs.items())
-        spec.params = {"label_selector": selector}
-    return spec
+        params = {"label_selector": selector}
+    return RequestSpec("GET", f"{API}/sandboxes", "list my sandboxes", params, retryable=True)
 
 
 def set_lifetime(name: str, seconds: int) -> RequestSpec:
@@ -449,7 +453,7 @@ def _sandbox_of(spec: RequestSpec) -> Call[SandboxInfo]:
 
 
 class V1Dialect(Dialect):
-    """The broker API v1."""
+    """The broker API v1 (every optional operation)."""
 
     name = "v1"
 

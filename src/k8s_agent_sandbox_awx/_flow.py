@@ -387,6 +387,13 @@ def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
 
 def _abandon_create(plan: CreatePlan, exc: BaseException) -> Op[None]:
     dialect, spec = plan.dialect, plan.spec
+    if "idempotent_create" not in dialect.features:
+        exc.add_note(
+            f"The create was interrupted; the broker's {dialect.name!r} dialect cannot replay a "
+            "create to tell whether it made a sandbox: check with `agent-sandbox-awx ls` and "
+            "kill any leftover."
+        )
+        return
     try:
         reply = yield Call(spec, proto.raw, cleanup=True)
         name = dialect.parse_created(reply, spec).name

@@ -337,7 +337,8 @@ def write(
         dest = legacy_path(path, allow_unsafe=allow_unsafe)
         framing = dp.multipart_framing(dest)
         legacy_body = dataclasses.replace(body, framing=framing)
-        legacy_spec = up.finish_spec(dp.upload(api.target, dest, framing), legacy_body, timeout)
+        sized = dp.upload(api.target, dest, framing, size=body.size, replayable=body.replayable)
+        legacy_spec = up.finish_spec(sized, legacy_body, timeout)
         return Call(legacy_spec, _legacy_written(dest), body=legacy_body)
 
     parse = _json(lambda obj, w: parse_info(obj, w), what)

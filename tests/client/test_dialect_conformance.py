@@ -10,10 +10,14 @@ from typing import Any
 
 import pytest
 
-from k8s_agent_sandbox_awx import BrokerSandboxClient, Sandbox
+from k8s_agent_sandbox_awx import BrokerConnectionConfig, BrokerSandboxClient, Sandbox
+from k8s_agent_sandbox_awx import _flow as flow
+from k8s_agent_sandbox_awx._dialect import Dialect
+from k8s_agent_sandbox_awx._dialect_v1 import V1Dialect
 from k8s_agent_sandbox_awx._dialects import DIALECTS, get_dialect
 from k8s_agent_sandbox_awx.errors import (
     BrokerQuotaError,
+    BrokerUnavailableError,
     ConfigurationError,
     SandboxNotFoundError,
     SandboxReadyTimeoutError,
@@ -37,11 +41,17 @@ def client(broker: Any, dialect: str) -> Iterator[BrokerSandboxClient]:
         yield made
 
 
+def needs(client: BrokerSandboxClient, feature: str) -> None:
+    if feature not in client.dialect.features:
+        pytest.skip(f"the {client.dialect.name!r} dialect has no {feature} operation")
+
+
 def test_create_is_ready_listed_found_and_deleted_once(client: BrokerSandboxClient) -> None:
     sandbox = client.create_sandbox()
     assert sandbox.info.ready
     assert client.get_info(sandbox.name).name == sandbox.name
-    assert sandbox.name in [info.name for info in client.list_sandboxes()]
+    if "list" in client.dialect.features:
+        assert sandbox.name in [info.name for info in client.list_sandboxes()]
     assert client.delete(sandbox.name) is True
     deadline = time.monotonic() + 10
     while client.delete(sandbox.name):  # repeating is never an error (it may be Terminating)
@@ -63,6 +73,7 @@ def test_the_data_plane_reaches_the_sandbox_with_the_dialects_headers(
 
 
 def test_whoami_and_healthz(client: BrokerSandboxClient) -> None:
+    needs(client, "whoami")
     who = client.whoami()
     assert who["subject"].endswith(":agent")
     health = client.healthz()
@@ -100,12 +111,53 @@ def test_an_unknown_dialect_is_a_configuration_error(broker: Any) -> None:
         BrokerSandboxClient(environ=broker.environ("kubernetes"), broker_protocol="nope")
 
 
+def test_an_interrupted_create_is_replayed_only_by_a_dialect_that_can(
+    client: BrokerSandboxClient,
+) -> None:
+    """The create may have reached the broker but its answer was lost: a dialect with
+    idempotent creates sends the same request (same key) again to find and delete what it
+    made; one without says so in the error."""
+    op = flow.create(plan_for(client.dialect))
+    first = next(op)
+    lost = BrokerUnavailableError("the answer was lost", request_sent=True)
+    if "idempotent_create" in client.dialect.features:
+        assert op.throw(lost).spec is first.spec
+    else:
+        with pytest.raises(BrokerUnavailableError) as info:
+            op.throw(lost)
+        assert client.dialect.name in "".join(info.value.__notes__)
+
+
+def test_a_missing_feature_is_refused_naming_the_dialect() -> None:
+    """What a second dialect lacks is a clear error naming it (``Dialect.require``), and an
+    interrupted create is not replayed by a dialect that cannot."""
+
+    class Minimal(V1Dialect):
+        name = "minimal"
+        features = frozenset()
+
+    with pytest.raises(ConfigurationError, match="'minimal' dialect, which has no whoami"):
+        Minimal().require("whoami", "ask the broker who I am")
+    op = flow.create(plan_for(Minimal()))
+    next(op)
+    with pytest.raises(BrokerUnavailableError) as info:
+        op.throw(BrokerUnavailableError("lost", request_sent=True))
+    assert "'minimal' dialect cannot replay a create" in "".join(info.value.__notes__)
+
+
+def plan_for(dialect: Dialect) -> flow.CreatePlan:
+    config = BrokerConnectionConfig(broker_url="https://broker.test")
+    return flow.plan_create(config, dialect, flow.SandboxSpec())
+
+
 def test_the_lifetime_is_set_moved_and_capped(client: BrokerSandboxClient) -> None:
     """``timeout=`` at create and ``set_timeout``/``extend`` (the dialect's ``extend``): the
     deadline moves both ways, past the policy cap is ``LifetimeExceedsPolicyError``."""
     from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
     from k8s_agent_sandbox_awx.errors import LifetimeExceedsPolicyError
 
+    if "lifetime" not in client.dialect.features:
+        pytest.skip(f"the {client.dialect.name!r} dialect cannot change a lifetime")
     sandbox = client.create_sandbox(shutdown_after_seconds=120)
     left = sandbox.get_info().seconds_left()
     assert left is not None and 100 < left <= 120
