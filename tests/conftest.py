@@ -31,6 +31,8 @@ _CLEAN_ENV = (
     "AGENT_SANDBOX_BROKER_URL",
     "AGENT_SANDBOX_CA_BUNDLE",
     "AGENT_SANDBOX_TEMPLATE",
+    "AGENT_SANDBOX_TTL_SECONDS",
+    "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS",
     "AGENT_SANDBOX_TOKEN",
     "AGENT_SANDBOX_TOKEN_FILE",
     "GITHUB_ACTIONS",
@@ -160,6 +162,37 @@ def long_output() -> tuple[list[str], str]:
     events) and the exact output it prints."""
     argv = [sys.executable, "-c", LONG_OUTPUT]
     return argv, "".join(f"line {i} of the long output\n" for i in range(1, 3001))
+
+
+FILES_POLICY_CAP = 120
+
+
+@pytest.fixture(scope="session")
+def _files_broker_session() -> Iterator[Any]:
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+
+    templates: dict[str, str | list[str] | None] = {
+        "python": None,
+        "legacy": [sys.executable, str(LEGACY_RUNTIME), "--port", "{port}"],
+    }
+    policy = Policy(
+        templates=("python", "legacy"),
+        namespace="team-a",
+        max_sandboxes=10,
+        max_lifetime_seconds=FILES_POLICY_CAP,
+    )
+    with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False) as session:
+        yield session
+
+
+@pytest.fixture
+def files_broker(_files_broker_session: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A local broker (its own, for the session) whose Kubernetes callers may use the templates
+    ``python`` (the local runtime, with the file API) and ``legacy`` (``tests/legacy_runtime.py``:
+    no ``/fs/*``); the policy caps lifetimes at ``FILES_POLICY_CAP`` (120) seconds. Reset and
+    with a clean credential environment, like ``broker``."""
+    yield from _clean_use(_files_broker_session, monkeypatch)
 
 
 def live_claims(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """A stand-in for an old sandbox runtime: the local runtime without the managed-command
-endpoints. ``/commands`` answers ``404`` with a runtime-style body (``{"detail": ...}``, no broker
-``code``), as a runtime older than the managed-command protocol does; ``/execute`` and the rest
+endpoints and without the file API. ``/commands`` and ``/fs/*`` answer ``404`` with a
+runtime-style body (``{"detail": ...}``, no broker ``code``), as runtimes older than those
+protocols do (the deployed runtimes before v0.3.0); ``/execute`` and the legacy file endpoints
 work. Started by a local broker from its template command line (``--port {port}``)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from k8s_agent_sandbox_awx.testing import _runtime
+from k8s_agent_sandbox_awx.testing import _fs, _runtime
 
 
 def _without_commands(method: str) -> None:
@@ -29,6 +30,8 @@ def _without_commands(method: str) -> None:
 
 
 if __name__ == "__main__":
+    _fs.GET_ROUTES = frozenset()
+    _fs.POST_ROUTES = frozenset()
     _without_commands("do_GET")
     _without_commands("do_POST")
     sys.exit(_runtime.main(sys.argv[1:]))

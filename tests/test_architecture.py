@@ -159,7 +159,9 @@ IO_FREE = {
     "_dialects",
     "_driver",
     "_flow",
+    "_fsapi",
     "_protocol",
+    "_upload",
 }
 """What the sync and the async shells share: decisions only, no I/O, no httpx."""
 

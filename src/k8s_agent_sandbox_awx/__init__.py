@@ -23,6 +23,8 @@ _EXPORTS: dict[str, str] = {
     "AsyncSandbox": "._async_client",
     "AsyncBrokerSandboxClient": "._async_client",
     "BrokerConnectionConfig": "._config",
+    "FileInfo": "._fsapi",
+    "WatchEvent": "._fsapi",
     "SandboxError": ".errors",
     "CommandHandle": "._commands",
     "AsyncCommandHandle": "._async_commands",
@@ -61,6 +63,7 @@ __all__ = [
     "CredentialSource",
     "DefaultCredentials",
     "Explanation",
+    "FileInfo",
     "KubernetesAuth",
     "OIDCTokenAuth",
     "ProviderDecision",
@@ -68,6 +71,7 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxInfo",
+    "WatchEvent",
     "__version__",
     "clear_credential_cache",
     "explain",
@@ -109,6 +113,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._config import BrokerConnectionConfig
     from ._credential import Credential, CredentialRequest, ProviderInfo
     from ._dataplane import CommandInfo
+    from ._fsapi import FileInfo, WatchEvent
     from .errors import *  # noqa: F403 - the old top-level error names
     from .errors import SandboxError
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl

@@ -10,30 +10,41 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import inspect
 import logging
 import os
 from collections.abc import (
     AsyncGenerator,
-    AsyncIterable,
     Awaitable,
     Callable,
     Mapping,
     Sequence,
 )
-from typing import Any, BinaryIO, Literal, Self, Unpack, overload
+from typing import Any, Literal, Self, Unpack, overload
 
 import httpx
 
 from . import _flow as flow
+from . import _fsapi as fsapi
 from . import _protocol as proto
 from ._async_commands import AsyncCommandHandle, AsyncCommands
-from ._async_transport import AsyncBrokerTransport, AsyncUploadStream
-from ._base import ClientBase, ExcType, FilesBase, SandboxBase, Traceback, make_client
+from ._async_transport import AsyncBrokerTransport
+from ._base import (
+    ClientBase,
+    ExcType,
+    FilesBase,
+    SandboxBase,
+    Traceback,
+    data_target,
+    make_client,
+    timeout_seconds,
+)
 from ._dataplane import DownloadMeter
-from ._exchange import plan_upload
 from ._files import partial_file, writer_or_path
-from ._upstream import ExecutionResult, FileEntry, SandboxNotFoundError
+from ._fsapi import FileInfo, WatchEvent
+from ._upstream import ExecutionResult, SandboxNotFoundError
+from .errors import BrokerError
 
 __all__ = [
     "AsyncBrokerSandboxClient",
@@ -105,6 +116,11 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
         op = flow.wait_ready(self.dialect, info, ready_timeout, request_timeout, creating=creating)
         return await self._transport.run(op)
 
+    async def extend(self, name: str, seconds: int) -> proto.SandboxInfo:
+        """Set sandbox ``name``'s deadline to now + ``seconds`` (see
+        ``BrokerSandboxClient.extend``)."""
+        return await self._transport.call(self.dialect.extend(name, timeout_seconds(seconds)))
+
     async def delete(self, name: str) -> bool:
         """Delete sandbox ``name`` at the broker (to the end, even if cancelled); ``False`` if it
         was already gone."""
@@ -123,14 +139,16 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
         plan = self._upstream_plan(warmpool, namespace, sandbox_ready_timeout, labels, options)
         return await self._create(plan, upstream=True)
 
-    def _handle(self, info: proto.SandboxInfo, *, upstream: bool) -> AsyncSandbox:
-        return (AsyncUpstreamSandbox if upstream else AsyncSandbox)(self, info)
+    def _handle(
+        self, info: proto.SandboxInfo, *, upstream: bool, keepalive: int | None = None
+    ) -> AsyncSandbox:
+        return (AsyncUpstreamSandbox if upstream else AsyncSandbox)(self, info, keepalive=keepalive)
 
     async def _create(self, plan: flow.CreatePlan, *, upstream: bool) -> AsyncSandbox:
         """``create_sandbox``'s I/O: a failed or cancelled create deletes the claim it made
         before the error (or ``CancelledError``) propagates."""
         info = await self._transport.run(flow.create(plan))
-        return self._register(self._handle(info, upstream=upstream))
+        return self._register(self._handle(info, upstream=upstream, keepalive=plan.keepalive))
 
     async def _attach(self, name: str, ready_timeout: float, *, upstream: bool) -> AsyncSandbox:
         handle = self._existing(name)
@@ -182,9 +200,6 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
             raise failures[0][1]
 
 
-AsyncContent = bytes | bytearray | memoryview | str | BinaryIO | AsyncIterable[bytes]
-
-
 def _awaiting_writer(out: Any) -> Callable[[bytes], Awaitable[Any]]:
     """``out.write`` as a coroutine function, whether ``write`` is sync or async."""
 
@@ -196,32 +211,57 @@ def _awaiting_writer(out: Any) -> Callable[[bytes], Awaitable[Any]]:
 
 
 class AsyncFiles(FilesBase[AsyncBrokerTransport, AsyncGenerator[bytes, None]]):
-    """File operations in one sandbox. Returned by ``AsyncSandbox.files``."""
+    """File operations in one sandbox. Returned by ``AsyncSandbox.files``: the operations,
+    names, rules and errors of ``Sandbox.files``, awaited."""
 
     async def write(
         self,
-        path: str,
-        content: AsyncContent,
+        path: str | Sequence[tuple[str, Any]],
+        data: Any = None,
         timeout: float | None = None,  # noqa: ASYNC109
         allow_unsafe_paths: bool = False,
-    ) -> None:
-        """Async ``Sandbox.files.write``, streamed: ``content`` is bytes, str, a binary file
-        (read in a worker thread) or an async iterable of bytes (sent once, never retried)."""
-        dest = flow.file_path(path, allow_unsafe_paths)
-        source = content if isinstance(content, AsyncIterable) else None
-        spec, body = plan_upload(self._target, dest, content, timeout, streamed=bool(source))
-        await self._transport.send(spec, body=AsyncUploadStream(body, source))
+    ) -> Any:
+        """Async ``Sandbox.files.write`` (also the batch form), streamed: ``data`` is bytes,
+        str, a binary file (read in a worker thread), an iterator or an async iterable of bytes
+        (sent once, never retried)."""
+        op = self._write_op(path, data, timeout, allow_unsafe_paths, allow_async=True)
+        return await self._transport.run(op)
+
+    async def write_from(
+        self,
+        path: str,
+        local_path: str | os.PathLike[str],
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> FileInfo:
+        """Upload the local file ``local_path`` to ``path`` (read in a worker thread)."""
+        with open(local_path, "rb") as source:  # noqa: ASYNC230 - read in a worker thread
+            info: FileInfo = await self.write(path, source, timeout)
+        return info
 
     async def read(
         self,
         path: str,
         timeout: float | None = None,  # noqa: ASYNC109
         allow_unsafe_paths: bool = False,
-    ) -> bytes:
-        """The bytes of the file at ``path`` (use :meth:`read_to` or :meth:`iter_bytes` for
-        large files)."""
-        call = flow.read_file(self._target, path, timeout, allow_unsafe_paths)
-        return await self._transport.call(call)
+        *,
+        format: str = "bytes",
+    ) -> Any:
+        """Async ``Sandbox.files.read``; ``format="stream"`` gives an async iterator of
+        chunks (``async for``; ``contextlib.aclosing`` to stop early)."""
+        fmt = fsapi.read_format(format)
+        op = fsapi.read(self._api, path, timeout, allow_unsafe_paths, stream=fmt == "stream")
+        if fmt == "stream":
+            return self._stream(op, path, None)
+        return fsapi.decoded(await self._transport.run(op), fmt)
+
+    async def _stream(
+        self, op: fsapi.Op[fsapi.Opened], src: str, max_bytes: int | None
+    ) -> AsyncGenerator[bytes, None]:
+        spec, response = await self._transport.run(op)
+        meter = DownloadMeter(spec, src, max_bytes)
+        async with contextlib.aclosing(self._transport.chunks(response, meter)) as chunks:  # type: ignore[arg-type]
+            async for chunk in chunks:
+                yield chunk
 
     async def read_to(
         self,
@@ -234,24 +274,85 @@ class AsyncFiles(FilesBase[AsyncBrokerTransport, AsyncGenerator[bytes, None]]):
         """Async ``Sandbox.files.read_to``: stream into a local path (a temporary file renamed
         into place when complete; written from a worker thread) or a writer whose ``write`` is
         sync or async. Returns the bytes written."""
-        src, spec = flow.download_spec(self._target, path, timeout, allow_unsafe_paths)
-        meter = DownloadMeter(spec, src, max_bytes)
+        chunks = self.iter_bytes(path, timeout, allow_unsafe_paths, max_bytes)
         if not writer_or_path(destination):
-            return await self._transport.download(spec, meter, _awaiting_writer(destination))
+            return await _acopy(chunks, _awaiting_writer(destination))
         with partial_file(destination) as out:
 
             async def write(data: bytes) -> int:
                 return await asyncio.to_thread(out.write, data)
 
-            return await self._transport.download(spec, meter, write)
+            return await _acopy(chunks, write)
 
-    async def list(self, path: str = ".", timeout: float | None = None) -> list[FileEntry]:  # noqa: ASYNC109
-        """The entries of the directory ``path`` as upstream ``FileEntry`` objects."""
-        return await self._transport.call(flow.list_files(self._target, path, timeout))
+    async def list(self, path: str = ".", timeout: float | None = None) -> builtins.list[FileInfo]:  # noqa: ASYNC109
+        """The entries of the directory ``path`` (:class:`FileInfo`, sorted by name)."""
+        return await self._transport.run(fsapi.list_dir(self._api, path, timeout))
 
     async def exists(self, path: str, timeout: float | None = None) -> bool:  # noqa: ASYNC109
-        """Whether ``path`` exists in the sandbox (without downloading it)."""
-        return await self._transport.call(flow.file_exists(self._target, path, timeout))
+        """Whether ``path`` exists in the sandbox."""
+        return await self._transport.run(fsapi.exists(self._api, path, timeout))
+
+    async def get_info(self, path: str, timeout: float | None = None) -> FileInfo:  # noqa: ASYNC109
+        """The :class:`FileInfo` of ``path``."""
+        return await self._transport.run(fsapi.get_info(self._api, path, timeout))
+
+    async def make_dir(self, path: str, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Create the directory ``path`` and its parents; ``False`` if it already existed."""
+        return await self._transport.run(fsapi.make_dir(self._api, path, timeout))
+
+    async def move(
+        self,
+        source: str,
+        destination: str,
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> FileInfo:
+        """Async ``Sandbox.files.move`` (never replaces unless ``overwrite``)."""
+        op = fsapi.move(self._api, source, destination, overwrite, timeout)
+        return await self._transport.run(op)
+
+    async def remove(
+        self,
+        path: str,
+        *,
+        recursive: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> bool:
+        """Remove ``path``; ``False`` if it did not exist."""
+        return await self._transport.run(fsapi.remove(self._api, path, recursive, timeout))
+
+    def watch_dir(
+        self,
+        path: str,
+        *,
+        timeout: float | None = 60,
+        recursive: bool = False,
+    ) -> AsyncGenerator[WatchEvent, None]:
+        """Async ``Sandbox.files.watch_dir``: ``async for event in files.watch_dir(...)``
+        (``contextlib.aclosing`` to stop early)."""
+        return self._watch(fsapi.Watch(self._api, path, timeout, recursive))
+
+    async def _watch(self, watch: fsapi.Watch) -> AsyncGenerator[WatchEvent, None]:
+        while (spec := watch.next_spec()) is not None:
+            try:
+                async with contextlib.aclosing(self._transport.events(spec)) as values:
+                    async for value in values:
+                        for event in watch.feed(value):
+                            yield event
+            except BrokerError as exc:
+                watch.failed(exc)
+
+
+async def _acopy(
+    chunks: AsyncGenerator[bytes, None], write: Callable[[bytes], Awaitable[Any]]
+) -> int:
+    total = 0
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            await write(chunk)
+            total += len(chunk)
+    return total
 
 
 class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFiles]):
@@ -272,8 +373,9 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         info: proto.SandboxInfo,
         *,
         owns_client: bool = False,
+        keepalive: int | None = None,
     ) -> None:
-        transport, target = client._transport, client.dialect.data_target(info)
+        transport, target = client._transport, data_target(client, info, keepalive)
         parts = self._commands_class(transport, target), AsyncFiles(transport, target)
         super().__init__(client, info, *parts, owns_client)
 
@@ -281,6 +383,25 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         """Fetch the current state from the broker."""
         self._info = await self._client.get_info(self.name)
         return self._info
+
+    async def get_info(self) -> proto.SandboxInfo:
+        """Async :meth:`Sandbox.get_info` (with ``started_at`` and ``expires_at``)."""
+        return await self.refresh()
+
+    async def is_running(self) -> bool:
+        """Whether the sandbox exists and is Ready."""
+        if self._killed:
+            return False
+        try:
+            return self._running(await self.refresh())
+        except SandboxNotFoundError:
+            return False
+
+    async def set_timeout(self, seconds: float) -> proto.SandboxInfo:
+        """Async :meth:`Sandbox.set_timeout`: the broker deletes the sandbox ``seconds`` from
+        now."""
+        self._check_active()
+        return self._extended(await self._client.extend(self.name, timeout_seconds(seconds)))
 
     async def status(self) -> tuple[str, str]:
         """Upstream-style ``(status, message)``."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import httpx
@@ -35,24 +35,26 @@ T = TypeVar("T")
 
 class AsyncUploadStream(httpx.AsyncByteStream):
     """A streamed upload body: bytes, a sync binary file (read in a worker thread, so the
-    event loop never waits for the disk) or an async iterable of bytes."""
+    event loop never waits for the disk), an iterator or an async iterable of bytes."""
 
-    def __init__(self, body: ex.UploadBody, source: AsyncIterable[Any] | None = None) -> None:
+    def __init__(self, body: ex.UploadBody) -> None:
         self._body = body
-        self._source = source
         self.replayable = body.replayable
 
     async def __aiter__(self) -> AsyncGenerator[bytes, None]:
         body = self._body
         body.begin()
         yield body.framing.prefix
-        if self._source is not None:
-            async for piece in self._source:
+        for data in body.byte_chunks():
+            yield data
+        if body.kind == "aiter":
+            async for piece in body.content:
                 if data := body.accept(piece):
                     yield data
-        elif isinstance(body.content, bytes):
-            for data in body.byte_chunks():
-                yield data
+        elif body.kind == "iter":
+            for piece in body.content:
+                if data := body.accept(piece):
+                    yield data
         while want := body.want():
             if data := body.accept(await asyncio.to_thread(body.content.read, want)):
                 yield data
@@ -173,14 +175,27 @@ class AsyncBrokerTransport(ex.TransportBase):
             raise cancelled
         return task.result()
 
+    def upload_stream(self, body: ex.UploadBody) -> AsyncUploadStream:
+        return AsyncUploadStream(body)
+
     async def stream(
         self, spec: proto.RequestSpec, meter: DownloadMeter, chunk_size: int | None = ex.CHUNK_SIZE
     ) -> AsyncGenerator[bytes, None]:
         """The answer to ``spec`` in chunks of ``chunk_size`` (``None``: each as it arrives);
         the request is sent on first iteration."""
-        response = await self.send(spec, stream=True)
+        async with contextlib.aclosing(
+            self.chunks(await self.send(spec, stream=True), meter, chunk_size)
+        ) as it:
+            async for chunk in it:
+                yield chunk
+
+    async def chunks(
+        self, response: httpx.Response, meter: DownloadMeter, size: int | None = ex.CHUNK_SIZE
+    ) -> AsyncGenerator[bytes, None]:
+        """An open ``response``'s body in chunks of ``size`` bytes (``None``: as they arrive),
+        counted by ``meter``; closed at the end."""
         try:
-            async for chunk in response.aiter_bytes(chunk_size):
+            async for chunk in response.aiter_bytes(size):
                 yield meter.count(chunk)
         except httpx.TransportError as exc:
             raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc

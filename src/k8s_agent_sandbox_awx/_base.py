@@ -8,17 +8,19 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
+from . import _fsapi as fsapi
 from . import _protocol as proto
 from ._auth import CredentialSource
 from ._chain import DefaultCredentials
 from ._config import BrokerConnectionConfig
-from ._dataplane import DataTarget, DownloadMeter
+from ._dataplane import DataTarget, KeptAlive, check_max_bytes
 from ._dialects import get_dialect
 from ._flow import (
     ConnectOptions,
@@ -27,7 +29,6 @@ from ._flow import (
     UpstreamCreateOptions,
     check_options,
     client_overrides,
-    download_spec,
     plan_create,
     spec_from_upstream,
     unexpected_keywords,
@@ -42,7 +43,9 @@ __all__ = [
     "SandboxBase",
     "SandboxPart",
     "Traceback",
+    "data_target",
     "make_client",
+    "timeout_seconds",
 ]
 
 ExcType = type[BaseException] | None
@@ -172,9 +175,17 @@ class SandboxPart(Generic[T]):
 S = TypeVar("S")
 
 
-class FilesBase(SandboxPart[T], Generic[T, S]):
-    """What ``files`` of the sync and the async handle share: ``iter_bytes`` (``S``: a
-    generator of chunks, or an async generator)."""
+class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
+    """What ``files`` of the sync and the async handle share: the sandbox's :class:`FileAPI`
+    and the operations' plans (``_fsapi``); ``S``: a generator of chunks, or an async one."""
+
+    def __init__(self, transport: T, target: DataTarget) -> None:
+        super().__init__(transport, target)
+        self._api = fsapi.FileAPI(target)
+
+    @abstractmethod
+    def _stream(self, op: fsapi.Op[fsapi.Opened], src: str, max_bytes: int | None) -> S:
+        """The chunks of the file ``op`` opens (the request is sent on first iteration)."""
 
     def iter_bytes(
         self,
@@ -185,11 +196,46 @@ class FilesBase(SandboxPart[T], Generic[T, S]):
     ) -> S:
         """The file at ``path`` as an iterator of chunks (up to 1 MiB each), streamed: ``for``
         (sync) or ``async for`` (async); the download starts with the first chunk. Close it
-        (``contextlib.closing`` / ``contextlib.aclosing``) if you stop early."""
-        src, spec = download_spec(self._target, path, timeout, allow_unsafe_paths)
-        transport: Any = self._transport
-        chunks: S = transport.stream(spec, DownloadMeter(spec, src, max_bytes))
-        return chunks
+        (``contextlib.closing`` / ``contextlib.aclosing``) if you stop early. The same as
+        ``read(path, format="stream")``, with ``max_bytes``."""
+        check_max_bytes(max_bytes)  # now, not at the first chunk
+        op = fsapi.read(self._api, path, timeout, allow_unsafe_paths, stream=True)
+        return self._stream(op, path, max_bytes)
+
+    def _write_op(
+        self, path: Any, data: Any, timeout: float | None, allow_unsafe: bool, allow_async: bool
+    ) -> fsapi.Op[Any]:
+        if isinstance(path, list | tuple) and data is None:
+            return fsapi.write_many(self._api, path, timeout, allow_async=allow_async)
+        if data is None:
+            raise TypeError(
+                "write() needs the data: write(path, data), or a batch write([(path, data)])."
+            )
+        return fsapi.write(
+            self._api, path, data, timeout, allow_unsafe=allow_unsafe, allow_async=allow_async
+        )
+
+
+def data_target(client: Any, info: proto.SandboxInfo, keepalive: int | None) -> DataTarget:
+    """Where sandbox ``info``'s data plane goes, with its activity keepalive (``keepalive``
+    seconds, else the config's ``sandbox_keepalive``; 0: none)."""
+    target: DataTarget = client.dialect.data_target(info)
+    seconds = keepalive if keepalive is not None else client.connection_config.sandbox_keepalive
+    if not seconds:
+        return target
+    deadline = proto.rfc3339_seconds(info.expires_at)
+    return KeptAlive(target, proto.Keepalive(info.name, seconds, deadline))
+
+
+def timeout_seconds(seconds: Any) -> int:
+    """``set_timeout``'s argument as whole seconds (rounded up: never shorter than asked)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise ValueError(
+            f"set_timeout() takes a positive number of seconds, e.g. 600; got {seconds!r}."
+        )
+    if seconds == float("inf"):
+        raise ValueError("set_timeout() takes a finite number of seconds.")
+    return math.ceil(seconds)
 
 
 class SandboxBase(Generic[C, Cmd, F]):
@@ -255,6 +301,18 @@ class SandboxBase(Generic[C, Cmd, F]):
     def files(self) -> F:
         self._check_active()
         return self._files
+
+    def _extended(self, info: proto.SandboxInfo) -> proto.SandboxInfo:
+        """Record the state a lifetime change answered (and the keepalive's deadline)."""
+        self._info = info
+        keepalive = getattr(getattr(self._files, "_target", None), "keepalive", None)
+        if keepalive is not None:
+            keepalive.extended(info)
+        return info
+
+    @staticmethod
+    def _running(info: proto.SandboxInfo | None) -> bool:
+        return info is not None and (info.ready or info.phase == "Ready")
 
     @staticmethod
     def _status_of(info: proto.SandboxInfo | None, name: str) -> tuple[str, str]:

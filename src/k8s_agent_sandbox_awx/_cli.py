@@ -1,4 +1,5 @@
-"""``agent-sandbox-awx``: whoami, doctor, run, ls, kill (and dev/demo from the [local] extra).
+"""``agent-sandbox-awx``: whoami, doctor, run, ls, kill, extend, files (and dev/demo from the
+[local] extra).
 
 Imports are deferred to the subcommand that needs them, so ``--help`` and ``--version`` are
 fast and never fail for a missing optional dependency. Errors print ``agent-sandbox-awx: error:``
@@ -112,12 +113,42 @@ def _subcommands(sub: Any) -> None:
     p = sub.add_parser("kill", help="delete sandboxes by name (already gone is fine)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("names", nargs="+", metavar="NAME")
+    p = sub.add_parser(
+        "extend", help="set a sandbox's lifetime: the broker deletes it SECONDS from now"
+    )
+    p.add_argument("--json", action="store_true", help="print the sandbox as JSON")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("seconds", type=_seconds(positive=True), metavar="SECONDS")
+    _files_subcommands(sub.add_parser("files", help="the files of a sandbox: ls, get, put, rm"))
     for name, text in (
         ("dev", "run a local broker (needs the [local] extra)"),
         ("demo", "run a demo against a local broker (needs the [local] extra)"),
     ):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def _files_subcommands(files: argparse.ArgumentParser) -> None:
+    sub = files.add_subparsers(dest="files_command", metavar="ACTION", required=True)
+    p = sub.add_parser("ls", help="list a directory (default: the sandbox's base, /app)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("path", nargs="?", default=".", metavar="PATH")
+    p.add_argument("--json", action="store_true", help="print JSON (FileInfo objects)")
+    p = sub.add_parser("get", help="download a file (DEST '-': standard output)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("dest", nargs="?", metavar="DEST", help="default: the file's name, here")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    p = sub.add_parser("put", help="upload a local file (atomic replace, parents created)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("local", metavar="LOCAL")
+    p.add_argument("path", nargs="?", metavar="PATH", help="default: LOCAL's name, in /app")
+    p.add_argument("--json", action="store_true", help="print the FileInfo as JSON")
+    p = sub.add_parser("rm", help="remove a file or directory (a missing one is fine)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("-r", "--recursive", action="store_true", help="a directory and its contents")
+    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,17 +218,108 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     finally:
         client.close()
     if args.json:
-        _print_json([item.to_dict() for item in items])
+        _print_json([{**item.to_dict(), "seconds_left": item.seconds_left()} for item in items])
         return 0
     if not items:
         print("no sandboxes")
         return 0
-    rows = [("NAME", "PHASE", "TEMPLATE", "NAMESPACE", "EXPIRES")]
-    rows += [(i.name, i.phase, i.template or "-", i.namespace, i.expires_at or "-") for i in items]
+    rows = [("NAME", "PHASE", "TEMPLATE", "NAMESPACE", "EXPIRES", "LEFT")]
+    rows += [
+        (i.name, i.phase, i.template or "-", i.namespace, i.expires_at or "-", _left(i))
+        for i in items
+    ]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return 0
+
+
+def _left(info: Any) -> str:
+    """The time until the broker deletes a sandbox, e.g. ``4m05s`` (``-``: unknown)."""
+    left = info.seconds_left()
+    if left is None:
+        return "-"
+    minutes, secs = divmod(int(left), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _cmd_extend(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        info = client.extend(args.name, math.ceil(args.seconds))
+    finally:
+        client.close()
+    if args.json:
+        _print_json({**info.to_dict(), "seconds_left": info.seconds_left()})
+    else:
+        print(f"{info.name}: expires at {info.expires_at} (in {_left(info)})")
+    return 0
+
+
+def _cmd_files(args: argparse.Namespace) -> int:
+    from ._client import Sandbox
+
+    client = _client(args)
+    try:
+        sandbox = Sandbox(client, client.get_info(args.name))
+        return _FILES[args.files_command](args, sandbox.files)
+    finally:
+        client.close()
+
+
+def _files_ls(args: argparse.Namespace, files: Any) -> int:
+    entries = files.list(args.path)
+    if args.json:
+        _print_json([entry.to_dict() for entry in entries])
+        return 0
+    for entry in entries:
+        mode = entry.mode or "-"
+        kind = {"directory": "d", "file": "-", "symlink": "l"}.get(entry.type, "?")
+        print(f"{kind} {mode:>5} {entry.size:>12}  {entry.name}{'/' if entry.is_dir else ''}")
+    return 0
+
+
+def _files_get(args: argparse.Namespace, files: Any) -> int:
+    if args.dest == "-":
+        written = files.read_to(args.path, sys.stdout.buffer)
+        sys.stdout.flush()
+        return 0
+    dest = args.dest or os.path.basename(args.path.rstrip("/")) or "download"
+    written = files.read_to(args.path, dest)
+    if args.json:
+        _print_json({"path": args.path, "destination": dest, "bytes": written})
+    else:
+        print(f"{args.path} -> {dest} ({written} bytes)")
+    return 0
+
+
+def _files_put(args: argparse.Namespace, files: Any) -> int:
+    info = files.write_from(args.path or os.path.basename(args.local), args.local)
+    if args.json:
+        _print_json(info.to_dict())
+    else:
+        print(f"{args.local} -> {info.path} ({info.size} bytes)")
+    return 0
+
+
+def _files_rm(args: argparse.Namespace, files: Any) -> int:
+    removed = files.remove(args.path, recursive=args.recursive)
+    if args.json:
+        _print_json({"path": args.path, "removed": removed})
+    else:
+        print(f"{args.path}: {'removed' if removed else 'did not exist'}")
+    return 0
+
+
+_FILES: dict[str, Callable[[argparse.Namespace, Any], int]] = {
+    "ls": _files_ls,
+    "get": _files_get,
+    "put": _files_put,
+    "rm": _files_rm,
+}
 
 
 def _cmd_kill(args: argparse.Namespace) -> int:
@@ -350,6 +472,8 @@ def _main(argv: Sequence[str] | None) -> int:
             "run": _cmd_run,
             "ls": _cmd_ls,
             "kill": _cmd_kill,
+            "extend": _cmd_extend,
+            "files": _cmd_files,
         }[args.command]
     try:
         if handler is None:

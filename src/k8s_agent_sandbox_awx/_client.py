@@ -14,7 +14,15 @@ import httpx
 from . import _flow as flow
 from . import _protocol as proto
 from ._auth import CredentialSource
-from ._base import ClientBase, ExcType, SandboxBase, Traceback, make_client
+from ._base import (
+    ClientBase,
+    ExcType,
+    SandboxBase,
+    Traceback,
+    data_target,
+    make_client,
+    timeout_seconds,
+)
 from ._commands import CommandHandle, Commands
 from ._config import BrokerConnectionConfig
 from ._files import Files
@@ -114,6 +122,11 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         op = flow.wait_ready(self.dialect, info, ready_timeout, timeout, creating=creating)
         return self._transport.run(op)
 
+    def extend(self, name: str, seconds: int) -> proto.SandboxInfo:
+        """Set sandbox ``name``'s deadline to now + ``seconds`` (later or earlier; at most the
+        policy's cap from its creation, else ``LifetimeExceedsPolicyError``); its new state."""
+        return self._transport.call(self.dialect.extend(name, timeout_seconds(seconds)))
+
     def delete(self, name: str) -> bool:
         """Delete sandbox ``name`` at the broker; ``False`` if it was already gone. (A handle of
         this client for it stays registered: prefer ``Sandbox.kill()`` or ``delete_sandbox``.)"""
@@ -142,12 +155,14 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         plan = self._upstream_plan(warmpool, namespace, sandbox_ready_timeout, labels, options)
         return self._create(plan, upstream=True)
 
-    def _handle(self, info: proto.SandboxInfo, *, upstream: bool) -> Sandbox:
-        return (UpstreamSandbox if upstream else Sandbox)(self, info)
+    def _handle(
+        self, info: proto.SandboxInfo, *, upstream: bool, keepalive: int | None = None
+    ) -> Sandbox:
+        return (UpstreamSandbox if upstream else Sandbox)(self, info, keepalive=keepalive)
 
     def _create(self, plan: flow.CreatePlan, *, upstream: bool) -> Sandbox:
         info = self._transport.run(flow.create(plan))
-        return self._register(self._handle(info, upstream=upstream))
+        return self._register(self._handle(info, upstream=upstream, keepalive=plan.keepalive))
 
     def _attach(self, name: str, ready_timeout: float, *, upstream: bool) -> Sandbox:
         existing = self._existing(name)
@@ -210,9 +225,14 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     _commands_class: type[Commands] = Commands
 
     def __init__(
-        self, client: BrokerSandboxClient, info: proto.SandboxInfo, *, owns_client: bool = False
+        self,
+        client: BrokerSandboxClient,
+        info: proto.SandboxInfo,
+        *,
+        owns_client: bool = False,
+        keepalive: int | None = None,
     ) -> None:
-        transport, target = client._transport, client.dialect.data_target(info)
+        transport, target = client._transport, data_target(client, info, keepalive)
         commands, files = self._commands_class(transport, target), Files(transport, target)
         super().__init__(client, info, commands, files, owns_client)
 
@@ -220,6 +240,27 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         """Fetch the current state from the broker."""
         self._info = self._client.get_info(self.name)
         return self._info
+
+    def get_info(self) -> proto.SandboxInfo:
+        """The sandbox's current state from the broker: ``phase``, ``created_at``,
+        ``started_at``, ``expires_at`` (when the broker deletes it) and ``seconds_left()``."""
+        return self.refresh()
+
+    def is_running(self) -> bool:
+        """Whether the sandbox exists and is Ready (``False`` once expired or deleted)."""
+        if self._killed:
+            return False
+        try:
+            return self._running(self.refresh())
+        except SandboxNotFoundError:
+            return False
+
+    def set_timeout(self, seconds: float) -> proto.SandboxInfo:
+        """Reset the sandbox's lifetime: the broker deletes it ``seconds`` from now (later or
+        earlier than before; at most the policy's cap from its creation, else
+        ``errors.LifetimeExceedsPolicyError``). Returns the new state (``expires_at``)."""
+        self._check_active()
+        return self._extended(self._client.extend(self.name, timeout_seconds(seconds)))
 
     def status(self) -> tuple[str, str]:
         """Upstream-style ``(status, message)``: SandboxReady, SandboxNotReady or
@@ -295,8 +336,16 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         ``AGENT_SANDBOX_CA_BUNDLE``, ``AGENT_SANDBOX_TEMPLATE`` and the credential chain
         (``AGENT_SANDBOX_TOKEN``, ``AGENT_SANDBOX_TOKEN_FILE``, the projected token, plugins).
         Keyword options (they beat the environment): ``auth``, ``broker_url``, ``ca_cert``,
-        ``config``, ``environ``, ``annotations``, ``env``, ``lifetime_seconds``,
+        ``config``, ``environ``, ``annotations``, ``env``, ``timeout``, ``keepalive``,
         ``ready_timeout``, ``request_timeout``, ``allow_insecure_http``, ``idempotency_key``.
+
+        ``timeout``: the sandbox's lifetime in seconds (the broker deletes it then; default
+        ``AGENT_SANDBOX_TTL_SECONDS``, else 300; ``lifetime_seconds=`` is its 0.5.0 name); over
+        the policy's cap it is ``errors.LifetimeExceedsPolicyError``. Move it later with
+        :meth:`set_timeout`. ``keepalive``: seconds of an opt-in activity keepalive (default
+        ``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS``, else off): while the handle is used, each
+        data-plane request moves the deadline to at least now + ``keepalive`` (at most one
+        extension per half window, best effort: a failed extension never fails the request).
         The handle owns its HTTP connections; :meth:`kill` (or leaving the ``with`` block)
         deletes the sandbox and closes them.
         """

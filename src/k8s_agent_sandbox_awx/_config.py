@@ -18,8 +18,10 @@ from .errors import ConfigurationError
 __all__ = [
     "ENV_BROKER_URL",
     "ENV_CA_BUNDLE",
+    "ENV_KEEPALIVE",
     "ENV_TEMPLATE",
     "ENV_TRUST_ENV_PROXIES",
+    "ENV_TTL",
     "BrokerConnectionConfig",
     "check_broker_url",
 ]
@@ -28,6 +30,8 @@ ENV_BROKER_URL = "AGENT_SANDBOX_BROKER_URL"
 ENV_CA_BUNDLE = "AGENT_SANDBOX_CA_BUNDLE"
 ENV_TEMPLATE = "AGENT_SANDBOX_TEMPLATE"
 ENV_TRUST_ENV_PROXIES = "AGENT_SANDBOX_TRUST_ENV_PROXIES"
+ENV_TTL = "AGENT_SANDBOX_TTL_SECONDS"
+ENV_KEEPALIVE = "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -132,6 +136,12 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
     """Seconds for one HTTP request (connect, and each read/write)."""
     ready_timeout: float = Field(default=180.0, ge=0)
     """Seconds ``create`` waits for the sandbox to become Ready."""
+    sandbox_timeout: int = Field(default=300, ge=0)
+    """A new sandbox's lifetime in seconds when ``create`` gets no ``timeout=``
+    (``AGENT_SANDBOX_TTL_SECONDS``); ``0``: the broker policy's maximum."""
+    sandbox_keepalive: int = Field(default=0, ge=0)
+    """The activity keepalive of the handles this client makes, in seconds
+    (``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS``; ``0``: off): see ``Sandbox.create(keepalive=)``."""
     max_connections: int | None = Field(default=100, ge=1)
     """Connections one client object opens to the broker at once (``None``: no limit); more
     concurrent requests wait for a free one (up to ``request_timeout``). A long-poll wait for
@@ -208,8 +218,10 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
     def from_env(
         cls, environ: Mapping[str, str] | None = None, **overrides: Any
     ) -> BrokerConnectionConfig:
-        """Build from ``AGENT_SANDBOX_BROKER_URL``, ``AGENT_SANDBOX_CA_BUNDLE`` and
-        ``AGENT_SANDBOX_TEMPLATE``; keyword arguments that are not ``None`` win."""
+        """Build from ``AGENT_SANDBOX_BROKER_URL``, ``AGENT_SANDBOX_CA_BUNDLE``,
+        ``AGENT_SANDBOX_TEMPLATE``, ``AGENT_SANDBOX_TRUST_ENV_PROXIES``,
+        ``AGENT_SANDBOX_TTL_SECONDS`` and ``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS``; keyword
+        arguments that are not ``None`` win."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         if env.get(ENV_BROKER_URL):
@@ -220,6 +232,9 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
             values["template"] = env[ENV_TEMPLATE]
         if env.get(ENV_TRUST_ENV_PROXIES):
             values["trust_env_proxies"] = _env_flag(env, ENV_TRUST_ENV_PROXIES)
+        for name, key in ((ENV_TTL, "sandbox_timeout"), (ENV_KEEPALIVE, "sandbox_keepalive")):
+            if env.get(name):
+                values[key] = _env_seconds(env, name)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("broker_url") and not values.get("api_url"):
             raise ConfigurationError(
@@ -245,3 +260,13 @@ def _env_flag(env: Mapping[str, str], name: str) -> bool:
         f"The environment variable {name}={env[name]!r} is not a yes/no value; set it to 1 or "
         "0 (also true/false, yes/no, on/off), or unset it."
     )
+
+
+def _env_seconds(env: Mapping[str, str], name: str) -> int:
+    value = env[name].strip()
+    if not (value.isascii() and value.isdigit()):
+        raise ConfigurationError(
+            f"The environment variable {name}={env[name]!r} is not a whole number of seconds; "
+            "set it to, e.g., 300 (0: the default), or unset it."
+        )
+    return int(value)

@@ -4,7 +4,7 @@ Shared by every dialect: a dialect only says which headers route a request to it
 (:meth:`Dialect.data_target`); the paths, bodies, answers and the runtime's own errors are
 decided here, once. Today these are the legacy python-runtime endpoints (``/execute``,
 ``/upload``, ``/download``, ``/list``, ``/exists``) and the managed commands (``/commands``,
-see ``docs/broker-api.md#managed-commands``).
+see ``docs/broker-api.md#managed-commands``); the file API is in ``_fsapi``.
 """
 
 from __future__ import annotations
@@ -18,13 +18,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from ._protocol import RequestSpec, json_body, protocol_error, seconds
+from ._protocol import Keepalive, RequestSpec, json_body, protocol_error, redact_answer, seconds
 from ._upstream import ExecutionResult, FileEntry, SandboxError
 from .errors import (
     BrokerError,
     BrokerUnavailableError,
     CommandOutputLostError,
+    FileAPIUnsupportedError,
     RequestTimeoutError,
+    SandboxFileError,
+    SandboxFileExistsError,
+    SandboxFileLimitError,
+    SandboxFileNotFoundError,
+    SandboxPathError,
 )
 
 __all__ = [
@@ -35,11 +41,13 @@ __all__ = [
     "CommandInfo",
     "DataTarget",
     "DownloadMeter",
+    "KeptAlive",
     "Multipart",
     "check_command_timeout",
     "command_events",
     "command_status",
     "command_stdin",
+    "data_request",
     "download",
     "execute",
     "exists",
@@ -53,6 +61,7 @@ __all__ = [
     "parse_execution_result",
     "parse_exists",
     "parse_file_entries",
+    "refuse_control_characters",
     "runtime_error",
     "start_command",
     "upload",
@@ -84,6 +93,37 @@ class DataTarget(Protocol):
     def headers(self) -> dict[str, str]: ...
 
 
+def refuse_control_characters(path: str) -> str:
+    """``path`` if it is a str without control characters (the one path rule every file
+    operation checks on the client, whatever the runtime's own rules)."""
+    if not isinstance(path, str):
+        raise TypeError(f"A sandbox path must be a str, got {type(path).__name__}.")
+    bad = next((i for i, c in enumerate(path) if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        raise ValueError(
+            f"The sandbox path {path!r} contains a control character (U+{ord(path[bad]):04X} "
+            f"at index {bad}). Paths must not contain control characters (U+0000-U+001F, "
+            "U+007F), even with allow_unsafe_paths=True; remove them."
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class KeptAlive:
+    """A sandbox's data target with its activity keepalive: every data-plane request built
+    for it carries the keepalive (``RequestSpec.keepalive``)."""
+
+    target: DataTarget
+    keepalive: Keepalive
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.target.sandbox_id
+
+    def headers(self) -> dict[str, str]:
+        return self.target.headers()
+
+
 def validate_sandbox_path(
     path: str, *, allow_root: bool = False, allow_unsafe: bool = False
 ) -> str:
@@ -94,15 +134,7 @@ def validate_sandbox_path(
     as upstream does, but never the control characters: a CR/LF would end up in the upload's
     multipart headers (another file name, the framing in the content), a NUL in the runtime's
     system calls."""
-    if not isinstance(path, str):
-        raise TypeError(f"A sandbox path must be a str, got {type(path).__name__}.")
-    bad = next((i for i, c in enumerate(path) if ord(c) < 0x20 or ord(c) == 0x7F), None)
-    if bad is not None:
-        raise ValueError(
-            f"The sandbox path {path!r} contains a control character (U+{ord(path[bad]):04X} "
-            f"at index {bad}). Paths must not contain control characters (U+0000-U+001F, "
-            "U+007F), even with allow_unsafe_paths=True; remove them."
-        )
+    refuse_control_characters(path)
     if allow_unsafe:
         if not path:
             raise ValueError("The sandbox path is empty; name a file relative to the sandbox root.")
@@ -123,17 +155,20 @@ def validate_sandbox_path(
     return normalized
 
 
-def _data(
+def data_request(
     method: str,
     endpoint: str,
     what: str,
     target: DataTarget,
+    subject: str | None = None,
     *,
     headers: Mapping[str, str] | None = None,
     read_timeout: float | None = None,
     retryable: bool | None = None,
     params: Mapping[str, str] | None = None,
 ) -> RequestSpec:
+    """A data-plane request to ``target`` (``GET``s are retryable unless ``retryable`` says;
+    ``subject``: the sandbox path it is about; it carries the target's keepalive, if any)."""
     return RequestSpec(
         method,
         endpoint,
@@ -143,7 +178,12 @@ def _data(
         retryable=method == "GET" if retryable is None else retryable,
         read_timeout=read_timeout,
         data_plane=True,
+        subject=subject,
+        keepalive=getattr(target, "keepalive", None),
     )
+
+
+_data = data_request
 
 
 def check_command_timeout(command_timeout: float) -> float:
@@ -258,15 +298,16 @@ def upload(
 
 
 def download(target: DataTarget, path: str) -> RequestSpec:
-    return _data("GET", f"/download/{quote(path, safe='')}", f"read {path!r}", target)
+    return _data("GET", f"/download/{quote(path, safe='')}", f"read {path!r}", target, path)
 
 
 def list_files(target: DataTarget, path: str) -> RequestSpec:
-    return _data("GET", f"/list/{quote(path, safe='')}", f"list {path!r}", target)
+    return _data("GET", f"/list/{quote(path, safe='')}", f"list {path!r}", target, path)
 
 
 def exists(target: DataTarget, path: str) -> RequestSpec:
-    return _data("GET", f"/exists/{quote(path, safe='')}", f"check whether {path!r} exists", target)
+    what = f"check whether {path!r} exists"
+    return _data("GET", f"/exists/{quote(path, safe='')}", what, target, path)
 
 
 @dataclass(frozen=True)
@@ -412,23 +453,85 @@ def parse_exists(obj: Any, path: str) -> bool:
     return bool(obj["exists"])
 
 
+FILE_ERRORS: dict[str, type[SandboxFileError]] = {
+    "path_not_found": SandboxFileNotFoundError,
+    "path_exists": SandboxFileExistsError,
+    "path_invalid": SandboxPathError,
+    "path_outside_root": SandboxPathError,
+    "path_is_root": SandboxPathError,
+    "symlink_not_followed": SandboxPathError,
+    "file_too_large": SandboxFileLimitError,
+    "too_many_entries": SandboxFileLimitError,
+    "invalid_argument": SandboxFileError,
+    "not_a_directory": SandboxFileError,
+    "is_a_directory": SandboxFileError,
+    "not_a_file": SandboxFileError,
+    "not_empty": SandboxFileError,
+    "cross_root": SandboxFileError,
+    "permission_denied": SandboxFileError,
+    "io_error": SandboxFileError,
+}
+"""The refusal codes of the runtime's file API (docs/broker-api.md, Files) and their error
+classes; they share no value with the broker's own codes."""
+
+FILE_API = "/fs/"
+FILE_API_REQUIREMENT = (
+    "a sandbox runtime with the file API (/fs/*: the deployed runtimes since v0.4.0, the local "
+    "runtime)"
+)
+
+
+def is_runtime_answer(status: int, code: str | None) -> bool:
+    """Whether an error answer on the data plane is the sandbox runtime's own (passed through
+    by the broker): no ``code`` (a 4xx), or one of the file API's codes."""
+    return (code is None and 400 <= status < 500) or code in FILE_ERRORS
+
+
+def _refused_path(body: bytes) -> str | None:
+    """The ``path`` a file API refusal names (the one it concerns: a move's destination)."""
+    try:
+        obj = json.loads(body) if body else None
+    except ValueError:
+        return None
+    path = obj.get("path") if isinstance(obj, dict) else None
+    return redact_answer(path) if isinstance(path, str) else None
+
+
 def runtime_error(
     status: int, reason: str, spec: RequestSpec, common: Mapping[str, Any], body: bytes = b""
 ) -> BrokerError:
-    """An error answer of the sandbox runtime itself (no broker error code), passed through.
-    A ``410`` with ``resume_after`` (command output no longer retained) is a
-    :class:`CommandOutputLostError` carrying the cursor to resume from."""
+    """An error answer of the sandbox runtime itself, passed through: a ``410`` with
+    ``resume_after`` (command output no longer retained) is a :class:`CommandOutputLostError`
+    carrying the cursor to resume from; a file API refusal is its typed error (naming the path
+    and the rule); a legacy 404 is a missing file."""
     if status == 410:
         return CommandOutputLostError(
             f"Could not {spec.what}: the sandbox runtime answered 410 ({reason}).",
             resume_after=_resume_after(body),
             **common,
         )
+    code = common.get("code")
+    subject = _refused_path(body) or spec.subject
+    if spec.path.startswith(FILE_API) and status == 404 and code is None:
+        return FileAPIUnsupportedError(
+            f"Could not {spec.what}: the sandbox runtime has no {spec.path.split('?')[0]} "
+            f"(404 without a code); this needs {FILE_API_REQUIREMENT}. Create the sandbox from "
+            "a template with a newer runtime.",
+            sandbox_path=subject,
+            **common,
+        )
+    if code in FILE_ERRORS:
+        return FILE_ERRORS[code](
+            f"Could not {spec.what}: the sandbox runtime refused it ({status} {code}): {reason}.",
+            sandbox_path=subject,
+            **common,
+        )
     hint = {
         404: "The path does not exist in the sandbox (or is not a file/directory as needed).",
         403: "The path escapes the sandbox's base directory; use a relative path inside it.",
     }.get(status, "See the runtime's detail.")
-    return BrokerError(
+    cls = SandboxFileNotFoundError if status == 404 and subject is not None else BrokerError
+    return cls(
         f"Could not {spec.what}: the sandbox runtime answered {status} ({reason}). {hint}",
         **common,
     )
@@ -442,15 +545,20 @@ def _resume_after(body: bytes) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+def check_max_bytes(max_bytes: int | None) -> int | None:
+    """``max_bytes`` of a download: ``None`` (no limit) or >= 0."""
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}.")
+    return max_bytes
+
+
 class DownloadMeter:
     """Counts a streamed download, enforces ``max_bytes`` and names a broken stream's error."""
 
     def __init__(self, spec: RequestSpec, src: str, max_bytes: int | None) -> None:
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}.")
         self.spec = spec
         self.src = src
-        self.max_bytes = max_bytes
+        self.max_bytes = check_max_bytes(max_bytes)
         self.total = 0
 
     def count(self, chunk: bytes) -> bytes:

@@ -20,8 +20,9 @@ from .errors import BrokerError, ConfigurationError
 
 __all__ = ["FEATURES", "CreateRequest", "Dialect"]
 
-FEATURES = frozenset({"list", "whoami", "idempotent_create"})
-"""What a dialect may lack: listing my sandboxes, asking who I am, replaying a create."""
+FEATURES = frozenset({"list", "whoami", "idempotent_create", "lifetime"})
+"""What a dialect may lack: listing my sandboxes, asking who I am, replaying a create,
+changing a sandbox's lifetime (:meth:`Dialect.extend`)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,16 @@ class Dialect(ABC):
     @abstractmethod
     def delete(self, name: str) -> Call[bool]:
         """Delete one sandbox; the answer is ``False`` if it was already gone."""
+
+    def extend(self, name: str, seconds: int) -> Call[SandboxInfo]:
+        """Set sandbox ``name``'s deadline to now + ``seconds`` (later or earlier); the answer
+        is its new state. Retryable (idempotent in effect). A dialect without the ``lifetime``
+        feature refuses it (:meth:`require`)."""
+        self.require("lifetime", "change a sandbox's lifetime")
+        raise NotImplementedError(
+            f"The {self.name!r} broker dialect cannot change a sandbox's lifetime; set the "
+            "lifetime at create (timeout=) instead."
+        )
 
     # -- errors and the data plane ---------------------------------------------------------
 

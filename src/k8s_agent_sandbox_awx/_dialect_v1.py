@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import quote
 
-from ._dataplane import MAX_COMMAND_TIMEOUT, runtime_error
+from ._dataplane import MAX_COMMAND_TIMEOUT, is_runtime_answer, runtime_error
 from ._dialect import CreateRequest, Dialect
 from ._protocol import (
     Call,
@@ -40,6 +40,7 @@ from .errors import (
     BrokerRedirectError,
     BrokerTemplateNotFoundError,
     BrokerUnavailableError,
+    LifetimeExceedsPolicyError,
 )
 
 __all__ = [
@@ -152,6 +153,22 @@ def list_sandboxes(label_selector: Mapping[str, str] | str | None = None) -> Req
     return RequestSpec("GET", f"{API}/sandboxes", "list my sandboxes", params, retryable=True)
 
 
+def set_lifetime(name: str, seconds: int) -> RequestSpec:
+    """``PUT .../lifetime``: the deadline becomes now + ``seconds`` (retryable: idempotent in
+    effect)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds <= 0:
+        raise ValueError(
+            f"A sandbox's timeout must be a positive whole number of seconds, got {seconds!r}."
+        )
+    spec = RequestSpec(
+        "PUT",
+        f"{_name_path(name)}/lifetime",
+        f"set the lifetime of sandbox {name!r}",
+        retryable=True,
+    )
+    return json_body(spec, {"seconds": seconds})
+
+
 def delete(name: str) -> RequestSpec:
     return RequestSpec(
         "DELETE", _name_path(name), f"delete sandbox {name!r}", retryable=True, not_found_ok=True
@@ -192,7 +209,8 @@ def parse_sandbox(obj: Any, what: str = "read the sandbox") -> SandboxInfo:
         raise protocol_error(what, f"the Sandbox object lacks or has a bad field ({exc})") from exc
     if not isinstance(name, str) or not isinstance(phase, str):
         raise protocol_error(what, "'name' and 'phase' must be strings")
-    for key in ("namespace", "template", "reason", "message", "created_at", "expires_at"):
+    keys = ("namespace", "template", "reason", "message", "created_at", "expires_at", "started_at")
+    for key in keys:
         if not isinstance(obj.get(key), str | None):
             raise protocol_error(what, f"the Sandbox object's {key!r} is not a string")
     return SandboxInfo(
@@ -206,6 +224,7 @@ def parse_sandbox(obj: Any, what: str = "read the sandbox") -> SandboxInfo:
         message=obj.get("message"),
         created_at=obj.get("created_at"),
         expires_at=obj.get("expires_at"),
+        started_at=obj.get("started_at"),
         labels=dict(labels),
         annotations=dict(annotations),
         owner=dict(owner),
@@ -273,6 +292,9 @@ _HINTS: dict[str, str] = {
     "lists them).",
     "reserved_metadata": f"Remove labels/annotations under {RESERVED_PREFIX}; the broker sets "
     "them.",
+    "lifetime_exceeds_policy": "Ask for a shorter timeout: the policy caps a sandbox's "
+    "lifetime from its creation (`agent-sandbox-awx whoami` shows max_lifetime_seconds); "
+    "the default timeout comes from AGENT_SANDBOX_TTL_SECONDS (300 s if unset).",
     "not_owner": "This sandbox belongs to another identity; use one of yours "
     "(`agent-sandbox-awx ls`).",
     "not_found": "Check the name with `agent-sandbox-awx ls`; it may have expired or been deleted.",
@@ -363,6 +385,8 @@ def _error_body(body: bytes, secrets: Iterable[str] = ()) -> tuple[str | None, s
 def _error_class(status: int, code: str | None) -> type[BrokerError]:
     if code == "template_not_found":
         return BrokerTemplateNotFoundError
+    if code == "lifetime_exceeds_policy":
+        return LifetimeExceedsPolicyError
     cls = _STATUS_CLASSES.get(status, BrokerError)
     if status >= 500 and cls is BrokerError:
         return BrokerUnavailableError
@@ -414,7 +438,7 @@ def error_from_response(
             **common,
         )
     reason = detail or "no detail given"
-    if spec.data_plane and code is None and 400 <= status < 500:
+    if spec.data_plane and is_runtime_answer(status, code):
         return runtime_error(status, reason, spec, common, body)
     cls, hint = _error_class(status, code), _hint(status, code, spec)
     extra = ""
@@ -480,6 +504,9 @@ class V1Dialect(Dialect):
 
     def delete(self, name: str) -> Call[bool]:
         return Call(delete(name), lambda reply: reply.status_code != 404)
+
+    def extend(self, name: str, seconds: int) -> Call[SandboxInfo]:
+        return _sandbox_of(set_lifetime(name, seconds))
 
     def error(
         self,

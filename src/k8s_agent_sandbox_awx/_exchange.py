@@ -16,23 +16,21 @@ from __future__ import annotations
 
 import http.cookiejar
 import importlib.util
-import io
 import logging
 import os
 import ssl
 import urllib.request
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from . import _dataplane as dp
 from . import _protocol as proto
 from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 from ._credential import Credential
-from ._dataplane import DataTarget, Multipart, multipart_framing
 from ._dialect import Dialect
+from ._upload import CHUNK_SIZE, UploadBody
 from ._version import __version__
 from .errors import (
     BrokerError,
@@ -55,13 +53,11 @@ __all__ = [
     "Sleep",
     "UploadBody",
     "client_settings",
-    "plan_upload",
     "retry_policy",
 ]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
-CHUNK_SIZE = 1024 * 1024
 MAX_ERROR_BODY = 64 * 1024
 
 
@@ -272,6 +268,9 @@ class Exchange:
     def steps(self, *, stream: bool = False) -> Generator[Step, Any, httpx.Response]:
         """The exchange: a 2xx response (or a 404 when ``spec.not_found_ok``), read unless
         ``stream`` (then the caller closes it); errors raised as typed ``BrokerError``s."""
+        keepalive = self.spec.keepalive
+        if keepalive is not None and self.authenticate and keepalive.claim():
+            yield from self._keep_alive(keepalive)
         while True:
             request = self.next_request()
             try:
@@ -295,6 +294,25 @@ class Exchange:
             except httpx.TransportError as exc:
                 raise self.read_error(exc) from exc
         return response
+
+    def _keep_alive(self, keepalive: proto.Keepalive) -> Generator[Step, Any, None]:
+        """Extend the sandbox's lifetime before this data-plane request: best effort, a
+        failure is logged and never fails the request (an interruption still propagates)."""
+        try:
+            call = self.dialect.extend(keepalive.name, keepalive.seconds)
+            extend = Exchange(
+                self._client,
+                self.config,
+                self.retry,
+                self.dialect,
+                call.spec,
+                invalidate=self._invalidate,
+            )
+            keepalive.extended(call.parse((yield from extend.steps())))
+        except Exception as exc:
+            logger.warning("keepalive of sandbox %s failed (ignored): %s", keepalive.name, exc)
+        else:
+            logger.debug("keepalive: sandbox %s extended by %ss", keepalive.name, keepalive.seconds)
 
     def _send(self, request: httpx.Request) -> Generator[Step, Any, httpx.Response]:
         """One attempt, with the token; after the broker's 401, once more with a re-read one."""
@@ -525,126 +543,6 @@ class CappedBody:
 
 
 # --------------------------------------------------------------------------------------------
-# Streamed bodies
-
-
-def _check_binary_reader(content: Any) -> None:
-    if isinstance(content, io.TextIOBase):
-        raise TypeError("File content must be opened in binary mode ('rb'), not text mode.")
-    if not callable(getattr(content, "read", None)):
-        raise TypeError(
-            "File content must be bytes, str, a binary file object or (async client only) an "
-            f"async iterable of bytes, got {type(content).__name__}."
-        )
-
-
-def _start_and_size(content: Any) -> tuple[int | None, int | None]:
-    """(start position, remaining size) of a seekable file; (None, None) otherwise."""
-    try:
-        if not content.seekable():
-            return None, None
-        start = content.tell()
-        end = content.seek(0, io.SEEK_END)
-        content.seek(start)
-        return int(start), int(end - start)
-    except (AttributeError, OSError, ValueError):
-        return None, None
-
-
-@dataclass
-class UploadBody:
-    """The streamed multipart body of one upload: framing + the content in chunks, never all
-    at once. ``content`` is bytes, a binary reader (``read(n)``), or ``None`` for a stream the
-    async I/O layer iterates itself (chunks passed through :meth:`accept`)."""
-
-    framing: Multipart
-    content: Any
-    start: int | None
-    size: int | None
-    """Declared in Content-Length: exactly this many content bytes are sent (``None``: chunked)."""
-    replayable: bool = False
-    _consumed: bool = False
-    _remaining: int | None = None
-    _done: bool = False
-
-    def begin(self) -> None:
-        """Start (again): refuse a consumed one-shot stream, rewind a seekable file."""
-        if self._consumed and not self.replayable:
-            raise httpx.StreamConsumed()
-        self._consumed = True
-        self._remaining = self.size
-        self._done = not callable(getattr(self.content, "read", None))  # bytes: byte_chunks()
-        if self.start is not None:
-            self.content.seek(self.start)
-
-    def byte_chunks(self) -> Iterator[bytes]:
-        view = memoryview(self.content)
-        for offset in range(0, len(view), CHUNK_SIZE):
-            yield bytes(view[offset : offset + CHUNK_SIZE])
-
-    def want(self) -> int:
-        """How many bytes to read next from a reader; 0 when done."""
-        if self._done:
-            return 0
-        return CHUNK_SIZE if self._remaining is None else min(CHUNK_SIZE, self._remaining)
-
-    def accept(self, chunk: Any) -> bytes:
-        """Check a chunk read from the content; an empty chunk ends it."""
-        if not isinstance(chunk, bytes | bytearray | memoryview):
-            raise TypeError("The file object's read() must return bytes (open it 'rb').")
-        if not chunk:
-            self._done = True
-            if self._remaining:
-                raise ValueError(
-                    f"The file shrank by {self._remaining} bytes while it was uploaded; upload "
-                    "a file that does not change during the upload."
-                )
-            return b""
-        if self._remaining is not None:
-            self._remaining -= len(chunk)
-            self._done = self._remaining <= 0
-        return bytes(chunk)
-
-
-def plan_upload(
-    target: DataTarget,
-    dest: str,
-    content: Any,
-    timeout: float | None,
-    *,
-    streamed: bool = False,
-) -> tuple[proto.RequestSpec, UploadBody]:
-    """The request and body of ``files.write``: ``content`` is bytes-like, str, a binary
-    reader, or (``streamed=True``) a stream the I/O layer iterates itself."""
-    body: Any
-    if streamed:
-        body = None
-    elif isinstance(content, str):
-        body = content.encode("utf-8")
-    elif isinstance(content, bytearray | memoryview):
-        body = bytes(content)
-    elif isinstance(content, bytes):
-        body = content
-    else:
-        _check_binary_reader(content)
-        body = content
-    if isinstance(body, bytes):
-        start: int | None = None
-        size: int | None = len(body)
-    elif body is None:
-        start, size = None, None
-    else:
-        start, size = _start_and_size(body)
-    framing = multipart_framing(dest)
-    replayable = isinstance(body, bytes) or start is not None
-    read_timeout = None if timeout is None else float(timeout)
-    spec = dp.upload(
-        target, dest, framing, size=size, replayable=replayable, read_timeout=read_timeout
-    )
-    return spec, UploadBody(framing, body, start, size, replayable=replayable)
-
-
-# --------------------------------------------------------------------------------------------
 # What the sync and the async transport share
 
 
@@ -691,13 +589,18 @@ class TransportBase:
         )
         return exchange.steps(stream=stream)
 
+    def upload_stream(self, body: UploadBody) -> Any:
+        """``body`` as this transport's httpx stream."""
+        raise NotImplementedError
+
     def call_steps(
         self, call: proto.Call[Any], sent: list[str] | None = None
     ) -> Generator[Step, Any, Any]:
         """The steps of one :class:`Call`: send, then parse (or map the failure). The token the
         request carried is added to ``sent`` and never shows in an error about the answer."""
+        body = None if call.body is None else self.upload_stream(call.body)
         try:
-            response = yield from self.exchange(call.spec)
+            response = yield from self.exchange(call.spec, stream=call.stream, body=body)
         except Exception as exc:
             mapped = call.fail(exc) if call.fail is not None else None
             if mapped is None:

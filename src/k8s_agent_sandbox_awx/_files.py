@@ -1,4 +1,4 @@
-"""``sandbox.files``: streamed uploads and downloads through the broker."""
+"""``sandbox.files``: the sandbox's files through the broker (the sync shell of ``_fsapi``)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Generator, Iterator
-from typing import IO, Any, BinaryIO, Protocol
+from collections.abc import Generator, Iterator, Sequence
+from typing import IO, Any, Protocol
 
-from . import _flow as flow
+from . import _fsapi as fsapi
 from ._base import FilesBase
 from ._dataplane import DownloadMeter
-from ._exchange import plan_upload
-from ._transport import BrokerTransport, UploadStream
-from ._upstream import FileEntry
+from ._fsapi import FileInfo, WatchEvent
+from ._transport import BrokerTransport
+from .errors import BrokerError
 
 __all__ = ["BinaryWriter", "Files", "partial_file", "writer_or_path"]
 
@@ -75,30 +75,66 @@ def writer_or_path(destination: Any) -> bool:
 
 
 class Files(FilesBase[BrokerTransport, Generator[bytes, None, None]]):
-    """File operations in one sandbox. Returned by ``Sandbox.files``."""
+    """File operations in one sandbox. Returned by ``Sandbox.files``.
+
+    Paths follow the runtime's rules: relative to ``/app`` (where commands run), or absolute
+    under ``/app`` or ``/workspace`` (the sandbox's persistent area); the client refuses control
+    characters. A runtime without the file API (``/fs/*``) is served through its legacy
+    endpoints for ``read``/``write``/``list``/``exists`` (paths in ``/app`` only); the other
+    operations then raise :class:`~k8s_agent_sandbox_awx.errors.FileAPIUnsupportedError`. The
+    runtime's refusals are typed errors (``errors.SandboxFileError`` and its subclasses)
+    naming the path and the rule."""
 
     def write(
         self,
-        path: str,
-        content: bytes | bytearray | memoryview | str | BinaryIO,
+        path: str | Sequence[tuple[str, Any]],
+        data: Any = None,
         timeout: float | None = None,
         allow_unsafe_paths: bool = False,
-    ) -> None:
-        """Write ``content`` to ``path`` (relative to the sandbox root; parents are created).
+    ) -> Any:
+        """Write ``data`` to ``path`` and return its :class:`FileInfo`; or ``write([(path,
+        data), ...])``: each in order, a list of FileInfo.
 
-        Binary file objects are streamed in chunks from their current position; the caller
-        closes them. An upload is retried only if its body can be sent again (bytes, or a
-        seekable file, rewound to where it started).
+        ``data`` is bytes, str (UTF-8), a binary file object (streamed from its current position;
+        the caller closes it) or an iterator of bytes (streamed, sent once). The runtime
+        replaces the file atomically and creates its parents. Retried only if the body can be
+        sent again (bytes, or a seekable file, rewound to where it started).
         """
-        dest = flow.file_path(path, allow_unsafe_paths)
-        spec, body = plan_upload(self._target, dest, content, timeout)
-        self._transport.send(spec, body=UploadStream(body))
+        op = self._write_op(path, data, timeout, allow_unsafe_paths, allow_async=False)
+        return self._transport.run(op)
+
+    def write_from(
+        self, path: str, local_path: str | os.PathLike[str], timeout: float | None = None
+    ) -> FileInfo:
+        """Upload the local file ``local_path`` to ``path`` (streamed); its FileInfo."""
+        with open(local_path, "rb") as source:
+            info: FileInfo = self.write(path, source, timeout)
+        return info
 
     def read(
-        self, path: str, timeout: float | None = None, allow_unsafe_paths: bool = False
-    ) -> bytes:
-        """Return the bytes of the file at ``path`` (use :meth:`read_to` for large files)."""
-        return self._transport.call(flow.read_file(self._target, path, timeout, allow_unsafe_paths))
+        self,
+        path: str,
+        timeout: float | None = None,
+        allow_unsafe_paths: bool = False,
+        *,
+        format: str = "bytes",
+    ) -> Any:
+        """The file at ``path``: ``format="bytes"`` (default), ``"text"`` (UTF-8) or
+        ``"stream"`` (an iterator of chunks of up to 1 MiB, flat memory; the download starts
+        with the first chunk; close it if you stop early). A file over the runtime's read limit
+        (64 MiB on deployed runtimes) is read through the legacy ``/download`` when it is in
+        ``/app``."""
+        fmt = fsapi.read_format(format)
+        op = fsapi.read(self._api, path, timeout, allow_unsafe_paths, stream=fmt == "stream")
+        if fmt == "stream":
+            return self._stream(op, path, None)
+        return fsapi.decoded(self._transport.run(op), fmt)
+
+    def _stream(
+        self, op: fsapi.Op[fsapi.Opened], src: str, max_bytes: int | None
+    ) -> Generator[bytes, None, None]:
+        spec, response = self._transport.run(op)
+        yield from self._transport.chunks(response, DownloadMeter(spec, src, max_bytes))  # type: ignore[arg-type]
 
     def read_to(
         self,
@@ -114,20 +150,72 @@ class Files(FilesBase[BrokerTransport, Generator[bytes, None, None]]):
         into place when complete; nothing is left behind if the download fails) or a binary
         writer (not closed; data written before an error stays in it). With ``max_bytes``, a
         larger file raises ``SandboxError`` (a ``RuntimeError``, as upstream) after at most that
-        many bytes. ``allow_unsafe_paths`` skips the client-side path checks (as upstream; the
-        runtime still confines every path to the sandbox).
+        many bytes. ``allow_unsafe_paths`` skips the client-side path checks of the legacy
+        endpoints (as upstream; the runtime still confines every path to the sandbox).
         """
-        src, spec = flow.download_spec(self._target, path, timeout, allow_unsafe_paths)
-        meter = DownloadMeter(spec, src, max_bytes)
+        chunks = self.iter_bytes(path, timeout, allow_unsafe_paths, max_bytes)
         if not writer_or_path(destination):
-            return self._transport.download(spec, meter, destination)
+            return _copy(chunks, destination)  # type: ignore[arg-type]
         with partial_file(destination) as out:  # type: ignore[arg-type]
-            return self._transport.download(spec, meter, out)
+            return _copy(chunks, out)
 
-    def list(self, path: str = ".", timeout: float | None = None) -> list[FileEntry]:
-        """The entries of the directory ``path`` as upstream ``FileEntry`` objects."""
-        return self._transport.call(flow.list_files(self._target, path, timeout))
+    def list(self, path: str = ".", timeout: float | None = None) -> list[FileInfo]:
+        """The entries of the directory ``path`` (:class:`FileInfo`, sorted by name)."""
+        return self._transport.run(fsapi.list_dir(self._api, path, timeout))
 
     def exists(self, path: str, timeout: float | None = None) -> bool:
-        """Whether ``path`` exists in the sandbox (without downloading it)."""
-        return self._transport.call(flow.file_exists(self._target, path, timeout))
+        """Whether ``path`` exists in the sandbox (a link counts; without downloading it)."""
+        return self._transport.run(fsapi.exists(self._api, path, timeout))
+
+    def get_info(self, path: str, timeout: float | None = None) -> FileInfo:
+        """The :class:`FileInfo` of ``path`` (a link is described, not followed)."""
+        return self._transport.run(fsapi.get_info(self._api, path, timeout))
+
+    def make_dir(self, path: str, timeout: float | None = None) -> bool:
+        """Create the directory ``path`` and its parents; ``False`` if it already existed."""
+        return self._transport.run(fsapi.make_dir(self._api, path, timeout))
+
+    def move(
+        self,
+        source: str,
+        destination: str,
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,
+    ) -> FileInfo:
+        """Move (rename) ``source`` to ``destination`` within one root and return the moved
+        entry's FileInfo; an existing destination is never replaced unless ``overwrite``."""
+        return self._transport.run(fsapi.move(self._api, source, destination, overwrite, timeout))
+
+    def remove(self, path: str, *, recursive: bool = False, timeout: float | None = None) -> bool:
+        """Remove ``path`` (a non-empty directory needs ``recursive=True``); ``False`` if it
+        did not exist."""
+        return self._transport.run(fsapi.remove(self._api, path, recursive, timeout))
+
+    def watch_dir(
+        self, path: str, *, timeout: float | None = 60, recursive: bool = False
+    ) -> Generator[WatchEvent, None, None]:
+        """The changes in the directory ``path`` as :class:`WatchEvent`s (``created``,
+        ``modified``, ``removed``), for ``timeout`` seconds (``None``: until closed), with
+        ``recursive`` everything below it. Close the iterator to stop early. The watch
+        reconnects every 20 s (a fresh token each time) and after a broken connection, diffing
+        the runtime's new snapshot, so no change is lost in between."""
+        return self._watch(fsapi.Watch(self._api, path, timeout, recursive))
+
+    def _watch(self, watch: fsapi.Watch) -> Generator[WatchEvent, None, None]:
+        while (spec := watch.next_spec()) is not None:
+            try:
+                with contextlib.closing(self._transport.events(spec)) as values:
+                    for value in values:
+                        yield from watch.feed(value)
+            except BrokerError as exc:
+                watch.failed(exc)
+
+
+def _copy(chunks: Generator[bytes, None, None], out: BinaryWriter) -> int:
+    total = 0
+    with contextlib.closing(chunks):
+        for chunk in chunks:
+            out.write(chunk)
+            total += len(chunk)
+    return total

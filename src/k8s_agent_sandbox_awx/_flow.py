@@ -21,12 +21,10 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
-from . import _dataplane as dp
 from . import _protocol as proto
 from . import errors
 from ._dialect import CreateRequest, Dialect
 from ._protocol import Call
-from ._upstream import FileEntry
 
 if TYPE_CHECKING:
     from ._auth import CredentialSource
@@ -87,7 +85,9 @@ class SandboxCreateOptions(ConnectOptions, total=False):
 
     annotations: Mapping[str, str] | None
     env: Mapping[str, str] | None
+    timeout: int | None
     lifetime_seconds: int | None
+    keepalive: int | None
     ready_timeout: float | None
     request_timeout: float | None
     allow_insecure_http: bool | None
@@ -127,7 +127,7 @@ UPSTREAM_SPELLINGS = {
     "warmpool": "template",
     "sandbox_ready_timeout": "ready_timeout",
     "resolve_timeout": "ready_timeout",
-    "shutdown_after_seconds": "lifetime_seconds",
+    "shutdown_after_seconds": "timeout",
     "command_timeout": "timeout",
     "env": "envs",
     "claim_name": "name",
@@ -220,6 +220,7 @@ class CreatePlan:
     spec: proto.RequestSpec
     ready_timeout: float
     request_timeout: float
+    keepalive: int | None = None
 
 
 @dataclass(frozen=True)
@@ -231,8 +232,10 @@ class SandboxSpec:
     annotations: Mapping[str, str] | None = None
     env: Mapping[str, str] | None = None
     lifetime_seconds: int | None = None
+    """``timeout=``: the sandbox's lifetime (``None``: the config's ``sandbox_timeout``)."""
     ready_timeout: float | None = None
     idempotency_key: str | None = None
+    keepalive: int | None = None
 
 
 def spec_from_create(
@@ -245,10 +248,41 @@ def spec_from_create(
         labels=labels,
         annotations=options.get("annotations"),
         env=options.get("env"),
-        lifetime_seconds=options.get("lifetime_seconds"),
+        lifetime_seconds=_lifetime(options.get("timeout"), options.get("lifetime_seconds")),
         ready_timeout=options.get("ready_timeout"),
         idempotency_key=options.get("idempotency_key"),
+        keepalive=_seconds("keepalive", options.get("keepalive"), allow_zero=True),
     )
+
+
+def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> int | None:
+    """A whole number of seconds for ``name=`` (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise TypeError(f"{name}= must be a whole number of seconds, e.g. 300; got {value!r}.")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}= must be a positive number of seconds, got {value!r}.")
+    return int(value)
+
+
+def _lifetime(timeout: Any, lifetime_seconds: Any) -> int | None:
+    """``timeout=`` (the SDK's name) or ``lifetime_seconds=`` (its name in 0.5.0)."""
+    if timeout is not None and lifetime_seconds is not None and timeout != lifetime_seconds:
+        raise errors.ConfigurationError(
+            f"timeout={timeout!r} and lifetime_seconds={lifetime_seconds!r} differ; pass only "
+            "timeout= (lifetime_seconds= is its 0.5.0 name)."
+        )
+    given = timeout if timeout is not None else lifetime_seconds
+    return _seconds("timeout", given)
+
+
+def sandbox_timeout(spec_seconds: int | None, config: BrokerConnectionConfig) -> int | None:
+    """The lifetime a create asks for: ``timeout=``, else ``AGENT_SANDBOX_TTL_SECONDS`` (300 s
+    by default; 0: none, the policy's maximum)."""
+    if spec_seconds is not None:
+        return spec_seconds
+    return config.sandbox_timeout or None
 
 
 def spec_from_upstream(
@@ -287,7 +321,7 @@ def spec_from_upstream(
         labels=labels,
         annotations=options.get("annotations"),
         env=options.get("env"),
-        lifetime_seconds=options.get("shutdown_after_seconds"),
+        lifetime_seconds=_seconds("shutdown_after_seconds", options.get("shutdown_after_seconds")),
         ready_timeout=sandbox_ready_timeout,
         idempotency_key=options.get("idempotency_key"),
     )
@@ -307,10 +341,12 @@ def plan_create(config: BrokerConnectionConfig, dialect: Dialect, spec: SandboxS
         template=spec.template or config.template,
         labels=spec.labels or {},
         annotations=spec.annotations or {},
-        lifetime_seconds=spec.lifetime_seconds,
+        lifetime_seconds=sandbox_timeout(spec.lifetime_seconds, config),
         env=spec.env or {},
     )
-    return CreatePlan(dialect, dialect.create(request), ready_timeout, config.request_timeout)
+    return CreatePlan(
+        dialect, dialect.create(request), ready_timeout, config.request_timeout, spec.keepalive
+    )
 
 
 def _outcome_unknown(exc: BaseException) -> bool:
@@ -395,7 +431,7 @@ def _rollback(dialect: Dialect, name: str, exc: BaseException) -> Op[None]:
 
 def cleanup(call: Call[T]) -> Call[T]:
     """``call`` marked as a cleanup: it completes even while the caller is cancelled."""
-    return Call(call.spec, call.parse, cleanup=True, fail=call.fail)
+    return dataclasses.replace(call, cleanup=True)
 
 
 def client_overrides(
@@ -437,44 +473,3 @@ def upstream_timeout(timeout: float, command_timeout: float | None) -> float:
     """Upstream ``commands.run``'s two limits as the SDK's one: ``command_timeout`` (the
     command's limit) wins if given."""
     return timeout if command_timeout is None else command_timeout
-
-
-def file_path(path: str, allow_unsafe_paths: bool) -> str:
-    return dp.validate_sandbox_path(path, allow_unsafe=allow_unsafe_paths)
-
-
-def _with_timeout(spec: proto.RequestSpec, timeout: float | None) -> proto.RequestSpec:
-    return spec if timeout is None else dataclasses.replace(spec, read_timeout=float(timeout))
-
-
-def download_spec(
-    target: dp.DataTarget, path: str, timeout: float | None, allow_unsafe_paths: bool
-) -> tuple[str, proto.RequestSpec]:
-    src = file_path(path, allow_unsafe_paths)
-    return src, _with_timeout(dp.download(target, src), timeout)
-
-
-def _content(reply: proto.Reply) -> bytes:
-    return reply.content
-
-
-def read_file(
-    target: dp.DataTarget, path: str, timeout: float | None, allow_unsafe_paths: bool
-) -> Call[bytes]:
-    return Call(download_spec(target, path, timeout, allow_unsafe_paths)[1], _content)
-
-
-def list_files(target: dp.DataTarget, path: str, timeout: float | None) -> Call[list[FileEntry]]:
-    src = dp.validate_sandbox_path(path, allow_root=True)
-    spec = _with_timeout(dp.list_files(target, src), timeout)
-    return Call(
-        spec, lambda reply: dp.parse_file_entries(proto.parse_json(reply.content, spec.what), src)
-    )
-
-
-def file_exists(target: dp.DataTarget, path: str, timeout: float | None) -> Call[bool]:
-    src = dp.validate_sandbox_path(path, allow_root=True)
-    spec = _with_timeout(dp.exists(target, src), timeout)
-    return Call(
-        spec, lambda reply: dp.parse_exists(proto.parse_json(reply.content, spec.what), src)
-    )

@@ -12,6 +12,8 @@ import dataclasses
 import json
 import random
 import re
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from .errors import BrokerProtocolError
 
 __all__ = [
     "Call",
+    "Keepalive",
     "NdjsonDecoder",
     "Reply",
     "RequestSpec",
@@ -76,9 +79,19 @@ class SandboxInfo:
     message: str | None = None
     created_at: str | None = None
     expires_at: str | None = None
+    """When the broker deletes the sandbox (its end time; RFC 3339 UTC)."""
+    started_at: str | None = None
+    """When the sandbox became Ready (``None`` before, or if the broker does not say)."""
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
     owner: Mapping[str, str] = field(default_factory=dict)
+
+    def seconds_left(self, now: float | None = None) -> float | None:
+        """Seconds until the broker deletes the sandbox (``None``: no end time known)."""
+        end = rfc3339_seconds(self.expires_at)
+        if end is None:
+            return None
+        return max(0.0, end - (time.time() if now is None else now))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,6 +104,7 @@ class SandboxInfo:
             "message": self.message,
             "created_at": self.created_at,
             "expires_at": self.expires_at,
+            "started_at": self.started_at,
             "labels": dict(self.labels),
             "annotations": dict(self.annotations),
             "owner": dict(self.owner),
@@ -100,6 +114,56 @@ class SandboxInfo:
                 "port": self.router.port,
             },
         }
+
+
+class Keepalive:
+    """One sandbox's opt-in activity keepalive (``keepalive=`` seconds): data-plane activity
+    moves the sandbox's deadline to now + ``seconds``, when that is later than the deadline
+    it knows, and at most once per half window. Thread-safe; the extension itself is sent by
+    the exchange, best effort (a failure is logged, never raised)."""
+
+    def __init__(
+        self,
+        name: str,
+        seconds: int,
+        deadline: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.seconds = seconds
+        self.deadline = deadline
+        """The sandbox's deadline as last reported (epoch seconds), ``None``: unknown."""
+        self._clock = clock
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def claim(self) -> bool:
+        """Whether this request should extend the lifetime now (then it counts as done)."""
+        with self._lock:
+            now = self._clock()
+            if self._last is not None and now - self._last < self.seconds / 2:
+                return False
+            if self.deadline is not None and now + self.seconds <= self.deadline:
+                return False
+            self._last = now
+            return True
+
+    def extended(self, info: SandboxInfo) -> None:
+        """Record the deadline an extension's answer reports."""
+        self.deadline = rfc3339_seconds(info.expires_at)
+
+
+def rfc3339_seconds(value: str | None) -> float | None:
+    """An RFC 3339 time as epoch seconds (``None`` if absent or unreadable)."""
+    if not value:
+        return None
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
 
 
 @dataclass(frozen=True)
@@ -122,6 +186,10 @@ class RequestSpec:
     data_plane: bool = False
     not_found_ok: bool = False
     """A 404 is an answer, not an error (delete: already gone)."""
+    subject: str | None = None
+    """The sandbox path a data-plane request is about (named by its errors)."""
+    keepalive: Keepalive | None = None
+    """The sandbox's activity keepalive: a data-plane request extends its lifetime when due."""
 
 
 class Reply(Protocol):
@@ -159,12 +227,16 @@ class Call(Generic[T]):
     """One request and how to read its answer: what an operation asks the transport for.
 
     ``cleanup``: it must complete even while the caller is cancelled (async). ``fail``: turns
-    the request's error into the operation's (``None``: raise it as is)."""
+    the request's error into the operation's (``None``: raise it as is). ``body``: a streamed
+    upload (``_upload.UploadBody``) the transport sends as the request's body. ``stream``: the
+    answer is handed to ``parse`` unread (the caller reads and closes it)."""
 
     spec: RequestSpec
     parse: Callable[[Reply], T]
     cleanup: bool = False
     fail: Callable[[Exception], Exception | None] | None = None
+    body: Any = None
+    stream: bool = False
 
 
 def json_body(spec: RequestSpec, body: Any) -> RequestSpec:

@@ -54,11 +54,13 @@ class UploadStream(httpx.SyncByteStream):
         body = self._body
         body.begin()
         yield body.framing.prefix
-        if isinstance(body.content, bytes):
-            yield from body.byte_chunks()
+        yield from body.byte_chunks()
+        if body.kind == "iter":
+            for piece in body.content:
+                if chunk := body.accept(piece):
+                    yield chunk
         while want := body.want():
-            chunk = body.accept(body.content.read(want))
-            if chunk:
+            if chunk := body.accept(body.content.read(want)):
                 yield chunk
         yield body.framing.suffix
 
@@ -143,14 +145,23 @@ class BrokerTransport(TransportBase):
             proto.redact_sent(exc, sent)
             raise
 
+    def upload_stream(self, body: UploadBody) -> UploadStream:
+        return UploadStream(body)
+
     def stream(
         self, spec: proto.RequestSpec, meter: DownloadMeter, chunk_size: int | None = CHUNK_SIZE
     ) -> Generator[bytes, None, None]:
         """The answer to ``spec`` in chunks of ``chunk_size`` (``None``: each as it arrives);
         the request is sent on first iteration."""
-        response = self.send(spec, stream=True)
+        yield from self.chunks(self.send(spec, stream=True), meter, chunk_size)
+
+    def chunks(
+        self, response: httpx.Response, meter: DownloadMeter, size: int | None = CHUNK_SIZE
+    ) -> Generator[bytes, None, None]:
+        """An open ``response``'s body in chunks of ``size`` bytes (``None``: as they arrive),
+        counted by ``meter``; closed at the end."""
         try:
-            for chunk in response.iter_bytes(chunk_size):
+            for chunk in response.iter_bytes(size):
                 yield meter.count(chunk)
         except httpx.TransportError as exc:
             raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc

@@ -56,12 +56,19 @@ __all__ = [
     "CredentialPluginWarning",
     "CredentialSourceError",
     "EmptyCredentialError",
+    "FileAPIUnsupportedError",
     "ForbiddenTokenSourceError",
+    "LifetimeExceedsPolicyError",
     "MalformedTokenError",
     "NoCredentialsError",
     "RequestTimeoutError",
     "SandboxError",
     "SandboxFailedError",
+    "SandboxFileError",
+    "SandboxFileExistsError",
+    "SandboxFileLimitError",
+    "SandboxFileNotFoundError",
+    "SandboxPathError",
     "SandboxReadyTimeoutError",
     "SandboxTerminatingError",
     "TokenExpiredError",
@@ -126,6 +133,45 @@ class BrokerConflictError(BrokerError):
 
 class BrokerQuotaError(BrokerError):
     """429: too many sandboxes (``quota_exceeded``) or requests (``rate_limited``)."""
+
+
+class LifetimeExceedsPolicyError(BrokerPermissionError):
+    """403 ``lifetime_exceeds_policy``: the lifetime asked for (at create or with
+    ``set_timeout``) ends past the policy's cap, counted from the sandbox's creation."""
+
+
+class SandboxFileError(BrokerError):
+    """A file operation the sandbox runtime refused. ``path``: the sandbox path it names;
+    ``code``: the rule (the runtime's code, e.g. ``not_empty``, ``cross_root``,
+    ``is_a_directory``); ``detail``: the runtime's reason."""
+
+    def __init__(self, message: str, *, sandbox_path: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.sandbox_path = sandbox_path
+
+
+class SandboxFileNotFoundError(SandboxFileError):
+    """``path_not_found``: the path (or a directory on its way) does not exist."""
+
+
+class SandboxFileExistsError(SandboxFileError):
+    """``path_exists``: the destination exists (a move without ``overwrite``, ``make_dir`` over
+    a file)."""
+
+
+class SandboxPathError(SandboxFileError):
+    """The path breaks the runtime's path rules: ``path_invalid``, ``path_outside_root``,
+    ``path_is_root``, ``symlink_not_followed``."""
+
+
+class SandboxFileLimitError(SandboxFileError):
+    """Over a limit of the runtime: ``file_too_large`` (``read`` of more than its read limit),
+    ``too_many_entries`` (a listing or watch of a huge directory)."""
+
+
+class FileAPIUnsupportedError(SandboxFileError):
+    """The sandbox runtime lacks the file API (``/fs/*``: deployed runtimes since v0.4.0) that
+    the operation needs; only ``read``, ``write``, ``list`` and ``exists`` work without it."""
 
 
 class BrokerUnavailableError(BrokerError):

@@ -24,13 +24,13 @@ from k8s_agent_sandbox_awx import (
     BrokerUnavailableError,
     CommandTimeoutError,
     ConfigurationError,
+    FileInfo,
     KubernetesAuth,
     OIDCTokenAuth,
     SandboxReadyTimeoutError,
 )
 from k8s_agent_sandbox_awx._upstream import (
     ExecutionResult,
-    FileEntry,
     SandboxError,
     SandboxNotFoundError,
     SandboxTemplateNotFoundError,
@@ -106,7 +106,7 @@ def test_async_with_files_streamed_and_cleanup(live: Any, broker: Any, tmp_path:
             assert await sandbox.files.exists("data/in.csv")
             assert not await sandbox.files.exists("nope")
             entries = await sandbox.files.list("data")
-            assert all(isinstance(e, FileEntry) for e in entries)
+            assert all(isinstance(e, FileInfo) for e in entries)
             assert sorted(e.name for e in entries) == ["big.bin", "in.csv", "note.txt"]
             assert await sandbox.files.read_to("data/in.csv", tmp_path / "out.csv") == 8000
             assert (tmp_path / "out.csv").read_bytes() == local_in.read_bytes()

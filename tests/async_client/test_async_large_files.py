@@ -1,5 +1,5 @@
-"""A 2 GiB file written (from an async iterable) and read back (into an async writer) through
-the broker with the async client, with bounded client memory."""
+"""A 2 GiB file written (from an async iterable) and read back (``read(format="stream")``)
+through the broker with the async client, with bounded client memory."""
 
 from __future__ import annotations
 
@@ -40,12 +40,14 @@ async def main():
         await sb.files.write("warm.bin", b"x" * 4096)
         await sb.files.read_to("warm.bin", Sink())
         base = vm_hwm_kib()
-        await sb.files.write("big/2g.bin", generated())
-        sink = Sink()
-        n = await sb.files.read_to("big/2g.bin", sink)
+        info = await sb.files.write("big/2g.bin", generated())
+        sink, n = Sink(), 0
+        async for chunk in await sb.files.read("big/2g.bin", format="stream"):
+            await sink.write(chunk)
+            n += len(chunk)
         peak = vm_hwm_kib()
     return {"base_kib": base, "peak_kib": peak, "size": n,
-            "same": sent.hexdigest() == sink.digest.hexdigest()}
+            "same": info.size == SIZE and sent.hexdigest() == sink.digest.hexdigest()}
 
 print(json.dumps(asyncio.run(main())))
 """

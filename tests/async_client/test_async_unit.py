@@ -90,6 +90,8 @@ class Broker:
         if path == "/execute":
             cmd = json.loads(request.content)["command"]
             return httpx.Response(200, json={"stdout": cmd, "stderr": "", "exit_code": 0})
+        if "x-sandbox-id" in request.headers:  # the runtime's own 404: no such endpoint
+            return httpx.Response(404, json={"detail": "Not Found"})
         return httpx.Response(404, json={"detail": "no route", "code": "not_found"})
 
 
@@ -210,7 +212,7 @@ def test_retries_are_bounded_and_only_for_idempotent_requests() -> None:
         attempts[key] += 1
         return httpx.Response(503, json={"detail": "busy", "code": "unavailable"})
 
-    broker.hooks[("GET", "/exists/x")] = busy
+    broker.hooks[("GET", "/fs/exists")] = busy
     broker.hooks[("POST", "/execute")] = busy
     broker.hooks[("POST", "/commands")] = busy
 
@@ -231,15 +233,16 @@ def test_retries_are_bounded_and_only_for_idempotent_requests() -> None:
         async def stream() -> AsyncIterator[bytes]:
             yield b"one-shot"
 
-        broker.hooks[("POST", "/upload")] = busy
+        broker.hooks[("POST", "/fs/write")] = busy
+        handle.files._api.has_fs = True  # a runtime with the file API
         with pytest.raises(BrokerUnavailableError):
             await handle.files.write("f.bin", stream())
-        uploads = [r for r in broker.requests if r.url.path == "/upload"]
+        uploads = [r for r in broker.requests if r.url.path == "/fs/write"]
         assert len(uploads) == 1  # a consumed async stream is never re-sent
         assert uploads[0].headers.get("Transfer-Encoding") == "chunked"
         with pytest.raises(BrokerUnavailableError):
             await handle.files.write("g.bin", b"bytes are replayable")
-        assert len([r for r in broker.requests if r.url.path == "/upload"]) == 1 + 3
+        assert len([r for r in broker.requests if r.url.path == "/fs/write"]) == 1 + 3
         await client.close()
 
     asyncio.run(main())

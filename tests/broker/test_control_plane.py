@@ -170,7 +170,6 @@ def test_forged_reserved_metadata_is_forbidden(
         {"annotations": {"/no-name": "x"}},
         {"env": {"1BAD": "x"}},
         {"lifetime_seconds": 0},
-        {"lifetime_seconds": 601},
         {"lifetime_seconds": "60"},
         {"template": ""},
         {"unknown": True},
@@ -180,6 +179,14 @@ def test_create_validation(alice: Any, body: dict[str, Any]) -> None:
     resp = alice.create(**body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["code"] == "invalid_request"
+
+
+def test_create_over_the_lifetime_cap_is_refused_with_the_cap(alice: Any, broker: Any) -> None:
+    resp = alice.create(lifetime_seconds=601)
+    assert resp.status_code == 403, resp.text
+    assert resp.json()["code"] == "lifetime_exceeds_policy"
+    assert "600" in resp.json()["detail"]
+    assert broker.claims() == []
 
 
 def test_create_bad_json_and_too_large(alice: Any) -> None:

@@ -131,6 +131,8 @@ class FakeBroker:
             )
         if path == "/v1/whoami":
             return httpx.Response(200, json={"provider": "kubernetes", "subject": "sa"})
+        if "x-sandbox-id" in request.headers:  # the runtime's own 404: no such endpoint
+            return error(404, None, "Not Found")
         return error(404, "not_found", f"no route {path}")
 
 

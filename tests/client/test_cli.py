@@ -442,6 +442,48 @@ def test_docs_describe_every_json_output() -> None:
         for name, p in sub.choices.items()
         if any("--json" in a.option_strings for a in p._actions)
     )
-    assert with_json == ["doctor", "kill", "ls", "run", "whoami"]
+    assert with_json == ["doctor", "extend", "kill", "ls", "run", "whoami"]
     for name in with_json:
         assert f"| `{name}` | " in docs, name
+
+
+@pytest.mark.e2e
+def test_ls_time_left_extend_and_files(
+    broker: Any, use_env: Any, capsys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_env(broker.environ("kubernetes", namespace="team-a", service_account="agent"))
+    from k8s_agent_sandbox_awx import Sandbox
+
+    sandbox = Sandbox.create(timeout=120)
+    try:
+        name = sandbox.name
+        assert main(["ls"]) == 0
+        out = capsys.readouterr().out
+        assert "LEFT" in out.splitlines()[0] and ("1m" in out or "2m" in out)
+        assert main(["ls", "--json"]) == 0
+        assert 0 < json.loads(capsys.readouterr().out)[0]["seconds_left"] <= 120
+        assert main(["extend", name, "300", "--json"]) == 0
+        assert 200 < json.loads(capsys.readouterr().out)["seconds_left"] <= 300
+        assert main(["extend", name, "100000"]) == 1  # over the policy cap: refused, explained
+        assert "lifetime_exceeds_policy" in capsys.readouterr().err
+
+        local = tmp_path / "up.txt"
+        local.write_bytes(b"from the cli")
+        assert main(["files", "put", name, str(local), "d/up.txt", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["path"] == "/app/d/up.txt"
+        assert main(["files", "ls", name, "d", "--json"]) == 0
+        [entry] = json.loads(capsys.readouterr().out)
+        assert (entry["name"], entry["size"], entry["type"]) == ("up.txt", 12, "file")
+        assert main(["files", "ls", name]) == 0
+        assert "d/" in capsys.readouterr().out
+        monkeypatch.chdir(tmp_path)
+        assert main(["files", "get", name, "d/up.txt", "copy.txt"]) == 0
+        assert (tmp_path / "copy.txt").read_bytes() == b"from the cli"
+        assert main(["files", "rm", name, "d", "--json"]) == 1  # not empty: needs -r
+        assert "not_empty" in capsys.readouterr().err
+        assert main(["files", "rm", name, "d", "-r", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == {"path": "d", "removed": True}
+        assert main(["files", "rm", name, "d"]) == 0
+        assert "did not exist" in capsys.readouterr().out
+    finally:
+        sandbox.kill()

@@ -11,6 +11,7 @@ import pytest
 
 from k8s_agent_sandbox_awx import BrokerConnectionConfig, BrokerSandboxClient
 from k8s_agent_sandbox_awx._upstream import SandboxNotFoundError
+from k8s_agent_sandbox_awx.errors import LifetimeExceedsPolicyError, SandboxFileError
 
 pytestmark = pytest.mark.e2e
 
@@ -43,6 +44,8 @@ def _typed(text: str, param: dict[str, Any]) -> Any:
         return int(text)
     if kind == "number":
         return float(text)
+    if kind == "boolean" and text in ("true", "false"):
+        return text == "true"
     return text
 
 
@@ -68,6 +71,19 @@ def test_client_traffic_conforms_to_openapi(broker: Any) -> None:
         sandbox.files.read("d/a.txt")
         sandbox.files.list("d")
         sandbox.files.exists("d/a.txt")
+        sandbox.files.write("d/s.bin", iter([b"one-", b"shot"]))
+        sandbox.files.read("d/s.bin", format="text")
+        sandbox.files.get_info("/app/d/a.txt")
+        sandbox.files.make_dir("/workspace/m")
+        sandbox.files.move("d/a.txt", "d/b.txt")
+        with pytest.raises(SandboxFileError):
+            sandbox.files.move("d/s.bin", "d/b.txt")
+        sandbox.files.remove("d", recursive=True)
+        list(sandbox.files.watch_dir("/workspace", timeout=0.5))
+        sandbox.set_timeout(200)
+        with pytest.raises(LifetimeExceedsPolicyError):
+            sandbox.set_timeout(10**6)
+        sandbox.get_info()
         client.list_sandboxes({"team": "ml"})
         with pytest.raises(SandboxNotFoundError):
             client.get_info("sbx-unknown0")

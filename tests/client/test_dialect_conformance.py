@@ -148,3 +148,22 @@ def test_a_missing_feature_is_refused_naming_the_dialect() -> None:
 def plan_for(dialect: Dialect) -> flow.CreatePlan:
     config = BrokerConnectionConfig(broker_url="https://broker.test")
     return flow.plan_create(config, dialect, flow.SandboxSpec())
+
+
+def test_the_lifetime_is_set_moved_and_capped(client: BrokerSandboxClient) -> None:
+    """``timeout=`` at create and ``set_timeout``/``extend`` (the dialect's ``extend``): the
+    deadline moves both ways, past the policy cap is ``LifetimeExceedsPolicyError``."""
+    from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
+    from k8s_agent_sandbox_awx.errors import LifetimeExceedsPolicyError
+
+    if "lifetime" not in client.dialect.features:
+        pytest.skip(f"the {client.dialect.name!r} dialect cannot change a lifetime")
+    sandbox = client.create_sandbox(shutdown_after_seconds=120)
+    left = sandbox.get_info().seconds_left()
+    assert left is not None and 100 < left <= 120
+    shorter = sandbox.set_timeout(30)
+    assert (rfc3339_seconds(shorter.expires_at) or 0) <= time.time() + 31
+    assert (client.extend(sandbox.name, 200).seconds_left() or 0) > 150
+    with pytest.raises(LifetimeExceedsPolicyError):
+        sandbox.set_timeout(10**6)
+    sandbox.kill()

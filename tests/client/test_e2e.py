@@ -19,6 +19,7 @@ from k8s_agent_sandbox_awx import (
     BrokerUnavailableError,
     CommandTimeoutError,
     ConfigurationError,
+    FileInfo,
     KubernetesAuth,
     OIDCTokenAuth,
     Sandbox,
@@ -26,7 +27,6 @@ from k8s_agent_sandbox_awx import (
 )
 from k8s_agent_sandbox_awx._upstream import (
     ExecutionResult,
-    FileEntry,
     SandboxError,
     SandboxNotFoundError,
     SandboxTemplateNotFoundError,
@@ -79,7 +79,7 @@ def test_with_block_files_and_cleanup(live: Any, broker: Any, tmp_path: Path) ->
         assert sandbox.files.read("data/note.txt") == "héllo".encode()
         assert sandbox.files.exists("data/in.csv") and not sandbox.files.exists("nope")
         entries = sandbox.files.list("data")
-        assert all(isinstance(e, FileEntry) for e in entries)
+        assert all(isinstance(e, FileInfo) for e in entries)
         assert sorted(e.name for e in entries) == ["in.csv", "note.txt"]
         assert sandbox.files.read_to("data/in.csv", tmp_path / "out.csv") == 8000
         assert (tmp_path / "out.csv").read_bytes() == local_in.read_bytes()

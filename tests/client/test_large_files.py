@@ -57,3 +57,39 @@ def test_2gib_round_trip_with_bounded_memory(round_trip_growth: Any) -> None:
     growth = round_trip_growth(CLIENT, SIZE)  # asserts that every byte came back unchanged
     print(f"client peak RSS growth for 2 GiB up+down: {growth / 2**20:.1f} MiB")
     assert growth < LIMIT
+
+
+# A generator written with files.write and read back with read(format="stream").
+CLIENT_GENERATOR = r"""
+from k8s_agent_sandbox_awx import Sandbox
+
+sent = hashlib.sha256()
+
+def generated():
+    block = os.urandom(1024 * 1024)
+    for _ in range(SIZE // len(block)):
+        sent.update(block)
+        yield block
+
+with Sandbox.create(ready_timeout=60, request_timeout=120) as sb:
+    sb.files.write("warm.bin", iter([b"x" * 4096]))
+    b"".join(sb.files.read("warm.bin", format="stream"))
+    base = vm_hwm_kib()
+    info = sb.files.write("big/gen.bin", generated())
+    got, n = hashlib.sha256(), 0
+    for chunk in sb.files.read("big/gen.bin", format="stream"):
+        got.update(chunk)
+        n += len(chunk)
+    peak = vm_hwm_kib()
+print(json.dumps({"base_kib": base, "peak_kib": peak, "size": n,
+                  "same": info.size == SIZE and sent.hexdigest() == got.hexdigest()}))
+"""
+
+
+def test_2gib_generator_write_and_stream_read_with_bounded_memory(
+    round_trip_growth: Any,
+) -> None:
+    growth = round_trip_growth(CLIENT_GENERATOR, SIZE)
+    mib = growth / 2**20
+    print(f"client peak RSS growth for a 2 GiB generator write + stream read: {mib:.1f} MiB")
+    assert growth <= LIMIT

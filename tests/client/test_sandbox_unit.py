@@ -12,13 +12,13 @@ import pytest
 
 from k8s_agent_sandbox_awx import (
     CommandTimeoutError,
+    FileInfo,
     RequestTimeoutError,
     SandboxFailedError,
     SandboxReadyTimeoutError,
 )
 from k8s_agent_sandbox_awx._upstream import (
     ExecutionResult,
-    FileEntry,
     SandboxClaimFailedError,
     SandboxError,
     SandboxNotReadyError,
@@ -160,7 +160,8 @@ def test_files(make_client: Any, fake: Any, tmp_path: Path) -> None:
     fake.route("GET", "/download/data/in.csv")(lambda r: httpx.Response(200, content=b"a,b"))
     fake.route("GET", "/download/missing")(lambda r: httpx.Response(404, json={"detail": "nope"}))
     entries = sandbox.files.list("data")
-    assert isinstance(entries[0], FileEntry) and entries[0].name == "in.csv"
+    assert isinstance(entries[0], FileInfo) and entries[0].name == "in.csv"
+    assert entries[0].path == "data/in.csv" and entries[0].modified is not None
     assert sandbox.files.exists("data/in.csv") is True
     assert sandbox.files.read("data/in.csv") == b"a,b"
     sink = io.BytesIO()
@@ -229,7 +230,7 @@ def test_one_name_per_concept_upstream_spellings_only_from_the_client(
     assert not hasattr(plain, "claim_name") and not hasattr(plain, "terminate")
     with pytest.raises(TypeError, match="did you mean 'timeout'"):
         plain.commands.run("true", command_timeout=5)  # type: ignore[call-arg]
-    with pytest.raises(TypeError, match="did you mean 'lifetime_seconds'"):
+    with pytest.raises(TypeError, match="did you mean 'timeout'"):
         Sandbox.create(shutdown_after_seconds=5)  # type: ignore[call-arg]
     assert upstream.commands.run("true", timeout=1, command_timeout=5).exit_code == 0
     sent = json.loads(fake.requests[-1].content)

@@ -549,9 +549,10 @@ class BrokerApp:
             raise ApiError(400, "invalid_request", "'lifetime_seconds' must be a positive integer")
         if lifetime > max_lifetime:
             raise ApiError(
-                400,
-                "invalid_request",
-                f"'lifetime_seconds' {lifetime} is over the policy maximum {max_lifetime}",
+                403,
+                "lifetime_exceeds_policy",
+                f"'lifetime_seconds' {lifetime} is over the policy's cap of {max_lifetime} s "
+                "from creation; ask for at most that",
             )
         env = _string_map(body.get("env"), "env")
         for name in env:

@@ -36,6 +36,8 @@ SDK_VARIABLES: tuple[str, ...] = (
     "AGENT_SANDBOX_LOAD_PLUGINS",
     "AGENT_SANDBOX_DEBUG",
     "AGENT_SANDBOX_TRUST_ENV_PROXIES",
+    "AGENT_SANDBOX_TTL_SECONDS",
+    "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS",
 )
 """Every environment variable the SDK reads. Remove them all (and your platform's variables)
 before a test that uses ``os.environ``, so the developer's or CI's own settings cannot leak in."""

@@ -1,0 +1,133 @@
+"""A sandbox's lifetime from the client: ``timeout=`` at create (default 300 s, from
+``AGENT_SANDBOX_TTL_SECONDS``), ``set_timeout``, ``get_info``, ``is_running``, the policy cap,
+and the opt-in activity keepalive, against the local broker (policy cap: 120 s)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from k8s_agent_sandbox_awx import KubernetesAuth, Sandbox, SandboxInfo
+from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
+from k8s_agent_sandbox_awx.errors import LifetimeExceedsPolicyError
+
+pytestmark = pytest.mark.e2e
+
+
+def _options(broker: Any, **extra: str) -> dict[str, Any]:
+    env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
+    auth = KubernetesAuth(env.pop("AGENT_SANDBOX_TOKEN_FILE"))
+    return {"auth": auth, "environ": {**env, **extra}}
+
+
+def _lifetime(info: SandboxInfo) -> float:
+    return (rfc3339_seconds(info.expires_at) or 0) - (rfc3339_seconds(info.created_at) or 0)
+
+
+def test_timeout_default_environment_and_policy_cap(files_broker: Any) -> None:
+    with pytest.raises(LifetimeExceedsPolicyError) as over:
+        Sandbox.create(**_options(files_broker))  # the default 300 s is over the 120 s cap
+    message = str(over.value)
+    assert "120" in message and "AGENT_SANDBOX_TTL_SECONDS" in message
+    assert files_broker.claims() == []
+    with Sandbox.create(**_options(files_broker, AGENT_SANDBOX_TTL_SECONDS="60")) as sb:
+        assert _lifetime(sb.info) == 60
+    with Sandbox.create(timeout=90, **_options(files_broker)) as sb:
+        info = sb.get_info()
+        assert _lifetime(info) == 90 and info.started_at is not None
+        assert 0 < (info.seconds_left() or 0) <= 90
+        assert sb.is_running()
+        with pytest.raises(LifetimeExceedsPolicyError, match="at most"):
+            sb.set_timeout(500)
+        assert sb.get_info().expires_at == info.expires_at  # nothing changed
+        longer = sb.set_timeout(110.2)  # rounded up to whole seconds
+        assert (rfc3339_seconds(longer.expires_at) or 0) > (rfc3339_seconds(info.expires_at) or 0)
+        assert sb.info == longer
+        with pytest.raises(ValueError, match="positive"):
+            sb.set_timeout(0)
+    assert not sb.is_running()  # killed (its connections closed): no request needed
+
+
+def test_set_timeout_shortening_makes_the_broker_delete_it_on_time(files_broker: Any) -> None:
+    sb = Sandbox.create(timeout=100, **_options(files_broker))
+    try:
+        deadline = rfc3339_seconds(sb.set_timeout(2).expires_at) or 0
+        assert deadline <= time.time() + 2
+        while sb.is_running():
+            assert time.time() < deadline + 5, "the broker did not delete the sandbox on time"
+            time.sleep(0.2)
+        assert time.time() >= deadline - 1
+        assert [i.name for i in Sandbox.list(**_options(files_broker))] == []
+    finally:
+        sb.kill()
+
+
+def test_keepalive_keeps_a_busy_sandbox_and_lets_an_idle_one_expire(files_broker: Any) -> None:
+    busy = Sandbox.create(timeout=3, keepalive=3, **_options(files_broker))
+    idle = Sandbox.create(timeout=3, keepalive=3, **_options(files_broker))
+    try:
+        idle_deadline = rfc3339_seconds(idle.info.expires_at) or 0
+        until = time.time() + 7
+        while time.time() < until:
+            assert busy.files.exists("nothing") is False  # data-plane activity
+            time.sleep(0.4)
+        assert time.time() > idle_deadline + 3
+        assert busy.is_running()  # past its initial 3 s, kept alive by its activity
+        assert not idle.is_running()  # never used: expired on time
+    finally:
+        busy.kill()
+        idle.kill()
+
+
+def test_keepalive_never_fails_the_operation(
+    files_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with Sandbox.create(timeout=100, keepalive=30, **_options(files_broker)) as sb:
+        target = sb.files._api.target
+        target.keepalive.name = "sbx-gone0000"  # the extension will be refused (404)
+        target.keepalive.deadline = None
+        with caplog.at_level("WARNING", logger="k8s_agent_sandbox_awx.transport"):
+            assert sb.files.write("a.txt", b"still works").size == 11
+        assert "keepalive of sandbox sbx-gone0000 failed (ignored)" in caplog.text
+
+
+def test_lifetime_settings_from_the_environment_and_arguments() -> None:
+    from k8s_agent_sandbox_awx import BrokerConnectionConfig
+    from k8s_agent_sandbox_awx._flow import sandbox_timeout, spec_from_create
+    from k8s_agent_sandbox_awx.errors import ConfigurationError
+
+    base = {"AGENT_SANDBOX_BROKER_URL": "https://broker.example"}
+    config = BrokerConnectionConfig.from_env(base)
+    assert (config.sandbox_timeout, config.sandbox_keepalive) == (300, 0)
+    env = {**base, "AGENT_SANDBOX_TTL_SECONDS": "0", "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS": "60"}
+    config = BrokerConnectionConfig.from_env(env)
+    assert (config.sandbox_timeout, config.sandbox_keepalive) == (0, 60)
+    assert sandbox_timeout(None, config) is None  # 0: the policy's maximum
+    assert sandbox_timeout(45, config) == 45
+    with pytest.raises(ConfigurationError, match="AGENT_SANDBOX_TTL_SECONDS"):
+        BrokerConnectionConfig.from_env({**base, "AGENT_SANDBOX_TTL_SECONDS": "5m"})
+    assert spec_from_create(None, None, {"lifetime_seconds": 60}).lifetime_seconds == 60
+    assert spec_from_create(None, None, {"timeout": 60.0}).lifetime_seconds == 60
+    with pytest.raises(ConfigurationError, match="differ"):
+        spec_from_create(None, None, {"timeout": 60, "lifetime_seconds": 30})
+    with pytest.raises(TypeError, match="whole number"):
+        spec_from_create(None, None, {"timeout": 1.5})
+    with pytest.raises(ValueError, match="positive"):
+        spec_from_create(None, None, {"timeout": 0})
+
+
+def test_keepalive_is_due_once_per_half_window_and_only_when_it_extends() -> None:
+    from k8s_agent_sandbox_awx._protocol import Keepalive
+
+    now = [1000.0]
+    keepalive = Keepalive("sbx", 60, deadline=1300.0, clock=lambda: now[0])
+    assert not keepalive.claim()  # now + 60 is before the deadline it knows
+    now[0] = 1250.0
+    assert keepalive.claim()  # 1310 > 1300: extend
+    keepalive.deadline = 1310.0
+    now[0] = 1270.0
+    assert not keepalive.claim()  # within the half window
+    now[0] = 1281.0
+    assert keepalive.claim()
