@@ -24,6 +24,9 @@ _EXPORTS: dict[str, str] = {
     "AsyncBrokerSandboxClient": "._async_client",
     "BrokerConnectionConfig": "._config",
     "SandboxError": ".errors",
+    # --- the original package's names (drop-in migration) ----------------------------------
+    "SandboxBrokerConnectionConfig": "._config",
+    "BrokerSandbox": "._client",
     # --- credential framework -------------------------------------------------------------
     "DefaultCredentials": "._chain",
     "explain": "._chain",
@@ -47,6 +50,7 @@ __all__ = [
     "AsyncBrokerSandboxClient",
     "AsyncSandbox",
     "BrokerConnectionConfig",
+    "BrokerSandbox",
     "BrokerSandboxClient",
     "Credential",
     "CredentialRequest",
@@ -58,6 +62,7 @@ __all__ = [
     "ProviderDecision",
     "ProviderInfo",
     "Sandbox",
+    "SandboxBrokerConnectionConfig",
     "SandboxError",
     "SandboxInfo",
     "__version__",
@@ -94,8 +99,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
     from ._cache import clear_credential_cache
     from ._chain import DefaultCredentials, Explanation, ProviderDecision, explain
-    from ._client import BrokerSandboxClient, Sandbox, SandboxInfo
-    from ._config import BrokerConnectionConfig
+    from ._client import BrokerSandbox, BrokerSandboxClient, Sandbox, SandboxInfo
+    from ._config import BrokerConnectionConfig, SandboxBrokerConnectionConfig
     from ._credential import Credential, CredentialRequest, ProviderInfo
     from .errors import *  # noqa: F403 - the old top-level error names
     from .errors import SandboxError

@@ -30,6 +30,7 @@ from . import _protocol as proto
 from ._async_transport import AsyncBrokerTransport, AsyncUploadStream
 from ._base import ClientBase, ExcType, FilesBase, SandboxBase, SandboxPart, Traceback, make_client
 from ._dataplane import DownloadMeter
+from ._dialect import Dialect, Lifetime
 from ._exchange import plan_upload
 from ._files import partial_file, writer_or_path
 from ._upstream import ExecutionResult, FileEntry, SandboxNotFoundError
@@ -64,6 +65,13 @@ class AsyncBrokerSandboxClient(
             self.connection_config, self.auth, self.dialect, http_transport=http_transport
         )
 
+    async def _use_dialect(self) -> Dialect:
+        """The dialect, found out from the broker first if it is not known yet."""
+        if self._dialect is not None:
+            return self._dialect
+        op = flow.resolve_dialect(None, self.broker_url)
+        return self._dialect_found(await self._transport.run(op))
+
     async def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""
         self._mark_closed()
@@ -80,42 +88,58 @@ class AsyncBrokerSandboxClient(
 
     async def whoami(self) -> dict[str, Any]:
         """The identity the broker verified for the current token."""
-        return await self._transport.call(self.dialect.whoami())
+        return await self._transport.call((await self._use_dialect()).whoami())
 
     async def healthz(self) -> proto.BrokerReply:
         """The broker's health check, without a token."""
-        reply = await self._transport.send(self.dialect.healthz().spec, authenticate=False)
+        spec = (await self._use_dialect()).healthz().spec
+        reply = await self._transport.send(spec, authenticate=False)
         return proto.BrokerReply(reply.status_code, dict(reply.headers), reply.content)
 
     async def list_sandboxes(
         self, label_selector: Mapping[str, str] | str | None = None
     ) -> list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them, newest first."""
-        return await self._transport.call(self.dialect.list_sandboxes(label_selector))
+        proto.selector_text(label_selector)  # checked before anything is sent
+        call = (await self._use_dialect()).list_sandboxes(label_selector)
+        return await self._transport.call(call)
 
     async def get_info(self, name: str) -> proto.SandboxInfo:
         """The current state of sandbox ``name`` (no waiting)."""
-        return await self._transport.call(self.dialect.get(name))
+        return await self._transport.call((await self._use_dialect()).get(name))
 
     async def wait_ready(
         self, info: proto.SandboxInfo, ready_timeout: float, *, creating: bool = False
     ) -> proto.SandboxInfo:
         """Long-poll until ``info`` is Ready; raise on Failed or at the timeout."""
-        request_timeout = self.connection_config.request_timeout
-        op = flow.wait_ready(self.dialect, info, ready_timeout, request_timeout, creating=creating)
+        config = self.connection_config
+        op = flow.wait_ready(
+            await self._use_dialect(),
+            info,
+            ready_timeout,
+            config.request_timeout,
+            creating=creating,
+            poll_interval=config.poll_interval,
+        )
         return await self._transport.run(op)
 
     async def delete(self, name: str) -> bool:
         """Delete sandbox ``name`` at the broker (to the end, even if cancelled); ``False`` if it
         was already gone."""
-        return await self._transport.call(flow.cleanup(self.dialect.delete(name)))
+        call = (await self._use_dialect()).delete(name)
+        return await self._transport.call(flow.cleanup(call))
+
+    async def extend(self, name: str, seconds: int) -> Lifetime:
+        """Move sandbox ``name``'s deadline to now + ``seconds`` (see the sync client)."""
+        return await self._transport.call((await self._use_dialect()).extend(name, seconds))
 
     def _handle(self, info: proto.SandboxInfo, *, upstream: bool) -> AsyncSandbox:
         return (AsyncUpstreamSandbox if upstream else AsyncSandbox)(self, info)
 
-    async def _create(self, plan: flow.CreatePlan, *, upstream: bool) -> AsyncSandbox:
+    async def _create(self, spec: flow.SandboxSpec, *, upstream: bool) -> AsyncSandbox:
         """``create_sandbox``'s I/O: a failed or cancelled create deletes the claim it made
         before the error (or ``CancelledError``) propagates."""
+        plan = self._plan(await self._use_dialect(), spec)
         info = await self._transport.run(flow.create(plan))
         return self._register(self._handle(info, upstream=upstream))
 
@@ -352,12 +376,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         cancelled create deletes the claim it made, then re-raises ``CancelledError``."""
         spec = flow.spec_from_create(template, labels, options)
         client = make_client(AsyncBrokerSandboxClient, options, creating=True)
-        return await cls._owning(
-            client,
-            lambda: client._create(
-                flow.plan_create(client.connection_config, client.dialect, spec), upstream=False
-            ),
-        )
+        return await cls._owning(client, lambda: client._create(spec, upstream=False))
 
     @classmethod
     async def connect(

@@ -17,11 +17,12 @@ from ._auth import CredentialSource
 from ._base import ClientBase, ExcType, SandboxBase, Traceback, make_client
 from ._commands import Commands
 from ._config import BrokerConnectionConfig
+from ._dialect import Dialect, Lifetime
 from ._files import Files
 from ._transport import BrokerTransport
 from ._upstream import ExecutionResult, SandboxNotFoundError
 
-__all__ = ["BrokerSandboxClient", "Sandbox", "SandboxInfo", "UpstreamSandbox"]
+__all__ = ["BrokerSandbox", "BrokerSandboxClient", "Sandbox", "SandboxInfo", "UpstreamSandbox"]
 
 SandboxInfo = proto.SandboxInfo
 
@@ -68,6 +69,13 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
             self.connection_config, self.auth, self.dialect, http_transport=http_transport
         )
 
+    def _use_dialect(self) -> Dialect:
+        """The dialect, found out from the broker first if it is not known yet."""
+        if self._dialect is not None:
+            return self._dialect
+        op = flow.resolve_dialect(None, self.broker_url)
+        return self._dialect_found(self._transport.run(op))
+
     # ---------------------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
@@ -88,43 +96,57 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
 
     def whoami(self) -> dict[str, Any]:
         """The identity the broker verified for the current token (``GET /v1/whoami``)."""
-        return self._transport.call(self.dialect.whoami())
+        return self._transport.call(self._use_dialect().whoami())
 
     def healthz(self) -> proto.BrokerReply:
         """The broker's health check, without a token: its status, headers (``Date``) and
         body."""
-        reply = self._transport.send(self.dialect.healthz().spec, authenticate=False)
+        reply = self._transport.send(self._use_dialect().healthz().spec, authenticate=False)
         return proto.BrokerReply(reply.status_code, dict(reply.headers), reply.content)
 
     def list_sandboxes(
         self, label_selector: Mapping[str, str] | str | None = None
     ) -> list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them, newest first."""
-        return self._transport.call(self.dialect.list_sandboxes(label_selector))
+        proto.selector_text(label_selector)  # checked before anything is sent
+        return self._transport.call(self._use_dialect().list_sandboxes(label_selector))
 
     def get_info(self, name: str) -> proto.SandboxInfo:
         """The current state of sandbox ``name`` (no waiting)."""
-        return self._transport.call(self.dialect.get(name))
+        return self._transport.call(self._use_dialect().get(name))
 
     def wait_ready(
         self, info: proto.SandboxInfo, ready_timeout: float, *, creating: bool = False
     ) -> proto.SandboxInfo:
         """Long-poll the broker until ``info`` is Ready; raise on Failed or at the timeout."""
-        timeout = self.connection_config.request_timeout
-        op = flow.wait_ready(self.dialect, info, ready_timeout, timeout, creating=creating)
+        config = self.connection_config
+        op = flow.wait_ready(
+            self._use_dialect(),
+            info,
+            ready_timeout,
+            config.request_timeout,
+            creating=creating,
+            poll_interval=config.poll_interval,
+        )
         return self._transport.run(op)
 
     def delete(self, name: str) -> bool:
         """Delete sandbox ``name`` at the broker; ``False`` if it was already gone. (A handle of
         this client for it stays registered: prefer ``Sandbox.kill()`` or ``delete_sandbox``.)"""
-        return self._transport.call(self.dialect.delete(name))
+        return self._transport.call(self._use_dialect().delete(name))
+
+    def extend(self, name: str, seconds: int) -> Lifetime:
+        """Move sandbox ``name``'s deadline to now + ``seconds`` (the broker may cap it at its
+        policy's maximum: ``Lifetime.capped``)."""
+        return self._transport.call(self._use_dialect().extend(name, seconds))
 
     # ----------------------------------------------------------------- upstream-compatible API
 
     def _handle(self, info: proto.SandboxInfo, *, upstream: bool) -> Sandbox:
         return (UpstreamSandbox if upstream else Sandbox)(self, info)
 
-    def _create(self, plan: flow.CreatePlan, *, upstream: bool) -> Sandbox:
+    def _create(self, spec: flow.SandboxSpec, *, upstream: bool) -> Sandbox:
+        plan = self._plan(self._use_dialect(), spec)
         info = self._transport.run(flow.create(plan))
         return self._register(self._handle(info, upstream=upstream))
 
@@ -281,12 +303,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         """
         spec = flow.spec_from_create(template, labels, options)
         client = make_client(BrokerSandboxClient, options, creating=True)
-        return cls._owning(
-            client,
-            lambda: client._create(
-                flow.plan_create(client.connection_config, client.dialect, spec), upstream=False
-            ),
-        )
+        return cls._owning(client, lambda: client._create(spec, upstream=False))
 
     @classmethod
     def connect(
@@ -342,3 +359,7 @@ class UpstreamSandbox(Sandbox):
 
     def terminate(self) -> None:
         self.kill()
+
+
+BrokerSandbox = Sandbox
+"""The original package's name for :class:`Sandbox` (every handle is one)."""

@@ -4,7 +4,10 @@ A dialect builds the control-plane requests and reads their answers (as :class:`
 error answers to typed errors, says what "already gone" means, and which headers route a
 data-plane request to a sandbox. The data plane itself (``_dataplane``) and the exchange
 (``_exchange``: auth, retries, timeouts) are shared by every dialect. Implementations:
-``_dialect_v1`` (the broker API v1); the registry is ``_dialects``.
+``_dialect_v1`` (the broker API v1) and ``_dialect_rpc`` (the ``/rpc`` dialect of the brokers
+deployed for the original package); the registry is ``_dialects``. What a dialect cannot do is
+in its ``capabilities``; asking for it raises :class:`UnsupportedOperationError` naming the
+dialect, before anything is sent.
 """
 
 from __future__ import annotations
@@ -16,9 +19,17 @@ from typing import Any, ClassVar
 
 from ._dataplane import DataTarget
 from ._protocol import Call, Reply, RequestSpec, SandboxInfo
-from .errors import BrokerError
+from .errors import BrokerError, UnsupportedOperationError
 
-__all__ = ["CreateRequest", "Dialect"]
+__all__ = ["LIST", "REPLAY_CREATE", "WHOAMI", "CreateRequest", "Dialect", "Lifetime"]
+
+LIST = "list"
+"""Capability: list my sandboxes."""
+WHOAMI = "whoami"
+"""Capability: ask the broker who I am."""
+REPLAY_CREATE = "replay_create"
+"""Capability: a create can be sent again and returns the same sandbox (an idempotency key);
+without it a create is never retried and an interrupted one cannot be looked up."""
 
 
 @dataclass(frozen=True)
@@ -31,12 +42,35 @@ class CreateRequest:
     annotations: Mapping[str, str] = field(default_factory=dict)
     lifetime_seconds: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    pod_labels: Mapping[str, str] = field(default_factory=dict)
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
+    scopes: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """The answer to ``extend``: the new deadline (RFC 3339, as the broker reports it) and
+    whether the broker cut it at its policy's cap."""
+
+    expires_at: str | None
+    capped: bool = False
 
 
 class Dialect(ABC):
     """One broker control-plane protocol. Stateless: one instance serves every client."""
 
     name: ClassVar[str]
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    """What the dialect can do beyond the common operations (:data:`LIST`, :data:`WHOAMI`,
+    :data:`REPLAY_CREATE`)."""
+
+    def unsupported(self, operation: str, fix: str) -> UnsupportedOperationError:
+        """The error for an operation this dialect lacks: names the dialect and the fix."""
+        return UnsupportedOperationError(
+            f"{operation} is not supported by the broker's {self.name!r} dialect. {fix}",
+            dialect=self.name,
+            operation=operation,
+        )
 
     # -- control plane: requests and their answers -----------------------------------------
 
@@ -65,8 +99,18 @@ class Dialect(ABC):
         """The current state of one sandbox."""
 
     @abstractmethod
-    def wait_ready(self, name: str, remaining: float, request_timeout: float) -> Call[SandboxInfo]:
-        """One wait for Ready of at most ``remaining`` seconds (a long-poll or a status poll)."""
+    def wait_ready(
+        self,
+        name: str,
+        remaining: float,
+        request_timeout: float,
+        *,
+        poll: int = 0,
+        poll_interval: float = 2.0,
+    ) -> Call[SandboxInfo]:
+        """One wait for Ready of at most ``remaining`` seconds (a long-poll or a status poll);
+        ``poll`` counts the waits so far, ``poll_interval`` is the longest pause between two
+        status polls."""
 
     @abstractmethod
     def list_sandboxes(
@@ -75,8 +119,14 @@ class Dialect(ABC):
         """My sandboxes, newest first."""
 
     @abstractmethod
-    def delete(self, name: str) -> Call[bool]:
-        """Delete one sandbox; the answer is ``False`` if it was already gone."""
+    def delete(self, name: str, *, purpose: str | None = None) -> Call[bool]:
+        """Delete one sandbox; the answer is ``False`` if it was already gone (a dialect that
+        cannot tell answers ``True``). ``purpose``: why, for the broker's logs (e.g.
+        ``"create_cleanup"``)."""
+
+    @abstractmethod
+    def extend(self, name: str, seconds: int) -> Call[Lifetime]:
+        """Move the sandbox's deadline to now + ``seconds``."""
 
     # -- errors and the data plane ---------------------------------------------------------
 
@@ -95,7 +145,7 @@ class Dialect(ABC):
         from the answer is redacted, ``secrets`` (the token sent) included."""
 
     @abstractmethod
-    def token_rejected(self, status: int, body: bytes) -> bool:
+    def token_rejected(self, status: int, body: bytes, spec: RequestSpec | None = None) -> bool:
         """Whether an answer is the broker itself rejecting the token (then, and only then, the
         credential is re-read and the request sent once more; any other 401 comes from behind
         the broker and is never a reason to replay)."""

@@ -216,6 +216,8 @@ class Exchange:
     def steps(self, *, stream: bool = False) -> Generator[Step, Any, httpx.Response]:
         """The exchange: a 2xx response (or a 404 when ``spec.not_found_ok``), read unless
         ``stream`` (then the caller closes it); errors raised as typed ``BrokerError``s."""
+        if self.spec.delay > 0:
+            yield Sleep(self.spec.delay)
         while True:
             request = self.next_request()
             try:
@@ -250,7 +252,7 @@ class Exchange:
         if response.status_code != 401 or not self.authenticate:
             return response
         self.error_body = yield ReadError(response)  # read (capped) and closed
-        if not self.dialect.token_rejected(401, self.error_body):
+        if not self.dialect.token_rejected(401, self.error_body, self.spec):
             logger.info("401 from behind the broker (not a token rejection); not retrying")
             return response
         self._invalidate(self.config.audience)
@@ -328,6 +330,8 @@ class Exchange:
 
     def succeeded(self, response: httpx.Response) -> bool:
         status = response.status_code
+        if self.spec.probe:
+            return status < 500
         return status < 300 or (status == 404 and self.spec.not_found_ok)
 
     def delay_after_response(self, response: httpx.Response) -> float | None:

@@ -37,6 +37,7 @@ __all__ = [
     "protocol_error",
     "redact_answer",
     "redact_url",
+    "selector_text",
     "str_mapping",
 ]
 
@@ -118,6 +119,10 @@ class RequestSpec:
     data_plane: bool = False
     not_found_ok: bool = False
     """A 404 is an answer, not an error (delete: already gone)."""
+    delay: float = 0.0
+    """Seconds to wait before the first attempt (the interval of a status poll)."""
+    probe: bool = False
+    """Any answer below 500 is an answer, not an error (a probe reads the status itself)."""
 
 
 class Reply(Protocol):
@@ -196,6 +201,21 @@ def str_mapping(argument: str, value: Mapping[str, str] | None) -> dict[str, str
                 f"{type(item).__name__}: convert it with str()."
             )
     return dict(value)
+
+
+def selector_text(label_selector: Mapping[str, str] | str | None) -> str | None:
+    """A label selector as sent: ``'team=ml'`` as is, ``{'team': 'ml'}`` joined; checked."""
+    if not label_selector:
+        return None
+    if isinstance(label_selector, str):
+        return label_selector
+    if not isinstance(label_selector, Mapping):
+        raise TypeError(
+            "label_selector must be a str such as 'team=ml' or a mapping such as "
+            f"{{'team': 'ml'}}, not a {type(label_selector).__name__}."
+        )
+    pairs = str_mapping("label_selector", label_selector)
+    return ",".join(f"{k}={v}" for k, v in pairs.items())
 
 
 def seconds(value: float) -> str:

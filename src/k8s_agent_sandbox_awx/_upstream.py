@@ -8,6 +8,7 @@ so an upstream refactor breaks loudly in CI and not at a user's site.
 
 from __future__ import annotations
 
+from k8s_agent_sandbox.constants import CREATED_BY_LABEL
 from k8s_agent_sandbox.exceptions import (
     SandboxClaimFailedError,
     SandboxError,
@@ -15,6 +16,7 @@ from k8s_agent_sandbox.exceptions import (
     SandboxNotReadyError,
     SandboxRequestError,
     SandboxTemplateNotFoundError,
+    SandboxWarmPoolNotFoundError,
 )
 from k8s_agent_sandbox.models import (
     ExecutionResult,
@@ -23,6 +25,7 @@ from k8s_agent_sandbox.models import (
 )
 
 UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
+    "k8s_agent_sandbox.constants": ("CREATED_BY_LABEL",),
     "k8s_agent_sandbox.exceptions": (
         "SandboxClaimFailedError",
         "SandboxError",
@@ -30,6 +33,7 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
         "SandboxNotReadyError",
         "SandboxRequestError",
         "SandboxTemplateNotFoundError",
+        "SandboxWarmPoolNotFoundError",
     ),
     "k8s_agent_sandbox.models": (
         "ExecutionResult",
@@ -39,6 +43,7 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 __all__ = [
+    "CREATED_BY_LABEL",
     "UPSTREAM_NAMES",
     "ExecutionResult",
     "FileEntry",
@@ -49,4 +54,5 @@ __all__ = [
     "SandboxNotReadyError",
     "SandboxRequestError",
     "SandboxTemplateNotFoundError",
+    "SandboxWarmPoolNotFoundError",
 ]
