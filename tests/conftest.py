@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
+from k8s_agent_sandbox_awx.testing import SDK_VARIABLES
+
 # ------------------------------------------------------------------------------ local broker
 
 
@@ -56,21 +58,7 @@ def _forget_detected_dialects(
 
 
 _CLEAN_ENV = (
-    "AGENT_SANDBOX_BROKER_URL",
-    "AGENT_SANDBOX_CA_BUNDLE",
-    "AGENT_SANDBOX_TEMPLATE",
-    "AGENT_SANDBOX_TOKEN",
-    "AGENT_SANDBOX_TOKEN_FILE",
-    "AGENT_SANDBOX_BROKER_PROTOCOL",
-    "BROKER_URL",
-    "BROKER_TOKEN",
-    "AGENT_SANDBOX_TOKEN_PATH",
-    "BROKER_TOKEN_PATH",
-    "KSA_TOKEN_PATH",
-    "AGENT_SANDBOX_WARMPOOL",
-    "SANDBOX_WARMPOOL",
-    "AGENT_SANDBOX_NAMESPACE",
-    "SANDBOX_NAMESPACE",
+    *SDK_VARIABLES,  # every variable the SDK reads, the original package's aliases included
     "GITHUB_ACTIONS",
     "ACTIONS_ID_TOKEN_REQUEST_URL",
     "ACTIONS_ID_TOKEN_REQUEST_TOKEN",

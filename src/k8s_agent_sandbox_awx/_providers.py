@@ -116,7 +116,7 @@ def _provider_setting(
         fix=f"{fix}, or unset it so that discovery continues with the other providers.",
     )
     if value is None:
-        request.not_here(f"{' / '.join(names)} {'is' if len(names) == 1 else 'are'} not set")
+        request.not_here(f"{names[0]} is not set")  # nor its aliases
     return name, value
 
 

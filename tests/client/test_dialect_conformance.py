@@ -130,3 +130,13 @@ def test_a_failed_create_is_rolled_back(
 def test_an_unknown_dialect_is_a_configuration_error(broker: Any) -> None:
     with pytest.raises(ConfigurationError, match="broker protocol"):
         BrokerSandboxClient(environ=broker.environ("kubernetes"), broker_protocol="nope")
+
+
+def test_extend_moves_the_deadline(client: BrokerSandboxClient) -> None:
+    sandbox = client.create_sandbox()
+    lifetime = client.extend(sandbox.name, 120)
+    assert lifetime.expires_at and not lifetime.capped
+    with pytest.raises(SandboxNotFoundError):
+        client.extend("no-such-sandbox", 60)
+    with pytest.raises(ValueError, match="seconds"):
+        client.extend(sandbox.name, 0)

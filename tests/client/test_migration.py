@@ -46,7 +46,9 @@ def test_readme_quickstart(rpc_broker: Any, use_env: Env, tmp_path: Path, live: 
     sandbox.kill()
     # ---------------------------------------------------------------------------------------
     assert result.stdout == "hello\n"
-    [claim] = rpc_broker.claims(include_deleted=True)
+    [claim] = [
+        c for c in rpc_broker.claims(include_deleted=True) if c["metadata"]["name"] == sandbox.name
+    ]
     assert claim["spec"]["warmPoolRef"] == {"name": "python-sandbox-warmpool"}
     assert claim["metadata"]["namespace"] == "default"  # pinned by the broker, adopted
     assert live(rpc_broker) == []
