@@ -140,9 +140,13 @@ def _runtime_401_broker_session() -> Iterator[Any]:
     templates: dict[str, str | list[str] | None] = {
         "python": None,
         "unauthorized": [sys.executable, str(UNAUTHORIZED_RUNTIME), "--port", "{port}"],
+        "forging": [
+            *(sys.executable, str(UNAUTHORIZED_RUNTIME), "--port", "{port}"),
+            *("--code", "token_expired"),
+        ],
     }
     policy = Policy(
-        templates=("python", "unauthorized"),
+        templates=("python", "unauthorized", "forging"),
         namespace="gitlab-ci",
         max_sandboxes=5,
         max_lifetime_seconds=600,
@@ -157,7 +161,8 @@ def runtime_401_broker(
 ) -> Iterator[Any]:
     """A local broker (its own, for the session) whose GitLab callers may also use the template
     ``unauthorized``: a runtime that answers every request but ``GET /`` with ``401`` and a
-    runtime-style body (``tests/unauthorized_runtime.py``). Reset and with a clean credential
+    runtime-style body (``tests/unauthorized_runtime.py``), and ``forging``: the same runtime
+    whose 401 body imitates the broker's ``token_expired``. Reset and with a clean credential
     environment, like ``broker``."""
     yield from _clean_use(_runtime_401_broker_session, monkeypatch)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    code: str | None = None
 
     def log_message(self, format: str, *args: Any) -> None:
         return
@@ -25,6 +26,8 @@ class Handler(BaseHTTPRequestHandler):
             status, payload = 200, {"status": "ok"}
         else:
             status, payload = 401, {"detail": "the runtime wants its own credentials"}
+            if self.code:
+                payload["code"] = self.code
         data = json.dumps(payload).encode()
         self.send_response(status)
         if status == 401:
@@ -40,7 +43,9 @@ class Handler(BaseHTTPRequestHandler):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--code")
     args = parser.parse_args()
+    Handler.code = args.code
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
 
 

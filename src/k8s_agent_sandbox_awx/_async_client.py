@@ -18,7 +18,6 @@ from collections.abc import (
     AsyncIterable,
     Awaitable,
     Callable,
-    Coroutine,
     Mapping,
 )
 from typing import Any, BinaryIO, Self, Unpack
@@ -46,9 +45,7 @@ __all__ = [
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 
-class AsyncBrokerSandboxClient(
-    ClientBase["AsyncSandbox", AsyncBrokerTransport, Coroutine[Any, Any, "AsyncSandbox"]]
-):
+class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport]):
     """The async counterpart of :class:`BrokerSandboxClient` (upstream ``AsyncSandboxClient``'s
     method names): the same configuration, credentials (``aget_credential``), errors, retries,
     redirect and timeout rules, and cleanup of a failed or cancelled create. One
@@ -132,6 +129,19 @@ class AsyncBrokerSandboxClient(
     async def extend(self, name: str, seconds: int) -> Lifetime:
         """Move sandbox ``name``'s deadline to now + ``seconds`` (see the sync client)."""
         return await self._transport.call((await self._use_dialect()).extend(name, seconds))
+
+    async def create_sandbox(
+        self,
+        warmpool: str | None = None,
+        namespace: str | None = None,
+        sandbox_ready_timeout: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        **options: Unpack[flow.UpstreamCreateOptions],
+    ) -> AsyncSandbox:
+        """``BrokerSandboxClient.create_sandbox``, awaited: a cancelled create deletes the
+        claim it made before ``CancelledError`` propagates."""
+        spec = self._upstream_spec(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        return await self._create(spec, upstream=True)
 
     def _handle(self, info: proto.SandboxInfo, *, upstream: bool) -> AsyncSandbox:
         return (AsyncUpstreamSandbox if upstream else AsyncSandbox)(self, info)

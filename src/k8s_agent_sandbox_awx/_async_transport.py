@@ -24,6 +24,7 @@ from ._config import BrokerConnectionConfig
 from ._dataplane import DownloadMeter
 from ._dialect import Dialect
 from ._driver import Steps, adrive
+from .errors import BrokerError, SandboxFailedError
 
 __all__ = ["AsyncBrokerTransport", "AsyncUploadStream"]
 
@@ -131,16 +132,23 @@ class AsyncBrokerTransport(ex.TransportBase):
         steps = self.exchange(spec, stream=stream, body=body, authenticate=authenticate)
         return await adrive(steps, self.perform)
 
-    async def call(self, call: proto.Call[T]) -> T:
+    async def call(self, call: proto.Call[T], sent: list[str] | None = None) -> T:
         """Send one call and parse its answer; a cleanup call completes even if cancelled."""
+        steps = self.call_steps(call, sent)
         if call.cleanup:
-            return await self.complete(adrive(self.call_steps(call), self.perform))
-        result: T = await adrive(self.call_steps(call), self.perform)
+            return await self.complete(adrive(steps, self.perform))
+        result: T = await adrive(steps, self.perform)
         return result
 
     async def run(self, op: Steps[proto.Call[Any], T]) -> T:
-        """Run an operation of ``_flow`` (a generator of calls) to its result."""
-        return await adrive(op, self.call)
+        """Run an operation of ``_flow`` (a generator of calls) to its result (see
+        ``BrokerTransport.run``)."""
+        sent: list[str] = []
+        try:
+            return await adrive(op, lambda call: self.call(call, sent))
+        except (BrokerError, SandboxFailedError) as exc:
+            proto.redact_sent(exc, sent)
+            raise
 
     async def complete(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` to the end in its own task, even if the calling task is cancelled

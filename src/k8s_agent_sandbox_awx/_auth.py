@@ -23,7 +23,13 @@ from ._credential_errors import (
 from ._jwt import DecodedToken, cache_deadline, check_credential, check_token_text, redact
 from ._providers import check_not_automounted, env_setting, read_token_file
 
-__all__ = ["CredentialSource", "KubernetesAuth", "OIDCTokenAuth", "accept_credential"]
+__all__ = [
+    "CredentialSource",
+    "KubernetesAuth",
+    "OIDCTokenAuth",
+    "accept_credential",
+    "plain_answer",
+]
 
 T = TypeVar("T")
 
@@ -53,6 +59,27 @@ class CredentialSource(Protocol):
     async def aget_credential(self, audience: str) -> Credential: ...
 
     def invalidate(self, audience: str) -> None: ...
+
+
+def plain_answer(result: object) -> object:
+    """A provider's answer read once, as plain data (call it inside the provider's guard): a
+    :class:`Credential` of any subclass becomes a plain ``Credential`` whose ``str`` fields are
+    exact ``str`` objects, so that no code of the plugin runs later, outside its guard (a
+    property, or a ``str`` subclass's method, that raises or answers differently each time).
+    A field that is not a ``str`` stays as it is (for :func:`accept_credential` to name it);
+    any other answer is returned as it is."""
+    if not isinstance(result, Credential):
+        return result
+
+    def exact(value: object) -> object:
+        return str.__str__(value) if isinstance(value, str) else value
+
+    return Credential(
+        exact(result.token),  # type: ignore[arg-type]
+        exact(result.provider),  # type: ignore[arg-type]
+        file_backed=bool(result.file_backed),
+        source=exact(result.source),  # type: ignore[arg-type]
+    )
 
 
 def accept_credential(
@@ -470,7 +497,7 @@ class OIDCTokenAuth:
             )
         now = _cache.now()
         credential, decoded = accept_credential(
-            value, provider=self.provider_name, audience=audience, now=now
+            plain_answer(value), provider=self.provider_name, audience=audience, now=now
         )
         return credential, cache_deadline(decoded, now)
 

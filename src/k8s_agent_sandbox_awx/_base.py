@@ -12,7 +12,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Generic, TypeVar, Unpack
+from typing import Any, Generic, TypeVar
 
 from . import _protocol as proto
 from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
@@ -52,18 +52,17 @@ Traceback = TracebackType | None
 
 
 H = TypeVar("H", bound="SandboxBase[Any, Any, Any]")
-CL = TypeVar("CL", bound="ClientBase[Any, Any, Any]")
+CL = TypeVar("CL", bound="ClientBase[Any, Any]")
 C = TypeVar("C")
 Cmd = TypeVar("Cmd")
 F = TypeVar("F")
 T = TypeVar("T")
-R = TypeVar("R")
 
 
-class ClientBase(ABC, Generic[H, T, R]):
+class ClientBase(ABC, Generic[H, T]):
     """Configuration, credentials, the transport (``T``) and the handles a client created or
-    attached to; ``create_sandbox`` (its signature and checks exist once: ``R`` is the sync
-    client's handle, or the async client's coroutine returning one).
+    attached to, and the checks of ``create_sandbox`` (:meth:`_upstream_spec`); the sync and
+    the async client add the methods that do I/O.
 
     ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
     ``config_overrides`` such as ``broker_url=``/``ca_cert=`` winning); ``auth`` defaults to
@@ -114,11 +113,6 @@ class ClientBase(ABC, Generic[H, T, R]):
     @abstractmethod
     def _new_transport(self, http_transport: Any) -> T: ...
 
-    @abstractmethod
-    def _create(self, spec: SandboxSpec, *, upstream: bool) -> R:
-        """Find out the dialect, create, wait, register and return the handle (``upstream``:
-        with upstream's spellings too, for ``create_sandbox``)."""
-
     @property
     def dialect(self) -> Dialect:
         """The broker dialect spoken: pinned (``broker_protocol``), or found out from the
@@ -135,27 +129,17 @@ class ClientBase(ABC, Generic[H, T, R]):
     def _plan(self, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
         return plan_create(self.connection_config, self._dialect_found(dialect), spec)
 
-    def create_sandbox(
+    def _upstream_spec(
         self,
-        warmpool: str | None = None,
-        namespace: str | None = None,
-        sandbox_ready_timeout: float | None = None,
-        labels: Mapping[str, str] | None = None,
-        **options: Unpack[UpstreamCreateOptions],
-    ) -> R:
-        """Create a sandbox, wait until it is Ready and return its handle (the async client:
-        ``await client.create_sandbox(...)``).
-
-        ``template`` (or upstream's ``warmpool``) names the template; neither: the config's
-        template (``AGENT_SANDBOX_TEMPLATE``), else the broker policy's default. ``namespace`` is
-        decided by the broker (the argument is accepted for compatibility and ignored).
-        Keyword options: ``template``, ``annotations``, ``shutdown_after_seconds`` (the
-        sandbox's lifetime), ``env``, ``idempotency_key``. If anything fails after the claim
-        was created (ready timeout, Failed phase, Ctrl-C, a cancelled task), the claim is
-        deleted before raising.
-        """
-        spec = spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
-        return self._create(spec, upstream=True)
+        warmpool: str | None,
+        namespace: str | None,
+        sandbox_ready_timeout: float | None,
+        labels: Mapping[str, str] | None,
+        options: UpstreamCreateOptions,
+    ) -> SandboxSpec:
+        """``create_sandbox``'s arguments (upstream's spellings) as what to create (checked;
+        the dialect's request is built once the dialect is known)."""
+        return spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
 
     @property
     def broker_url(self) -> str:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from . import _cache
-from ._auth import CredentialSource, ProviderGuard, accept_credential
+from ._auth import CredentialSource, ProviderGuard, accept_credential, plain_answer
 from ._credential import Credential, CredentialRequest
 from ._credential_errors import (
     CredentialError,
@@ -131,13 +131,13 @@ def _guard(provider: ProviderEntry, request: CredentialRequest) -> ProviderGuard
 
 def _call(provider: ProviderEntry, request: CredentialRequest) -> object:
     with _guard(provider, request) as guard:
-        return provider.call(request)
+        return plain_answer(provider.call(request))
     guard.reraise()
 
 
 async def _acall(provider: ProviderEntry, request: CredentialRequest) -> object:
     with _guard(provider, request) as guard:
-        return await provider.acall(request)
+        return plain_answer(await provider.acall(request))
     guard.reraise()
 
 
@@ -196,14 +196,13 @@ class DefaultCredentials:
         self._token_path = DEFAULT_TOKEN_PATH if _token_path is None else _token_path
         self._plugins = tuple(_plugins or ())
         self._custom = environ is not None or _token_path is not None or bool(self._plugins)
-        self._scope: object = (
-            _cache.new_instance_key("DefaultCredentials")
-            if self._custom
-            else ("DefaultCredentials")
+        self._scope: Hashable = (
+            _cache.new_instance_key("DefaultCredentials") if self._custom else "DefaultCredentials"
         )
+        """The one scope of this chain's cache keys: shared by every chain on ``os.environ``
+        (they consult the same providers), its own for a custom one."""
         self._registry: ProviderRegistry | None = None
         self._selected: dict[str, _Selection] = {}
-        self._own_discovery = _cache.new_instance_key("DefaultCredentials discovery")
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -284,11 +283,13 @@ class DefaultCredentials:
         return _RequestPlan(None if selection.file_backed else selection.key, steps, store=True)
 
     def _discovery_scope(self) -> Hashable:
+        """The key of this chain's discovery flight: its scope (and, on ``os.environ``, the
+        plugin controls, which decide what the chain consults)."""
         if self._custom:
-            return self._own_discovery
+            return ("discovery", self._scope)
         environ = self.environ
         controls = (environ.get(DISABLE_AUTOLOAD_ENV), environ.get(LOAD_PLUGINS_ENV))
-        return ("DefaultCredentials discovery", controls)
+        return ("discovery", self._scope, controls)
 
     def _request(self, audience: str) -> CredentialRequest:
         return CredentialRequest(audience, self.environ, self._timeout)

@@ -29,7 +29,7 @@ SandboxInfo = proto.SandboxInfo
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 
-class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
+class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
     """Creates, finds and deletes sandboxes through the identity broker.
 
     Method names and semantics follow upstream ``SandboxClient`` (``create_sandbox``,
@@ -141,6 +141,27 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport, "Sandbox"]):
         return self._transport.call(self._use_dialect().extend(name, seconds))
 
     # ----------------------------------------------------------------- upstream-compatible API
+
+    def create_sandbox(
+        self,
+        warmpool: str | None = None,
+        namespace: str | None = None,
+        sandbox_ready_timeout: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        **options: Unpack[flow.UpstreamCreateOptions],
+    ) -> Sandbox:
+        """Create a sandbox, wait until it is Ready and return its handle.
+
+        ``template`` (or upstream's ``warmpool``) names the template; neither: the config's
+        template (``AGENT_SANDBOX_TEMPLATE``), else the broker policy's default. ``namespace`` is
+        decided by the broker (the argument is accepted for compatibility and ignored).
+        Keyword options: ``template``, ``annotations``, ``shutdown_after_seconds`` (the
+        sandbox's lifetime), ``env``, ``idempotency_key``. If anything fails after the claim
+        was created (ready timeout, Failed phase, Ctrl-C, a cancelled task), the claim is
+        deleted before raising.
+        """
+        spec = self._upstream_spec(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        return self._create(spec, upstream=True)
 
     def _handle(self, info: proto.SandboxInfo, *, upstream: bool) -> Sandbox:
         return (UpstreamSandbox if upstream else Sandbox)(self, info)

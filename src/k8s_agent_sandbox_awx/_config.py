@@ -82,14 +82,14 @@ def check_broker_url(
             "https:// URL, e.g. https://sandbox-broker.example."
         )
     raw = url.strip()
-    shown = redact_url(raw)  # the only form of the URL that messages show
+    shown = redact_url(raw, typed=True)  # the only form of the URL that messages show
     try:
         parts = urlsplit(raw)
         port = parts.port
     except ValueError as exc:
-        raise ConfigurationError(
-            f"The broker URL {shown!r} is not a valid URL: {redact_url(str(exc))}."
-        ) from None
+        # urlsplit quotes what it took for the port: with user info, maybe part of a password
+        why = "its host or port does not parse" if "@" in raw else str(exc)
+        raise ConfigurationError(f"The broker URL {shown!r} is not a valid URL: {why}.") from None
     scheme = parts.scheme.lower()
     host = parts.hostname or ""
     if scheme not in ("https", "http") or not host:
@@ -186,7 +186,7 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
             api_normalized = check_broker_url(str(api_url), allow_insecure_http=insecure)
             if api_normalized != normalized:
                 raise ConfigurationError(
-                    f"api_url {redact_url(str(api_url))!r} differs from the broker URL "
+                    f"api_url {redact_url(str(api_url), typed=True)!r} differs from the broker URL "
                     f"{normalized!r}. With the "
                     "broker, api_url must be the broker URL (or be left out): any other URL would "
                     "bypass the broker and talk to a sandbox router directly, without the "

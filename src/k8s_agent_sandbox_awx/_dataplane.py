@@ -96,9 +96,24 @@ def validate_sandbox_path(
     return normalized
 
 
-def _data(method: str, endpoint: str, what: str, target: DataTarget) -> RequestSpec:
+def _data(
+    method: str,
+    endpoint: str,
+    what: str,
+    target: DataTarget,
+    *,
+    headers: Mapping[str, str] | None = None,
+    read_timeout: float | None = None,
+    retryable: bool | None = None,
+) -> RequestSpec:
     return RequestSpec(
-        method, endpoint, what, headers=target.headers(), retryable=method == "GET", data_plane=True
+        method,
+        endpoint,
+        what,
+        headers={**target.headers(), **(headers or {})},
+        retryable=method == "GET" if retryable is None else retryable,
+        read_timeout=read_timeout,
+        data_plane=True,
     )
 
 
@@ -120,18 +135,42 @@ def execute(target: DataTarget, command: str, *, command_timeout: float) -> Requ
             f"of at most {MAX_COMMAND_TIMEOUT:g}, or start longer work in the background "
             "(e.g. `sh -c 'nohup CMD > out.log 2>&1 &'`) and poll for its result."
         )
-    spec = _data("POST", "/execute", "run a command", target)
-    spec.headers["X-Sandbox-Timeout"] = seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)
-    spec.read_timeout = command_timeout + COMMAND_TIMEOUT_MARGIN
+    spec = _data(
+        "POST",
+        "/execute",
+        "run a command",
+        target,
+        headers={"X-Sandbox-Timeout": seconds(command_timeout + COMMAND_TIMEOUT_MARGIN / 2)},
+        read_timeout=command_timeout + COMMAND_TIMEOUT_MARGIN,
+    )
     return json_body(spec, {"command": command, "timeout_seconds": command_timeout})
 
 
-def upload(target: DataTarget, path: str, multipart: Multipart) -> RequestSpec:
-    """``POST /upload``; the body (``multipart.prefix``, content, ``.suffix``) is added by the
-    I/O layer, which decides whether it can be replayed (and so retried)."""
-    spec = _data("POST", "/upload", f"write {path!r}", target)
-    spec.headers["Content-Type"] = multipart.content_type
-    return spec
+def upload(
+    target: DataTarget,
+    path: str,
+    multipart: Multipart,
+    *,
+    size: int | None,
+    replayable: bool,
+    read_timeout: float | None = None,
+) -> RequestSpec:
+    """``POST /upload``; the body (``multipart.prefix``, ``size`` content bytes or a chunked
+    stream, ``.suffix``) is added by the I/O layer; retried only if it is ``replayable``."""
+    length = (
+        {"Content-Length": str(multipart.length(size))}
+        if size is not None
+        else {"Transfer-Encoding": "chunked"}
+    )
+    return _data(
+        "POST",
+        "/upload",
+        f"write {path!r}",
+        target,
+        headers={"Content-Type": multipart.content_type, **length},
+        read_timeout=read_timeout,
+        retryable=replayable,
+    )
 
 
 def download(target: DataTarget, path: str) -> RequestSpec:
@@ -160,8 +199,9 @@ class Multipart:
 
 def multipart_framing(path: str, boundary: str | None = None) -> Multipart:
     boundary = boundary or secrets.token_hex(16)
-    # The filename is the destination path; quote characters that would break the header.
-    filename = path.replace("\\", "\\\\").replace('"', "%22")
+    # The filename is the destination path, a quoted-string: '\\' and '"' are escaped with a
+    # backslash, which multipart parsers undo (a "%22" would be kept: another file's name).
+    filename = path.replace("\\", "\\\\").replace('"', '\\"')
     prefix = (
         f"--{boundary}\r\n"
         f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n'
@@ -184,6 +224,7 @@ def parse_execution_result(obj: Any) -> ExecutionResult:
             stderr=obj.get("stderr") or "",
             exit_code=obj["exit_code"],
             timed_out=bool(obj.get("timed_out", False)),
+            output_truncated=obj.get("output_truncated") is True,
         )
     except ValueError as exc:
         raise protocol_error("run a command", f"bad execution result ({exc})") from exc

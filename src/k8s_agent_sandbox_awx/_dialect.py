@@ -6,7 +6,7 @@ data-plane request to a sandbox. The data plane itself (``_dataplane``) and the 
 (``_exchange``: auth, retries, timeouts) are shared by every dialect. Implementations:
 ``_dialect_v1`` (the broker API v1) and ``_dialect_rpc`` (the ``/rpc`` dialect of the brokers
 deployed for the original package); the registry is ``_dialects``. What a dialect cannot do is
-in its ``capabilities``; asking for it raises :class:`UnsupportedOperationError` naming the
+in its ``features``; asking for it raises :class:`UnsupportedOperationError` naming the
 dialect, before anything is sent.
 """
 
@@ -21,15 +21,25 @@ from ._dataplane import DataTarget
 from ._protocol import Call, Reply, RequestSpec, SandboxInfo
 from .errors import BrokerError, UnsupportedOperationError
 
-__all__ = ["LIST", "REPLAY_CREATE", "WHOAMI", "CreateRequest", "Dialect", "Lifetime"]
+__all__ = [
+    "FEATURES",
+    "LIST",
+    "REPLAY_CREATE",
+    "WHOAMI",
+    "CreateRequest",
+    "Dialect",
+    "Lifetime",
+]
 
 LIST = "list"
-"""Capability: list my sandboxes."""
+"""Feature: list my sandboxes."""
 WHOAMI = "whoami"
-"""Capability: ask the broker who I am."""
-REPLAY_CREATE = "replay_create"
-"""Capability: a create can be sent again and returns the same sandbox (an idempotency key);
+"""Feature: ask the broker who I am."""
+REPLAY_CREATE = "idempotent_create"
+"""Feature: a create can be sent again and returns the same sandbox (an idempotency key);
 without it a create is never retried and an interrupted one cannot be looked up."""
+FEATURES = frozenset({LIST, WHOAMI, REPLAY_CREATE})
+"""What a dialect may lack: listing my sandboxes, asking who I am, replaying a create."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +70,18 @@ class Dialect(ABC):
     """One broker control-plane protocol. Stateless: one instance serves every client."""
 
     name: ClassVar[str]
-    capabilities: ClassVar[frozenset[str]] = frozenset()
-    """What the dialect can do beyond the common operations (:data:`LIST`, :data:`WHOAMI`,
-    :data:`REPLAY_CREATE`)."""
+    features: ClassVar[frozenset[str]] = FEATURES
+    """The optional operations (:data:`FEATURES`) this dialect has."""
+
+    def require(self, feature: str, what: str) -> None:
+        """Refuse ``what`` before anything is sent if this dialect lacks ``feature``."""
+        if feature not in self.features:
+            raise UnsupportedOperationError(
+                f"Cannot {what}: the broker speaks the {self.name!r} dialect, which has no "
+                f"{feature.replace('_', ' ')} operation.",
+                dialect=self.name,
+                operation=feature,
+            )
 
     def unsupported(self, operation: str, fix: str) -> UnsupportedOperationError:
         """The error for an operation this dialect lacks: names the dialect and the fix."""

@@ -11,6 +11,7 @@ one (``_dataplane``) with ``X-Sandbox-Claim-Name`` on every request.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -124,10 +125,11 @@ def create(request: CreateRequest) -> RequestSpec:
     return _op("create", "create a sandbox", fields, retryable=False)
 
 
-def status(name: str, *, delay: float = 0.0) -> RequestSpec:
-    spec = _op("status", f"get sandbox {name!r}", {"claim_name": _claim(name)}, retryable=True)
-    spec.delay = delay
-    return spec
+def status(name: str, *, delay: float = 0.0, what: str | None = None) -> RequestSpec:
+    spec = _op(
+        "status", what or f"get sandbox {name!r}", {"claim_name": _claim(name)}, retryable=True
+    )
+    return dataclasses.replace(spec, delay=delay)
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,7 +278,8 @@ def error_from_response(
 class RpcDialect(Dialect):
     """The ``/rpc`` dialect (no list, no whoami, no replay of a create)."""
 
-    name = "rpc"  # capabilities: none (no list, no whoami, no replay of a create)
+    name = "rpc"
+    features = frozenset[str]()  # no list, no whoami, no replay of a create
 
     def healthz(self) -> Call[Reply]:
         # No health op: any answer of the endpoint (405 to a GET) shows the broker is there.
@@ -322,8 +325,8 @@ class RpcDialect(Dialect):
     ) -> Call[SandboxInfo]:
         del request_timeout  # one short status request per poll
         pause = 0.0 if poll == 0 else min(poll_interval, FIRST_POLL_PAUSE * 2 ** (poll - 1))
-        spec = status(name, delay=max(0.0, min(pause, remaining)))
-        spec.what = f"wait for sandbox {name!r} to become ready"
+        what = f"wait for sandbox {name!r} to become ready"
+        spec = status(name, delay=max(0.0, min(pause, remaining)), what=what)
         return Call(spec, lambda reply: raise_not_found(parse_status(name, reply, spec.what)))
 
     def list_sandboxes(

@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ._dataplane import MAX_COMMAND_TIMEOUT, runtime_error
-from ._dialect import LIST, REPLAY_CREATE, WHOAMI, CreateRequest, Dialect, Lifetime
+from ._dialect import CreateRequest, Dialect, Lifetime
 from ._protocol import (
     Call,
     Reply,
@@ -123,21 +123,23 @@ def get(
     name: str, *, wait_ready: float | None = None, request_timeout: float = 30.0
 ) -> RequestSpec:
     """``wait_ready``: seconds the broker may hold the request until Ready (long-poll)."""
-    spec = RequestSpec("GET", _name_path(name), f"get sandbox {name!r}", retryable=True)
-    if wait_ready is not None:
-        wait = max(0.0, min(MAX_WAIT_SECONDS, wait_ready))
-        spec.params = {"wait": "ready", "timeout": seconds(wait)}
-        spec.read_timeout = wait + request_timeout
-        spec.what = f"wait for sandbox {name!r} to become ready"
-    return spec
+    if wait_ready is None:
+        return RequestSpec("GET", _name_path(name), f"get sandbox {name!r}", retryable=True)
+    wait = max(0.0, min(MAX_WAIT_SECONDS, wait_ready))
+    return RequestSpec(
+        "GET",
+        _name_path(name),
+        f"wait for sandbox {name!r} to become ready",
+        params={"wait": "ready", "timeout": seconds(wait)},
+        retryable=True,
+        read_timeout=wait + request_timeout,
+    )
 
 
 def list_sandboxes(label_selector: Mapping[str, str] | str | None = None) -> RequestSpec:
-    spec = RequestSpec("GET", f"{API}/sandboxes", "list my sandboxes", retryable=True)
     selector = selector_text(label_selector)
-    if selector:
-        spec.params = {"label_selector": selector}
-    return spec
+    params = {"label_selector": selector} if selector else {}
+    return RequestSpec("GET", f"{API}/sandboxes", "list my sandboxes", params, retryable=True)
 
 
 def set_lifetime(name: str, seconds: int) -> RequestSpec:
@@ -427,10 +429,9 @@ def _sandbox_of(spec: RequestSpec) -> Call[SandboxInfo]:
 
 
 class V1Dialect(Dialect):
-    """The broker API v1."""
+    """The broker API v1 (every optional operation)."""
 
     name = "v1"
-    capabilities = frozenset({LIST, WHOAMI, REPLAY_CREATE})
 
     def healthz(self) -> Call[Reply]:
         return Call(healthz(), raw)

@@ -66,8 +66,6 @@ def _dialect_of(reply: Reply) -> str:
 
 def probe() -> Call[str]:
     """The detection request: which dialect the broker's answer means."""
-    spec = RequestSpec(
-        "GET", "/v1/healthz", "find out which protocol the broker speaks", retryable=True
-    )
-    spec.probe = True
+    what = "find out which protocol the broker speaks"
+    spec = RequestSpec("GET", "/v1/healthz", what, retryable=True, probe=True)
     return Call(spec, _dialect_of)

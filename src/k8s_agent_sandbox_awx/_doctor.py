@@ -300,7 +300,7 @@ def _check_clock(report: DoctorReport, date: str | None) -> None:
 
 
 def _check_authentication(report: DoctorReport, client: BrokerSandboxClient) -> None:
-    if WHOAMI not in client.dialect.capabilities:
+    if WHOAMI not in client.dialect.features:
         _check_token_accepted(report, client)
         return
     try:

@@ -14,9 +14,12 @@ limits, capped error bodies).
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
+import os
 import ssl
+import urllib.request
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +28,18 @@ import httpx
 
 from . import _dataplane as dp
 from . import _protocol as proto
-from ._config import BrokerConnectionConfig
+from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 from ._credential import Credential
 from ._dataplane import DataTarget, Multipart, multipart_framing
 from ._dialect import Dialect
 from ._version import __version__
-from .errors import BrokerError, BrokerTLSError, BrokerUnavailableError, ConfigurationError
+from .errors import (
+    BrokerError,
+    BrokerTLSError,
+    BrokerUnavailableError,
+    ConfigurationError,
+    SandboxFailedError,
+)
 from .errors import RequestTimeoutError as _RequestTimeoutError
 
 __all__ = [
@@ -95,12 +104,45 @@ def _ssl_context(config: BrokerConnectionConfig) -> ssl.SSLContext:
     return context
 
 
+_PROXY_SCHEMES = frozenset({"http", "https", "socks5", "socks5h"})
+
+
+def _check_env_proxies() -> None:
+    """Refuse, with a typed error naming the variable, a proxy from the environment that httpx
+    cannot use: it would fail when the client is built (a raw ``ImportError`` for a SOCKS proxy
+    without ``socksio``, a raw ``ValueError`` for another scheme), whatever the broker."""
+    found = urllib.request.getproxies()
+    if "*" in (host.strip() for host in found.get("no", "").split(",")):
+        return  # NO_PROXY=*: httpx uses no proxy at all
+    for key in ("https", "all", "http"):  # the variables httpx reads (it mounts all of them)
+        value = found.get(key)
+        if not value:
+            continue
+        names = [n for n in (f"{key}_proxy", f"{key.upper()}_PROXY") if os.environ.get(n)]
+        name = names[0] if names else f"{key.upper()}_PROXY"
+        scheme = value.partition("://")[0].lower() if "://" in value else "http"
+        if scheme not in _PROXY_SCHEMES:
+            problem = f"its scheme {scheme}:// is not a proxy scheme (http, https, socks5)"
+        elif scheme.startswith("socks") and importlib.util.find_spec("socksio") is None:
+            problem = "a SOCKS proxy needs the socksio package: pip install 'httpx[socks]'"
+        else:
+            continue
+        shown = proto.redact_url(value, typed=True)
+        raise ConfigurationError(
+            f"The proxy {name}={shown!r} from the environment cannot be used: {problem}. "
+            f"Fix or unset {name}, or set {ENV_TRUST_ENV_PROXIES}=0 to reach the broker "
+            "without the environment's proxies."
+        )
+
+
 def client_settings(config: BrokerConnectionConfig) -> dict[str, Any]:
     """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: TLS, never
     following redirects, the request timeout and the User-Agent."""
     verify: ssl.SSLContext | bool = True
     if config.broker_url.startswith("https://"):
         verify = _ssl_context(config)
+    if config.use_env_proxies:
+        _check_env_proxies()
     return {
         "follow_redirects": False,
         "trust_env": config.use_env_proxies,  # httpx reads nothing else from it here
@@ -312,7 +354,9 @@ class Exchange:
     def delay_after_error(self, exc: httpx.TransportError) -> float:
         """Seconds to wait before the next attempt after ``exc``; raises the typed error if the
         request must not (or can no longer) be retried."""
-        sent = not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+        sent = not isinstance(
+            exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout | httpx.ProxyError
+        )  # a ProxyError: the proxy refused the CONNECT tunnel, nothing went through it
         self.reached = self.reached or sent
         permanent = certificate_failed(exc)
         timed_out = isinstance(exc, httpx.TimeoutException)
@@ -427,6 +471,17 @@ class Exchange:
             msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
             return BrokerUnavailableError(
                 f"{msg} {hint}", method=spec.method, path=spec.path, request_sent=self.reached
+            )
+        if isinstance(exc, httpx.ProxyError):
+            return BrokerUnavailableError(
+                f"Could not {spec.what}: the proxy refused to connect to the broker {broker} "
+                f"({self._reason(exc)}); nothing reached the broker. The proxy comes from "
+                "HTTPS_PROXY (or https_proxy, ALL_PROXY): check its address and credentials, or "
+                f"list the broker's host in NO_PROXY, or set {ENV_TRUST_ENV_PROXIES}=0 to connect "
+                "directly.",
+                method=spec.method,
+                path=spec.path,
+                request_sent=self.reached,
             )
         note = ""
         if sent and not spec.retryable:
@@ -563,10 +618,6 @@ def plan_upload(
     else:
         _check_binary_reader(content)
         body = content
-    framing = multipart_framing(dest)
-    spec = dp.upload(target, dest, framing)
-    if timeout is not None:
-        spec.read_timeout = float(timeout)
     if isinstance(body, bytes):
         start: int | None = None
         size: int | None = len(body)
@@ -574,14 +625,13 @@ def plan_upload(
         start, size = None, None
     else:
         start, size = _start_and_size(body)
-    if size is not None:
-        spec.headers["Content-Length"] = str(framing.length(size))
-    else:
-        spec.headers["Transfer-Encoding"] = "chunked"
-    upload = UploadBody(framing, body, start, size)
-    upload.replayable = isinstance(body, bytes) or start is not None
-    spec.retryable = upload.replayable
-    return spec, upload
+    framing = multipart_framing(dest)
+    replayable = isinstance(body, bytes) or start is not None
+    read_timeout = None if timeout is None else float(timeout)
+    spec = dp.upload(
+        target, dest, framing, size=size, replayable=replayable, read_timeout=read_timeout
+    )
+    return spec, UploadBody(framing, body, start, size, replayable=replayable)
 
 
 # --------------------------------------------------------------------------------------------
@@ -631,8 +681,11 @@ class TransportBase:
         )
         return exchange.steps(stream=stream)
 
-    def call_steps(self, call: proto.Call[Any]) -> Generator[Step, Any, Any]:
-        """The steps of one :class:`Call`: send, then parse (or map the failure)."""
+    def call_steps(
+        self, call: proto.Call[Any], sent: list[str] | None = None
+    ) -> Generator[Step, Any, Any]:
+        """The steps of one :class:`Call`: send, then parse (or map the failure). The token the
+        request carried is added to ``sent`` and never shows in an error about the answer."""
         try:
             response = yield from self.exchange(call.spec)
         except Exception as exc:
@@ -640,4 +693,11 @@ class TransportBase:
             if mapped is None:
                 raise
             raise mapped from exc
-        return call.parse(response)
+        token = proto.sent_token(response.request.headers)
+        if sent is not None:
+            sent.append(token)
+        try:
+            return call.parse(response)
+        except (BrokerError, SandboxFailedError) as exc:
+            proto.redact_sent(exc, (token,))
+            raise

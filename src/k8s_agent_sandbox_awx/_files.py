@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -31,6 +32,12 @@ def partial_file(destination: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     The file gets the mode ``open(destination, "wb")`` would give it: a new file 0o666 minus
     the umask, an existing one keeps its permissions (never more open while being written)."""
     local = os.path.abspath(os.fspath(destination))
+    if os.path.isdir(local):  # checked before the download, not by the final rename
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"The destination {local!r} is a directory; name the file to write, e.g. "
+            f"{os.path.join(local, 'out.bin')!r}",
+        )
     directory, name = os.path.split(local)
     try:
         existing: int | None = stat.S_IMODE(os.stat(local).st_mode) & 0o777

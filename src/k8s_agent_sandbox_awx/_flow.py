@@ -454,7 +454,7 @@ def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
 
 def _abandon_create(plan: CreatePlan, exc: BaseException) -> Op[None]:
     dialect, spec = plan.dialect, plan.spec
-    if REPLAY_CREATE not in dialect.capabilities:
+    if REPLAY_CREATE not in dialect.features:
         exc.add_note(
             f"The create was interrupted after it was sent, and the broker's {dialect.name!r} "
             "dialect cannot replay a create to find out whether it made a sandbox (it has no "
@@ -573,9 +573,7 @@ def file_path(path: str, allow_unsafe_paths: bool) -> str:
 
 
 def _with_timeout(spec: proto.RequestSpec, timeout: float | None) -> proto.RequestSpec:
-    if timeout is not None:
-        spec.read_timeout = float(timeout)
-    return spec
+    return spec if timeout is None else dataclasses.replace(spec, read_timeout=float(timeout))
 
 
 def download_spec(

@@ -25,6 +25,7 @@ import base64
 import binascii
 import functools
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -185,9 +186,12 @@ def _number(payload: Mapping[str, Any], claim: str) -> float | None:
         return None
     if not isinstance(value, bool) and isinstance(value, int | float):
         try:
-            return float(value)
+            number = float(value)
         except OverflowError:
             pass
+        else:
+            if math.isfinite(number):  # 1e400 parses as inf: a token that would never expire
+                return number
     raise _DecodeError(f"the {claim!r} claim is not a number of seconds since the epoch")
 
 

@@ -8,6 +8,7 @@ runtime endpoints decide lives in ``_dataplane``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -36,6 +37,7 @@ __all__ = [
     "parse_retry_after",
     "protocol_error",
     "redact_answer",
+    "redact_sent",
     "redact_url",
     "selector_text",
     "str_mapping",
@@ -101,9 +103,11 @@ class SandboxInfo:
         }
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestSpec:
-    """One request, described without I/O. ``path`` is relative to the broker URL."""
+    """One request, described without I/O. ``path`` is relative to the broker URL. Built once
+    by a dialect or the data plane and never changed afterwards (a variant is a new spec:
+    ``dataclasses.replace``)."""
 
     method: str
     path: str
@@ -169,10 +173,10 @@ class Call(Generic[T]):
 
 
 def json_body(spec: RequestSpec, body: Any) -> RequestSpec:
-    """Set ``spec``'s body to ``body`` as compact JSON."""
-    spec.content = json.dumps(body, separators=(",", ":")).encode("utf-8")
-    spec.headers["Content-Type"] = "application/json"
-    return spec
+    """``spec`` with ``body`` as its compact JSON body."""
+    content = json.dumps(body, separators=(",", ":")).encode("utf-8")
+    headers = {**spec.headers, "Content-Type": "application/json"}
+    return dataclasses.replace(spec, content=content, headers=headers)
 
 
 def new_idempotency_key() -> str:
@@ -239,15 +243,40 @@ def redact_answer(text: str, secrets: Iterable[str] = ()) -> str:
     return _BEARER.sub(r"\1 <redacted>", redact(text, secrets))
 
 
-def redact_url(url: str) -> str:
+def redact_sent(exc: BaseException, tokens: Iterable[str]) -> None:
+    """Remove the tokens the requests carried from an error built from a successful answer (an
+    answer that does not parse, a Failed sandbox's reason): it may quote the answer, and so an
+    opaque token, which has no shape to recognise. Replaced in the message and the text
+    attributes; a cause that quotes one is dropped."""
+    secrets = tuple(t for t in tokens if t)
+    if not secrets:
+        return
+    exc.args = tuple(redact_answer(a, secrets) if isinstance(a, str) else a for a in exc.args)
+    for name, value in vars(exc).items():
+        if isinstance(value, str):
+            setattr(exc, name, redact_answer(value, secrets))
+    causes = (exc.__cause__, exc.__context__)
+    if any(c is not None and any(t in str(c) for t in secrets) for c in causes):
+        exc.__cause__ = exc.__context__ = None
+
+
+def sent_token(request_headers: Mapping[str, str]) -> str:
+    """The bearer token a request carried (``""`` if none)."""
+    return str(request_headers.get("Authorization", "")).partition(" ")[2].strip()
+
+
+def redact_url(url: str, *, typed: bool = False) -> str:
     """``url`` fit for a message: a user name and password (``user:password@``) become
     ``***@``. Everything up to the last ``@`` before the query is treated as user info, so that
     a password with unencoded ``@`` or ``/`` is hidden too; a URL that does not parse (a bad
-    port, no scheme) is redacted all the same."""
+    port, no scheme) is redacted all the same. ``typed=True`` (a URL a person typed, such as
+    the broker URL): up to the last ``@`` anywhere, as a typed password may also hold an
+    unencoded ``?`` or ``#`` (a server's URL, such as a redirect's ``Location``, may have an
+    ``@`` in its query instead)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    ends = [i for i in (rest.find("?"), rest.find("#")) if i >= 0]
+    ends = [i for i in (rest.find("?"), rest.find("#")) if i >= 0 and not typed]
     at = rest.rfind("@", 0, min(ends, default=len(rest)))
     return url if at < 0 else f"{scheme}{sep}***@{rest[at + 1 :]}"
 

@@ -34,6 +34,7 @@ from ._exchange import (
     UploadBody,
     client_settings,
 )
+from .errors import BrokerError, SandboxFailedError
 
 __all__ = ["BrokerTransport", "UploadStream"]
 
@@ -127,14 +128,20 @@ class BrokerTransport(TransportBase):
         steps = self.exchange(spec, stream=stream, body=body, authenticate=authenticate)
         return drive(steps, self.perform)
 
-    def call(self, call: proto.Call[T]) -> T:
-        """Send one call and parse its answer."""
-        result: T = drive(self.call_steps(call), self.perform)
+    def call(self, call: proto.Call[T], sent: list[str] | None = None) -> T:
+        """Send one call and parse its answer (``sent``: see ``call_steps``)."""
+        result: T = drive(self.call_steps(call, sent), self.perform)
         return result
 
     def run(self, op: Steps[proto.Call[Any], T]) -> T:
-        """Run an operation of ``_flow`` (a generator of calls) to its result."""
-        return drive(op, self.call)
+        """Run an operation of ``_flow`` (a generator of calls) to its result; an error it
+        builds from an answer never shows a token its requests carried."""
+        sent: list[str] = []
+        try:
+            return drive(op, lambda call: self.call(call, sent))
+        except (BrokerError, SandboxFailedError) as exc:
+            proto.redact_sent(exc, sent)
+            raise
 
     def stream(self, spec: proto.RequestSpec, meter: DownloadMeter) -> Generator[bytes, None, None]:
         """The answer to ``spec`` in chunks (the request is sent on first iteration)."""

@@ -3,7 +3,8 @@
 Every upstream name the overlay uses is imported here and nowhere else, from upstream's public
 modules only. ``UPSTREAM_NAMES`` is the documented list (see ``docs/upstream.md``); a test fails if
 any other module imports from ``k8s_agent_sandbox`` or if this list and the imports drift apart,
-so an upstream refactor breaks loudly in CI and not at a user's site.
+so an upstream refactor breaks loudly in CI and not at a user's site. ``ExecutionResult`` is
+upstream's, subclassed here with the one field the overlay adds (``output_truncated``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,23 @@ from k8s_agent_sandbox.exceptions import (
     SandboxTemplateNotFoundError,
     SandboxWarmPoolNotFoundError,
 )
+from k8s_agent_sandbox.models import ExecutionResult as _UpstreamExecutionResult
 from k8s_agent_sandbox.models import (
-    ExecutionResult,
     FileEntry,
     SandboxDirectConnectionConfig,
 )
+
+
+class ExecutionResult(_UpstreamExecutionResult):
+    """Upstream's ``ExecutionResult`` (what ``commands.run`` returns) plus one field.
+
+    ``output_truncated``: the runtime kept only the first part of ``stdout`` or ``stderr`` (the
+    local runtime keeps 1 MiB of each). A runtime that does not send the field never truncates:
+    ``False``.
+    """
+
+    output_truncated: bool = False
+
 
 UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
     "k8s_agent_sandbox.constants": ("CREATED_BY_LABEL",),

@@ -298,3 +298,36 @@ def test_a_command_timeout_over_the_brokers_limit_is_refused_before_sending(
             assert (await sandbox.commands.run("true", timeout=86395)).exit_code == 0
 
     run(main())
+
+
+OPAQUE = "opaque-caller-token-0123456789"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda: httpx.Response(200, text=f"you sent {OPAQUE}"),
+        lambda: httpx.Response(
+            200, json={"items": [{"name": "s", "phase": "Ready", "router": {"port": OPAQUE}}]}
+        ),
+    ],
+    ids=["not JSON", "a bad field"],
+)
+def test_the_callers_opaque_token_echoed_in_a_success_never_shows(answer: Any) -> None:
+    import traceback
+
+    from k8s_agent_sandbox_awx import AsyncBrokerSandboxClient, BrokerProtocolError
+
+    async def main() -> BaseException:
+        async with AsyncBrokerSandboxClient(
+            broker_url="https://broker.test",
+            auth=OIDCTokenAuth(OPAQUE),
+            http_transport=httpx.MockTransport(lambda request: answer()),
+        ) as client:
+            with pytest.raises(BrokerProtocolError) as info:
+                await client.list_sandboxes()
+        return info.value
+
+    error = run(main())
+    shown = "".join(traceback.format_exception(error)) + repr(error)
+    assert OPAQUE not in shown and "<redacted>" in str(error)

@@ -135,6 +135,16 @@ CASES: dict[str, tuple[Callable[[LocalBroker], str], str, str]] = {
         "missing_claim",
         "'aud'",
     ),
+    "deeply nested payload": (
+        lambda b: _b64(b'{"alg":"RS256"}') + "." + _b64(b"[" * 10000) + ".c2ln",
+        "token_malformed",
+        "payload",
+    ),
+    "deeply nested header": (
+        lambda b: _b64(b"[" * 10000) + "." + _b64(b"{}") + ".c2ln",
+        "token_malformed",
+        "header",
+    ),
     "not a JWT": (lambda b: "not-a-jwt", "token_malformed", "3 dot-separated parts"),
     "garbage header": (lambda b: "e30x.e30.sig", "token_malformed", "header"),
 }
@@ -205,3 +215,11 @@ def test_no_token_in_logs(broker: LocalBroker, api: Any, caplog: pytest.LogCaptu
     for record in caplog.records:
         assert token not in record.getMessage()
         assert good not in record.getMessage()
+
+
+def test_revoking_a_deeply_nested_token_revokes_it_by_digest(broker: LocalBroker, api: Any) -> None:
+    token = _b64(b'{"alg":"RS256"}') + "." + _b64(b"[" * 10000) + ".c2ln"
+    broker.revoke_token(token)  # no RecursionError: revoked by digest (there is no jti)
+    resp = api(token).http.get("/v1/whoami")
+    assert resp.status_code == 401
+    assert resp.json()["code"] == "token_malformed"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,14 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
-from k8s_agent_sandbox_awx.testing import LocalBroker
+from k8s_agent_sandbox_awx.testing import LocalBroker, LocalProcessBackend
 
 
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going while we read
         return False
 
 
@@ -60,13 +61,12 @@ def test_stop_kills_runtimes_and_removes_files(api: Any) -> None:
 
 CRASHER = textwrap.dedent(
     """
-    import os, signal, ssl, sys, threading, httpx
-    MARK = {"fork": "61.2345", "exec": "62.2345"}
-    from k8s_agent_sandbox_awx.testing import LocalBroker
+    import os, signal, ssl, sys, threading, time, httpx
+    from k8s_agent_sandbox_awx.testing import LocalBroker, LocalProcessBackend
 
-    from k8s_agent_sandbox_awx.testing import LocalProcessBackend
-
-    b = LocalBroker(warn=False, backend=LocalProcessBackend(fork_server=sys.argv[1] == "fork"))
+    mode, running, daemon, daemon_command = sys.argv[1:]
+    backend = LocalProcessBackend(fork_server=mode == "fork")  # its own /tmp root directory
+    b = LocalBroker(warn=False, backend=backend)
     b.start()
     token = b.issue_kubernetes_token("team-a", "alice")
     http = httpx.Client(base_url=b.url, headers={"Authorization": "Bearer " + token},
@@ -74,20 +74,19 @@ CRASHER = textwrap.dedent(
     name = http.post("/v1/sandboxes", json={}).json()["name"]
     http.get(f"/v1/sandboxes/{name}", params={"wait": "ready"})
     headers = {"X-Sandbox-ID": name, "X-Sandbox-Namespace": "team-a"}
+    http.post("/execute", json={"command": daemon_command}, headers=headers).raise_for_status()
     def sleeper():
-        http.post("/execute", json={"command": "sleep " + MARK[sys.argv[1]]}, headers=headers)
+        http.post("/execute", json={"command": "sleep " + running}, headers=headers)
     threading.Thread(target=sleeper, daemon=True).start()
-    import time; time.sleep(0.5)
-    running = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
+    time.sleep(0.5)
+    found = 0
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                running += fh.read() == b"sleep\\0" + MARK[sys.argv[1]].encode() + b"\\0"
+                found += fh.read() in (b"sleep\\0%s\\0" % m.encode() for m in (running, daemon))
         except OSError:
             pass
-    print(b.runtime_pid(name), os.path.dirname(b.ca_bundle), running, flush=True)
+    print(b.runtime_pid(name), os.path.dirname(b.ca_bundle), backend.root_dir, found, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
@@ -109,20 +108,92 @@ def _pids_with(marker: str) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["fork", "exec"])
 def test_runtimes_die_when_the_test_process_crashes(mode: str) -> None:
+    running, daemon = _marker(), _marker()
     proc = subprocess.run(
-        [sys.executable, "-c", CRASHER, mode], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", CRASHER, mode, running, daemon, DAEMON.format(daemon)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == -9, proc.stderr
-    pid_text, _tmp, running = proc.stdout.split()
-    assert int(running) >= 1, "the long command was not running when the broker died"
+    pid_text, tmp, root, found = proc.stdout.split()
+    assert found == "2", "the command and the daemon were not running when the broker died"
     runtime = int(pid_text)
     assert _wait_dead([runtime], 10) == [], "the runtime outlived the crashed broker"
-    leftovers = [p for p in _pids_with({"fork": "61.2345", "exec": "62.2345"}[mode]) if _alive(p)]
+    leftovers = [p for p in _pids_with(running) + _pids_with(daemon) if _alive(p)]
     assert _wait_dead(leftovers, 5) == [], "a command outlived the crashed broker"
-    # the next broker sweeps the crashed one's temp directory
-    assert os.path.isdir(_tmp)
+    # the next broker sweeps the crashed one's temporary directories
+    assert os.path.isdir(tmp)
+    assert os.path.isdir(root)
     with LocalBroker(warn=False):
-        assert not os.path.exists(_tmp)
+        assert not os.path.exists(tmp)
+        assert not os.path.exists(root), "the crashed broker's runtimes directory was left"
+
+
+def _marker() -> str:
+    """A unique ``sleep`` argument: the processes of one test, found by their command line."""
+    return f"{random.randint(100, 999)}.{random.randint(10**8, 10**9)}"
+
+
+def _start_in_background(client: Any, sandbox: dict[str, Any], command: str) -> None:
+    def run() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # the runtime dies under it
+            client.run(sandbox, command)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _running(marker: str, count: int = 1, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(pids := [p for p in _pids_with(marker) if _alive(p)]) < count:
+        assert time.monotonic() < deadline, f"the {marker} processes did not start"
+        time.sleep(0.02)
+    return pids
+
+
+# A command that leaves a process in a session of its own (setsid) behind and returns.
+DAEMON = (
+    'python3 -c \'import subprocess as s; s.Popen(["sleep", "{}"], start_new_session=True, '
+    "stdout=s.DEVNULL, stderr=s.DEVNULL)'"
+)
+
+
+@pytest.mark.parametrize("mode", ["fork", "exec"])
+def test_commands_do_not_outlive_a_killed_runtime(api: Any, mode: str) -> None:
+    """The runtime is SIGKILLed (as the OOM killer would) while a command runs and after a
+    command left a setsid daemon: neither the command's group nor the daemon survives the
+    sandbox's delete."""
+    backend = LocalProcessBackend(fork_server=mode == "fork")
+    with LocalBroker(backend=backend, warn=False) as b:
+        client = api(b.issue_kubernetes_token("team-a", "alice"), b)
+        sandbox = client.ready()
+        running, daemon = _marker(), _marker()
+        assert client.run(sandbox, DAEMON.format(daemon)).json()["exit_code"] == 0
+        _start_in_background(client, sandbox, f"sleep {running}")
+        pids = _running(running) + _running(daemon)
+        runtime = b.runtime_pid(sandbox["name"])
+        assert runtime is not None
+        os.kill(runtime, signal.SIGKILL)
+        assert _wait_dead([runtime]) == []
+        assert client.http.delete(f"/v1/sandboxes/{sandbox['name']}").status_code in (202, 404)
+        assert _wait_dead(pids, 5) == [], "a command outlived its sandbox"
+
+
+@pytest.mark.parametrize("how", ["deleted", "broker stopped"])
+def test_a_setsid_daemon_dies_with_its_sandbox(api: Any, how: str) -> None:
+    with LocalBroker(warn=False) as b:
+        client = api(b.issue_kubernetes_token("team-a", "alice"), b)
+        sandbox = client.ready()
+        daemon = _marker()
+        assert client.run(sandbox, DAEMON.format(daemon)).json()["exit_code"] == 0
+        pids = _running(daemon)
+        time.sleep(0.2)
+        assert [p for p in pids if _alive(p)] == pids  # it lives as long as its sandbox
+        if how == "deleted":
+            assert client.http.delete(f"/v1/sandboxes/{sandbox['name']}").status_code == 202
+        else:
+            b.stop()
+        assert _wait_dead(pids, 5) == [], "a daemon outlived its sandbox"
 
 
 def _sockets_to_port(port: int) -> list[str]:

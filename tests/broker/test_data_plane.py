@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import signal
+import socket
+import ssl
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -194,3 +198,79 @@ def test_control_characters_in_path_are_invalid(alice: Any) -> None:
     resp = alice.http.get("/download/a%00b", headers=alice.data_headers(sandbox))
     assert resp.status_code == 400
     assert resp.json()["code"] == "invalid_path"
+
+
+def _raw_exchange(broker: LocalBroker, request_line: str, headers: dict[str, str]) -> bytes:
+    """Send one request with exactly ``request_line`` over a TLS socket to the broker (no
+    client library to normalise the target) and return the whole raw answer."""
+    url = urllib.parse.urlsplit(broker.url)
+    host, port = url.hostname or "", url.port or 443
+    context = ssl.create_default_context(cafile=broker.ca_bundle)
+    lines = [request_line, f"Host: {host}:{port}", "Connection: close", "Content-Length: 0"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    with (
+        socket.create_connection((host, port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        tls.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        answer = b""
+        while chunk := tls.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.fixture
+def canary() -> Iterator[socket.socket]:
+    """A loopback TCP listener that no request of the test may reach."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield listener
+
+
+def _reached(listener: socket.socket) -> bool:
+    readable, _, _ = select.select([listener], [], [], 0.2)
+    return bool(readable)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "@127.0.0.1:{port}/download/secret.txt",
+        "http://127.0.0.1:{port}/download/secret.txt",
+        "http://127.0.0.1:{port}@127.0.0.1:{port}/download/secret.txt",
+        "127.0.0.1:{port}",
+        "*",
+    ],
+)
+def test_request_target_cannot_redirect_the_forward(
+    broker: LocalBroker, alice: Any, bob: Any, canary: socket.socket, form: str
+) -> None:
+    """A request target that is not origin-form ('/' + path) is 400 and reaches nothing: not
+    another tenant's runtime (the owner check passed for the caller's own sandbox) and not any
+    other loopback service."""
+    mine = alice.ready()
+    theirs = bob.ready()
+    marker = "tenant-b-secret-" + os.urandom(8).hex()
+    written = bob.run(theirs, f"python3 -c \"open('secret.txt', 'w').write('{marker}')\"")
+    assert written.json()["exit_code"] == 0, written.text
+    handle = broker._require_app().sandboxes[theirs["name"]].handle
+    assert handle is not None
+    headers = {"Authorization": f"Bearer {alice.token}", **alice.data_headers(mine)}
+    for port in (handle.port, canary.getsockname()[1]):
+        answer = _raw_exchange(broker, f"GET {form.format(port=port)} HTTP/1.1", headers)
+        assert marker.encode() not in answer
+        status = int(answer.split(b" ", 2)[1])
+        assert status == 400, answer[:500]
+        assert b'"code":"invalid_path"' in answer.replace(b" ", b"")
+        assert b"origin-form" in answer
+    assert not _reached(canary)
+
+
+def test_request_target_with_a_fragment_is_refused(broker: LocalBroker, alice: Any) -> None:
+    """A target with a fragment ('#', never part of a request target) is 400, not a 500."""
+    mine = alice.ready()
+    headers = {"Authorization": f"Bearer {alice.token}", **alice.data_headers(mine)}
+    answer = _raw_exchange(broker, "GET /download/a#b HTTP/1.1", headers)
+    assert int(answer.split(b" ", 2)[1]) == 400, answer[:500]
+    assert b'"code":"invalid_path"' in answer.replace(b" ", b"")

@@ -9,6 +9,8 @@ import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker
 
+MIB = 1024 * 1024
+
 
 @pytest.fixture
 def sandbox(alice: Any) -> dict[str, Any]:
@@ -23,6 +25,7 @@ def test_runs_without_a_shell(alice: Any, sandbox: dict[str, Any]) -> None:
         "stderr": "",
         "exit_code": 0,
         "timed_out": False,
+        "output_truncated": False,
     }
 
 
@@ -44,6 +47,7 @@ def test_nonzero_exit_is_a_result(alice: Any, sandbox: dict[str, Any]) -> None:
         ("definitely-not-a-command-xyz", "definitely-not-a-command-xyz"),
         ("echo 'unbalanced", "cannot parse"),
         ("", "empty command"),
+        ("echo a\x00b", "null byte"),
     ],
 )
 def test_unstartable_command_is_exit_1(
@@ -55,6 +59,19 @@ def test_unstartable_command_is_exit_1(
     assert out["exit_code"] == 1
     assert reason in out["stderr"]
     assert out["timed_out"] is False
+
+
+def test_command_with_a_lone_surrogate_is_exit_1(alice: Any, sandbox: dict[str, Any]) -> None:
+    """Valid JSON ('\\ud800' escape) that no file system encoding can pass to exec."""
+    resp = alice.http.post(
+        "/execute",
+        content=b'{"command": "echo \\ud800"}',
+        headers={**alice.data_headers(sandbox), "Content-Type": "application/json"},
+    )
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["exit_code"] == 1
+    assert "surrogates not allowed" in out["stderr"]
 
 
 def test_time_limit_kills_the_process_group(alice: Any, sandbox: dict[str, Any]) -> None:
@@ -186,3 +203,43 @@ def test_exec_mode_runtime(api: Any) -> None:
         pid = b.runtime_pid(sandbox["name"])
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             assert b"k8s_agent_sandbox_awx.testing._runtime" in fh.read()
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set size (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/PID/status")
+
+
+def test_output_is_capped_flagged_and_never_held_in_memory(
+    broker: LocalBroker, alice: Any, sandbox: dict[str, Any]
+) -> None:
+    """50 MB of NUL bytes on stdout and 5 MB on stderr: the runtime keeps the first 1 MiB of
+    each, reads and drops the rest (the command is not blocked on a full pipe), flags the answer,
+    and its peak memory does not grow with the output."""
+    pid = broker.runtime_pid(sandbox["name"])
+    assert pid is not None
+    before = _peak_rss(pid)
+    command = "sh -c 'head -c 50000000 /dev/zero; head -c 5000000 /dev/zero >&2; echo done >&2'"
+    resp = alice.run(sandbox, command)
+    assert resp.status_code == 200
+    out = resp.json()
+    assert (out["exit_code"], out["timed_out"], out["output_truncated"]) == (0, False, True)
+    assert out["stdout"] == "\0" * MIB
+    assert out["stderr"] == "\0" * MIB  # the first MiB: "done" came after it
+    assert _peak_rss(pid) - before < 64 * MIB
+    small = alice.run(sandbox, f"head -c {MIB} /dev/zero").json()  # exactly the cap: all of it
+    assert (len(small["stdout"]), small["output_truncated"]) == (MIB, False)
+
+
+def test_truncated_output_of_a_timed_out_command_is_kept(
+    alice: Any, sandbox: dict[str, Any]
+) -> None:
+    command = "sh -c 'head -c 3000000 /dev/zero; echo late >&2; sleep 30'"
+    out = alice.run(sandbox, command, timeout_seconds=1).json()
+    assert (out["exit_code"], out["timed_out"], out["output_truncated"]) == (124, True, True)
+    assert out["stdout"] == "\0" * MIB
+    assert out["stderr"].startswith("late\n")

@@ -10,12 +10,15 @@ from typing import Any
 
 import pytest
 
-from k8s_agent_sandbox_awx import BrokerSandboxClient, Sandbox
-from k8s_agent_sandbox_awx._dialect import LIST, WHOAMI
+from k8s_agent_sandbox_awx import BrokerConnectionConfig, BrokerSandboxClient, Sandbox
+from k8s_agent_sandbox_awx import _flow as flow
+from k8s_agent_sandbox_awx._dialect import LIST, WHOAMI, Dialect
+from k8s_agent_sandbox_awx._dialect_v1 import V1Dialect
 from k8s_agent_sandbox_awx._dialects import DIALECTS, get_dialect
 from k8s_agent_sandbox_awx.errors import (
     BrokerPermissionError,
     BrokerQuotaError,
+    BrokerUnavailableError,
     BrokerWarmPoolNotFoundError,
     ConfigurationError,
     SandboxNotFoundError,
@@ -41,11 +44,16 @@ def client(broker: Any, dialect: str) -> Iterator[BrokerSandboxClient]:
         yield made
 
 
+def needs(client: BrokerSandboxClient, feature: str) -> None:
+    if feature not in client.dialect.features:
+        pytest.skip(f"the {client.dialect.name!r} dialect has no {feature} operation")
+
+
 def test_create_is_ready_listed_found_and_deleted_once(client: BrokerSandboxClient) -> None:
     sandbox = client.create_sandbox()
     assert sandbox.info.ready and sandbox.sandbox_id
     assert client.get_info(sandbox.name).name == sandbox.name
-    if LIST in client.dialect.capabilities:
+    if LIST in client.dialect.features:
         assert sandbox.name in [info.name for info in client.list_sandboxes()]
     assert client.delete(sandbox.name) is True
     deadline = time.monotonic() + 10
@@ -74,7 +82,7 @@ def test_the_data_plane_reaches_the_sandbox_with_the_dialects_headers(
 
 
 def test_whoami_and_healthz(client: BrokerSandboxClient) -> None:
-    if WHOAMI in client.dialect.capabilities:
+    if WHOAMI in client.dialect.features:
         assert client.whoami()["subject"].endswith(":agent")
     else:
         with pytest.raises(UnsupportedOperationError, match=repr(client.dialect.name)):
@@ -88,7 +96,7 @@ def test_what_a_dialect_lacks_is_a_typed_error_before_sending(
 ) -> None:
     dialect = client.dialect
     for capability, call in ((LIST, client.list_sandboxes), (WHOAMI, client.whoami)):
-        if capability in dialect.capabilities:
+        if capability in dialect.features:
             continue
         with pytest.raises(UnsupportedOperationError) as info:
             call()
@@ -140,3 +148,42 @@ def test_extend_moves_the_deadline(client: BrokerSandboxClient) -> None:
         client.extend("no-such-sandbox", 60)
     with pytest.raises(ValueError, match="seconds"):
         client.extend(sandbox.name, 0)
+
+
+def test_an_interrupted_create_is_replayed_only_by_a_dialect_that_can(
+    client: BrokerSandboxClient,
+) -> None:
+    """The create may have reached the broker but its answer was lost: a dialect with
+    idempotent creates sends the same request (same key) again to find and delete what it
+    made; one without says so in the error."""
+    op = flow.create(plan_for(client.dialect))
+    first = next(op)
+    lost = BrokerUnavailableError("the answer was lost", request_sent=True)
+    if "idempotent_create" in client.dialect.features:
+        assert op.throw(lost).spec is first.spec
+    else:
+        with pytest.raises(BrokerUnavailableError) as info:
+            op.throw(lost)
+        assert client.dialect.name in "".join(info.value.__notes__)
+
+
+def test_a_missing_feature_is_refused_naming_the_dialect() -> None:
+    """What a second dialect lacks is a clear error naming it (``Dialect.require``), and an
+    interrupted create is not replayed by a dialect that cannot."""
+
+    class Minimal(V1Dialect):
+        name = "minimal"
+        features = frozenset()
+
+    with pytest.raises(ConfigurationError, match="'minimal' dialect, which has no whoami"):
+        Minimal().require("whoami", "ask the broker who I am")
+    op = flow.create(plan_for(Minimal()))
+    next(op)
+    with pytest.raises(BrokerUnavailableError) as info:
+        op.throw(BrokerUnavailableError("lost", request_sent=True))
+    assert "'minimal' dialect cannot replay a create" in "".join(info.value.__notes__)
+
+
+def plan_for(dialect: Dialect) -> flow.CreatePlan:
+    config = BrokerConnectionConfig(broker_url="https://broker.test")
+    return flow.plan_create(config, dialect, flow.SandboxSpec())

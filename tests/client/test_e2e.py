@@ -390,3 +390,14 @@ def test_iter_bytes_streams_a_file(broker: Any) -> None:
         with pytest.raises(SandboxError, match="max_bytes"):
             list(sandbox.files.iter_bytes("blob.bin", max_bytes=100))
         assert sandbox.commands.run("echo still fine").stdout == "still fine\n"
+
+
+def test_truncated_command_output_is_flagged(broker: Any, use_env: Any) -> None:
+    """The runtime keeps the first 1 MiB of each stream; the result says it cut the rest."""
+    use_env(broker.environ("kubernetes"))
+    with Sandbox.create() as sandbox:
+        big = sandbox.commands.run("head -c 3000000 /dev/zero")
+        small = sandbox.commands.run("echo hi")
+    assert isinstance(big, ExecutionResult)
+    assert (len(big.stdout), big.exit_code, big.output_truncated) == (1024 * 1024, 0, True)
+    assert (small.stdout, small.output_truncated) == ("hi\n", False)

@@ -78,7 +78,7 @@ def test_path_normalisation() -> None:
 def test_multipart_framing() -> None:
     framing = dp.multipart_framing('dir/"x".bin', boundary="b0")
     assert framing.prefix.startswith(b"--b0\r\n")
-    assert b'filename="dir/%22x%22.bin"' in framing.prefix
+    assert b'filename="dir/\\"x\\".bin"' in framing.prefix
     assert framing.suffix == b"\r\n--b0--\r\n"
     assert framing.content_type == "multipart/form-data; boundary=b0"
     assert framing.length(10) == len(framing.prefix) + 10 + len(framing.suffix)
@@ -237,3 +237,11 @@ def test_create_rejects_a_ready_timeout_that_is_nan_or_negative(ready: float) ->
     config = BrokerConnectionConfig(broker_url="https://broker.test")
     with pytest.raises(ValueError, match="sandbox_ready_timeout"):
         flow.plan_create(config, v1.V1Dialect(), flow.SandboxSpec(ready_timeout=ready))
+
+
+def test_parse_output_truncated() -> None:
+    """Absent (a runtime that never truncates) is False; only a JSON true is True."""
+    base = {"stdout": "o", "stderr": "", "exit_code": 0}
+    assert dp.parse_execution_result(base).output_truncated is False
+    assert dp.parse_execution_result({**base, "output_truncated": True}).output_truncated
+    assert not dp.parse_execution_result({**base, "output_truncated": "no"}).output_truncated

@@ -4,6 +4,7 @@ through the one exchange (auth, errors) — the room for command output and dire
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -72,3 +73,45 @@ def test_events_stream_async() -> None:
             await client.close()
 
     assert asyncio.run(main()) == EVENTS
+
+
+@pytest.mark.e2e
+def test_events_stream_through_the_local_broker_sync_and_async(broker: Any) -> None:
+    """A managed command's NDJSON events, streamed through the broker over real HTTPS by the
+    one exchange (auth, the dialect's data-plane headers), sync and async."""
+    from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
+    from k8s_agent_sandbox_awx._dataplane import _data
+    from k8s_agent_sandbox_awx._protocol import json_body
+
+    env = broker.environ("kubernetes")
+
+    def specs(target: Any) -> tuple[RequestSpec, Any]:
+        start = json_body(
+            _data("POST", "/commands", "start a command", target),
+            {"command": ["sh", "-c", "echo one; echo two >&2"], "timeout": 30},
+        )
+        return start, lambda cid: _data(
+            "GET", f"/commands/{cid}/events", "follow a command", target
+        )
+
+    def check(events: list[Any]) -> None:
+        kinds = [e["type"] for e in events if e["type"] != "heartbeat"]
+        assert kinds[-1] == "exit" and "stdout" in kinds and "stderr" in kinds
+        seqs = [e["seq"] for e in events]
+        assert seqs == sorted(seqs)
+        assert "".join(e["data"] for e in events if e["type"] == "stdout") == "one\n"
+
+    with Sandbox.create(environ=env) as sandbox:
+        transport = sandbox.client._transport
+        start, follow = specs(sandbox.client.dialect.data_target(sandbox.info))
+        cid = json.loads(transport.send(start).content)["command_id"]
+        check(list(transport.events(follow(cid))))
+
+    async def main() -> None:
+        async with await AsyncSandbox.create(environ=env) as sandbox:
+            transport = sandbox.client._transport
+            start, follow = specs(sandbox.client.dialect.data_target(sandbox.info))
+            cid = json.loads((await transport.send(start)).content)["command_id"]
+            check([e async for e in transport.events(follow(cid))])
+
+    asyncio.run(main())

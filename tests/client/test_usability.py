@@ -170,3 +170,24 @@ def test_read_to_keeps_the_mode_of_an_existing_file(
     umask(0o022)
     assert make_client().create_sandbox().files.read_to("out.bin", target) == 3
     assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o640
+
+
+def test_read_to_a_directory_fails_before_downloading(
+    make_client: Any, fake: Any, tmp_path: Path
+) -> None:
+    """A directory as the destination: an error naming it, before the download (it came after
+    the whole file was fetched, as 'Is a directory: '.../.out.1a2b3c4d.part' -> ...')."""
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(200, content=b"data")
+
+    fake.route("GET", "/download/out.bin")(answer)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    sandbox = make_client().create_sandbox()
+    with pytest.raises(IsADirectoryError, match="is a directory") as info:
+        sandbox.files.read_to("out.bin", folder)
+    assert repr(str(folder)) in str(info.value) and ".part" not in str(info.value)
+    assert asked == [] and list(folder.iterdir()) == [] and sorted(tmp_path.iterdir()) == [folder]

@@ -208,6 +208,72 @@ async def test_a_token_that_is_not_a_str_is_a_typed_error_async(missing_path) ->
         await creds.aget_credential(BROKER)
 
 
+class _Booby(Credential):
+    """A Credential whose ``source`` (a property) raises when it is read."""
+
+    @property  # type: ignore[override]
+    def source(self) -> str:
+        raise RuntimeError("source exploded")
+
+
+class _BoobyStr(str):
+    """A str whose ``strip()`` (used by the token check) raises."""
+
+    def strip(self, chars: str | None = None) -> str:
+        raise RuntimeError("strip exploded")
+
+
+def _booby_credential(token: str) -> Credential:
+    credential = object.__new__(_Booby)
+    object.__setattr__(credential, "token", token)
+    object.__setattr__(credential, "provider", "")
+    object.__setattr__(credential, "file_backed", False)
+    return credential
+
+
+class Answers:
+    """A plugin that answers ``make(token)`` (sync and async hooks)."""
+
+    def __init__(self, make: Callable[[str], object], token: str) -> None:
+        self.make, self.token = make, token
+
+    @hookimpl
+    def agent_sandbox_get_credential(self, request: CredentialRequest) -> object:
+        return self.make(self.token)
+
+    @hookimpl
+    async def agent_sandbox_get_credential_async(self, request: CredentialRequest) -> object:
+        return self.make(self.token)
+
+
+@pytest.mark.asyncio
+async def test_an_answer_that_raises_when_read_is_a_typed_error(missing_path, mint) -> None:
+    # the plugin's code ran again when the answer was checked, outside the plugin's guard: a
+    # raw RuntimeError from get_credential, aget_credential and explain()
+    plugins = [("odd", Answers(_booby_credential, mint()))]
+    creds = DefaultCredentials(NONE, _token_path=missing_path, _plugins=plugins)
+    with pytest.raises(CredentialSourceError, match="source exploded") as info:
+        creds.get_credential(BROKER)
+    assert info.value.provider == "odd"
+    with pytest.raises(CredentialSourceError, match="source exploded"):
+        await creds.aget_credential(BROKER)
+    report = explain(BROKER, auth=creds)
+    assert {d.name: d.status for d in report.decisions}["odd"] == "error"
+    assert isinstance(report.error, CredentialSourceError)
+
+
+@pytest.mark.asyncio
+async def test_a_token_of_a_str_subclass_is_used_as_a_plain_str(missing_path, mint) -> None:
+    # its strip() (the token check) raised a raw RuntimeError: the answer is read once, as
+    # plain data, and no code of the plugin runs after its call
+    token = mint()
+    plugins = [("odd", Answers(lambda t: Credential(_BoobyStr(t), "", source="odd"), token))]
+    creds = DefaultCredentials(NONE, _token_path=missing_path, _plugins=plugins)
+    for credential in (creds.get_credential(BROKER), await creds.aget_credential(BROKER)):
+        assert type(credential.token) is str and credential.token == token
+    assert explain(BROKER, auth=creds).selected == "odd"
+
+
 # --- BaseException during a fetch -------------------------------------------------------
 
 

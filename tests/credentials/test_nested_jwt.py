@@ -67,6 +67,8 @@ def test_claims_nested_up_to_the_limit_decode() -> None:
     ("claims", "why"),
     [
         (f'{{"aud":"{BROKER}","exp":1{"0" * 400}}}', "'exp' claim"),
+        (f'{{"aud":"{BROKER}","exp":1e400}}', "'exp' claim"),  # parses as inf: never expires
+        (f'{{"aud":"{BROKER}","iat":-1e400}}', "'iat' claim"),
         (f'{{"aud":"{BROKER}","exp":NaN}}', "not UTF-8 JSON"),
         (f'{{"aud":"{BROKER}","iat":-Infinity}}', "not UTF-8 JSON"),
     ],

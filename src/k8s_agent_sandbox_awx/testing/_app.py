@@ -396,6 +396,7 @@ class BrokerApp:
         is_control = path == "/v1" or path.startswith("/v1/")
         is_rpc = path == "/rpc" and "rpc" in self.protocols
         try:
+            _origin_form(scope)
             if not is_control and not is_rpc and "x-sandbox-id" in request.headers:
                 await self._data_plane(request, send)
                 return
@@ -957,12 +958,10 @@ class BrokerApp:
         handle: RuntimeHandle,
         read_timeout: float,
     ) -> None:
-        scope = request.scope
-        raw_path = scope.get("raw_path") or scope["path"].encode()
-        query = scope.get("query_string") or b""
-        url = f"http://{handle.host}:{handle.port}{raw_path.decode('latin-1')}"
-        if query:
-            url += "?" + query.decode("latin-1")
+        # Built from parts: the request target is only ever the path (and query) of the URL,
+        # never its authority (see _origin_form), whatever bytes it holds.
+        target = _origin_form(request.scope)
+        url = httpx.URL(scheme="http", host=handle.host, port=handle.port, raw_path=target)
         headers = [
             (k, v)
             for k, v in request.headers.raw
@@ -1022,7 +1021,8 @@ class BrokerApp:
                 and k.lower() not in (b"date", b"server")
             ]
             if is_execute and self.faults.take_drop(record.name):
-                await response.aread()  # the command ran; now lose the answer
+                async for _ in response.aiter_raw():  # the command ran; now lose the answer
+                    pass  # (read and dropped, never held: an answer may be large)
                 await send({"type": "http.response.start", "status": 200, "headers": out_headers})
                 raise _DroppedConnection("injected: connection dropped after the command ran")
             await send(
@@ -1069,6 +1069,32 @@ class BrokerApp:
         await self.backend.close()
         if self._jwks_http is not None:
             await self._jwks_http.aclose()
+
+
+def _origin_form(scope: Scope) -> bytes:
+    """The request target (path and query, raw) if it is origin-form ('/' + path), else 400.
+
+    The absolute form (``http://host:port/path``), the authority form (``host:port``), the
+    asterisk form and anything else not starting with '/' (``@host:port/path``) are refused:
+    such a target must never become part of the authority of the URL the router forwards to.
+    """
+    raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
+    if not raw_path.startswith(b"/"):
+        raise ApiError(
+            400,
+            "invalid_path",
+            "the request target must be origin-form ('/' followed by the path, as in "
+            "'GET /download/file HTTP/1.1'), not an absolute URL, an authority or '*'",
+        )
+    query: bytes = scope.get("query_string") or b""
+    target = raw_path + b"?" + query if query else raw_path
+    if b"#" in target or not target.isascii():
+        raise ApiError(
+            400,
+            "invalid_path",
+            "the request target has a fragment ('#') or a non-ASCII byte; percent-encode them",
+        )
+    return target
 
 
 async def _client_gone(receive: Receive) -> None:

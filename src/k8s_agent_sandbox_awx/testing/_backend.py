@@ -3,7 +3,8 @@
 A backend turns a :class:`SandboxSpec` into a running runtime server that speaks the legacy
 python-runtime protocol and returns a :class:`RuntimeHandle` (host and port) once the runtime
 answers ``GET /``. :class:`LocalProcessBackend` starts one process per sandbox from a command
-line template, so any server that speaks the protocol can be plugged in.
+line template, so any server that speaks the protocol can be plugged in, under a supervisor that
+kills every process the sandbox started when the runtime ends (see ``_runtime.fork_server``).
 
 NO ISOLATION: local runtimes and the commands they run are ordinary host processes.
 """
@@ -104,6 +105,46 @@ _CREDENTIAL_VARIABLES = (
     "CI_JOB_JWT",
     "CI_JOB_TOKEN",
 )
+
+
+RUNTIMES_DIR_PREFIX = "agent-sandbox-runtimes-"
+OWNER_FILE = "broker.pid"
+
+
+def owned_temp_dir(prefix: str) -> str:
+    """A new private temporary directory that names its owner process (see
+    :func:`sweep_dead_owners`)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(path, OWNER_FILE), "w") as fh:
+        fh.write(str(os.getpid()))
+    return path
+
+
+def sweep_dead_owners(*prefixes: str) -> None:
+    """Remove this user's temporary directories with one of ``prefixes`` whose owner process
+    is gone (a crashed test, ``kill -9``): nothing else would ever remove them."""
+    root = tempfile.gettempdir()
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.startswith(prefixes):
+            continue
+        path = os.path.join(root, entry)
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as fh:
+                pid = int(fh.read().strip())
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            continue
 
 
 def _inherited_environment() -> dict[str, str]:
@@ -230,13 +271,19 @@ class _ForkServer:
         if proc.stdout is not None:
             proc.stdout.close()
 
+    def terminate(self) -> None:
+        """SIGTERM the fork server (it stops its supervisors, which stop their sandboxes)."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, signal.SIGTERM)
+
     def kill_now(self) -> None:
         proc = self.proc
         if proc is None:
             return
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(proc.pid, signal.SIGTERM)
+            self.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=3.0)
         if proc.poll() is None:
@@ -249,12 +296,17 @@ class LocalProcessBackend:
 
     ``command``: a command line template (string, split with shell-like rules, or a list) with
     the placeholders of :data:`DEFAULT_RUNTIME_COMMAND`. It runs without a shell. Runtimes get
-    ``AGENT_SANDBOX_RUNTIME_PARENT_PID`` so the default runtime dies with the broker process.
+    ``AGENT_SANDBOX_RUNTIME_PARENT_PID`` so the default runtime dies with its supervisor.
 
-    ``fork_server``: for the built-in runtime (the default command), fork each runtime from one
-    warm template process instead of starting a new interpreter (about 2 ms instead of 60 ms
-    of CPU, memory shared copy-on-write). ``None`` (default): on when the command is the default
-    and the platform can fork; custom commands are always started as their own processes.
+    Every runtime runs under a supervisor of its sandbox (Linux: a child subreaper) that kills
+    every process the sandbox started when the runtime exits, is killed or is stopped, and the
+    supervisors run under a fork server (see ``_runtime.fork_server``).
+
+    ``fork_server``: ``True`` (default where the platform can fork): one warm fork server for all
+    sandboxes; the built-in runtime (the default command) is forked from it instead of starting
+    a new interpreter (about 2 ms instead of 60 ms of CPU, memory shared copy-on-write), a custom
+    command is exec'd from it. ``False``: a fresh fork server (a new interpreter) per sandbox,
+    which starts the runtime command as a new process.
     """
 
     def __init__(
@@ -270,13 +322,14 @@ class LocalProcessBackend:
         self.host = host
         self.startup_timeout = startup_timeout
         self._own_root = root_dir is None
-        self.root_dir = root_dir or tempfile.mkdtemp(prefix="agent-sandbox-runtimes-")
+        self.root_dir = root_dir or owned_temp_dir(RUNTIMES_DIR_PREFIX)
         os.makedirs(self.root_dir, exist_ok=True)
         if fork_server is None:
-            fork_server = self.command == DEFAULT_RUNTIME_COMMAND and hasattr(os, "fork")
+            fork_server = hasattr(os, "fork")
         self._fork: _ForkServer | None = (
             _ForkServer(os.path.join(self.root_dir, "fork-server.log")) if fork_server else None
         )
+        self._own_forks: dict[str, _ForkServer] = {}  # sandbox name -> its own fork server
         self._handles: dict[str, RuntimeHandle] = {}
         self._http: httpx.AsyncClient | None = None
 
@@ -301,6 +354,9 @@ class LocalProcessBackend:
                 "{python} {host} {port} {base_dir} {name} {namespace} {template}",
             ) from exc
 
+    def _fork_server_of(self, name: str) -> _ForkServer | None:
+        return self._fork or self._own_forks.get(name)
+
     async def start(self, spec: SandboxSpec) -> RuntimeHandle:
         root = os.path.join(self.root_dir, spec.name)
         base_dir = os.path.join(root, "work")
@@ -310,30 +366,23 @@ class LocalProcessBackend:
         workspace_dir = os.path.join(root, "workspace")
         os.makedirs(workspace_dir, exist_ok=True)
         log_path = os.path.join(root, "runtime.log")
-        use_fork = self._fork is not None and spec.command is None
+        command = spec.command or self.command
+        # the built-in runtime is forked from a warm fork server, anything else is exec'd
+        builtin = self._fork is not None and command == DEFAULT_RUNTIME_COMMAND
+        fork = self._fork or self._own_forks.setdefault(
+            spec.name, _ForkServer(os.path.join(root, "fork-server.log"))
+        )
         last_error = ""
-        for _attempt in range(3):
-            port = _free_port(self.host)
-            env = {
-                **_inherited_environment(),
-                **spec.env,
-                "PORT": str(port),
-                "SANDBOX_BASE_DIR": base_dir,
-                "SANDBOX_WORKSPACE_DIR": workspace_dir,
-                PARENT_PID_ENV: str(os.getpid()),
-            }
-            if use_fork:
-                assert self._fork is not None
-                request = {
-                    "host": self.host,
-                    "port": port,
-                    "base_dir": base_dir,
-                    "env": env,
-                    "log": log_path,
+        try:
+            for _attempt in range(3):
+                port = _free_port(self.host)
+                env = {
+                    **_inherited_environment(),
+                    **spec.env,
+                    "PORT": str(port),
+                    "SANDBOX_BASE_DIR": base_dir,
+                    "SANDBOX_WORKSPACE_DIR": workspace_dir,
                 }
-                pid = await self._fork.spawn(request)
-                handle = RuntimeHandle(spec.name, self.host, port, base_dir, pid, root=root)
-            else:
                 values = {
                     "python": sys.executable,
                     "host": self.host,
@@ -343,38 +392,37 @@ class LocalProcessBackend:
                     "namespace": spec.namespace,
                     "template": spec.template,
                 }
-                argv = self._argv(spec.command or self.command, values)
+                request = {
+                    "host": self.host,
+                    "port": port,
+                    "base_dir": base_dir,
+                    "env": env,
+                    "log": log_path,
+                    "argv": None if builtin else self._argv(command, values),
+                }
+                pid = await fork.spawn(request)
+                handle = RuntimeHandle(spec.name, self.host, port, base_dir, pid, root=root)
+                self._handles[spec.name] = handle
                 try:
-                    proc = _spawn(argv, base_dir, env, log_path)
-                except OSError as exc:
-                    shutil.rmtree(root, ignore_errors=True)
-                    raise RuntimeStartError(
-                        "RuntimeStartFailed", f"cannot start runtime {argv[0]!r}: {exc}"
-                    ) from exc
-                handle = RuntimeHandle(
-                    spec.name, self.host, port, base_dir, proc.pid, process=proc, root=root
-                )
-            self._handles[spec.name] = handle
-            try:
-                await self._wait_ready(handle, log_path)
-                return handle
-            except RuntimeStartError as exc:
-                await self._terminate(handle, remove=False)
-                last_error = exc.message
-                if "Address already in use" not in last_error:
-                    shutil.rmtree(root, ignore_errors=True)
-                    self._handles.pop(spec.name, None)
-                    raise
-        shutil.rmtree(root, ignore_errors=True)
-        self._handles.pop(spec.name, None)
-        raise RuntimeStartError("RuntimeStartFailed", last_error)
+                    await self._wait_ready(handle, log_path)
+                    return handle
+                except RuntimeStartError as exc:
+                    await self._terminate(handle, remove=False)
+                    last_error = exc.message
+                    if "Address already in use" not in last_error:
+                        raise
+            raise RuntimeStartError("RuntimeStartFailed", last_error)
+        except BaseException:
+            self._handles.pop(spec.name, None)
+            await self._close_own_fork(spec.name)
+            shutil.rmtree(root, ignore_errors=True)
+            raise
 
     def _exit_status(self, handle: RuntimeHandle) -> int | None:
-        if handle.process is not None:
-            return handle.process.poll()
-        if self._fork is not None and handle.pid is not None:
-            return self._fork.status(handle.pid)
-        return -1
+        fork = self._fork_server_of(handle.name)
+        if handle.pid is None or fork is None:
+            return -1
+        return fork.status(handle.pid)
 
     async def _wait_ready(self, handle: RuntimeHandle, log_path: str) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -407,38 +455,33 @@ class LocalProcessBackend:
         return self._exit_status(handle) is None
 
     async def _terminate(self, handle: RuntimeHandle, *, remove: bool = True) -> None:
-        proc = handle.process
-        if proc is not None:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    await asyncio.to_thread(proc.wait, 2.0)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            if proc.poll() is None:
-                proc.wait(timeout=2.0)
-        elif (
-            self._fork is not None
-            and handle.pid is not None
-            and self._fork.status(handle.pid) is None
-        ):
+        """SIGTERM the runtime's group, SIGKILL it after 2 s; return once its supervisor has
+        killed everything the sandbox started (the fork server's exit report)."""
+        fork = self._fork_server_of(handle.name)
+        if fork is not None and handle.pid is not None and fork.status(handle.pid) is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(handle.pid, signal.SIGTERM)
-            if not await self._fork.wait_exit(handle.pid, 2.0):
+            if not await fork.wait_exit(handle.pid, 2.0):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(handle.pid, signal.SIGKILL)
-                await self._fork.wait_exit(handle.pid, 2.0)
+                await fork.wait_exit(handle.pid, 3.0)
         if remove:
             self._handles.pop(handle.name, None)
+            await self._close_own_fork(handle.name)
             if handle.root:
                 shutil.rmtree(handle.root, ignore_errors=True)
+
+    async def _close_own_fork(self, name: str) -> None:
+        fork = self._own_forks.pop(name, None)
+        if fork is not None:
+            await fork.close()
 
     async def stop(self, handle: RuntimeHandle) -> None:
         await self._terminate(handle)
 
     async def close(self) -> None:
         await asyncio.gather(*(self._terminate(h) for h in list(self._handles.values())))
+        await asyncio.gather(*(self._close_own_fork(name) for name in list(self._own_forks)))
         if self._fork is not None:
             await self._fork.close()
         if self._http is not None:
@@ -451,34 +494,16 @@ class LocalProcessBackend:
         for handle in list(self._handles.values()):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if handle.pid is not None:
-                    os.killpg(handle.pid, signal.SIGTERM)
-        for handle in list(self._handles.values()):
-            if handle.process is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    handle.process.wait(timeout=1.0)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                if handle.pid is not None:
                     os.killpg(handle.pid, signal.SIGKILL)
         self._handles.clear()
-        if self._fork is not None:
-            self._fork.kill_now()
+        forks = [*self._own_forks.values(), *([self._fork] if self._fork is not None else [])]
+        self._own_forks.clear()
+        for fork in forks:  # each supervisor kills what its sandbox started, then they exit
+            fork.terminate()
+        for fork in forks:
+            fork.kill_now()
         if self._own_root:
             shutil.rmtree(self.root_dir, ignore_errors=True)
-
-
-def _spawn(
-    argv: list[str], cwd: str, env: dict[str, str], log_path: str
-) -> subprocess.Popen[bytes]:
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
 
 
 def _spawn_piped(argv: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:

@@ -26,7 +26,13 @@ import uvicorn
 
 from . import NO_ISOLATION_WARNING
 from ._app import BrokerApp, Faults, _UnavailableRule, install_log_filter
-from ._backend import LocalProcessBackend, SandboxBackend
+from ._backend import (
+    RUNTIMES_DIR_PREFIX,
+    LocalProcessBackend,
+    SandboxBackend,
+    owned_temp_dir,
+    sweep_dead_owners,
+)
 from ._issuers import (
     GITLAB_ATTRIBUTES,
     AttributesRule,
@@ -154,10 +160,8 @@ class LocalBroker:
         started = time.perf_counter()
         if self._warn:
             log.warning("LocalBroker: %s", NO_ISOLATION_WARNING)
-        _sweep_crashed_brokers()
-        self._tmp = tempfile.mkdtemp(prefix=_TMP_PREFIX)
-        with open(os.path.join(self._tmp, "broker.pid"), "w") as fh:
-            fh.write(str(os.getpid()))
+        sweep_dead_owners(_TMP_PREFIX, RUNTIMES_DIR_PREFIX)  # of brokers whose process died
+        self._tmp = owned_temp_dir(_TMP_PREFIX)
         # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -515,7 +519,7 @@ class LocalBroker:
 
         with app.lock:
             app.revoked.add("sha256:" + token_fingerprint(token))
-            with contextlib.suppress(jwt.PyJWTError):
+            with contextlib.suppress(jwt.PyJWTError, RecursionError):  # revoked by digest
                 jti = jwt.decode(token, options={"verify_signature": False}).get("jti")
                 if isinstance(jti, str):
                     app.revoked.add(f"jti:{jti}")
@@ -717,32 +721,6 @@ class LocalBroker:
 
 
 _TMP_PREFIX = "agent-sandbox-broker-"
-
-
-def _sweep_crashed_brokers() -> None:
-    """Remove temp directories of brokers whose process died without stopping them."""
-    root = tempfile.gettempdir()
-    try:
-        entries = os.listdir(root)
-    except OSError:
-        return
-    for entry in entries:
-        if not entry.startswith(_TMP_PREFIX):
-            continue
-        path = os.path.join(root, entry)
-        try:
-            with open(os.path.join(path, "broker.pid")) as fh:
-                pid = int(fh.read().strip())
-            if os.stat(path).st_uid != os.getuid():
-                continue
-        except (OSError, ValueError):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            continue
 
 
 def write_kubelet_style(path: str, token: str) -> None:

@@ -9,7 +9,9 @@ Semantics (as upstream's python-runtime-sandbox):
 - ``GET /`` health; ``POST /execute`` ``{"command", "timeout_seconds"?}`` splits the command with
   :func:`shlex.split` and runs it **without a shell**, in the base directory, in its own process
   group; at the time limit the group is killed (``timed_out: true``, ``exit_code`` 124); a command
-  that cannot start is ``exit_code`` 1 with the reason in ``stderr``.
+  that cannot start is ``exit_code`` 1 with the reason in ``stderr``. The first
+  :data:`OUTPUT_CAP` bytes of stdout and of stderr are kept, the rest is read and dropped
+  (``output_truncated: true``).
 - ``POST /upload`` multipart field ``file``, filename = destination path (parents created);
   ``GET /download/{path}``, ``GET /list/{path}``, ``GET /exists/{path}``.
 - Every path is resolved inside the base directory; a path that escapes it is ``403``.
@@ -17,7 +19,9 @@ Semantics (as upstream's python-runtime-sandbox):
   ``SANDBOX_WORKSPACE_DIR``): see :mod:`._fs`.
 
 The process dies with its parent: ``PR_SET_PDEATHSIG`` (Linux) plus a thread that watches the
-parent pid. On ``SIGTERM`` it kills the process groups of running commands and exits.
+parent pid. On ``SIGTERM`` it kills the process groups of running commands and exits. The module
+also holds the fork server and the per-sandbox supervisors the local backend runs runtimes
+under (see "fork server and supervisors" below).
 
 NO ISOLATION: commands run as host processes with the user's privileges. Development and tests
 only.
@@ -29,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import selectors
 import shlex
 import signal
 import subprocess
@@ -37,13 +42,16 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from . import _fs, _managed
 
 CHUNK_SIZE = 256 * 1024
+OUTPUT_CAP = 1024 * 1024
+"""Bytes of a command's stdout, and of its stderr, that the runtime keeps (the rest is read and
+dropped, and the answer says ``output_truncated: true``)."""
 MAX_JSON_BODY = 1024 * 1024
 DEFAULT_EXEC_TIMEOUT = 300.0
 TIMEOUT_EXIT_CODE = 124
@@ -67,17 +75,26 @@ def _exit_now(*_: object) -> None:
     os._exit(0)
 
 
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    """``prctl(option, value)`` on Linux; ``False`` where it is unavailable or fails."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        return False
+
+
 def _set_pdeathsig() -> None:
     """Ask Linux to send SIGTERM when the parent (thread) that started us dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):  # pragma: no cover - exotic libc
-            pass
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -124,21 +141,12 @@ def run_command(command: str, timeout: float, cwd: str) -> dict[str, Any]:
         )
     except OSError as exc:
         return _result("", f"cannot start {argv[0]!r}: {exc.strerror or exc}", 1)
+    except ValueError as exc:  # a NUL byte or a lone surrogate in an argument
+        return _result("", f"cannot start {argv[0]!r}: {exc}", 1)
     with _active_lock:
         _active_groups.add(proc.pid)
-    timed_out = False
     try:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            try:
-                out, err = proc.communicate(timeout=5)
-            except subprocess.TimeoutExpired:  # a detached grandchild holds the pipes
-                proc.kill()
-                out, err = b"", b""
+        out, err, truncated, timed_out = _communicate(proc, timeout)
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # nothing the command started outlives it
@@ -146,16 +154,78 @@ def run_command(command: str, timeout: float, cwd: str) -> dict[str, Any]:
             _active_groups.discard(proc.pid)
     if timed_out:
         note = f"\ncommand timed out after {timeout:g} seconds and was killed"
-        return _result(_text(out), _text(err) + note, TIMEOUT_EXIT_CODE, timed_out=True)
-    return _result(_text(out), _text(err), proc.returncode)
+        return _result(
+            _text(out), _text(err) + note, TIMEOUT_EXIT_CODE, timed_out=True, truncated=truncated
+        )
+    return _result(_text(out), _text(err), proc.returncode, truncated=truncated)
+
+
+def _communicate(proc: subprocess.Popen[bytes], timeout: float) -> tuple[bytes, bytes, bool, bool]:
+    """``Popen.communicate`` with a memory bound: ``(stdout, stderr, truncated, timed_out)``.
+
+    Both pipes are read until they close; the first :data:`OUTPUT_CAP` bytes of each are kept
+    and the rest is read and dropped (the command never blocks on a full pipe). At the time
+    limit the process group is killed and the pipes are read for up to 5 more seconds (a
+    detached grandchild may hold them open); then the command is reaped.
+    """
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = bytearray(), bytearray()
+    kept = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    truncated = timed_out = False
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        for fd in kept:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if timed_out:
+                    break  # the pipes are still open 5 s after the kill: give up on them
+                timed_out = True
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5.0
+                continue
+            for key, _ in selector.select(remaining):
+                data = os.read(key.fd, CHUNK_SIZE)
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                buf = kept[key.fd]
+                room = OUTPUT_CAP - len(buf)
+                if len(data) > room:
+                    truncated = True
+                if room > 0:
+                    buf += data[:room]
+    proc.stdout.close()
+    proc.stderr.close()
+    if not timed_out:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:  # it closed its output but kept running
+            timed_out = True
+    if timed_out:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    return bytes(out), bytes(err), truncated, timed_out
 
 
 def _text(data: bytes | None) -> str:
     return (data or b"").decode("utf-8", errors="replace")
 
 
-def _result(stdout: str, stderr: str, exit_code: int, *, timed_out: bool = False) -> dict[str, Any]:
-    return {"stdout": stdout, "stderr": stderr, "exit_code": exit_code, "timed_out": timed_out}
+def _result(
+    stdout: str, stderr: str, exit_code: int, *, timed_out: bool = False, truncated: bool = False
+) -> dict[str, Any]:
+    return {
+        "stdout": stdout,
+        "stderr": stderr,
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "output_truncated": truncated,
+    }
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -482,14 +552,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# -- fork server -------------------------------------------------------------------------------
+# -- fork server and supervisors -----------------------------------------------------------------
 # Starting a Python process per sandbox costs ~60 ms of CPU and ~20 MiB; forking a warm,
 # single-threaded template process costs ~2 ms and shares its memory copy-on-write. The broker
 # starts one fork server and sends it one JSON line per sandbox:
-#   {"id": N, "host": ..., "port": ..., "base_dir": ..., "env": {...}, "log": path}
+#   {"id": N, "host": ..., "port": ..., "base_dir": ..., "env": {...}, "log": path,
+#    "argv": [...] or null}
 # and reads back {"id": N, "pid": PID} or {"id": N, "error": "..."}, and {"exited": PID,
-# "status": CODE} whenever a runtime ends. Each runtime is a session leader (its own process
-# group), dies with the fork server, and the fork server dies with the broker.
+# "status": CODE} whenever a runtime has ended and everything it started is gone.
+#
+# Process tree (Linux): fork server -> one supervisor per sandbox -> the runtime (its own process
+# group; the built-in one is forked, ``argv`` is exec'd) -> commands. The supervisor is a session
+# leader and a child subreaper (PR_SET_CHILD_SUBREAPER): whatever the runtime or a command
+# starts stays below it, even after a double fork, a setsid or the death of its parent. When the
+# runtime exits (or is killed), or the supervisor gets SIGTERM, it kills every process left
+# below it and exits. The fork server is a subreaper too: what a killed supervisor leaves
+# behind comes to it and is killed at once. The fork server dies with the broker
+# (PR_SET_PDEATHSIG plus a parent watch), each supervisor with the fork server, each built-in
+# runtime with its supervisor.
+
+_WATCHED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT)
 
 
 class _Stop(Exception):
@@ -500,6 +582,43 @@ def _raise_stop(*_: object) -> None:
     raise _Stop
 
 
+def _children() -> list[int]:
+    """The processes whose parent is this one (from /proc; empty where there is no /proc)."""
+    me = os.getpid()
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(b")", 1)[-1].split()
+        if len(fields) > 1 and int(fields[1]) == me:
+            found.append(int(entry))
+    return found
+
+
+def _kill_children(keep: Container[int] = ()) -> None:
+    """SIGKILL and reap every child but ``keep``, round after round: a subreaper inherits the
+    children of what it kills, so this ends when nothing but ``keep`` is left below it."""
+    for _ in range(1000):
+        victims = [pid for pid in _children() if pid not in keep]
+        if not victims:
+            return
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in victims:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
 def fork_server() -> int:
     import selectors
 
@@ -507,9 +626,15 @@ def fork_server() -> int:
     _set_pdeathsig()
     if os.getppid() != parent:
         return 0
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     with contextlib.suppress(ImportError):  # warm for the children's first upload
         import python_multipart.multipart  # noqa: F401
-    children: set[int] = set()
+    supervisors: dict[int, int] = {}  # supervisor pid -> runtime pid
+    # a supervisor reports its runtime's pid (or why it could not start it) on a pipe, read
+    # here without blocking so that the next fork need not wait: report fd -> (supervisor pid,
+    # request id, data so far); and the exit codes of supervisors reaped before their report
+    starting: dict[int, tuple[int, Any, bytes]] = {}
+    early: dict[int, int] = {}
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -527,16 +652,53 @@ def fork_server() -> int:
         while data:
             data = data[os.write(1, data) :]
 
+    def spawn(request: dict[str, Any]) -> None:
+        try:
+            supervisor, report = _fork_supervisor(request, (wake_r, wake_w, *starting))
+        except OSError as exc:
+            reply({"id": request.get("id"), "error": f"fork failed: {exc}"})
+            return
+        starting[report] = (supervisor, request.get("id"), b"")
+        selector.register(report, selectors.EVENT_READ)
+
+    def read_report(fd: int) -> None:
+        supervisor, ident, data = starting[fd]
+        chunk = os.read(fd, 65536)
+        if chunk:
+            starting[fd] = (supervisor, ident, data + chunk)
+            return
+        del starting[fd]
+        selector.unregister(fd)
+        os.close(fd)
+        started = json.loads(data) if data else {"error": "the sandbox supervisor exited early"}
+        reply({"id": ident, **started})
+        if "pid" not in started:
+            early.pop(supervisor, None)
+        elif supervisor in early:  # the runtime has already ended, and its supervisor too
+            reply({"exited": started["pid"], "status": early.pop(supervisor)})
+        else:
+            supervisors[supervisor] = int(started["pid"])
+
     def reap() -> None:
-        while children:
+        orphans = False
+        reporting = {entry[0] for entry in starting.values()}
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
-                return
-            children.discard(pid)
-            reply({"exited": pid, "status": os.waitstatus_to_exitcode(status)})
+                break
+            code = os.waitstatus_to_exitcode(status)
+            runtime = supervisors.pop(pid, None)
+            if runtime is not None:
+                reply({"exited": runtime, "status": code})
+            elif pid in reporting:
+                early[pid] = code
+            # not a supervisor (an orphan), or a supervisor killed before it could clean up
+            orphans = orphans or (runtime is None and pid not in reporting) or code < 0
+        if orphans:  # only a dead supervisor's processes come to us: kill them all
+            _kill_children(keep={*supervisors, *reporting})
 
     try:
         while True:
@@ -548,74 +710,176 @@ def fork_server() -> int:
                     with contextlib.suppress(BlockingIOError):
                         while os.read(wake_r, 4096):
                             pass
-                    continue
-                data = os.read(0, 65536)
-                if not data:
-                    raise _Stop
-                pending += data
-                while b"\n" in pending:
-                    line, pending = pending.split(b"\n", 1)
-                    request = json.loads(line)
-                    try:
-                        pid = _fork_runtime(request, (wake_r, wake_w))
-                    except OSError as exc:
-                        reply({"id": request.get("id"), "error": f"fork failed: {exc}"})
-                        continue
-                    children.add(pid)
-                    reply({"id": request.get("id"), "pid": pid})
+                elif key.fd in starting:
+                    read_report(key.fd)
+                else:
+                    data = os.read(0, 65536)
+                    if not data:
+                        raise _Stop
+                    pending += data
+                    while b"\n" in pending:
+                        line, pending = pending.split(b"\n", 1)
+                        spawn(json.loads(line))
             reap()
     except (_Stop, BrokenPipeError):
         pass
     finally:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for pid in list(children):
+        alive = {*supervisors, *(entry[0] for entry in starting.values())}
+        for pid in alive:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)  # each stops its runtime and kills what is left
         deadline = time.monotonic() + 2.0
-        while children and time.monotonic() < deadline:
+        while alive and time.monotonic() < deadline:
             with contextlib.suppress(ChildProcessError):
                 pid, _status = os.waitpid(-1, os.WNOHANG)
                 if pid:
-                    children.discard(pid)
+                    alive.discard(pid)
                     continue
             time.sleep(0.01)
-        for pid in list(children):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+        _kill_children()
     return 0
 
 
-def _fork_runtime(request: dict[str, Any], close_fds: tuple[int, ...]) -> int:
-    zygote = os.getpid()
-    pid = os.fork()
+def _fork_supervisor(request: dict[str, Any], close_fds: tuple[int, ...]) -> tuple[int, int]:
+    """Fork the supervisor of one sandbox; return its pid and the read end of the pipe on which
+    it reports ``{"pid": runtime}`` or ``{"error": reason}`` (then closes it)."""
+    report_r, report_w = os.pipe()
+    # The supervisor takes these signals with sigtimedwait: blocked across the fork, so that
+    # none reaches the fork server's handlers in the child.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WATCHED)
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _WATCHED)
+        os.close(report_r)
+        os.close(report_w)
+        raise
     if pid:
-        return pid
-    try:  # the child: never returns into the fork server's loop
-        os.setsid()
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        for fd in close_fds:
-            os.close(fd)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["base_dir"])
-        _die_with_parent(zygote)
-        serve(request["host"], int(request["port"]), request["base_dir"])
-    except BaseException:
-        import traceback
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _WATCHED)
+    else:  # the supervisor: never returns into the fork server's loop
+        try:
+            os.close(report_r)
+            _supervise(request, report_w, close_fds)
+        except BaseException:
+            import traceback
 
-        traceback.print_exc()
-        sys.stderr.flush()
+            traceback.print_exc()
+            sys.stderr.flush()
         os._exit(1)
-    os._exit(0)
+    os.close(report_w)
+    return pid, report_r
+
+
+def _supervise(request: dict[str, Any], report_fd: int, close_fds: tuple[int, ...]) -> None:
+    fork_server_pid = os.getppid()
+    os.setsid()
+    _set_pdeathsig()
+    if os.getppid() != fork_server_pid:
+        return
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    signal.set_wakeup_fd(-1)
+    for fd in close_fds:
+        os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    runtime, error = _start_runtime(request, report_fd)
+    with contextlib.suppress(OSError):  # the fork server is gone: _watch stops the runtime
+        os.write(report_fd, json.dumps({"error": error} if error else {"pid": runtime}).encode())
+    os.close(report_fd)
+    code = 1 if error else _watch(runtime, fork_server_pid)
+    _kill_children()
+    os._exit(code)
+
+
+def _start_runtime(request: dict[str, Any], report_fd: int) -> tuple[int, str | None]:
+    """Fork the runtime (exec ``argv``, or serve the built-in one); ``(pid, error)``."""
+    argv: list[str] | None = request.get("argv")
+    env = {**request["env"], PARENT_PID_ENV: str(os.getpid())}
+    supervisor = os.getpid()
+    failed_r, failed_w = os.pipe()  # close-on-exec: stays empty when exec succeeds
+    pid = os.fork()
+    if pid == 0:  # the runtime: its own process group, default signal handling
+        try:
+            os.close(failed_r)
+            os.close(report_fd)  # the fork server reads the report until EOF
+            os.setpgid(0, 0)
+            for sig in _WATCHED:
+                signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, ())
+            os.chdir(request["base_dir"])
+            if argv:
+                _set_pdeathsig()
+                if os.getppid() == supervisor:
+                    try:
+                        os.execvpe(argv[0], argv, env)  # noqa: S606 - the configured runtime
+                    except OSError as exc:
+                        reason = f"cannot start runtime {argv[0]!r}: {exc.strerror or exc}"
+                        os.write(failed_w, reason.encode())
+                os._exit(127)
+            os.close(failed_w)
+            os.environ.clear()
+            os.environ.update(env)
+            _die_with_parent(supervisor)
+            serve(request["host"], int(request["port"]), request["base_dir"])
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        os._exit(0)
+    with contextlib.suppress(OSError):  # also here: no race with a signal to the group
+        os.setpgid(pid, pid)
+    os.close(failed_w)
+    failure = b""
+    while chunk := os.read(failed_r, 65536):
+        failure += chunk
+    os.close(failed_r)
+    if failure:
+        return pid, failure.decode("utf-8", errors="replace")
+    return pid, None
+
+
+def _next_signal(timeout: float) -> int | None:
+    """Take the next of the (blocked) watched signals, waiting up to ``timeout`` seconds."""
+    if hasattr(signal, "sigtimedwait"):
+        info = signal.sigtimedwait(_WATCHED, timeout)
+        return None if info is None else int(info.si_signo)
+    time.sleep(min(timeout, 0.05))  # no sigtimedwait (macOS): poll the pending set
+    pending = signal.sigpending() & set(_WATCHED)
+    return int(signal.sigwait(pending)) if pending else None
+
+
+def _watch(runtime: int, fork_server_pid: int) -> int:
+    """Reap children until the runtime exits; on SIGTERM/SIGINT (or when the fork server is
+    gone) stop the runtime (SIGTERM, 1 s). The supervisor's exit code: the runtime's (128 +
+    signal number when it was killed)."""
+    stop_at: float | None = None
+    while True:
+        signo = _next_signal(0.5)
+        asked = signo is not None and signo != signal.SIGCHLD
+        if stop_at is None and (asked or os.getppid() != fork_server_pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(runtime, signal.SIGTERM)
+            stop_at = time.monotonic() + 1.0
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return 1
+            if pid == 0:
+                break
+            if pid == runtime:
+                code = os.waitstatus_to_exitcode(status)
+                return code if code >= 0 else 128 - code
+        if stop_at is not None and time.monotonic() > stop_at:
+            return 128 + signal.SIGKILL  # the sweep kills it
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def _b64json(segment: str, what: str) -> dict[str, Any]:
     try:
         raw = base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
         value = json.loads(raw)
-    except (binascii.Error, ValueError) as exc:
+    except (binascii.Error, ValueError, RecursionError) as exc:  # too deeply nested JSON
         raise TokenRejected(
             "token_malformed", f"the token's {what} is not base64url-encoded JSON"
         ) from exc
