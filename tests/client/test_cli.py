@@ -115,6 +115,22 @@ def test_doctor_passes_and_redacts(broker: Any, use_env: Any, capsys: Any) -> No
 
 
 @pytest.mark.e2e
+def test_kill_ls_whoami_under_rpc(rpc_broker: Any, use_env: Any, capsys: Any, live: Any) -> None:
+    use_env(rpc_broker.environ("kubernetes"))
+    from k8s_agent_sandbox_awx import Sandbox
+
+    sandbox = Sandbox.create()
+    for command in ("ls", "whoami"):
+        assert main([command]) == 1
+        err = capsys.readouterr().err
+        assert "UnsupportedOperationError" in err and "'rpc' dialect" in err
+    assert main(["kill", sandbox.name]) == 0
+    assert f"{sandbox.name}: deleted" in capsys.readouterr().out
+    sandbox.close_connection()
+    assert live(rpc_broker) == []
+
+
+@pytest.mark.e2e
 def test_doctor_reports_the_dialect(
     dialect_broker: Any, dialect: str, use_env: Any, capsys: Any
 ) -> None:

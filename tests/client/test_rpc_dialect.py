@@ -51,6 +51,10 @@ def test_zero_config_create_commands_files_extend_kill(
     sandbox.files.write("notes/a.txt", b"data")
     assert sandbox.files.read("notes/a.txt") == b"data"
     assert [e.name for e in sandbox.files.list("notes")] == ["a.txt"]
+    again = Sandbox.connect(sandbox.name)  # by the claim name create returned
+    assert again.sandbox_id == sandbox.sandbox_id and again.status()[0] == "SandboxReady"
+    assert again.files.read("notes/a.txt") == b"data"
+    again.close_connection()
     lifetime = sandbox.client.extend(sandbox.name, 120)
     assert lifetime.expires_at and not lifetime.capped
     assert sandbox.client.extend(sandbox.name, 10**7).capped  # clamped at the policy's cap
