@@ -13,6 +13,7 @@ import builtins
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -44,6 +45,17 @@ __all__ = [
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
+_PROBE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _probe_lock(broker_url: str) -> asyncio.Lock:
+    """The lock a task holds while it probes ``broker_url`` (per event loop: one probe per
+    broker at a time; see ``_dialects``)."""
+    locks = _PROBE_LOCKS.setdefault(asyncio.get_running_loop(), {})
+    return locks.setdefault(broker_url, asyncio.Lock())
+
 
 class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport]):
     """The async counterpart of :class:`BrokerSandboxClient` (upstream ``AsyncSandboxClient``'s
@@ -66,8 +78,9 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
         """The dialect, found out from the broker first if it is not known yet."""
         if self._dialect is not None:
             return self._dialect
-        op = flow.resolve_dialect(None, self.broker_url)
-        return self._dialect_found(await self._transport.run(op))
+        async with _probe_lock(self.broker_url):  # other tasks wait, then find it remembered
+            op = flow.resolve_dialect(None, self.broker_url)
+            return self._dialect_found(await self._transport.run(op))
 
     async def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""

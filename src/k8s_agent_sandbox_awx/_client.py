@@ -18,6 +18,7 @@ from ._base import ClientBase, ExcType, SandboxBase, Traceback, make_client
 from ._commands import Commands
 from ._config import BrokerConnectionConfig
 from ._dialect import Dialect, Lifetime
+from ._dialects import probe_lock
 from ._files import Files
 from ._transport import BrokerTransport
 from ._upstream import ExecutionResult, SandboxNotFoundError
@@ -73,8 +74,9 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         """The dialect, found out from the broker first if it is not known yet."""
         if self._dialect is not None:
             return self._dialect
-        op = flow.resolve_dialect(None, self.broker_url)
-        return self._dialect_found(self._transport.run(op))
+        with probe_lock(self.broker_url):  # other threads wait, then find it remembered
+            op = flow.resolve_dialect(None, self.broker_url)
+            return self._dialect_found(self._transport.run(op))
 
     # ---------------------------------------------------------------------------- lifecycle
 

@@ -3,8 +3,10 @@ out which one a broker speaks when none is pinned.
 
 Detection is one unauthenticated ``GET /v1/healthz``: a 2xx answer is ``v1``, any other answer
 below 500 (``404`` from a broker that serves only ``/rpc``) is ``rpc``. The result is remembered
-per broker URL for the life of the process (a thread-safe map), so each broker costs at most
-one extra round trip per process (two clients that start at the same moment may both ask).
+per broker URL for the life of the process (a thread-safe map); one probe per broker runs at a
+time (:func:`probe_lock` for threads; the async client holds an ``asyncio.Lock`` per event loop
+and broker), and the callers that waited find the answer remembered, so each broker costs one
+extra round trip per process.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ from ._dialect_v1 import V1Dialect
 from ._protocol import Call, Reply, RequestSpec
 from .errors import ConfigurationError
 
-__all__ = ["DEFAULT", "DIALECTS", "detected", "forget_detected", "get_dialect", "probe", "remember"]
+__all__ = [
+    "DEFAULT",
+    "DIALECTS",
+    "detected",
+    "forget_detected",
+    "get_dialect",
+    "probe",
+    "probe_lock",
+    "remember",
+]
 
 DIALECTS: dict[str, Dialect] = {
     V1Dialect.name: V1Dialect(),
@@ -26,6 +37,7 @@ DIALECTS: dict[str, Dialect] = {
 DEFAULT = V1Dialect.name
 
 _DETECTED: dict[str, str] = {}
+_PROBE_LOCKS: dict[str, threading.Lock] = {}
 _LOCK = threading.Lock()
 
 
@@ -46,6 +58,12 @@ def detected(broker_url: str) -> Dialect | None:
     with _LOCK:
         name = _DETECTED.get(broker_url)
     return None if name is None else DIALECTS[name]
+
+
+def probe_lock(broker_url: str) -> threading.Lock:
+    """The lock a thread holds while it probes ``broker_url`` (one probe per broker at a time)."""
+    with _LOCK:
+        return _PROBE_LOCKS.setdefault(broker_url, threading.Lock())
 
 
 def remember(broker_url: str, name: str) -> Dialect:

@@ -252,3 +252,64 @@ def test_an_interrupted_create_is_not_replayed(creds: Any) -> None:
     assert script.ops() == ["create"]  # sent once: a replay would make a second sandbox
     assert any("cannot replay" in note for note in info.value.__notes__)
     client.close()
+
+
+def test_concurrent_first_uses_send_one_probe(creds: Any, real_detection: None) -> None:
+    """Threads, and tasks on an event loop, that all start before the dialect is known wait
+    for the one probe instead of sending their own."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from k8s_agent_sandbox_awx import AsyncBrokerSandboxClient
+    from k8s_agent_sandbox_awx._dialects import forget_detected
+
+    script = RpcScript()
+    answer = script.__call__
+    lock = threading.Lock()
+
+    def slow_probe(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/healthz":
+            time.sleep(0.2)  # every caller arrives while the first one probes
+        with lock:
+            return answer(request)
+
+    clients = [_client(script, creds) for _ in range(6)]
+    for client in clients:
+        client._transport._http._transport = httpx.MockTransport(slow_probe)
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda c: c.delete("broker-abc"), clients))
+    assert script.ops().count("/v1/healthz") == 1
+    for client in clients:
+        client.close()
+
+    forget_detected()
+    script.requests.clear()
+
+    class AsyncCreds:
+        async def aget_credential(self, audience: str) -> Any:
+            return creds.get_credential(audience)
+
+        def invalidate(self, audience: str) -> None:
+            creds.invalidate(audience)
+
+    async def main() -> None:
+        async def one() -> None:
+            async def handler(request: httpx.Request) -> httpx.Response:
+                if request.url.path == "/v1/healthz":
+                    await asyncio.sleep(0.2)
+                return answer(request)
+
+            config = BrokerConnectionConfig(broker_url="https://broker.test")
+            transport = httpx.MockTransport(handler)
+            async with AsyncBrokerSandboxClient(
+                config,
+                auth=AsyncCreds(),  # type: ignore[arg-type]
+                http_transport=transport,
+            ) as client:
+                await client.delete("broker-abc")
+
+        await asyncio.gather(*(one() for _ in range(6)))
+
+    asyncio.run(main())
+    assert script.ops().count("/v1/healthz") == 1
