@@ -71,6 +71,9 @@ class UpstreamCreateOptions(TypedDict, total=False):
     volume_claim_templates: Any
     pod_labels: Mapping[str, str] | None
     pod_annotations: Mapping[str, str] | None
+    scopes: Sequence[str] | None
+    keepalive_ttl_seconds: int | None
+    backend: str | None
 
 
 class ConnectOptions(TypedDict, total=False):

@@ -313,3 +313,21 @@ def test_concurrent_first_uses_send_one_probe(creds: Any, real_detection: None) 
 
     asyncio.run(main())
     assert script.ops().count("/v1/healthz") == 1
+
+
+@pytest.mark.e2e
+def test_create_sandbox_takes_the_rpc_fields_too(rpc_broker: Any) -> None:
+    env = rpc_broker.environ("kubernetes")
+    with BrokerSandboxClient(environ=env) as client:
+        sandbox = client.create_sandbox(
+            "python-sandbox-warmpool", scopes=["commands"], pod_labels={"a": "b"}
+        )
+        [claim] = rpc_broker.claims()
+        assert claim["metadata"]["annotations"][STAMP + "scopes"] == "commands"
+        assert claim["spec"]["additionalPodMetadata"] == {"labels": {"a": "b"}}
+        assert sandbox.commands.run("echo ok").stdout == "ok\n"
+    with (
+        BrokerSandboxClient(environ=env, broker_protocol="v1") as v1,
+        pytest.raises(UnsupportedOperationError, match="'v1' dialect"),
+    ):
+        v1.create_sandbox(scopes=["commands"])  # refused before anything is sent
