@@ -25,16 +25,40 @@ from typing import Any
 import httpx
 import pytest
 
+from k8s_agent_sandbox_awx.testing import SDK_VARIABLES
+
 # ------------------------------------------------------------------------------ local broker
 
+
+_DETECTING = frozenset({"dialect_broker", "rpc_broker", "real_detection"})
+
+
+@pytest.fixture
+def real_detection() -> None:
+    """Request it to let the client find out the dialect of a scripted broker itself."""
+
+
+@pytest.fixture(autouse=True)
+def _forget_detected_dialects(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """Each test finds out afresh which dialect a broker speaks (the SDK remembers it per
+    broker URL for the life of the process). Scripted brokers speak v1 and serve no
+    ``/v1/healthz``: unless a test uses ``dialect_broker``, ``rpc_broker`` or
+    ``real_detection``, a broker whose dialect is not pinned is taken to speak v1 (no probe)."""
+    from k8s_agent_sandbox_awx import _base, _dialects
+
+    _dialects.forget_detected()
+    if _DETECTING.isdisjoint(request.fixturenames):
+        v1 = _dialects.get_dialect("v1")
+        monkeypatch.setattr(_base, "detected", lambda _url: v1)
+        monkeypatch.setattr(_dialects, "detected", lambda _url: v1)
+    yield
+    _dialects.forget_detected()
+
+
 _CLEAN_ENV = (
-    "AGENT_SANDBOX_BROKER_URL",
-    "AGENT_SANDBOX_CA_BUNDLE",
-    "AGENT_SANDBOX_TEMPLATE",
-    "AGENT_SANDBOX_TTL_SECONDS",
-    "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS",
-    "AGENT_SANDBOX_TOKEN",
-    "AGENT_SANDBOX_TOKEN_FILE",
+    *SDK_VARIABLES,  # every variable the SDK reads, the original package's aliases included
     "GITHUB_ACTIONS",
     "ACTIONS_ID_TOKEN_REQUEST_URL",
     "ACTIONS_ID_TOKEN_REQUEST_TOKEN",
@@ -62,6 +86,47 @@ def _clean_use(session_broker: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator
     yield session_broker
     clear_credential_cache()
     session_broker.reset()
+
+
+DIALECTS = ("v1", "rpc")
+
+
+@pytest.fixture(scope="session")
+def rpc_broker_session() -> Iterator[Any]:
+    """A local broker that serves only the ``/rpc`` dialect (as deployed brokers do), for the
+    session; warm pool ``orphan`` names a template that does not exist."""
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    from k8s_agent_sandbox_awx.testing import LocalBroker
+
+    pools = {"orphan": "no-such-template"}
+    with LocalBroker(protocols=("rpc",), warm_pools=pools, warn=False) as session_broker:
+        yield session_broker
+
+
+@pytest.fixture
+def rpc_broker(rpc_broker_session: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The ``/rpc``-only broker, reset, with a clean credential environment (like ``broker``)."""
+    yield from _clean_use(rpc_broker_session, monkeypatch)
+
+
+@pytest.fixture(params=DIALECTS)
+def dialect(request: pytest.FixtureRequest) -> str:
+    """Each broker dialect in turn: the client end-to-end tests that take ``dialect_broker``
+    run once per dialect."""
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+def dialect_broker(
+    dialect: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    """The local broker for ``dialect``, reset, with a clean credential environment: ``v1`` the
+    session broker (it serves both dialects; a client without configuration finds ``v1``),
+    ``rpc`` a broker that serves only ``/rpc`` (the client finds ``rpc``)."""
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    name = "sandbox_broker_session" if dialect == "v1" else "rpc_broker_session"
+    yield from _clean_use(request.getfixturevalue(name), monkeypatch)
 
 
 UNAUTHORIZED_RUNTIME = Path(__file__).with_name("unauthorized_runtime.py")

@@ -30,6 +30,9 @@ _EXPORTS: dict[str, str] = {
     "AsyncCommandHandle": "._async_commands",
     "CommandEvent": "._command_flow",
     "CommandInfo": "._dataplane",
+    # --- the original package's names (drop-in migration) ----------------------------------
+    "SandboxBrokerConnectionConfig": "._config",
+    "BrokerSandbox": "._client",
     # --- credential framework -------------------------------------------------------------
     "DefaultCredentials": "._chain",
     "explain": "._chain",
@@ -54,6 +57,7 @@ __all__ = [
     "AsyncCommandHandle",
     "AsyncSandbox",
     "BrokerConnectionConfig",
+    "BrokerSandbox",
     "BrokerSandboxClient",
     "CommandEvent",
     "CommandHandle",
@@ -69,6 +73,7 @@ __all__ = [
     "ProviderDecision",
     "ProviderInfo",
     "Sandbox",
+    "SandboxBrokerConnectionConfig",
     "SandboxError",
     "SandboxInfo",
     "WatchEvent",
@@ -107,10 +112,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
     from ._cache import clear_credential_cache
     from ._chain import DefaultCredentials, Explanation, ProviderDecision, explain
-    from ._client import BrokerSandboxClient, Sandbox, SandboxInfo
+    from ._client import BrokerSandbox, BrokerSandboxClient, Sandbox, SandboxInfo
     from ._command_flow import CommandEvent
     from ._commands import CommandHandle
-    from ._config import BrokerConnectionConfig
+    from ._config import BrokerConnectionConfig, SandboxBrokerConnectionConfig
     from ._credential import Credential, CredentialRequest, ProviderInfo
     from ._dataplane import CommandInfo
     from ._fsapi import FileInfo, WatchEvent

@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import (
     AsyncGenerator,
     Awaitable,
@@ -41,6 +42,7 @@ from ._base import (
     timeout_seconds,
 )
 from ._dataplane import DownloadMeter
+from ._dialect import Dialect, Lifetime
 from ._files import partial_file, writer_or_path
 from ._fsapi import FileInfo, WatchEvent
 from ._upstream import ExecutionResult, SandboxNotFoundError
@@ -56,6 +58,17 @@ __all__ = [
 ]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
+
+_PROBE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _probe_lock(broker_url: str) -> asyncio.Lock:
+    """The lock a task holds while it probes ``broker_url`` (per event loop: one probe per
+    broker at a time; see ``_dialects``)."""
+    locks = _PROBE_LOCKS.setdefault(asyncio.get_running_loop(), {})
+    return locks.setdefault(broker_url, asyncio.Lock())
 
 
 class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport]):
@@ -75,6 +88,14 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
             self.connection_config, self.auth, self.dialect, http_transport=http_transport
         )
 
+    async def _use_dialect(self) -> Dialect:
+        """The dialect, found out from the broker first if it is not known yet."""
+        if self._dialect is not None:
+            return self._dialect
+        async with _probe_lock(self.broker_url):  # other tasks wait, then find it remembered
+            op = flow.resolve_dialect(None, self.broker_url)
+            return self._dialect_found(await self._transport.run(op))
+
     async def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""
         self._mark_closed()
@@ -91,40 +112,51 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
 
     async def whoami(self) -> dict[str, Any]:
         """The identity the broker verified for the current token."""
-        return await self._transport.call(self.dialect.whoami())
+        return await self._transport.call((await self._use_dialect()).whoami())
 
     async def healthz(self) -> proto.BrokerReply:
         """The broker's health check, without a token."""
-        reply = await self._transport.send(self.dialect.healthz().spec, authenticate=False)
+        spec = (await self._use_dialect()).healthz().spec
+        reply = await self._transport.send(spec, authenticate=False)
         return proto.BrokerReply(reply.status_code, dict(reply.headers), reply.content)
 
     async def list_sandboxes(
         self, label_selector: Mapping[str, str] | str | None = None
     ) -> list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them, newest first."""
-        return await self._transport.call(self.dialect.list_sandboxes(label_selector))
+        proto.selector_text(label_selector)  # checked before anything is sent
+        call = (await self._use_dialect()).list_sandboxes(label_selector)
+        return await self._transport.call(call)
 
     async def get_info(self, name: str) -> proto.SandboxInfo:
         """The current state of sandbox ``name`` (no waiting)."""
-        return await self._transport.call(self.dialect.get(name))
+        return await self._transport.call((await self._use_dialect()).get(name))
 
     async def wait_ready(
         self, info: proto.SandboxInfo, ready_timeout: float, *, creating: bool = False
     ) -> proto.SandboxInfo:
         """Long-poll until ``info`` is Ready; raise on Failed or at the timeout."""
-        request_timeout = self.connection_config.request_timeout
-        op = flow.wait_ready(self.dialect, info, ready_timeout, request_timeout, creating=creating)
+        config = self.connection_config
+        op = flow.wait_ready(
+            await self._use_dialect(),
+            info,
+            ready_timeout,
+            config.request_timeout,
+            creating=creating,
+            poll_interval=config.poll_interval,
+        )
         return await self._transport.run(op)
-
-    async def extend(self, name: str, seconds: int) -> proto.SandboxInfo:
-        """Set sandbox ``name``'s deadline to now + ``seconds`` (see
-        ``BrokerSandboxClient.extend``)."""
-        return await self._transport.call(self.dialect.extend(name, timeout_seconds(seconds)))
 
     async def delete(self, name: str) -> bool:
         """Delete sandbox ``name`` at the broker (to the end, even if cancelled); ``False`` if it
         was already gone."""
-        return await self._transport.call(flow.cleanup(self.dialect.delete(name)))
+        call = (await self._use_dialect()).delete(name)
+        return await self._transport.call(flow.cleanup(call))
+
+    async def extend(self, name: str, seconds: int) -> Lifetime:
+        """Move sandbox ``name``'s deadline to now + ``seconds`` (see the sync client)."""
+        dialect = await self._use_dialect()
+        return await self._transport.call(dialect.extend(name, timeout_seconds(seconds)))
 
     async def create_sandbox(
         self,
@@ -136,17 +168,18 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
     ) -> AsyncSandbox:
         """``BrokerSandboxClient.create_sandbox``, awaited: a cancelled create deletes the
         claim it made before ``CancelledError`` propagates."""
-        plan = self._upstream_plan(warmpool, namespace, sandbox_ready_timeout, labels, options)
-        return await self._create(plan, upstream=True)
+        spec = self._upstream_spec(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        return await self._create(spec, upstream=True)
 
     def _handle(
         self, info: proto.SandboxInfo, *, upstream: bool, keepalive: int | None = None
     ) -> AsyncSandbox:
         return (AsyncUpstreamSandbox if upstream else AsyncSandbox)(self, info, keepalive=keepalive)
 
-    async def _create(self, plan: flow.CreatePlan, *, upstream: bool) -> AsyncSandbox:
+    async def _create(self, spec: flow.SandboxSpec, *, upstream: bool) -> AsyncSandbox:
         """``create_sandbox``'s I/O: a failed or cancelled create deletes the claim it made
         before the error (or ``CancelledError``) propagates."""
+        plan = self._plan(await self._use_dialect(), spec)
         info = await self._transport.run(flow.create(plan))
         return self._register(self._handle(info, upstream=upstream, keepalive=plan.keepalive))
 
@@ -471,12 +504,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         cancelled create deletes the claim it made, then re-raises ``CancelledError``."""
         spec = flow.spec_from_create(template, labels, options)
         client = make_client(AsyncBrokerSandboxClient, options, creating=True)
-        return await cls._owning(
-            client,
-            lambda: client._create(
-                flow.plan_create(client.connection_config, client.dialect, spec), upstream=False
-            ),
-        )
+        return await cls._owning(client, lambda: client._create(spec, upstream=False))
 
     @classmethod
     async def connect(

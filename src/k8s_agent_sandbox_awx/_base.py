@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from abc import ABC, abstractmethod
@@ -17,15 +18,17 @@ from typing import Any, Generic, TypeVar
 
 from . import _fsapi as fsapi
 from . import _protocol as proto
-from ._auth import CredentialSource
+from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
 from ._chain import DefaultCredentials
 from ._config import BrokerConnectionConfig
 from ._dataplane import DataTarget, KeptAlive, check_max_bytes
-from ._dialects import get_dialect
+from ._dialect import Dialect, Lifetime
+from ._dialects import detected, get_dialect
 from ._flow import (
     ConnectOptions,
     CreatePlan,
     SandboxCreateOptions,
+    SandboxSpec,
     UpstreamCreateOptions,
     check_options,
     client_overrides,
@@ -62,7 +65,7 @@ T = TypeVar("T")
 
 class ClientBase(ABC, Generic[H, T]):
     """Configuration, credentials, the transport (``T``) and the handles a client created or
-    attached to, and the checks of ``create_sandbox`` (:meth:`_upstream_plan`); the sync and
+    attached to, and the checks of ``create_sandbox`` (:meth:`_upstream_spec`); the sync and
     the async client add the methods that do I/O.
 
     ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
@@ -101,8 +104,11 @@ class ClientBase(ABC, Generic[H, T]):
         self.connection_config = connection_config or BrokerConnectionConfig.from_env(
             environ, **config_overrides
         )
-        self.auth = auth if auth is not None else DefaultCredentials(environ)
-        self.dialect = get_dialect(self.connection_config.broker_protocol)
+        self.auth = auth if auth is not None else config_auth(self.connection_config, environ)
+        pinned = self.connection_config.broker_protocol
+        self._dialect: Dialect | None = (
+            get_dialect(pinned) if pinned else detected(self.connection_config.broker_url)
+        )
         self._lock = threading.RLock()
         self._handles: dict[str, H] = {}
         self._closed = False
@@ -111,17 +117,33 @@ class ClientBase(ABC, Generic[H, T]):
     @abstractmethod
     def _new_transport(self, http_transport: Any) -> T: ...
 
-    def _upstream_plan(
+    @property
+    def dialect(self) -> Dialect:
+        """The broker dialect spoken: pinned (``broker_protocol``), or found out from the
+        broker on the first request (until then: the default, ``v1``)."""
+        return self._dialect or get_dialect()
+
+    def _dialect_found(self, dialect: Dialect) -> Dialect:
+        """Record the dialect the broker speaks (the transport maps errors with it)."""
+        self._dialect = dialect
+        transport: Any = self._transport
+        transport.dialect = dialect
+        return dialect
+
+    def _plan(self, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
+        return plan_create(self.connection_config, self._dialect_found(dialect), spec)
+
+    def _upstream_spec(
         self,
         warmpool: str | None,
         namespace: str | None,
         sandbox_ready_timeout: float | None,
         labels: Mapping[str, str] | None,
         options: UpstreamCreateOptions,
-    ) -> CreatePlan:
-        """``create_sandbox``'s arguments (upstream's spellings) as the plan of a create."""
-        spec = spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
-        return plan_create(self.connection_config, self.dialect, spec)
+    ) -> SandboxSpec:
+        """``create_sandbox``'s arguments (upstream's spellings) as what to create (checked;
+        the dialect's request is built once the dialect is known)."""
+        return spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
 
     @property
     def broker_url(self) -> str:
@@ -302,12 +324,14 @@ class SandboxBase(Generic[C, Cmd, F]):
         self._check_active()
         return self._files
 
-    def _extended(self, info: proto.SandboxInfo) -> proto.SandboxInfo:
-        """Record the state a lifetime change answered (and the keepalive's deadline)."""
+    def _extended(self, lifetime: Lifetime) -> proto.SandboxInfo:
+        """Record the state a lifetime change answered (and the keepalive's deadline); a
+        dialect whose answer carries only the deadline updates the known state with it."""
+        info = lifetime.info or dataclasses.replace(self._info, expires_at=lifetime.expires_at)
         self._info = info
         keepalive = getattr(getattr(self._files, "_target", None), "keepalive", None)
         if keepalive is not None:
-            keepalive.extended(info)
+            keepalive.extended(info.expires_at)
         return info
 
     @staticmethod
@@ -348,6 +372,41 @@ class SandboxBase(Generic[C, Cmd, F]):
         return f"{type(self).__name__}(name={self.name!r}, namespace={self.namespace!r}, {state})"
 
 
+def config_auth(config: BrokerConnectionConfig, environ: Mapping[str, str] | None) -> Any:
+    """The credential source when no ``auth=`` is given: the config's ``token`` or
+    ``token_path`` (the original package's ``SandboxBrokerConnectionConfig``), else the
+    discovery chain."""
+    token, path = getattr(config, "token", None), getattr(config, "token_path", None)
+    if token is not None and path is not None:
+        raise ConfigurationError("Pass token= or token_path=, not both.")
+    if getattr(config, "keepalive_ttl_seconds", None):
+        raise NotImplementedError(
+            "keepalive_ttl_seconds (the activity keepalive) is not available in this version "
+            "of the SDK; leave it out and give the sandbox a long enough lifetime."
+        )
+    if getattr(config, "backend", None) not in (None, "kubernetes"):
+        raise ConfigurationError("backend= must be 'kubernetes' (or left out).")
+    if token is not None:
+        return OIDCTokenAuth(token.get_secret_value())
+    if path is not None:
+        return KubernetesAuth(path)
+    return DefaultCredentials(environ)
+
+
+def options_auth(options: ConnectOptions | SandboxCreateOptions) -> Any:
+    """``auth=``, or the original package's ``token=`` / ``token_path=`` (one of them)."""
+    values: Mapping[str, object] = options
+    given = {k: values.get(k) for k in ("auth", "token", "token_path")}
+    named = [k for k, v in given.items() if v is not None]
+    if len(named) > 1:
+        raise ConfigurationError(f"Pass only one of {', '.join(named)}: each names the credential.")
+    if given.get("token") is not None:
+        return OIDCTokenAuth(str(given["token"]))
+    if given.get("token_path") is not None:
+        return KubernetesAuth(str(given["token_path"]))
+    return given["auth"]
+
+
 def make_client(
     cls: type[CL],
     options: ConnectOptions | SandboxCreateOptions,
@@ -363,6 +422,6 @@ def make_client(
     config, overrides = client_overrides(options)
     factory: Any = cls
     client: CL = factory(
-        config, auth=options.get("auth"), environ=options.get("environ"), **overrides
+        config, auth=options_auth(options), environ=options.get("environ"), **overrides
     )
     return client

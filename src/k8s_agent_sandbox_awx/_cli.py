@@ -249,13 +249,17 @@ def _left(info: Any) -> str:
 def _cmd_extend(args: argparse.Namespace) -> int:
     client = _client(args)
     try:
-        info = client.extend(args.name, math.ceil(args.seconds))
+        lifetime = client.extend(args.name, math.ceil(args.seconds))
+        info = lifetime.info or client.get_info(args.name)
     finally:
         client.close()
     if args.json:
-        _print_json({**info.to_dict(), "seconds_left": info.seconds_left()})
+        _print_json(
+            {**info.to_dict(), "seconds_left": info.seconds_left(), "capped": lifetime.capped}
+        )
     else:
-        print(f"{info.name}: expires at {info.expires_at} (in {_left(info)})")
+        capped = " (cut at the policy's cap)" if lifetime.capped else ""
+        print(f"{info.name}: expires at {info.expires_at} (in {_left(info)}){capped}")
     return 0
 
 

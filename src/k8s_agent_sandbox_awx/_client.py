@@ -25,11 +25,13 @@ from ._base import (
 )
 from ._commands import CommandHandle, Commands
 from ._config import BrokerConnectionConfig
+from ._dialect import Dialect, Lifetime
+from ._dialects import probe_lock
 from ._files import Files
 from ._transport import BrokerTransport
 from ._upstream import ExecutionResult, SandboxNotFoundError
 
-__all__ = ["BrokerSandboxClient", "Sandbox", "SandboxInfo", "UpstreamSandbox"]
+__all__ = ["BrokerSandbox", "BrokerSandboxClient", "Sandbox", "SandboxInfo", "UpstreamSandbox"]
 
 SandboxInfo = proto.SandboxInfo
 
@@ -76,6 +78,14 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
             self.connection_config, self.auth, self.dialect, http_transport=http_transport
         )
 
+    def _use_dialect(self) -> Dialect:
+        """The dialect, found out from the broker first if it is not known yet."""
+        if self._dialect is not None:
+            return self._dialect
+        with probe_lock(self.broker_url):  # other threads wait, then find it remembered
+            op = flow.resolve_dialect(None, self.broker_url)
+            return self._dialect_found(self._transport.run(op))
+
     # ---------------------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
@@ -96,41 +106,51 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
 
     def whoami(self) -> dict[str, Any]:
         """The identity the broker verified for the current token (``GET /v1/whoami``)."""
-        return self._transport.call(self.dialect.whoami())
+        return self._transport.call(self._use_dialect().whoami())
 
     def healthz(self) -> proto.BrokerReply:
         """The broker's health check, without a token: its status, headers (``Date``) and
         body."""
-        reply = self._transport.send(self.dialect.healthz().spec, authenticate=False)
+        reply = self._transport.send(self._use_dialect().healthz().spec, authenticate=False)
         return proto.BrokerReply(reply.status_code, dict(reply.headers), reply.content)
 
     def list_sandboxes(
         self, label_selector: Mapping[str, str] | str | None = None
     ) -> list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them, newest first."""
-        return self._transport.call(self.dialect.list_sandboxes(label_selector))
+        proto.selector_text(label_selector)  # checked before anything is sent
+        return self._transport.call(self._use_dialect().list_sandboxes(label_selector))
 
     def get_info(self, name: str) -> proto.SandboxInfo:
         """The current state of sandbox ``name`` (no waiting)."""
-        return self._transport.call(self.dialect.get(name))
+        return self._transport.call(self._use_dialect().get(name))
 
     def wait_ready(
         self, info: proto.SandboxInfo, ready_timeout: float, *, creating: bool = False
     ) -> proto.SandboxInfo:
         """Long-poll the broker until ``info`` is Ready; raise on Failed or at the timeout."""
-        timeout = self.connection_config.request_timeout
-        op = flow.wait_ready(self.dialect, info, ready_timeout, timeout, creating=creating)
+        config = self.connection_config
+        op = flow.wait_ready(
+            self._use_dialect(),
+            info,
+            ready_timeout,
+            config.request_timeout,
+            creating=creating,
+            poll_interval=config.poll_interval,
+        )
         return self._transport.run(op)
-
-    def extend(self, name: str, seconds: int) -> proto.SandboxInfo:
-        """Set sandbox ``name``'s deadline to now + ``seconds`` (later or earlier; at most the
-        policy's cap from its creation, else ``LifetimeExceedsPolicyError``); its new state."""
-        return self._transport.call(self.dialect.extend(name, timeout_seconds(seconds)))
 
     def delete(self, name: str) -> bool:
         """Delete sandbox ``name`` at the broker; ``False`` if it was already gone. (A handle of
         this client for it stays registered: prefer ``Sandbox.kill()`` or ``delete_sandbox``.)"""
-        return self._transport.call(self.dialect.delete(name))
+        return self._transport.call(self._use_dialect().delete(name))
+
+    def extend(self, name: str, seconds: int) -> Lifetime:
+        """Set sandbox ``name``'s deadline to now + ``seconds`` (later or earlier). Past the
+        policy's cap from its creation a v1 broker refuses (``LifetimeExceedsPolicyError``), an
+        ``/rpc`` broker cuts it (``Lifetime.capped``); ``Lifetime.info`` is the new state when
+        the dialect reports it."""
+        return self._transport.call(self._use_dialect().extend(name, timeout_seconds(seconds)))
 
     # ----------------------------------------------------------------- upstream-compatible API
 
@@ -152,15 +172,16 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         was created (ready timeout, Failed phase, Ctrl-C, a cancelled task), the claim is
         deleted before raising.
         """
-        plan = self._upstream_plan(warmpool, namespace, sandbox_ready_timeout, labels, options)
-        return self._create(plan, upstream=True)
+        spec = self._upstream_spec(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        return self._create(spec, upstream=True)
 
     def _handle(
         self, info: proto.SandboxInfo, *, upstream: bool, keepalive: int | None = None
     ) -> Sandbox:
         return (UpstreamSandbox if upstream else Sandbox)(self, info, keepalive=keepalive)
 
-    def _create(self, plan: flow.CreatePlan, *, upstream: bool) -> Sandbox:
+    def _create(self, spec: flow.SandboxSpec, *, upstream: bool) -> Sandbox:
+        plan = self._plan(self._use_dialect(), spec)
         info = self._transport.run(flow.create(plan))
         return self._register(self._handle(info, upstream=upstream, keepalive=plan.keepalive))
 
@@ -337,7 +358,10 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         (``AGENT_SANDBOX_TOKEN``, ``AGENT_SANDBOX_TOKEN_FILE``, the projected token, plugins).
         Keyword options (they beat the environment): ``auth``, ``broker_url``, ``ca_cert``,
         ``config``, ``environ``, ``annotations``, ``env``, ``timeout``, ``keepalive``,
-        ``ready_timeout``, ``request_timeout``, ``allow_insecure_http``, ``idempotency_key``.
+        ``ready_timeout``, ``request_timeout``, ``allow_insecure_http``, ``idempotency_key``,
+        ``pod_labels``, ``pod_annotations``, ``scopes``; and the original package's
+        ``warmpool``, ``namespace``, ``shutdown_after_seconds``, ``sandbox_ready_timeout``,
+        ``keepalive_ttl_seconds``, ``token``, ``token_path``, ``backend`` (docs/migrating.md).
 
         ``timeout``: the sandbox's lifetime in seconds (the broker deletes it then; default
         ``AGENT_SANDBOX_TTL_SECONDS``, else 300; ``lifetime_seconds=`` is its 0.5.0 name); over
@@ -351,12 +375,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         """
         spec = flow.spec_from_create(template, labels, options)
         client = make_client(BrokerSandboxClient, options, creating=True)
-        return cls._owning(
-            client,
-            lambda: client._create(
-                flow.plan_create(client.connection_config, client.dialect, spec), upstream=False
-            ),
-        )
+        return cls._owning(client, lambda: client._create(spec, upstream=False))
 
     @classmethod
     def connect(
@@ -453,3 +472,7 @@ class UpstreamSandbox(Sandbox):
 
     def terminate(self) -> None:
         self.kill()
+
+
+BrokerSandbox = Sandbox
+"""The original package's name for :class:`Sandbox` (every handle is one)."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
 from ._jwt import normalise_url
 from ._protocol import redact_url
@@ -16,6 +16,8 @@ from ._upstream import SandboxDirectConnectionConfig
 from .errors import ConfigurationError
 
 __all__ = [
+    "ENV_ALIASES",
+    "ENV_BROKER_PROTOCOL",
     "ENV_BROKER_URL",
     "ENV_CA_BUNDLE",
     "ENV_KEEPALIVE",
@@ -23,6 +25,7 @@ __all__ = [
     "ENV_TRUST_ENV_PROXIES",
     "ENV_TTL",
     "BrokerConnectionConfig",
+    "SandboxBrokerConnectionConfig",
     "check_broker_url",
 ]
 
@@ -32,6 +35,18 @@ ENV_TEMPLATE = "AGENT_SANDBOX_TEMPLATE"
 ENV_TRUST_ENV_PROXIES = "AGENT_SANDBOX_TRUST_ENV_PROXIES"
 ENV_TTL = "AGENT_SANDBOX_TTL_SECONDS"
 ENV_KEEPALIVE = "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS"
+ENV_BROKER_PROTOCOL = "AGENT_SANDBOX_BROKER_PROTOCOL"
+ENV_WARMPOOL = "AGENT_SANDBOX_WARMPOOL"
+ENV_NAMESPACE = "AGENT_SANDBOX_NAMESPACE"
+ENV_ALIASES: dict[str, tuple[str, ...]] = {
+    "broker_url": (ENV_BROKER_URL, "BROKER_URL"),
+    "template": (ENV_TEMPLATE, ENV_WARMPOOL, "SANDBOX_WARMPOOL"),
+    "namespace": (ENV_NAMESPACE, "SANDBOX_NAMESPACE"),
+    "broker_protocol": (ENV_BROKER_PROTOCOL,),
+}
+"""The variables each setting is read from, first set wins: the SDK's, then the original
+package's (``BROKER_URL``, ``AGENT_SANDBOX_WARMPOOL``/``SANDBOX_WARMPOOL``,
+``AGENT_SANDBOX_NAMESPACE``/``SANDBOX_NAMESPACE``), in its order."""
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -131,7 +146,14 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
     template: str | None = None
     """Template used when ``create`` gets none; ``None``: the broker policy's default."""
     broker_protocol: str | None = None
-    """The broker dialect to speak (a name registered in ``_dialects``; ``None``: ``v1``)."""
+    """The broker dialect to speak: ``v1`` or ``rpc`` (``AGENT_SANDBOX_BROKER_PROTOCOL``);
+    ``None``: found out from the broker on first use (one request per broker and process)."""
+    poll_interval: float = Field(default=2.0, gt=0)
+    """The longest pause between two status polls while waiting for Ready (a dialect without a
+    long-poll, ``rpc``); the pauses start at 0.1 s and double up to it."""
+    namespace: str | None = None
+    """The namespace you expect (``AGENT_SANDBOX_NAMESPACE``): informational only, the broker's
+    policy pins the namespace and the SDK uses the one the broker returns."""
     request_timeout: float = Field(default=30.0, gt=0)
     """Seconds for one HTTP request (connect, and each read/write)."""
     ready_timeout: float = Field(default=180.0, ge=0)
@@ -220,16 +242,17 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
     ) -> BrokerConnectionConfig:
         """Build from ``AGENT_SANDBOX_BROKER_URL``, ``AGENT_SANDBOX_CA_BUNDLE``,
         ``AGENT_SANDBOX_TEMPLATE``, ``AGENT_SANDBOX_TRUST_ENV_PROXIES``,
-        ``AGENT_SANDBOX_TTL_SECONDS`` and ``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS``; keyword
-        arguments that are not ``None`` win."""
+        ``AGENT_SANDBOX_TTL_SECONDS``, ``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS``,
+        ``AGENT_SANDBOX_BROKER_PROTOCOL`` and the original package's variables
+        (:data:`ENV_ALIASES`); keyword arguments that are not ``None`` win."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        if env.get(ENV_BROKER_URL):
-            values["broker_url"] = env[ENV_BROKER_URL]
+        for setting, names in ENV_ALIASES.items():
+            name = next((n for n in names if env.get(n)), None)
+            if name is not None:
+                values[setting] = env[name]
         if env.get(ENV_CA_BUNDLE):
             values["ca_cert"] = env[ENV_CA_BUNDLE]
-        if env.get(ENV_TEMPLATE):
-            values["template"] = env[ENV_TEMPLATE]
         if env.get(ENV_TRUST_ENV_PROXIES):
             values["trust_env_proxies"] = _env_flag(env, ENV_TRUST_ENV_PROXIES)
         for name, key in ((ENV_TTL, "sandbox_timeout"), (ENV_KEEPALIVE, "sandbox_keepalive")):
@@ -250,6 +273,18 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
                 "system trust store."
             )
         return cls(**values)
+
+
+class SandboxBrokerConnectionConfig(BrokerConnectionConfig):
+    """The original package's name for :class:`BrokerConnectionConfig`, with its extra fields:
+    ``token`` / ``token_path`` (the credential: the client uses ``OIDCTokenAuth(token)`` or
+    ``KubernetesAuth(token_path)`` when no ``auth=`` is given), ``keepalive_ttl_seconds``
+    (not available yet: only ``0``/``None``) and ``backend`` (only ``"kubernetes"``)."""
+
+    token: SecretStr | None = Field(default=None, repr=False)
+    token_path: str | None = None
+    keepalive_ttl_seconds: int | None = None
+    backend: str | None = None
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool:

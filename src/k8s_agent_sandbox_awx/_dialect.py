@@ -4,7 +4,10 @@ A dialect builds the control-plane requests and reads their answers (as :class:`
 error answers to typed errors, says what "already gone" means, and which headers route a
 data-plane request to a sandbox. The data plane itself (``_dataplane``) and the exchange
 (``_exchange``: auth, retries, timeouts) are shared by every dialect. Implementations:
-``_dialect_v1`` (the broker API v1); the registry is ``_dialects``.
+``_dialect_v1`` (the broker API v1) and ``_dialect_rpc`` (the ``/rpc`` dialect of the brokers
+deployed for the original package); the registry is ``_dialects``. What a dialect cannot do is
+in its ``features``; asking for it raises :class:`UnsupportedOperationError` naming the
+dialect, before anything is sent.
 """
 
 from __future__ import annotations
@@ -16,13 +19,30 @@ from typing import Any, ClassVar
 
 from ._dataplane import DataTarget
 from ._protocol import Call, Reply, RequestSpec, SandboxInfo
-from .errors import BrokerError, ConfigurationError
+from .errors import BrokerError, UnsupportedOperationError
 
-__all__ = ["FEATURES", "CreateRequest", "Dialect"]
+__all__ = [
+    "FEATURES",
+    "LIST",
+    "REPLAY_CREATE",
+    "WHOAMI",
+    "CreateRequest",
+    "Dialect",
+    "Lifetime",
+]
 
-FEATURES = frozenset({"list", "whoami", "idempotent_create", "lifetime"})
+LIST = "list"
+"""Feature: list my sandboxes."""
+WHOAMI = "whoami"
+"""Feature: ask the broker who I am."""
+REPLAY_CREATE = "idempotent_create"
+"""Feature: a create can be sent again and returns the same sandbox (an idempotency key);
+without it a create is never retried and an interrupted one cannot be looked up."""
+LIFETIME = "lifetime"
+"""Feature: change a sandbox's lifetime (:meth:`Dialect.extend`)."""
+FEATURES = frozenset({LIST, WHOAMI, REPLAY_CREATE, LIFETIME})
 """What a dialect may lack: listing my sandboxes, asking who I am, replaying a create,
-changing a sandbox's lifetime (:meth:`Dialect.extend`)."""
+changing a sandbox's lifetime."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +55,20 @@ class CreateRequest:
     annotations: Mapping[str, str] = field(default_factory=dict)
     lifetime_seconds: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    pod_labels: Mapping[str, str] = field(default_factory=dict)
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
+    scopes: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """The answer to ``extend``: the new deadline (RFC 3339, as the broker reports it) and
+    whether the broker cut it at its policy's cap."""
+
+    expires_at: str | None
+    capped: bool = False
+    info: SandboxInfo | None = None
+    """The sandbox's new state, when the dialect's answer carries it (v1)."""
 
 
 class Dialect(ABC):
@@ -47,10 +81,20 @@ class Dialect(ABC):
     def require(self, feature: str, what: str) -> None:
         """Refuse ``what`` before anything is sent if this dialect lacks ``feature``."""
         if feature not in self.features:
-            raise ConfigurationError(
+            raise UnsupportedOperationError(
                 f"Cannot {what}: the broker speaks the {self.name!r} dialect, which has no "
-                f"{feature.replace('_', ' ')} operation."
+                f"{feature.replace('_', ' ')} operation.",
+                dialect=self.name,
+                operation=feature,
             )
+
+    def unsupported(self, operation: str, fix: str) -> UnsupportedOperationError:
+        """The error for an operation this dialect lacks: names the dialect and the fix."""
+        return UnsupportedOperationError(
+            f"{operation} is not supported by the broker's {self.name!r} dialect. {fix}",
+            dialect=self.name,
+            operation=operation,
+        )
 
     # -- control plane: requests and their answers -----------------------------------------
 
@@ -79,8 +123,18 @@ class Dialect(ABC):
         """The current state of one sandbox."""
 
     @abstractmethod
-    def wait_ready(self, name: str, remaining: float, request_timeout: float) -> Call[SandboxInfo]:
-        """One wait for Ready of at most ``remaining`` seconds (a long-poll or a status poll)."""
+    def wait_ready(
+        self,
+        name: str,
+        remaining: float,
+        request_timeout: float,
+        *,
+        poll: int = 0,
+        poll_interval: float = 2.0,
+    ) -> Call[SandboxInfo]:
+        """One wait for Ready of at most ``remaining`` seconds (a long-poll or a status poll);
+        ``poll`` counts the waits so far, ``poll_interval`` is the longest pause between two
+        status polls."""
 
     @abstractmethod
     def list_sandboxes(
@@ -89,18 +143,15 @@ class Dialect(ABC):
         """My sandboxes, newest first."""
 
     @abstractmethod
-    def delete(self, name: str) -> Call[bool]:
-        """Delete one sandbox; the answer is ``False`` if it was already gone."""
+    def delete(self, name: str, *, purpose: str | None = None) -> Call[bool]:
+        """Delete one sandbox; the answer is ``False`` if it was already gone (a dialect that
+        cannot tell answers ``True``). ``purpose``: why, for the broker's logs (e.g.
+        ``"create_cleanup"``)."""
 
-    def extend(self, name: str, seconds: int) -> Call[SandboxInfo]:
-        """Set sandbox ``name``'s deadline to now + ``seconds`` (later or earlier); the answer
-        is its new state. Retryable (idempotent in effect). A dialect without the ``lifetime``
-        feature refuses it (:meth:`require`)."""
-        self.require("lifetime", "change a sandbox's lifetime")
-        raise NotImplementedError(
-            f"The {self.name!r} broker dialect cannot change a sandbox's lifetime; set the "
-            "lifetime at create (timeout=) instead."
-        )
+    @abstractmethod
+    def extend(self, name: str, seconds: int) -> Call[Lifetime]:
+        """Set sandbox ``name``'s deadline to now + ``seconds`` (later or earlier). Retryable
+        (idempotent in effect). A dialect without the ``lifetime`` feature refuses it."""
 
     # -- errors and the data plane ---------------------------------------------------------
 
@@ -119,7 +170,13 @@ class Dialect(ABC):
         from the answer is redacted, ``secrets`` (the token sent) included."""
 
     @abstractmethod
-    def token_rejected(self, status: int, headers: Mapping[str, str], body: bytes) -> bool:
+    def token_rejected(
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        body: bytes,
+        spec: RequestSpec | None = None,
+    ) -> bool:
         """Whether an answer is the broker itself rejecting the token (then, and only then, the
         credential is re-read and the request sent once more; any other 401 comes from behind
         the broker and is never a reason to replay). Decide from what only the broker can

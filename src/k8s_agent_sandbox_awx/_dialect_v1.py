@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ._dataplane import MAX_COMMAND_TIMEOUT, is_runtime_answer, runtime_error
-from ._dialect import CreateRequest, Dialect
+from ._dialect import CreateRequest, Dialect, Lifetime
 from ._protocol import (
     Call,
     Reply,
@@ -28,6 +28,7 @@ from ._protocol import (
     redact_answer,
     redact_url,
     seconds,
+    selector_text,
     str_mapping,
 )
 from .errors import (
@@ -137,19 +138,8 @@ def get(
 
 
 def list_sandboxes(label_selector: Mapping[str, str] | str | None = None) -> RequestSpec:
-    params: dict[str, str] = {}
-    if label_selector:
-        if isinstance(label_selector, str):
-            selector = label_selector
-        elif not isinstance(label_selector, Mapping):
-            raise TypeError(
-                "label_selector must be a str such as 'team=ml' or a mapping such as "
-                f"{{'team': 'ml'}}, not a {type(label_selector).__name__}."
-            )
-        else:
-            pairs = str_mapping("label_selector", label_selector)
-            selector = ",".join(f"{k}={v}" for k, v in pairs.items())
-        params = {"label_selector": selector}
+    selector = selector_text(label_selector)
+    params = {"label_selector": selector} if selector else {}
     return RequestSpec("GET", f"{API}/sandboxes", "list my sandboxes", params, retryable=True)
 
 
@@ -475,6 +465,13 @@ class V1Dialect(Dialect):
         return Call(spec, lambda reply: parse_whoami(reply, spec))
 
     def create(self, request: CreateRequest) -> RequestSpec:
+        for option in ("pod_labels", "pod_annotations", "scopes"):
+            if getattr(request, option):
+                raise self.unsupported(
+                    f"{option}=",
+                    "The broker API v1 decides the pod and the scopes from its policy; leave "
+                    f"{option}= out (the /rpc dialect of deployed brokers accepts it).",
+                )
         return create(
             idempotency_key=request.idempotency_key,
             template=request.template,
@@ -493,7 +490,16 @@ class V1Dialect(Dialect):
     def get(self, name: str) -> Call[SandboxInfo]:
         return _sandbox_of(get(name))
 
-    def wait_ready(self, name: str, remaining: float, request_timeout: float) -> Call[SandboxInfo]:
+    def wait_ready(
+        self,
+        name: str,
+        remaining: float,
+        request_timeout: float,
+        *,
+        poll: int = 0,
+        poll_interval: float = 2.0,
+    ) -> Call[SandboxInfo]:
+        del poll, poll_interval  # a long-poll: the broker answers when Ready (or at the wait)
         return _sandbox_of(get(name, wait_ready=remaining, request_timeout=request_timeout))
 
     def list_sandboxes(
@@ -502,11 +508,18 @@ class V1Dialect(Dialect):
         spec = list_sandboxes(label_selector)
         return Call(spec, lambda reply: parse_sandbox_list(parse_json(reply.content, spec.what)))
 
-    def delete(self, name: str) -> Call[bool]:
+    def delete(self, name: str, *, purpose: str | None = None) -> Call[bool]:
+        del purpose  # v1 has no field for it
         return Call(delete(name), lambda reply: reply.status_code != 404)
 
-    def extend(self, name: str, seconds: int) -> Call[SandboxInfo]:
-        return _sandbox_of(set_lifetime(name, seconds))
+    def extend(self, name: str, seconds: int) -> Call[Lifetime]:
+        spec = set_lifetime(name, seconds)
+
+        def parse(reply: Reply) -> Lifetime:
+            info = parse_sandbox(parse_json(reply.content, spec.what), spec.what)
+            return Lifetime(info.expires_at, info=info)
+
+        return Call(spec, parse)
 
     def error(
         self,
@@ -522,5 +535,11 @@ class V1Dialect(Dialect):
             status, headers, body, spec=spec, retried_auth=retried_auth, secrets=secrets
         )
 
-    def token_rejected(self, status: int, headers: Mapping[str, str], body: bytes) -> bool:
+    def token_rejected(
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        body: bytes,
+        spec: RequestSpec | None = None,
+    ) -> bool:
         return is_token_rejection(status, headers, body)

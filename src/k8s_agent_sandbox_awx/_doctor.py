@@ -20,9 +20,11 @@ from ._chain import Explanation, explain
 from ._client import BrokerSandboxClient
 from ._config import BrokerConnectionConfig
 from ._credential_errors import AudienceMismatchError, NoCredentialsError, TokenExpiredError
+from ._dialect import WHOAMI
 from ._jwt import normalise_url
 from ._protocol import redact_answer
-from .errors import BrokerTLSError, ConfigurationError, SandboxError
+from ._upstream import SandboxNotFoundError
+from .errors import BrokerAuthenticationError, BrokerTLSError, ConfigurationError, SandboxError
 
 __all__ = ["Check", "DoctorReport", "check_broker", "check_credentials", "run_doctor"]
 
@@ -66,6 +68,8 @@ class DoctorReport:
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     credentials: dict[str, Any] | None = None
+    protocol: str | None = None
+    """The broker dialect spoken (``v1`` or ``rpc``), once the broker answered."""
 
     def check(self, name: str, ok: bool, detail: str, hint: str = "") -> bool:
         self.checks.append(Check(name, ok, detail, "" if ok else hint))
@@ -78,6 +82,7 @@ class DoctorReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
+            "protocol": self.protocol,
             "checks": [c.to_dict() for c in self.checks],
             "credentials": self.credentials,
         }
@@ -253,7 +258,11 @@ def check_broker(report: DoctorReport, client: BrokerSandboxClient, credentials_
             "Check the broker URL, DNS, proxies and that the broker is running.",
         )
         return
-    report.check("reachability", True, f"GET {url}/v1/healthz -> {reply.status_code}")
+    spec = client.dialect.healthz().spec
+    report.check("reachability", True, f"{spec.method} {url}{spec.path} -> {reply.status_code}")
+    how = "pinned by broker_protocol" if client.connection_config.broker_protocol else "found out"
+    report.check("protocol", True, f"the broker speaks the {client.dialect.name!r} dialect ({how})")
+    report.protocol = client.dialect.name
     if url.startswith("https://"):
         ca = client.connection_config.ca_cert or "the system trust store"
         report.check("tls", True, f"certificate verified against {ca}")
@@ -291,6 +300,9 @@ def _check_clock(report: DoctorReport, date: str | None) -> None:
 
 
 def _check_authentication(report: DoctorReport, client: BrokerSandboxClient) -> None:
+    if WHOAMI not in client.dialect.features:
+        _check_token_accepted(report, client)
+        return
     try:
         who = client.whoami()
     except SandboxError as exc:
@@ -306,3 +318,26 @@ def _check_authentication(report: DoctorReport, client: BrokerSandboxClient) -> 
         True,
         f"the broker verified {who.get('subject')} (provider {who.get('provider')})",
     )
+
+
+def _check_token_accepted(report: DoctorReport, client: BrokerSandboxClient) -> None:
+    """Authentication for a dialect without whoami: the status of a claim that does not exist
+    (``404`` means the broker accepted the token; nothing is created)."""
+    try:
+        client.get_info("broker-doctor-probe")
+    except SandboxNotFoundError:
+        report.check(
+            "authentication",
+            True,
+            f"the broker accepted the token (the {client.dialect.name!r} dialect cannot say "
+            "who you are)",
+        )
+    except (BrokerAuthenticationError, SandboxError) as exc:
+        report.check(
+            "authentication",
+            False,
+            _one_line(exc),
+            "See the hint above; check the token's audience and issuer with the details below.",
+        )
+    else:
+        report.check("authentication", True, "the broker accepted the token")

@@ -268,6 +268,8 @@ class Exchange:
     def steps(self, *, stream: bool = False) -> Generator[Step, Any, httpx.Response]:
         """The exchange: a 2xx response (or a 404 when ``spec.not_found_ok``), read unless
         ``stream`` (then the caller closes it); errors raised as typed ``BrokerError``s."""
+        if self.spec.delay > 0:
+            yield Sleep(self.spec.delay)
         keepalive = self.spec.keepalive
         if keepalive is not None and self.authenticate and keepalive.claim():
             yield from self._keep_alive(keepalive)
@@ -308,7 +310,7 @@ class Exchange:
                 call.spec,
                 invalidate=self._invalidate,
             )
-            keepalive.extended(call.parse((yield from extend.steps())))
+            keepalive.extended(call.parse((yield from extend.steps())).expires_at)
         except Exception as exc:
             logger.warning("keepalive of sandbox %s failed (ignored): %s", keepalive.name, exc)
         else:
@@ -324,7 +326,7 @@ class Exchange:
         if response.status_code != 401 or not self.authenticate:
             return response
         self.error_body = yield ReadError(response)  # read (capped) and closed
-        if not self.dialect.token_rejected(401, response.headers, self.error_body):
+        if not self.dialect.token_rejected(401, response.headers, self.error_body, self.spec):
             logger.info("401 from behind the broker (not a token rejection); not retrying")
             return response
         self._invalidate(self.config.audience)
@@ -404,6 +406,8 @@ class Exchange:
 
     def succeeded(self, response: httpx.Response) -> bool:
         status = response.status_code
+        if self.spec.probe:
+            return status < 500
         return status < 300 or (status == 404 and self.spec.not_found_ok)
 
     def delay_after_response(self, response: httpx.Response) -> float | None:

@@ -17,13 +17,14 @@ import difflib
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
+from . import _dialects as dialects
 from . import _protocol as proto
 from . import errors
-from ._dialect import CreateRequest, Dialect
+from ._dialect import REPLAY_CREATE, CreateRequest, Dialect
 from ._protocol import Call
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ class UpstreamCreateOptions(TypedDict, total=False):
     volume_claim_templates: Any
     pod_labels: Mapping[str, str] | None
     pod_annotations: Mapping[str, str] | None
+    scopes: Sequence[str] | None
+    keepalive_ttl_seconds: int | None
+    backend: str | None
 
 
 class ConnectOptions(TypedDict, total=False):
@@ -78,6 +82,10 @@ class ConnectOptions(TypedDict, total=False):
     ca_cert: str | os.PathLike[str] | None
     config: BrokerConnectionConfig | None
     environ: Mapping[str, str] | None
+    token: str | None
+    """The original package's spelling of ``auth=OIDCTokenAuth(token)``."""
+    token_path: str | None
+    """The original package's spelling of ``auth=KubernetesAuth(token_path)``."""
 
 
 class SandboxCreateOptions(ConnectOptions, total=False):
@@ -92,6 +100,16 @@ class SandboxCreateOptions(ConnectOptions, total=False):
     request_timeout: float | None
     allow_insecure_http: bool | None
     idempotency_key: str | None
+    pod_labels: Mapping[str, str] | None
+    pod_annotations: Mapping[str, str] | None
+    scopes: Sequence[str] | None
+    # The original package's spellings (drop-in migration), mapped by ``sdk_spelling``:
+    warmpool: str | None
+    namespace: str | None
+    shutdown_after_seconds: int | None
+    sandbox_ready_timeout: float | None
+    keepalive_ttl_seconds: int | None
+    backend: str | None
 
 
 OutputCallback = Callable[[str], Any]
@@ -204,13 +222,19 @@ def wait_ready(
     request_timeout: float,
     *,
     creating: bool = False,
+    poll_interval: float = 2.0,
     clock: Callable[[], float] = time.monotonic,
 ) -> Op[proto.SandboxInfo]:
     """Wait (the dialect's long-poll or status poll) until ``info`` is Ready; raise on Failed or
-    at the timeout. ``creating``: the caller deletes the claim on failure (the messages say so)."""
+    at the timeout. ``creating``: the caller deletes the claim on failure (the messages say so);
+    ``poll_interval``: the longest pause between two status polls (a polling dialect)."""
     deadline = clock() + ready_timeout
+    poll = 0
     while not check_phase(info, ready_timeout, deadline - clock(), creating=creating):
-        info = yield dialect.wait_ready(info.name, deadline - clock(), request_timeout)
+        info = yield dialect.wait_ready(
+            info.name, deadline - clock(), request_timeout, poll=poll, poll_interval=poll_interval
+        )
+        poll += 1
     return info
 
 
@@ -221,6 +245,7 @@ class CreatePlan:
     ready_timeout: float
     request_timeout: float
     keepalive: int | None = None
+    poll_interval: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -236,23 +261,97 @@ class SandboxSpec:
     ready_timeout: float | None = None
     idempotency_key: str | None = None
     keepalive: int | None = None
+    pod_labels: Mapping[str, str] | None = None
+    pod_annotations: Mapping[str, str] | None = None
+    scopes: Sequence[str] | None = None
+
+
+ORIGINAL_SPELLINGS = {
+    "warmpool": "template",
+    "sandbox_ready_timeout": "ready_timeout",
+    "shutdown_after_seconds": "lifetime_seconds",
+    "keepalive_ttl_seconds": "keepalive",
+}
+"""The spellings of upstream ``SandboxClient.create_sandbox`` and of the original package's
+``Sandbox.create`` that both create paths accept, and the SDK's name for each (the one mapping:
+:func:`sdk_spelling`)."""
+
+
+def sdk_spelling(given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` with the original/upstream spellings renamed to the SDK's (``None`` values
+    dropped); the same option given in both spellings with different values is an error."""
+    out = {k: v for k, v in given.items() if k not in ORIGINAL_SPELLINGS and v is not None}
+    for old, new in ORIGINAL_SPELLINGS.items():
+        value = given.get(old)
+        if value is None:
+            continue
+        if new == "keepalive" and new not in SandboxCreateOptions.__optional_keys__:
+            if value:  # 0 is "off" in the original package
+                raise NotImplementedError(
+                    f"{old}={value!r} asks for the activity keepalive (extend the sandbox's "
+                    "lifetime on every use), which this version of the SDK does not have yet; "
+                    "leave it out and pass lifetime_seconds= (shutdown_after_seconds=) long "
+                    "enough, or extend with client.extend(name, seconds)."
+                )
+            continue
+        if out.get(new) is not None and out[new] != value:
+            raise errors.ConfigurationError(
+                f"{new}={out[new]!r} and {old}={value!r} differ; pass only {new}=."
+            )
+        out[new] = value
+    backend = out.pop("backend", "kubernetes")
+    if backend != "kubernetes":
+        raise errors.ConfigurationError(
+            f"backend={backend!r} is not supported: this SDK creates sandboxes on the broker's "
+            "Kubernetes backend only; leave backend= out."
+        )
+    namespace = out.pop("namespace", None)
+    if namespace is not None:
+        logger.debug("namespace=%r: the broker's policy decides the namespace", namespace)
+    return out
+
+
+def _sandbox_spec(options: Mapping[str, Any]) -> SandboxSpec:
+    """The spec, checked as far as it can be before the broker's dialect is known (before
+    anything is sent, also a detection probe)."""
+    options = {**options}
+    options["lifetime_seconds"] = _lifetime(
+        options.pop("timeout", None), options.get("lifetime_seconds")
+    )
+    options["keepalive"] = _seconds("keepalive", options.get("keepalive"), allow_zero=True)
+    names = [f.name for f in dataclasses.fields(SandboxSpec)]
+    spec = SandboxSpec(**{name: options.get(name) for name in names})
+    for name in ("labels", "annotations", "env", "pod_labels", "pod_annotations"):
+        proto.str_mapping(name, getattr(spec, name))
+    scopes = spec.scopes
+    if scopes is not None and (
+        isinstance(scopes, str) or not all(isinstance(s, str) and s for s in scopes)
+    ):
+        raise TypeError("scopes= must be a list of scope names, e.g. ['commands', 'files'].")
+    ready_timeout(spec, None)
+    return spec
+
+
+def ready_timeout(spec: SandboxSpec, config: BrokerConnectionConfig | None) -> float:
+    """The ready timeout: the spec's, else the config's (checked: a number >= 0)."""
+    given = spec.ready_timeout
+    if given is None:
+        return config.ready_timeout if config is not None else 0.0
+    value = float(given)
+    if not value >= 0:  # also NaN, which no comparison ever ends
+        raise ValueError(
+            f"ready_timeout (sandbox_ready_timeout=) must be a number of seconds >= 0, got "
+            f"{given}; pass, e.g., 180."
+        )
+    return value
 
 
 def spec_from_create(
     template: str | None, labels: Mapping[str, str] | None, options: SandboxCreateOptions
 ) -> SandboxSpec:
-    """``Sandbox.create``'s arguments."""
+    """``Sandbox.create``'s arguments (the original package's spellings too)."""
     check_options("create()", options, SandboxCreateOptions, ("template", "labels"))
-    return SandboxSpec(
-        template=template,
-        labels=labels,
-        annotations=options.get("annotations"),
-        env=options.get("env"),
-        lifetime_seconds=_lifetime(options.get("timeout"), options.get("lifetime_seconds")),
-        ready_timeout=options.get("ready_timeout"),
-        idempotency_key=options.get("idempotency_key"),
-        keepalive=_seconds("keepalive", options.get("keepalive"), allow_zero=True),
-    )
+    return _sandbox_spec(sdk_spelling({"template": template, "labels": labels, **options}))
 
 
 def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> int | None:
@@ -292,50 +391,30 @@ def spec_from_upstream(
     labels: Mapping[str, str] | None,
     options: UpstreamCreateOptions,
 ) -> SandboxSpec:
-    """``create_sandbox``'s arguments, upstream ``SandboxClient``'s spellings: the one place
-    where they are mapped onto the SDK's (``warmpool`` → ``template``,
-    ``sandbox_ready_timeout`` → ``ready_timeout``, ``shutdown_after_seconds`` →
-    ``lifetime_seconds``), and where what the broker decides itself is refused or ignored."""
+    """``create_sandbox``'s arguments, upstream ``SandboxClient``'s spellings (mapped by
+    :func:`sdk_spelling`); what the broker decides itself (claim names, adoption, volumes) is
+    refused."""
     check_options(
         "create_sandbox()",
         options,
         UpstreamCreateOptions,
         ("warmpool", "namespace", "sandbox_ready_timeout", "labels"),
     )
-    unsupported = ("claim_name", "adopt_existing", "volume_claim_templates", "pod_labels")
-    given = sorted(k for k in (*unsupported, "pod_annotations") if options.get(k))
+    unsupported = ("claim_name", "adopt_existing", "volume_claim_templates")
+    given = sorted(k for k in unsupported if options.get(k))
     if given:
         raise errors.ConfigurationError(
             f"{', '.join(given)} cannot be used through the broker: it names claims and "
             "builds their spec itself. Use labels=/annotations=/env= instead."
         )
-    template = options.get("template")
-    if template and warmpool and template != warmpool:
-        raise errors.ConfigurationError(
-            f"template={template!r} and warmpool={warmpool!r} differ; pass only template=."
-        )
-    if namespace is not None:
-        logger.debug("namespace=%r ignored: the broker's policy decides it", namespace)
-    return SandboxSpec(
-        template=template or warmpool,
-        labels=labels,
-        annotations=options.get("annotations"),
-        env=options.get("env"),
-        lifetime_seconds=_seconds("shutdown_after_seconds", options.get("shutdown_after_seconds")),
-        ready_timeout=sandbox_ready_timeout,
-        idempotency_key=options.get("idempotency_key"),
-    )
+    positional: dict[str, Any] = {"warmpool": warmpool, "namespace": namespace, "labels": labels}
+    positional["sandbox_ready_timeout"] = sandbox_ready_timeout
+    return _sandbox_spec(sdk_spelling({**positional, **options}))
 
 
 def plan_create(config: BrokerConnectionConfig, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
-    """Check what to create and build its request (before anything is sent)."""
-    given = spec.ready_timeout
-    ready_timeout = config.ready_timeout if given is None else float(given)
-    if not ready_timeout >= 0:  # also NaN, which no comparison ever ends
-        raise ValueError(
-            f"ready_timeout (sandbox_ready_timeout=) must be a number of seconds >= 0, got "
-            f"{given}; pass, e.g., 180."
-        )
+    """Check what to create and build its request (before anything is sent but a detection
+    probe)."""
     request = CreateRequest(
         idempotency_key=spec.idempotency_key or proto.new_idempotency_key(),
         template=spec.template or config.template,
@@ -343,10 +422,30 @@ def plan_create(config: BrokerConnectionConfig, dialect: Dialect, spec: SandboxS
         annotations=spec.annotations or {},
         lifetime_seconds=sandbox_timeout(spec.lifetime_seconds, config),
         env=spec.env or {},
+        pod_labels=spec.pod_labels or {},
+        pod_annotations=spec.pod_annotations or {},
+        scopes=tuple(spec.scopes) if spec.scopes is not None else None,
     )
     return CreatePlan(
-        dialect, dialect.create(request), ready_timeout, config.request_timeout, spec.keepalive
+        dialect,
+        dialect.create(request),
+        ready_timeout(spec, config),
+        config.request_timeout,
+        spec.keepalive,
+        config.poll_interval,
     )
+
+
+def resolve_dialect(known: Dialect | None, broker_url: str) -> Op[Dialect]:
+    """The dialect to speak: ``known`` (pinned, or found out before), else the one found out
+    for ``broker_url`` earlier in this process, else one probe of the broker (remembered)."""
+    if known is None:
+        known = dialects.detected(broker_url)
+    if known is None:
+        name = yield dialects.probe()
+        known = dialects.remember(broker_url, name)
+        logger.info("the broker %s speaks the %r dialect", broker_url, known.name)
+    return known
 
 
 def _outcome_unknown(exc: BaseException) -> bool:
@@ -385,7 +484,12 @@ def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
     try:
         return (
             yield from wait_ready(
-                dialect, info, plan.ready_timeout, plan.request_timeout, creating=True
+                dialect,
+                info,
+                plan.ready_timeout,
+                plan.request_timeout,
+                creating=True,
+                poll_interval=plan.poll_interval,
             )
         )
     except BaseException as exc:
@@ -395,11 +499,12 @@ def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
 
 def _abandon_create(plan: CreatePlan, exc: BaseException) -> Op[None]:
     dialect, spec = plan.dialect, plan.spec
-    if "idempotent_create" not in dialect.features:
+    if REPLAY_CREATE not in dialect.features:
         exc.add_note(
-            f"The create was interrupted; the broker's {dialect.name!r} dialect cannot replay a "
-            "create to tell whether it made a sandbox: check with `agent-sandbox-awx ls` and "
-            "kill any leftover."
+            f"The create was interrupted after it was sent, and the broker's {dialect.name!r} "
+            "dialect cannot replay a create to find out whether it made a sandbox (it has no "
+            "idempotency key and no list). A sandbox may exist: it ends at its lifetime "
+            "(lifetime_seconds=, or the broker policy's maximum)."
         )
         return
     try:
@@ -419,7 +524,7 @@ def _abandon_create(plan: CreatePlan, exc: BaseException) -> Op[None]:
 
 def _rollback(dialect: Dialect, name: str, exc: BaseException) -> Op[None]:
     try:
-        yield cleanup(dialect.delete(name))
+        yield cleanup(dialect.delete(name, purpose="create_cleanup"))
         logger.info("deleted sandbox %s after a failed create", name)
     except Exception as cleanup_error:
         logger.error("could not delete sandbox %s after a failed create: %s", name, cleanup_error)

@@ -42,6 +42,7 @@ __all__ = [
     "redact_answer",
     "redact_sent",
     "redact_url",
+    "selector_text",
     "str_mapping",
 ]
 
@@ -148,9 +149,9 @@ class Keepalive:
             self._last = now
             return True
 
-    def extended(self, info: SandboxInfo) -> None:
+    def extended(self, expires_at: str | None) -> None:
         """Record the deadline an extension's answer reports."""
-        self.deadline = rfc3339_seconds(info.expires_at)
+        self.deadline = rfc3339_seconds(expires_at)
 
 
 def rfc3339_seconds(value: str | None) -> float | None:
@@ -190,6 +191,10 @@ class RequestSpec:
     """The sandbox path a data-plane request is about (named by its errors)."""
     keepalive: Keepalive | None = None
     """The sandbox's activity keepalive: a data-plane request extends its lifetime when due."""
+    delay: float = 0.0
+    """Seconds to wait before the first attempt (the interval of a status poll)."""
+    probe: bool = False
+    """Any answer below 500 is an answer, not an error (a probe reads the status itself)."""
 
 
 class Reply(Protocol):
@@ -272,6 +277,21 @@ def str_mapping(argument: str, value: Mapping[str, str] | None) -> dict[str, str
                 f"{type(item).__name__}: convert it with str()."
             )
     return dict(value)
+
+
+def selector_text(label_selector: Mapping[str, str] | str | None) -> str | None:
+    """A label selector as sent: ``'team=ml'`` as is, ``{'team': 'ml'}`` joined; checked."""
+    if not label_selector:
+        return None
+    if isinstance(label_selector, str):
+        return label_selector
+    if not isinstance(label_selector, Mapping):
+        raise TypeError(
+            "label_selector must be a str such as 'team=ml' or a mapping such as "
+            f"{{'team': 'ml'}}, not a {type(label_selector).__name__}."
+        )
+    pairs = str_mapping("label_selector", label_selector)
+    return ",".join(f"{k}={v}" for k, v in pairs.items())
 
 
 def seconds(value: float) -> str:

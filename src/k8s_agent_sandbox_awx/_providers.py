@@ -36,7 +36,9 @@ __all__ = [
     "PROJECTED_PROVIDER",
     "RESERVED_NAMES",
     "TOKEN_ENV",
+    "TOKEN_ENVS",
     "TOKEN_FILE_ENV",
+    "TOKEN_FILE_ENVS",
     "TOKEN_FILE_PROVIDER",
     "EnvTokenProvider",
     "ProjectedTokenProvider",
@@ -48,6 +50,16 @@ __all__ = [
 
 TOKEN_ENV = "AGENT_SANDBOX_TOKEN"  # noqa: S105
 TOKEN_FILE_ENV = "AGENT_SANDBOX_TOKEN_FILE"  # noqa: S105
+TOKEN_ENVS = (TOKEN_ENV, "BROKER_TOKEN")
+"""Where a token is read from, first set wins (the original package's name after ours)."""
+TOKEN_FILE_ENVS = (
+    TOKEN_FILE_ENV,
+    "AGENT_SANDBOX_TOKEN_PATH",
+    "BROKER_TOKEN_PATH",
+    "KSA_TOKEN_PATH",
+)
+"""Where a token file's path is read from, first set wins (the original package's names, in
+its order, after ours)."""
 DEFAULT_TOKEN_PATH = "/var/run/secrets/tokens/agent-sandbox-token"  # noqa: S105
 
 ENV_TOKEN_PROVIDER = "agent-sandbox-token"  # noqa: S105
@@ -84,11 +96,18 @@ def env_setting(
     return value
 
 
+def _first_set(environ: Mapping[str, str], names: tuple[str, ...]) -> str:
+    """The first of ``names`` set in ``environ`` (else the first name)."""
+    return next((name for name in names if name in environ), names[0])
+
+
 def _provider_setting(
-    request: CredentialRequest, name: str, *, provider: str, fix: str
-) -> str | None:
-    """:func:`env_setting` for a provider in the chain: unset is "not here" (recorded on the
-    request, ``None`` returned); the fix for a blank value also offers unsetting it."""
+    request: CredentialRequest, names: tuple[str, ...], *, provider: str, fix: str
+) -> tuple[str, str | None]:
+    """:func:`env_setting` for a provider in the chain, from the first of ``names`` that is set:
+    ``(name, value)``; unset is "not here" (recorded on the request, value ``None``); the fix
+    for a blank value also offers unsetting it."""
+    name = _first_set(request.environ, names)
     value = env_setting(
         request.environ,
         name,
@@ -97,8 +116,8 @@ def _provider_setting(
         fix=f"{fix}, or unset it so that discovery continues with the other providers.",
     )
     if value is None:
-        request.not_here(f"{name} is not set")
-    return value
+        request.not_here(f"{names[0]} is not set")  # nor its aliases
+    return name, value
 
 
 @functools.lru_cache(maxsize=1)
@@ -235,20 +254,21 @@ class EnvTokenProvider:
 
     @hookimpl
     def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
-        value = _provider_setting(
+        name, value = _provider_setting(
             request,
-            TOKEN_ENV,
+            TOKEN_ENVS,
             provider=self.name,
             fix="Set it to an OIDC token whose aud is the broker URL",
         )
         if value is None:
             return None
-        token = check_token_text(value, provider=self.name, source=TOKEN_ENV)
-        return Credential(token, self.name, file_backed=False, source=TOKEN_ENV)
+        token = check_token_text(value, provider=self.name, source=name)
+        return Credential(token, self.name, file_backed=False, source=name)
 
     def present(self, environ: Mapping[str, str]) -> str | None:
         """A cheap presence test (no read) used to log shadowed sources."""
-        return f"{TOKEN_ENV} is set" if TOKEN_ENV in environ else None
+        name = _first_set(environ, TOKEN_ENVS)
+        return f"{name} is set" if name in environ else None
 
 
 class TokenFileProvider:
@@ -268,19 +288,20 @@ class TokenFileProvider:
 
     @hookimpl
     def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
-        path = _provider_setting(
-            request, TOKEN_FILE_ENV, provider=self.name, fix="Set it to the path of a token file"
+        name, path = _provider_setting(
+            request, TOKEN_FILE_ENVS, provider=self.name, fix="Set it to the path of a token file"
         )
         if path is None:
             return None
-        source = f"{TOKEN_FILE_ENV}={path}"
+        source = f"{name}={path}"
         text = read_token_file(path, provider=self.name, source=source, missing_ok=False)
         assert text is not None
         token = check_token_text(text, provider=self.name, source=source)
         return Credential(token, self.name, file_backed=True, source=path)
 
     def present(self, environ: Mapping[str, str]) -> str | None:
-        return f"{TOKEN_FILE_ENV} is set" if TOKEN_FILE_ENV in environ else None
+        name = _first_set(environ, TOKEN_FILE_ENVS)
+        return f"{name} is set" if name in environ else None
 
 
 class ProjectedTokenProvider:

@@ -9,6 +9,7 @@ upstream's, subclassed here with the one field the overlay adds (``output_trunca
 
 from __future__ import annotations
 
+from k8s_agent_sandbox.constants import CREATED_BY_LABEL
 from k8s_agent_sandbox.exceptions import (
     SandboxClaimFailedError,
     SandboxError,
@@ -16,6 +17,7 @@ from k8s_agent_sandbox.exceptions import (
     SandboxNotReadyError,
     SandboxRequestError,
     SandboxTemplateNotFoundError,
+    SandboxWarmPoolNotFoundError,
 )
 from k8s_agent_sandbox.models import ExecutionResult as _UpstreamExecutionResult
 from k8s_agent_sandbox.models import (
@@ -42,6 +44,7 @@ class ExecutionResult(_UpstreamExecutionResult):
 
 
 UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
+    "k8s_agent_sandbox.constants": ("CREATED_BY_LABEL",),
     "k8s_agent_sandbox.exceptions": (
         "SandboxClaimFailedError",
         "SandboxError",
@@ -49,6 +52,7 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
         "SandboxNotReadyError",
         "SandboxRequestError",
         "SandboxTemplateNotFoundError",
+        "SandboxWarmPoolNotFoundError",
     ),
     "k8s_agent_sandbox.models": (
         "ExecutionResult",
@@ -58,6 +62,7 @@ UPSTREAM_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 __all__ = [
+    "CREATED_BY_LABEL",
     "UPSTREAM_NAMES",
     "ExecutionResult",
     "FileEntry",
@@ -68,4 +73,5 @@ __all__ = [
     "SandboxNotReadyError",
     "SandboxRequestError",
     "SandboxTemplateNotFoundError",
+    "SandboxWarmPoolNotFoundError",
 ]

@@ -33,6 +33,7 @@ from ._upstream import (
     SandboxNotReadyError,
     SandboxRequestError,
     SandboxTemplateNotFoundError,
+    SandboxWarmPoolNotFoundError,
 )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "BrokerTLSError",
     "BrokerTemplateNotFoundError",
     "BrokerUnavailableError",
+    "BrokerWarmPoolNotFoundError",
     "CommandOutputLostError",
     "CommandTimeoutError",
     "CommandWaitTimeoutError",
@@ -74,6 +76,7 @@ __all__ = [
     "TokenExpiredError",
     "UnreadableCredentialError",
     "UnsupportedByRuntimeError",
+    "UnsupportedOperationError",
 ]
 
 
@@ -270,6 +273,23 @@ class SandboxFailedError(SandboxClaimFailedError):
         self.name = name
         self.reason = reason
         self.detail = detail
+
+
+class BrokerWarmPoolNotFoundError(SandboxFailedError, SandboxWarmPoolNotFoundError):
+    """The warm pool a create named does not exist (``/rpc`` dialect; ``create`` deletes the
+    claim). Also an upstream ``SandboxWarmPoolNotFoundError`` and a :class:`SandboxFailedError`."""
+
+
+class UnsupportedOperationError(ConfigurationError, NotImplementedError):
+    """The broker's dialect (or this SDK) has no such operation, e.g. ``list`` under ``/rpc``.
+
+    ``dialect``: the dialect's name; ``operation``: what was asked for. Raised before anything
+    is sent."""
+
+    def __init__(self, message: str, *, dialect: str, operation: str) -> None:
+        super().__init__(message)
+        self.dialect = dialect
+        self.operation = operation
 
 
 class SandboxTerminatingError(SandboxNotFoundError):

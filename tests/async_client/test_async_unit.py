@@ -96,6 +96,7 @@ class Broker:
 
 
 def make(broker: Broker, source: Any, **settings: Any) -> AsyncBrokerSandboxClient:
+    settings.setdefault("broker_protocol", "v1")  # the fake speaks v1 (no detection probe)
     config = BrokerConnectionConfig(broker_url=BROKER, **settings)
     client = AsyncBrokerSandboxClient(
         config, auth=source, http_transport=httpx.MockTransport(broker)

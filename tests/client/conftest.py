@@ -129,6 +129,8 @@ class FakeBroker:
             return httpx.Response(
                 200, json={"stdout": f"ran {cmd}\n", "stderr": "", "exit_code": 0}
             )
+        if path == "/v1/healthz":
+            return httpx.Response(200, json={"status": "ok"})
         if path == "/v1/whoami":
             return httpx.Response(200, json={"provider": "kubernetes", "subject": "sa"})
         if "x-sandbox-id" in request.headers:  # the runtime's own 404: no such endpoint
@@ -154,6 +156,7 @@ def make_client(fake: FakeBroker, creds: StubCredentials) -> Callable[..., Any]:
     clients: list[Any] = []
 
     def make(**settings: Any) -> Any:
+        settings.setdefault("broker_protocol", "v1")  # the fake speaks v1 (no detection probe)
         config = BrokerConnectionConfig(broker_url=BROKER, **settings)
         client = BrokerSandboxClient(config, auth=creds, http_transport=httpx.MockTransport(fake))
         client._transport._sleep = lambda _s: None

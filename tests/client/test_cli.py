@@ -115,6 +115,38 @@ def test_doctor_passes_and_redacts(broker: Any, use_env: Any, capsys: Any) -> No
 
 
 @pytest.mark.e2e
+def test_kill_ls_whoami_under_rpc(rpc_broker: Any, use_env: Any, capsys: Any, live: Any) -> None:
+    use_env(rpc_broker.environ("kubernetes"))
+    from k8s_agent_sandbox_awx import Sandbox
+
+    sandbox = Sandbox.create()
+    for command in ("ls", "whoami"):
+        assert main([command]) == 1
+        err = capsys.readouterr().err
+        assert "UnsupportedOperationError" in err and "'rpc' dialect" in err
+    assert main(["kill", sandbox.name]) == 0
+    assert f"{sandbox.name}: deleted" in capsys.readouterr().out
+    sandbox.close_connection()
+    assert live(rpc_broker) == []
+
+
+@pytest.mark.e2e
+def test_doctor_reports_the_dialect(
+    dialect_broker: Any, dialect: str, use_env: Any, capsys: Any
+) -> None:
+    use_env(dialect_broker.environ("kubernetes"))
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["protocol"] == dialect
+    checks = {c["check"]: c["detail"] for c in report["checks"]}
+    assert f"'{dialect}' dialect (found out)" in checks["protocol"]
+    assert "accepted" in checks["authentication"] or "verified" in checks["authentication"]
+    use_env({"AGENT_SANDBOX_BROKER_PROTOCOL": dialect})
+    assert main(["doctor"]) == 0
+    assert "(pinned by broker_protocol)" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
 def test_doctor_fails_with_hints(broker: Any, use_env: Any, capsys: Any) -> None:
     env = broker.environ("kubernetes")
     del env["AGENT_SANDBOX_CA_BUNDLE"]

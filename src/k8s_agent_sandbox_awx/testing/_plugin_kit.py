@@ -38,6 +38,17 @@ SDK_VARIABLES: tuple[str, ...] = (
     "AGENT_SANDBOX_TRUST_ENV_PROXIES",
     "AGENT_SANDBOX_TTL_SECONDS",
     "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS",
+    "AGENT_SANDBOX_BROKER_PROTOCOL",
+    # the original package's variables, read as aliases (ours first)
+    "BROKER_URL",
+    "BROKER_TOKEN",
+    "AGENT_SANDBOX_TOKEN_PATH",
+    "BROKER_TOKEN_PATH",
+    "KSA_TOKEN_PATH",
+    "AGENT_SANDBOX_WARMPOOL",
+    "SANDBOX_WARMPOOL",
+    "AGENT_SANDBOX_NAMESPACE",
+    "SANDBOX_NAMESPACE",
 )
 """Every environment variable the SDK reads. Remove them all (and your platform's variables)
 before a test that uses ``os.environ``, so the developer's or CI's own settings cannot leak in."""
