@@ -174,8 +174,11 @@ def test_the_original_token_variables_in_its_order(
 
 
 def test_the_original_keywords_are_checked_before_anything_is_sent() -> None:
-    with pytest.raises(NotImplementedError, match="keepalive"):
-        Sandbox.create(keepalive_ttl_seconds=60, broker_url="https://127.0.0.1:9")
+    # keepalive_ttl_seconds= is the SDK's keepalive=: checked like it
+    with pytest.raises(TypeError, match="keepalive"):
+        Sandbox.create(keepalive_ttl_seconds="60", broker_url="https://127.0.0.1:9")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="differ"):
+        Sandbox.create(keepalive_ttl_seconds=60, keepalive=30, broker_url="https://127.0.0.1:9")
     with pytest.raises(ConfigurationError, match="differ"):
         Sandbox.create(template="a", warmpool="b", broker_url="https://127.0.0.1:9")
     with pytest.raises(ConfigurationError, match="only one"):

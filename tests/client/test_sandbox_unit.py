@@ -231,7 +231,7 @@ def test_one_name_per_concept_upstream_spellings_only_from_the_client(
     with pytest.raises(TypeError, match="did you mean 'timeout'"):
         plain.commands.run("true", command_timeout=5)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="did you mean 'timeout'"):
-        Sandbox.create(shutdown_after_seconds=5)  # type: ignore[call-arg]
+        Sandbox.create(timout=5)  # type: ignore[call-arg]
     assert upstream.commands.run("true", timeout=1, command_timeout=5).exit_code == 0
     sent = json.loads(fake.requests[-1].content)
     assert sent["timeout_seconds"] == 5  # upstream's command_timeout wins
