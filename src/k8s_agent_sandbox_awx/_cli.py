@@ -155,10 +155,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The connection settings from the options (``None``: from the environment). The broker
     URL is checked here first, so that the fixes its errors name are the CLI's (a flag, not a
     keyword argument)."""
-    from ._config import ENV_BROKER_URL, check_broker_url
+    from ._config import ENV_ALIASES, ENV_BROKER_URL, check_broker_url
     from .errors import ConfigurationError
 
-    url = args.broker_url or os.environ.get(ENV_BROKER_URL)
+    names = ENV_ALIASES["broker_url"]  # ours, then the original package's BROKER_URL
+    url = args.broker_url or next((os.environ[n] for n in names if os.environ.get(n)), None)
     if not url:
         raise ConfigurationError(
             f"No broker URL: set the environment variable {ENV_BROKER_URL} to the broker's "

@@ -21,6 +21,7 @@ __all__ = [
     "ENV_BROKER_URL",
     "ENV_CA_BUNDLE",
     "ENV_KEEPALIVE",
+    "ENV_SECONDS_ALIASES",
     "ENV_TEMPLATE",
     "ENV_TRUST_ENV_PROXIES",
     "ENV_TTL",
@@ -44,9 +45,14 @@ ENV_ALIASES: dict[str, tuple[str, ...]] = {
     "namespace": (ENV_NAMESPACE, "SANDBOX_NAMESPACE"),
     "broker_protocol": (ENV_BROKER_PROTOCOL,),
 }
+ENV_SECONDS_ALIASES: dict[str, tuple[str, ...]] = {
+    "sandbox_timeout": (ENV_TTL, "SANDBOX_TTL_SECONDS"),
+    "sandbox_keepalive": (ENV_KEEPALIVE,),
+}
 """The variables each setting is read from, first set wins: the SDK's, then the original
 package's (``BROKER_URL``, ``AGENT_SANDBOX_WARMPOOL``/``SANDBOX_WARMPOOL``,
-``AGENT_SANDBOX_NAMESPACE``/``SANDBOX_NAMESPACE``), in its order."""
+``AGENT_SANDBOX_NAMESPACE``/``SANDBOX_NAMESPACE``, ``SANDBOX_TTL_SECONDS``), in its order.
+:data:`ENV_SECONDS_ALIASES` holds the settings whose value is a whole number of seconds."""
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -244,7 +250,8 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
         ``AGENT_SANDBOX_TEMPLATE``, ``AGENT_SANDBOX_TRUST_ENV_PROXIES``,
         ``AGENT_SANDBOX_TTL_SECONDS``, ``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS``,
         ``AGENT_SANDBOX_BROKER_PROTOCOL`` and the original package's variables
-        (:data:`ENV_ALIASES`); keyword arguments that are not ``None`` win."""
+        (:data:`ENV_ALIASES`, :data:`ENV_SECONDS_ALIASES`); keyword arguments that are not
+        ``None`` win."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for setting, names in ENV_ALIASES.items():
@@ -255,9 +262,10 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
             values["ca_cert"] = env[ENV_CA_BUNDLE]
         if env.get(ENV_TRUST_ENV_PROXIES):
             values["trust_env_proxies"] = _env_flag(env, ENV_TRUST_ENV_PROXIES)
-        for name, key in ((ENV_TTL, "sandbox_timeout"), (ENV_KEEPALIVE, "sandbox_keepalive")):
-            if env.get(name):
-                values[key] = _env_seconds(env, name)
+        for setting, names in ENV_SECONDS_ALIASES.items():
+            name = next((n for n in names if env.get(n)), None)
+            if name is not None:
+                values[setting] = _env_seconds(env, name)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("broker_url") and not values.get("api_url"):
             raise ConfigurationError(

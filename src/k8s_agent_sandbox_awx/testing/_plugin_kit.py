@@ -49,6 +49,7 @@ SDK_VARIABLES: tuple[str, ...] = (
     "SANDBOX_WARMPOOL",
     "AGENT_SANDBOX_NAMESPACE",
     "SANDBOX_NAMESPACE",
+    "SANDBOX_TTL_SECONDS",
 )
 """Every environment variable the SDK reads. Remove them all (and your platform's variables)
 before a test that uses ``os.environ``, so the developer's or CI's own settings cannot leak in."""
