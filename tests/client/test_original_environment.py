@@ -29,7 +29,8 @@ def _config_value(setting: str) -> Callable[[dict[str, str], Path], str]:
 
 def _credential(environ: dict[str, str], _tmp: Path) -> str:
     """The winner: the variable (a token) or the file (a token file) the chain selected."""
-    explanation = explain(AUDIENCE, environ={"AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1", **environ})
+    environ = {"AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1", **environ}
+    explanation = explain(AUDIENCE, environ=environ)
     assert explanation.error is None, explanation.error
     selected = next(d for d in explanation.decisions if d.status == "selected")
     return selected.detail.split(";", 1)[0]
@@ -66,7 +67,12 @@ ROWS: list[tuple[str, tuple[str, ...], Any, Any]] = [
     ("token", ("AGENT_SANDBOX_TOKEN", "BROKER_TOKEN"), _token, _credential),
     (
         "token file",
-        ("AGENT_SANDBOX_TOKEN_FILE", "AGENT_SANDBOX_TOKEN_PATH", "BROKER_TOKEN_PATH", "KSA_TOKEN_PATH"),
+        (
+            "AGENT_SANDBOX_TOKEN_FILE",
+            "AGENT_SANDBOX_TOKEN_PATH",
+            "BROKER_TOKEN_PATH",
+            "KSA_TOKEN_PATH",
+        ),
         _token_file,
         _credential,
     ),
@@ -137,7 +143,7 @@ def test_the_original_defaults() -> None:
     from k8s_agent_sandbox_awx._providers import DEFAULT_TOKEN_PATH
 
     config = BrokerConnectionConfig.from_env({"BROKER_URL": AUDIENCE})
-    assert DEFAULT_TOKEN_PATH == "/var/run/secrets/tokens/agent-sandbox-token"  # noqa: S105
+    assert DEFAULT_TOKEN_PATH == "/var/run/secrets/tokens/agent-sandbox-token"
     assert config.sandbox_timeout == 300  # 0.5.2+
     assert config.sandbox_keepalive == 0  # off, 0.5.2+
 

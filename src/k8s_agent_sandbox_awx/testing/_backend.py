@@ -34,13 +34,19 @@ from ._runtime import PARENT_PID_ENV
 
 DEFAULT_RUNTIME_COMMAND = (
     "{python} -m k8s_agent_sandbox_awx.testing._runtime "
-    "--host {host} --port {port} --base-dir {base_dir}"
+    "--host {host} --port-file {port_file} --base-dir {base_dir}"
 )
 """The default runtime command line. Placeholders: ``{python}`` (this interpreter), ``{host}``,
-``{port}`` (a free loopback port chosen by the broker), ``{base_dir}`` (the sandbox's own
-directory), ``{name}``, ``{namespace}``, ``{template}``. The environment also carries ``PORT``,
+``{port_file}`` and ``{port}`` (see below), ``{base_dir}`` (the sandbox's own directory),
+``{name}``, ``{namespace}``, ``{template}``. The environment also carries ``PORT``,
 ``SANDBOX_BASE_DIR``, ``SANDBOX_WORKSPACE_DIR`` (the sandbox's persistent area, ``/workspace`` of
-the file API) and the sandbox's ``env``."""
+the file API) and the sandbox's ``env``.
+
+The port: a command that names ``{port_file}`` listens on a port the system picks (port 0) and
+writes its number to that file once it listens (``PORT`` is then ``0`` and ``SANDBOX_PORT_FILE``
+the file), so that no two runtimes can get the same port, however many start at once. A command
+without it gets ``{port}``: a free loopback port the broker chose just before, which another
+process can take before the runtime binds it (the start is then retried with another port)."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,8 @@ def _inherited_environment() -> dict[str, str]:
 
 
 def _free_port(host: str) -> int:
+    """A port free now (for a runtime command without ``{port_file}``): racy, see
+    :data:`DEFAULT_RUNTIME_COMMAND`."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
@@ -351,7 +359,7 @@ class LocalProcessBackend:
             raise RuntimeStartError(
                 "InvalidRuntimeCommand",
                 f"runtime command {command!r} has an unknown placeholder ({exc}); use "
-                "{python} {host} {port} {base_dir} {name} {namespace} {template}",
+                "{python} {host} {port} {port_file} {base_dir} {name} {namespace} {template}",
             ) from exc
 
     def _fork_server_of(self, name: str) -> _ForkServer | None:
@@ -372,21 +380,28 @@ class LocalProcessBackend:
         fork = self._fork or self._own_forks.setdefault(
             spec.name, _ForkServer(os.path.join(root, "fork-server.log"))
         )
+        # the runtime picks its own port and reports it (see DEFAULT_RUNTIME_COMMAND)
+        port_file = os.path.join(root, "runtime.port") if _reports_port(command) else None
         last_error = ""
         try:
             for _attempt in range(3):
-                port = _free_port(self.host)
+                if port_file:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(port_file)
+                port = 0 if port_file else _free_port(self.host)
                 env = {
                     **_inherited_environment(),
                     **spec.env,
                     "PORT": str(port),
                     "SANDBOX_BASE_DIR": base_dir,
                     "SANDBOX_WORKSPACE_DIR": workspace_dir,
+                    **({"SANDBOX_PORT_FILE": port_file} if port_file else {}),
                 }
                 values = {
                     "python": sys.executable,
                     "host": self.host,
                     "port": str(port),
+                    "port_file": port_file or "",
                     "base_dir": base_dir,
                     "name": spec.name,
                     "namespace": spec.namespace,
@@ -395,6 +410,7 @@ class LocalProcessBackend:
                 request = {
                     "host": self.host,
                     "port": port,
+                    "port_file": port_file,
                     "base_dir": base_dir,
                     "env": env,
                     "log": log_path,
@@ -404,12 +420,12 @@ class LocalProcessBackend:
                 handle = RuntimeHandle(spec.name, self.host, port, base_dir, pid, root=root)
                 self._handles[spec.name] = handle
                 try:
-                    await self._wait_ready(handle, log_path)
+                    await self._wait_ready(handle, log_path, port_file)
                     return handle
                 except RuntimeStartError as exc:
                     await self._terminate(handle, remove=False)
                     last_error = exc.message
-                    if "Address already in use" not in last_error:
+                    if port_file or "Address already in use" not in last_error:
                         raise
             raise RuntimeStartError("RuntimeStartFailed", last_error)
         except BaseException:
@@ -424,9 +440,12 @@ class LocalProcessBackend:
             return -1
         return fork.status(handle.pid)
 
-    async def _wait_ready(self, handle: RuntimeHandle, log_path: str) -> None:
+    async def _wait_ready(
+        self, handle: RuntimeHandle, log_path: str, port_file: str | None = None
+    ) -> None:
+        """Wait until the runtime answers ``GET /`` (first, with ``port_file``, until it has
+        written the port it listens on: ``handle.port`` is set from it)."""
         deadline = time.monotonic() + self.startup_timeout
-        url = f"http://{handle.host}:{handle.port}/"
         delay = 0.002
         while True:
             code = self._exit_status(handle)
@@ -437,16 +456,20 @@ class LocalProcessBackend:
                     f"the runtime exited with status {code} before it was ready"
                     + (f": {tail}" if tail else ""),
                 )
-            try:
-                resp = await self._client().get(url)
-                if resp.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if port_file is not None and not handle.port:
+                handle.port = _reported_port(port_file)
+            if handle.port:
+                try:
+                    resp = await self._client().get(f"http://{handle.host}:{handle.port}/")
+                    if resp.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
             if time.monotonic() > deadline:
+                waited_for = "answer GET /" if handle.port else f"write its port to {port_file}"
                 raise RuntimeStartError(
                     "RuntimeStartTimeout",
-                    f"the runtime did not answer GET / within {self.startup_timeout:g} s",
+                    f"the runtime did not {waited_for} within {self.startup_timeout:g} s",
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.05)
@@ -504,6 +527,22 @@ class LocalProcessBackend:
             fork.kill_now()
         if self._own_root:
             shutil.rmtree(self.root_dir, ignore_errors=True)
+
+
+def _reports_port(command: str | Sequence[str]) -> bool:
+    """Whether the runtime command picks its own port and writes it to ``{port_file}``."""
+    parts = [command] if isinstance(command, str) else command
+    return any("{port_file}" in part for part in parts)
+
+
+def _reported_port(path: str) -> int:
+    """The port a runtime wrote to ``path`` (0: not yet)."""
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
 
 
 def _spawn_piped(argv: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:

@@ -510,8 +510,10 @@ def _receive_upload(handler: _Handler) -> dict[str, Any]:
     return done
 
 
-def serve(host: str, port: int, base_dir: str) -> None:
-    """Serve the protocol on ``host:port`` for ``base_dir`` until killed."""
+def serve(host: str, port: int, base_dir: str, port_file: str | None = None) -> None:
+    """Serve the protocol on ``host:port`` for ``base_dir`` until killed. ``port`` 0: a port the
+    system picks, written (once the socket listens) to ``port_file``, which the broker reads:
+    no other process can take it between the choice and the bind."""
     signal.signal(signal.SIGTERM, _exit_now)
     base_dir = os.path.realpath(base_dir)
     os.makedirs(base_dir, exist_ok=True)
@@ -526,16 +528,31 @@ def serve(host: str, port: int, base_dir: str) -> None:
     )
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
+    if port_file:
+        _report_port(port_file, int(server.server_address[1]))
     try:
         server.serve_forever(poll_interval=0.5)
     finally:
         _kill_active_groups()
 
 
+def _report_port(path: str, port: int) -> None:
+    """Write ``port`` to ``path`` atomically: a reader sees no file or the whole number."""
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="ascii") as fh:
+        fh.write(f"{port}\n")
+    os.replace(partial, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8888")))
+    parser.add_argument("--port", type=int, default=None, help="default: $PORT, else 8888")
+    parser.add_argument(
+        "--port-file",
+        default=os.environ.get("SANDBOX_PORT_FILE") or None,
+        help="listen on a port the system picks (unless --port) and write it to this file",
+    )
     parser.add_argument("--base-dir", default=os.environ.get("SANDBOX_BASE_DIR", os.getcwd()))
     parser.add_argument(
         "--fork-server",
@@ -548,7 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         _die_with_parent(int(parent))
-    serve(args.host, args.port, args.base_dir)
+    port = args.port
+    if port is None:
+        port = 0 if args.port_file else int(os.environ.get("PORT") or "8888")
+    serve(args.host, port, args.base_dir, args.port_file)
     return 0
 
 
@@ -557,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
 # single-threaded template process costs ~2 ms and shares its memory copy-on-write. The broker
 # starts one fork server and sends it one JSON line per sandbox:
 #   {"id": N, "host": ..., "port": ..., "base_dir": ..., "env": {...}, "log": path,
-#    "argv": [...] or null}
+#    "port_file": path or null, "argv": [...] or null}
 # and reads back {"id": N, "pid": PID} or {"id": N, "error": "..."}, and {"exited": PID,
 # "status": CODE} whenever a runtime has ended and everything it started is gone.
 #
@@ -826,7 +846,9 @@ def _start_runtime(request: dict[str, Any], report_fd: int) -> tuple[int, str | 
             os.environ.clear()
             os.environ.update(env)
             _die_with_parent(supervisor)
-            serve(request["host"], int(request["port"]), request["base_dir"])
+            serve(
+                request["host"], int(request["port"]), request["base_dir"], request.get("port_file")
+            )
         except BaseException:
             import traceback
 
