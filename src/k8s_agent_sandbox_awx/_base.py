@@ -14,7 +14,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from . import _fsapi as fsapi
 from . import _protocol as proto
@@ -37,7 +37,7 @@ from ._flow import (
     unexpected_keywords,
 )
 from ._upstream import SandboxNotFoundError
-from .errors import ConfigurationError
+from .errors import ConfigurationError, UnsupportedOperationError
 
 __all__ = [
     "ClientBase",
@@ -323,6 +323,39 @@ class SandboxBase(Generic[C, Cmd, F]):
     def files(self) -> F:
         self._check_active()
         return self._files
+
+    # -- the original package's GKE-only operations: refused, before anything is sent --------
+    def _gke_only(self, operation: str) -> NoReturn:
+        dialect = getattr(getattr(self._client, "dialect", None), "name", "any")
+        raise UnsupportedOperationError(
+            f"{operation} is the original package's GKE pod-snapshot feature (snapshots, "
+            "suspend, resume, restore, is_suspended), which this SDK does not have. Keep the "
+            "sandbox running with set_timeout(), or create a new one and write the files it "
+            "needs; see docs/migrating.md (Differences that remain).",
+            dialect=dialect,
+            operation=operation.removesuffix("()"),
+        )
+
+    @property
+    def snapshots(self) -> NoReturn:
+        """Not available: the original package's GKE pod snapshots (a clear error)."""
+        self._gke_only("snapshots")
+
+    def suspend(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not available: the original package's GKE suspend (a clear error)."""
+        self._gke_only("suspend()")
+
+    def resume(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not available: the original package's GKE resume (a clear error)."""
+        self._gke_only("resume()")
+
+    def restore(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not available: the original package's GKE restore from a snapshot (a clear error)."""
+        self._gke_only("restore()")
+
+    def is_suspended(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not available: the original package's GKE suspend state (a clear error)."""
+        self._gke_only("is_suspended()")
 
     def _extended(self, lifetime: Lifetime) -> proto.SandboxInfo:
         """Record the state a lifetime change answered (and the keepalive's deadline); a

@@ -1,6 +1,7 @@
-"""Drop-in migration from the original package of this name: its README examples, keywords,
-names and environment variables, against a local broker that serves only ``/rpc`` (what the
-deployed brokers speak) — see docs/migrating.md."""
+"""Drop-in migration from the original package of this name: code in its style (its keywords,
+names and environment variables), against a local broker that serves only ``/rpc`` (what the
+deployed brokers speak) — see docs/migrating.md. Its README examples themselves are
+tests/client/test_original_readme.py."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _original_env(broker: Any, tmp_path: Path) -> dict[str, str]:
 @pytest.mark.e2e
 def test_readme_quickstart(rpc_broker: Any, use_env: Env, tmp_path: Path, live: Any) -> None:
     use_env(_original_env(rpc_broker, tmp_path))
-    # --- the original README's quick start, unchanged --------------------------------------
+    # --- the original's zero-argument style (its README examples: test_original_readme.py) --
     from k8s_agent_sandbox_awx import Sandbox
 
     sandbox = Sandbox.create(shutdown_after_seconds=600)
@@ -61,7 +62,7 @@ def test_readme_context_manager_with_keywords(
     env = _original_env(rpc_broker, tmp_path)
     use_env({"BROKER_URL": env["BROKER_URL"], "SSL_CERT_FILE": env["SSL_CERT_FILE"]})
     token_path = env["AGENT_SANDBOX_TOKEN_PATH"]
-    # --- the original README's keyword example, unchanged -----------------------------------
+    # --- every keyword of the original's Sandbox.create ----------------------------------
     with Sandbox.create(
         token_path=token_path,
         warmpool="python-sandbox-warmpool",
@@ -88,7 +89,7 @@ def test_readme_broker_sandbox_client(
     env = _original_env(rpc_broker, tmp_path)
     use_env({"SSL_CERT_FILE": env["SSL_CERT_FILE"]})
     broker_url, token_path = env["BROKER_URL"], env["AGENT_SANDBOX_TOKEN_PATH"]
-    # --- the original README's client example, unchanged ------------------------------------
+    # --- the original's client classes --------------------------------------------------
     from k8s_agent_sandbox_awx import (
         BrokerSandbox,
         BrokerSandboxClient,

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from . import _fs
+
 READ_SIZE = 64 * 1024
 BATCH_BYTES = 256 * 1024
 TIMEOUT_EXIT_CODE = 124
@@ -56,6 +58,21 @@ FOLLOWER_GRACE_SECONDS = 5.0
 _ENV_NAME = re.compile(r"^[^=\x00]+$")
 _REQUEST_FIELDS = frozenset({"command", "timeout", "request_id", "stdin", "envs", "cwd"})
 _STDIN_FIELDS = frozenset({"data", "eof"})
+
+
+def _host_cwd(cwd: str, base_dir: str) -> str:
+    """A command's working directory on this host: ``/app`` and ``/workspace`` (and what is
+    below them, ``/app/workspace`` too) are the sandbox's roots, as in the file API (``/app``:
+    the base directory, where commands run by default); any other absolute path is the host's
+    own (NO ISOLATION: a local command is a host process)."""
+    parts = [p for p in cwd.split("/") if p not in ("", ".")]
+    if not parts or parts[0] not in ("app", "workspace"):
+        return cwd
+    try:
+        target = _fs.check_path(cwd, base_dir, "cwd")
+    except _fs.FsError as exc:
+        raise CommandError(400, f"field 'cwd': {exc.detail}") from None
+    return os.path.join(target.root_dir, *target.parts)
 
 
 class CommandError(Exception):
@@ -425,7 +442,7 @@ class CommandManager:
             cwd = self.base_dir
         elif not isinstance(cwd, str) or not cwd.startswith("/") or "\x00" in cwd:
             raise CommandError(400, f"field 'cwd' must be an absolute path, not {cwd!r}")
-        elif not os.path.isdir(cwd):
+        elif not os.path.isdir(cwd := _host_cwd(cwd, self.base_dir)):
             raise CommandError(400, f"field 'cwd': {cwd!r} is not an existing directory")
         return {
             "command": argv,
