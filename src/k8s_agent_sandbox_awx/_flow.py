@@ -377,8 +377,9 @@ def _lifetime(timeout: Any, lifetime_seconds: Any) -> int | None:
 
 
 def sandbox_timeout(spec_seconds: int | None, config: BrokerConnectionConfig) -> int | None:
-    """The lifetime a create asks for: ``timeout=``, else ``AGENT_SANDBOX_TTL_SECONDS`` (300 s
-    by default; 0: none, the policy's maximum)."""
+    """The lifetime a create asks for: ``timeout=``, else ``AGENT_SANDBOX_TTL_SECONDS`` (or the
+    original package's ``SANDBOX_TTL_SECONDS``; 300 s by default; 0: none, the policy's
+    maximum)."""
     if spec_seconds is not None:
         return spec_seconds
     return config.sandbox_timeout or None
