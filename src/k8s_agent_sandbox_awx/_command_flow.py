@@ -248,11 +248,15 @@ class StartPlan:
             body["cwd"] = self.cwd
         return body
 
-    def needs_managed(self, background: bool) -> list[str]:
-        """The options a legacy runtime (``/execute`` only) cannot honour."""
-        wanted = {"background=True": background, "envs=": self.envs, "cwd=": self.cwd}
-        wanted["stdin=True"] = self.stdin
-        return [name for name, value in wanted.items() if value]
+    def managed_only(self, background: bool) -> tuple[str, ...]:
+        """The start options given that a legacy runtime (``/execute`` only) cannot honour."""
+        given = (
+            ("background", background),
+            ("stdin", self.stdin),
+            ("envs", bool(self.envs)),
+            ("cwd", self.cwd is not None),
+        )
+        return tuple(name for name, value in given if value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,13 +412,13 @@ def _drain() -> Op:
 
 
 def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> flow.Op[str]:
-    """``POST /commands`` (never retried); returns the command id. A runtime without the
-    endpoint is :class:`UnsupportedByRuntimeError` (known from an earlier answer: nothing is
-    sent)."""
+    """``POST /commands`` of a background command (never retried); returns the command id. A
+    runtime without the endpoint is :class:`UnsupportedByRuntimeError` (the 404 means the
+    command did not start; known from an earlier answer: nothing is sent)."""
     plan = plan.for_runtime(features)
     command_id = None if features.managed is False else (yield from _start(target, plan, features))
     if command_id is None:
-        raise _unsupported(target, plan.needs_managed(True))
+        raise _unsupported(target, plan.managed_only(True))
     return command_id
 
 
@@ -442,12 +446,17 @@ def _lacks_commands(exc: errors.BrokerError) -> bool:
     return exc.status_code == 404 and exc.code is None
 
 
-def _unsupported(target: dp.DataTarget, names: list[str]) -> errors.UnsupportedByRuntimeError:
+def _unsupported(target: dp.DataTarget, names: tuple[str, ...]) -> errors.UnsupportedByRuntimeError:
+    given = "".join(f", {name}=..." for name in names)
     return errors.UnsupportedByRuntimeError(
-        f"The runtime of sandbox {target.sandbox_id!r} has no managed commands (POST /commands "
-        f"answered 404), so {', '.join(names) or 'this'} cannot be honoured. It needs a runtime "
-        "that speaks the managed-command protocol (the original package's runtime v0.3.0+, "
-        "or the local broker's runtime); a plain commands.run(cmd) still works."
+        f"commands.run(command{given}) cannot be honoured in sandbox {target.sandbox_id!r}: its "
+        "runtime has no managed commands (POST /commands answered 404), and "
+        f"{', '.join(names)} need{'s' if len(names) == 1 else ''} them: a runtime that serves "
+        "POST /commands (the original package's Python runtime v0.3.0+ behind broker v0.11.0+, "
+        "or the local broker's runtime). Nothing was run. Recreate the sandbox from a template "
+        "whose runtime is up to date; on this one only a plain commands.run(command) works "
+        "(through the legacy POST /execute, the output arriving when the command ends).",
+        options=names,
     )
 
 
@@ -457,14 +466,21 @@ def run(
     features: RuntimeFeatures,
     *,
     raise_on_timeout: bool = True,
+    live: tuple[str, ...] = (),
     clock: Callable[[], float] = time.monotonic,
 ) -> Op:
     """A foreground ``commands.run``: start, follow to the exit (emitting the output), and kill
     the command if the wait fails or is interrupted (Ctrl-C, a cancelled task, no exit in
-    time). Falls back to ``/execute`` on a legacy runtime."""
+    time). On a legacy runtime (``POST /commands`` answered 404: the command did not start) a
+    plain run falls back to ``/execute``; one with an option only the managed protocol honours
+    (``live``: the names of the output callbacks given) is :class:`UnsupportedByRuntimeError`,
+    and nothing runs."""
     plan = plan.for_runtime(features)
     command_id = None if features.managed is False else (yield from _start(target, plan, features))
     if command_id is None:
+        managed_only = (*live, *plan.managed_only(False))
+        if managed_only:
+            raise _unsupported(target, managed_only)
         return (yield from _legacy(target, plan, raise_on_timeout))
     output = CommandOutput(command_id)
     deadline = clock() + plan.timeout + dp.COMMAND_TIMEOUT_MARGIN
@@ -479,7 +495,8 @@ def run(
         raise
     if (yield from _bash_missing(target, plan, result)):
         features.bash = False
-        return (yield from run(target, plan, features, raise_on_timeout=raise_on_timeout))
+        again = run(target, plan, features, raise_on_timeout=raise_on_timeout, live=live)
+        return (yield from again)
     return _checked(result, plan.timeout, raise_on_timeout)
 
 
@@ -537,16 +554,10 @@ def _checked(result: ExecutionResult, limit: float, raise_on_timeout: bool) -> E
 
 def _legacy(target: dp.DataTarget, plan: StartPlan, raise_on_timeout: bool) -> Op:
     """The legacy ``POST /execute``: the argv quoted so that the runtime's shell-like split
-    rebuilds it (a string keeps its shell); the output arrives at the end."""
-    missing = plan.needs_managed(False)
-    if missing:
-        raise _unsupported(target, missing)
+    rebuilds it (a string keeps its shell)."""
     spec = dp.execute(target, shlex.join(plan.argv), command_timeout=plan.timeout)
     call = Call(spec, _execute_result, fail=_no_answer(target, plan.timeout))
     result: ExecutionResult = yield call
-    for kind, text in (("stdout", result.stdout), ("stderr", result.stderr)):
-        if text:
-            yield Emit(CommandEvent(kind, text, 0))
     return _checked(result, plan.timeout, raise_on_timeout)
 
 
@@ -620,6 +631,12 @@ class RunPlan:
     on_stdout: Callable[[str], Any] | None
     on_stderr: Callable[[str], Any] | None
     raise_on_timeout: bool
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        """The output callbacks given (a legacy runtime cannot stream: see :func:`run`)."""
+        given = (("on_stdout", self.on_stdout), ("on_stderr", self.on_stderr))
+        return tuple(name for name, callback in given if callback is not None)
 
 
 def plan_run(command: Any, timeout: float, background: bool, options: flow.RunOptions) -> RunPlan:

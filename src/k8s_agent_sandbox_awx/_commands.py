@@ -165,8 +165,9 @@ class Commands(SandboxPart[BrokerTransport]):
         is produced. ``stdin=True`` (background only) opens a pipe for ``send_stdin``. If the
         wait fails or is interrupted (Ctrl-C, a timeout), the command is killed. The start is
         never retried. On a runtime without managed commands a plain run falls back to
-        ``/execute`` (same shell rules; the callbacks get the output at the end); the other
-        options raise :class:`UnsupportedByRuntimeError`.
+        ``/execute`` (same shell rules); ``on_stdout``, ``on_stderr``, ``envs``, ``cwd``,
+        ``background`` and ``stdin`` raise :class:`UnsupportedByRuntimeError` there (nothing
+        runs).
         """
         plan = cf.plan_run(command, timeout, background, options)
         if plan.background:
@@ -176,7 +177,11 @@ class Commands(SandboxPart[BrokerTransport]):
             return CommandHandle(self._transport, self._target, command_id)
         performer = _Performer(self._transport, plan.on_stdout, plan.on_stderr)
         op = cf.run(
-            self._target, plan.start, self._features, raise_on_timeout=plan.raise_on_timeout
+            self._target,
+            plan.start,
+            self._features,
+            raise_on_timeout=plan.raise_on_timeout,
+            live=plan.live,
         )
         result: ExecutionResult = performer.drive(op)
         return result

@@ -189,8 +189,43 @@ def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker:
         async with await AsyncSandbox.create(environ=env) as sandbox:
             result = await sandbox.commands.run("echo a | tr a b")
             assert (result.stdout, result.command_id) == ("b\n", None)
-            with pytest.raises(UnsupportedByRuntimeError, match="POST /commands"):
-                await sandbox.commands.run("sleep 1", background=True)
+            assert legacy_broker.execution_count(sandbox.name) == 2  # the 404, then /execute
+
+    run(main())
+
+
+REFUSED: list[tuple[str, dict[str, Any]]] = [
+    ("on_stdout", {"on_stdout": print}),
+    ("on_stderr", {"on_stderr": print}),
+    ("envs", {"envs": {"A": "b"}}),
+    ("cwd", {"cwd": "/tmp"}),
+    ("background", {"background": True}),
+    ("stdin", {"background": True, "stdin": True}),
+]
+
+
+def test_options_an_old_runtime_cannot_honour_are_refused_and_nothing_runs(
+    legacy_broker: Any,
+) -> None:
+
+    async def on_stderr(text: str) -> None:
+        pass
+
+    async def main() -> None:
+        env = legacy_broker.environ("kubernetes")
+        async with await AsyncSandbox.create(environ=env) as sandbox:
+            with pytest.raises(UnsupportedByRuntimeError) as info:  # learnt from the 404
+                await sandbox.commands.run("echo ran >> marker", on_stderr=on_stderr)
+            message = str(info.value)
+            for needle in ("on_stderr", "POST /commands", "v0.3.0", "v0.11.0", "Recreate"):
+                assert needle in message
+            assert info.value.options == ("on_stderr",)
+            for name, options in REFUSED:  # remembered: refused before any request
+                with pytest.raises(UnsupportedByRuntimeError, match=rf"{name}.*Recreate"):
+                    await sandbox.commands.run("echo ran >> marker", **options)
+            assert legacy_broker.execution_count(sandbox.name) == 1  # the 404 only
+            check = await sandbox.commands.run("test -e marker && echo ran || echo never")
+            assert check.stdout == "never\n"  # the refused commands never ran
 
     run(main())
 

@@ -284,17 +284,60 @@ def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Path) -> N
 
 def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker: Any) -> None:
     with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
-        chunks: list[str] = []
-        result = sandbox.commands.run("echo a | tr a b; cd /tmp && pwd", on_stdout=chunks.append)
+        result = sandbox.commands.run("echo a | tr a b; cd /tmp && pwd")
         assert (result.stdout, result.exit_code, result.command_id) == ("b\n/tmp\n", 0, None)
-        assert chunks == ["b\n/tmp\n"]  # at the end: the legacy runtime does not stream
         assert sandbox.commands.run(["echo", "a | b"]).stdout == "a | b\n"
         assert sandbox.commands.run("printf '%s|' 'a b' c", shell=False).stdout == "a b|c|"
-        for options in ({"envs": {"A": "b"}}, {"cwd": "/tmp"}, {"background": True}):
-            with pytest.raises(UnsupportedByRuntimeError, match=r"POST /commands.*v0\.3\.0"):
-                sandbox.commands.run("true", **options)
-        assert isinstance(UnsupportedByRuntimeError("x"), NotImplementedError)
         assert legacy_broker.execution_count(sandbox.name) == 4  # 1 POST /commands + 3 /execute
+
+
+LEGACY_REFUSED = [
+    ("on_stdout", {"on_stdout": print}),
+    ("on_stderr", {"on_stderr": print}),
+    ("envs", {"envs": {"A": "b"}}),
+    ("cwd", {"cwd": "/tmp"}),
+    ("background", {"background": True}),
+    ("stdin", {"background": True, "stdin": True}),
+]
+
+
+def test_options_an_old_runtime_cannot_honour_are_refused_and_nothing_runs(
+    legacy_broker: Any,
+) -> None:
+    with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
+        # the first call learns from POST /commands' 404 that the runtime is old: it raises
+        # instead of running the command through /execute without live output
+        with pytest.raises(UnsupportedByRuntimeError) as info:
+            sandbox.commands.run("echo ran >> marker", on_stdout=print)
+        message = str(info.value)
+        for needle in ("on_stdout", "POST /commands", "v0.3.0", "v0.11.0", "Recreate"):
+            assert needle in message
+        assert info.value.options == ("on_stdout",)
+        assert isinstance(info.value, NotImplementedError)
+        assert legacy_broker.execution_count(sandbox.name) == 1  # the 404, no /execute
+        for name, options in LEGACY_REFUSED:  # remembered: refused before any request
+            with pytest.raises(UnsupportedByRuntimeError, match=rf"{name}.*Recreate") as info:
+                sandbox.commands.run("echo ran >> marker", **options)
+            assert name in info.value.options
+        assert legacy_broker.execution_count(sandbox.name) == 1
+        check = sandbox.commands.run("test -e marker && echo ran || echo never")
+        assert check.stdout == "never\n"  # the refused commands never ran
+        assert legacy_broker.execution_count(sandbox.name) == 2  # straight to /execute
+
+
+def test_background_first_on_an_old_runtime_is_refused(legacy_broker: Any) -> None:
+    with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
+        with pytest.raises(UnsupportedByRuntimeError, match=r"background.*v0\.3\.0.*Recreate"):
+            sandbox.commands.run("echo ran >> marker", background=True, stdin=True)
+        assert sandbox.commands.run("test -e marker || echo never").stdout == "never\n"
+        assert legacy_broker.execution_count(sandbox.name) == 2  # the 404, then /execute
+
+
+def test_cli_run_on_an_old_runtime_prints_the_output_at_the_end(legacy_broker: Any) -> None:
+    proc = cli_run(legacy_broker, "sh", "-c", "echo out; echo err >&2; exit 3")
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out) == (3, "out\n"), err
+    assert "err\n" in err and "Traceback" not in err
 
 
 def cli_run(broker: Any, *argv: str) -> subprocess.Popen[str]:
