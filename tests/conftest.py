@@ -229,6 +229,27 @@ def long_output() -> tuple[list[str], str]:
     return argv, "".join(f"line {i} of the long output\n" for i in range(1, 3001))
 
 
+@pytest.fixture(scope="session")
+def bashless_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A ``PATH`` without bash: one directory of links to every program on this process's
+    ``PATH`` but ``bash`` and ``rbash``. A sandbox created with ``env={"PATH": ...}`` of it is,
+    to the client, an image without bash: the client looks bash up on the command's ``PATH``
+    (it never starts ``/bin/bash`` by its path). What it does not simulate: ``/bin/bash`` still
+    exists on this machine, so a command that names it by its path would find it."""
+    directory = tmp_path_factory.mktemp("bashless-bin")
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(entry):
+            continue
+        for name in os.listdir(entry):
+            link, program = directory / name, os.path.join(entry, name)
+            if name in ("bash", "rbash") or link.exists() or link.is_symlink():
+                continue
+            if os.path.isfile(program) and os.access(program, os.X_OK):
+                link.symlink_to(program)
+    assert not (directory / "bash").exists() and (directory / "tr").exists()
+    return str(directory)
+
+
 FILES_POLICY_CAP = 120
 
 

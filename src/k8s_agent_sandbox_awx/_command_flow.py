@@ -19,7 +19,6 @@ killed. The operations are generators of steps (:data:`Step`), run by the one dr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import shlex
@@ -54,10 +53,13 @@ __all__ = [
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
-SHELL = ("/bin/bash", "-c")
-"""How a string command runs (``shell=None`` or ``True``): ``/bin/bash -c COMMAND``."""
-FALLBACK_SHELL = ("/bin/sh", "-c")
-"""How it runs in a sandbox where ``/bin/bash`` could not start."""
+SHELL_SCRIPT = 'command -v bash >/dev/null 2>&1 && exec bash -c "$1"; exec /bin/sh -c "$1"'
+SHELL = ("/bin/sh", "-c", SHELL_SCRIPT, "sh")
+"""How a string command runs (``shell=None`` or ``True``): ``SHELL + (command,)``. ``/bin/sh``
+runs :data:`SHELL_SCRIPT`, which replaces itself with ``bash -c COMMAND`` (bash found on the
+command's ``PATH``), or with ``/bin/sh -c COMMAND`` where there is no bash. One process decides,
+so nothing is retried and the command never runs twice; the command is an argument of the
+script (``$1``), never pasted into it."""
 COLLECT_LIMIT = 16 * 1024 * 1024
 """Characters of output (stdout and stderr together) a result keeps; beyond it the output still
 reaches the callbacks but the result's ``output_truncated`` is ``True``."""
@@ -110,9 +112,6 @@ class RuntimeFeatures:
 
     managed: bool | None = None
     """``False`` once ``POST /commands`` answered 404 without a code: the legacy runtime."""
-    bash: bool | None = None
-    """``False`` once ``/bin/bash`` could not start (the image has none): strings run through
-    ``/bin/sh -c`` from then on."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,9 +119,10 @@ class RuntimeFeatures:
 
 
 def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
-    """The argv a command runs as: a string through ``/bin/bash -c`` (``shell=None`` or
-    ``True``) or split with shell-like rules (``shell=False``); a list as given (``shell=True``
-    is refused). Empty commands and NUL bytes are refused."""
+    """The argv a command runs as: a string through bash (:data:`SHELL`: ``bash -c``, or
+    ``/bin/sh -c`` where the sandbox has no bash; ``shell=None`` or ``True``) or split with
+    shell-like rules (``shell=False``); a list as given (``shell=True`` is refused). Empty
+    commands and NUL bytes are refused."""
     if isinstance(command, str):
         if "\0" in command:
             raise ValueError("The command contains a NUL byte (\\0); remove it.")
@@ -198,8 +198,6 @@ class StartPlan:
     cwd: str | None = None
     stdin: bool = False
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    shell_command: str | None = None
-    """The string, when it runs through a shell (the argv is then ``SHELL + [string]``)."""
 
     @classmethod
     def make(
@@ -219,21 +217,12 @@ class StartPlan:
                 "send_stdin(); start it with background=True."
             )
         argv = command_argv(command, shell)
-        through_shell = command if isinstance(command, str) and shell is not False else None
         limit, checked_envs, checked_cwd = (
             _check_timeout(timeout),
             _check_envs(envs),
             _check_cwd(cwd),
         )
-        return cls(argv, limit, checked_envs, checked_cwd, stdin, shell_command=through_shell)
-
-    def for_runtime(self, features: RuntimeFeatures) -> StartPlan:
-        """This plan, with ``/bin/sh -c`` for a string where ``/bin/bash`` is known to be
-        missing (and a new ``request_id``: it is another start)."""
-        if self.shell_command is None or features.bash is not False:
-            return self
-        argv = [*FALLBACK_SHELL, self.shell_command]
-        return dataclasses.replace(self, argv=argv, request_id=str(uuid.uuid4()))
+        return cls(argv, limit, checked_envs, checked_cwd, stdin)
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -415,7 +404,6 @@ def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> 
     """``POST /commands`` of a background command (never retried); returns the command id. A
     runtime without the endpoint is :class:`UnsupportedByRuntimeError` (the 404 means the
     command did not start; known from an earlier answer: nothing is sent)."""
-    plan = plan.for_runtime(features)
     command_id = None if features.managed is False else (yield from _start(target, plan, features))
     if command_id is None:
         raise _unsupported(target, plan.managed_only(True))
@@ -475,7 +463,6 @@ def run(
     plain run falls back to ``/execute``; one with an option only the managed protocol honours
     (``live``: the names of the output callbacks given) is :class:`UnsupportedByRuntimeError`,
     and nothing runs."""
-    plan = plan.for_runtime(features)
     command_id = None if features.managed is False else (yield from _start(target, plan, features))
     if command_id is None:
         managed_only = (*live, *plan.managed_only(False))
@@ -493,26 +480,7 @@ def run(
         if isinstance(exc, errors.CommandWaitTimeoutError):
             raise _no_exit(target, plan.timeout, output.result()) from exc
         raise
-    if (yield from _bash_missing(target, plan, result)):
-        features.bash = False
-        again = run(target, plan, features, raise_on_timeout=raise_on_timeout, live=live)
-        return (yield from again)
     return _checked(result, plan.timeout, raise_on_timeout)
-
-
-def _bash_missing(target: dp.DataTarget, plan: StartPlan, result: ExecutionResult) -> Op:
-    """Whether ``/bin/bash`` itself could not start: exit code 127 without output on stdout,
-    and the runtime reports no process (``pid`` null). Anything else is the command's own
-    result: a command that ran is never run again."""
-    if plan.argv[: len(SHELL)] != list(SHELL) or plan.shell_command is None:
-        return False
-    if result.exit_code != 127 or result.stdout or result.command_id is None:
-        return False
-    info: dp.CommandInfo = yield status(target, result.command_id)
-    if info.pid is not None:
-        return False
-    logger.info("/bin/bash could not start in sandbox %s; using /bin/sh", target.sandbox_id)
-    return True
 
 
 def _kill_quietly(target: dp.DataTarget, command_id: str) -> Op:

@@ -155,7 +155,8 @@ class Commands(SandboxPart[BrokerTransport]):
         """Run ``command`` and return its :class:`ExecutionResult` (a non-zero exit code is a
         result, not an exception), or with ``background=True`` its :class:`CommandHandle`.
 
-        A string runs through a shell (``/bin/bash -c``); a list is an argv run without a shell;
+        A string runs through a shell (bash, or ``/bin/sh`` where the sandbox has no bash); a
+        list is an argv run without a shell;
         ``shell=False`` splits a string with shell-like rules and runs it without a shell.
         Never put untrusted values into a shell string: pass an argv list instead.
         ``timeout``: the command's time limit in seconds (the runtime kills it after that;

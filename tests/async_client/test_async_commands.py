@@ -54,6 +54,45 @@ def test_shell_rules_envs_cwd_and_errors_before_sending(broker: Any) -> None:
     run(main())
 
 
+def test_strings_run_through_sh_in_a_sandbox_without_bash(
+    broker: Any, legacy_broker: Any, bashless_path: str
+) -> None:
+    """A sandbox whose PATH has no bash (``bashless_path``: what it simulates and what not):
+    foreground, background with stdin and the legacy /execute path run a string with /bin/sh,
+    once; with bash on the PATH the same strings run with bash."""
+    script = "echo ran >> count; echo ${BASH_VERSION:-sh}"
+
+    def shell(output: str) -> str:  # what ran the script: BASH_VERSION is a version number
+        return "bash" if output[:1].isdigit() else output.split()[0]
+
+    async def on_stdout(text: str) -> None:
+        chunks.append(text)
+
+    chunks: list[str] = []
+
+    async def main() -> None:
+        for env, expected in (({"PATH": bashless_path}, "sh"), ({}, "bash")):
+            async with await create(broker, **env) as sandbox:
+                result = await sandbox.commands.run(script, on_stdout=on_stdout)
+                assert shell(result.stdout) == expected and "".join(chunks) == result.stdout
+                handle = await sandbox.commands.run(
+                    f"read line; {script} $line", background=True, stdin=True
+                )
+                await handle.send_stdin("hi\n", eof=True)
+                waited = await handle.wait()
+                assert shell(waited.stdout) == expected and waited.stdout.endswith(" hi\n")
+                assert (await sandbox.commands.run(["cat", "count"])).stdout == "ran\nran\n"
+                assert broker.execution_count(sandbox.name) == 3  # one start each, no retry
+                chunks.clear()
+        legacy = legacy_broker.environ("kubernetes")
+        async with await AsyncSandbox.create(environ=legacy, env={"PATH": bashless_path}) as sb:
+            assert (await sb.commands.run(script)).stdout == "sh\n"
+            assert (await sb.commands.run(["cat", "count"])).stdout == "ran\n"
+            assert legacy_broker.execution_count(sb.name) == 3  # the 404, then 2 /execute
+
+    run(main())
+
+
 def test_coroutine_callbacks_get_live_output_and_the_result_is_collected(broker: Any) -> None:
     async def main() -> None:
         async with await create(broker) as sandbox:

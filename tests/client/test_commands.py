@@ -48,6 +48,46 @@ def test_a_string_runs_through_bash_and_a_list_is_an_argv(sandbox: Sandbox) -> N
     assert sandbox.commands.run("echo explicit", shell=True).stdout == "explicit\n"
 
 
+def test_every_string_command_runs_through_bash_and_once(broker: Any, sandbox: Sandbox) -> None:
+    before = broker.execution_count(sandbox.name)
+    assert sandbox.commands.run("echo ran >> count; echo ${BASH_VERSION:-sh}").stdout[0].isdigit()
+    handle = sandbox.commands.run(
+        "read line; echo ${BASH_VERSION:-sh} $line", background=True, stdin=True
+    )
+    handle.send_stdin("hi\n", eof=True)
+    assert handle.wait().stdout[0].isdigit() and handle.wait().stdout.endswith(" hi\n")
+    assert sandbox.commands.run("cat count").stdout == "ran\n"  # ran once
+    assert broker.execution_count(sandbox.name) == before + 3  # one start per command
+
+
+def test_strings_run_through_sh_in_a_sandbox_without_bash(
+    broker: Any, legacy_broker: Any, bashless_path: str
+) -> None:
+    """A sandbox whose PATH has no bash (``bashless_path``: what it simulates and what not):
+    foreground (with live output), background with stdin, and the legacy /execute path all run
+    a string with /bin/sh, once, with no retry."""
+    env = {"PATH": bashless_path}
+    with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sandbox:
+        chunks: list[str] = []
+        script = "echo ran >> count; echo ${BASH_VERSION:-sh} | tr a-z A-Z; exit 3"
+        result = sandbox.commands.run(script, on_stdout=chunks.append)
+        assert (result.stdout, result.exit_code, "".join(chunks)) == ("SH\n", 3, "SH\n")
+        handle = sandbox.commands.run(
+            "echo ran >> count; read line; echo ${BASH_VERSION:-sh} got $line",
+            background=True,
+            stdin=True,
+        )
+        handle.send_stdin("hi\n", eof=True)
+        assert handle.wait().stdout == "sh got hi\n"
+        assert sandbox.commands.run("cat count").stdout == "ran\nran\n"  # each ran once
+        assert broker.execution_count(sandbox.name) == 3  # one start each, no retry
+    with Sandbox.create(environ=legacy_broker.environ("kubernetes"), env=env) as sandbox:
+        result = sandbox.commands.run("echo ran >> count; echo ${BASH_VERSION:-sh} | tr s S")
+        assert (result.stdout, result.exit_code) == ("Sh\n", 0)
+        assert sandbox.commands.run(["cat", "count"]).stdout == "ran\n"
+        assert legacy_broker.execution_count(sandbox.name) == 3  # the 404, then 2 /execute
+
+
 @pytest.mark.parametrize(
     ("command", "options", "error", "match"),
     [
