@@ -5,7 +5,7 @@ background commands waited concurrently from one event loop."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 import pytest
@@ -203,20 +203,61 @@ def test_64_background_commands_waited_concurrently(broker: Any) -> None:
     run(main())
 
 
-def test_forced_reconnects_lose_and_repeat_nothing(
-    broker: Any, long_output: tuple[list[str], str]
+class StreamRequests:
+    """Wraps an async transport's ``events``: the cursor (``after``) of every event-stream
+    request and the failures (dropped connections) the client saw while reading them."""
+
+    def __init__(self, events: Any) -> None:
+        self._events = events
+        self.cursors: list[int] = []
+        self.failures: list[Exception] = []
+
+    async def __call__(self, spec: Any) -> AsyncIterator[Any]:
+        self.cursors.append(int(spec.params["after"]))
+        try:
+            async for value in self._events(spec):
+                yield value
+        except Exception as exc:
+            self.failures.append(exc)
+            raise
+
+
+def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeats_nothing(
+    broker: Any, long_stream: Any, mid_line_drops: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    script, expected = long_output
+    """The "10-minute" stream (see the sync test): cut every 50 events, dropped inside a line
+    every 200 events, compared byte for byte, through a coroutine callback and async iteration."""
 
     async def main() -> None:
         async with await create(broker) as sandbox:
             broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
-            broker.drop_event_stream_mid_line(3, after_events=20, sandbox=sandbox.name)
+            inject = mid_line_drops(broker, sandbox.name)
+            streams = StreamRequests(sandbox.commands._transport.events)
+            monkeypatch.setattr(sandbox.commands._transport, "events", streams)
             chunks: list[str] = []
-            result = await sandbox.commands.run(script, on_stdout=chunks.append)
-            assert result.stdout == expected == "".join(chunks)
-            handle = await sandbox.commands.run(script, background=True)
-            assert "".join([e.data async for e in handle]) == expected
+
+            async def on_stdout(text: str) -> None:
+                chunks.append(text)
+                inject(len(chunks))
+
+            result = await sandbox.commands.run(long_stream.argv, on_stdout=on_stdout)
+            assert result.stdout == long_stream.expected == "".join(chunks)  # byte for byte
+            assert len(chunks) >= 1500  # that many events: the cuts are not vacuous
+            assert len(streams.cursors) >= len(chunks) // 50 >= 30  # a request per cut
+            assert len(streams.failures) >= 7  # the injected mid-line drops, survived
+            assert streams.cursors[0] == 0 and streams.cursors == sorted(streams.cursors)
+
+            handle = await sandbox.commands.run(long_stream.argv, background=True)
+            streams.cursors.clear()
+            streams.failures.clear()
+            events = []
+            async for event in handle:
+                events.append(event)
+                inject(1600 + len(events))
+            assert [e.seq for e in events] == list(range(1, len(events) + 1))  # no gap/repeat
+            assert "".join(e.data for e in events) == long_stream.expected
+            assert len(streams.cursors) >= 30 and len(streams.failures) >= 7
+            assert events[-1].type == "exit" and events[-1].exit_code == 0
 
     run(main())
 

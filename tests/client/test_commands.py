@@ -272,31 +272,61 @@ def test_the_running_limit_is_a_clear_error(sandbox: Sandbox) -> None:
 # ----------------------------------------------------------------------- long streams
 
 
-def test_forced_reconnects_lose_and_repeat_nothing(
+class StreamRequests:
+    """Wraps a transport's ``events``: the cursor (``after``) of every event-stream request and
+    the failures (dropped connections) the client saw while reading them."""
+
+    def __init__(self, events: Any) -> None:
+        self._events = events
+        self.cursors: list[int] = []
+        self.failures: list[Exception] = []
+
+    def __call__(self, spec: Any) -> Iterator[Any]:
+        self.cursors.append(int(spec.params["after"]))
+        try:
+            yield from self._events(spec)
+        except Exception as exc:
+            self.failures.append(exc)
+            raise
+
+
+def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeats_nothing(
     broker: Any,
     sandbox: Sandbox,
-    long_output: tuple[list[str], str],
+    long_stream: Any,
+    mid_line_drops: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    script, expected = long_output
+    """The "10-minute" stream: a proxy cut every 50 events (as every 20 s would be for an hour)
+    and a drop inside a line every 200 events, the output compared byte for byte."""
     broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
-    broker.drop_event_stream_mid_line(3, after_events=20, sandbox=sandbox.name)
-    transport: Any = sandbox.commands._transport
-    requests: list[str] = []
-    events = transport.events
-
-    def counting(spec: Any) -> Any:
-        requests.append(spec.params["after"])
-        return events(spec)
-
-    monkeypatch.setattr(transport, "events", counting)
+    inject = mid_line_drops(broker, sandbox.name)
+    streams = StreamRequests(sandbox.commands._transport.events)
+    monkeypatch.setattr(sandbox.commands._transport, "events", streams)
     chunks: list[str] = []
-    result = sandbox.commands.run(script, on_stdout=chunks.append)
-    assert len(requests) >= 5 and requests[0] == "0"  # cut every 50 events, dropped 3 times
-    assert result.stdout == expected == "".join(chunks)  # byte for byte
-    handle = sandbox.commands.run(script, background=True)
-    assert "".join(e.data for e in handle) == expected
-    assert handle.command_id in {c.command_id for c in sandbox.commands.list()}
+
+    def on_stdout(text: str) -> None:
+        chunks.append(text)
+        inject(len(chunks))
+
+    result = sandbox.commands.run(long_stream.argv, on_stdout=on_stdout)
+    assert result.stdout == long_stream.expected == "".join(chunks)  # byte for byte
+    assert len(chunks) >= 1500  # that many events: the cuts below are not vacuous
+    assert len(streams.cursors) >= len(chunks) // 50 >= 30  # re-requested at every cut
+    assert len(streams.failures) >= 7  # the injected mid-line drops, seen and survived
+    assert streams.cursors[0] == 0 and streams.cursors == sorted(streams.cursors)
+
+    handle = sandbox.commands.run(long_stream.argv, background=True)
+    streams.cursors.clear()
+    streams.failures.clear()
+    events = []
+    for event in handle:
+        events.append(event)
+        inject(1600 + len(events))
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat
+    assert "".join(e.data for e in events) == long_stream.expected
+    assert len(streams.cursors) >= 30 and len(streams.failures) >= 7
+    assert events[-1].type == "exit" and events[-1].exit_code == 0
 
 
 def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Path) -> None:
