@@ -192,6 +192,20 @@ def legacy_broker(_legacy_broker_session: Any, monkeypatch: pytest.MonkeyPatch) 
     yield from _clean_use(_legacy_broker_session, monkeypatch)
 
 
+@pytest.fixture
+def managed_only_options() -> list[tuple[str, dict[str, Any]]]:
+    """``(name, run options)`` for each ``commands.run`` option only the managed-command
+    protocol honours: an old runtime (``/execute`` only) refuses each of them."""
+    return [
+        ("on_stdout", {"on_stdout": print}),
+        ("on_stderr", {"on_stderr": print}),
+        ("envs", {"envs": {"A": "b"}}),
+        ("cwd", {"cwd": "/tmp"}),
+        ("background", {"background": True}),
+        ("stdin", {"background": True, "stdin": True}),
+    ]
+
+
 def process_gone(pid: int, within: float = 10.0) -> bool:
     """Whether ``pid`` is gone (or a zombie) within ``within`` s (a wait, not a speed test)."""
     end = time.monotonic() + within

@@ -274,18 +274,8 @@ def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker:
     run(main())
 
 
-REFUSED: list[tuple[str, dict[str, Any]]] = [
-    ("on_stdout", {"on_stdout": print}),
-    ("on_stderr", {"on_stderr": print}),
-    ("envs", {"envs": {"A": "b"}}),
-    ("cwd", {"cwd": "/tmp"}),
-    ("background", {"background": True}),
-    ("stdin", {"background": True, "stdin": True}),
-]
-
-
 def test_options_an_old_runtime_cannot_honour_are_refused_and_nothing_runs(
-    legacy_broker: Any,
+    legacy_broker: Any, managed_only_options: list[tuple[str, dict[str, Any]]]
 ) -> None:
 
     async def on_stderr(text: str) -> None:
@@ -300,7 +290,7 @@ def test_options_an_old_runtime_cannot_honour_are_refused_and_nothing_runs(
             for needle in ("on_stderr", "POST /commands", "v0.3.0", "v0.11.0", "Recreate"):
                 assert needle in message
             assert info.value.options == ("on_stderr",)
-            for name, options in REFUSED:  # remembered: refused before any request
+            for name, options in managed_only_options:  # remembered: refused before any request
                 with pytest.raises(UnsupportedByRuntimeError, match=rf"{name}.*Recreate"):
                     await sandbox.commands.run("echo ran >> marker", **options)
             assert legacy_broker.execution_count(sandbox.name) == 1  # the 404 only

@@ -361,18 +361,8 @@ def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker:
         assert legacy_broker.execution_count(sandbox.name) == 4  # 1 POST /commands + 3 /execute
 
 
-LEGACY_REFUSED = [
-    ("on_stdout", {"on_stdout": print}),
-    ("on_stderr", {"on_stderr": print}),
-    ("envs", {"envs": {"A": "b"}}),
-    ("cwd", {"cwd": "/tmp"}),
-    ("background", {"background": True}),
-    ("stdin", {"background": True, "stdin": True}),
-]
-
-
 def test_options_an_old_runtime_cannot_honour_are_refused_and_nothing_runs(
-    legacy_broker: Any,
+    legacy_broker: Any, managed_only_options: list[tuple[str, dict[str, Any]]]
 ) -> None:
     with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
         # the first call learns from POST /commands' 404 that the runtime is old: it raises
@@ -385,7 +375,7 @@ def test_options_an_old_runtime_cannot_honour_are_refused_and_nothing_runs(
         assert info.value.options == ("on_stdout",)
         assert isinstance(info.value, NotImplementedError)
         assert legacy_broker.execution_count(sandbox.name) == 1  # the 404, no /execute
-        for name, options in LEGACY_REFUSED:  # remembered: refused before any request
+        for name, options in managed_only_options:  # remembered: refused before any request
             with pytest.raises(UnsupportedByRuntimeError, match=rf"{name}.*Recreate") as info:
                 sandbox.commands.run("echo ran >> marker", **options)
             assert name in info.value.options
