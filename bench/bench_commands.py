@@ -10,6 +10,8 @@ nothing.
    peak RSS growth, measured in a separate client process.
 3. Start to exit of ``true``: the managed path (``POST /commands`` + the event stream) vs the
    legacy ``POST /execute`` (the same client, told the runtime has no managed commands).
+4. Start to exit of ``true`` as an argv and as a string (which runs through ``/bin/sh`` and
+   bash: what the shell choice costs).
 """
 
 from __future__ import annotations
@@ -148,6 +150,19 @@ def bench_paths(env: dict[str, str], runs: int) -> None:
     print(f"  ratio of medians: {ratio:.2f}x (goal: at most 1.3x)")
 
 
+def bench_shell(env: dict[str, str], runs: int) -> None:
+    """What a string costs over an argv: the string goes through ``/bin/sh`` running the script
+    that replaces itself with bash (``_command_flow.SHELL``)."""
+    with Sandbox.create(environ=env) as sandbox:
+        argv = _round_trips(sandbox, ["true"], runs)
+        string = _round_trips(sandbox, "true", runs)
+    print(f"start to exit, argv ['true'] vs string 'true' (sh -> bash) x{runs}")
+    print(f"  argv:   {_ms(argv)}")
+    print(f"  string: {_ms(string)}")
+    extra = _median_ms(string) - _median_ms(argv)
+    print(f"  a string costs {extra:.2f} ms more (median)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
@@ -159,6 +174,7 @@ def main() -> None:
         env = broker.environ("kubernetes")
         bench_latency(env, args.runs, args.lines)
         bench_paths(env, args.runs)
+        bench_shell(env, args.runs)
         bench_throughput(broker, args.size_mib)
 
 

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,20 @@ def legacy_broker(_legacy_broker_session: Any, monkeypatch: pytest.MonkeyPatch) 
     yield from _clean_use(_legacy_broker_session, monkeypatch)
 
 
+@pytest.fixture
+def managed_only_options() -> list[tuple[str, dict[str, Any]]]:
+    """``(name, run options)`` for each ``commands.run`` option only the managed-command
+    protocol honours: an old runtime (``/execute`` only) refuses each of them."""
+    return [
+        ("on_stdout", {"on_stdout": print}),
+        ("on_stderr", {"on_stderr": print}),
+        ("envs", {"envs": {"A": "b"}}),
+        ("cwd", {"cwd": "/tmp"}),
+        ("background", {"background": True}),
+        ("stdin", {"background": True, "stdin": True}),
+    ]
+
+
 def process_gone(pid: int, within: float = 10.0) -> bool:
     """Whether ``pid`` is gone (or a zombie) within ``within`` s (a wait, not a speed test)."""
     end = time.monotonic() + within
@@ -211,22 +226,75 @@ def _process_gone() -> Callable[..., bool]:
     return process_gone
 
 
-LONG_OUTPUT = """
+LONG_STREAM = """
 import sys, time
-for i in range(1, 3001):
-    sys.stdout.write(f"line {i} of the long output\\n")
-    if i % 10 == 0:
-        sys.stdout.flush()
-        time.sleep(0.003)  # a pause every 10 lines: hundreds of events, not a few big reads
+out = sys.stdout.buffer
+for i in range(1, 1601):
+    out.write(f"line {i} of a long stream \u00e9\u20ac {'x' * (i % 7)}\\n".encode())
+    out.flush()
+    time.sleep(0.002)  # one write per event: 1600 events, not a few big reads
 """
 
 
+@dataclass(frozen=True)
+class LongStream:
+    """A command that prints 1600 lines, one write 2 ms apart (so about 1600 events, each
+    line with two multi-byte characters that a mid-line drop may split), and what it prints."""
+
+    argv: list[str]
+    expected: str
+    lines: int = 1600
+
+
 @pytest.fixture
-def long_output() -> tuple[list[str], str]:
-    """``(argv, expected)``: a command printing 3000 lines in 300 flushes 3 ms apart (about 300
-    events) and the exact output it prints."""
-    argv = [sys.executable, "-c", LONG_OUTPUT]
-    return argv, "".join(f"line {i} of the long output\n" for i in range(1, 3001))
+def long_stream() -> LongStream:
+    expected = "".join(
+        f"line {i} of a long stream \u00e9\u20ac {'x' * (i % 7)}\n" for i in range(1, 1601)
+    )
+    return LongStream([sys.executable, "-c", LONG_STREAM], expected)
+
+
+def mid_line_drops(broker: Any, sandbox: str) -> Callable[[int], None]:
+    """``inject(events_seen)``: called by an output callback; every 200 events it makes the
+    broker drop the next event stream of ``sandbox`` inside a line (half of it sent, then the
+    connection cut) after a varying number of whole lines, so that drops happen all along a
+    long stream, mixed with the cuts."""
+    done: set[int] = set()
+
+    def inject(seen: int) -> None:
+        step = seen // 200
+        if step and step not in done:
+            done.add(step)
+            broker.drop_event_stream_mid_line(1, after_events=(step * 17) % 50, sandbox=sandbox)
+
+    return inject
+
+
+@pytest.fixture(name="mid_line_drops")
+def _mid_line_drops() -> Callable[[Any, str], Callable[[int], None]]:
+    """``mid_line_drops(broker, sandbox_name)``: see :func:`mid_line_drops`."""
+    return mid_line_drops
+
+
+@pytest.fixture(scope="session")
+def bashless_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A ``PATH`` without bash: one directory of links to every program on this process's
+    ``PATH`` but ``bash`` and ``rbash``. A sandbox created with ``env={"PATH": ...}`` of it is,
+    to the client, an image without bash: the client looks bash up on the command's ``PATH``
+    (it never starts ``/bin/bash`` by its path). What it does not simulate: ``/bin/bash`` still
+    exists on this machine, so a command that names it by its path would find it."""
+    directory = tmp_path_factory.mktemp("bashless-bin")
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(entry):
+            continue
+        for name in os.listdir(entry):
+            link, program = directory / name, os.path.join(entry, name)
+            if name in ("bash", "rbash") or link.exists() or link.is_symlink():
+                continue
+            if os.path.isfile(program) and os.access(program, os.X_OK):
+                link.symlink_to(program)
+    assert not (directory / "bash").exists() and (directory / "tr").exists()
+    return str(directory)
 
 
 FILES_POLICY_CAP = 120

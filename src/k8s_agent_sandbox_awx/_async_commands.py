@@ -157,7 +157,11 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
             return AsyncCommandHandle(self._transport, self._target, command_id)
         performer = _AsyncPerformer(self._transport, plan.on_stdout, plan.on_stderr)
         op = cf.run(
-            self._target, plan.start, self._features, raise_on_timeout=plan.raise_on_timeout
+            self._target,
+            plan.start,
+            self._features,
+            raise_on_timeout=plan.raise_on_timeout,
+            live=plan.live,
         )
         result: ExecutionResult = await performer.drive(op)
         return result

@@ -344,7 +344,7 @@ def _cmd_kill(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .errors import CommandTimeoutError
+    from .errors import CommandTimeoutError, UnsupportedByRuntimeError
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -360,7 +360,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
             template=args.template, sandbox_ready_timeout=args.ready_timeout
         ) as sandbox:
             try:  # an argv: no shell; Ctrl-C kills the command, then the sandbox
-                result = sandbox.commands.run(cmd, timeout=args.timeout, **streams)
+                try:
+                    result = sandbox.commands.run(cmd, timeout=args.timeout, **streams)
+                except UnsupportedByRuntimeError:
+                    if not streams:
+                        raise
+                    # an old runtime cannot stream (the command did not run): the output at
+                    # the end instead
+                    result = sandbox.commands.run(cmd, timeout=args.timeout)
+                    _writer(sys.stdout)(result.stdout)
+                    _writer(sys.stderr)(result.stderr)
             except CommandTimeoutError as exc:
                 if exc.result is not None and args.json:
                     _print_result(args, sandbox.name, exc.result)

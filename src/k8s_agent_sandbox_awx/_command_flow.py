@@ -19,7 +19,6 @@ killed. The operations are generators of steps (:data:`Step`), run by the one dr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import shlex
@@ -54,10 +53,13 @@ __all__ = [
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
-SHELL = ("/bin/bash", "-c")
-"""How a string command runs (``shell=None`` or ``True``): ``/bin/bash -c COMMAND``."""
-FALLBACK_SHELL = ("/bin/sh", "-c")
-"""How it runs in a sandbox where ``/bin/bash`` could not start."""
+SHELL_SCRIPT = 'command -v bash >/dev/null 2>&1 && exec bash -c "$1"; exec /bin/sh -c "$1"'
+SHELL = ("/bin/sh", "-c", SHELL_SCRIPT, "sh")
+"""How a string command runs (``shell=None`` or ``True``): ``SHELL + (command,)``. ``/bin/sh``
+runs :data:`SHELL_SCRIPT`, which replaces itself with ``bash -c COMMAND`` (bash found on the
+command's ``PATH``), or with ``/bin/sh -c COMMAND`` where there is no bash. One process decides,
+so nothing is retried and the command never runs twice; the command is an argument of the
+script (``$1``), never pasted into it."""
 COLLECT_LIMIT = 16 * 1024 * 1024
 """Characters of output (stdout and stderr together) a result keeps; beyond it the output still
 reaches the callbacks but the result's ``output_truncated`` is ``True``."""
@@ -110,9 +112,6 @@ class RuntimeFeatures:
 
     managed: bool | None = None
     """``False`` once ``POST /commands`` answered 404 without a code: the legacy runtime."""
-    bash: bool | None = None
-    """``False`` once ``/bin/bash`` could not start (the image has none): strings run through
-    ``/bin/sh -c`` from then on."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,9 +119,10 @@ class RuntimeFeatures:
 
 
 def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
-    """The argv a command runs as: a string through ``/bin/bash -c`` (``shell=None`` or
-    ``True``) or split with shell-like rules (``shell=False``); a list as given (``shell=True``
-    is refused). Empty commands and NUL bytes are refused."""
+    """The argv a command runs as: a string through bash (:data:`SHELL`: ``bash -c``, or
+    ``/bin/sh -c`` where the sandbox has no bash; ``shell=None`` or ``True``) or split with
+    shell-like rules (``shell=False``); a list as given (``shell=True`` is refused). Empty
+    commands and NUL bytes are refused."""
     if isinstance(command, str):
         if "\0" in command:
             raise ValueError("The command contains a NUL byte (\\0); remove it.")
@@ -198,8 +198,6 @@ class StartPlan:
     cwd: str | None = None
     stdin: bool = False
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    shell_command: str | None = None
-    """The string, when it runs through a shell (the argv is then ``SHELL + [string]``)."""
 
     @classmethod
     def make(
@@ -219,21 +217,12 @@ class StartPlan:
                 "send_stdin(); start it with background=True."
             )
         argv = command_argv(command, shell)
-        through_shell = command if isinstance(command, str) and shell is not False else None
         limit, checked_envs, checked_cwd = (
             _check_timeout(timeout),
             _check_envs(envs),
             _check_cwd(cwd),
         )
-        return cls(argv, limit, checked_envs, checked_cwd, stdin, shell_command=through_shell)
-
-    def for_runtime(self, features: RuntimeFeatures) -> StartPlan:
-        """This plan, with ``/bin/sh -c`` for a string where ``/bin/bash`` is known to be
-        missing (and a new ``request_id``: it is another start)."""
-        if self.shell_command is None or features.bash is not False:
-            return self
-        argv = [*FALLBACK_SHELL, self.shell_command]
-        return dataclasses.replace(self, argv=argv, request_id=str(uuid.uuid4()))
+        return cls(argv, limit, checked_envs, checked_cwd, stdin)
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -248,11 +237,15 @@ class StartPlan:
             body["cwd"] = self.cwd
         return body
 
-    def needs_managed(self, background: bool) -> list[str]:
-        """The options a legacy runtime (``/execute`` only) cannot honour."""
-        wanted = {"background=True": background, "envs=": self.envs, "cwd=": self.cwd}
-        wanted["stdin=True"] = self.stdin
-        return [name for name, value in wanted.items() if value]
+    def managed_only(self, background: bool) -> tuple[str, ...]:
+        """The start options given that a legacy runtime (``/execute`` only) cannot honour."""
+        given = (
+            ("background", background),
+            ("stdin", self.stdin),
+            ("envs", bool(self.envs)),
+            ("cwd", self.cwd is not None),
+        )
+        return tuple(name for name, value in given if value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,13 +401,12 @@ def _drain() -> Op:
 
 
 def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> flow.Op[str]:
-    """``POST /commands`` (never retried); returns the command id. A runtime without the
-    endpoint is :class:`UnsupportedByRuntimeError` (known from an earlier answer: nothing is
-    sent)."""
-    plan = plan.for_runtime(features)
+    """``POST /commands`` of a background command (never retried); returns the command id. A
+    runtime without the endpoint is :class:`UnsupportedByRuntimeError` (the 404 means the
+    command did not start; known from an earlier answer: nothing is sent)."""
     command_id = None if features.managed is False else (yield from _start(target, plan, features))
     if command_id is None:
-        raise _unsupported(target, plan.needs_managed(True))
+        raise _unsupported(target, plan.managed_only(True))
     return command_id
 
 
@@ -442,12 +434,17 @@ def _lacks_commands(exc: errors.BrokerError) -> bool:
     return exc.status_code == 404 and exc.code is None
 
 
-def _unsupported(target: dp.DataTarget, names: list[str]) -> errors.UnsupportedByRuntimeError:
+def _unsupported(target: dp.DataTarget, names: tuple[str, ...]) -> errors.UnsupportedByRuntimeError:
+    given = "".join(f", {name}=..." for name in names)
     return errors.UnsupportedByRuntimeError(
-        f"The runtime of sandbox {target.sandbox_id!r} has no managed commands (POST /commands "
-        f"answered 404), so {', '.join(names) or 'this'} cannot be honoured. It needs a runtime "
-        "that speaks the managed-command protocol (the original package's runtime v0.3.0+, "
-        "or the local broker's runtime); a plain commands.run(cmd) still works."
+        f"commands.run(command{given}) cannot be honoured in sandbox {target.sandbox_id!r}: its "
+        "runtime has no managed commands (POST /commands answered 404), and "
+        f"{', '.join(names)} need{'s' if len(names) == 1 else ''} them: a runtime that serves "
+        "POST /commands (the original package's Python runtime v0.3.0+ behind broker v0.11.0+, "
+        "or the local broker's runtime). Nothing was run. Recreate the sandbox from a template "
+        "whose runtime is up to date; on this one only a plain commands.run(command) works "
+        "(through the legacy POST /execute, the output arriving when the command ends).",
+        options=names,
     )
 
 
@@ -457,14 +454,20 @@ def run(
     features: RuntimeFeatures,
     *,
     raise_on_timeout: bool = True,
+    live: tuple[str, ...] = (),
     clock: Callable[[], float] = time.monotonic,
 ) -> Op:
     """A foreground ``commands.run``: start, follow to the exit (emitting the output), and kill
     the command if the wait fails or is interrupted (Ctrl-C, a cancelled task, no exit in
-    time). Falls back to ``/execute`` on a legacy runtime."""
-    plan = plan.for_runtime(features)
+    time). On a legacy runtime (``POST /commands`` answered 404: the command did not start) a
+    plain run falls back to ``/execute``; one with an option only the managed protocol honours
+    (``live``: the names of the output callbacks given) is :class:`UnsupportedByRuntimeError`,
+    and nothing runs."""
     command_id = None if features.managed is False else (yield from _start(target, plan, features))
     if command_id is None:
+        managed_only = (*live, *plan.managed_only(False))
+        if managed_only:
+            raise _unsupported(target, managed_only)
         return (yield from _legacy(target, plan, raise_on_timeout))
     output = CommandOutput(command_id)
     deadline = clock() + plan.timeout + dp.COMMAND_TIMEOUT_MARGIN
@@ -477,25 +480,7 @@ def run(
         if isinstance(exc, errors.CommandWaitTimeoutError):
             raise _no_exit(target, plan.timeout, output.result()) from exc
         raise
-    if (yield from _bash_missing(target, plan, result)):
-        features.bash = False
-        return (yield from run(target, plan, features, raise_on_timeout=raise_on_timeout))
     return _checked(result, plan.timeout, raise_on_timeout)
-
-
-def _bash_missing(target: dp.DataTarget, plan: StartPlan, result: ExecutionResult) -> Op:
-    """Whether ``/bin/bash`` itself could not start: exit code 127 without output on stdout,
-    and the runtime reports no process (``pid`` null). Anything else is the command's own
-    result: a command that ran is never run again."""
-    if plan.argv[: len(SHELL)] != list(SHELL) or plan.shell_command is None:
-        return False
-    if result.exit_code != 127 or result.stdout or result.command_id is None:
-        return False
-    info: dp.CommandInfo = yield status(target, result.command_id)
-    if info.pid is not None:
-        return False
-    logger.info("/bin/bash could not start in sandbox %s; using /bin/sh", target.sandbox_id)
-    return True
 
 
 def _kill_quietly(target: dp.DataTarget, command_id: str) -> Op:
@@ -537,16 +522,10 @@ def _checked(result: ExecutionResult, limit: float, raise_on_timeout: bool) -> E
 
 def _legacy(target: dp.DataTarget, plan: StartPlan, raise_on_timeout: bool) -> Op:
     """The legacy ``POST /execute``: the argv quoted so that the runtime's shell-like split
-    rebuilds it (a string keeps its shell); the output arrives at the end."""
-    missing = plan.needs_managed(False)
-    if missing:
-        raise _unsupported(target, missing)
+    rebuilds it (a string keeps its shell)."""
     spec = dp.execute(target, shlex.join(plan.argv), command_timeout=plan.timeout)
     call = Call(spec, _execute_result, fail=_no_answer(target, plan.timeout))
     result: ExecutionResult = yield call
-    for kind, text in (("stdout", result.stdout), ("stderr", result.stderr)):
-        if text:
-            yield Emit(CommandEvent(kind, text, 0))
     return _checked(result, plan.timeout, raise_on_timeout)
 
 
@@ -620,6 +599,12 @@ class RunPlan:
     on_stdout: Callable[[str], Any] | None
     on_stderr: Callable[[str], Any] | None
     raise_on_timeout: bool
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        """The output callbacks given (a legacy runtime cannot stream: see :func:`run`)."""
+        given = (("on_stdout", self.on_stdout), ("on_stderr", self.on_stderr))
+        return tuple(name for name, callback in given if callback is not None)
 
 
 def plan_run(command: Any, timeout: float, background: bool, options: flow.RunOptions) -> RunPlan:

@@ -155,7 +155,8 @@ class Commands(SandboxPart[BrokerTransport]):
         """Run ``command`` and return its :class:`ExecutionResult` (a non-zero exit code is a
         result, not an exception), or with ``background=True`` its :class:`CommandHandle`.
 
-        A string runs through a shell (``/bin/bash -c``); a list is an argv run without a shell;
+        A string runs through a shell (bash, or ``/bin/sh`` where the sandbox has no bash); a
+        list is an argv run without a shell;
         ``shell=False`` splits a string with shell-like rules and runs it without a shell.
         Never put untrusted values into a shell string: pass an argv list instead.
         ``timeout``: the command's time limit in seconds (the runtime kills it after that;
@@ -165,8 +166,9 @@ class Commands(SandboxPart[BrokerTransport]):
         is produced. ``stdin=True`` (background only) opens a pipe for ``send_stdin``. If the
         wait fails or is interrupted (Ctrl-C, a timeout), the command is killed. The start is
         never retried. On a runtime without managed commands a plain run falls back to
-        ``/execute`` (same shell rules; the callbacks get the output at the end); the other
-        options raise :class:`UnsupportedByRuntimeError`.
+        ``/execute`` (same shell rules); ``on_stdout``, ``on_stderr``, ``envs``, ``cwd``,
+        ``background`` and ``stdin`` raise :class:`UnsupportedByRuntimeError` there (nothing
+        runs).
         """
         plan = cf.plan_run(command, timeout, background, options)
         if plan.background:
@@ -176,7 +178,11 @@ class Commands(SandboxPart[BrokerTransport]):
             return CommandHandle(self._transport, self._target, command_id)
         performer = _Performer(self._transport, plan.on_stdout, plan.on_stderr)
         op = cf.run(
-            self._target, plan.start, self._features, raise_on_timeout=plan.raise_on_timeout
+            self._target,
+            plan.start,
+            self._features,
+            raise_on_timeout=plan.raise_on_timeout,
+            live=plan.live,
         )
         result: ExecutionResult = performer.drive(op)
         return result

@@ -247,8 +247,14 @@ class CommandOutputLostError(BrokerError):
 
 
 class UnsupportedByRuntimeError(SandboxError, NotImplementedError):
-    """The sandbox's runtime is too old for what was asked (for example ``envs=``, ``cwd=`` or
-    ``background=True`` need the managed-command endpoints, ``POST /commands``)."""
+    """The sandbox's runtime is too old for what was asked: ``on_stdout``, ``on_stderr``,
+    ``envs``, ``cwd``, ``background`` and ``stdin`` of ``commands.run`` need the managed-command
+    endpoints (``POST /commands``). Raised before the command runs. ``options``: the names of
+    the options asked for that the runtime cannot honour."""
+
+    def __init__(self, message: str, *, options: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.options = options
 
 
 class SandboxReadyTimeoutError(SandboxNotReadyError):

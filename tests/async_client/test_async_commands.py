@@ -5,7 +5,7 @@ background commands waited concurrently from one event loop."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 import pytest
@@ -50,6 +50,45 @@ def test_shell_rules_envs_cwd_and_errors_before_sending(broker: Any) -> None:
                 with pytest.raises(ValueError):
                     await sandbox.commands.run(command, **options)
             assert broker.execution_count(sandbox.name) == 4  # only the four runs above
+
+    run(main())
+
+
+def test_strings_run_through_sh_in_a_sandbox_without_bash(
+    broker: Any, legacy_broker: Any, bashless_path: str
+) -> None:
+    """A sandbox whose PATH has no bash (``bashless_path``: what it simulates and what not):
+    foreground, background with stdin and the legacy /execute path run a string with /bin/sh,
+    once; with bash on the PATH the same strings run with bash."""
+    script = "echo ran >> count; echo ${BASH_VERSION:-sh}"
+
+    def shell(output: str) -> str:  # what ran the script: BASH_VERSION is a version number
+        return "bash" if output[:1].isdigit() else output.split()[0]
+
+    async def on_stdout(text: str) -> None:
+        chunks.append(text)
+
+    chunks: list[str] = []
+
+    async def main() -> None:
+        for env, expected in (({"PATH": bashless_path}, "sh"), ({}, "bash")):
+            async with await create(broker, **env) as sandbox:
+                result = await sandbox.commands.run(script, on_stdout=on_stdout)
+                assert shell(result.stdout) == expected and "".join(chunks) == result.stdout
+                handle = await sandbox.commands.run(
+                    f"read line; {script} $line", background=True, stdin=True
+                )
+                await handle.send_stdin("hi\n", eof=True)
+                waited = await handle.wait()
+                assert shell(waited.stdout) == expected and waited.stdout.endswith(" hi\n")
+                assert (await sandbox.commands.run(["cat", "count"])).stdout == "ran\nran\n"
+                assert broker.execution_count(sandbox.name) == 3  # one start each, no retry
+                chunks.clear()
+        legacy = legacy_broker.environ("kubernetes")
+        async with await AsyncSandbox.create(environ=legacy, env={"PATH": bashless_path}) as sb:
+            assert (await sb.commands.run(script)).stdout == "sh\n"
+            assert (await sb.commands.run(["cat", "count"])).stdout == "ran\n"
+            assert legacy_broker.execution_count(sb.name) == 3  # the 404, then 2 /execute
 
     run(main())
 
@@ -164,20 +203,61 @@ def test_64_background_commands_waited_concurrently(broker: Any) -> None:
     run(main())
 
 
-def test_forced_reconnects_lose_and_repeat_nothing(
-    broker: Any, long_output: tuple[list[str], str]
+class StreamRequests:
+    """Wraps an async transport's ``events``: the cursor (``after``) of every event-stream
+    request and the failures (dropped connections) the client saw while reading them."""
+
+    def __init__(self, events: Any) -> None:
+        self._events = events
+        self.cursors: list[int] = []
+        self.failures: list[Exception] = []
+
+    async def __call__(self, spec: Any) -> AsyncIterator[Any]:
+        self.cursors.append(int(spec.params["after"]))
+        try:
+            async for value in self._events(spec):
+                yield value
+        except Exception as exc:
+            self.failures.append(exc)
+            raise
+
+
+def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeats_nothing(
+    broker: Any, long_stream: Any, mid_line_drops: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    script, expected = long_output
+    """The "10-minute" stream (see the sync test): cut every 50 events, dropped inside a line
+    every 200 events, compared byte for byte, through a coroutine callback and async iteration."""
 
     async def main() -> None:
         async with await create(broker) as sandbox:
             broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
-            broker.drop_event_stream_mid_line(3, after_events=20, sandbox=sandbox.name)
+            inject = mid_line_drops(broker, sandbox.name)
+            streams = StreamRequests(sandbox.commands._transport.events)
+            monkeypatch.setattr(sandbox.commands._transport, "events", streams)
             chunks: list[str] = []
-            result = await sandbox.commands.run(script, on_stdout=chunks.append)
-            assert result.stdout == expected == "".join(chunks)
-            handle = await sandbox.commands.run(script, background=True)
-            assert "".join([e.data async for e in handle]) == expected
+
+            async def on_stdout(text: str) -> None:
+                chunks.append(text)
+                inject(len(chunks))
+
+            result = await sandbox.commands.run(long_stream.argv, on_stdout=on_stdout)
+            assert result.stdout == long_stream.expected == "".join(chunks)  # byte for byte
+            assert len(chunks) >= 1500  # that many events: the cuts are not vacuous
+            assert len(streams.cursors) >= len(chunks) // 50 >= 30  # a request per cut
+            assert len(streams.failures) >= 7  # the injected mid-line drops, survived
+            assert streams.cursors[0] == 0 and streams.cursors == sorted(streams.cursors)
+
+            handle = await sandbox.commands.run(long_stream.argv, background=True)
+            streams.cursors.clear()
+            streams.failures.clear()
+            events = []
+            async for event in handle:
+                events.append(event)
+                inject(1600 + len(events))
+            assert [e.seq for e in events] == list(range(1, len(events) + 1))  # no gap/repeat
+            assert "".join(e.data for e in events) == long_stream.expected
+            assert len(streams.cursors) >= 30 and len(streams.failures) >= 7
+            assert events[-1].type == "exit" and events[-1].exit_code == 0
 
     run(main())
 
@@ -189,8 +269,33 @@ def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker:
         async with await AsyncSandbox.create(environ=env) as sandbox:
             result = await sandbox.commands.run("echo a | tr a b")
             assert (result.stdout, result.command_id) == ("b\n", None)
-            with pytest.raises(UnsupportedByRuntimeError, match="POST /commands"):
-                await sandbox.commands.run("sleep 1", background=True)
+            assert legacy_broker.execution_count(sandbox.name) == 2  # the 404, then /execute
+
+    run(main())
+
+
+def test_options_an_old_runtime_cannot_honour_are_refused_and_nothing_runs(
+    legacy_broker: Any, managed_only_options: list[tuple[str, dict[str, Any]]]
+) -> None:
+
+    async def on_stderr(text: str) -> None:
+        pass
+
+    async def main() -> None:
+        env = legacy_broker.environ("kubernetes")
+        async with await AsyncSandbox.create(environ=env) as sandbox:
+            with pytest.raises(UnsupportedByRuntimeError) as info:  # learnt from the 404
+                await sandbox.commands.run("echo ran >> marker", on_stderr=on_stderr)
+            message = str(info.value)
+            for needle in ("on_stderr", "POST /commands", "v0.3.0", "v0.11.0", "Recreate"):
+                assert needle in message
+            assert info.value.options == ("on_stderr",)
+            for name, options in managed_only_options:  # remembered: refused before any request
+                with pytest.raises(UnsupportedByRuntimeError, match=rf"{name}.*Recreate"):
+                    await sandbox.commands.run("echo ran >> marker", **options)
+            assert legacy_broker.execution_count(sandbox.name) == 1  # the 404 only
+            check = await sandbox.commands.run("test -e marker && echo ran || echo never")
+            assert check.stdout == "never\n"  # the refused commands never ran
 
     run(main())
 

@@ -3,7 +3,8 @@ and its contiguity check, lost output, the collection cap, and when a stream is 
 
 from __future__ import annotations
 
-import json
+import os
+import subprocess
 import uuid
 from typing import Any
 
@@ -24,8 +25,8 @@ TARGET = RouterTarget("sbx")
 
 
 def test_argv_rules() -> None:
-    assert cf.command_argv("echo a | b", None) == ["/bin/bash", "-c", "echo a | b"]
-    assert cf.command_argv("echo a | b", True) == ["/bin/bash", "-c", "echo a | b"]
+    assert cf.command_argv("echo a | b", None) == [*cf.SHELL, "echo a | b"]
+    assert cf.command_argv("echo a | b", True) == [*cf.SHELL, "echo a | b"]
     assert cf.command_argv("echo 'a b' c", False) == ["echo", "a b", "c"]
     assert cf.command_argv(["ls", "-l"], None) == ["ls", "-l"]
     assert cf.command_argv(("ls",), False) == ["ls"]
@@ -40,7 +41,7 @@ def test_the_start_body_has_a_fresh_request_id_and_is_never_retried() -> None:
     one = cf.StartPlan.make("true", 5, envs={"A": "b"}, cwd="/tmp")
     two = cf.StartPlan.make("true", 5)
     assert one.body() == {
-        "command": ["/bin/bash", "-c", "true"],
+        "command": ["/bin/sh", "-c", cf.SHELL_SCRIPT, "sh", "true"],
         "timeout": 5.0,
         "request_id": one.request_id,
         "stdin": False,
@@ -175,76 +176,19 @@ def test_follow_stops_at_its_deadline_without_killing() -> None:
     assert info.value.command_id == "c1"  # and no kill was asked for: Script refuses any Call
 
 
-class BashlessRuntime:
-    """``/commands`` of a runtime whose image has no ``/bin/bash`` (scripted for FakeBroker):
-    a start of ``/bin/bash`` is a command that could not start (exit 127, no pid)."""
-
-    def __init__(self, fake: Any, *, pid_when_missing: int | None = None) -> None:
-        self.starts: list[list[str]] = []
-        self.commands: dict[str, dict[str, Any]] = {}
-        self.pid_when_missing = pid_when_missing
-        fake.route("POST", "/commands")(self.start)
-        for n in range(1, 6):
-            fake.route("GET", f"/commands/c{n}")(self.status)
-            fake.route("GET", f"/commands/c{n}/events")(self.events)
-
-    def start(self, request: Any) -> Any:
-        import httpx
-
-        argv = json.loads(request.content)["command"]
-        self.starts.append(argv)
-        command_id = f"c{len(self.starts)}"
-        if argv[0] == "/bin/bash":
-            reason = "cannot start '/bin/bash': No such file or directory\n"
-            self.commands[command_id] = {"pid": self.pid_when_missing, "out": ("stderr", reason)}
-            self.commands[command_id]["exit"] = 127
-        else:
-            self.commands[command_id] = {"pid": 42, "out": ("stdout", "ran\n"), "exit": 0}
-        return httpx.Response(200, json={"command_id": command_id})
-
-    def status(self, request: Any) -> Any:
-        import httpx
-
-        command_id = request.url.path.rsplit("/", 1)[1]
-        c = self.commands[command_id]
-        body = {
-            "command_id": command_id,
-            "state": "exited",
-            "exit_code": c["exit"],
-            "pid": c["pid"],
-        }
-        return httpx.Response(200, json=body)
-
-    def events(self, request: Any) -> Any:
-        import httpx
-
-        c = self.commands[request.url.path.split("/")[2]]
-        kind, data = c["out"]
-        lines = [
-            {"type": kind, "seq": 1, "data": data},
-            {"type": "exit", "seq": 2, "data": "", "exit_code": c["exit"], "state": "exited"},
-        ]
-        body = "".join(json.dumps(line) + "\n" for line in lines)
-        return httpx.Response(200, content=body, headers={"Content-Type": "application/x-ndjson"})
-
-
-def test_strings_fall_back_to_sh_where_bash_cannot_start(make_client: Any, fake: Any) -> None:
-    runtime = BashlessRuntime(fake)
-    sandbox = make_client().create_sandbox()
-    result = sandbox.commands.run("echo ran")
-    assert (result.stdout, result.exit_code) == ("ran\n", 0)
-    assert runtime.starts == [["/bin/bash", "-c", "echo ran"], ["/bin/sh", "-c", "echo ran"]]
-    sandbox.commands.run("echo again")  # remembered: straight to /bin/sh
-    sandbox.commands.run(["ls"])  # an argv is never rewritten
-    assert runtime.starts[2:] == [["/bin/sh", "-c", "echo again"], ["ls"]]
-
-
-def test_a_127_from_a_process_that_ran_is_a_result(make_client: Any, fake: Any) -> None:
-    runtime = BashlessRuntime(fake, pid_when_missing=7)  # a pid: something did start
-    sandbox = make_client().create_sandbox()
-    result = sandbox.commands.run("echo ran")
-    assert result.exit_code == 127 and "cannot start" in result.stderr
-    assert runtime.starts == [["/bin/bash", "-c", "echo ran"]]  # never run twice
+def test_the_shell_argv_runs_bash_or_sh_and_never_pastes_the_command(
+    bashless_path: str,
+) -> None:
+    """``SHELL + [command]`` run here: bash where the PATH has one, ``/bin/sh`` where it has
+    none (``bashless_path``); the command is an argument of the script, so quotes, ``$1`` and
+    ``;`` in it mean what they mean to the shell that runs it, and its exit code is kept."""
+    command = """printf '%s|' "$0" "$#" '$1"; echo injected' "${BASH_VERSION:+bash}"; exit 7"""
+    for path, name in ((os.environ["PATH"], "bash"), (bashless_path, "")):
+        argv = cf.command_argv(command, None)
+        env = {"PATH": path}
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        zero = "/bin/sh" if not name else "bash"
+        assert (done.stdout, done.returncode) == (f'{zero}|0|$1"; echo injected|{name}|', 7)
 
 
 def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:

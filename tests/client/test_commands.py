@@ -48,6 +48,46 @@ def test_a_string_runs_through_bash_and_a_list_is_an_argv(sandbox: Sandbox) -> N
     assert sandbox.commands.run("echo explicit", shell=True).stdout == "explicit\n"
 
 
+def test_every_string_command_runs_through_bash_and_once(broker: Any, sandbox: Sandbox) -> None:
+    before = broker.execution_count(sandbox.name)
+    assert sandbox.commands.run("echo ran >> count; echo ${BASH_VERSION:-sh}").stdout[0].isdigit()
+    handle = sandbox.commands.run(
+        "read line; echo ${BASH_VERSION:-sh} $line", background=True, stdin=True
+    )
+    handle.send_stdin("hi\n", eof=True)
+    assert handle.wait().stdout[0].isdigit() and handle.wait().stdout.endswith(" hi\n")
+    assert sandbox.commands.run("cat count").stdout == "ran\n"  # ran once
+    assert broker.execution_count(sandbox.name) == before + 3  # one start per command
+
+
+def test_strings_run_through_sh_in_a_sandbox_without_bash(
+    broker: Any, legacy_broker: Any, bashless_path: str
+) -> None:
+    """A sandbox whose PATH has no bash (``bashless_path``: what it simulates and what not):
+    foreground (with live output), background with stdin, and the legacy /execute path all run
+    a string with /bin/sh, once, with no retry."""
+    env = {"PATH": bashless_path}
+    with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sandbox:
+        chunks: list[str] = []
+        script = "echo ran >> count; echo ${BASH_VERSION:-sh} | tr a-z A-Z; exit 3"
+        result = sandbox.commands.run(script, on_stdout=chunks.append)
+        assert (result.stdout, result.exit_code, "".join(chunks)) == ("SH\n", 3, "SH\n")
+        handle = sandbox.commands.run(
+            "echo ran >> count; read line; echo ${BASH_VERSION:-sh} got $line",
+            background=True,
+            stdin=True,
+        )
+        handle.send_stdin("hi\n", eof=True)
+        assert handle.wait().stdout == "sh got hi\n"
+        assert sandbox.commands.run("cat count").stdout == "ran\nran\n"  # each ran once
+        assert broker.execution_count(sandbox.name) == 3  # one start each, no retry
+    with Sandbox.create(environ=legacy_broker.environ("kubernetes"), env=env) as sandbox:
+        result = sandbox.commands.run("echo ran >> count; echo ${BASH_VERSION:-sh} | tr s S")
+        assert (result.stdout, result.exit_code) == ("Sh\n", 0)
+        assert sandbox.commands.run(["cat", "count"]).stdout == "ran\n"
+        assert legacy_broker.execution_count(sandbox.name) == 3  # the 404, then 2 /execute
+
+
 @pytest.mark.parametrize(
     ("command", "options", "error", "match"),
     [
@@ -232,31 +272,61 @@ def test_the_running_limit_is_a_clear_error(sandbox: Sandbox) -> None:
 # ----------------------------------------------------------------------- long streams
 
 
-def test_forced_reconnects_lose_and_repeat_nothing(
+class StreamRequests:
+    """Wraps a transport's ``events``: the cursor (``after``) of every event-stream request and
+    the failures (dropped connections) the client saw while reading them."""
+
+    def __init__(self, events: Any) -> None:
+        self._events = events
+        self.cursors: list[int] = []
+        self.failures: list[Exception] = []
+
+    def __call__(self, spec: Any) -> Iterator[Any]:
+        self.cursors.append(int(spec.params["after"]))
+        try:
+            yield from self._events(spec)
+        except Exception as exc:
+            self.failures.append(exc)
+            raise
+
+
+def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeats_nothing(
     broker: Any,
     sandbox: Sandbox,
-    long_output: tuple[list[str], str],
+    long_stream: Any,
+    mid_line_drops: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    script, expected = long_output
+    """The "10-minute" stream: a proxy cut every 50 events (as every 20 s would be for an hour)
+    and a drop inside a line every 200 events, the output compared byte for byte."""
     broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
-    broker.drop_event_stream_mid_line(3, after_events=20, sandbox=sandbox.name)
-    transport: Any = sandbox.commands._transport
-    requests: list[str] = []
-    events = transport.events
-
-    def counting(spec: Any) -> Any:
-        requests.append(spec.params["after"])
-        return events(spec)
-
-    monkeypatch.setattr(transport, "events", counting)
+    inject = mid_line_drops(broker, sandbox.name)
+    streams = StreamRequests(sandbox.commands._transport.events)
+    monkeypatch.setattr(sandbox.commands._transport, "events", streams)
     chunks: list[str] = []
-    result = sandbox.commands.run(script, on_stdout=chunks.append)
-    assert len(requests) >= 5 and requests[0] == "0"  # cut every 50 events, dropped 3 times
-    assert result.stdout == expected == "".join(chunks)  # byte for byte
-    handle = sandbox.commands.run(script, background=True)
-    assert "".join(e.data for e in handle) == expected
-    assert handle.command_id in {c.command_id for c in sandbox.commands.list()}
+
+    def on_stdout(text: str) -> None:
+        chunks.append(text)
+        inject(len(chunks))
+
+    result = sandbox.commands.run(long_stream.argv, on_stdout=on_stdout)
+    assert result.stdout == long_stream.expected == "".join(chunks)  # byte for byte
+    assert len(chunks) >= 1500  # that many events: the cuts below are not vacuous
+    assert len(streams.cursors) >= len(chunks) // 50 >= 30  # re-requested at every cut
+    assert len(streams.failures) >= 7  # the injected mid-line drops, seen and survived
+    assert streams.cursors[0] == 0 and streams.cursors == sorted(streams.cursors)
+
+    handle = sandbox.commands.run(long_stream.argv, background=True)
+    streams.cursors.clear()
+    streams.failures.clear()
+    events = []
+    for event in handle:
+        events.append(event)
+        inject(1600 + len(events))
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat
+    assert "".join(e.data for e in events) == long_stream.expected
+    assert len(streams.cursors) >= 30 and len(streams.failures) >= 7
+    assert events[-1].type == "exit" and events[-1].exit_code == 0
 
 
 def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Path) -> None:
@@ -284,17 +354,50 @@ def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Path) -> N
 
 def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker: Any) -> None:
     with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
-        chunks: list[str] = []
-        result = sandbox.commands.run("echo a | tr a b; cd /tmp && pwd", on_stdout=chunks.append)
+        result = sandbox.commands.run("echo a | tr a b; cd /tmp && pwd")
         assert (result.stdout, result.exit_code, result.command_id) == ("b\n/tmp\n", 0, None)
-        assert chunks == ["b\n/tmp\n"]  # at the end: the legacy runtime does not stream
         assert sandbox.commands.run(["echo", "a | b"]).stdout == "a | b\n"
         assert sandbox.commands.run("printf '%s|' 'a b' c", shell=False).stdout == "a b|c|"
-        for options in ({"envs": {"A": "b"}}, {"cwd": "/tmp"}, {"background": True}):
-            with pytest.raises(UnsupportedByRuntimeError, match=r"POST /commands.*v0\.3\.0"):
-                sandbox.commands.run("true", **options)
-        assert isinstance(UnsupportedByRuntimeError("x"), NotImplementedError)
         assert legacy_broker.execution_count(sandbox.name) == 4  # 1 POST /commands + 3 /execute
+
+
+def test_options_an_old_runtime_cannot_honour_are_refused_and_nothing_runs(
+    legacy_broker: Any, managed_only_options: list[tuple[str, dict[str, Any]]]
+) -> None:
+    with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
+        # the first call learns from POST /commands' 404 that the runtime is old: it raises
+        # instead of running the command through /execute without live output
+        with pytest.raises(UnsupportedByRuntimeError) as info:
+            sandbox.commands.run("echo ran >> marker", on_stdout=print)
+        message = str(info.value)
+        for needle in ("on_stdout", "POST /commands", "v0.3.0", "v0.11.0", "Recreate"):
+            assert needle in message
+        assert info.value.options == ("on_stdout",)
+        assert isinstance(info.value, NotImplementedError)
+        assert legacy_broker.execution_count(sandbox.name) == 1  # the 404, no /execute
+        for name, options in managed_only_options:  # remembered: refused before any request
+            with pytest.raises(UnsupportedByRuntimeError, match=rf"{name}.*Recreate") as info:
+                sandbox.commands.run("echo ran >> marker", **options)
+            assert name in info.value.options
+        assert legacy_broker.execution_count(sandbox.name) == 1
+        check = sandbox.commands.run("test -e marker && echo ran || echo never")
+        assert check.stdout == "never\n"  # the refused commands never ran
+        assert legacy_broker.execution_count(sandbox.name) == 2  # straight to /execute
+
+
+def test_background_first_on_an_old_runtime_is_refused(legacy_broker: Any) -> None:
+    with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
+        with pytest.raises(UnsupportedByRuntimeError, match=r"background.*v0\.3\.0.*Recreate"):
+            sandbox.commands.run("echo ran >> marker", background=True, stdin=True)
+        assert sandbox.commands.run("test -e marker || echo never").stdout == "never\n"
+        assert legacy_broker.execution_count(sandbox.name) == 2  # the 404, then /execute
+
+
+def test_cli_run_on_an_old_runtime_prints_the_output_at_the_end(legacy_broker: Any) -> None:
+    proc = cli_run(legacy_broker, "sh", "-c", "echo out; echo err >&2; exit 3")
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, out) == (3, "out\n"), err
+    assert "err\n" in err and "Traceback" not in err
 
 
 def cli_run(broker: Any, *argv: str) -> subprocess.Popen[str]:

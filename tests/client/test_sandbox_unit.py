@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from k8s_agent_sandbox_awx import (
     SandboxFailedError,
     SandboxReadyTimeoutError,
 )
+from k8s_agent_sandbox_awx._command_flow import SHELL
 from k8s_agent_sandbox_awx._upstream import (
     ExecutionResult,
     SandboxClaimFailedError,
@@ -119,7 +121,7 @@ def test_commands_run(make_client: Any, fake: Any) -> None:
     assert isinstance(result, ExecutionResult)
     # a runtime without POST /commands (404, no code): /execute with the shell argv quoted
     assert [r.url.path for r in fake.requests[-2:]] == ["/commands", "/execute"]
-    assert result.stdout == "ran /bin/bash -c 'echo hi'\n"
+    assert result.stdout == f"ran {shlex.join([*SHELL, 'echo hi'])}\n"
     assert (result.state, result.command_id) == ("exited", None)
     execute = fake.requests[-1]
     assert execute.headers["X-Sandbox-ID"] == "sbx-1"
