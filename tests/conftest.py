@@ -159,27 +159,30 @@ def dialect_broker(broker: Any, dialect: str) -> Any:
 
 
 @pytest.fixture(scope="session")
-def _rpc_twins() -> Iterator[Callable[[str, Callable[..., Any]], Any]]:
-    """``twin(kind, start)``: the session's broker of ``kind`` that serves only ``/rpc``,
-    started on first use by ``start(protocols=("rpc",))`` (a context manager) and stopped at
-    the end of the session."""
-    started: dict[str, Any] = {}
+def _session_brokers() -> Iterator[Callable[[Callable[..., Any], str], Any]]:
+    """``get(start, dialect)``: the session's broker that ``start(**options)`` (a context
+    manager making a ``LocalBroker``) makes for ``dialect`` — under ``v1`` one that serves both
+    dialects, under ``rpc`` one that serves only ``/rpc`` — started on first use and stopped
+    at the end of the session."""
+    started: dict[tuple[Callable[..., Any], str], Any] = {}
     with contextlib.ExitStack() as stack:
 
-        def twin(kind: str, start: Callable[..., Any]) -> Any:
-            if kind not in started:
-                started[kind] = stack.enter_context(start(protocols=("rpc",)))
-            return started[kind]
+        def get(start: Callable[..., Any], dialect: str) -> Any:
+            if (start, dialect) not in started:
+                options = {} if dialect == "v1" else {"protocols": (dialect,)}
+                started[start, dialect] = stack.enter_context(start(**options))
+            return started[start, dialect]
 
-        yield twin
+        yield get
 
 
-def _session_for(request: pytest.FixtureRequest, v1_session: str, start: Callable[..., Any]) -> Any:
-    """The session broker ``v1_session``, or under ``rpc`` its ``/rpc``-only twin (``start``)."""
-    if dialect_of(request) == "v1":
-        return request.getfixturevalue(v1_session)
-    twin: Callable[[str, Callable[..., Any]], Any] = request.getfixturevalue("_rpc_twins")
-    return twin(v1_session, start)
+def _local_broker(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, start: Callable[..., Any]
+) -> Iterator[Any]:
+    """The session's broker made by ``start`` for the test's dialect, used as ``broker`` is."""
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    get = request.getfixturevalue("_session_brokers")
+    yield from _clean_use(get(start, dialect_of(request)), monkeypatch)
 
 
 UNAUTHORIZED_RUNTIME = Path(__file__).with_name("unauthorized_runtime.py")
@@ -207,13 +210,6 @@ def _runtime_401_local_broker(**options: Any) -> Iterator[Any]:
         yield made
 
 
-@pytest.fixture(scope="session")
-def _runtime_401_broker_session() -> Iterator[Any]:
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
-    with _runtime_401_local_broker() as session_broker:
-        yield session_broker
-
-
 @pytest.fixture
 def runtime_401_broker(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
@@ -223,9 +219,7 @@ def runtime_401_broker(
     runtime-style body (``tests/unauthorized_runtime.py``), and ``forging``: the same runtime
     whose 401 body imitates the broker's ``token_expired``. Reset and with a clean credential
     environment, like ``broker``; per dialect like ``broker``."""
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
-    made = _session_for(request, "_runtime_401_broker_session", _runtime_401_local_broker)
-    yield from _clean_use(made, monkeypatch)
+    yield from _local_broker(request, monkeypatch, _runtime_401_local_broker)
 
 
 LEGACY_RUNTIME = Path(__file__).with_name("legacy_runtime.py")
@@ -243,22 +237,13 @@ def _legacy_local_broker(**options: Any) -> Iterator[Any]:
         yield made
 
 
-@pytest.fixture(scope="session")
-def _legacy_broker_session() -> Iterator[Any]:
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
-    with _legacy_local_broker() as session_broker:
-        yield session_broker
-
-
 @pytest.fixture
 def legacy_broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A local broker (its own, for the session) whose sandboxes run an old runtime: the local
     runtime without the managed-command endpoints (``tests/legacy_runtime.py``; ``/commands``
     answers ``404`` without a code). Reset and with a clean credential environment; per
     dialect like ``broker``."""
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
-    made = _session_for(request, "_legacy_broker_session", _legacy_local_broker)
-    yield from _clean_use(made, monkeypatch)
+    yield from _local_broker(request, monkeypatch, _legacy_local_broker)
 
 
 def process_gone(pid: int, within: float = 10.0) -> bool:
@@ -320,22 +305,13 @@ def _files_local_broker(**options: Any) -> Iterator[Any]:
         yield made
 
 
-@pytest.fixture(scope="session")
-def _files_broker_session() -> Iterator[Any]:
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
-    with _files_local_broker() as session_broker:
-        yield session_broker
-
-
 @pytest.fixture
 def files_broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A local broker (its own, for the session) whose Kubernetes callers may use the templates
     ``python`` (the local runtime, with the file API) and ``legacy`` (``tests/legacy_runtime.py``:
     no ``/fs/*``); the policy caps lifetimes at ``FILES_POLICY_CAP`` (120) seconds. Reset and
     with a clean credential environment, like ``broker``; per dialect like ``broker``."""
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
-    made = _session_for(request, "_files_broker_session", _files_local_broker)
-    yield from _clean_use(made, monkeypatch)
+    yield from _local_broker(request, monkeypatch, _files_local_broker)
 
 
 def live_claims(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
