@@ -7,6 +7,7 @@ modules: what both suites use is provided here, as fixtures. ``tests/broker`` ov
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -31,7 +32,7 @@ from k8s_agent_sandbox_awx.testing import SDK_VARIABLES
 # ------------------------------------------------------------------------------ local broker
 
 
-_DETECTING = frozenset({"dialect_broker", "rpc_broker", "real_detection"})
+_DETECTING = frozenset({"dialect", "dialect_broker", "rpc_broker", "real_detection"})
 
 
 @pytest.fixture
@@ -45,8 +46,9 @@ def _forget_detected_dialects(
 ) -> Iterator[None]:
     """Each test finds out afresh which dialect a broker speaks (the SDK remembers it per
     broker URL for the life of the process). Scripted brokers speak v1 and serve no
-    ``/v1/healthz``: unless a test uses ``dialect_broker``, ``rpc_broker`` or
-    ``real_detection``, a broker whose dialect is not pinned is taken to speak v1 (no probe)."""
+    ``/v1/healthz``: unless a test runs per dialect (``dialect``, ``dialect_broker``) or uses
+    ``rpc_broker`` or ``real_detection``, a broker whose dialect is not pinned is taken to
+    speak v1 (no probe)."""
     from k8s_agent_sandbox_awx import _base, _dialects
 
     _dialects.forget_detected()
@@ -69,9 +71,12 @@ _CLEAN_ENV = (
 @pytest.fixture
 def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The session's local broker (the pytest plugin's ``sandbox_broker_session``), reset, with
-    a clean credential environment and cache."""
+    a clean credential environment and cache. In a test that runs per dialect (it uses the
+    fixture ``dialect``, e.g. through ``pytestmark = pytest.mark.usefixtures("dialect")``) the
+    broker for that dialect: see ``dialect_broker``."""
     pytest.importorskip("uvicorn", reason="needs the [local] extra")
-    yield from _clean_use(request.getfixturevalue("sandbox_broker_session"), monkeypatch)
+    name = "sandbox_broker_session" if dialect_of(request) == "v1" else "rpc_broker_session"
+    yield from _clean_use(request.getfixturevalue(name), monkeypatch)
 
 
 def _clean_use(session_broker: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
@@ -112,30 +117,80 @@ def rpc_broker(rpc_broker_session: Any, monkeypatch: pytest.MonkeyPatch) -> Iter
 
 @pytest.fixture(params=DIALECTS)
 def dialect(request: pytest.FixtureRequest) -> str:
-    """Each broker dialect in turn: the client end-to-end tests that take ``dialect_broker``
-    run once per dialect."""
+    """Each broker dialect in turn. A test that uses it (directly, through ``dialect_broker``,
+    or a whole module through ``pytestmark = pytest.mark.usefixtures("dialect")``) runs once
+    per dialect, and its local brokers (``broker``, ``files_broker``, ``legacy_broker``,
+    ``runtime_401_broker``) are the ones for that dialect: under ``rpc`` brokers that serve
+    only ``/rpc``, with the same templates and policies, which the client finds out itself.
+
+    A test that needs an operation a dialect lacks (``_dialect.FEATURES``) says so with
+    ``@pytest.mark.dialect_feature(FEATURE, ...)``: it is skipped, with that reason, under a
+    dialect without it."""
+    from k8s_agent_sandbox_awx._dialects import get_dialect
+
     name: str = request.param
+    marker = request.node.get_closest_marker("dialect_feature")
+    if marker is not None:
+        missing = [f for f in marker.args if f not in get_dialect(name).features]
+        if missing:
+            pytest.skip(
+                f"the {name!r} dialect lacks the {' and '.join(missing)} feature "
+                "(Dialect.features): "
+                + marker.kwargs.get("reason", "this test is about that operation")
+            )
+    return name
+
+
+def dialect_of(request: pytest.FixtureRequest) -> str:
+    """The dialect the requesting test runs under: its ``dialect`` parameter, else ``v1``."""
+    if "dialect" not in request.fixturenames:
+        return "v1"
+    name: str = request.getfixturevalue("dialect")
     return name
 
 
 @pytest.fixture
-def dialect_broker(
-    dialect: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Any]:
+def dialect_broker(broker: Any, dialect: str) -> Any:
     """The local broker for ``dialect``, reset, with a clean credential environment: ``v1`` the
     session broker (it serves both dialects; a client without configuration finds ``v1``),
-    ``rpc`` a broker that serves only ``/rpc`` (the client finds ``rpc``)."""
+    ``rpc`` a broker that serves only ``/rpc`` (the client finds ``rpc``). The same as
+    ``broker`` in a test that runs per dialect."""
+    del dialect  # requested for its parametrisation: ``broker`` follows it
+    return broker
+
+
+@pytest.fixture(scope="session")
+def _session_brokers() -> Iterator[Callable[[Callable[..., Any], str], Any]]:
+    """``get(start, dialect)``: the session's broker that ``start(**options)`` (a context
+    manager making a ``LocalBroker``) makes for ``dialect`` — under ``v1`` one that serves both
+    dialects, under ``rpc`` one that serves only ``/rpc`` — started on first use and stopped
+    at the end of the session."""
+    started: dict[tuple[Callable[..., Any], str], Any] = {}
+    with contextlib.ExitStack() as stack:
+
+        def get(start: Callable[..., Any], dialect: str) -> Any:
+            if (start, dialect) not in started:
+                options = {} if dialect == "v1" else {"protocols": (dialect,)}
+                started[start, dialect] = stack.enter_context(start(**options))
+            return started[start, dialect]
+
+        yield get
+
+
+def _local_broker(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, start: Callable[..., Any]
+) -> Iterator[Any]:
+    """The session's broker made by ``start`` for the test's dialect, used as ``broker`` is."""
     pytest.importorskip("uvicorn", reason="needs the [local] extra")
-    name = "sandbox_broker_session" if dialect == "v1" else "rpc_broker_session"
-    yield from _clean_use(request.getfixturevalue(name), monkeypatch)
+    get = request.getfixturevalue("_session_brokers")
+    yield from _clean_use(get(start, dialect_of(request)), monkeypatch)
 
 
 UNAUTHORIZED_RUNTIME = Path(__file__).with_name("unauthorized_runtime.py")
 
 
-@pytest.fixture(scope="session")
-def _runtime_401_broker_session() -> Iterator[Any]:
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+@contextlib.contextmanager
+def _runtime_401_local_broker(**options: Any) -> Iterator[Any]:
     from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
 
     templates: dict[str, str | list[str] | None] = {
@@ -152,44 +207,44 @@ def _runtime_401_broker_session() -> Iterator[Any]:
         max_sandboxes=5,
         max_lifetime_seconds=600,
     )
-    with LocalBroker(templates=templates, gitlab_policy=policy, warn=False) as session_broker:
-        yield session_broker
+    with LocalBroker(templates=templates, gitlab_policy=policy, warn=False, **options) as made:
+        yield made
 
 
 @pytest.fixture
 def runtime_401_broker(
-    _runtime_401_broker_session: Any, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Any]:
     """A local broker (its own, for the session) whose GitLab callers may also use the template
     ``unauthorized``: a runtime that answers every request but ``GET /`` with ``401`` and a
     runtime-style body (``tests/unauthorized_runtime.py``), and ``forging``: the same runtime
     whose 401 body imitates the broker's ``token_expired``. Reset and with a clean credential
-    environment, like ``broker``."""
-    yield from _clean_use(_runtime_401_broker_session, monkeypatch)
+    environment, like ``broker``; per dialect like ``broker``."""
+    yield from _local_broker(request, monkeypatch, _runtime_401_local_broker)
 
 
 LEGACY_RUNTIME = Path(__file__).with_name("legacy_runtime.py")
 
 
-@pytest.fixture(scope="session")
-def _legacy_broker_session() -> Iterator[Any]:
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+@contextlib.contextmanager
+def _legacy_local_broker(**options: Any) -> Iterator[Any]:
     from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
 
     templates: dict[str, str | list[str] | None] = {
         "legacy": [sys.executable, str(LEGACY_RUNTIME), "--port", "{port}"],
     }
     policy = Policy(templates=("legacy",), namespace="default", max_sandboxes=3)
-    with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False) as session_broker:
-        yield session_broker
+    with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False, **options) as made:
+        yield made
 
 
 @pytest.fixture
-def legacy_broker(_legacy_broker_session: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def legacy_broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A local broker (its own, for the session) whose sandboxes run an old runtime: the local
     runtime without the managed-command endpoints (``tests/legacy_runtime.py``; ``/commands``
-    answers ``404`` without a code). Reset and with a clean credential environment."""
-    yield from _clean_use(_legacy_broker_session, monkeypatch)
+    answers ``404`` without a code). Reset and with a clean credential environment; per
+    dialect like ``broker``."""
+    yield from _local_broker(request, monkeypatch, _legacy_local_broker)
 
 
 @pytest.fixture
@@ -300,9 +355,8 @@ def bashless_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 FILES_POLICY_CAP = 120
 
 
-@pytest.fixture(scope="session")
-def _files_broker_session() -> Iterator[Any]:
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+@contextlib.contextmanager
+def _files_local_broker(**options: Any) -> Iterator[Any]:
     from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
 
     templates: dict[str, str | list[str] | None] = {
@@ -315,17 +369,17 @@ def _files_broker_session() -> Iterator[Any]:
         max_sandboxes=10,
         max_lifetime_seconds=FILES_POLICY_CAP,
     )
-    with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False) as session:
-        yield session
+    with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False, **options) as made:
+        yield made
 
 
 @pytest.fixture
-def files_broker(_files_broker_session: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def files_broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A local broker (its own, for the session) whose Kubernetes callers may use the templates
     ``python`` (the local runtime, with the file API) and ``legacy`` (``tests/legacy_runtime.py``:
     no ``/fs/*``); the policy caps lifetimes at ``FILES_POLICY_CAP`` (120) seconds. Reset and
-    with a clean credential environment, like ``broker``."""
-    yield from _clean_use(_files_broker_session, monkeypatch)
+    with a clean credential environment, like ``broker``; per dialect like ``broker``."""
+    yield from _local_broker(request, monkeypatch, _files_local_broker)
 
 
 def live_claims(broker: Any, timeout: float = 10.0) -> list[dict[str, Any]]:

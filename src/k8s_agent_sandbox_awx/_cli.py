@@ -9,6 +9,7 @@ and the message (a list in it stays one item per line, indented) and exit non-ze
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -251,7 +252,10 @@ def _cmd_extend(args: argparse.Namespace) -> int:
     client = _client(args)
     try:
         lifetime = client.extend(args.name, math.ceil(args.seconds))
-        info = lifetime.info or client.get_info(args.name)
+        # a dialect whose answer has no state (/rpc): its status has no deadline, the answer has
+        info = lifetime.info or dataclasses.replace(
+            client.get_info(args.name), expires_at=lifetime.expires_at
+        )
     finally:
         client.close()
     if args.json:

@@ -23,8 +23,10 @@ from .errors import BrokerError, UnsupportedOperationError
 
 __all__ = [
     "FEATURES",
+    "LIFETIME",
     "LIST",
     "REPLAY_CREATE",
+    "SANDBOX_ENV",
     "WHOAMI",
     "CreateRequest",
     "Dialect",
@@ -40,9 +42,11 @@ REPLAY_CREATE = "idempotent_create"
 without it a create is never retried and an interrupted one cannot be looked up."""
 LIFETIME = "lifetime"
 """Feature: change a sandbox's lifetime (:meth:`Dialect.extend`)."""
-FEATURES = frozenset({LIST, WHOAMI, REPLAY_CREATE, LIFETIME})
+SANDBOX_ENV = "sandbox_env"
+"""Feature: environment variables for every command of a sandbox, given at create (``env=``)."""
+FEATURES = frozenset({LIST, WHOAMI, REPLAY_CREATE, LIFETIME, SANDBOX_ENV})
 """What a dialect may lack: listing my sandboxes, asking who I am, replaying a create,
-changing a sandbox's lifetime."""
+changing a sandbox's lifetime, a sandbox-wide environment."""
 
 
 @dataclass(frozen=True)

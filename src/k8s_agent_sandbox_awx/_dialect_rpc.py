@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from . import _dialect_v1 as v1
-from ._dialect import CreateRequest, Dialect, Lifetime
+from ._dialect import LIFETIME, CreateRequest, Dialect, Lifetime
 from ._protocol import (
     Call,
     Reply,
@@ -228,6 +228,12 @@ _HINTS = {
     413: "Send less data per request.",
     429: "Too many sandboxes or requests: kill the ones you no longer need, or retry later.",
 }
+_CREATE_400_HINT = (
+    " Of the create's fields, 'lifecycle' is the lifetime (timeout=, AGENT_SANDBOX_TTL_SECONDS; "
+    "default 300 s: a broker whose policy allows less needs a shorter one) and 'warmpool' the "
+    "template (template=, AGENT_SANDBOX_TEMPLATE or AGENT_SANDBOX_WARMPOOL)."
+)
+"""Added to a create's 400: the text names the wire field, the user set the SDK's."""
 
 
 def _op_of(spec: RequestSpec) -> str:
@@ -261,6 +267,8 @@ def error_from_response(
     if retry_after and status in (429, 503):
         extra += f" (Retry-After: {redact_answer(retry_after, secrets)[:40]})"
     hint = _HINTS.get(status, "Retry later; if it persists, contact the broker's operator.")
+    if status == 400 and _op_of(spec) == "create":
+        hint += _CREATE_400_HINT
     return cls(
         f"Could not {spec.what} (POST {RPC}, op {_op_of(spec)}): the broker answered "
         f"{status}: {text}{extra}. {hint}",
@@ -276,10 +284,11 @@ def error_from_response(
 
 
 class RpcDialect(Dialect):
-    """The ``/rpc`` dialect (no list, no whoami, no replay of a create)."""
+    """The ``/rpc`` dialect (no list, no whoami, no replay of a create, no sandbox-wide
+    environment)."""
 
     name = "rpc"
-    features = frozenset({"lifetime"})  # no list, no whoami, no replay of a create
+    features = frozenset({LIFETIME})  # no list, no whoami, no replay, no sandbox env
 
     def healthz(self) -> Call[Reply]:
         # No health op: any answer of the endpoint (405 to a GET) shows the broker is there.
@@ -293,9 +302,10 @@ class RpcDialect(Dialect):
         )
 
     def create(self, request: CreateRequest) -> RequestSpec:
-        if request.env:
+        if request.env:  # no SANDBOX_ENV feature
             raise self.unsupported(
-                "env=", "Set variables in the command instead (e.g. 'env K=V cmd')."
+                "env=",
+                "Give the variables to each command instead: commands.run(..., envs={...}).",
             )
         return create(request)
 

@@ -250,7 +250,7 @@ class Exchange:
         self.dialect = dialect
         self.spec = spec
         self.body = body
-        self.authenticate = authenticate
+        self.authenticate = authenticate and not spec.probe
         self._invalidate = invalidate
         self.attempt = 0
         self.auth_retried = False

@@ -194,7 +194,8 @@ class RequestSpec:
     delay: float = 0.0
     """Seconds to wait before the first attempt (the interval of a status poll)."""
     probe: bool = False
-    """Any answer below 500 is an answer, not an error (a probe reads the status itself)."""
+    """Any answer below 500 is an answer, not an error (a probe reads the status itself); sent
+    without a token (a health check, the dialect probe: they must work before one is usable)."""
 
 
 class Reply(Protocol):

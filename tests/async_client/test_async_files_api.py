@@ -15,6 +15,7 @@ import pytest
 from k8s_agent_sandbox_awx import AsyncSandbox, FileInfo, KubernetesAuth, WatchEvent
 from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
 from k8s_agent_sandbox_awx.errors import (
+    BrokerError,
     FileAPIUnsupportedError,
     LifetimeExceedsPolicyError,
     SandboxFileError,
@@ -23,7 +24,7 @@ from k8s_agent_sandbox_awx.errors import (
     SandboxPathError,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]  # once per dialect
 
 
 def _options(broker: Any, **extra: str) -> dict[str, Any]:
@@ -116,15 +117,21 @@ def test_watch_dir_sees_a_file_created_by_a_command(files_broker: Any) -> None:
     asyncio.run(_watch(broker=files_broker))
 
 
-async def _lifetime(broker: Any) -> None:
-    with pytest.raises(LifetimeExceedsPolicyError):
+async def _lifetime(broker: Any, dialect: str) -> None:
+    # past the cap: v1 refuses (LifetimeExceedsPolicyError), /rpc's create answers 400 and its
+    # extend cuts the deadline at the cap
+    with pytest.raises(LifetimeExceedsPolicyError if dialect == "v1" else BrokerError):
         await AsyncSandbox.create(**_options(broker))  # the default 300 s is over the cap
     sb = await AsyncSandbox.create(timeout=60, **_options(broker))
     try:
         info = await sb.get_info()
-        assert info.started_at is not None and await sb.is_running()
-        with pytest.raises(LifetimeExceedsPolicyError):
-            await sb.set_timeout(1000)
+        assert await sb.is_running()
+        if dialect == "v1":  # /rpc: .info has no times
+            assert info.started_at is not None
+            with pytest.raises(LifetimeExceedsPolicyError):
+                await sb.set_timeout(1000)
+        else:
+            assert (await sb.client.extend(sb.name, 1000)).capped
         deadline = rfc3339_seconds((await sb.set_timeout(2)).expires_at) or 0
         while await sb.is_running():
             assert time.time() < deadline + 5, "the broker did not delete the sandbox on time"
@@ -145,5 +152,5 @@ async def _lifetime(broker: Any) -> None:
         await idle.kill()
 
 
-def test_lifetime_set_timeout_and_keepalive(files_broker: Any) -> None:
-    asyncio.run(_lifetime(files_broker))
+def test_lifetime_set_timeout_and_keepalive(files_broker: Any, dialect: str) -> None:
+    asyncio.run(_lifetime(files_broker, dialect))

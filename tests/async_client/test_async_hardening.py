@@ -32,6 +32,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_a_401_from_behind_the_broker_never_replays_the_command(runtime_401_broker: Any) -> None:
     broker = runtime_401_broker
     env = broker.environ("gitlab")
@@ -65,6 +66,7 @@ def test_a_401_from_behind_the_broker_never_replays_the_command(runtime_401_brok
 EVERY_PROXY_VARIABLE = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy")
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_a_loopback_broker_never_goes_through_a_proxy(
     broker: Any, proxy: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,6 +176,7 @@ def test_a_token_echoed_by_the_server_never_shows_in_an_error(
 # ------------------------------------------------------------------------------ TLS and connect
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_a_certificate_failure_is_typed_never_retried_nor_replayed(
     broker: Any, wrong_ca_environ: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -247,6 +250,7 @@ FILE_OPERATIONS = [
 ] + [("exists", False), ("list", False)]
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_control_characters_in_a_path_are_always_refused(broker: Any) -> None:
     async def main() -> None:
         async with await AsyncSandbox.create(environ=broker.environ("kubernetes")) as sandbox:

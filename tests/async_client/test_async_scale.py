@@ -4,6 +4,7 @@ kill; one credential fetch for the whole run; nothing leaked (claims, runtimes, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import time
@@ -19,16 +20,21 @@ pytestmark = pytest.mark.e2e
 COUNT = 100
 
 
-@pytest.fixture(scope="module")
-def roomy_broker() -> Iterator[Any]:
-    """A local broker whose GitLab policy allows COUNT live sandboxes per caller (the default
-    policy allows 5)."""
-    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+@contextlib.contextmanager
+def _roomy(**options: Any) -> Iterator[Any]:
     from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
 
     policy = Policy(templates=("python",), namespace="gitlab-ci", max_sandboxes=COUNT + 10)
-    with LocalBroker(gitlab_policy=policy, warn=False) as broker:
+    with LocalBroker(gitlab_policy=policy, warn=False, **options) as broker:
         yield broker
+
+
+@pytest.fixture
+def roomy_broker(_session_brokers: Any, dialect: str) -> Any:
+    """A local broker (for the session, one per dialect) whose GitLab policy allows COUNT live
+    sandboxes per caller (the default policy allows 5)."""
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    return _session_brokers(_roomy, dialect)
 
 
 def _tcp_by_inode() -> dict[str, tuple[int, int, str]]:

@@ -510,6 +510,23 @@ def test_execute_through_the_broker_with_the_claim_header(ann: Rpc) -> None:
     assert resp.json()["stdout"] == "hello-rpc\n"
 
 
+def test_the_test_helpers_take_a_claim_name_for_its_sandbox(
+    rpc_broker: LocalBroker, ann: Rpc
+) -> None:
+    """Under /rpc the client's ``Sandbox.name`` is the claim: the broker's helpers that name a
+    sandbox accept it (so one end-to-end test serves both dialects)."""
+    claim, state = ann.ready_claim()
+    assert rpc_broker.sandbox_name(claim) == state["sandbox_name"]
+    assert rpc_broker.sandbox_name("sbx-other") == "sbx-other"  # not a claim: as it is
+    assert ann.execute(claim, state, "true").status_code == 200
+    assert rpc_broker.execution_count(claim) == rpc_broker.execution_count(state["sandbox_name"])
+    assert rpc_broker.execution_count(claim) == 1
+    assert rpc_broker.runtime_pid(claim) == rpc_broker.runtime_pid(state["sandbox_name"])
+    assert rpc_broker.runtime_pid(claim) is not None
+    rpc_broker.inject_unavailable(1, retry_after=0, sandbox=claim)  # the claim's sandbox only
+    assert ann.execute(claim, state, "true").status_code == 503
+
+
 def test_claim_header_is_required_and_must_be_bound(ann: Rpc) -> None:
     claim, state = ann.ready_claim()
     other, other_state = ann.ready_claim()

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx._cli import main
+from k8s_agent_sandbox_awx._dialect import LIST, WHOAMI
+from k8s_agent_sandbox_awx._dialects import get_dialect
 
 CLI = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli"]
 
@@ -38,6 +40,7 @@ def test_missing_broker_url_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys:
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_run_exit_code_becomes_the_process_exit_code(live: Any, broker: Any) -> None:
     env = {**os.environ, **broker.environ("kubernetes")}
     out = subprocess.run(
@@ -62,34 +65,54 @@ def test_run_exit_code_becomes_the_process_exit_code(live: Any, broker: Any) -> 
     assert live(broker) == []
 
 
+def unsupported(dialect: str, argv: list[str], capsys: Any) -> bool:
+    """Whether ``argv`` failed as an operation ``dialect`` lacks: exit 1, one line naming the
+    dialect (``UnsupportedOperationError``)."""
+    code, err = main(argv), capsys.readouterr().err
+    return code == 1 and "UnsupportedOperationError" in err and f"'{dialect}' dialect" in err
+
+
 @pytest.mark.e2e
-def test_whoami_ls_kill(broker: Any, use_env: Any, capsys: Any) -> None:
+def test_whoami_ls_kill(broker: Any, dialect: str, use_env: Any, capsys: Any, live: Any) -> None:
     env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
     use_env(env)
     token = Path(env["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
+    features = get_dialect(dialect).features
 
-    assert main(["whoami", "--json"]) == 0
-    who = json.loads(capsys.readouterr().out)
-    assert who["subject"] == "system:serviceaccount:team-a:agent"
-    assert main(["whoami"]) == 0
-    assert "provider:   kubernetes" in capsys.readouterr().out
+    if WHOAMI in features:
+        assert main(["whoami", "--json"]) == 0
+        who = json.loads(capsys.readouterr().out)
+        assert who["subject"] == "system:serviceaccount:team-a:agent"
+        assert main(["whoami"]) == 0
+        assert "provider:   kubernetes" in capsys.readouterr().out
+    else:
+        assert unsupported(dialect, ["whoami", "--json"], capsys)
+        assert unsupported(dialect, ["whoami"], capsys)
 
     from k8s_agent_sandbox_awx import Sandbox
 
     sandbox = Sandbox.create()
-    assert main(["ls", "--json"]) == 0
-    [item] = json.loads(capsys.readouterr().out)
-    assert item["name"] == sandbox.name and item["phase"] == "Ready"
-    assert main(["ls"]) == 0
-    assert sandbox.name in capsys.readouterr().out
+    if LIST in features:
+        assert main(["ls", "--json"]) == 0
+        [item] = json.loads(capsys.readouterr().out)
+        assert item["name"] == sandbox.name and item["phase"] == "Ready"
+        assert main(["ls"]) == 0
+        assert sandbox.name in capsys.readouterr().out
+    else:
+        assert unsupported(dialect, ["ls", "--json"], capsys)
+        assert unsupported(dialect, ["ls"], capsys)
     assert main(["kill", sandbox.name, "sbx-does-not-exist"]) == 0
     out = capsys.readouterr().out
-    assert f"{sandbox.name}: deleted" in out and "sbx-does-not-exist: already gone" in out
+    # /rpc's delete answers 204 for an absent claim too: it cannot tell "already gone"
+    gone = "already gone" if dialect == "v1" else "deleted"
+    assert f"{sandbox.name}: deleted" in out and f"sbx-does-not-exist: {gone}" in out
     sandbox.close_connection()
     assert token not in out
+    assert live(broker) == []
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_doctor_passes_and_redacts(broker: Any, use_env: Any, capsys: Any) -> None:
     env = broker.environ("gitlab")
     use_env(env)
@@ -115,22 +138,6 @@ def test_doctor_passes_and_redacts(broker: Any, use_env: Any, capsys: Any) -> No
 
 
 @pytest.mark.e2e
-def test_kill_ls_whoami_under_rpc(rpc_broker: Any, use_env: Any, capsys: Any, live: Any) -> None:
-    use_env(rpc_broker.environ("kubernetes"))
-    from k8s_agent_sandbox_awx import Sandbox
-
-    sandbox = Sandbox.create()
-    for command in ("ls", "whoami"):
-        assert main([command]) == 1
-        err = capsys.readouterr().err
-        assert "UnsupportedOperationError" in err and "'rpc' dialect" in err
-    assert main(["kill", sandbox.name]) == 0
-    assert f"{sandbox.name}: deleted" in capsys.readouterr().out
-    sandbox.close_connection()
-    assert live(rpc_broker) == []
-
-
-@pytest.mark.e2e
 def test_doctor_reports_the_dialect(
     dialect_broker: Any, dialect: str, use_env: Any, capsys: Any
 ) -> None:
@@ -147,6 +154,7 @@ def test_doctor_reports_the_dialect(
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_doctor_fails_with_hints(broker: Any, use_env: Any, capsys: Any) -> None:
     env = broker.environ("kubernetes")
     del env["AGENT_SANDBOX_CA_BUNDLE"]
@@ -257,6 +265,7 @@ def test_run_checks_its_timeouts_before_creating_a_sandbox(
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_doctor_reports_an_unusable_ca_bundle_as_a_check(
     broker: Any, use_env: Any, tmp_path: Path, capsys: Any
 ) -> None:
@@ -275,6 +284,7 @@ def test_doctor_reports_an_unusable_ca_bundle_as_a_check(
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_doctor_credentials_hint_fits_the_failure(broker: Any, use_env: Any, capsys: Any) -> None:
     """A token that was found but is refused (wrong audience) gets a hint about that token,
     not the advice to set up a token source."""
@@ -407,6 +417,7 @@ def test_allow_insecure_http_flag_reaches_a_loopback_http_broker(
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_run_json(broker: Any, use_env: Any, live: Any, capsys: Any) -> None:
     """``run --json``: one JSON object (documented in docs/client.md); the exit code is still
     the command's."""
@@ -430,7 +441,7 @@ def test_run_json(broker: Any, use_env: Any, live: Any, capsys: Any) -> None:
 
 
 @pytest.mark.e2e
-def test_kill_json(broker: Any, use_env: Any, capsys: Any) -> None:
+def test_kill_json(broker: Any, dialect: str, use_env: Any, capsys: Any) -> None:
     use_env(broker.environ("kubernetes"))
     from k8s_agent_sandbox_awx import Sandbox
 
@@ -439,7 +450,7 @@ def test_kill_json(broker: Any, use_env: Any, capsys: Any) -> None:
         assert main(["kill", "--json", sandbox.name, "sbx-does-not-exist"]) == 0
         assert json.loads(capsys.readouterr().out) == [
             {"name": sandbox.name, "deleted": True},
-            {"name": "sbx-does-not-exist", "deleted": False},
+            {"name": "sbx-does-not-exist", "deleted": dialect != "v1"},  # /rpc cannot tell
         ]
     finally:
         sandbox.close_connection()
@@ -481,7 +492,12 @@ def test_docs_describe_every_json_output() -> None:
 
 @pytest.mark.e2e
 def test_ls_time_left_extend_and_files(
-    broker: Any, use_env: Any, capsys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    broker: Any,
+    dialect: str,
+    use_env: Any,
+    capsys: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     use_env(broker.environ("kubernetes", namespace="team-a", service_account="agent"))
     from k8s_agent_sandbox_awx import Sandbox
@@ -489,15 +505,26 @@ def test_ls_time_left_extend_and_files(
     sandbox = Sandbox.create(timeout=120)
     try:
         name = sandbox.name
-        assert main(["ls"]) == 0
-        out = capsys.readouterr().out
-        assert "LEFT" in out.splitlines()[0] and ("1m" in out or "2m" in out)
-        assert main(["ls", "--json"]) == 0
-        assert 0 < json.loads(capsys.readouterr().out)[0]["seconds_left"] <= 120
+        if LIST in get_dialect(dialect).features:
+            assert main(["ls"]) == 0
+            out = capsys.readouterr().out
+            assert "LEFT" in out.splitlines()[0] and ("1m" in out or "2m" in out)
+            assert main(["ls", "--json"]) == 0
+            assert 0 < json.loads(capsys.readouterr().out)[0]["seconds_left"] <= 120
+        else:
+            assert unsupported(dialect, ["ls"], capsys)
         assert main(["extend", name, "300", "--json"]) == 0
-        assert 200 < json.loads(capsys.readouterr().out)["seconds_left"] <= 300
-        assert main(["extend", name, "100000"]) == 1  # over the policy cap: refused, explained
-        assert "lifetime_exceeds_policy" in capsys.readouterr().err
+        extended = json.loads(capsys.readouterr().out)
+        assert 200 < extended["seconds_left"] <= 300 and extended["capped"] is False
+        if dialect == "v1":
+            assert main(["extend", name, "100000"]) == 1  # over the policy cap: refused, explained
+            assert "lifetime_exceeds_policy" in capsys.readouterr().err
+        else:  # /rpc cuts the deadline at the cap (3600 s from creation) and says so
+            assert main(["extend", name, "100000", "--json"]) == 0
+            capped = json.loads(capsys.readouterr().out)
+            assert capped["capped"] is True and 3500 < capped["seconds_left"] <= 3600
+            assert main(["extend", name, "100000"]) == 0
+            assert "(cut at the policy's cap)" in capsys.readouterr().out
 
         local = tmp_path / "up.txt"
         local.write_bytes(b"from the cli")

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import CommandHandle, Sandbox
+from k8s_agent_sandbox_awx._dialect import SANDBOX_ENV
+from k8s_agent_sandbox_awx._dialects import get_dialect
 from k8s_agent_sandbox_awx._upstream import ExecutionResult
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
@@ -26,12 +28,13 @@ from k8s_agent_sandbox_awx.errors import (
     UnsupportedByRuntimeError,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]  # once per dialect
 
 
 @pytest.fixture
-def sandbox(broker: Any) -> Iterator[Sandbox]:
-    with Sandbox.create(environ=broker.environ("kubernetes"), env={"BASE_VAR": "base"}) as sb:
+def sandbox(broker: Any, dialect: str) -> Iterator[Sandbox]:
+    env = {"BASE_VAR": "base"} if SANDBOX_ENV in get_dialect(dialect).features else {}
+    with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sb:
         yield sb
 
 
@@ -120,7 +123,8 @@ def test_envs_merge_over_the_sandbox_environment_and_cwd_applies(sandbox: Sandbo
     result = sandbox.commands.run(
         'echo "$BASE_VAR $MINE"; pwd', envs={"MINE": "mine value"}, cwd="/tmp"
     )
-    assert result.stdout == "base mine value\n/tmp\n"
+    base = "base" if SANDBOX_ENV in sandbox.client.dialect.features else ""
+    assert result.stdout == f"{base} mine value\n/tmp\n"
     assert sandbox.commands.run('echo "[$MINE]"').stdout == "[]\n"  # per command
     with pytest.raises(BrokerError, match="400"):
         sandbox.commands.run("true", cwd="/no/such/dir")

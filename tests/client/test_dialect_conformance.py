@@ -12,7 +12,7 @@ import pytest
 
 from k8s_agent_sandbox_awx import BrokerConnectionConfig, BrokerSandboxClient, Sandbox
 from k8s_agent_sandbox_awx import _flow as flow
-from k8s_agent_sandbox_awx._dialect import LIST, WHOAMI, Dialect
+from k8s_agent_sandbox_awx._dialect import LIFETIME, LIST, SANDBOX_ENV, WHOAMI, Dialect
 from k8s_agent_sandbox_awx._dialect_v1 import V1Dialect
 from k8s_agent_sandbox_awx._dialects import DIALECTS, get_dialect
 from k8s_agent_sandbox_awx.errors import (
@@ -95,13 +95,20 @@ def test_what_a_dialect_lacks_is_a_typed_error_before_sending(
     client: BrokerSandboxClient, broker: Any
 ) -> None:
     dialect = client.dialect
-    for capability, call in ((LIST, client.list_sandboxes), (WHOAMI, client.whoami)):
+    before = len(broker.claims(include_deleted=True))
+    calls = (
+        (LIST, client.list_sandboxes),
+        (WHOAMI, client.whoami),
+        (SANDBOX_ENV, lambda: client.create_sandbox(env={"A": "b"})),
+    )
+    for capability, call in calls:
         if capability in dialect.features:
             continue
         with pytest.raises(UnsupportedOperationError) as info:
             call()
         assert info.value.dialect == dialect.name and isinstance(info.value, NotImplementedError)
         assert repr(dialect.name) in str(info.value)
+    assert len(broker.claims(include_deleted=True)) == before  # refused before creating
 
 
 def test_errors_are_typed(client: BrokerSandboxClient, broker: Any, dialect: str) -> None:
@@ -189,22 +196,66 @@ def plan_for(dialect: Dialect) -> flow.CreatePlan:
     return flow.plan_create(config, dialect, flow.SandboxSpec())
 
 
-def test_the_lifetime_is_set_moved_and_capped(client: BrokerSandboxClient) -> None:
-    """``timeout=`` at create and ``set_timeout``/``extend`` (the dialect's ``extend``): the
-    deadline moves both ways, past the policy cap is ``LifetimeExceedsPolicyError``."""
-    from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
-    from k8s_agent_sandbox_awx.errors import LifetimeExceedsPolicyError
+PAST_THE_CAP = {"v1": "refused", "rpc": "capped"}
+"""What each dialect documents for a new deadline past the policy's cap (counted from
+creation): ``v1`` refuses it (``LifetimeExceedsPolicyError``; nothing changes), ``/rpc`` cuts it
+at the cap and says so (``Lifetime.capped``). A new dialect declares its rule here."""
 
-    if "lifetime" not in client.dialect.features or client.dialect.name == "rpc":
-        # /rpc's status carries no deadline and its extend cuts at the cap instead of
-        # refusing: test_extend_moves_the_deadline covers it
-        pytest.skip(f"the {client.dialect.name!r} dialect has other lifetime semantics")
+
+def _claimed(broker: Any, sandbox: Sandbox) -> tuple[float, float]:
+    """``(created, deadline)`` of ``sandbox``'s claim as the broker keeps it (the claim is
+    named ``sandbox.name`` under every dialect)."""
+    from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
+
+    [claim] = [c for c in broker.claims() if c["metadata"]["name"] == sandbox.name]
+    created = rfc3339_seconds(claim["metadata"]["creationTimestamp"]) or 0
+    return created, rfc3339_seconds(claim["spec"]["lifecycle"]["shutdownTime"]) or 0
+
+
+def test_the_lifetime_is_set_moved_and_capped(
+    client: BrokerSandboxClient, broker: Any, dialect: str
+) -> None:
+    """``timeout=`` at create and ``set_timeout``/``extend`` (the dialect's ``extend``): the
+    deadline moves both ways; past the policy's cap each dialect does what it documents
+    (:data:`PAST_THE_CAP`); a create past the cap is refused by both (``/rpc``: a plain 400
+    that names the SDK's setting)."""
+    from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
+    from k8s_agent_sandbox_awx.errors import BrokerError, LifetimeExceedsPolicyError
+
+    needs(client, LIFETIME)
+    cap = broker.kubernetes.policy.max_lifetime_seconds
+    refused = LifetimeExceedsPolicyError if dialect == "v1" else BrokerError
+    with pytest.raises(refused) as over:
+        client.create_sandbox(shutdown_after_seconds=cap + 60)
+    assert str(cap) in str(over.value) and "AGENT_SANDBOX_TTL_SECONDS" in str(over.value)
+    assert [c for c in broker.claims() if not c["metadata"].get("deletionTimestamp")] == []
+
     sandbox = client.create_sandbox(shutdown_after_seconds=120)
+    created, deadline = _claimed(broker, sandbox)
+    assert deadline - created == pytest.approx(120, abs=1)
     left = sandbox.get_info().seconds_left()
-    assert left is not None and 100 < left <= 120
+    if dialect == "rpc":  # its status answer carries no deadline (docs/client.md)
+        assert left is None
+    else:
+        assert left is not None and 100 < left <= 120
     shorter = sandbox.set_timeout(30)
     assert (rfc3339_seconds(shorter.expires_at) or 0) <= time.time() + 31
-    assert (rfc3339_seconds(client.extend(sandbox.name, 200).expires_at) or 0) > time.time() + 150
-    with pytest.raises(LifetimeExceedsPolicyError):
-        sandbox.set_timeout(10**6)
+    assert _claimed(broker, sandbox)[1] == rfc3339_seconds(shorter.expires_at)
+    longer = client.extend(sandbox.name, 200)
+    assert (rfc3339_seconds(longer.expires_at) or 0) > time.time() + 150 and not longer.capped
+    assert _claimed(broker, sandbox)[1] == rfc3339_seconds(longer.expires_at)
+
+    rule = PAST_THE_CAP[dialect]
+    if rule == "refused":
+        with pytest.raises(LifetimeExceedsPolicyError):
+            sandbox.set_timeout(10**6)
+        with pytest.raises(LifetimeExceedsPolicyError):
+            client.extend(sandbox.name, 10**6)
+        assert _claimed(broker, sandbox)[1] == rfc3339_seconds(longer.expires_at)  # unchanged
+    else:
+        assert rule == "capped"
+        cut = client.extend(sandbox.name, 10**6)
+        assert cut.capped and rfc3339_seconds(cut.expires_at) == _claimed(broker, sandbox)[1]
+        assert rfc3339_seconds(cut.expires_at) == pytest.approx(created + cap, abs=1)
+        assert sandbox.set_timeout(10**6).expires_at == cut.expires_at  # no error either
     sandbox.kill()

@@ -14,9 +14,11 @@ import pytest
 from k8s_agent_sandbox_awx import (
     BrokerAuthenticationError,
     BrokerConnectionConfig,
+    BrokerPermissionError,
     BrokerSandboxClient,
     BrokerTLSError,
     BrokerUnavailableError,
+    BrokerWarmPoolNotFoundError,
     CommandTimeoutError,
     ConfigurationError,
     FileInfo,
@@ -25,6 +27,7 @@ from k8s_agent_sandbox_awx import (
     Sandbox,
     SandboxReadyTimeoutError,
 )
+from k8s_agent_sandbox_awx._dialect import LIST, REPLAY_CREATE
 from k8s_agent_sandbox_awx._upstream import (
     ExecutionResult,
     SandboxError,
@@ -38,6 +41,7 @@ STAMP = "broker.agent-sandbox-awx.io/"
 
 
 @pytest.mark.parametrize("kind", ["kubernetes", "gitlab"])
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_readme_example_zero_arg(
     live: Any, broker: Any, use_env: Any, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
@@ -57,7 +61,8 @@ def test_readme_example_zero_arg(
     assert annotations[STAMP + "provider"] == kind
     expected = "system:serviceaccount:team-a:agent" if kind == "kubernetes" else "project_path:"
     assert annotations[STAMP + "subject"].startswith(expected)
-    assert [i.name for i in Sandbox.list()] == [sandbox.name]
+    if LIST in sandbox.client.dialect.features:
+        assert [i.name for i in Sandbox.list()] == [sandbox.name]
     sandbox.kill()
     sandbox.kill()  # idempotent
     assert live(broker) == []
@@ -164,6 +169,8 @@ def test_retries_never_run_a_command_twice(dialect_broker: Any) -> None:
         assert broker.execution_count(name) == 2
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
+@pytest.mark.dialect_feature(REPLAY_CREATE, reason="a create is retried with its key")
 def test_create_is_retried_with_its_idempotency_key(broker: Any) -> None:
     env = broker.environ("kubernetes")
     before = len(broker.claims(include_deleted=True))
@@ -184,16 +191,19 @@ def test_ready_timeout_deletes_the_claim(live: Any, dialect_broker: Any) -> None
     assert len(broker.claims(include_deleted=True)) == before + 1
 
 
-def test_connect_and_errors(live: Any, broker: Any) -> None:
+def test_connect_and_errors(live: Any, broker: Any, dialect: str) -> None:
     env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
     with Sandbox.create(environ=env) as sandbox:
         again = Sandbox.connect(sandbox.name, environ=env)
         assert again.commands.run("echo hi").stdout == "hi\n"
         again.close_connection()
         other = broker.environ("kubernetes", namespace="team-b", service_account="intruder")
-        with pytest.raises(SandboxNotFoundError):
+        # another identity's sandbox: v1 does not disclose it (404), /rpc refuses it (403)
+        with pytest.raises(SandboxNotFoundError if dialect == "v1" else BrokerPermissionError):
             Sandbox.connect(sandbox.name, environ=other)
-    with pytest.raises(SandboxTemplateNotFoundError):
+    # /rpc: template= names the warm pool, which does not exist
+    missing = SandboxTemplateNotFoundError if dialect == "v1" else BrokerWarmPoolNotFoundError
+    with pytest.raises(missing):
         Sandbox.create(template="no-such-template", environ=env)
     assert live(broker) == []
 
@@ -223,6 +233,7 @@ def test_http_broker_url_is_rejected(broker: Any) -> None:
     assert len(broker.claims(include_deleted=True)) == before
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_tls_is_verified(broker: Any) -> None:
     env = broker.environ("kubernetes")
     del env["AGENT_SANDBOX_CA_BUNDLE"]
@@ -303,6 +314,8 @@ def test_seekable_upload_sends_exactly_the_declared_size(
         assert sandbox.files.read("f.bin") == path.read_bytes()[5:]
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
+@pytest.mark.dialect_feature(LIST, reason="upstream's list_active_sandboxes and the like")
 def test_code_written_for_the_upstream_client(live: Any, broker: Any) -> None:
     """Upstream SandboxClient usage, with only the import and the config changed."""
     from k8s_agent_sandbox_awx import BrokerSandboxClient as SandboxClient
@@ -331,19 +344,20 @@ def test_code_written_for_the_upstream_client(live: Any, broker: Any) -> None:
     assert live(broker) == []  # the context manager deleted the rest
 
 
-def test_quota_and_permission_errors_are_typed(broker: Any) -> None:
+def test_quota_and_permission_errors_are_typed(broker: Any, dialect: str) -> None:
     from k8s_agent_sandbox_awx import BrokerPermissionError, BrokerQuotaError
 
     env = broker.environ("kubernetes", namespace="team-q", service_account="agent")
     with BrokerSandboxClient(environ=env) as client:
-        for _ in range(5):  # the default policy's max_sandboxes
-            client.create_sandbox()
+        made = [client.create_sandbox() for _ in range(5)]  # the default policy's max_sandboxes
         before = len(broker.claims(include_deleted=True))
         with pytest.raises(BrokerQuotaError) as quota:
             client.create_sandbox()
-        assert quota.value.code == "quota_exceeded" and "kill" in str(quota.value)
+        # /rpc errors are plain text: no code
+        assert quota.value.code == ("quota_exceeded" if dialect == "v1" else None)
+        assert "kill" in str(quota.value)
         assert len(broker.claims(include_deleted=True)) == before  # nothing left behind
-        mine = client.list_active_sandboxes()[0][1]
+        mine = made[0].name
         other = broker.environ("kubernetes", namespace="team-q", service_account="intruder")
         with BrokerSandboxClient(environ=other) as intruder:
             handle = Sandbox(intruder, client.get_info(mine))
@@ -354,7 +368,7 @@ def test_quota_and_permission_errors_are_typed(broker: Any) -> None:
         assert broker.execution_count(mine) == 0
 
 
-def test_cleanup_true_deletes_at_exit(live: Any, broker: Any) -> None:
+def test_cleanup_true_deletes_at_exit(live: Any, broker: Any, dialect: str) -> None:
     import subprocess
     import sys
 
@@ -372,10 +386,11 @@ def test_cleanup_true_deletes_at_exit(live: Any, broker: Any) -> None:
         timeout=60,
         check=True,
     )
-    assert out.stdout.strip().startswith("sbx-")
+    assert out.stdout.strip().startswith("sbx-" if dialect == "v1" else "broker-")  # a claim
     assert live(broker) == []
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_iter_bytes_streams_a_file(broker: Any) -> None:
     import contextlib
 
@@ -392,6 +407,7 @@ def test_iter_bytes_streams_a_file(broker: Any) -> None:
         assert sandbox.commands.run("echo still fine").stdout == "still fine\n"
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_truncated_command_output_is_flagged(broker: Any, use_env: Any) -> None:
     """The runtime keeps the first 1 MiB of each stream (its status says it cut the rest); a
     followed command's result has everything, streamed live."""

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import FileInfo, KubernetesAuth, Sandbox, WatchEvent
+from k8s_agent_sandbox_awx._dialect import SANDBOX_ENV
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
     FileAPIUnsupportedError,
@@ -24,7 +25,7 @@ from k8s_agent_sandbox_awx.errors import (
     SandboxPathError,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]  # once per dialect
 
 
 @contextlib.contextmanager
@@ -112,6 +113,7 @@ def test_runtime_refusals_are_typed_errors(files_broker: Any) -> None:
                 files.remove(bad)
 
 
+@pytest.mark.dialect_feature(SANDBOX_ENV, reason="the runtime's read limit is set through it")
 def test_a_file_over_the_read_limit_is_read_through_download(files_broker: Any) -> None:
     with _sandbox(files_broker, env={"SANDBOX_FS_READ_MAX_BYTES": "1000"}) as sb:
         data = bytes(range(256)) * 20

@@ -28,6 +28,7 @@ from k8s_agent_sandbox_awx import (
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_a_401_from_behind_the_broker_never_replays_the_command(runtime_401_broker: Any) -> None:
     broker = runtime_401_broker
     env = broker.environ("gitlab")
@@ -51,6 +52,7 @@ def test_a_401_from_behind_the_broker_never_replays_the_command(runtime_401_brok
         assert len(fetches) == fetched  # the (valid) credential was not invalidated
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_a_runtime_that_imitates_a_token_rejection_never_gets_a_replay(
     runtime_401_broker: Any,
 ) -> None:
@@ -67,6 +69,7 @@ def test_a_runtime_that_imitates_a_token_rejection_never_gets_a_replay(
 EVERY_PROXY_VARIABLE = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy")
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_a_loopback_broker_never_goes_through_a_proxy(
     broker: Any, proxy: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -266,6 +269,7 @@ def test_a_token_echoed_by_the_server_never_shows_in_an_error(
 # ------------------------------------------------------------------------------ TLS and connect
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_a_certificate_failure_is_typed_never_retried_nor_replayed(
     broker: Any, wrong_ca_environ: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -445,6 +449,7 @@ FILE_OPERATIONS = [
 ] + [("exists", False), ("list", False)]
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_control_characters_in_a_path_are_always_refused(broker: Any) -> None:
     with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
         for path in CONTROL_PATHS:
@@ -459,6 +464,7 @@ def test_control_characters_in_a_path_are_always_refused(broker: Any) -> None:
 QUOTED_NAMES = ['say "hi".txt', "back\\slash.txt", 'both\\".txt']
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_a_path_with_a_quote_or_backslash_is_written_under_its_own_name(broker: Any) -> None:
     # the filename of the upload's Content-Disposition is a quoted-string: '"' was sent as
     # %22, which a multipart parser keeps, so the file was written as 'say %22hi%22.txt' (over

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import KubernetesAuth, Sandbox, SandboxInfo
+from k8s_agent_sandbox_awx._dialect import LIST
 from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
-from k8s_agent_sandbox_awx.errors import LifetimeExceedsPolicyError
+from k8s_agent_sandbox_awx.errors import BrokerError, LifetimeExceedsPolicyError
 
 pytestmark = pytest.mark.e2e
 
@@ -26,30 +27,53 @@ def _lifetime(info: SandboxInfo) -> float:
     return (rfc3339_seconds(info.expires_at) or 0) - (rfc3339_seconds(info.created_at) or 0)
 
 
-def test_timeout_default_environment_and_policy_cap(files_broker: Any) -> None:
-    with pytest.raises(LifetimeExceedsPolicyError) as over:
+def _claimed(broker: Any, sandbox: Sandbox) -> tuple[float, float]:
+    """``(created, deadline)`` of ``sandbox``'s claim as the broker keeps it (both dialects;
+    under ``/rpc`` ``.info`` has no times: the status answer has none)."""
+    [claim] = [c for c in broker.claims() if c["metadata"]["name"] == sandbox.name]
+    created = rfc3339_seconds(claim["metadata"]["creationTimestamp"]) or 0
+    return created, rfc3339_seconds(claim["spec"]["lifecycle"]["shutdownTime"]) or 0
+
+
+def test_timeout_default_environment_and_policy_cap(files_broker: Any, dialect: str) -> None:
+    # v1 refuses a lifetime past the cap (LifetimeExceedsPolicyError), /rpc's create answers 400
+    with pytest.raises(LifetimeExceedsPolicyError if dialect == "v1" else BrokerError) as over:
         Sandbox.create(**_options(files_broker))  # the default 300 s is over the 120 s cap
     message = str(over.value)
     assert "120" in message and "AGENT_SANDBOX_TTL_SECONDS" in message
     assert files_broker.claims() == []
     with Sandbox.create(**_options(files_broker, AGENT_SANDBOX_TTL_SECONDS="60")) as sb:
-        assert _lifetime(sb.info) == 60
+        created, deadline = _claimed(files_broker, sb)
+        assert deadline - created == pytest.approx(60, abs=1)  # /rpc: from the client's clock
+        if dialect == "v1":  # /rpc: .info has no times
+            assert _lifetime(sb.info) == 60
     with Sandbox.create(timeout=90, **_options(files_broker)) as sb:
         info = sb.get_info()
-        assert _lifetime(info) == 90 and info.started_at is not None
-        assert 0 < (info.seconds_left() or 0) <= 90
+        created, deadline = _claimed(files_broker, sb)
+        if dialect == "v1":
+            assert _lifetime(info) == 90 and info.started_at is not None
+            assert 0 < (info.seconds_left() or 0) <= 90
         assert sb.is_running()
-        with pytest.raises(LifetimeExceedsPolicyError, match="at most"):
-            sb.set_timeout(500)
-        assert sb.get_info().expires_at == info.expires_at  # nothing changed
+        if dialect == "v1":
+            with pytest.raises(LifetimeExceedsPolicyError, match="at most"):
+                sb.set_timeout(500)
+            assert sb.get_info().expires_at == info.expires_at  # nothing changed
+            assert _claimed(files_broker, sb) == (created, deadline)
+        else:  # /rpc cuts the deadline at the cap from creation
+            capped = sb.set_timeout(500)
+            assert rfc3339_seconds(capped.expires_at) == _claimed(files_broker, sb)[1]
+            assert _claimed(files_broker, sb)[1] == pytest.approx(created + 120, abs=1)
+            assert sb.client.extend(sb.name, 500).capped
         longer = sb.set_timeout(110.2)  # rounded up to whole seconds
-        assert (rfc3339_seconds(longer.expires_at) or 0) > (rfc3339_seconds(info.expires_at) or 0)
+        assert (rfc3339_seconds(longer.expires_at) or 0) > deadline
+        assert _claimed(files_broker, sb)[1] == rfc3339_seconds(longer.expires_at)
         assert sb.info == longer
         with pytest.raises(ValueError, match="positive"):
             sb.set_timeout(0)
     assert not sb.is_running()  # killed (its connections closed): no request needed
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_set_timeout_shortening_makes_the_broker_delete_it_on_time(files_broker: Any) -> None:
     sb = Sandbox.create(timeout=100, **_options(files_broker))
     try:
@@ -59,16 +83,19 @@ def test_set_timeout_shortening_makes_the_broker_delete_it_on_time(files_broker:
             assert time.time() < deadline + 5, "the broker did not delete the sandbox on time"
             time.sleep(0.2)
         assert time.time() >= deadline - 1
-        assert [i.name for i in Sandbox.list(**_options(files_broker))] == []
+        if LIST in sb.client.dialect.features:
+            assert [i.name for i in Sandbox.list(**_options(files_broker))] == []
+        assert [c for c in files_broker.claims() if c["metadata"]["name"] == sb.name] == []
     finally:
         sb.kill()
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_keepalive_keeps_a_busy_sandbox_and_lets_an_idle_one_expire(files_broker: Any) -> None:
     busy = Sandbox.create(timeout=3, keepalive=3, **_options(files_broker))
     idle = Sandbox.create(timeout=3, keepalive=3, **_options(files_broker))
     try:
-        idle_deadline = rfc3339_seconds(idle.info.expires_at) or 0
+        idle_deadline = _claimed(files_broker, idle)[1]
         until = time.time() + 7
         while time.time() < until:
             assert busy.files.exists("nothing") is False  # data-plane activity
@@ -81,6 +108,7 @@ def test_keepalive_keeps_a_busy_sandbox_and_lets_an_idle_one_expire(files_broker
         idle.kill()
 
 
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_keepalive_never_fails_the_operation(
     files_broker: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

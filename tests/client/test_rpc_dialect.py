@@ -19,9 +19,10 @@ from k8s_agent_sandbox_awx import (
     BrokerSandboxClient,
     Sandbox,
 )
-from k8s_agent_sandbox_awx._dialects import detected
+from k8s_agent_sandbox_awx._dialects import detected, forget_detected
 from k8s_agent_sandbox_awx._upstream import SandboxWarmPoolNotFoundError
 from k8s_agent_sandbox_awx.errors import (
+    AudienceMismatchError,
     BrokerPermissionError,
     BrokerWarmPoolNotFoundError,
     RequestTimeoutError,
@@ -208,6 +209,47 @@ def test_detection_is_one_probe_per_broker_and_process(creds: Any, real_detectio
     assert script.ops().count("/v1/healthz") == 1
     first.close()
     second.close()
+
+
+def test_the_probe_carries_no_token_and_needs_none(real_detection: None) -> None:
+    """Detection is one unauthenticated request: it is sent (and the broker's health and TLS
+    checked, e.g. by ``doctor``) even when no usable token is found; a token never rides on it."""
+    from k8s_agent_sandbox_awx import AsyncBrokerSandboxClient
+
+    class NoToken:
+        calls = 0
+
+        def get_credential(self, audience: str) -> Any:
+            NoToken.calls += 1
+            raise AudienceMismatchError("the token is for another service")
+
+        def invalidate(self, audience: str) -> None:
+            pass
+
+    seen: list[httpx.Request] = []
+
+    def script(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return RpcScript()(request)
+
+    config = BrokerConnectionConfig(broker_url="https://broker.test")
+    with BrokerSandboxClient(
+        config, auth=NoToken(), http_transport=httpx.MockTransport(script)
+    ) as client:
+        client.healthz()
+        assert client.dialect.name == "rpc"
+    forget_detected()
+
+    async def main() -> None:
+        async with AsyncBrokerSandboxClient(
+            config, auth=NoToken(), http_transport=httpx.MockTransport(script)
+        ) as client:
+            await client.healthz()
+            assert client.dialect.name == "rpc"
+
+    asyncio.run(main())
+    assert [r.url.path for r in seen] == ["/v1/healthz", "/rpc"] * 2
+    assert NoToken.calls == 0 and not any("authorization" in r.headers for r in seen)
 
 
 def test_a_pinned_dialect_sends_no_probe(creds: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,6 +76,7 @@ def test_events_stream_async() -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.usefixtures("dialect")  # once per dialect
 def test_events_stream_through_the_local_broker_sync_and_async(broker: Any) -> None:
     """A managed command's NDJSON events, streamed through the broker over real HTTPS by the
     one exchange (auth, the dialect's data-plane headers), sync and async."""

@@ -612,9 +612,23 @@ class LocalBroker:
         with app.lock:
             return [r.api() for r in app.sandboxes.values()]
 
+    def sandbox_name(self, name: str) -> str:
+        """The sandbox ``name`` names: under ``/rpc`` the client's ``Sandbox.name`` is the
+        claim name create returned (``broker-…``), which this maps to the sandbox bound to it;
+        any other name is returned as it is. Every method here that takes a sandbox name (or
+        ``sandbox=``) accepts either."""
+        app = self._require_app()
+        with app.lock:
+            bound = next(
+                (r.name for r in app.history if r.rpc is not None and r.rpc.claim_name == name),
+                None,
+            )
+        return bound or name
+
     def execution_count(self, name: str) -> int:
         """How many ``POST /execute`` requests the broker forwarded to sandbox ``name``."""
         app = self._require_app()
+        name = self.sandbox_name(name)
         with app.lock:
             record = app.sandboxes.get(name) or next(
                 (r for r in app.history if r.name == name), None
@@ -626,9 +640,13 @@ class LocalBroker:
     def runtime_pid(self, name: str) -> int | None:
         """The pid of sandbox ``name``'s runtime process (``None`` before it started)."""
         app = self._require_app()
+        name = self.sandbox_name(name)
         with app.lock:
             record = app.sandboxes.get(name)
         return record.handle.pid if record is not None and record.handle is not None else None
+
+    def _sandbox_or_none(self, name: str | None) -> str | None:
+        return None if name is None else self.sandbox_name(name)
 
     def delete_all(self) -> None:
         """Delete every sandbox now (all owners) and wait until their runtimes are gone."""
@@ -661,6 +679,7 @@ class LocalBroker:
         """
         if scope not in ("data", "control", "any"):
             raise ValueError("scope must be 'data', 'control' or 'any'")
+        sandbox = self._sandbox_or_none(sandbox)
         with self._faults.lock:
             self._faults.unavailable.append(
                 _UnavailableRule(count, retry_after, scope, path, sandbox)
@@ -669,6 +688,7 @@ class LocalBroker:
     def drop_connection_after_execute(self, count: int = 1, *, sandbox: str | None = None) -> None:
         """The next ``count`` ``POST /execute`` or ``POST /commands``: the command starts, the
         runtime answers, then the connection drops."""
+        sandbox = self._sandbox_or_none(sandbox)
         with self._faults.lock:
             self._faults.drops.append([count, sandbox])
 
@@ -689,6 +709,7 @@ class LocalBroker:
             raise ValueError(f"after_events must be an integer >= 1, not {after_events!r}")
         if after_seconds is not None and not after_seconds > 0:
             raise ValueError(f"after_seconds must be a number > 0, not {after_seconds!r}")
+        sandbox = self._sandbox_or_none(sandbox)
         with self._faults.lock:
             self._faults.event_cuts.insert(0, CutRule(after_events, after_seconds, sandbox))
 
@@ -701,6 +722,7 @@ class LocalBroker:
         sandbox's streams."""
         if isinstance(after_events, bool) or after_events < 0:
             raise ValueError(f"after_events must be an integer >= 0, not {after_events!r}")
+        sandbox = self._sandbox_or_none(sandbox)
         with self._faults.lock:
             self._faults.event_drops.append(DropRule(count, after_events, sandbox))
 
