@@ -58,6 +58,7 @@ def test_shell_rules_envs_cwd_and_errors_before_sending(broker: Any, dialect: st
     run(main())
 
 
+@pytest.mark.dialect_feature(SANDBOX_ENV, reason="the bash-less PATH is given through it")
 def test_strings_run_through_sh_in_a_sandbox_without_bash(
     broker: Any, legacy_broker: Any, bashless_path: str
 ) -> None:

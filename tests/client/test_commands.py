@@ -63,6 +63,7 @@ def test_every_string_command_runs_through_bash_and_once(broker: Any, sandbox: S
     assert broker.execution_count(sandbox.name) == before + 3  # one start per command
 
 
+@pytest.mark.dialect_feature(SANDBOX_ENV, reason="the bash-less PATH is given through it")
 def test_strings_run_through_sh_in_a_sandbox_without_bash(
     broker: Any, legacy_broker: Any, bashless_path: str
 ) -> None:
