@@ -10,7 +10,7 @@ killed. The operations are generators of steps (:data:`Step`), run by the one dr
 
 - a :class:`~._protocol.Call` (start, status, kill, stdin, the legacy ``/execute``): one request;
 - :class:`OpenEvents`: open the event stream of ``spec`` (closing the one before); the request is
-  sent when the first event is asked for;
+  sent when the first event is asked for (a foreground run's start is one: the streamed start);
 - :class:`NextEvent`: the next NDJSON value of the open stream, ``None`` when it ended cleanly; a
   dropped or stalled connection is raised (and thrown back into the operation);
 - :class:`Emit`: hand one output event to the caller (a callback, or an iterator's consumer);
@@ -68,6 +68,8 @@ MAX_STREAM_FAILURES = 5
 @dataclass(frozen=True)
 class OpenEvents:
     spec: proto.RequestSpec
+    json_answer: bool = False
+    """A plain ``application/json`` answer is one value (a runtime that does not stream it)."""
 
 
 @dataclass(frozen=True)
@@ -345,12 +347,15 @@ def follow(
     *,
     timeout: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    opened: bool = False,
 ) -> Op:
     """Follow ``output``'s command from its cursor to its exit event, yielding each output event
     (:class:`Emit`); returns its :class:`ExecutionResult`. The stream is re-requested with the
     cursor when it ends (every 20 s) or drops (a fresh token each time); a ``410`` goes on after
     the lost events. Past ``deadline`` (``clock`` time; ``timeout``: the wait's, for the
-    message) :class:`CommandWaitTimeoutError` is raised; the command is left running."""
+    message) :class:`CommandWaitTimeoutError` is raised; the command is left running.
+    ``opened``: a stream of the command's events from the cursor is open already (the rest of
+    a streamed start) and is read first."""
     failures = 0
     while output.exit is None:
         remaining = dp.EVENTS_DURATION if deadline is None else deadline - clock()
@@ -364,7 +369,9 @@ def follow(
             )
         duration = min(dp.EVENTS_DURATION, max(remaining, 0.05))
         position = output.cursor
-        yield OpenEvents(dp.command_events(target, output.command_id, position, duration))
+        if not opened:
+            yield OpenEvents(dp.command_events(target, output.command_id, position, duration))
+        opened = False
         while True:
             try:
                 value = yield _NEXT
@@ -425,12 +432,32 @@ def _start(
     try:
         command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
     except errors.BrokerError as exc:
-        if not _lacks_commands(exc):
-            raise
-        features.managed = False
+        _without_commands(features, exc)
         return None
     features.managed = True
     return command_id
+
+
+def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op:
+    """The streamed start: ``POST /commands`` whose answer is an event stream, its first value
+    the command id, then the command's events (left open for :func:`follow`); a runtime
+    without the extension answers that first value alone. ``None`` as :func:`_start`. Sent
+    once: a drop before the command id is raised, never retried."""
+    try:
+        yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
+        command_id = dp.parse_command_id((yield _NEXT))
+    except errors.BrokerError as exc:
+        _without_commands(features, exc)
+        return None
+    features.managed = True
+    return command_id
+
+
+def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> None:
+    """A start's error: re-raised, unless the runtime has no ``/commands`` (remembered)."""
+    if not _lacks_commands(exc):
+        raise exc
+    features.managed = False
 
 
 def _command_id(reply: proto.Reply) -> str:
@@ -461,15 +488,19 @@ def run(
 ) -> Op:
     """A foreground ``commands.run``: start, follow to the exit (emitting the output), and kill
     the command if the wait fails or is interrupted (Ctrl-C, a cancelled task, no exit in
-    time). Falls back to ``/execute`` on a legacy runtime."""
+    time). Falls back to ``/execute`` on a legacy runtime. The start asks for the streamed
+    start: its answer goes on with the command's events, read before any ``GET events``."""
     plan = plan.for_runtime(features)
-    command_id = None if features.managed is False else (yield from _start(target, plan, features))
+    managed = features.managed is not False
+    command_id = (yield from _start_streamed(target, plan, features)) if managed else None
     if command_id is None:
         return (yield from _legacy(target, plan, raise_on_timeout))
     output = CommandOutput(command_id)
     deadline = clock() + plan.timeout + dp.COMMAND_TIMEOUT_MARGIN
     try:
-        result: ExecutionResult = yield from follow(target, output, deadline, clock=clock)
+        result: ExecutionResult = yield from follow(
+            target, output, deadline, clock=clock, opened=True
+        )
     except GeneratorExit:
         raise
     except BaseException as exc:

@@ -403,6 +403,26 @@ class NdjsonDecoder:
         return [parse_json(rest, self.what)] if rest.strip() else []
 
 
+class JsonAnswerDecoder(NdjsonDecoder):
+    """A plain JSON answer (``application/json``) read as a stream of one value: the answer of
+    a runtime that does not stream a request that asked for NDJSON (the streamed start)."""
+
+    def feed(self, chunk: bytes) -> list[Any]:
+        self._pending += chunk
+        if len(self._pending) > self.max_line:
+            raise protocol_error(self.what, f"the answer is longer than {self.max_line} bytes")
+        return []
+
+
+def event_decoder(what: str, content_type: str | None, json_answer: bool) -> NdjsonDecoder:
+    """The decoder of a streamed answer: NDJSON, or with ``json_answer`` an answer labelled
+    ``application/json`` as one value."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if json_answer and media == "application/json":
+        return JsonAnswerDecoder(what)
+    return NdjsonDecoder(what)
+
+
 def json_object(body: bytes, what: str) -> dict[str, Any]:
     """``body`` as a JSON object, else a :class:`BrokerProtocolError`."""
     result = parse_json(body, what)

@@ -4,7 +4,11 @@ Standard library only (the runtime is forked per sandbox). The wire protocol (do
 docs/broker-api.md and openapi.json):
 
 - ``POST /commands`` ``{"command": [argv...], "timeout"?, "request_id"?, "stdin"?, "envs"?,
-  "cwd"?}`` -> ``{"command_id"}``; a repeated ``request_id`` returns the same command.
+  "cwd"?}`` -> ``{"command_id"}``; a repeated ``request_id`` returns the same command. With
+  ``Accept: application/x-ndjson`` (the streamed start) the answer is NDJSON instead: the line
+  ``{"command_id"}``, then the command's events as ``GET /commands/{id}/events?after=0`` sends
+  them, until the exit event or ``max_duration`` (``SANDBOX_COMMAND_STREAM_START=0``: off, as
+  a runtime without the extension).
 - ``GET /commands`` -> ``{"commands": [summary...]}``; ``GET /commands/{id}`` -> the status.
 - ``GET /commands/{id}/events?after=SEQ&duration=S`` -> NDJSON lines
   ``{"type": "stdout"|"stderr"|"exit"|"heartbeat", "seq", "data"}``.
@@ -81,6 +85,8 @@ class Limits:
     heartbeat_seconds: float = 2.0
     max_duration: float = 20.0
     follower_grace_seconds: float = FOLLOWER_GRACE_SECONDS
+    stream_start: bool = True
+    """Answer ``POST /commands`` with ``Accept: application/x-ndjson`` by a stream of events."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], max_timeout: float) -> Limits:
@@ -114,6 +120,7 @@ class Limits:
             ),
             max_timeout=max_timeout,
             default_timeout=min(cls.default_timeout, max_timeout),
+            stream_start=environ.get("SANDBOX_COMMAND_STREAM_START", "1") != "0",
         )
         if limits.max_handles < limits.max_running:
             raise ValueError(
@@ -296,6 +303,9 @@ class Handler(Protocol):
 
     path: str
 
+    @property
+    def headers(self) -> Any: ...
+
     def _read_json(self) -> Any: ...
 
     def _send_json(self, status: int, payload: Any) -> None: ...
@@ -348,7 +358,7 @@ class CommandManager:
                 if not isinstance(body, dict):
                     raise CommandError(400, "the body must be a JSON object")
             if method == "POST" and parts == []:
-                handler._send_json(200, {"command_id": self.start(body).command_id})
+                self._answer_start(handler, self.start(body))
             elif method == "GET" and parts == []:
                 handler._send_json(200, {"commands": self.list_commands()})
             elif method == "GET" and len(parts) == 1:
@@ -739,18 +749,23 @@ class CommandManager:
                     f"resume with after={first - 1} (the output is truncated)",
                     resume_after=first - 1,
                 ) from None
-        handler.send_response(200)
-        handler.send_header("Content-Type", "application/x-ndjson")
-        handler.send_header("Cache-Control", "no-store")
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
-        with contextlib.closing(self._lines(command, after, duration)) as lines:
-            try:
-                for chunk in lines:
-                    handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                handler.wfile.write(b"0\r\n\r\n")
-            except OSError:  # the reader went away
-                handler.close_connection = True
+        _send_ndjson(handler, self._lines(command, after, duration))
+
+    def _answer_start(self, handler: Handler, command: Command) -> None:
+        """``{"command_id"}``, or with ``Accept: application/x-ndjson`` (the streamed start)
+        that line followed by the command's events from the first one."""
+        started = {"command_id": command.command_id}
+        accept = handler.headers.get("Accept") or ""
+        if not self.limits.stream_start or "application/x-ndjson" not in accept:
+            handler._send_json(200, started)
+            return
+
+        def lines() -> Generator[bytes, None, None]:
+            yield _line(started)
+            with contextlib.closing(self._lines(command, 0, self.limits.max_duration)) as events:
+                yield from events
+
+        _send_ndjson(handler, lines())
 
     def _lines(self, command: Command, after: int, duration: float) -> Generator[bytes, None, None]:
         """Batches of NDJSON lines after ``after``, until the exit event or ``duration``."""
@@ -812,6 +827,22 @@ class CommandManager:
             if not batch and now - last_sent >= beat:
                 yield _line({"type": "heartbeat", "seq": cursor, "data": ""})
                 last_sent = now
+
+
+def _send_ndjson(handler: Handler, chunks: Generator[bytes, None, None]) -> None:
+    """A ``200`` NDJSON answer, each chunk sent as it comes (chunked transfer encoding)."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/x-ndjson")
+    handler.send_header("Cache-Control", "no-store")
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    with contextlib.closing(chunks):
+        try:
+            for chunk in chunks:
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            handler.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the reader went away
+            handler.close_connection = True
 
 
 def _query_number(
