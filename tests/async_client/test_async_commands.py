@@ -13,6 +13,7 @@ import pytest
 from k8s_agent_sandbox_awx import AsyncCommandHandle, AsyncSandbox
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
+    BrokerUnavailableError,
     CommandTimeoutError,
     CommandWaitTimeoutError,
     UnsupportedByRuntimeError,
@@ -178,6 +179,64 @@ def test_forced_reconnects_lose_and_repeat_nothing(
             assert result.stdout == expected == "".join(chunks)
             handle = await sandbox.commands.run(script, background=True)
             assert "".join([e.data async for e in handle]) == expected
+
+    run(main())
+
+
+def counted_streams(sandbox: AsyncSandbox, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``"POST"`` for each streamed start, the cursor for each ``GET events`` from now on."""
+    transport: Any = sandbox.commands._transport
+    opened: list[str] = []
+    events = transport.events
+
+    def counting(spec: Any, **options: Any) -> Any:
+        opened.append(spec.params.get("after", spec.method))
+        return events(spec, **options)
+
+    monkeypatch.setattr(transport, "events", counting)
+    return opened
+
+
+def test_the_streamed_start_is_live_resumes_after_a_drop_and_is_never_sent_twice(
+    broker: Any, long_output: tuple[list[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script, expected = long_output
+
+    async def main() -> None:
+        async with await create(broker) as sandbox:
+            opened = counted_streams(sandbox, monkeypatch)
+            states: list[str] = []
+
+            async def on_stdout(text: str) -> None:
+                if not states:
+                    states.append((await sandbox.commands.list())[-1].state)
+
+            first = await sandbox.commands.run("echo a; sleep 0.5; echo b", on_stdout=on_stdout)
+            assert (first.stdout, states, opened) == ("a\nb\n", ["running"], ["POST"])
+            broker.drop_event_stream_mid_line(1, after_events=1, sandbox=sandbox.name)
+            chunks: list[str] = []
+            result = await sandbox.commands.run(script, on_stdout=chunks.append)
+            assert result.stdout == expected == "".join(chunks)
+            assert opened == ["POST", "POST", "0"]  # dropped after the command id: resumed
+            broker.drop_event_stream_mid_line(1, after_events=0, sandbox=sandbox.name)
+            with pytest.raises(BrokerUnavailableError):
+                await sandbox.commands.run(["echo", "once"])
+            assert broker.execution_count(sandbox.name) == 3
+            assert list((await sandbox.commands.list())[-1].command) == ["echo", "once"]
+
+    run(main())
+
+
+def test_a_runtime_without_the_streamed_start_answers_json_and_events_follow(
+    broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        async with await create(broker, SANDBOX_COMMAND_STREAM_START="0") as sandbox:
+            opened = counted_streams(sandbox, monkeypatch)
+            chunks: list[str] = []
+            result = await sandbox.commands.run("echo a; exit 4", on_stdout=chunks.append)
+            assert (result.stdout, result.exit_code, chunks) == ("a\n", 4, ["a\n"])
+            assert opened == ["POST", "0"] and broker.execution_count(sandbox.name) == 1
 
     run(main())
 

@@ -21,6 +21,7 @@ from k8s_agent_sandbox_awx import CommandHandle, Sandbox
 from k8s_agent_sandbox_awx._upstream import ExecutionResult
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
+    BrokerUnavailableError,
     CommandTimeoutError,
     CommandWaitTimeoutError,
     UnsupportedByRuntimeError,
@@ -278,6 +279,96 @@ def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Path) -> N
         result = sandbox.commands.run(script, on_stdout=on_stdout)
         assert rotated.is_set()
         assert result.stdout == "".join(f"tick {i}\n" for i in range(1, 13))
+
+
+# ----------------------------------------------------------------------- the streamed start
+
+
+def streams_opened(sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The streams a sandbox's commands open from now on: ``"POST"`` for a streamed start, the
+    ``after`` cursor for ``GET /commands/{id}/events``."""
+    transport: Any = sandbox.commands._transport
+    opened: list[str] = []
+    events = transport.events
+
+    def counting(spec: Any, **options: Any) -> Any:
+        opened.append(spec.params.get("after", spec.method))
+        return events(spec, **options)
+
+    monkeypatch.setattr(transport, "events", counting)
+    return opened
+
+
+def test_the_streamed_start_delivers_the_output_live_in_one_request(
+    broker: Any,
+    sandbox: Sandbox,
+    long_output: tuple[list[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A foreground run asks for the streamed start: the answer to ``POST /commands`` goes on
+    with the command's events as they are produced, so no ``GET .../events`` is needed."""
+    opened = streams_opened(sandbox, monkeypatch)
+    states: list[str] = []
+
+    def on_stdout(text: str) -> None:
+        if not states:
+            states.append(sandbox.commands.list()[-1].state)
+
+    first = sandbox.commands.run("echo first; sleep 0.5; echo second", on_stdout=on_stdout)
+    assert (first.stdout, states) == ("first\nsecond\n", ["running"])  # live
+    script, expected = long_output
+    chunks: list[str] = []
+    result = sandbox.commands.run(script, on_stdout=chunks.append)
+    assert result.stdout == expected == "".join(chunks)  # byte for byte
+    assert opened == ["POST", "POST"]
+    assert broker.execution_count(sandbox.name) == 2
+
+
+@pytest.mark.parametrize("lines", [1, 6])
+def test_a_streamed_start_dropped_after_the_command_id_resumes_without_loss(
+    broker: Any,
+    sandbox: Sandbox,
+    long_output: tuple[list[str], str],
+    monkeypatch: pytest.MonkeyPatch,
+    lines: int,
+) -> None:
+    """The broker drops the streamed start inside the line after ``lines`` whole lines (the
+    command id, then events): the client goes on with ``GET events`` from its cursor; nothing
+    is lost or repeated and the start is not sent again."""
+    script, expected = long_output
+    broker.drop_event_stream_mid_line(1, after_events=lines, sandbox=sandbox.name)
+    opened = streams_opened(sandbox, monkeypatch)
+    chunks: list[str] = []
+    result = sandbox.commands.run(script, on_stdout=chunks.append)
+    assert result.stdout == expected == "".join(chunks)
+    assert opened[0] == "POST" and len(opened) == 2
+    assert opened[1] == "0" if lines == 1 else 0 < int(opened[1]) < lines
+    assert broker.execution_count(sandbox.name) == 1
+
+
+def test_a_streamed_start_dropped_before_the_command_id_is_raised_not_retried(
+    broker: Any, sandbox: Sandbox
+) -> None:
+    broker.drop_event_stream_mid_line(1, after_events=0, sandbox=sandbox.name)
+    with pytest.raises(BrokerUnavailableError):
+        sandbox.commands.run(["echo", "once"])
+    assert broker.execution_count(sandbox.name) == 1
+    assert [list(c.command) for c in sandbox.commands.list()] == [["echo", "once"]]  # ran once
+
+
+def test_a_runtime_without_the_streamed_start_answers_json_and_events_follow(
+    broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = {"SANDBOX_COMMAND_STREAM_START": "0"}  # the local runtime as one without it
+    with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sandbox:
+        opened = streams_opened(sandbox, monkeypatch)
+        chunks: list[str] = []
+        result = sandbox.commands.run(
+            "echo a; sleep 0.2; echo b >&2; exit 4", on_stdout=chunks.append
+        )
+        assert (result.stdout, result.stderr, result.exit_code) == ("a\n", "b\n", 4)
+        assert chunks == ["a\n"] and opened == ["POST", "0"]
+        assert broker.execution_count(sandbox.name) == 1
 
 
 # ----------------------------------------------------------------------- legacy runtimes
