@@ -115,6 +115,19 @@ def test_callbacks_get_the_output_while_the_command_runs(sandbox: Sandbox) -> No
     assert result.stdout == "first\nno newline" and result.stderr == "second\n"
 
 
+@pytest.mark.parametrize(
+    "text",
+    ['tab\there "quoted" back\\slash\r\nCR é€😀\u2028 end\n', "\x1b[31mred\x1b[0m \x01\x7f\n"],
+)
+def test_any_text_arrives_byte_for_byte(sandbox: Sandbox, text: str) -> None:
+    """The runtime escapes usual output with a few replaces and anything else (control
+    characters) with ``json``: both arrive as printed."""
+    chunks: list[str] = []
+    argv = [sys.executable, "-c", "import sys; sys.stdout.write(sys.argv[1])", text]
+    result = sandbox.commands.run(argv, on_stdout=chunks.append)
+    assert result.stdout == text == "".join(chunks)
+
+
 def test_invalid_utf8_is_replaced(sandbox: Sandbox) -> None:
     chunks: list[str] = []
     result = sandbox.commands.run(r"printf 'a\377b'", on_stdout=chunks.append)
