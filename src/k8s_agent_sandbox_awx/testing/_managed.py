@@ -141,6 +141,17 @@ def _timestamp(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _utf8_prefix(text: str, size: int) -> str:
+    """The longest start of ``text`` whose UTF-8 encoding has at most ``size`` bytes."""
+    if text.isascii():
+        return text[:size]
+    raw = text.encode()[: size + 1]
+    cut = min(size, len(raw))
+    while 0 < cut < len(raw) and raw[cut] & 0xC0 == 0x80:  # inside a character: back off
+        cut -= 1
+    return raw[:cut].decode()
+
+
 def _line(event: Mapping[str, Any]) -> bytes:
     return json.dumps(event, separators=(",", ":")).encode() + b"\n"
 
@@ -214,6 +225,18 @@ class Command:
 
     # -- events (callers hold ``cond``) --------------------------------------------------------
     def append(self, kind: str, data: str, size: int, limits: Limits, **extra: Any) -> None:
+        """Add an event (``size``: its UTF-8 bytes). Output that crosses the retention cap is
+        split there: exactly the first ``output_bytes`` are kept (whole characters)."""
+        room = limits.output_bytes - self.retained_size
+        if not extra and not self.output_truncated and 0 < room < size:
+            kept = _utf8_prefix(data, room)
+            if kept:
+                kept_size = len(kept) if kept.isascii() else len(kept.encode())
+                self._add(kind, kept, kept_size, limits)
+                data, size = data[len(kept) :], size - kept_size
+        self._add(kind, data, size, limits, **extra)
+
+    def _add(self, kind: str, data: str, size: int, limits: Limits, **extra: Any) -> None:
         self.last_seq += 1
         event = _Event(
             self.last_seq,
