@@ -229,6 +229,27 @@ def long_output() -> tuple[list[str], str]:
     return argv, "".join(f"line {i} of the long output\n" for i in range(1, 3001))
 
 
+@pytest.fixture
+def streams_opened(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], list[str]]:
+    """``streams_opened(sandbox)`` (sync or async): the list of the event streams its commands
+    open from then on: ``"POST"`` for a streamed start, the ``after`` cursor of each
+    ``GET /commands/{id}/events``."""
+
+    def watch(sandbox: Any) -> list[str]:
+        transport = sandbox.commands._transport
+        opened: list[str] = []
+        events = transport.events
+
+        def counting(spec: Any, **options: Any) -> Any:
+            opened.append(spec.params.get("after", spec.method))
+            return events(spec, **options)
+
+        monkeypatch.setattr(transport, "events", counting)
+        return opened
+
+    return watch
+
+
 FILES_POLICY_CAP = 120
 
 

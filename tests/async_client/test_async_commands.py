@@ -183,28 +183,14 @@ def test_forced_reconnects_lose_and_repeat_nothing(
     run(main())
 
 
-def counted_streams(sandbox: AsyncSandbox, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """``"POST"`` for each streamed start, the cursor for each ``GET events`` from now on."""
-    transport: Any = sandbox.commands._transport
-    opened: list[str] = []
-    events = transport.events
-
-    def counting(spec: Any, **options: Any) -> Any:
-        opened.append(spec.params.get("after", spec.method))
-        return events(spec, **options)
-
-    monkeypatch.setattr(transport, "events", counting)
-    return opened
-
-
 def test_the_streamed_start_is_live_resumes_after_a_drop_and_is_never_sent_twice(
-    broker: Any, long_output: tuple[list[str], str], monkeypatch: pytest.MonkeyPatch
+    broker: Any, long_output: tuple[list[str], str], streams_opened: Any
 ) -> None:
     script, expected = long_output
 
     async def main() -> None:
         async with await create(broker) as sandbox:
-            opened = counted_streams(sandbox, monkeypatch)
+            opened = streams_opened(sandbox)
             states: list[str] = []
 
             async def on_stdout(text: str) -> None:
@@ -228,11 +214,11 @@ def test_the_streamed_start_is_live_resumes_after_a_drop_and_is_never_sent_twice
 
 
 def test_a_runtime_without_the_streamed_start_answers_json_and_events_follow(
-    broker: Any, monkeypatch: pytest.MonkeyPatch
+    broker: Any, streams_opened: Any
 ) -> None:
     async def main() -> None:
         async with await create(broker, SANDBOX_COMMAND_STREAM_START="0") as sandbox:
-            opened = counted_streams(sandbox, monkeypatch)
+            opened = streams_opened(sandbox)
             chunks: list[str] = []
             result = await sandbox.commands.run("echo a; exit 4", on_stdout=chunks.append)
             assert (result.stdout, result.exit_code, chunks) == ("a\n", 4, ["a\n"])

@@ -250,20 +250,12 @@ def test_forced_reconnects_lose_and_repeat_nothing(
     broker: Any,
     sandbox: Sandbox,
     long_output: tuple[list[str], str],
-    monkeypatch: pytest.MonkeyPatch,
+    streams_opened: Any,
 ) -> None:
     script, expected = long_output
     broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
     broker.drop_event_stream_mid_line(3, after_events=20, sandbox=sandbox.name)
-    transport: Any = sandbox.commands._transport
-    requests: list[str] = []
-    events = transport.events
-
-    def counting(spec: Any, **options: Any) -> Any:
-        requests.append(spec.params.get("after", spec.method))
-        return events(spec, **options)
-
-    monkeypatch.setattr(transport, "events", counting)
+    requests = streams_opened(sandbox)
     chunks: list[str] = []
     result = sandbox.commands.run(script, on_stdout=chunks.append)
     assert len(requests) >= 5 and requests[0] == "POST"  # cut every 50 events, dropped 3 times
@@ -297,30 +289,15 @@ def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Path) -> N
 # ----------------------------------------------------------------------- the streamed start
 
 
-def streams_opened(sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The streams a sandbox's commands open from now on: ``"POST"`` for a streamed start, the
-    ``after`` cursor for ``GET /commands/{id}/events``."""
-    transport: Any = sandbox.commands._transport
-    opened: list[str] = []
-    events = transport.events
-
-    def counting(spec: Any, **options: Any) -> Any:
-        opened.append(spec.params.get("after", spec.method))
-        return events(spec, **options)
-
-    monkeypatch.setattr(transport, "events", counting)
-    return opened
-
-
 def test_the_streamed_start_delivers_the_output_live_in_one_request(
     broker: Any,
     sandbox: Sandbox,
     long_output: tuple[list[str], str],
-    monkeypatch: pytest.MonkeyPatch,
+    streams_opened: Any,
 ) -> None:
     """A foreground run asks for the streamed start: the answer to ``POST /commands`` goes on
     with the command's events as they are produced, so no ``GET .../events`` is needed."""
-    opened = streams_opened(sandbox, monkeypatch)
+    opened = streams_opened(sandbox)
     states: list[str] = []
 
     def on_stdout(text: str) -> None:
@@ -342,7 +319,7 @@ def test_a_streamed_start_dropped_after_the_command_id_resumes_without_loss(
     broker: Any,
     sandbox: Sandbox,
     long_output: tuple[list[str], str],
-    monkeypatch: pytest.MonkeyPatch,
+    streams_opened: Any,
     lines: int,
 ) -> None:
     """The broker drops the streamed start inside the line after ``lines`` whole lines (the
@@ -350,7 +327,7 @@ def test_a_streamed_start_dropped_after_the_command_id_resumes_without_loss(
     is lost or repeated and the start is not sent again."""
     script, expected = long_output
     broker.drop_event_stream_mid_line(1, after_events=lines, sandbox=sandbox.name)
-    opened = streams_opened(sandbox, monkeypatch)
+    opened = streams_opened(sandbox)
     chunks: list[str] = []
     result = sandbox.commands.run(script, on_stdout=chunks.append)
     assert result.stdout == expected == "".join(chunks)
@@ -370,11 +347,11 @@ def test_a_streamed_start_dropped_before_the_command_id_is_raised_not_retried(
 
 
 def test_a_runtime_without_the_streamed_start_answers_json_and_events_follow(
-    broker: Any, monkeypatch: pytest.MonkeyPatch
+    broker: Any, streams_opened: Any
 ) -> None:
     env = {"SANDBOX_COMMAND_STREAM_START": "0"}  # the local runtime as one without it
     with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sandbox:
-        opened = streams_opened(sandbox, monkeypatch)
+        opened = streams_opened(sandbox)
         chunks: list[str] = []
         result = sandbox.commands.run(
             "echo a; sleep 0.2; echo b >&2; exit 4", on_stdout=chunks.append
