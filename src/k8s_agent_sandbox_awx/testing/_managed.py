@@ -50,11 +50,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-READ_SIZE = 256 * 1024
+READ_SIZE = 128 * 1024
 """The most one read of a command's pipe takes (what is there now: a read never waits to fill),
 and the capacity asked for its stdout and stderr pipes (Linux ``F_SETPIPE_SZ``; the default is
 64 KiB): a fast command writes ahead while the last read is handed on, in fewer, larger events.
-Both are at most a quarter of the live window (see ``_read_size``)."""
+Both are at most an eighth of the live window (see ``_read_size``)."""
 BATCH_BYTES = 256 * 1024
 TIMEOUT_EXIT_CODE = 124
 KILLED_EXIT_CODE = 128 + signal.SIGKILL
@@ -263,12 +263,12 @@ class Command:
 
     def evict(self, limits: Limits) -> bool:
         """Drop the window's oldest events beyond its size, but never one that a follower has
-        not sent (then ``True``: the reader waits), and the half window a follower sent last
-        (it may still be in flight when the connection breaks) only to stay within 1.5 times
-        the window's size."""
+        not sent (then ``True``: the reader waits), and the last window's size a follower sent
+        (it may still be in flight when the connection breaks) only to stay within twice the
+        window's size."""
         horizon = time.monotonic() - limits.follower_grace_seconds
         self.followers = [f for f in self.followers if f.ended_at is None or f.ended_at > horizon]
-        slack = limits.window_bytes // 2
+        slack = limits.window_bytes
         slowest: int | None = None
         keep_from: int | None = None  # output offset: what ends after it was sent just now
         for follower in self.followers:
@@ -673,9 +673,9 @@ class CommandManager:
         return bool(data)
 
     def _read_size(self) -> int:
-        """``READ_SIZE``, or a quarter of the live window if less: the window keeps several
+        """``READ_SIZE``, or an eighth of the live window if less: the window keeps several
         events, and what a command wrote ahead into its pipe stays small beside it."""
-        return max(4096, min(READ_SIZE, self.limits.window_bytes // 4))
+        return max(4096, min(READ_SIZE, self.limits.window_bytes // 8))
 
     def _finish(self, command: Command, exit_code: int, state: str) -> None:
         """Record the end and the ``exit`` event (the caller holds ``command.cond``)."""
