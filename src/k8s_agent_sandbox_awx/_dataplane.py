@@ -589,6 +589,16 @@ class DownloadMeter:
     def error(self, exc: Exception, *, timed_out: bool) -> BrokerError:
         """The typed error for a stream broken by ``exc`` (``timed_out``: it stalled)."""
         spec = self.spec
+        if not spec.retryable:  # the answer of a request that ran (a streamed start)
+            how = "stalled" if timed_out else f"broke ({type(exc).__name__})"
+            kind = RequestTimeoutError if timed_out else BrokerUnavailableError
+            return kind(
+                f"Could not {spec.what}: the connection {how} while its answer was read. The "
+                "request reached the sandbox; it is not retried because it is not idempotent "
+                "(a command could run twice). Retry if that is safe.",
+                method=spec.method,
+                path=spec.path,
+            )
         if timed_out:
             return RequestTimeoutError(
                 f"Could not read {self.src!r}: the download stalled after {self.total} bytes. "

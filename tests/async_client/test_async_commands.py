@@ -205,7 +205,7 @@ def test_the_streamed_start_is_live_resumes_after_a_drop_and_is_never_sent_twice
             assert result.stdout == expected == "".join(chunks)
             assert opened == ["POST", "POST", "0"]  # dropped after the command id: resumed
             broker.drop_event_stream_mid_line(1, after_events=0, sandbox=sandbox.name)
-            with pytest.raises(BrokerUnavailableError):
+            with pytest.raises(BrokerUnavailableError, match=r"start a command.*not idempotent"):
                 await sandbox.commands.run(["echo", "once"])
             assert broker.execution_count(sandbox.name) == 3
             assert list((await sandbox.commands.list())[-1].command) == ["echo", "once"]

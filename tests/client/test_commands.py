@@ -340,7 +340,7 @@ def test_a_streamed_start_dropped_before_the_command_id_is_raised_not_retried(
     broker: Any, sandbox: Sandbox
 ) -> None:
     broker.drop_event_stream_mid_line(1, after_events=0, sandbox=sandbox.name)
-    with pytest.raises(BrokerUnavailableError):
+    with pytest.raises(BrokerUnavailableError, match=r"start a command.*not idempotent"):
         sandbox.commands.run(["echo", "once"])
     assert broker.execution_count(sandbox.name) == 1
     assert [list(c.command) for c in sandbox.commands.list()] == [["echo", "once"]]  # ran once
