@@ -281,6 +281,24 @@ def _process_gone() -> Callable[..., bool]:
     return process_gone
 
 
+LONG_OUTPUT = """
+import sys, time
+for i in range(1, 3001):
+    sys.stdout.write(f"line {i} of the long output\\n")
+    if i % 10 == 0:
+        sys.stdout.flush()
+        time.sleep(0.003)  # a pause every 10 lines: hundreds of events, not a few big reads
+"""
+
+
+@pytest.fixture
+def long_output() -> tuple[list[str], str]:
+    """``(argv, expected)``: a command printing 3000 lines in 300 flushes 3 ms apart (about 300
+    events) and the exact output it prints."""
+    argv = [sys.executable, "-c", LONG_OUTPUT]
+    return argv, "".join(f"line {i} of the long output\n" for i in range(1, 3001))
+
+
 LONG_STREAM = """
 import sys, time
 out = sys.stdout.buffer
@@ -350,6 +368,27 @@ def bashless_path(tmp_path_factory: pytest.TempPathFactory) -> str:
                 link.symlink_to(program)
     assert not (directory / "bash").exists() and (directory / "tr").exists()
     return str(directory)
+
+
+@pytest.fixture
+def streams_opened(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], list[str]]:
+    """``streams_opened(sandbox)`` (sync or async): the list of the event streams its commands
+    open from then on: ``"POST"`` for a streamed start, the ``after`` cursor of each
+    ``GET /commands/{id}/events``."""
+
+    def watch(sandbox: Any) -> list[str]:
+        transport = sandbox.commands._transport
+        opened: list[str] = []
+        events = transport.events
+
+        def counting(spec: Any, **options: Any) -> Any:
+            opened.append(spec.params.get("after", spec.method))
+            return events(spec, **options)
+
+        monkeypatch.setattr(transport, "events", counting)
+        return opened
+
+    return watch
 
 
 FILES_POLICY_CAP = 120

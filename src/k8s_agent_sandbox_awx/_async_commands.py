@@ -39,9 +39,9 @@ class _AsyncPerformer:
                 callback = cf.output_callback(event, *self._callbacks)
                 returned = None if callback is None else callback(event.data)
                 return await returned if inspect.isawaitable(returned) else returned
-            case cf.OpenEvents(spec):
+            case cf.OpenEvents(spec, json_answer):
                 await self.close()
-                self._stream = self._transport.events(spec)
+                self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
             case cf.Pause(seconds):
                 return await asyncio.sleep(seconds)

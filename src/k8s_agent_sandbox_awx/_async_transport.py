@@ -202,12 +202,16 @@ class AsyncBrokerTransport(ex.TransportBase):
         finally:
             await response.aclose()
 
-    async def events(self, spec: proto.RequestSpec) -> AsyncGenerator[Any, None]:
+    async def events(
+        self, spec: proto.RequestSpec, *, json_answer: bool = False
+    ) -> AsyncGenerator[Any, None]:
         """The answer to ``spec`` as a stream of NDJSON values (see ``BrokerTransport.events``;
         ``contextlib.aclosing`` to stop early)."""
-        decoder = proto.NdjsonDecoder(spec.what)
+        response = await self.send(spec, stream=True)
+        content_type = response.headers.get("content-type")
+        decoder = proto.event_decoder(spec.what, content_type, json_answer)
         meter = DownloadMeter(spec, spec.path, None)
-        async with contextlib.aclosing(self.stream(spec, meter, None)) as chunks:  # not held back
+        async with contextlib.aclosing(self.chunks(response, meter, None)) as chunks:
             async for chunk in chunks:
                 for value in decoder.feed(chunk):
                     yield value

@@ -10,7 +10,7 @@ killed. The operations are generators of steps (:data:`Step`), run by the one dr
 
 - a :class:`~._protocol.Call` (start, status, kill, stdin, the legacy ``/execute``): one request;
 - :class:`OpenEvents`: open the event stream of ``spec`` (closing the one before); the request is
-  sent when the first event is asked for;
+  sent when the first event is asked for (a foreground run's start is one: the streamed start);
 - :class:`NextEvent`: the next NDJSON value of the open stream, ``None`` when it ended cleanly; a
   dropped or stalled connection is raised (and thrown back into the operation);
 - :class:`Emit`: hand one output event to the caller (a callback, or an iterator's consumer);
@@ -70,6 +70,8 @@ MAX_STREAM_FAILURES = 5
 @dataclass(frozen=True)
 class OpenEvents:
     spec: proto.RequestSpec
+    json_answer: bool = False
+    """A plain ``application/json`` answer is one value (a runtime that does not stream it)."""
 
 
 @dataclass(frozen=True)
@@ -338,12 +340,15 @@ def follow(
     *,
     timeout: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    opened: bool = False,
 ) -> Op:
     """Follow ``output``'s command from its cursor to its exit event, yielding each output event
     (:class:`Emit`); returns its :class:`ExecutionResult`. The stream is re-requested with the
     cursor when it ends (every 20 s) or drops (a fresh token each time); a ``410`` goes on after
     the lost events. Past ``deadline`` (``clock`` time; ``timeout``: the wait's, for the
-    message) :class:`CommandWaitTimeoutError` is raised; the command is left running."""
+    message) :class:`CommandWaitTimeoutError` is raised; the command is left running.
+    ``opened``: a stream of the command's events from the cursor is open already (the rest of
+    a streamed start) and is read first."""
     failures = 0
     while output.exit is None:
         remaining = dp.EVENTS_DURATION if deadline is None else deadline - clock()
@@ -357,7 +362,9 @@ def follow(
             )
         duration = min(dp.EVENTS_DURATION, max(remaining, 0.05))
         position = output.cursor
-        yield OpenEvents(dp.command_events(target, output.command_id, position, duration))
+        if not opened:
+            yield OpenEvents(dp.command_events(target, output.command_id, position, duration))
+        opened = False
         while True:
             try:
                 value = yield _NEXT
@@ -417,12 +424,32 @@ def _start(
     try:
         command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
     except errors.BrokerError as exc:
-        if not _lacks_commands(exc):
-            raise
-        features.managed = False
+        _without_commands(features, exc)
         return None
     features.managed = True
     return command_id
+
+
+def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op:
+    """The streamed start: ``POST /commands`` whose answer is an event stream, its first value
+    the command id, then the command's events (left open for :func:`follow`); a runtime
+    without the extension answers that first value alone. ``None`` as :func:`_start`. Sent
+    once: a drop before the command id is raised, never retried."""
+    try:
+        yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
+        command_id = dp.parse_command_id((yield _NEXT))
+    except errors.BrokerError as exc:
+        _without_commands(features, exc)
+        return None
+    features.managed = True
+    return command_id
+
+
+def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> None:
+    """A start's error: re-raised, unless the runtime has no ``/commands`` (remembered)."""
+    if not _lacks_commands(exc):
+        raise exc
+    features.managed = False
 
 
 def _command_id(reply: proto.Reply) -> str:
@@ -462,8 +489,10 @@ def run(
     time). On a legacy runtime (``POST /commands`` answered 404: the command did not start) a
     plain run falls back to ``/execute``; one with an option only the managed protocol honours
     (``live``: the names of the output callbacks given) is :class:`UnsupportedByRuntimeError`,
-    and nothing runs."""
-    command_id = None if features.managed is False else (yield from _start(target, plan, features))
+    and nothing runs. The start asks for the streamed start: its answer goes on with the
+    command's events, read before any ``GET events``."""
+    managed = features.managed is not False
+    command_id = (yield from _start_streamed(target, plan, features)) if managed else None
     if command_id is None:
         managed_only = (*live, *plan.managed_only(False))
         if managed_only:
@@ -472,7 +501,9 @@ def run(
     output = CommandOutput(command_id)
     deadline = clock() + plan.timeout + dp.COMMAND_TIMEOUT_MARGIN
     try:
-        result: ExecutionResult = yield from follow(target, output, deadline, clock=clock)
+        result: ExecutionResult = yield from follow(
+            target, output, deadline, clock=clock, opened=True
+        )
     except GeneratorExit:
         raise
     except BaseException as exc:

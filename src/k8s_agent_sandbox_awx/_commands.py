@@ -37,9 +37,9 @@ class _Performer:
             case cf.Emit(event):
                 callback = cf.output_callback(event, *self._callbacks)
                 return None if callback is None else callback(event.data)
-            case cf.OpenEvents(spec):
+            case cf.OpenEvents(spec, json_answer):
                 self.close()
-                self._stream = self._transport.events(spec)
+                self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
             case cf.Pause(seconds):
                 return time.sleep(seconds)

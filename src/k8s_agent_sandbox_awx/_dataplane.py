@@ -38,6 +38,7 @@ __all__ = [
     "EVENTS_DURATION",
     "MAX_COMMAND_TIMEOUT",
     "MAX_SANDBOX_TIMEOUT",
+    "STREAMED_START_ACCEPT",
     "CommandInfo",
     "DataTarget",
     "DownloadMeter",
@@ -79,6 +80,8 @@ MAX_COMMAND_TIMEOUT = MAX_SANDBOX_TIMEOUT - COMMAND_TIMEOUT_MARGIN / 2
 EVENTS_DURATION = 20.0
 """Seconds an event stream is asked to stay open (the protocol's maximum): a client re-requests
 with its cursor at least this often, so no HTTP or proxy timeout cuts a long command."""
+STREAMED_START_ACCEPT = "application/x-ndjson, application/json;q=0.5"
+"""What a streamed start accepts: NDJSON events, or the plain answer of a runtime without it."""
 EVENTS_READ_MARGIN = 15.0
 """Seconds of silence (no event, no heartbeat) beyond ``duration`` before a stream counts as
 stalled and is re-requested."""
@@ -229,10 +232,24 @@ def _command_path(command_id: str, tail: str = "") -> str:
     return f"/commands/{quote(command_id, safe='')}{tail}"
 
 
-def start_command(target: DataTarget, body: Mapping[str, Any]) -> RequestSpec:
+def start_command(
+    target: DataTarget, body: Mapping[str, Any], *, stream: bool = False
+) -> RequestSpec:
     """``POST /commands``: never retried (a command must not run twice); ``body`` carries a
-    fresh ``request_id`` so that the runtime can deduplicate."""
-    return json_body(_data("POST", "/commands", "start a command", target), dict(body))
+    fresh ``request_id`` so that the runtime can deduplicate. ``stream``: ask for the streamed
+    start (``Accept: application/x-ndjson``: the command id, then the command's events); a
+    runtime without it answers ``{"command_id"}`` as usual."""
+    if not stream:
+        return json_body(_data("POST", "/commands", "start a command", target), dict(body))
+    spec = _data(
+        "POST",
+        "/commands",
+        "start a command",
+        target,
+        headers={"Accept": STREAMED_START_ACCEPT},
+        read_timeout=EVENTS_DURATION + EVENTS_READ_MARGIN,
+    )
+    return json_body(spec, dict(body))
 
 
 def command_status(target: DataTarget, command_id: str) -> RequestSpec:
@@ -572,6 +589,16 @@ class DownloadMeter:
     def error(self, exc: Exception, *, timed_out: bool) -> BrokerError:
         """The typed error for a stream broken by ``exc`` (``timed_out``: it stalled)."""
         spec = self.spec
+        if not spec.retryable:  # the answer of a request that ran (a streamed start)
+            how = "stalled" if timed_out else f"broke ({type(exc).__name__})"
+            kind = RequestTimeoutError if timed_out else BrokerUnavailableError
+            return kind(
+                f"Could not {spec.what}: the connection {how} while its answer was read. The "
+                "request reached the sandbox; it is not retried because it is not idempotent "
+                "(a command could run twice). Retry if that is safe.",
+                method=spec.method,
+                path=spec.path,
+            )
         if timed_out:
             return RequestTimeoutError(
                 f"Could not read {self.src!r}: the download stalled after {self.total} bytes. "

@@ -376,32 +376,63 @@ def protocol_error(what: str, problem: str, api: str = "the broker API v1") -> B
 class NdjsonDecoder:
     """Splits a streamed answer into JSON values, one per line (NDJSON: event streams such as
     a command's output or a directory watch); chunks may end anywhere, blank lines are skipped,
-    a line longer than ``max_line`` bytes is a :class:`BrokerProtocolError`."""
+    a line longer than ``max_line`` bytes is a :class:`BrokerProtocolError`. The start of an
+    unfinished line is kept as the chunks it came in (joined once, when its end arrives): a
+    long line is never copied again for each chunk."""
 
     def __init__(self, what: str, max_line: int = 16 * 1024 * 1024) -> None:
         self.what = what
         self.max_line = max_line
-        self._pending = bytearray()
+        self._parts: list[bytes] = []
+        self._size = 0
 
     def feed(self, chunk: bytes) -> list[Any]:
         """The values completed by ``chunk``."""
-        self._pending += chunk
-        if b"\n" not in chunk:  # no line completed: do not split the whole pending line again
-            if len(self._pending) > self.max_line:
-                raise protocol_error(
-                    self.what, f"an event line is longer than {self.max_line} bytes"
-                )
+        if b"\n" not in chunk:  # no line completed
+            self._hold(chunk)
             return []
-        *lines, rest = self._pending.split(b"\n")
-        if len(rest) > self.max_line:
-            raise protocol_error(self.what, f"an event line is longer than {self.max_line} bytes")
-        self._pending = rest
-        return [parse_json(bytes(line), self.what) for line in lines if line.strip()]
+        lines = chunk.split(b"\n")
+        if self._parts:
+            self._parts.append(lines[0])
+            lines[0] = b"".join(self._parts)
+            self._parts, self._size = [], 0
+            if len(lines[0]) > self.max_line:
+                raise self._too_long()
+        self._hold(lines.pop())
+        return [parse_json(line, self.what) for line in lines if line and not line.isspace()]
+
+    def _hold(self, part: bytes) -> None:
+        if part:
+            self._parts.append(bytes(part))
+            self._size += len(part)
+            if self._size > self.max_line:
+                raise self._too_long()
+
+    def _too_long(self) -> BrokerProtocolError:
+        return protocol_error(self.what, f"an event line is longer than {self.max_line} bytes")
 
     def end(self) -> list[Any]:
         """The last value, if the stream did not end with a newline."""
-        rest, self._pending = bytes(self._pending), bytearray()
+        rest, self._parts, self._size = b"".join(self._parts), [], 0
         return [parse_json(rest, self.what)] if rest.strip() else []
+
+
+class JsonAnswerDecoder(NdjsonDecoder):
+    """A plain JSON answer (``application/json``) read as a stream of one value: the answer of
+    a runtime that does not stream a request that asked for NDJSON (the streamed start)."""
+
+    def feed(self, chunk: bytes) -> list[Any]:
+        self._hold(chunk)
+        return []
+
+
+def event_decoder(what: str, content_type: str | None, json_answer: bool) -> NdjsonDecoder:
+    """The decoder of a streamed answer: NDJSON, or with ``json_answer`` an answer labelled
+    ``application/json`` as one value."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if json_answer and media == "application/json":
+        return JsonAnswerDecoder(what)
+    return NdjsonDecoder(what)
 
 
 def json_object(body: bytes, what: str) -> dict[str, Any]:

@@ -168,12 +168,17 @@ class BrokerTransport(TransportBase):
         finally:
             response.close()
 
-    def events(self, spec: proto.RequestSpec) -> Generator[Any, None, None]:
+    def events(
+        self, spec: proto.RequestSpec, *, json_answer: bool = False
+    ) -> Generator[Any, None, None]:
         """The answer to ``spec`` as a stream of NDJSON values, each as soon as its line is
-        complete (the request is sent on first iteration; close the generator to stop)."""
-        decoder = proto.NdjsonDecoder(spec.what)
+        complete (the request is sent on first iteration; close the generator to stop).
+        ``json_answer``: an ``application/json`` answer is one value."""
+        response = self.send(spec, stream=True)
+        content_type = response.headers.get("content-type")
+        decoder = proto.event_decoder(spec.what, content_type, json_answer)
         meter = DownloadMeter(spec, spec.path, None)
-        with contextlib.closing(self.stream(spec, meter, None)) as chunks:  # not held back
+        with contextlib.closing(self.chunks(response, meter, None)) as chunks:  # not held back
             for chunk in chunks:
                 yield from decoder.feed(chunk)
         yield from decoder.end()

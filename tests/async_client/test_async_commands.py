@@ -15,6 +15,7 @@ from k8s_agent_sandbox_awx._dialect import SANDBOX_ENV
 from k8s_agent_sandbox_awx._dialects import get_dialect
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
+    BrokerUnavailableError,
     CommandTimeoutError,
     CommandWaitTimeoutError,
     UnsupportedByRuntimeError,
@@ -218,10 +219,10 @@ class StreamRequests:
         self.cursors: list[int] = []
         self.failures: list[Exception] = []
 
-    async def __call__(self, spec: Any) -> AsyncIterator[Any]:
-        self.cursors.append(int(spec.params["after"]))
+    async def __call__(self, spec: Any, **options: Any) -> AsyncIterator[Any]:
+        self.cursors.append(int(spec.params.get("after", 0)))  # a streamed start: from 0
         try:
-            async for value in self._events(spec):
+            async for value in self._events(spec, **options):
                 yield value
         except Exception as exc:
             self.failures.append(exc)
@@ -264,6 +265,51 @@ def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeat
             assert "".join(e.data for e in events) == long_stream.expected
             assert len(streams.cursors) >= 30 and len(streams.failures) >= 7
             assert events[-1].type == "exit" and events[-1].exit_code == 0
+
+    run(main())
+
+
+def test_the_streamed_start_is_live_resumes_after_a_drop_and_is_never_sent_twice(
+    broker: Any, long_output: tuple[list[str], str], streams_opened: Any
+) -> None:
+    script, expected = long_output
+
+    async def main() -> None:
+        async with await create(broker) as sandbox:
+            opened = streams_opened(sandbox)
+            states: list[str] = []
+
+            async def on_stdout(text: str) -> None:
+                if not states:
+                    states.append((await sandbox.commands.list())[-1].state)
+
+            first = await sandbox.commands.run("echo a; sleep 0.5; echo b", on_stdout=on_stdout)
+            assert (first.stdout, states, opened) == ("a\nb\n", ["running"], ["POST"])
+            broker.drop_event_stream_mid_line(1, after_events=1, sandbox=sandbox.name)
+            chunks: list[str] = []
+            result = await sandbox.commands.run(script, on_stdout=chunks.append)
+            assert result.stdout == expected == "".join(chunks)
+            assert opened == ["POST", "POST", "0"]  # dropped after the command id: resumed
+            broker.drop_event_stream_mid_line(1, after_events=0, sandbox=sandbox.name)
+            with pytest.raises(BrokerUnavailableError, match=r"start a command.*not idempotent"):
+                await sandbox.commands.run(["echo", "once"])
+            assert broker.execution_count(sandbox.name) == 3
+            assert list((await sandbox.commands.list())[-1].command) == ["echo", "once"]
+
+    run(main())
+
+
+@pytest.mark.dialect_feature(SANDBOX_ENV, reason="the runtime is told through it")
+def test_a_runtime_without_the_streamed_start_answers_json_and_events_follow(
+    broker: Any, streams_opened: Any
+) -> None:
+    async def main() -> None:
+        async with await create(broker, SANDBOX_COMMAND_STREAM_START="0") as sandbox:
+            opened = streams_opened(sandbox)
+            chunks: list[str] = []
+            result = await sandbox.commands.run("echo a; exit 4", on_stdout=chunks.append)
+            assert (result.stdout, result.exit_code, chunks) == ("a\n", 4, ["a\n"])
+            assert opened == ["POST", "0"] and broker.execution_count(sandbox.name) == 1
 
     run(main())
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -405,6 +406,22 @@ def test_output_cap_truncates_retention_but_a_follower_gets_everything(cmds: Com
     assert status["output_truncated"] is True
     assert 0 < len(status["stdout"]) <= 1024 * 1024
     assert "a" * size != status["stdout"]
+
+
+def test_the_retained_output_is_exactly_the_first_bytes_up_to_the_cap(alice: Any) -> None:
+    """One read that crosses the cap is split there: the status keeps exactly the first
+    ``output_bytes`` (never half a character), a follower still gets everything."""
+    cmds = configured(
+        alice,
+        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="100001",
+        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="1000000",
+    )
+    script = "import sys; sys.stdout.write('\u00e9' * 60000)"  # 120000 bytes in one write
+    command_id = cmds.start_id([sys.executable, "-c", script])
+    events = cmds.follow(command_id)
+    assert output(events) == "\u00e9" * 60000
+    status = cmds.status(command_id)
+    assert status["stdout"] == "\u00e9" * 50000 and status["output_truncated"] is True
 
 
 def test_replay_beyond_the_cap_and_window_is_410_with_the_cursor_to_resume(alice: Any) -> None:

@@ -201,6 +201,16 @@ def test_managed_command_traffic_conforms(broker: LocalBroker) -> None:
             ]
         )
         big_id = big.json()["command_id"]
+        streamed = http.post(  # the streamed start: the command id, then its events
+            "/commands",
+            json={"command": ["echo", "hi"], "request_id": str(uuid.uuid4())},
+            headers={**headers, "Accept": "application/x-ndjson, application/json;q=0.5"},
+        )
+        first, *rest = [json.loads(line) for line in streamed.text.splitlines()]
+        problems += validate(first, {"$ref": "#/components/schemas/CommandStarted"}, doc)
+        for event in rest:
+            problems += validate(event, {"$ref": "#/components/schemas/CommandEvent"}, doc)
+        assert [e["type"] for e in rest] == ["stdout", "exit"], streamed.text
         running = start(command=["cat"], stdin=True, envs={"A": "b"}, cwd="/").json()["command_id"]
         start(command=["sleep", "30"])  # the second running command: the limit is 2
         start(command=["true"])  # 429

@@ -198,11 +198,17 @@ def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
 
     now = [0.0]
     sent: list[tuple[str, str, bool]] = []
+    started: list[bool] = []
 
     def perform(step: cf.Step) -> Any:
         if isinstance(step, cf.Call):
             sent.append((step.spec.method, step.spec.path, step.cleanup))
-            return "c1" if step.spec.path == "/commands" else None
+            return None
+        if isinstance(step, cf.OpenEvents):
+            sent.append((step.spec.method, step.spec.path, False))
+        if isinstance(step, cf.NextEvent) and not started:
+            started.append(True)
+            return {"command_id": "c1"}  # the streamed start's first line
         if isinstance(step, cf.NextEvent):
             now[0] += 5.0  # a heartbeat every 5 s, never an exit
             return {"type": "heartbeat", "seq": 0, "data": ""}

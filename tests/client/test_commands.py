@@ -23,6 +23,7 @@ from k8s_agent_sandbox_awx._dialects import get_dialect
 from k8s_agent_sandbox_awx._upstream import ExecutionResult
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
+    BrokerUnavailableError,
     CommandTimeoutError,
     CommandWaitTimeoutError,
     UnsupportedByRuntimeError,
@@ -159,6 +160,19 @@ def test_callbacks_get_the_output_while_the_command_runs(sandbox: Sandbox) -> No
     assert result.stdout == "first\nno newline" and result.stderr == "second\n"
 
 
+@pytest.mark.parametrize(
+    "text",
+    ['tab\there "quoted" back\\slash\r\nCR é€😀\u2028 end\n', "\x1b[31mred\x1b[0m \x01\x7f\n"],
+)
+def test_any_text_arrives_byte_for_byte(sandbox: Sandbox, text: str) -> None:
+    """The runtime escapes usual output with a few replaces and anything else (control
+    characters) with ``json``: both arrive as printed."""
+    chunks: list[str] = []
+    argv = [sys.executable, "-c", "import sys; sys.stdout.write(sys.argv[1])", text]
+    result = sandbox.commands.run(argv, on_stdout=chunks.append)
+    assert result.stdout == text == "".join(chunks)
+
+
 def test_invalid_utf8_is_replaced(sandbox: Sandbox) -> None:
     chunks: list[str] = []
     result = sandbox.commands.run(r"printf 'a\377b'", on_stdout=chunks.append)
@@ -286,10 +300,10 @@ class StreamRequests:
         self.cursors: list[int] = []
         self.failures: list[Exception] = []
 
-    def __call__(self, spec: Any) -> Iterator[Any]:
-        self.cursors.append(int(spec.params["after"]))
+    def __call__(self, spec: Any, **options: Any) -> Iterator[Any]:
+        self.cursors.append(int(spec.params.get("after", 0)))  # a streamed start: from 0
         try:
-            yield from self._events(spec)
+            yield from self._events(spec, **options)
         except Exception as exc:
             self.failures.append(exc)
             raise
@@ -352,6 +366,82 @@ def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Path) -> N
         result = sandbox.commands.run(script, on_stdout=on_stdout)
         assert rotated.is_set()
         assert result.stdout == "".join(f"tick {i}\n" for i in range(1, 13))
+
+
+# ----------------------------------------------------------------------- the streamed start
+
+
+def test_the_streamed_start_delivers_the_output_live_in_one_request(
+    broker: Any,
+    sandbox: Sandbox,
+    long_output: tuple[list[str], str],
+    streams_opened: Any,
+) -> None:
+    """A foreground run asks for the streamed start: the answer to ``POST /commands`` goes on
+    with the command's events as they are produced, so no ``GET .../events`` is needed."""
+    opened = streams_opened(sandbox)
+    states: list[str] = []
+
+    def on_stdout(text: str) -> None:
+        if not states:
+            states.append(sandbox.commands.list()[-1].state)
+
+    first = sandbox.commands.run("echo first; sleep 0.5; echo second", on_stdout=on_stdout)
+    assert (first.stdout, states) == ("first\nsecond\n", ["running"])  # live
+    script, expected = long_output
+    chunks: list[str] = []
+    result = sandbox.commands.run(script, on_stdout=chunks.append)
+    assert result.stdout == expected == "".join(chunks)  # byte for byte
+    assert opened == ["POST", "POST"]
+    assert broker.execution_count(sandbox.name) == 2
+
+
+@pytest.mark.parametrize("lines", [1, 6])
+def test_a_streamed_start_dropped_after_the_command_id_resumes_without_loss(
+    broker: Any,
+    sandbox: Sandbox,
+    long_output: tuple[list[str], str],
+    streams_opened: Any,
+    lines: int,
+) -> None:
+    """The broker drops the streamed start inside the line after ``lines`` whole lines (the
+    command id, then events): the client goes on with ``GET events`` from its cursor; nothing
+    is lost or repeated and the start is not sent again."""
+    script, expected = long_output
+    broker.drop_event_stream_mid_line(1, after_events=lines, sandbox=sandbox.name)
+    opened = streams_opened(sandbox)
+    chunks: list[str] = []
+    result = sandbox.commands.run(script, on_stdout=chunks.append)
+    assert result.stdout == expected == "".join(chunks)
+    assert opened[0] == "POST" and len(opened) == 2
+    assert opened[1] == "0" if lines == 1 else 0 < int(opened[1]) < lines
+    assert broker.execution_count(sandbox.name) == 1
+
+
+def test_a_streamed_start_dropped_before_the_command_id_is_raised_not_retried(
+    broker: Any, sandbox: Sandbox
+) -> None:
+    broker.drop_event_stream_mid_line(1, after_events=0, sandbox=sandbox.name)
+    with pytest.raises(BrokerUnavailableError, match=r"start a command.*not idempotent"):
+        sandbox.commands.run(["echo", "once"])
+    assert broker.execution_count(sandbox.name) == 1
+    assert [list(c.command) for c in sandbox.commands.list()] == [["echo", "once"]]  # ran once
+
+
+@pytest.mark.dialect_feature(SANDBOX_ENV, reason="the runtime is told through it")
+def test_a_runtime_without_the_streamed_start_answers_json_and_events_follow(
+    broker: Any, streams_opened: Any
+) -> None:
+    env = {"SANDBOX_COMMAND_STREAM_START": "0"}  # the local runtime as one without it
+    with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sandbox:
+        opened = streams_opened(sandbox)
+        chunks: list[str] = []
+        result = sandbox.commands.run(
+            "echo a; sleep 0.2; echo b >&2; exit 4", on_stdout=chunks.append
+        )
+        assert (result.stdout, result.stderr, result.exit_code) == ("a\n", "b\n", 4)
+        assert chunks == ["a\n"] and opened == ["POST", "0"]
+        assert broker.execution_count(sandbox.name) == 1
 
 
 # ----------------------------------------------------------------------- legacy runtimes

@@ -995,8 +995,10 @@ class BrokerApp:
             timeout=httpx.Timeout(connect=5.0, read=read_timeout, write=300.0, pool=10.0),
         )
         is_execute = request.method == "POST" and request.url.path in ("/execute", "/commands")
-        plan = None
-        if request.method == "GET" and EVENTS_PATH.match(request.url.path):
+        plan = None  # an event stream, or a start that may answer with one (NDJSON)
+        if (request.method == "GET" and EVENTS_PATH.match(request.url.path)) or (
+            request.method == "POST" and request.url.path == "/commands"
+        ):
             plan = self.faults.event_stream_plan(record.name)
         if is_execute:
             record.executions += 1
@@ -1042,7 +1044,8 @@ class BrokerApp:
             )
             gone = asyncio.get_running_loop().create_task(_client_gone(request.receive))
             chunks = response.aiter_raw()
-            if plan is not None and 200 <= response.status_code < 300:
+            ndjson = response.headers.get("content-type", "").startswith("application/x-ndjson")
+            if plan is not None and 200 <= response.status_code < 300 and ndjson:
                 chunks = plan.apply(chunks)
             try:
                 async for chunk in chunks:

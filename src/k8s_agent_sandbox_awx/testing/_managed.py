@@ -4,7 +4,11 @@ Standard library only (the runtime is forked per sandbox). The wire protocol (do
 docs/broker-api.md and openapi.json):
 
 - ``POST /commands`` ``{"command": [argv...], "timeout"?, "request_id"?, "stdin"?, "envs"?,
-  "cwd"?}`` -> ``{"command_id"}``; a repeated ``request_id`` returns the same command.
+  "cwd"?}`` -> ``{"command_id"}``; a repeated ``request_id`` returns the same command. With
+  ``Accept: application/x-ndjson`` (the streamed start) the answer is NDJSON instead: the line
+  ``{"command_id"}``, then the command's events as ``GET /commands/{id}/events?after=0`` sends
+  them, until the exit event or ``max_duration`` (``SANDBOX_COMMAND_STREAM_START=0``: off, as
+  a runtime without the extension).
 - ``GET /commands`` -> ``{"commands": [summary...]}``; ``GET /commands/{id}`` -> the status.
 - ``GET /commands/{id}/events?after=SEQ&duration=S`` -> NDJSON lines
   ``{"type": "stdout"|"stderr"|"exit"|"heartbeat", "seq", "data"}``.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -47,7 +52,11 @@ from typing import Any, Protocol
 
 from . import _fs
 
-READ_SIZE = 64 * 1024
+READ_SIZE = 128 * 1024
+"""The most one read of a command's pipe takes (what is there now: a read never waits to fill),
+and the capacity asked for its stdout and stderr pipes (Linux ``F_SETPIPE_SZ``; the default is
+64 KiB): a fast command writes ahead while the last read is handed on, in fewer, larger events.
+Both are at most an eighth of the live window (see ``_read_size``)."""
 BATCH_BYTES = 256 * 1024
 TIMEOUT_EXIT_CODE = 124
 KILLED_EXIT_CODE = 128 + signal.SIGKILL
@@ -98,6 +107,8 @@ class Limits:
     heartbeat_seconds: float = 2.0
     max_duration: float = 20.0
     follower_grace_seconds: float = FOLLOWER_GRACE_SECONDS
+    stream_start: bool = True
+    """Answer ``POST /commands`` with ``Accept: application/x-ndjson`` by a stream of events."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], max_timeout: float) -> Limits:
@@ -131,6 +142,7 @@ class Limits:
             ),
             max_timeout=max_timeout,
             default_timeout=min(cls.default_timeout, max_timeout),
+            stream_start=environ.get("SANDBOX_COMMAND_STREAM_START", "1") != "0",
         )
         if limits.max_handles < limits.max_running:
             raise ValueError(
@@ -146,8 +158,36 @@ def _timestamp(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def _utf8_prefix(text: str, size: int) -> str:
+    """The longest start of ``text`` whose UTF-8 encoding has at most ``size`` bytes."""
+    if text.isascii():
+        return text[:size]
+    raw = text.encode()[: size + 1]
+    cut = min(size, len(raw))
+    while 0 < cut < len(raw) and raw[cut] & 0xC0 == 0x80:  # inside a character: back off
+        cut -= 1
+    return raw[:cut].decode()
+
+
 def _line(event: Mapping[str, Any]) -> bytes:
     return json.dumps(event, separators=(",", ":")).encode() + b"\n"
+
+
+_RARE_CONTROLS = tuple(bytes([c]) for c in range(32) if c not in (9, 10, 13))
+_ESCAPES = ((b"\\", b"\\\\"), (b'"', b'\\"'), (b"\n", b"\\n"), (b"\r", b"\\r"), (b"\t", b"\\t"))
+
+
+def _output_line(kind: str, seq: int, data: str) -> bytes:
+    """The NDJSON line of an output event, as ``_line`` makes it but cheaper for the usual
+    output (no control characters but tab, newline and carriage return: a few replaces of the
+    UTF-8 bytes instead of ``json``'s character by character escaping, the fastest path for a
+    command that prints a lot)."""
+    raw = data.encode()
+    if any(control in raw for control in _RARE_CONTROLS):
+        return _line({"type": kind, "seq": seq, "data": data})
+    for plain, escaped in _ESCAPES:
+        raw = raw.replace(plain, escaped)
+    return b"".join((b'{"type":"%s","seq":%d,"data":"' % (kind.encode(), seq), raw, b'"}\n'))
 
 
 @dataclass
@@ -202,6 +242,18 @@ class Command:
 
     # -- events (callers hold ``cond``) --------------------------------------------------------
     def append(self, kind: str, data: str, size: int, limits: Limits, **extra: Any) -> None:
+        """Add an event (``size``: its UTF-8 bytes). Output that crosses the retention cap is
+        split there: exactly the first ``output_bytes`` are kept (whole characters)."""
+        room = limits.output_bytes - self.retained_size
+        if not extra and not self.output_truncated and 0 < room < size:
+            kept = _utf8_prefix(data, room)
+            if kept:
+                kept_size = len(kept) if kept.isascii() else len(kept.encode())
+                self._add(kind, kept, kept_size, limits)
+                data, size = data[len(kept) :], size - kept_size
+        self._add(kind, data, size, limits, **extra)
+
+    def _add(self, kind: str, data: str, size: int, limits: Limits, **extra: Any) -> None:
         self.last_seq += 1
         event = _Event(
             self.last_seq,
@@ -209,7 +261,9 @@ class Command:
             data,
             size,
             self.output_size,
-            _line({"type": kind, "seq": self.last_seq, "data": data, **extra}),
+            _line({"type": kind, "seq": self.last_seq, "data": data, **extra})
+            if extra
+            else _output_line(kind, self.last_seq, data),
         )
         self.output_size += size
         if kind == "exit":
@@ -226,12 +280,12 @@ class Command:
 
     def evict(self, limits: Limits) -> bool:
         """Drop the window's oldest events beyond its size, but never one that a follower has
-        not sent (then ``True``: the reader waits), and the half window a follower sent last
-        (it may still be in flight when the connection breaks) only to stay within 1.5 times
-        the window's size."""
+        not sent (then ``True``: the reader waits), and the last window's size a follower sent
+        (it may still be in flight when the connection breaks) only to stay within twice the
+        window's size."""
         horizon = time.monotonic() - limits.follower_grace_seconds
         self.followers = [f for f in self.followers if f.ended_at is None or f.ended_at > horizon]
-        slack = limits.window_bytes // 2
+        slack = limits.window_bytes
         slowest: int | None = None
         keep_from: int | None = None  # output offset: what ends after it was sent just now
         for follower in self.followers:
@@ -313,6 +367,12 @@ class Handler(Protocol):
 
     path: str
 
+    @property
+    def headers(self) -> Any: ...
+
+    @property
+    def connection(self) -> Any: ...
+
     def _read_json(self) -> Any: ...
 
     def _send_json(self, status: int, payload: Any) -> None: ...
@@ -365,7 +425,7 @@ class CommandManager:
                 if not isinstance(body, dict):
                     raise CommandError(400, "the body must be a JSON object")
             if method == "POST" and parts == []:
-                handler._send_json(200, {"command_id": self.start(body).command_id})
+                self._answer_start(handler, self.start(body))
             elif method == "GET" and parts == []:
                 handler._send_json(200, {"commands": self.list_commands()})
             elif method == "GET" and len(parts) == 1:
@@ -515,6 +575,9 @@ class CommandManager:
                 command.append("stderr", reason, len(reason.encode()), self.limits)
                 self._finish(command, code, "exited")
             return
+        for pipe in (proc.stdout, proc.stderr):
+            with contextlib.suppress(AttributeError, OSError):  # not Linux, or above the maximum
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, self._read_size())  # type: ignore[union-attr]
         command.proc = proc
         command.stdin_open = command.stdin_requested
         threading.Thread(
@@ -616,14 +679,20 @@ class CommandManager:
     ) -> bool:
         """Read what the pipe holds now into events; ``False`` at its end."""
         try:
-            data = os.read(fd, READ_SIZE)
+            data = os.read(fd, self._read_size())
         except OSError:
             data = b""
         text = decoder.decode(data, final=not data)  # a split character waits for its rest
         if text:
+            size = len(text) if text.isascii() else len(text.encode())
             with command.cond:
-                command.append(kind, text, len(text.encode()), self.limits)
+                command.append(kind, text, size, self.limits)
         return bool(data)
+
+    def _read_size(self) -> int:
+        """``READ_SIZE``, or an eighth of the live window if less: the window keeps several
+        events, and what a command wrote ahead into its pipe stays small beside it."""
+        return max(4096, min(READ_SIZE, self.limits.window_bytes // 8))
 
     def _finish(self, command: Command, exit_code: int, state: str) -> None:
         """Record the end and the ``exit`` event (the caller holds ``command.cond``)."""
@@ -756,18 +825,23 @@ class CommandManager:
                     f"resume with after={first - 1} (the output is truncated)",
                     resume_after=first - 1,
                 ) from None
-        handler.send_response(200)
-        handler.send_header("Content-Type", "application/x-ndjson")
-        handler.send_header("Cache-Control", "no-store")
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
-        with contextlib.closing(self._lines(command, after, duration)) as lines:
-            try:
-                for chunk in lines:
-                    handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                handler.wfile.write(b"0\r\n\r\n")
-            except OSError:  # the reader went away
-                handler.close_connection = True
+        _send_ndjson(handler, self._lines(command, after, duration))
+
+    def _answer_start(self, handler: Handler, command: Command) -> None:
+        """``{"command_id"}``, or with ``Accept: application/x-ndjson`` (the streamed start)
+        that line followed by the command's events from the first one."""
+        started = {"command_id": command.command_id}
+        accept = handler.headers.get("Accept") or ""
+        if not self.limits.stream_start or "application/x-ndjson" not in accept:
+            handler._send_json(200, started)
+            return
+
+        def lines() -> Generator[bytes, None, None]:
+            yield _line(started)
+            with contextlib.closing(self._lines(command, 0, self.limits.max_duration)) as events:
+                yield from events
+
+        _send_ndjson(handler, lines())
 
     def _lines(self, command: Command, after: int, duration: float) -> Generator[bytes, None, None]:
         """Batches of NDJSON lines after ``after``, until the exit event or ``duration``."""
@@ -829,6 +903,34 @@ class CommandManager:
             if not batch and now - last_sent >= beat:
                 yield _line({"type": "heartbeat", "seq": cursor, "data": ""})
                 last_sent = now
+
+
+def _send_ndjson(handler: Handler, chunks: Generator[bytes, None, None]) -> None:
+    """A ``200`` NDJSON answer, each chunk sent as it comes (chunked transfer encoding)."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/x-ndjson")
+    handler.send_header("Cache-Control", "no-store")
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    with contextlib.closing(chunks):
+        try:
+            for chunk in chunks:
+                _send_parts(handler, (b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+            handler.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the reader went away
+            handler.close_connection = True
+
+
+def _send_parts(handler: Handler, parts: tuple[bytes, ...]) -> None:
+    """Send ``parts`` as one write without joining them (no copy of a large chunk)."""
+    sock = handler.connection
+    views = [memoryview(part) for part in parts]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if views and sent:
+            views[0] = views[0][sent:]
 
 
 def _query_number(
