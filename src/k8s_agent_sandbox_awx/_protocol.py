@@ -22,7 +22,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any, Generic, Protocol, TypeVar
 
 from ._jwt import redact
-from .errors import BrokerProtocolError
+from .errors import BrokerProtocolError, BrokerUnavailableError
 
 __all__ = [
     "Call",
@@ -413,9 +413,20 @@ class NdjsonDecoder:
         return protocol_error(self.what, f"an event line is longer than {self.max_line} bytes")
 
     def end(self) -> list[Any]:
-        """The last value, if the stream did not end with a newline."""
+        """The last value, if the stream did not end with a newline. A last line that is not
+        JSON is the start of a line whose end never came: a connection closed inside it (a
+        close-delimited answer ends cleanly when cut) is a :class:`BrokerUnavailableError`, a
+        drop that a reader resumes from its cursor, not a malformed answer."""
         rest, self._parts, self._size = b"".join(self._parts), [], 0
-        return [parse_json(rest, self.what)] if rest.strip() else []
+        if not rest.strip():
+            return []
+        try:
+            return [parse_json(rest, self.what)]
+        except BrokerProtocolError:
+            raise BrokerUnavailableError(
+                f"Could not {self.what}: the answer ended inside a line ({len(rest)} bytes "
+                "without their end): the connection was closed before the line was complete."
+            ) from None
 
 
 class JsonAnswerDecoder(NdjsonDecoder):
@@ -425,6 +436,11 @@ class JsonAnswerDecoder(NdjsonDecoder):
     def feed(self, chunk: bytes) -> list[Any]:
         self._hold(chunk)
         return []
+
+    def end(self) -> list[Any]:
+        """The answer's one value (an empty answer: none)."""
+        rest, self._parts, self._size = b"".join(self._parts), [], 0
+        return [parse_json(rest, self.what)] if rest.strip() else []
 
 
 def event_decoder(what: str, content_type: str | None, json_answer: bool) -> NdjsonDecoder:

@@ -116,3 +116,43 @@ def test_events_stream_through_the_local_broker_sync_and_async(broker: Any) -> N
             check([e async for e in transport.events(follow(cid))])
 
     asyncio.run(main())
+
+
+def test_a_stream_that_ends_inside_a_line_is_a_drop_and_a_run_resumes() -> None:
+    """A close-delimited answer (an HTTP/1.0 proxy) that is cut ends cleanly for httpx, inside
+    a line: that is a dropped connection (resumed from the cursor), not a malformed answer
+    (which would kill a running command). Here the streamed start is cut after the command id
+    and one event's first half; the run resumes with GET events?after=0 and nothing is killed."""
+    from k8s_agent_sandbox_awx import _command_flow as cf
+    from k8s_agent_sandbox_awx._commands import _Performer
+    from k8s_agent_sandbox_awx._protocol import RouterTarget
+    from k8s_agent_sandbox_awx.errors import BrokerUnavailableError
+
+    decoder = NdjsonDecoder("follow events")
+    assert decoder.feed(b'{"seq": 1}\n{"se') == [{"seq": 1}]
+    with pytest.raises(BrokerUnavailableError, match="inside a line"):
+        decoder.end()
+    cut = b'{"command_id":"c1"}\n{"type":"stdout","seq":1,"da'
+    rest = (
+        b'{"type":"stdout","seq":1,"data":"hi\\n"}\n'
+        b'{"type":"exit","seq":2,"data":"","exit_code":0,"state":"exited"}\n'
+    )
+    seen: list[str] = []
+
+    def runtime(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.path}")
+        body = cut if request.method == "POST" else rest
+        return httpx.Response(200, headers={"Content-Type": "application/x-ndjson"}, content=body)
+
+    client = BrokerSandboxClient(
+        broker_url=BROKER, auth=OIDCTokenAuth("opaque"), http_transport=httpx.MockTransport(runtime)
+    )
+    client._transport._sleep = lambda _s: None
+    try:
+        plan = cf.StartPlan.make("echo hi", 5)
+        op = cf.run(RouterTarget("sbx"), plan, cf.RuntimeFeatures())
+        result = _Performer(client._transport, None, None).drive(op)
+    finally:
+        client.close()
+    assert (result.stdout, result.exit_code) == ("hi\n", 0)
+    assert seen == ["POST /commands", "GET /commands/c1/events"]
