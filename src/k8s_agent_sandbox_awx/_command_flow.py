@@ -423,6 +423,9 @@ def _start(
     """``POST /commands``; ``None`` when the runtime has no such endpoint (remembered)."""
     try:
         command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
+    except errors.BrokerProtocolError as exc:
+        _may_run(exc)
+        raise
     except errors.BrokerError as exc:
         _without_commands(features, exc)
         return None
@@ -438,11 +441,23 @@ def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFea
     try:
         yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
         command_id = dp.parse_command_id((yield _NEXT))
+    except errors.BrokerProtocolError as exc:
+        _may_run(exc)
+        raise
     except errors.BrokerError as exc:
         _without_commands(features, exc)
         return None
     features.managed = True
     return command_id
+
+
+def _may_run(exc: errors.BrokerProtocolError) -> None:
+    """A start answered without a command id: the runtime may have started the command, which
+    cannot be followed or killed without its id (the note says so and how to find it)."""
+    exc.add_note(
+        "The command may have started in the sandbox (its id is unknown, so it was not killed): "
+        "sandbox.commands.list() shows it, commands.get(id).kill() stops it."
+    )
 
 
 def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> None:

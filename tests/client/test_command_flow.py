@@ -219,3 +219,30 @@ def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
         drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: now[0]), perform)
     assert sent == [("POST", "/commands", False), ("POST", "/commands/c1/kill", True)]
     assert info.value.result is not None and info.value.result.command_id == "c1"
+
+
+@pytest.mark.parametrize(
+    "first",
+    [{"type": "heartbeat", "seq": 0, "data": ""}, None, BrokerProtocolError("not JSON")],
+    ids=["not a command id", "empty answer", "not JSON"],
+)
+def test_a_start_answered_without_a_command_id_says_the_command_may_run(first: Any) -> None:
+    """A start whose answer has no command id cannot be followed or killed, but the runtime
+    may have started the command: the typed error says so (and how to find it), and nothing is
+    sent again."""
+    sent: list[str] = []
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, (cf.Call, cf.OpenEvents)):
+            sent.append(f"{step.spec.method} {step.spec.path}")
+            return None
+        if isinstance(first, Exception):
+            raise first
+        return first
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    with pytest.raises(BrokerProtocolError) as info:
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures()), perform)
+    assert sent == ["POST /commands"]
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "may have started" in notes and "commands.list()" in notes
