@@ -413,16 +413,19 @@ class NdjsonDecoder:
         return protocol_error(self.what, f"an event line is longer than {self.max_line} bytes")
 
     def end(self) -> list[Any]:
-        """The last value, if the stream did not end with a newline. A last line that is not
-        JSON is the start of a line whose end never came: a connection closed inside it (a
-        close-delimited answer ends cleanly when cut) is a :class:`BrokerUnavailableError`, a
-        drop that a reader resumes from its cursor, not a malformed answer."""
+        """The last value, if the stream did not end with a newline. A last line that starts
+        as a JSON object but is not one is the start of a line whose end never came: a
+        connection closed inside it (a close-delimited answer ends cleanly when cut) is a
+        :class:`BrokerUnavailableError`, a drop that a reader resumes from its cursor, not a
+        malformed answer (which anything else, e.g. an HTML page, is)."""
         rest, self._parts, self._size = b"".join(self._parts), [], 0
         if not rest.strip():
             return []
         try:
             return [parse_json(rest, self.what)]
         except BrokerProtocolError:
+            if not rest.lstrip().startswith(b"{"):
+                raise
             raise BrokerUnavailableError(
                 f"Could not {self.what}: the answer ended inside a line ({len(rest)} bytes "
                 "without their end): the connection was closed before the line was complete."

@@ -132,6 +132,9 @@ def test_a_stream_that_ends_inside_a_line_is_a_drop_and_a_run_resumes() -> None:
     assert decoder.feed(b'{"seq": 1}\n{"se') == [{"seq": 1}]
     with pytest.raises(BrokerUnavailableError, match="inside a line"):
         decoder.end()
+    decoder.feed(b"<html><body>Sign in</body></html>")  # not a cut event: malformed
+    with pytest.raises(BrokerProtocolError, match="not JSON"):
+        decoder.end()
     cut = b'{"command_id":"c1"}\n{"type":"stdout","seq":1,"da'
     rest = (
         b'{"type":"stdout","seq":1,"data":"hi\\n"}\n'
