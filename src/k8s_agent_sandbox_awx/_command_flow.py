@@ -71,7 +71,8 @@ MAX_STREAM_FAILURES = 5
 class OpenEvents:
     spec: proto.RequestSpec
     json_answer: bool = False
-    """A plain ``application/json`` answer is one value (a runtime that does not stream it)."""
+    """An answer not labelled ``application/x-ndjson`` is one value (a runtime that does not
+    stream it)."""
 
 
 @dataclass(frozen=True)

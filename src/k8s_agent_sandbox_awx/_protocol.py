@@ -433,8 +433,9 @@ class NdjsonDecoder:
 
 
 class JsonAnswerDecoder(NdjsonDecoder):
-    """A plain JSON answer (``application/json``) read as a stream of one value: the answer of
-    a runtime that does not stream a request that asked for NDJSON (the streamed start)."""
+    """A plain JSON answer (not ``application/x-ndjson``) read as a stream of one value: the
+    answer of a runtime that does not stream a request that asked for NDJSON (the streamed
+    start)."""
 
     def feed(self, chunk: bytes) -> list[Any]:
         self._hold(chunk)
@@ -447,10 +448,11 @@ class JsonAnswerDecoder(NdjsonDecoder):
 
 
 def event_decoder(what: str, content_type: str | None, json_answer: bool) -> NdjsonDecoder:
-    """The decoder of a streamed answer: NDJSON, or with ``json_answer`` an answer labelled
-    ``application/json`` as one value."""
+    """The decoder of a streamed answer: NDJSON, or with ``json_answer`` any answer not
+    labelled ``application/x-ndjson`` as one value (read whole, as a plain answer is: e.g.
+    pretty-printed JSON without its content type)."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
-    if json_answer and media == "application/json":
+    if json_answer and media != "application/x-ndjson":
         return JsonAnswerDecoder(what)
     return NdjsonDecoder(what)
 

@@ -159,3 +159,40 @@ def test_a_stream_that_ends_inside_a_line_is_a_drop_and_a_run_resumes() -> None:
         client.close()
     assert (result.stdout, result.exit_code) == ("hi\n", 0)
     assert seen == ["POST /commands", "GET /commands/c1/events"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/problem+json"])
+def test_a_start_answer_not_labelled_ndjson_is_one_json_value(content_type: str | None) -> None:
+    """Only an answer labelled ``application/x-ndjson`` is the streamed start; any other
+    answer to the start is read whole as one JSON value, as the plain start always read it
+    (here pretty-printed, over several lines): the run goes on with GET events instead of
+    failing with the command started and its id unknown."""
+    from k8s_agent_sandbox_awx import _command_flow as cf
+    from k8s_agent_sandbox_awx._commands import _Performer
+    from k8s_agent_sandbox_awx._protocol import RouterTarget
+
+    events = (
+        b'{"type":"stdout","seq":1,"data":"hi\\n"}\n'
+        b'{"type":"exit","seq":2,"data":"","exit_code":0,"state":"exited"}\n'
+    )
+    seen: list[str] = []
+
+    def runtime(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.path}")
+        if request.method == "GET":
+            return httpx.Response(
+                200, headers={"Content-Type": "application/x-ndjson"}, content=events
+            )
+        headers = {"Content-Type": content_type} if content_type else {}
+        return httpx.Response(200, headers=headers, content=b'{\n  "command_id": "c1"\n}\n')
+
+    client = BrokerSandboxClient(
+        broker_url=BROKER, auth=OIDCTokenAuth("opaque"), http_transport=httpx.MockTransport(runtime)
+    )
+    try:
+        op = cf.run(RouterTarget("sbx"), cf.StartPlan.make("echo hi", 5), cf.RuntimeFeatures())
+        result = _Performer(client._transport, None, None).drive(op)
+    finally:
+        client.close()
+    assert (result.stdout, result.exit_code) == ("hi\n", 0)
+    assert seen == ["POST /commands", "GET /commands/c1/events"]
