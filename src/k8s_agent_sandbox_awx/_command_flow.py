@@ -132,7 +132,7 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
         if not command.strip():
             raise ValueError("The command is empty; pass the command to run, e.g. 'echo hi'.")
         if shell is False:
-            return shlex.split(command)
+            return _split(command)
         return [*SHELL, command]
     if not isinstance(command, (list, tuple)):
         raise TypeError(
@@ -152,6 +152,23 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
             raise ValueError(f"Argument {index} of the command contains a NUL byte; remove it.")
     if not argv or not argv[0]:
         raise ValueError("The command is empty; pass the program and its arguments, e.g. ['ls'].")
+    return argv
+
+
+def _split(command: str) -> list[str]:
+    """``command`` split with shell-like rules (``shell=False``), as a non-empty argv."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        raise ValueError(
+            f"With shell=False the command {command!r} is split with shell-like rules, and it "
+            f"cannot be split ({exc}); balance its quotes, or pass the argv as a list."
+        ) from None
+    if not argv or not argv[0]:
+        raise ValueError(
+            f"With shell=False the command {command!r} splits into an empty program name; pass "
+            "the program and its arguments, e.g. 'ls -l'."
+        )
     return argv
 
 

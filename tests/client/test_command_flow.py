@@ -246,3 +246,16 @@ def test_a_start_answered_without_a_command_id_says_the_command_may_run(first: A
     assert sent == ["POST /commands"]
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "may have started" in notes and "commands.list()" in notes
+
+
+def test_shell_false_refuses_unbalanced_quotes_and_an_empty_program_clearly() -> None:
+    """``shell=False`` splits with shell-like rules: a string they cannot split, or one that
+    splits into an empty program name, is a ValueError naming the command, the rule and the
+    fix, before anything is sent (not shlex's bare 'No closing quotation', nor [''] sent)."""
+    for bad in ("echo 'a", "echo \\"):
+        with pytest.raises(ValueError, match=r"shell=False.*split") as info:
+            cf.command_argv(bad, False)
+        assert repr(bad) in str(info.value)
+    for empty in ("''", '""  '):
+        with pytest.raises(ValueError, match="empty"):
+            cf.command_argv(empty, False)
