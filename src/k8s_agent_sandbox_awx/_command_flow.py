@@ -53,13 +53,13 @@ __all__ = [
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
-SHELL_SCRIPT = 'command -v bash >/dev/null 2>&1 && exec bash -c "$1"; exec /bin/sh -c "$1"'
+SHELL_SCRIPT = 'command -v bash >/dev/null 2>&1 && exec bash -c -- "$1"; exec /bin/sh -c -- "$1"'
 SHELL = ("/bin/sh", "-c", SHELL_SCRIPT, "sh")
 """How a string command runs (``shell=None`` or ``True``): ``SHELL + (command,)``. ``/bin/sh``
 runs :data:`SHELL_SCRIPT`, which replaces itself with ``bash -c COMMAND`` (bash found on the
 command's ``PATH``), or with ``/bin/sh -c COMMAND`` where there is no bash. One process decides,
 so nothing is retried and the command never runs twice; the command is an argument of the
-script (``$1``), never pasted into it."""
+script (``$1``), never pasted into it, and after ``--``: never read as the shell's options."""
 COLLECT_LIMIT = 16 * 1024 * 1024
 """Characters of output (stdout and stderr together) a result keeps; beyond it the output still
 reaches the callbacks but the result's ``output_truncated`` is ``True``."""

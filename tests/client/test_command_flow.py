@@ -259,3 +259,17 @@ def test_shell_false_refuses_unbalanced_quotes_and_an_empty_program_clearly() ->
     for empty in ("''", '""  '):
         with pytest.raises(ValueError, match="empty"):
             cf.command_argv(empty, False)
+
+
+def test_a_string_that_starts_with_a_dash_is_a_command_not_shell_options(
+    bashless_path: str,
+) -> None:
+    """The string is the shell's command, never its options: one that starts with ``-`` or
+    ``+`` runs (here: not found, 127, as it is no program) instead of being read by bash or
+    sh as options (a usage error, exit 2), with bash and with ``/bin/sh``."""
+    for path in (os.environ["PATH"], bashless_path):
+        for command in ("-x", "--version", "+x", "- echo hi"):
+            argv = cf.command_argv(command, None)
+            env = {"PATH": path}
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+            assert done.returncode == 127, (command, path == bashless_path, done.stderr)
