@@ -260,6 +260,12 @@ def timeout_seconds(seconds: Any) -> int:
     return math.ceil(seconds)
 
 
+class _MissingAttributeError(UnsupportedOperationError, AttributeError):
+    """An attribute of the original package this SDK does not have (``sandbox.snapshots``):
+    the typed error, and an ``AttributeError`` for ``hasattr``, ``getattr(..., default)`` and
+    introspection (``inspect.getmembers``, ``mock.create_autospec``)."""
+
+
 class SandboxBase(Generic[C, Cmd, F]):
     """A sandbox's state as the broker reported it, and whether the handle may be used."""
 
@@ -325,9 +331,11 @@ class SandboxBase(Generic[C, Cmd, F]):
         return self._files
 
     # -- the original package's GKE-only operations: refused, before anything is sent --------
-    def _gke_only(self, operation: str) -> NoReturn:
+    def _gke_only(
+        self, operation: str, error: type[UnsupportedOperationError] | None = None
+    ) -> NoReturn:
         dialect = getattr(getattr(self._client, "dialect", None), "name", "any")
-        raise UnsupportedOperationError(
+        raise (error or UnsupportedOperationError)(
             f"{operation} is the original package's GKE pod-snapshot feature (snapshots, "
             "suspend, resume, restore, is_suspended), which this SDK does not have. Keep the "
             "sandbox running with set_timeout(), or create a new one and write the files it "
@@ -338,8 +346,9 @@ class SandboxBase(Generic[C, Cmd, F]):
 
     @property
     def snapshots(self) -> NoReturn:
-        """Not available: the original package's GKE pod snapshots (a clear error)."""
-        self._gke_only("snapshots")
+        """Not available: the original package's GKE pod snapshots (a clear error, also an
+        ``AttributeError``: ``hasattr`` is ``False`` and introspection skips it)."""
+        self._gke_only("snapshots", _MissingAttributeError)
 
     def suspend(self, *args: Any, **kwargs: Any) -> NoReturn:
         """Not available: the original package's GKE suspend (a clear error)."""

@@ -507,6 +507,8 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.debug or os.environ.get("AGENT_SANDBOX_DEBUG"):
             raise
         first, *more = _lines(str(exc)) or [type(exc).__name__]
+        for note in getattr(exc, "__notes__", ()):  # what else it says (a leftover to kill)
+            more += _lines(str(note))
         print(f"{PROG}: error: {type(exc).__name__}: {first}", file=sys.stderr)
         for line in more:  # indented: no line of a message can pass for a line of its own
             print(f"  {line}", file=sys.stderr)

@@ -53,13 +53,13 @@ __all__ = [
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
-SHELL_SCRIPT = 'command -v bash >/dev/null 2>&1 && exec bash -c "$1"; exec /bin/sh -c "$1"'
+SHELL_SCRIPT = 'command -v bash >/dev/null 2>&1 && exec bash -c -- "$1"; exec /bin/sh -c -- "$1"'
 SHELL = ("/bin/sh", "-c", SHELL_SCRIPT, "sh")
 """How a string command runs (``shell=None`` or ``True``): ``SHELL + (command,)``. ``/bin/sh``
 runs :data:`SHELL_SCRIPT`, which replaces itself with ``bash -c COMMAND`` (bash found on the
 command's ``PATH``), or with ``/bin/sh -c COMMAND`` where there is no bash. One process decides,
 so nothing is retried and the command never runs twice; the command is an argument of the
-script (``$1``), never pasted into it."""
+script (``$1``), never pasted into it, and after ``--``: never read as the shell's options."""
 COLLECT_LIMIT = 16 * 1024 * 1024
 """Characters of output (stdout and stderr together) a result keeps; beyond it the output still
 reaches the callbacks but the result's ``output_truncated`` is ``True``."""
@@ -71,7 +71,8 @@ MAX_STREAM_FAILURES = 5
 class OpenEvents:
     spec: proto.RequestSpec
     json_answer: bool = False
-    """A plain ``application/json`` answer is one value (a runtime that does not stream it)."""
+    """An answer not labelled ``application/x-ndjson`` is one value (a runtime that does not
+    stream it)."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
         if not command.strip():
             raise ValueError("The command is empty; pass the command to run, e.g. 'echo hi'.")
         if shell is False:
-            return shlex.split(command)
+            return _split(command)
         return [*SHELL, command]
     if not isinstance(command, (list, tuple)):
         raise TypeError(
@@ -151,6 +152,23 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
             raise ValueError(f"Argument {index} of the command contains a NUL byte; remove it.")
     if not argv or not argv[0]:
         raise ValueError("The command is empty; pass the program and its arguments, e.g. ['ls'].")
+    return argv
+
+
+def _split(command: str) -> list[str]:
+    """``command`` split with shell-like rules (``shell=False``), as a non-empty argv."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        raise ValueError(
+            f"With shell=False the command {command!r} is split with shell-like rules, and it "
+            f"cannot be split ({exc}); balance its quotes, or pass the argv as a list."
+        ) from None
+    if not argv or not argv[0]:
+        raise ValueError(
+            f"With shell=False the command {command!r} splits into an empty program name; pass "
+            "the program and its arguments, e.g. 'ls -l'."
+        )
     return argv
 
 
@@ -423,6 +441,9 @@ def _start(
     """``POST /commands``; ``None`` when the runtime has no such endpoint (remembered)."""
     try:
         command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
+    except errors.BrokerProtocolError as exc:
+        _may_run(exc)
+        raise
     except errors.BrokerError as exc:
         _without_commands(features, exc)
         return None
@@ -438,11 +459,23 @@ def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFea
     try:
         yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
         command_id = dp.parse_command_id((yield _NEXT))
+    except errors.BrokerProtocolError as exc:
+        _may_run(exc)
+        raise
     except errors.BrokerError as exc:
         _without_commands(features, exc)
         return None
     features.managed = True
     return command_id
+
+
+def _may_run(exc: errors.BrokerProtocolError) -> None:
+    """A start answered without a command id: the runtime may have started the command, which
+    cannot be followed or killed without its id (the note says so and how to find it)."""
+    exc.add_note(
+        "The command may have started in the sandbox (its id is unknown, so it was not killed): "
+        "sandbox.commands.list() shows it, commands.get(id).kill() stops it."
+    )
 
 
 def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> None:

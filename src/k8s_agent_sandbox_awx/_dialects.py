@@ -2,7 +2,8 @@
 out which one a broker speaks when none is pinned.
 
 Detection is one unauthenticated ``GET /v1/healthz``: a 2xx answer is ``v1``, any other answer
-below 500 (``404`` from a broker that serves only ``/rpc``) is ``rpc``. The result is remembered
+below 500 (``404`` from a broker that serves only ``/rpc``) is ``rpc``, but ``408`` and ``429``
+(busy: retried or raised, never remembered). The result is remembered
 per broker URL for the life of the process (a thread-safe map); one probe per broker runs at a
 time (:func:`probe_lock` for threads; the async client holds an ``asyncio.Lock`` per event loop
 and broker), and the callers that waited find the answer remembered, so each broker costs one

@@ -59,6 +59,8 @@ __all__ = [
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
 MAX_ERROR_BODY = 64 * 1024
+_BUSY = frozenset({408, 429})
+"""Answers to a probe that say the broker is busy, not what it serves: not an answer."""
 
 
 def certificate_failed(exc: BaseException) -> bool:
@@ -406,8 +408,8 @@ class Exchange:
 
     def succeeded(self, response: httpx.Response) -> bool:
         status = response.status_code
-        if self.spec.probe:
-            return status < 500
+        if self.spec.probe:  # 408/429: busy, which tells nothing (a 429 is retried)
+            return status < 500 and status not in _BUSY
         return status < 300 or (status == 404 and self.spec.not_found_ok)
 
     def delay_after_response(self, response: httpx.Response) -> float | None:

@@ -22,7 +22,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any, Generic, Protocol, TypeVar
 
 from ._jwt import redact
-from .errors import BrokerProtocolError
+from .errors import BrokerProtocolError, BrokerUnavailableError
 
 __all__ = [
     "Call",
@@ -194,8 +194,9 @@ class RequestSpec:
     delay: float = 0.0
     """Seconds to wait before the first attempt (the interval of a status poll)."""
     probe: bool = False
-    """Any answer below 500 is an answer, not an error (a probe reads the status itself); sent
-    without a token (a health check, the dialect probe: they must work before one is usable)."""
+    """Any answer below 500 but 408 and 429 (busy) is an answer, not an error (a probe reads the
+    status itself); sent without a token (a health check, the dialect probe: they must work
+    before one is usable)."""
 
 
 class Reply(Protocol):
@@ -412,25 +413,46 @@ class NdjsonDecoder:
         return protocol_error(self.what, f"an event line is longer than {self.max_line} bytes")
 
     def end(self) -> list[Any]:
-        """The last value, if the stream did not end with a newline."""
+        """The last value, if the stream did not end with a newline. A last line that starts
+        as a JSON object but is not one is the start of a line whose end never came: a
+        connection closed inside it (a close-delimited answer ends cleanly when cut) is a
+        :class:`BrokerUnavailableError`, a drop that a reader resumes from its cursor, not a
+        malformed answer (which anything else, e.g. an HTML page, is)."""
         rest, self._parts, self._size = b"".join(self._parts), [], 0
-        return [parse_json(rest, self.what)] if rest.strip() else []
+        if not rest.strip():
+            return []
+        try:
+            return [parse_json(rest, self.what)]
+        except BrokerProtocolError:
+            if not rest.lstrip().startswith(b"{"):
+                raise
+            raise BrokerUnavailableError(
+                f"Could not {self.what}: the answer ended inside a line ({len(rest)} bytes "
+                "without their end): the connection was closed before the line was complete."
+            ) from None
 
 
 class JsonAnswerDecoder(NdjsonDecoder):
-    """A plain JSON answer (``application/json``) read as a stream of one value: the answer of
-    a runtime that does not stream a request that asked for NDJSON (the streamed start)."""
+    """A plain JSON answer (not ``application/x-ndjson``) read as a stream of one value: the
+    answer of a runtime that does not stream a request that asked for NDJSON (the streamed
+    start)."""
 
     def feed(self, chunk: bytes) -> list[Any]:
         self._hold(chunk)
         return []
 
+    def end(self) -> list[Any]:
+        """The answer's one value (an empty answer: none)."""
+        rest, self._parts, self._size = b"".join(self._parts), [], 0
+        return [parse_json(rest, self.what)] if rest.strip() else []
+
 
 def event_decoder(what: str, content_type: str | None, json_answer: bool) -> NdjsonDecoder:
-    """The decoder of a streamed answer: NDJSON, or with ``json_answer`` an answer labelled
-    ``application/json`` as one value."""
+    """The decoder of a streamed answer: NDJSON, or with ``json_answer`` any answer not
+    labelled ``application/x-ndjson`` as one value (read whole, as a plain answer is: e.g.
+    pretty-printed JSON without its content type)."""
     media = (content_type or "").split(";", 1)[0].strip().lower()
-    if json_answer and media == "application/json":
+    if json_answer and media != "application/x-ndjson":
         return JsonAnswerDecoder(what)
     return NdjsonDecoder(what)
 

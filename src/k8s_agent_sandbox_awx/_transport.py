@@ -173,7 +173,7 @@ class BrokerTransport(TransportBase):
     ) -> Generator[Any, None, None]:
         """The answer to ``spec`` as a stream of NDJSON values, each as soon as its line is
         complete (the request is sent on first iteration; close the generator to stop).
-        ``json_answer``: an ``application/json`` answer is one value."""
+        ``json_answer``: an answer not labelled ``application/x-ndjson`` is one value."""
         response = self.send(spec, stream=True)
         content_type = response.headers.get("content-type")
         decoder = proto.event_decoder(spec.what, content_type, json_answer)

@@ -39,6 +39,28 @@ def test_missing_broker_url_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys:
     assert "--broker-url" in err and "broker_url=" not in err  # the CLI's way, not Python's
 
 
+def test_an_errors_notes_are_printed(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """What an error's notes say (a sandbox a failed create left, to delete with `kill`; a
+    command that may have started) reaches the CLI's user too, indented under the message."""
+    from k8s_agent_sandbox_awx import _cli
+    from k8s_agent_sandbox_awx.errors import BrokerProtocolError
+
+    def fails(args: argparse.Namespace) -> int:
+        exc = BrokerProtocolError("Could not start a command: the answer has no command_id.")
+        exc.add_note("The command may have started in the sandbox:\n  commands.list() shows it.")
+        raise exc
+
+    monkeypatch.setattr(_cli, "_cmd_ls", fails)
+    assert main(["ls"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "agent-sandbox-awx: error: BrokerProtocolError: Could not start a command: the answer "
+        "has no command_id.",
+        "  The command may have started in the sandbox:",
+        "    commands.list() shows it.",
+    ]
+
+
 @pytest.mark.e2e
 @pytest.mark.usefixtures("dialect")  # once per dialect
 def test_run_exit_code_becomes_the_process_exit_code(live: Any, broker: Any) -> None:

@@ -219,3 +219,57 @@ def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
         drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: now[0]), perform)
     assert sent == [("POST", "/commands", False), ("POST", "/commands/c1/kill", True)]
     assert info.value.result is not None and info.value.result.command_id == "c1"
+
+
+@pytest.mark.parametrize(
+    "first",
+    [{"type": "heartbeat", "seq": 0, "data": ""}, None, BrokerProtocolError("not JSON")],
+    ids=["not a command id", "empty answer", "not JSON"],
+)
+def test_a_start_answered_without_a_command_id_says_the_command_may_run(first: Any) -> None:
+    """A start whose answer has no command id cannot be followed or killed, but the runtime
+    may have started the command: the typed error says so (and how to find it), and nothing is
+    sent again."""
+    sent: list[str] = []
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, (cf.Call, cf.OpenEvents)):
+            sent.append(f"{step.spec.method} {step.spec.path}")
+            return None
+        if isinstance(first, Exception):
+            raise first
+        return first
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    with pytest.raises(BrokerProtocolError) as info:
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures()), perform)
+    assert sent == ["POST /commands"]
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "may have started" in notes and "commands.list()" in notes
+
+
+def test_shell_false_refuses_unbalanced_quotes_and_an_empty_program_clearly() -> None:
+    """``shell=False`` splits with shell-like rules: a string they cannot split, or one that
+    splits into an empty program name, is a ValueError naming the command, the rule and the
+    fix, before anything is sent (not shlex's bare 'No closing quotation', nor [''] sent)."""
+    for bad in ("echo 'a", "echo \\"):
+        with pytest.raises(ValueError, match=r"shell=False.*split") as info:
+            cf.command_argv(bad, False)
+        assert repr(bad) in str(info.value)
+    for empty in ("''", '""  '):
+        with pytest.raises(ValueError, match="empty"):
+            cf.command_argv(empty, False)
+
+
+def test_a_string_that_starts_with_a_dash_is_a_command_not_shell_options(
+    bashless_path: str,
+) -> None:
+    """The string is the shell's command, never its options: one that starts with ``-`` or
+    ``+`` runs (here: not found, 127, as it is no program) instead of being read by bash or
+    sh as options (a usage error, exit 2), with bash and with ``/bin/sh``."""
+    for path in (os.environ["PATH"], bashless_path):
+        for command in ("-x", "--version", "+x", "- echo hi"):
+            argv = cf.command_argv(command, None)
+            env = {"PATH": path}
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+            assert done.returncode == 127, (command, path == bashless_path, done.stderr)

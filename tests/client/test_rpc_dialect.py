@@ -23,6 +23,7 @@ from k8s_agent_sandbox_awx._dialects import detected, forget_detected
 from k8s_agent_sandbox_awx._upstream import SandboxWarmPoolNotFoundError
 from k8s_agent_sandbox_awx.errors import (
     AudienceMismatchError,
+    BrokerError,
     BrokerPermissionError,
     BrokerWarmPoolNotFoundError,
     RequestTimeoutError,
@@ -373,3 +374,33 @@ def test_create_sandbox_takes_the_rpc_fields_too(rpc_broker: Any) -> None:
         pytest.raises(UnsupportedOperationError, match="'v1' dialect"),
     ):
         v1.create_sandbox(scopes=["commands"])  # refused before anything is sent
+
+
+def test_a_busy_v1_broker_is_not_taken_for_rpc(creds: Any, real_detection: None) -> None:
+    """A ``429`` (or ``408``) to the probe says the broker is busy, not which dialect it
+    speaks: a 429 is retried (``Retry-After`` honoured), a 408 is an error, and neither is
+    remembered as ``rpc`` for the life of the process from one busy moment of a v1 broker."""
+    seen: list[str] = []
+    busy = [429, 408]
+
+    def v1_broker(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/v1/healthz" and busy:
+            return httpx.Response(busy.pop(0), headers={"Retry-After": "0"}, text="slow down")
+        if request.url.path == "/v1/healthz":
+            return httpx.Response(200, json={"status": "ok", "api_version": "v1"})
+        return httpx.Response(204)
+
+    config = BrokerConnectionConfig(broker_url="https://broker.test")
+    with BrokerSandboxClient(
+        config, auth=creds, http_transport=httpx.MockTransport(v1_broker)
+    ) as client:
+        client._transport.retry = client._transport.retry.__class__(backoff_base=0.0)
+        client._transport._sleep = lambda seconds: None
+        with pytest.raises(BrokerError) as info:  # the 429 retried, then a 408
+            client.delete("sbx-1")
+        assert info.value.status_code == 408
+        assert detected("https://broker.test") is None  # nothing remembered
+        client.delete("sbx-1")
+        assert client.dialect.name == "v1"
+    assert seen == ["/v1/healthz"] * 3 + ["/v1/sandboxes/sbx-1"]

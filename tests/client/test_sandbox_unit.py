@@ -239,3 +239,22 @@ def test_one_name_per_concept_upstream_spellings_only_from_the_client(
     assert sent["timeout_seconds"] == 5  # upstream's command_timeout wins
     upstream.terminate()
     assert not upstream.is_active
+
+
+def test_the_missing_snapshots_attribute_is_an_attribute_error_too(make_client: Any) -> None:
+    """``sandbox.snapshots`` (the original's GKE feature) is refused with the typed
+    UnsupportedOperationError, which is also an AttributeError: ``hasattr`` answers ``False``,
+    ``getattr(..., None)`` its default, and introspection (``inspect.getmembers``,
+    ``mock.create_autospec``, used to mock a sandbox in tests) does not fail on it."""
+    import inspect
+    from unittest import mock
+
+    from k8s_agent_sandbox_awx import UnsupportedOperationError
+
+    sandbox = make_client().create_sandbox()
+    with pytest.raises(UnsupportedOperationError, match="GKE"):
+        sandbox.snapshots  # noqa: B018
+    assert not hasattr(sandbox, "snapshots")
+    assert getattr(sandbox, "snapshots", None) is None
+    assert "commands" in dict(inspect.getmembers(sandbox))
+    assert mock.create_autospec(sandbox).commands is not None

@@ -116,3 +116,71 @@ def test_events_stream_through_the_local_broker_sync_and_async(broker: Any) -> N
             check([e async for e in transport.events(follow(cid))])
 
     asyncio.run(main())
+
+
+EVENTS_HI = (
+    b'{"type":"stdout","seq":1,"data":"hi\\n"}\n'
+    b'{"type":"exit","seq":2,"data":"","exit_code":0,"state":"exited"}\n'
+)
+"""The events of ``echo hi`` (what GET events answers in the streamed-start tests)."""
+
+
+def run_echo_hi(start: httpx.Response) -> tuple[Any, list[str]]:
+    """A foreground ``echo hi`` against a runtime that answers the start with ``start`` and
+    GET events with :data:`EVENTS_HI`: its result and the requests sent."""
+    from k8s_agent_sandbox_awx import _command_flow as cf
+    from k8s_agent_sandbox_awx._commands import _Performer
+    from k8s_agent_sandbox_awx._protocol import RouterTarget
+
+    seen: list[str] = []
+
+    def runtime(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.path}")
+        if request.method == "POST":
+            return start
+        ndjson = {"Content-Type": "application/x-ndjson"}
+        return httpx.Response(200, headers=ndjson, content=EVENTS_HI)
+
+    client = BrokerSandboxClient(
+        broker_url=BROKER, auth=OIDCTokenAuth("opaque"), http_transport=httpx.MockTransport(runtime)
+    )
+    client._transport._sleep = lambda _s: None
+    try:
+        op = cf.run(RouterTarget("sbx"), cf.StartPlan.make("echo hi", 5), cf.RuntimeFeatures())
+        return _Performer(client._transport, None, None).drive(op), seen
+    finally:
+        client.close()
+
+
+def test_a_stream_that_ends_inside_a_line_is_a_drop_and_a_run_resumes() -> None:
+    """A close-delimited answer (an HTTP/1.0 proxy) that is cut ends cleanly for httpx, inside
+    a line: that is a dropped connection (resumed from the cursor), not a malformed answer
+    (which would kill a running command). Here the streamed start is cut after the command id
+    and one event's first half; the run resumes with GET events?after=0 and nothing is killed."""
+    from k8s_agent_sandbox_awx.errors import BrokerUnavailableError
+
+    decoder = NdjsonDecoder("follow events")
+    assert decoder.feed(b'{"seq": 1}\n{"se') == [{"seq": 1}]
+    with pytest.raises(BrokerUnavailableError, match="inside a line"):
+        decoder.end()
+    decoder.feed(b"<html><body>Sign in</body></html>")  # not a cut event: malformed
+    with pytest.raises(BrokerProtocolError, match="not JSON"):
+        decoder.end()
+    cut = b'{"command_id":"c1"}\n{"type":"stdout","seq":1,"da'
+    ndjson = {"Content-Type": "application/x-ndjson"}
+    result, seen = run_echo_hi(httpx.Response(200, headers=ndjson, content=cut))
+    assert (result.stdout, result.exit_code) == ("hi\n", 0)
+    assert seen == ["POST /commands", "GET /commands/c1/events"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/problem+json"])
+def test_a_start_answer_not_labelled_ndjson_is_one_json_value(content_type: str | None) -> None:
+    """Only an answer labelled ``application/x-ndjson`` is the streamed start; any other
+    answer to the start is read whole as one JSON value, as the plain start always read it
+    (here pretty-printed, over several lines): the run goes on with GET events instead of
+    failing with the command started and its id unknown."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    pretty = b'{\n  "command_id": "c1"\n}\n'
+    result, seen = run_echo_hi(httpx.Response(200, headers=headers, content=pretty))
+    assert (result.stdout, result.exit_code) == ("hi\n", 0)
+    assert seen == ["POST /commands", "GET /commands/c1/events"]
