@@ -6,6 +6,7 @@ rotation, and the /execute fallback on a runtime without managed commands."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -436,6 +437,58 @@ def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any)
     assert proc.returncode == 130 and "interrupted" in err, err
     assert process_gone(pid)
     assert broker.sandboxes() == []  # and the sandbox is gone too
+
+
+def test_cli_run_cleanup_stuck_after_ctrl_c_is_cut_and_names_the_sandbox(
+    broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cleanup step after Ctrl-C that never returns (here the kill; in the field a lock that
+    an interrupted library call left held) is cut at the cleanup's time limit: the CLI exits
+    130 and names the sandbox that may be left, instead of hanging."""
+    from k8s_agent_sandbox_awx import _cli
+    from k8s_agent_sandbox_awx._transport import BrokerTransport
+
+    for key, value in broker.environ("kubernetes").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setattr(_cli, "CLEANUP_TIMEOUT", 0.5, raising=False)
+    call, writer = BrokerTransport.call, _cli._writer
+    stuck = threading.Event()
+
+    def kill_that_never_returns(self: Any, step: Any, sent: Any = None) -> Any:
+        if step.spec.path.endswith("/kill"):
+            stuck.set()
+            threading.Event().wait()  # a wait without a limit (a signal handler may raise)
+        return call(self, step, sent)
+
+    def ctrl_c_at_first_output(stream: Any) -> Any:
+        write = writer(stream)
+
+        def first(text: str) -> None:
+            write(text)
+            if not stuck.is_set():
+                threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+        return first
+
+    rescued: list[bool] = []
+
+    def second_ctrl_c() -> None:
+        rescued.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    rescue = threading.Timer(20, second_ctrl_c)
+    monkeypatch.setattr(BrokerTransport, "call", kill_that_never_returns)
+    monkeypatch.setattr(_cli, "_writer", ctrl_c_at_first_output)
+    rescue.start()  # a bound for the hang (a second Ctrl-C), not a speed check
+    try:
+        code = _cli.main(["run", "--", "sh", "-c", "echo started; exec sleep 60"])
+    finally:
+        rescue.cancel()
+    err = capsys.readouterr().err
+    assert stuck.is_set() and not rescued, "the CLI waited for the stuck kill: " + err
+    assert code == 130 and "cut short" in err, err
+    assert re.search(r"sandbox \S+ \(and the command in it\) may be left; delete it with", err)
 
 
 def test_sequential_runs_reuse_one_connection(
