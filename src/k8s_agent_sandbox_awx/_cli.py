@@ -34,6 +34,9 @@ _INSECURE_FLAG = "--allow-insecure-http"
 CLEANUP_TIMEOUT = 30.0
 """Seconds ``run`` may spend cleaning up after Ctrl-C (kill the command, delete the sandbox)."""
 CUT_TIMEOUT = 1.0
+LAST_DELETE_TIMEOUT = 5.0
+"""The request time limit of the one last delete, on new connections, of a sandbox whose
+cleanup hit :data:`CLEANUP_TIMEOUT` (not tried after a second Ctrl-C: the user wants out)."""
 """Seconds each later cleanup step gets once the cleanup was cut (the time limit passed, or a
 second Ctrl-C): a step that cannot finish is cut again, so the CLI always exits."""
 
@@ -368,6 +371,7 @@ class _Interrupts:
 
     def __init__(self) -> None:
         self.interrupted = False
+        self.second = False
         self.cut: str | None = None
         self._saved: list[tuple[int, Any]] = []
 
@@ -388,6 +392,7 @@ class _Interrupts:
             self.interrupted = True
             signal.setitimer(signal.ITIMER_REAL, CLEANUP_TIMEOUT)
             raise KeyboardInterrupt
+        self.second = True
         self._cut_short("a second Ctrl-C stopped it")
 
     def _alarm(self, signum: int, frame: Any) -> None:
@@ -420,7 +425,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 if interrupts.cut is None:
                     client.close()
     except _CleanupCut as exc:
-        raise _CliError(_cut_message(interrupts.cut or str(exc), made), 130) from None
+        why = interrupts.cut or str(exc)
+        if made and not interrupts.second and _last_delete(args, made[0]):
+            raise KeyboardInterrupt from None  # cleaned up after all: a plain interruption
+        raise _CliError(_cut_message(why, made), 130) from None
+
+
+def _last_delete(args: argparse.Namespace, name: str) -> bool:
+    """Delete sandbox ``name`` on new connections (the old ones may be stuck: a lock an
+    interrupted call left held), each request within :data:`LAST_DELETE_TIMEOUT`, not
+    retried; whether that worked."""
+    from ._client import BrokerSandboxClient
+
+    settings = {k: v for k, v in _settings(args).items() if v is not None}
+    try:  # Ctrl-C now: the caller names the sandbox
+        client = BrokerSandboxClient(
+            request_timeout=LAST_DELETE_TIMEOUT, max_attempts=1, **settings
+        )
+        try:
+            client.delete(name)
+        finally:
+            client.close()
+    except KeyboardInterrupt:
+        return False
+    except Exception as exc:
+        print(f"{PROG}: could not delete sandbox {name}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _cut_message(why: str, made: list[str]) -> str:

@@ -5,6 +5,8 @@ rotation, and the /execute fallback on a runtime without managed commands."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import signal
@@ -439,25 +441,29 @@ def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any)
     assert broker.sandboxes() == []  # and the sandbox is gone too
 
 
-def test_cli_run_cleanup_stuck_after_ctrl_c_is_cut_and_names_the_sandbox(
-    broker: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A cleanup step after Ctrl-C that never returns (here the kill; in the field a lock that
-    an interrupted library call left held) is cut at the cleanup's time limit: the CLI exits
-    130 and names the sandbox that may be left, instead of hanging."""
+def cli_with_stuck_kill(
+    broker: Any, monkeypatch: pytest.MonkeyPatch, *, second_ctrl_c: bool
+) -> tuple[int, str]:
+    """``agent-sandbox-awx run`` in this process, Ctrl-C at the command's first output, and a
+    kill request that never returns (in the field: a lock an interrupted library call left
+    held); ``second_ctrl_c``: Ctrl-C again once the kill is stuck. Its exit code and stderr.
+    A hang is ended by a Ctrl-C after 20 s and fails the test."""
     from k8s_agent_sandbox_awx import _cli
     from k8s_agent_sandbox_awx._transport import BrokerTransport
 
     for key, value in broker.environ("kubernetes").items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setattr(_cli, "CLEANUP_TIMEOUT", 0.5, raising=False)
+    if not second_ctrl_c:
+        monkeypatch.setattr(_cli, "CLEANUP_TIMEOUT", 0.5, raising=False)
     call, writer = BrokerTransport.call, _cli._writer
     stuck = threading.Event()
 
     def kill_that_never_returns(self: Any, step: Any, sent: Any = None) -> Any:
         if step.spec.path.endswith("/kill"):
             stuck.set()
+            if second_ctrl_c:
+                threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
             threading.Event().wait()  # a wait without a limit (a signal handler may raise)
         return call(self, step, sent)
 
@@ -473,21 +479,42 @@ def test_cli_run_cleanup_stuck_after_ctrl_c_is_cut_and_names_the_sandbox(
 
     rescued: list[bool] = []
 
-    def second_ctrl_c() -> None:
+    def rescue_ctrl_c() -> None:
         rescued.append(True)
         os.kill(os.getpid(), signal.SIGINT)
 
-    rescue = threading.Timer(20, second_ctrl_c)
+    rescue = threading.Timer(20, rescue_ctrl_c)
     monkeypatch.setattr(BrokerTransport, "call", kill_that_never_returns)
     monkeypatch.setattr(_cli, "_writer", ctrl_c_at_first_output)
-    rescue.start()  # a bound for the hang (a second Ctrl-C), not a speed check
+    err = io.StringIO()
+    rescue.start()  # a bound for the hang, not a speed check
     try:
-        code = _cli.main(["run", "--", "sh", "-c", "echo started; exec sleep 60"])
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = _cli.main(["run", "--", "sh", "-c", "echo started; exec sleep 60"])
     finally:
         rescue.cancel()
-    err = capsys.readouterr().err
-    assert stuck.is_set() and not rescued, "the CLI waited for the stuck kill: " + err
-    assert code == 130 and "cut short" in err, err
+    assert stuck.is_set() and not rescued, "the CLI waited for the stuck kill: " + err.getvalue()
+    return code, err.getvalue()
+
+
+def test_cli_run_cleanup_stuck_after_ctrl_c_is_cut_and_the_sandbox_deleted(
+    broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the cleanup's time limit the stuck step is cut, and the sandbox is deleted on new
+    connections (the old ones may be what is stuck): a plain interruption, nothing left."""
+    code, err = cli_with_stuck_kill(broker, monkeypatch, second_ctrl_c=False)
+    assert code == 130 and "interrupted" in err, err
+    deadline = time.monotonic() + 10
+    while broker.sandboxes() and time.monotonic() < deadline:
+        time.sleep(0.05)  # deleted; the local runtime is still stopping
+    assert broker.sandboxes() == []
+
+
+def test_cli_run_second_ctrl_c_cuts_the_cleanup_and_names_the_sandbox(
+    broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, err = cli_with_stuck_kill(broker, monkeypatch, second_ctrl_c=True)
+    assert code == 130 and "a second Ctrl-C stopped it" in err, err
     assert re.search(r"sandbox \S+ \(and the command in it\) may be left; delete it with", err)
 
 
