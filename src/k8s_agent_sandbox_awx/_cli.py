@@ -387,6 +387,11 @@ class _Interrupts:
             for signum, handler in reversed(self._saved):
                 signal.signal(signum, handler)
 
+    def limit(self, seconds: float) -> None:
+        """Cut what runs now after ``seconds`` (with the handlers installed)."""
+        if self._saved:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+
     def _sigint(self, signum: int, frame: Any) -> None:
         if not self.interrupted:
             self.interrupted = True
@@ -420,15 +425,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         with interrupts:
             try:
-                return _run_in_sandbox(args, client, cmd, streams, made)
-            finally:
-                if interrupts.cut is None:
-                    client.close()
+                try:
+                    return _run_in_sandbox(args, client, cmd, streams, made)
+                finally:
+                    if interrupts.cut is None:
+                        client.close()
+            except _CleanupCut:
+                if not made or interrupts.second:
+                    raise
+                interrupts.limit(2 * LAST_DELETE_TIMEOUT)  # cut too if it cannot finish
+                if not _last_delete(args, made[0]):
+                    raise
+        raise KeyboardInterrupt  # deleted after all: a plain interruption
     except _CleanupCut as exc:
-        why = interrupts.cut or str(exc)
-        if made and not interrupts.second and _last_delete(args, made[0]):
-            raise KeyboardInterrupt from None  # cleaned up after all: a plain interruption
-        raise _CliError(_cut_message(why, made), 130) from None
+        raise _CliError(_cut_message(interrupts.cut or str(exc), made), 130) from None
 
 
 def _last_delete(args: argparse.Namespace, name: str) -> bool:
@@ -438,7 +448,7 @@ def _last_delete(args: argparse.Namespace, name: str) -> bool:
     from ._client import BrokerSandboxClient
 
     settings = {k: v for k, v in _settings(args).items() if v is not None}
-    try:  # Ctrl-C now: the caller names the sandbox
+    try:
         client = BrokerSandboxClient(
             request_timeout=LAST_DELETE_TIMEOUT, max_attempts=1, **settings
         )
@@ -446,8 +456,6 @@ def _last_delete(args: argparse.Namespace, name: str) -> bool:
             client.delete(name)
         finally:
             client.close()
-    except KeyboardInterrupt:
-        return False
     except Exception as exc:
         print(f"{PROG}: could not delete sandbox {name}: {exc}", file=sys.stderr)
         return False
