@@ -414,6 +414,7 @@ def cli_run(broker: Any, *argv: str) -> subprocess.Popen[str]:
         **os.environ,
         **broker.environ("kubernetes"),
         "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "PYTHONFAULTHANDLER": "1",  # SIGABRT prints every thread's stack (see exit_after)
     }
     cli = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli", "run", "--", *argv]
     pipe = subprocess.PIPE
@@ -430,12 +431,23 @@ def test_cli_run_streams_and_exits_with_the_command_code(broker: Any) -> None:
     assert "Traceback" not in err
 
 
+def exit_after(proc: subprocess.Popen[str], within: float) -> tuple[str, str]:
+    """``proc``'s remaining output once it exits; if it has not within ``within`` s, the test
+    fails with its stderr and the stack of each of its threads (faulthandler, at SIGABRT)."""
+    try:
+        return proc.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the CLI did not exit within {within:g}s; its stderr and stacks:\n{err}")
+
+
 def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any) -> None:
     proc = cli_run(broker, "sh", "-c", "echo $$; exec sleep 60")
     assert proc.stdout is not None
     pid = int(proc.stdout.readline())
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = exit_after(proc, 60)  # 30 s at most to clean up (_cli.CLEANUP_TIMEOUT), and more
     assert proc.returncode == 130 and "interrupted" in err, err
     assert process_gone(pid)
     assert broker.sandboxes() == []  # and the sandbox is gone too
