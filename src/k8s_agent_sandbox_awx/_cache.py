@@ -111,16 +111,32 @@ def put(key: CacheKey, credential: Credential, deadline: float) -> None:
 
 def _join(key: CacheKey, is_async: bool) -> tuple[Credential | None, _Flight | None]:
     """The cached credential, else the key's flight; ``(None, None)``: this caller leads a new
-    flight (registered, found by the others)."""
-    with _lock:
-        entry = _cache.get(key)
-        if entry is not None:
-            return entry.credential, None
-        flight = _flights.get(key)
-        if flight is not None:
-            return None, flight
-        _flights[key] = _Flight(running(), threading.get_ident(), is_async)
-        return None, None
+    flight (registered, found by the others). A sync flight of this very thread is abandoned
+    (see :func:`_abandoned`): it is ended, and this caller leads a new one."""
+    stale = None
+    try:
+        with _lock:
+            entry = _cache.get(key)
+            if entry is not None:
+                return entry.credential, None
+            flight = _flights.get(key)
+            if flight is not None and not _abandoned(flight):
+                return None, flight
+            stale = flight
+            _flights[key] = _Flight(running(), threading.get_ident(), is_async)
+            return None, None
+    finally:
+        if stale is not None:
+            stale.future.set_result(None)  # its waiters (other threads) retry
+
+
+def _abandoned(flight: _Flight) -> bool:
+    """Whether ``flight`` can never end: a sync flight led by the calling thread, which is here
+    instead of inside its fetch. A ``KeyboardInterrupt`` (Ctrl-C) lands between any two
+    bytecodes, so it can leave the leader's flight registered without a ``finally`` to end it
+    (after the flight was registered, before the leader's ``with`` took over); the next request
+    of that thread (the cleanup after Ctrl-C: a rollback, a kill) would wait for it forever."""
+    return not flight.is_async and flight.thread == threading.get_ident()
 
 
 class _Lead:

@@ -13,7 +13,9 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,14 @@ _LOCAL_EXTRA = (
     'python3 -m pip install -e ".[local]" in a clone of the k8s-agent-sandbox-awx repository'
 )
 _INSECURE_FLAG = "--allow-insecure-http"
+CLEANUP_TIMEOUT = 30.0
+"""Seconds ``run`` may spend cleaning up after Ctrl-C (kill the command, delete the sandbox)."""
+CUT_TIMEOUT = 1.0
+LAST_DELETE_TIMEOUT = 5.0
+"""The request time limit of the one last delete, on new connections, of a sandbox whose
+cleanup hit :data:`CLEANUP_TIMEOUT` (not tried after a second Ctrl-C: the user wants out)."""
+"""Seconds each later cleanup step gets once the cleanup was cut (the time limit passed, or a
+second Ctrl-C): a step that cannot finish is cut again, so the CLI always exits."""
 
 
 class _CliError(Exception):
@@ -347,9 +357,60 @@ def _cmd_kill(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from .errors import CommandTimeoutError, UnsupportedByRuntimeError
+class _CleanupCut(BaseException):
+    """The cleanup after Ctrl-C was cut short (not an ``Exception``: no cleanup step swallows
+    it)."""
 
+
+class _Interrupts:
+    """Ctrl-C during ``run`` (main thread, where ``signal.setitimer`` exists): the first one is a
+    ``KeyboardInterrupt`` (the command is killed, the sandbox deleted) and starts the cleanup's
+    time limit, :data:`CLEANUP_TIMEOUT`; when it passes, or at a second Ctrl-C,
+    :class:`_CleanupCut` is raised wherever the cleanup waits (a read, a lock an interrupted
+    library call left held), and every later step gets :data:`CUT_TIMEOUT`."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.second = False
+        self.cut: str | None = None
+        self._saved: list[tuple[int, Any]] = []
+
+    def __enter__(self) -> _Interrupts:
+        if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+            for signum, handler in ((signal.SIGALRM, self._alarm), (signal.SIGINT, self._sigint)):
+                self._saved.append((signum, signal.signal(signum, handler)))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._saved:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for signum, handler in reversed(self._saved):
+                signal.signal(signum, handler)
+
+    def limit(self, seconds: float) -> None:
+        """Cut what runs now after ``seconds`` (with the handlers installed)."""
+        if self._saved:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    def _sigint(self, signum: int, frame: Any) -> None:
+        if not self.interrupted:
+            self.interrupted = True
+            signal.setitimer(signal.ITIMER_REAL, CLEANUP_TIMEOUT)
+            raise KeyboardInterrupt
+        self.second = True
+        self._cut_short("a second Ctrl-C stopped it")
+
+    def _alarm(self, signum: int, frame: Any) -> None:
+        if self.interrupted:
+            self._cut_short(f"it did not finish within {CLEANUP_TIMEOUT:g}s")
+
+    def _cut_short(self, why: str) -> None:
+        self.cut = self.cut or why
+        signal.setitimer(signal.ITIMER_REAL, CUT_TIMEOUT)
+        raise _CleanupCut(why)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -359,33 +420,93 @@ def _cmd_run(args: argparse.Namespace) -> int:
         {} if args.json else {"on_stdout": _writer(sys.stdout), "on_stderr": _writer(sys.stderr)}
     )
     client = _client(args)
+    made: list[str] = []
+    interrupts = _Interrupts()
     try:
-        with client.create_sandbox(
-            template=args.template, sandbox_ready_timeout=args.ready_timeout
-        ) as sandbox:
-            try:  # an argv: no shell; Ctrl-C kills the command, then the sandbox
+        with interrupts:
+            try:
                 try:
-                    result = sandbox.commands.run(cmd, timeout=args.timeout, **streams)
-                except UnsupportedByRuntimeError:
-                    if not streams:
-                        raise
-                    # an old runtime cannot stream (the command did not run): the output at
-                    # the end instead
-                    result = sandbox.commands.run(cmd, timeout=args.timeout)
-                    _writer(sys.stdout)(result.stdout)
-                    _writer(sys.stderr)(result.stderr)
-            except CommandTimeoutError as exc:
-                if exc.result is not None and args.json:
-                    _print_result(args, sandbox.name, exc.result)
-                if not args.json and exc.result is not None:
-                    sys.stderr.write("\n" if exc.result.stderr[-1:] not in ("", "\n") else "")
-                raise _CliError(
-                    f"the command ran longer than --timeout {args.timeout:g}s and was killed; "
-                    "pass a larger --timeout.",
-                    124,
-                ) from exc
-    finally:
-        client.close()
+                    return _run_in_sandbox(args, client, cmd, streams, made)
+                finally:
+                    if interrupts.cut is None:
+                        client.close()
+            except _CleanupCut:
+                if not made or interrupts.second:
+                    raise
+                interrupts.limit(2 * LAST_DELETE_TIMEOUT)  # cut too if it cannot finish
+                if not _last_delete(args, made[0]):
+                    raise
+        raise KeyboardInterrupt  # deleted after all: a plain interruption
+    except _CleanupCut as exc:
+        raise _CliError(_cut_message(interrupts.cut or str(exc), made), 130) from None
+
+
+def _last_delete(args: argparse.Namespace, name: str) -> bool:
+    """Delete sandbox ``name`` on new connections (the old ones may be stuck: a lock an
+    interrupted call left held), each request within :data:`LAST_DELETE_TIMEOUT`, not
+    retried; whether that worked."""
+    from ._client import BrokerSandboxClient
+
+    settings = {k: v for k, v in _settings(args).items() if v is not None}
+    try:
+        client = BrokerSandboxClient(
+            request_timeout=LAST_DELETE_TIMEOUT, max_attempts=1, **settings
+        )
+        try:
+            client.delete(name)
+        finally:
+            client.close()
+    except Exception as exc:
+        print(f"{PROG}: could not delete sandbox {name}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def _cut_message(why: str, made: list[str]) -> str:
+    """What may be left when the cleanup after Ctrl-C was cut short (``made``: the sandbox's
+    name, once it was created)."""
+    if made:
+        name = made[0]
+        left = (
+            f"sandbox {name} (and the command in it) may be left; delete it with "
+            f"`{PROG} kill {name}`"
+        )
+    else:
+        left = f"a sandbox being created may be left; check with `{PROG} ls`"
+    return f"interrupted; the cleanup was cut short ({why}): {left}."
+
+
+def _run_in_sandbox(
+    args: argparse.Namespace, client: Any, cmd: list[str], streams: dict[str, Any], made: list[str]
+) -> int:
+    """Create a sandbox (its name appended to ``made``), run ``cmd`` in it, delete it."""
+    from .errors import CommandTimeoutError, UnsupportedByRuntimeError
+
+    with client.create_sandbox(
+        template=args.template, sandbox_ready_timeout=args.ready_timeout
+    ) as sandbox:
+        made.append(sandbox.name)
+        try:  # an argv: no shell; Ctrl-C kills the command, then the sandbox
+            try:
+                result = sandbox.commands.run(cmd, timeout=args.timeout, **streams)
+            except UnsupportedByRuntimeError:
+                if not streams:
+                    raise
+                # an old runtime cannot stream (the command did not run): the output at
+                # the end instead
+                result = sandbox.commands.run(cmd, timeout=args.timeout)
+                _writer(sys.stdout)(result.stdout)
+                _writer(sys.stderr)(result.stderr)
+        except CommandTimeoutError as exc:
+            if exc.result is not None and args.json:
+                _print_result(args, sandbox.name, exc.result)
+            if not args.json and exc.result is not None:
+                sys.stderr.write("\n" if exc.result.stderr[-1:] not in ("", "\n") else "")
+            raise _CliError(
+                f"the command ran longer than --timeout {args.timeout:g}s and was killed; "
+                "pass a larger --timeout.",
+                124,
+            ) from exc
     if args.json:
         _print_result(args, sandbox.name, result)
     return int(result.exit_code)

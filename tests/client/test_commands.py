@@ -5,7 +5,10 @@ rotation, and the /execute fallback on a runtime without managed commands."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -501,6 +504,7 @@ def cli_run(broker: Any, *argv: str) -> subprocess.Popen[str]:
         **os.environ,
         **broker.environ("kubernetes"),
         "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "PYTHONFAULTHANDLER": "1",  # SIGABRT prints every thread's stack (see exit_after)
     }
     cli = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli", "run", "--", *argv]
     pipe = subprocess.PIPE
@@ -517,15 +521,103 @@ def test_cli_run_streams_and_exits_with_the_command_code(broker: Any) -> None:
     assert "Traceback" not in err
 
 
+def exit_after(proc: subprocess.Popen[str], within: float) -> tuple[str, str]:
+    """``proc``'s remaining output once it exits; if it has not within ``within`` s, the test
+    fails with its stderr and the stack of each of its threads (faulthandler, at SIGABRT)."""
+    try:
+        return proc.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the CLI did not exit within {within:g}s; its stderr and stacks:\n{err}")
+
+
 def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any) -> None:
     proc = cli_run(broker, "sh", "-c", "echo $$; exec sleep 60")
     assert proc.stdout is not None
     pid = int(proc.stdout.readline())
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = exit_after(proc, 60)  # 30 s at most to clean up (_cli.CLEANUP_TIMEOUT), and more
     assert proc.returncode == 130 and "interrupted" in err, err
     assert process_gone(pid)
     assert broker.sandboxes() == []  # and the sandbox is gone too
+
+
+def cli_with_stuck_kill(
+    broker: Any, monkeypatch: pytest.MonkeyPatch, *, second_ctrl_c: bool
+) -> tuple[int, str]:
+    """``agent-sandbox-awx run`` in this process, Ctrl-C at the command's first output, and a
+    kill request that never returns (in the field: a lock an interrupted library call left
+    held); ``second_ctrl_c``: Ctrl-C again once the kill is stuck. Its exit code and stderr.
+    A hang is ended by a Ctrl-C after 20 s and fails the test."""
+    from k8s_agent_sandbox_awx import _cli
+    from k8s_agent_sandbox_awx._transport import BrokerTransport
+
+    for key, value in broker.environ("kubernetes").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
+    if not second_ctrl_c:
+        monkeypatch.setattr(_cli, "CLEANUP_TIMEOUT", 0.5, raising=False)
+    call, writer = BrokerTransport.call, _cli._writer
+    stuck = threading.Event()
+
+    def kill_that_never_returns(self: Any, step: Any, sent: Any = None) -> Any:
+        if step.spec.path.endswith("/kill"):
+            stuck.set()
+            if second_ctrl_c:
+                threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            threading.Event().wait()  # a wait without a limit (a signal handler may raise)
+        return call(self, step, sent)
+
+    def ctrl_c_at_first_output(stream: Any) -> Any:
+        write = writer(stream)
+
+        def first(text: str) -> None:
+            write(text)
+            if not stuck.is_set():
+                threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+        return first
+
+    rescued: list[bool] = []
+
+    def rescue_ctrl_c() -> None:
+        rescued.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    rescue = threading.Timer(20, rescue_ctrl_c)
+    monkeypatch.setattr(BrokerTransport, "call", kill_that_never_returns)
+    monkeypatch.setattr(_cli, "_writer", ctrl_c_at_first_output)
+    err = io.StringIO()
+    rescue.start()  # a bound for the hang, not a speed check
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = _cli.main(["run", "--", "sh", "-c", "echo started; exec sleep 60"])
+    finally:
+        rescue.cancel()
+    assert stuck.is_set() and not rescued, "the CLI waited for the stuck kill: " + err.getvalue()
+    return code, err.getvalue()
+
+
+def test_cli_run_cleanup_stuck_after_ctrl_c_is_cut_and_the_sandbox_deleted(
+    broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the cleanup's time limit the stuck step is cut, and the sandbox is deleted on new
+    connections (the old ones may be what is stuck): a plain interruption, nothing left."""
+    code, err = cli_with_stuck_kill(broker, monkeypatch, second_ctrl_c=False)
+    assert code == 130 and "interrupted" in err, err
+    deadline = time.monotonic() + 10
+    while broker.sandboxes() and time.monotonic() < deadline:
+        time.sleep(0.05)  # deleted; the local runtime is still stopping
+    assert broker.sandboxes() == []
+
+
+def test_cli_run_second_ctrl_c_cuts_the_cleanup_and_names_the_sandbox(
+    broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, err = cli_with_stuck_kill(broker, monkeypatch, second_ctrl_c=True)
+    assert code == 130 and "a second Ctrl-C stopped it" in err, err
+    assert re.search(r"sandbox \S+ \(and the command in it\) may be left; delete it with", err)
 
 
 def test_sequential_runs_reuse_one_connection(

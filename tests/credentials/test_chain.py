@@ -494,3 +494,40 @@ def test_request_repr_hides_the_environment(mint) -> None:
     request = CredentialRequest(BROKER, {"AGENT_SANDBOX_TOKEN": token})
     assert token not in repr(request)
     assert request.not_here("x") is None
+
+
+def test_ctrl_c_right_after_a_flight_is_registered_does_not_hang_the_next_fetch(
+    mint, clock, monkeypatch
+) -> None:
+    """Ctrl-C can land between any two bytecodes: here after the thread registered its flight
+    and before its ``with`` could end it. The next fetch on that thread (the cleanup after
+    Ctrl-C: a rollback, a kill) must not wait forever for that dead flight; it fetches."""
+    from k8s_agent_sandbox_awx import _cache
+
+    calls = []
+    token = mint(now=clock.now, ttl=600)
+    auth = OIDCTokenAuth(lambda: calls.append(1) or token)
+    enter = _cache._Lead.__enter__
+    interrupted = []
+
+    def interrupt_once(self):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt  # as if SIGINT arrived right here
+        return enter(self)
+
+    monkeypatch.setattr(_cache._Lead, "__enter__", interrupt_once)
+    outcome: list[object] = []
+
+    def caller() -> None:  # one thread, as the CLI's main thread
+        try:
+            auth.get_credential(BROKER)
+        except KeyboardInterrupt:
+            outcome.append("interrupted")
+        outcome.append(auth.get_credential(BROKER).token)
+
+    thread = threading.Thread(target=caller, daemon=True)
+    thread.start()
+    thread.join(20)  # a bound for a deadlock, not a speed check
+    assert not thread.is_alive(), "the fetch after Ctrl-C waits for a flight that never ends"
+    assert outcome == ["interrupted", token] and len(calls) == 1
