@@ -679,6 +679,37 @@ def test_a_follower_cut_by_the_broker_still_gets_every_byte(
     assert cmds.status(command_id)["output_truncated"] is True
 
 
+def test_a_cut_after_a_burst_larger_than_the_window_loses_nothing(
+    broker: LocalBroker, alice: Any
+) -> None:
+    """The runtime sends far more than the live window (64 KiB here) before the broker cuts the
+    stream after 2 events (the rest is in socket buffers and the broker, lost with the cut):
+    a follower that comes back with its cursor still gets every byte after it, because nothing
+    sent on a stream is dropped before a new request acknowledges it with its cursor."""
+    cmds = configured(
+        alice,
+        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
+        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
+        SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="120",
+    )
+    broker.cut_event_streams(after_events=2)
+    script = "head -c 3000000 /dev/zero | tr '\\0' x; echo; echo end"
+    command_id = cmds.start_id(script)
+    time.sleep(0.3)  # the command has written ahead: the first stream sends a large burst
+    received: list[dict[str, Any]] = []
+    cursor = 0
+    while not received or received[-1]["type"] != "exit":
+        resp = cmds.events_response(command_id, cursor)
+        assert resp.status_code == 200, resp.text  # not 410: nothing after the cursor was lost
+        for event in (json.loads(line) for line in resp.text.splitlines()):
+            if event["type"] != "heartbeat":
+                assert event["seq"] == cursor + 1
+                cursor = event["seq"]
+                received.append(event)
+    assert output(received) == "x" * 3000000 + "\nend\n"
+    assert cmds.status(command_id)["output_truncated"] is True
+
+
 def test_sixty_four_commands_followed_at_once(alice: Any) -> None:
     """64 running commands (the limit raised for this sandbox), each followed by its own open
     event stream at the same time, all through the broker."""
