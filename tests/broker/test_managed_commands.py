@@ -710,6 +710,59 @@ def test_a_cut_after_a_burst_larger_than_the_window_loses_nothing(
     assert cmds.status(command_id)["output_truncated"] is True
 
 
+def test_a_stream_ends_after_its_unacknowledged_bound_and_the_next_request_continues(
+    alice: Any,
+) -> None:
+    """What one stream sends beyond the cap past its cursor is bounded
+    (``SANDBOX_COMMAND_UNACKED_BYTES``): the stream then ends cleanly before ``duration``, and
+    the next request, continuing from its cursor, acknowledges it and gets the rest."""
+    cmds = configured(
+        alice,
+        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
+        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
+        SANDBOX_COMMAND_UNACKED_BYTES="100000",
+    )
+    command_id = cmds.start_id("head -c 2000000 /dev/zero | tr '\\0' y; echo end")
+    received: list[dict[str, Any]] = []
+    streams: list[int] = []  # output bytes beyond the cap each stream sent
+    cursor = 0
+    while not received or received[-1]["type"] != "exit":
+        sent = 0
+        for event in cmds.events(command_id, cursor):
+            if event["type"] != "heartbeat":
+                assert event["seq"] == cursor + 1
+                cursor = event["seq"]
+                received.append(event)
+                before = sum(len(e["data"]) for e in received[:-1])
+                sent += max(0, before + len(event["data"]) - max(before, 4096))
+        streams.append(sent)
+    assert output(received) == "y" * 2000000 + "end\n"
+    assert len(streams) >= 2000000 // (100000 + 8192)
+    assert max(streams) <= 100000 + 8192  # the bound, passed by one read (an eighth of 64 KiB)
+
+
+def test_a_follower_that_never_comes_back_holds_the_command_only_for_the_grace_time(
+    alice: Any,
+) -> None:
+    """A stream ends at its unacknowledged bound and its follower never continues: the window
+    keeps what it sent (the command waits on its pipe) for the grace time only, then drops it
+    as before (a request from the old cursor is ``410``) and the command runs to its end."""
+    cmds = configured(
+        alice,
+        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
+        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
+        SANDBOX_COMMAND_UNACKED_BYTES="100000",
+        SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="0.5",
+    )
+    command_id = cmds.start_id("head -c 2000000 /dev/zero | tr '\\0' z; echo end")
+    first = cmds.events(command_id, 0)
+    assert first[-1]["type"] != "exit"  # ended at the bound, not at the command's end
+    status = cmds.wait(command_id)
+    assert status["exit_code"] == 0 and status["output_truncated"] is True
+    resp = cmds.events_response(command_id, 1)
+    assert resp.status_code == 410, resp.text
+
+
 def test_sixty_four_commands_followed_at_once(alice: Any) -> None:
     """64 running commands (the limit raised for this sandbox), each followed by its own open
     event stream at the same time, all through the broker."""
