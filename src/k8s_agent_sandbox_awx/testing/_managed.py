@@ -26,7 +26,7 @@ that a follower (an open stream, or one that ended less than ``FOLLOWER_GRACE_SE
 continued from a cursor within what it sent) may not have received: everything after the cursor
 its request continued from, the protocol's only acknowledgement (what a stream sent may still be
 in socket buffers or a proxy when the connection breaks). A stream ends once it has sent
-``unacked_bytes`` (8 MiB) of window output past that cursor, so the client continues from its
+``unacked_bytes`` (16 MiB) of window output past that cursor, so the client continues from its
 cursor and acknowledges it; the command's pipes are not read while the window holds its size and
 ``unacked_bytes`` of such output (backpressure: the command blocks on its writes). A replay from
 the start finds the events between the two gone: the request is ``410`` naming the lost range and
@@ -104,7 +104,7 @@ class Limits:
 
     output_bytes: int = 1024 * 1024
     window_bytes: int = 1024 * 1024
-    unacked_bytes: int = 8 * 1024 * 1024
+    unacked_bytes: int = 16 * 1024 * 1024
     """The most output beyond the cap one event stream sends past the cursor it continued from
     (then it ends, and the client continues from its cursor: that acknowledges it)."""
     max_running: int = 16
