@@ -27,8 +27,9 @@ continued from a cursor within what it sent) may not have received: everything a
 its request continued from, the protocol's only acknowledgement (what a stream sent may still be
 in socket buffers or a proxy when the connection breaks). A stream ends once it has sent
 ``unacked_bytes`` (16 MiB) of window output past that cursor, so the client continues from its
-cursor and acknowledges it; the command's pipes are not read while the window holds its size and
-``unacked_bytes`` of such output (backpressure: the command blocks on its writes). A replay from
+cursor and acknowledges it; the command's pipes are not read while a follower has a window's size
+of output it was not sent (backpressure: the command blocks on its writes). After the exit the
+window returns to its size once its followers acknowledged or their grace ended. A replay from
 the start finds the events between the two gone: the request is ``410`` naming the lost range and
 the cursor to resume from. The ``exit`` event is always kept.
 """
@@ -295,23 +296,32 @@ class Command:
 
     def evict(self, limits: Limits) -> bool:
         """Drop the window's oldest events beyond its size, but never one that a follower may
-        not have received (after its ``acked`` cursor); ``True`` when the window holds its size
-        and ``unacked_bytes`` that way: the reader waits (backpressure) until a request
-        acknowledges more or the follower's grace time ends."""
+        not have received (after its ``acked`` cursor); ``True`` when a follower has a window's
+        size of output it has not been sent: the reader waits (backpressure) until it is sent,
+        or the follower's grace time ends. The window so holds at most its size beyond what the
+        slowest follower sent past its ``acked`` (``unacked_bytes``, the most one stream sends)."""
         horizon = time.monotonic() - limits.follower_grace_seconds
         self.followers = [f for f in self.followers if f.ended_at is None or f.ended_at > horizon]
         pin: int | None = None  # the first event some follower may not have received is pin + 1
+        unsent = 0  # the most window output a follower has not been sent
+        start = self.window[0].offset if self.window else self.output_size
         for follower in self.followers:
             try:
                 self.event_at(follower.acked + 1)
             except LookupError:
                 continue  # that follower already lost events: it gets a 410
+            try:
+                sent = self.event_at(follower.cursor) if follower.cursor else None
+                sent_end = sent.offset + sent.size if sent is not None else 0
+            except LookupError:  # its cursor is its acked one, dropped already: before the window
+                sent_end = start
             pin = follower.acked if pin is None else min(pin, follower.acked)
+            unsent = max(unsent, self.output_size - max(sent_end, start))
         while self.window_size > limits.window_bytes and len(self.window) > 1:
             if pin is not None and self.window[0].seq > pin:
-                return self.window_size >= limits.window_bytes + limits.unacked_bytes
+                break
             self.window_size -= self.window.popleft().size
-        return False
+        return unsent >= limits.window_bytes
 
     def follow(self, after: int) -> _Follower:
         """The follower of a request continuing from ``after``: the stream that ended and had
@@ -696,6 +706,21 @@ class CommandManager:
                 self._finish(command, TIMEOUT_EXIT_CODE, "timed_out")
             else:
                 self._finish(command, rc if rc >= 0 else 128 - rc, "exited")
+        self._trim(command)
+
+    def _trim(self, command: Command) -> None:
+        """After the exit: bring the window back to its size once its followers acknowledged
+        what they were sent or their grace time ended (nothing else would drop it now)."""
+        while True:
+            with command.cond:
+                command.evict(self.limits)
+                if (
+                    command.window_size <= self.limits.window_bytes
+                    or not command.followers
+                    or command.command_id not in self.commands
+                ):
+                    return
+                command.cond.wait(self.limits.follower_grace_seconds)
 
     def _read(
         self, command: Command, fd: int, kind: str, decoder: codecs.IncrementalDecoder
