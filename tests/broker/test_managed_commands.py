@@ -763,6 +763,26 @@ def test_a_follower_that_never_comes_back_holds_the_command_only_for_the_grace_t
     assert resp.status_code == 410, resp.text
 
 
+def test_after_the_exit_the_window_returns_to_its_size_when_the_grace_ends(alice: Any) -> None:
+    """A stream sent a command's whole output (1 MB, beyond a 64 KiB window) and its follower
+    never acknowledged it: the window keeps it all for the grace time, then, with the command
+    ended, drops back to its size (a request for the old events is ``410``)."""
+    cmds = configured(
+        alice,
+        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
+        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
+        SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="0.5",
+    )
+    command_id = cmds.start_id("head -c 1000000 /dev/zero | tr '\\0' w; echo end")
+    events = cmds.events(command_id, 0)
+    assert events[-1]["type"] == "exit" and output(events) == "w" * 1000000 + "end\n"
+    assert cmds.events_response(command_id, 1).status_code == 200  # within the grace: kept
+    time.sleep(3)  # the grace (0.5 s, from the end of that request, itself a follower) ends
+    resp = cmds.events_response(command_id, 1)
+    assert resp.status_code == 410, resp.text[:200]
+    assert cmds.events(command_id, resp.json()["resume_after"])[-1]["type"] == "exit"
+
+
 def test_sixty_four_commands_followed_at_once(alice: Any) -> None:
     """64 running commands (the limit raised for this sandbox), each followed by its own open
     event stream at the same time, all through the broker."""
