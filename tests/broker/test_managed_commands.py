@@ -679,6 +679,17 @@ def test_a_follower_cut_by_the_broker_still_gets_every_byte(
     assert cmds.status(command_id)["output_truncated"] is True
 
 
+def small_window(alice: Any, **env: str) -> Commands:
+    """A sandbox whose runtime keeps 4 KiB for replay and a 64 KiB live window (reads of 8 KiB):
+    a few MB of output are far beyond both."""
+    return configured(
+        alice,
+        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
+        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
+        **env,
+    )
+
+
 def test_a_cut_after_a_burst_larger_than_the_window_loses_nothing(
     broker: LocalBroker, alice: Any
 ) -> None:
@@ -686,10 +697,8 @@ def test_a_cut_after_a_burst_larger_than_the_window_loses_nothing(
     stream after 2 events (the rest is in socket buffers and the broker, lost with the cut):
     a follower that comes back with its cursor still gets every byte after it, because nothing
     sent on a stream is dropped before a new request acknowledges it with its cursor."""
-    cmds = configured(
+    cmds = small_window(
         alice,
-        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
-        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
         SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="120",
     )
     broker.cut_event_streams(after_events=2)
@@ -716,10 +725,8 @@ def test_a_stream_ends_after_its_unacknowledged_bound_and_the_next_request_conti
     """What one stream sends beyond the cap past its cursor is bounded
     (``SANDBOX_COMMAND_UNACKED_BYTES``): the stream then ends cleanly before ``duration``, and
     the next request, continuing from its cursor, acknowledges it and gets the rest."""
-    cmds = configured(
+    cmds = small_window(
         alice,
-        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
-        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
         SANDBOX_COMMAND_UNACKED_BYTES="100000",
     )
     command_id = cmds.start_id("head -c 2000000 /dev/zero | tr '\\0' y; echo end")
@@ -747,10 +754,8 @@ def test_a_follower_that_never_comes_back_holds_the_command_only_for_the_grace_t
     """A stream ends at its unacknowledged bound and its follower never continues: the window
     keeps what it sent (the command waits on its pipe) for the grace time only, then drops it
     as before (a request from the old cursor is ``410``) and the command runs to its end."""
-    cmds = configured(
+    cmds = small_window(
         alice,
-        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
-        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
         SANDBOX_COMMAND_UNACKED_BYTES="100000",
         SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="0.5",
     )
@@ -767,10 +772,8 @@ def test_after_the_exit_the_window_returns_to_its_size_when_the_grace_ends(alice
     """A stream sent a command's whole output (1 MB, beyond a 64 KiB window) and its follower
     never acknowledged it: the window keeps it all for the grace time, then, with the command
     ended, drops back to its size (a request for the old events is ``410``)."""
-    cmds = configured(
+    cmds = small_window(
         alice,
-        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
-        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
         SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="0.5",
     )
     command_id = cmds.start_id("head -c 1000000 /dev/zero | tr '\\0' w; echo end")
