@@ -932,7 +932,9 @@ class CommandManager:
                         break
                     if size >= BATCH_BYTES or unacked >= self.limits.unacked_bytes:
                         break
-                follower.cursor = cursor  # sent from now on (a broken send may deliver part)
+                if batch:  # sent from now on (a broken send may deliver part): read more
+                    follower.cursor = cursor
+                    command.cond.notify_all()
                 now = time.monotonic()
                 if not batch and not lost and now < deadline:
                     gone = command.command_id not in self.commands
