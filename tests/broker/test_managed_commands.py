@@ -679,6 +679,113 @@ def test_a_follower_cut_by_the_broker_still_gets_every_byte(
     assert cmds.status(command_id)["output_truncated"] is True
 
 
+def small_window(alice: Any, **env: str) -> Commands:
+    """A sandbox whose runtime keeps 4 KiB for replay and a 64 KiB live window (reads of 8 KiB):
+    a few MB of output are far beyond both."""
+    return configured(
+        alice,
+        SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES="4096",
+        SANDBOX_COMMAND_LIVE_WINDOW_BYTES="65536",
+        **env,
+    )
+
+
+def test_a_cut_after_a_burst_larger_than_the_window_loses_nothing(
+    broker: LocalBroker, alice: Any
+) -> None:
+    """The runtime sends far more than the live window (64 KiB here) before the broker cuts the
+    stream after 2 events (the rest is in socket buffers and the broker, lost with the cut):
+    a follower that comes back with its cursor still gets every byte after it, because nothing
+    sent on a stream is dropped before a new request acknowledges it with its cursor."""
+    cmds = small_window(
+        alice,
+        SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="120",
+    )
+    broker.cut_event_streams(after_events=2)
+    script = "head -c 3000000 /dev/zero | tr '\\0' x; echo; echo end"
+    command_id = cmds.start_id(script)
+    time.sleep(0.3)  # the command has written ahead: the first stream sends a large burst
+    received: list[dict[str, Any]] = []
+    cursor = 0
+    while not received or received[-1]["type"] != "exit":
+        resp = cmds.events_response(command_id, cursor)
+        assert resp.status_code == 200, resp.text  # not 410: nothing after the cursor was lost
+        for event in (json.loads(line) for line in resp.text.splitlines()):
+            if event["type"] != "heartbeat":
+                assert event["seq"] == cursor + 1
+                cursor = event["seq"]
+                received.append(event)
+    assert output(received) == "x" * 3000000 + "\nend\n"
+    assert cmds.status(command_id)["output_truncated"] is True
+
+
+def test_a_stream_ends_after_its_unacknowledged_bound_and_the_next_request_continues(
+    alice: Any,
+) -> None:
+    """What one stream sends beyond the cap past its cursor is bounded
+    (``SANDBOX_COMMAND_UNACKED_BYTES``): the stream then ends cleanly before ``duration``, and
+    the next request, continuing from its cursor, acknowledges it and gets the rest."""
+    cmds = small_window(
+        alice,
+        SANDBOX_COMMAND_UNACKED_BYTES="100000",
+    )
+    command_id = cmds.start_id("head -c 2000000 /dev/zero | tr '\\0' y; echo end")
+    received: list[dict[str, Any]] = []
+    streams: list[int] = []  # output bytes beyond the cap each stream sent
+    cursor = 0
+    while not received or received[-1]["type"] != "exit":
+        sent = 0
+        for event in cmds.events(command_id, cursor):
+            if event["type"] != "heartbeat":
+                assert event["seq"] == cursor + 1
+                cursor = event["seq"]
+                received.append(event)
+                before = sum(len(e["data"]) for e in received[:-1])
+                sent += max(0, before + len(event["data"]) - max(before, 4096))
+        streams.append(sent)
+    assert output(received) == "y" * 2000000 + "end\n"
+    assert len(streams) >= 2000000 // (100000 + 8192)
+    assert max(streams) <= 100000 + 8192  # the bound, passed by one read (an eighth of 64 KiB)
+
+
+def test_a_follower_that_never_comes_back_holds_the_command_only_for_the_grace_time(
+    alice: Any,
+) -> None:
+    """A stream ends at its unacknowledged bound and its follower never continues: the window
+    keeps what it sent (the command waits on its pipe) for the grace time only, then drops it
+    as before (a request from the old cursor is ``410``) and the command runs to its end."""
+    cmds = small_window(
+        alice,
+        SANDBOX_COMMAND_UNACKED_BYTES="100000",
+        SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="0.5",
+    )
+    command_id = cmds.start_id("head -c 2000000 /dev/zero | tr '\\0' z; echo end")
+    first = cmds.events(command_id, 0)
+    assert first[-1]["type"] != "exit"  # ended at the bound, not at the command's end
+    status = cmds.wait(command_id)
+    assert status["exit_code"] == 0 and status["output_truncated"] is True
+    resp = cmds.events_response(command_id, 1)
+    assert resp.status_code == 410, resp.text
+
+
+def test_after_the_exit_the_window_returns_to_its_size_when_the_grace_ends(alice: Any) -> None:
+    """A stream sent a command's whole output (1 MB, beyond a 64 KiB window) and its follower
+    never acknowledged it: the window keeps it all for the grace time, then, with the command
+    ended, drops back to its size (a request for the old events is ``410``)."""
+    cmds = small_window(
+        alice,
+        SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS="0.5",
+    )
+    command_id = cmds.start_id("head -c 1000000 /dev/zero | tr '\\0' w; echo end")
+    events = cmds.events(command_id, 0)
+    assert events[-1]["type"] == "exit" and output(events) == "w" * 1000000 + "end\n"
+    assert cmds.events_response(command_id, 1).status_code == 200  # within the grace: kept
+    time.sleep(3)  # the grace (0.5 s, from the end of that request, itself a follower) ends
+    resp = cmds.events_response(command_id, 1)
+    assert resp.status_code == 410, resp.text[:200]
+    assert cmds.events(command_id, resp.json()["resume_after"])[-1]["type"] == "exit"
+
+
 def test_sixty_four_commands_followed_at_once(alice: Any) -> None:
     """64 running commands (the limit raised for this sandbox), each followed by its own open
     event stream at the same time, all through the broker."""

@@ -23,9 +23,15 @@ per stream, so a multi-byte character split across two reads stays whole.
 Retention: the first ``output_bytes`` (1 MiB) of output are kept for replay; later events are kept
 only in a live window of the most recent ``window_bytes`` (1 MiB). The window never drops an event
 that a follower (an open stream, or one that ended less than ``FOLLOWER_GRACE_SECONDS`` ago and is
-continued from its cursor) has not sent: the command's pipes are not read until it catches up
-(backpressure). A replay from the start finds the events between the two gone: the request is
-``410`` naming the lost range and the cursor to resume from. The ``exit`` event is always kept.
+continued from a cursor within what it sent) may not have received: everything after the cursor
+its request continued from, the protocol's only acknowledgement (what a stream sent may still be
+in socket buffers or a proxy when the connection breaks). A stream ends once it has sent
+``unacked_bytes`` (16 MiB) of window output past that cursor, so the client continues from its
+cursor and acknowledges it; the command's pipes are not read while a follower has a window's size
+of output it was not sent (backpressure: the command blocks on its writes). After the exit the
+window returns to its size once its followers acknowledged or their grace ended. A replay from
+the start finds the events between the two gone: the request is ``410`` naming the lost range and
+the cursor to resume from. The ``exit`` event is always kept.
 """
 
 from __future__ import annotations
@@ -99,6 +105,9 @@ class Limits:
 
     output_bytes: int = 1024 * 1024
     window_bytes: int = 1024 * 1024
+    unacked_bytes: int = 16 * 1024 * 1024
+    """The most output beyond the cap one event stream sends past the cursor it continued from
+    (then it ends, and the client continues from its cursor: that acknowledges it)."""
     max_running: int = 16
     max_handles: int = 64
     retention_seconds: float = 900.0
@@ -129,6 +138,7 @@ class Limits:
         limits = cls(
             output_bytes=number("SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES", cls.output_bytes, int),
             window_bytes=number("SANDBOX_COMMAND_LIVE_WINDOW_BYTES", cls.window_bytes, int),
+            unacked_bytes=number("SANDBOX_COMMAND_UNACKED_BYTES", cls.unacked_bytes, int),
             max_running=number("SANDBOX_COMMAND_MAX_RUNNING", cls.max_running, int),
             max_handles=number("SANDBOX_COMMAND_MAX_HANDLES", cls.max_handles, int),
             retention_seconds=number(
@@ -203,8 +213,13 @@ class _Event:
 
 @dataclass
 class _Follower:
-    """An event stream's position: the seq of the last event it sent."""
+    """An event stream: ``acked``, the cursor its request continued from (its reader is known to
+    have every event up to it: the protocol's only acknowledgement), and ``cursor``, the seq of
+    the last event it sent (or is sending). What it sent after ``acked`` may still be in flight
+    (socket buffers, a proxy) and lost if the connection breaks: it is kept until a request
+    continues from a later cursor."""
 
+    acked: int
     cursor: int
     ended_at: float | None = None
 
@@ -273,53 +288,71 @@ class Command:
             self.retained_size += size
         else:
             self.output_truncated = True
+            event.data = ""  # only its line is sent again; the status shows the retained text
             self.window.append(event)
             self.window_size += size
             self.evict(limits)
         self.cond.notify_all()
 
     def evict(self, limits: Limits) -> bool:
-        """Drop the window's oldest events beyond its size, but never one that a follower has
-        not sent (then ``True``: the reader waits), and the last window's size a follower sent
-        (it may still be in flight when the connection breaks) only to stay within twice the
-        window's size."""
+        """Drop the window's oldest events beyond its size, but never one that a follower may
+        not have received (after its ``acked`` cursor); ``True`` when a follower has a window's
+        size of output it has not been sent: the reader waits (backpressure) until it is sent,
+        or the follower's grace time ends. The window so holds at most its size beyond what the
+        slowest follower sent past its ``acked`` (``unacked_bytes``, the most one stream sends)."""
         horizon = time.monotonic() - limits.follower_grace_seconds
         self.followers = [f for f in self.followers if f.ended_at is None or f.ended_at > horizon]
-        slack = limits.window_bytes
-        slowest: int | None = None
-        keep_from: int | None = None  # output offset: what ends after it was sent just now
+        pin: int | None = None  # the first event some follower may not have received is pin + 1
+        unsent = 0  # the most window output a follower has not been sent
+        start = self.window[0].offset if self.window else self.output_size
         for follower in self.followers:
             try:
-                self.event_at(follower.cursor + 1)
+                self.event_at(follower.acked + 1)
             except LookupError:
                 continue  # that follower already lost events: it gets a 410
             try:
                 sent = self.event_at(follower.cursor) if follower.cursor else None
                 sent_end = sent.offset + sent.size if sent is not None else 0
-            except LookupError:  # sent and dropped already: it ended before the window
-                sent_end = self.window[0].offset if self.window else self.output_size
-            mark = sent_end - slack
-            slowest = follower.cursor if slowest is None else min(slowest, follower.cursor)
-            keep_from = mark if keep_from is None else min(keep_from, mark)
+            except LookupError:  # its cursor is its acked one, dropped already: before the window
+                sent_end = start
+            pin = follower.acked if pin is None else min(pin, follower.acked)
+            unsent = max(unsent, self.output_size - max(sent_end, start))
         while self.window_size > limits.window_bytes and len(self.window) > 1:
-            head = self.window[0]
-            if slowest is not None and head.seq > slowest:
-                return True
-            recent = keep_from is not None and head.offset + head.size > keep_from
-            if recent and self.window_size <= limits.window_bytes + slack:
-                return False
+            if pin is not None and self.window[0].seq > pin:
+                break
             self.window_size -= self.window.popleft().size
-        return False
+        return unsent >= limits.window_bytes
 
     def follow(self, after: int) -> _Follower:
-        """A follower at ``after``: the one a stream that just ended left there, or a new one."""
-        for follower in self.followers:
-            if follower.ended_at is not None and follower.cursor == after:
-                follower.ended_at = None
-                return follower
-        follower = _Follower(after)
-        self.followers.append(follower)
+        """The follower of a request continuing from ``after``: the stream that ended and had
+        sent up to at least ``after`` from at most ``after`` (a reconnect: what it sent beyond
+        ``after`` was lost on the way), or a new one."""
+        ended = [
+            f for f in self.followers if f.ended_at is not None and f.acked <= after <= f.cursor
+        ]
+        if ended:
+            follower = max(ended, key=lambda f: f.acked)
+            follower.acked = follower.cursor = after
+            follower.ended_at = None
+        else:
+            follower = _Follower(after, after)
+            self.followers.append(follower)
+        self.cond.notify_all()  # acknowledged: the reader may go on
         return follower
+
+    def unfollow(self, follower: _Follower) -> None:
+        """The stream of ``follower`` ended: it holds the window for the grace time, unless a
+        request already continued from within what it sent (it reconnected before its old
+        stream noticed the broken connection)."""
+        continued = any(
+            other is not follower and follower.acked <= other.acked <= follower.cursor
+            for other in self.followers
+        )
+        if continued:
+            self.followers.remove(follower)
+        else:
+            follower.ended_at = time.monotonic()
+        self.cond.notify_all()
 
     def event_at(self, seq: int) -> _Event | None:
         """The event ``seq``; ``None`` when it does not exist yet; ``LookupError`` when lost."""
@@ -550,7 +583,7 @@ class CommandManager:
                 started_at=time.time(),
             )
             # its caller is about to follow it: the window keeps its start for the grace time
-            command.followers.append(_Follower(0, ended_at=time.monotonic()))
+            command.followers.append(_Follower(0, 0, ended_at=time.monotonic()))
             self.commands[command.command_id] = command
             if request_id is not None:
                 self.by_request[request_id] = command.command_id
@@ -673,6 +706,21 @@ class CommandManager:
                 self._finish(command, TIMEOUT_EXIT_CODE, "timed_out")
             else:
                 self._finish(command, rc if rc >= 0 else 128 - rc, "exited")
+        self._trim(command)
+
+    def _trim(self, command: Command) -> None:
+        """After the exit: bring the window back to its size once its followers acknowledged
+        what they were sent or their grace time ended (nothing else would drop it now)."""
+        while True:
+            with command.cond:
+                command.evict(self.limits)
+                if (
+                    command.window_size <= self.limits.window_bytes
+                    or not command.followers
+                    or command.command_id not in self.commands
+                ):
+                    return
+                command.cond.wait(self.limits.follower_grace_seconds)
 
     def _read(
         self, command: Command, fd: int, kind: str, decoder: codecs.IncrementalDecoder
@@ -851,8 +899,7 @@ class CommandManager:
             yield from self._batches(command, follower, after, duration)
         finally:
             with command.cond:
-                follower.ended_at = time.monotonic()
-                command.cond.notify_all()
+                command.unfollow(follower)
 
     def _batches(
         self, command: Command, follower: _Follower, after: int, duration: float
@@ -861,6 +908,7 @@ class CommandManager:
         beat = self.limits.heartbeat_seconds
         cursor = after
         last_sent = time.monotonic()
+        unacked = 0  # window output sent: kept until a request continues from a later cursor
         while True:
             batch: list[bytes] = []
             size = 0
@@ -877,11 +925,16 @@ class CommandManager:
                     batch.append(event.line)
                     size += len(event.line)
                     cursor = event.seq
+                    if event.seq > len(command.retained):
+                        unacked += event.size
                     if event.kind == "exit":
                         ended = True
                         break
-                    if size >= BATCH_BYTES:
+                    if size >= BATCH_BYTES or unacked >= self.limits.unacked_bytes:
                         break
+                if batch:  # sent from now on (a broken send may deliver part): read more
+                    follower.cursor = cursor
+                    command.cond.notify_all()
                 now = time.monotonic()
                 if not batch and not lost and now < deadline:
                     gone = command.command_id not in self.commands
@@ -892,11 +945,8 @@ class CommandManager:
             if batch:
                 yield b"".join(batch)
                 last_sent = time.monotonic()
-                with command.cond:  # sent: the runtime may drop it from the live window now
-                    follower.cursor = cursor
-                    command.cond.notify_all()
-            if ended or lost:
-                return
+            if ended or lost or unacked >= self.limits.unacked_bytes:
+                return  # enough sent unacknowledged: the client continues from its cursor
             now = time.monotonic()
             if now >= deadline:
                 return
