@@ -71,3 +71,33 @@ def test_errors_live_in_one_public_module_and_keep_their_old_names() -> None:
     for name in errors.__all__:
         assert getattr(k8s_agent_sandbox_awx, name) is getattr(errors, name), name
     assert k8s_agent_sandbox_awx.SandboxError is errors.SandboxError
+
+
+def test_every_error_survives_pickling_with_its_attributes_and_notes() -> None:
+    """Errors cross processes pickled (``concurrent.futures.ProcessPoolExecutor``,
+    ``multiprocessing``, pytest-xdist): each one comes back as the same class with the same
+    message, attributes and notes, also those whose ``__init__`` requires keywords."""
+    import copy
+    import inspect
+    import pickle
+
+    from k8s_agent_sandbox_awx import errors
+
+    classes = [
+        obj
+        for name in errors.__all__
+        if isinstance(obj := getattr(errors, name), type) and issubclass(obj, BaseException)
+    ]
+    assert len(classes) > 20
+    for cls in classes:
+        required = {
+            p.name: f"{p.name}-value"
+            for p in inspect.signature(cls.__init__).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+        }
+        error = cls("what failed and what to do", **required)
+        error.add_note("a note")
+        for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+            assert type(again) is cls, cls
+            assert str(again) == str(error) and again.args == error.args, cls
+            assert vars(again) == vars(error), cls  # attributes and __notes__

@@ -84,6 +84,32 @@ class ConfigurationError(SandboxError):
     """The client configuration is invalid or incomplete (a URL, a variable, an argument)."""
 
 
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    # The first __new__ in the MRO may belong to a base of another layout (RuntimeError's for
+    # an error that is also a TimeoutError, an OSError): use the first one that accepts cls.
+    news = (vars(base)["__new__"] for base in cls.__mro__ if "__new__" in vars(base))
+    for new in news:  # BaseException's, at the latest, accepts it
+        try:
+            error = new(cls, *args)
+            break
+        except TypeError:
+            continue
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class _RebuiltFromState:
+    """Pickles (and copies) an error whose ``__init__`` requires keywords: it is rebuilt from its
+    ``args`` and attributes without calling ``__init__`` (``BaseException`` would call it with
+    the message alone). Errors cross processes pickled: ``concurrent.futures``,
+    ``multiprocessing``, pytest-xdist."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        assert isinstance(self, BaseException)
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
 class BrokerError(SandboxRequestError):
     """The broker (or a sandbox runtime behind it) answered with an error, or could not be reached.
 
@@ -208,7 +234,7 @@ class RequestTimeoutError(BrokerError):
         self.timeout = timeout
 
 
-class CommandTimeoutError(SandboxError):
+class CommandTimeoutError(_RebuiltFromState, SandboxError):
     """A command ran longer than its time limit and was killed by the sandbox runtime.
 
     ``result`` is the runtime's :class:`ExecutionResult` (``timed_out=True``, output up to the
@@ -227,7 +253,7 @@ class CommandTimeoutError(SandboxError):
         self.result = result
 
 
-class CommandWaitTimeoutError(SandboxError, TimeoutError):
+class CommandWaitTimeoutError(_RebuiltFromState, SandboxError, TimeoutError):
     """``handle.wait(timeout=...)`` returned before the background command ended. The command
     keeps running (``handle.kill()`` stops it); ``command_id`` names it."""
 
@@ -257,7 +283,7 @@ class UnsupportedByRuntimeError(SandboxError, NotImplementedError):
         self.options = options
 
 
-class SandboxReadyTimeoutError(SandboxNotReadyError):
+class SandboxReadyTimeoutError(_RebuiltFromState, SandboxNotReadyError):
     """The sandbox did not become Ready within the ready timeout (``create`` deletes it)."""
 
     def __init__(
@@ -269,7 +295,7 @@ class SandboxReadyTimeoutError(SandboxNotReadyError):
         self.phase = phase
 
 
-class SandboxFailedError(SandboxClaimFailedError):
+class SandboxFailedError(_RebuiltFromState, SandboxClaimFailedError):
     """The sandbox reached the terminal ``Failed`` phase (``create`` deletes it)."""
 
     def __init__(
@@ -286,7 +312,7 @@ class BrokerWarmPoolNotFoundError(SandboxFailedError, SandboxWarmPoolNotFoundErr
     claim). Also an upstream ``SandboxWarmPoolNotFoundError`` and a :class:`SandboxFailedError`."""
 
 
-class UnsupportedOperationError(ConfigurationError, NotImplementedError):
+class UnsupportedOperationError(_RebuiltFromState, ConfigurationError, NotImplementedError):
     """The broker's dialect (or this SDK) has no such operation, e.g. ``list`` under ``/rpc``.
 
     ``dialect``: the dialect's name; ``operation``: what was asked for. Raised before anything
@@ -298,7 +324,7 @@ class UnsupportedOperationError(ConfigurationError, NotImplementedError):
         self.operation = operation
 
 
-class SandboxTerminatingError(SandboxNotFoundError):
+class SandboxTerminatingError(_RebuiltFromState, SandboxNotFoundError):
     """The sandbox is being deleted (phase ``Terminating``); it will not be usable again."""
 
     def __init__(self, message: str, *, name: str) -> None:
