@@ -177,6 +177,24 @@ def test_watch_dir_sees_a_file_created_by_a_command(files_broker: Any) -> None:
         assert created.entry is not None and created.entry.name == "new.txt"
 
 
+def test_a_write_in_progress_is_not_an_entry(files_broker: Any) -> None:
+    """A write goes to a temporary file renamed over the target at its end: listings and
+    watches (which poll the directory) never show that temporary file (a watch used to report
+    it as a created file when a poll fell inside a write)."""
+    with _sandbox(files_broker) as sb:
+        sb.files.make_dir("t")
+        sb.commands.run("touch t/.fs-write-0123456789abcdef t/kept.txt")  # as one looks mid-write
+        assert [e.name for e in sb.files.list("t")] == ["kept.txt"]
+        events: list[WatchEvent] = []
+        watch = sb.files.watch_dir("t", timeout=1.5)
+        thread = threading.Thread(target=lambda: events.extend(watch))
+        thread.start()
+        time.sleep(0.5)
+        sb.commands.run("touch t/.fs-write-fedcba9876543210 t/new.txt")
+        thread.join(10)
+        assert [(e.type, e.path) for e in events] == [("created", "/app/t/new.txt")]
+
+
 def test_watch_dir_closes_cleanly_and_ends_at_its_timeout(files_broker: Any) -> None:
     with _sandbox(files_broker) as sb:
         sb.files.make_dir("quiet")

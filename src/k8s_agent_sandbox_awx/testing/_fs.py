@@ -43,6 +43,9 @@ MAX_WATCH_SECONDS = 20.0
 WATCH_POLL_SECONDS = 0.25
 WATCH_HEARTBEAT_SECONDS = 5.0
 CHUNK_SIZE = 256 * 1024
+WRITE_TMP_PREFIX = ".fs-write-"
+"""A write goes to ``WRITE_TMP_PREFIX`` + 16 hex digits in the target's directory, renamed over
+the target at its end; listings and watches do not show such a name (a write in progress)."""
 
 ERROR_CODES: dict[str, int] = {
     "invalid_argument": 400,  # malformed query or body (missing field, wrong type, bad duration)
@@ -285,6 +288,15 @@ def info_of(target: Target) -> dict[str, Any]:
     return info
 
 
+def _is_write_in_progress(name: str) -> bool:
+    tail = name[len(WRITE_TMP_PREFIX) :]
+    return (
+        name.startswith(WRITE_TMP_PREFIX)
+        and len(tail) == 16
+        and all(c in "0123456789abcdef" for c in tail)
+    )
+
+
 def _children(fd: int, target: Target, limit: int) -> dict[str, dict[str, Any]]:
     """The direct children of the directory open at ``fd`` (refused beyond ``limit``)."""
     out: dict[str, dict[str, Any]] = {}
@@ -297,6 +309,8 @@ def _children(fd: int, target: Target, limit: int) -> dict[str, dict[str, Any]]:
                     "operation; list a subdirectory or use a command",
                     target.given,
                 )
+            if _is_write_in_progress(entry.name):
+                continue
             info = _entry_info(entry.name, fd, f"{target.display}/{entry.name}")
             if info is not None:
                 out[entry.name] = info
@@ -738,7 +752,7 @@ class _Write:
         st = _lstat(target.parts[-1], self.parent)
         if st is not None and stat.S_ISDIR(st.st_mode):
             raise FsError("is_a_directory", f"{target.display} is a directory", raw)
-        self.tmp_name = f".fs-write-{secrets.token_hex(8)}"
+        self.tmp_name = f"{WRITE_TMP_PREFIX}{secrets.token_hex(8)}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self.out = os.open(self.tmp_name, flags, 0o666, dir_fd=self.parent)
         if st is not None and stat.S_ISREG(st.st_mode):  # a replaced file keeps its mode
