@@ -33,6 +33,8 @@ from ._backend import RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxS
 from ._issuers import Issuer
 from ._policy import RESERVED_PREFIX, SCOPES, Caller, Policy, required_scope
 from ._stream_faults import EVENTS_PATH, CutRule, DropRule, StreamDropped, StreamPlan
+from ._target import CODE as TARGET_CODE
+from ._target import NonNormalTarget, Target, checked_target
 from ._verify import TokenRejected, TokenVerifier
 
 if TYPE_CHECKING:
@@ -916,23 +918,14 @@ class BrokerApp:
             raise ApiError(
                 400, "invalid_path", "the path contains control characters (after URL decoding)"
             )
-        self._check_unavailable("data", request.url.path, sandbox_id)
+        # The one target every decision below is made on, and the bytes that are forwarded.
+        target = _normal_target(request.scope)
+        self._check_unavailable("data", target.path, sandbox_id)
         caller, _ = await self._authenticate(request)
-        with self.lock:
-            record = self.sandboxes.get(sandbox_id)
-        if record is None or record.namespace != namespace:
-            raise ApiError(
-                404, "not_found", f"no sandbox {sandbox_id!r} in namespace {namespace!r}"
-            )
-        if record.owner.key != caller.key:
-            raise ApiError(
-                403,
-                "not_owner",
-                f"sandbox {sandbox_id!r} belongs to another identity; only its owner may use it",
-            )
+        record = self._data_record(caller, sandbox_id, namespace)
         if self.rpc is not None:
             self.rpc.check_data_request(request, record)
-        scope = required_scope(request.url.path)
+        scope = required_scope(target.path)
         if scope is not None and scope not in record.scopes:
             raise ApiError(
                 403,
@@ -956,7 +949,23 @@ class BrokerApp:
                 f"nothing listens on port {port} in sandbox {sandbox_id!r} (it serves "
                 f"{DEFAULT_PORT})",
             )
-        await self._forward(request, send, record, record.handle, timeout)
+        await self._forward(request, send, record, record.handle, target, timeout)
+
+    def _data_record(self, caller: Caller, sandbox_id: str, namespace: str) -> SandboxRecord:
+        """The live sandbox a data-plane request names, if ``caller`` owns it."""
+        with self.lock:
+            record = self.sandboxes.get(sandbox_id)
+        if record is None or record.namespace != namespace:
+            raise ApiError(
+                404, "not_found", f"no sandbox {sandbox_id!r} in namespace {namespace!r}"
+            )
+        if record.owner.key != caller.key:
+            raise ApiError(
+                403,
+                "not_owner",
+                f"sandbox {sandbox_id!r} belongs to another identity; only its owner may use it",
+            )
+        return record
 
     async def _forward(
         self,
@@ -964,12 +973,19 @@ class BrokerApp:
         send: Send,
         record: SandboxRecord,
         handle: RuntimeHandle,
+        target: Target,
         read_timeout: float,
     ) -> None:
         # Built from parts: the request target is only ever the path (and query) of the URL,
-        # never its authority (see _origin_form), whatever bytes it holds.
-        target = _origin_form(request.scope)
-        url = httpx.URL(scheme="http", host=handle.host, port=handle.port, raw_path=target)
+        # never its authority (see _origin_form), and exactly the bytes that were checked.
+        url = httpx.URL(scheme="http", host=handle.host, port=handle.port, raw_path=target.raw)
+        if url.raw_path != target.raw:  # checked_target refuses what httpx would rewrite
+            raise ApiError(
+                400,
+                TARGET_CODE,
+                f"the request path {target.path!r} is not in normal form: the router would "
+                "send it changed",
+            )
         headers = [
             (k, v)
             for k, v in request.headers.raw
@@ -994,16 +1010,33 @@ class BrokerApp:
             content=body() if has_body else None,
             timeout=httpx.Timeout(connect=5.0, read=read_timeout, write=300.0, pool=10.0),
         )
-        is_execute = request.method == "POST" and request.url.path in ("/execute", "/commands")
+        is_execute = request.method == "POST" and target.path in ("/execute", "/commands")
         plan = None  # an event stream, or a start that may answer with one (NDJSON)
-        if (request.method == "GET" and EVENTS_PATH.match(request.url.path)) or (
-            request.method == "POST" and request.url.path == "/commands"
+        if (request.method == "GET" and EVENTS_PATH.match(target.path)) or (
+            request.method == "POST" and target.path == "/commands"
         ):
             plan = self.faults.event_stream_plan(record.name)
+        response = await self._send_upstream(client, upstream, record, is_execute, read_timeout)
+        try:
+            relay = _Relay(request, send, record, f"{request.method} {target.path}")
+            await self._relay(relay, response, is_execute, plan)
+        finally:
+            await response.aclose()
+
+    async def _send_upstream(
+        self,
+        client: httpx.AsyncClient,
+        upstream: httpx.Request,
+        record: SandboxRecord,
+        is_execute: bool,
+        read_timeout: float,
+    ) -> httpx.Response:
+        """Send ``upstream`` to ``record``'s runtime (counted if ``is_execute``); its answer
+        streams. A failure before the answer starts is the broker's 502 or 504."""
         if is_execute:
             record.executions += 1
         try:
-            response = await client.send(upstream, stream=True)
+            return await client.send(upstream, stream=True)
         except httpx.ConnectError:
             if is_execute:
                 record.executions -= 1
@@ -1023,48 +1056,34 @@ class BrokerApp:
                 "sandbox_unreachable",
                 f"the connection to sandbox {record.name!r} failed: {type(exc).__name__}",
             ) from None
-        try:
-            out_headers = [
-                (k.lower(), v)
-                for k, v in response.headers.raw
-                if k.decode("latin-1").lower() not in _HOP_BY_HOP
-                and k.lower() not in (b"date", b"server", _BROKER_ERROR_HEADER_RAW)
-            ]
-            if is_execute and self.faults.take_drop(record.name):
-                async for _ in response.aiter_raw():  # the command ran; now lose the answer
-                    pass  # (read and dropped, never held: an answer may be large)
-                await send({"type": "http.response.start", "status": 200, "headers": out_headers})
-                raise _DroppedConnection("injected: connection dropped after the command ran")
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": out_headers,
-                }
-            )
-            gone = asyncio.get_running_loop().create_task(_client_gone(request.receive))
-            chunks = response.aiter_raw()
-            ndjson = response.headers.get("content-type", "").startswith("application/x-ndjson")
-            if plan is not None and 200 <= response.status_code < 300 and ndjson:
-                chunks = plan.apply(chunks)
-            try:
-                async for chunk in chunks:
-                    if gone.done():  # the client went away: stop reading from the sandbox
-                        return
-                    if chunk:
-                        message: Message = {
-                            "type": "http.response.body",
-                            "body": chunk,
-                            "more_body": True,
-                        }
-                        await send(message)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except StreamDropped as exc:
-                raise _DroppedConnection(str(exc)) from None
-            finally:
-                gone.cancel()
-        finally:
-            await response.aclose()
+
+    async def _relay(
+        self,
+        relay: _Relay,
+        response: httpx.Response,
+        is_execute: bool,
+        plan: StreamPlan | None,
+    ) -> None:
+        """Stream the runtime's answer to the client, as it comes."""
+        out_headers = [
+            (k.lower(), v)
+            for k, v in response.headers.raw
+            if k.decode("latin-1").lower() not in _HOP_BY_HOP
+            and k.lower() not in (b"date", b"server", _BROKER_ERROR_HEADER_RAW)
+        ]
+        if is_execute and self.faults.take_drop(relay.record.name):
+            async for _ in response.aiter_raw():  # the command ran; now lose the answer
+                pass  # (read and dropped, never held: an answer may be large)
+            await relay.send({"type": "http.response.start", "status": 200, "headers": out_headers})
+            raise _DroppedConnection("injected: connection dropped after the command ran")
+        await relay.send(
+            {"type": "http.response.start", "status": response.status_code, "headers": out_headers}
+        )
+        chunks = response.aiter_raw()
+        ndjson = response.headers.get("content-type", "").startswith("application/x-ndjson")
+        if plan is not None and 200 <= response.status_code < 300 and ndjson:
+            chunks = plan.apply(chunks)
+        await relay.pump(chunks)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def delete_all(self) -> None:
@@ -1108,12 +1127,85 @@ def _origin_form(scope: Scope) -> bytes:
     return target
 
 
+def _normal_target(scope: Scope) -> Target:
+    """The request target (origin-form, see :func:`_origin_form`) if it is in normal form,
+    else ``400 path_not_normalized`` (see ``_target``)."""
+    try:
+        return checked_target(_origin_form(scope))
+    except NonNormalTarget as exc:
+        raise ApiError(400, TARGET_CODE, exc.detail) from None
+
+
 async def _client_gone(receive: Receive) -> None:
     """Return when the client disconnects (the request body has been read by then)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class _Relay:
+    """One runtime answer on its way to the client (``what``: its method and path).
+
+    A peer that goes away mid-stream is an expected event, logged as one line without a
+    traceback: the client going away (it closed a ``watch_dir`` or an event stream early) stops
+    the relay at once (INFO) and the broker stops reading from the runtime; the runtime breaking
+    off its answer (killed, or silent past the read timeout) drops the client's connection, so
+    that the client sees a broken answer, never a complete one (WARNING; INFO when the sandbox
+    is being deleted)."""
+
+    def __init__(self, request: Request, send: Send, record: SandboxRecord, what: str) -> None:
+        self.request = request
+        self.send = send
+        self.record = record
+        self.what = what
+
+    async def pump(self, chunks: AsyncIterator[bytes]) -> None:
+        """Send ``chunks`` as the body, then end it, unless a peer goes away first."""
+        loop = asyncio.get_running_loop()
+        gone = loop.create_task(_client_gone(self.request.receive))
+        copy = loop.create_task(self._copy(chunks))
+        try:
+            await asyncio.wait({gone, copy}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            copy.cancel()  # no-op once done; else the client went away (or the broker stops)
+        await asyncio.wait({copy})
+        if not copy.cancelled():
+            self._raise_for(copy.exception())
+            return
+        log.info(
+            "sandbox %s: the client went away during %s; stopped relaying the runtime's answer",
+            self.record.name,
+            self.what,
+        )
+
+    async def _copy(self, chunks: AsyncIterator[bytes]) -> None:
+        async for chunk in chunks:
+            if chunk:
+                message: Message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                await self.send(message)
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _raise_for(self, exc: BaseException | None) -> None:
+        if exc is None:
+            return
+        if isinstance(exc, StreamDropped):  # injected (cut_event_streams and friends)
+            raise _DroppedConnection(str(exc)) from None
+        if isinstance(exc, httpx.HTTPError):
+            deleting = self.record.deleted or self.record.phase == "Terminating"
+            log.log(
+                logging.INFO if deleting else logging.WARNING,
+                "sandbox %s: the runtime's answer to %s broke off mid-stream (%s: %s)%s; "
+                "dropped the client's connection",
+                self.record.name,
+                self.what,
+                type(exc).__name__,
+                str(exc)[:200],
+                " as the sandbox is being deleted" if deleting else "",
+            )
+            raise _DroppedConnection(f"the runtime's answer broke off: {exc}") from None
+        raise exc
 
 
 def _string_map(value: Any, what: str) -> dict[str, str]:
