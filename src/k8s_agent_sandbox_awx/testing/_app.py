@@ -19,6 +19,7 @@ import string
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -46,6 +47,12 @@ API_VERSION = "v1"
 MAX_JSON_BODY = 1024 * 1024
 DEFAULT_PORT = 8888
 DEFAULT_DATA_PLANE_TIMEOUT = 300.0
+DEFAULT_KEEP_DELETED = 1000
+"""Deleted sandboxes whose records the broker keeps (the newest; see ``prune_deleted``)."""
+DEFAULT_KEEP_DELETED_SECONDS = 3600.0
+"""Seconds a deleted sandbox's record is kept at most (see ``prune_deleted``)."""
+IDEMPOTENCY_SECONDS = 86400
+"""How long the broker remembers a create's Idempotency-Key."""
 CLAIM_API_VERSION = "extensions.agents.x-k8s.io/v1beta1"
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -126,6 +133,23 @@ def _rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _stamps(caller: Caller, rpc: RpcClaim | None, now: float) -> dict[str, str]:
+    """The attribution stamps of a sandbox ``caller`` creates ``now``."""
+    stamps = {
+        RESERVED_PREFIX + "issuer": caller.issuer,
+        RESERVED_PREFIX + "subject": caller.subject,
+        RESERVED_PREFIX + "provider": caller.provider,
+        RESERVED_PREFIX + "created-at": _rfc3339(now),
+    }
+    for attr, value in caller.attributes.items():
+        stamps[RESERVED_PREFIX + "attr." + attr] = (
+            json.dumps(value) if not isinstance(value, str) else value
+        )
+    if rpc is not None:
+        stamps.update(rpc.stamps())
+    return stamps
+
+
 def _auth_header(detail: str) -> str:
     safe = detail.replace("\\", "\\\\").replace('"', "'")
     safe = safe.encode("ascii", "replace").decode("ascii")
@@ -155,6 +179,7 @@ class SandboxRecord:
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     started_at: float | None = None
     deleted: bool = False
+    deleted_at: float | None = None
     router_http: httpx.AsyncClient | None = None
     """The router's connections to this sandbox's runtime: closed with the sandbox, so that no
     keep-alive connection to an exited runtime is left behind (CLOSE_WAIT)."""
@@ -329,9 +354,13 @@ class BrokerApp:
         skew_seconds: int,
         max_token_bytes: int,
         protocols: tuple[str, ...] = ("v1", "rpc"),
+        keep_deleted: int = DEFAULT_KEEP_DELETED,
+        keep_deleted_seconds: float = DEFAULT_KEEP_DELETED_SECONDS,
     ) -> None:
         self.url = url
         self.protocols = protocols
+        self.keep_deleted = keep_deleted
+        self.keep_deleted_seconds = keep_deleted_seconds
         self.rpc: RpcEndpoint | None = None
         """The ``/rpc`` dialect's handler (set by ``LocalBroker``; routed to only when
         ``protocols`` has ``rpc``, while its claim-header check runs on every data request)."""
@@ -344,6 +373,8 @@ class BrokerApp:
         self.lock = threading.Lock()
         self.sandboxes: dict[str, SandboxRecord] = {}
         self.history: list[SandboxRecord] = []
+        """Every live record and the deleted ones not pruned yet, oldest first."""
+        self._deleted: deque[SandboxRecord] = deque()  # in the order they were deleted
         self.idempotency: dict[tuple[str, str, str], tuple[str, str, float]] = {}
         self.revoked: set[str] = set()
         self._jwks_http: httpx.AsyncClient | None = None
@@ -586,22 +617,9 @@ class BrokerApp:
         fields = self._validate_create(raw, policy.max_lifetime_seconds)
         digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
         # From here to the insert there is no await: concurrent creates cannot interleave.
-        if key is not None:
-            remembered = self.idempotency.get((caller.issuer, caller.subject, key))
-            if remembered is not None and time.time() - remembered[2] < 86400:
-                if remembered[0] != digest:
-                    raise ApiError(
-                        409,
-                        "idempotency_conflict",
-                        "this Idempotency-Key was used with a different body; use a new key "
-                        "for a different create",
-                    )
-                with self.lock:
-                    record = self.sandboxes.get(remembered[1]) or next(
-                        (r for r in self.history if r.name == remembered[1]), None
-                    )
-                if record is not None:
-                    return JSONResponse(record.api(), 200, headers={"Idempotency-Replayed": "true"})
+        replay = self._replay(caller, key, digest) if key is not None else None
+        if replay is not None:
+            return replay
         template = fields["template"] or policy.effective_default_template
         if template not in self.templates:
             raise ApiError(
@@ -626,6 +644,7 @@ class BrokerApp:
             lifetime=fields["lifetime"],
         )
         if key is not None:
+            self._forget_old_keys()
             self.idempotency[(caller.issuer, caller.subject, key)] = (
                 digest,
                 record.name,
@@ -633,6 +652,33 @@ class BrokerApp:
             )
         log.info("created sandbox %s for %s (%s)", record.name, caller.subject, caller.provider)
         return JSONResponse(record.api(), 201)
+
+    def _replay(self, caller: Caller, key: str, digest: str) -> Response | None:
+        """The answer to a create that repeats a remembered Idempotency-Key (``None``: the
+        key is new, or older than :data:`IDEMPOTENCY_SECONDS`)."""
+        remembered = self.idempotency.get((caller.issuer, caller.subject, key))
+        if remembered is None or time.time() - remembered[2] >= IDEMPOTENCY_SECONDS:
+            return None
+        if remembered[0] != digest:
+            raise ApiError(
+                409,
+                "idempotency_conflict",
+                "this Idempotency-Key was used with a different body; use a new key "
+                "for a different create",
+            )
+        with self.lock:
+            record = self.sandboxes.get(remembered[1]) or next(
+                (r for r in self.history if r.name == remembered[1]), None
+            )
+        if record is None:  # deleted, and its record pruned since (see prune_deleted)
+            raise ApiError(
+                404,
+                "not_found",
+                f"sandbox {remembered[1]!r}, which this Idempotency-Key created, was deleted "
+                "and is no longer remembered; use a new Idempotency-Key to create another "
+                "sandbox",
+            )
+        return JSONResponse(record.api(), 200, headers={"Idempotency-Replayed": "true"})
 
     def _admit(
         self,
@@ -670,18 +716,6 @@ class BrokerApp:
                 )
             name = self._new_name()
             now = time.time()
-            stamps = {
-                RESERVED_PREFIX + "issuer": caller.issuer,
-                RESERVED_PREFIX + "subject": caller.subject,
-                RESERVED_PREFIX + "provider": caller.provider,
-                RESERVED_PREFIX + "created-at": _rfc3339(now),
-            }
-            for attr, value in caller.attributes.items():
-                stamps[RESERVED_PREFIX + "attr." + attr] = (
-                    json.dumps(value) if not isinstance(value, str) else value
-                )
-            if rpc is not None:
-                stamps.update(rpc.stamps())
             record = SandboxRecord(
                 name=name,
                 namespace=namespace,
@@ -689,7 +723,7 @@ class BrokerApp:
                 owner=caller,
                 labels=labels,
                 annotations=annotations,
-                stamps=stamps,
+                stamps=_stamps(caller, rpc, now),
                 env=env,
                 created_at=now,
                 expires_at=now + lifetime,
@@ -700,6 +734,7 @@ class BrokerApp:
                 record.set_phase("Failed", *failure)
             self.sandboxes[name] = record
             self.history.append(record)
+            self.prune_deleted()
         self.schedule_expiry(record)
         if failure is None:
             self._spawn(self._provision(record))
@@ -770,9 +805,36 @@ class BrokerApp:
                 log.exception("backend failed to stop %s", record.name)
         with self.lock:
             self.sandboxes.pop(record.name, None)
-        record.deleted = True
+            record.deleted = True
+            record.deleted_at = time.time()
+            record.timers.clear()
+            self._deleted.append(record)
+            self.prune_deleted()
         if record.router_http is not None:
             await record.router_http.aclose()
+
+    def prune_deleted(self) -> None:
+        """Forget deleted sandboxes past the retention: beyond the newest ``keep_deleted``, or
+        deleted more than ``keep_deleted_seconds`` ago (live records are kept). The caller
+        holds ``self.lock``; it runs at every create and delete and before ``LocalBroker``
+        reads the records."""
+        now = time.time()
+        pruned: set[int] = set()
+        while self._deleted and (
+            len(self._deleted) > self.keep_deleted
+            or now - (self._deleted[0].deleted_at or now) >= self.keep_deleted_seconds
+        ):
+            pruned.add(id(self._deleted.popleft()))
+        if pruned:
+            self.history = [r for r in self.history if id(r) not in pruned]
+
+    def _forget_old_keys(self) -> None:
+        """Forget Idempotency-Keys older than :data:`IDEMPOTENCY_SECONDS` (at each keyed
+        create, on the event loop: the only place that reads or writes them)."""
+        now = time.time()
+        stale = [k for k, v in self.idempotency.items() if now - v[2] >= IDEMPOTENCY_SECONDS]
+        for key in stale:
+            del self.idempotency[key]
 
     async def _extend(
         self, request: Request, caller: Caller, issuer: Issuer, name: str
