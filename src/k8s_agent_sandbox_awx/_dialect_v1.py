@@ -258,6 +258,8 @@ _HINTS: dict[str, str] = {
     "(reconnect with Sandbox.connect(name)); X-Sandbox-Timeout comes from the command's timeout "
     f"(at most {MAX_COMMAND_TIMEOUT:g} s).",
     "invalid_path": "Use a path relative to the sandbox root.",
+    "path_not_normalized": "Send the request path resolved (no '.', '..' or empty segments, "
+    "no '\\' or ';', percent-encoding only in a file path or the query), as the SDK builds it.",
     "token_missing": "No token reached the broker; run `agent-sandbox-awx doctor`.",
     "token_malformed": "The token is not a valid JWT; check the token source with "
     "`agent-sandbox-awx doctor`.",

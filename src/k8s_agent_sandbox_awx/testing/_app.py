@@ -19,6 +19,7 @@ import string
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -33,6 +34,8 @@ from ._backend import RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxS
 from ._issuers import Issuer
 from ._policy import RESERVED_PREFIX, SCOPES, Caller, Policy, required_scope
 from ._stream_faults import EVENTS_PATH, CutRule, DropRule, StreamDropped, StreamPlan
+from ._target import CODE as TARGET_CODE
+from ._target import NonNormalTarget, Target, checked_target
 from ._verify import TokenRejected, TokenVerifier
 
 if TYPE_CHECKING:
@@ -44,6 +47,12 @@ API_VERSION = "v1"
 MAX_JSON_BODY = 1024 * 1024
 DEFAULT_PORT = 8888
 DEFAULT_DATA_PLANE_TIMEOUT = 300.0
+DEFAULT_KEEP_DELETED = 1000
+"""Deleted sandboxes whose records the broker keeps (the newest; see ``prune_deleted``)."""
+DEFAULT_KEEP_DELETED_SECONDS = 3600.0
+"""Seconds a deleted sandbox's record is kept at most (see ``prune_deleted``)."""
+IDEMPOTENCY_SECONDS = 86400
+"""How long the broker remembers a create's Idempotency-Key."""
 CLAIM_API_VERSION = "extensions.agents.x-k8s.io/v1beta1"
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -124,6 +133,23 @@ def _rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _stamps(caller: Caller, rpc: RpcClaim | None, now: float) -> dict[str, str]:
+    """The attribution stamps of a sandbox ``caller`` creates ``now``."""
+    stamps = {
+        RESERVED_PREFIX + "issuer": caller.issuer,
+        RESERVED_PREFIX + "subject": caller.subject,
+        RESERVED_PREFIX + "provider": caller.provider,
+        RESERVED_PREFIX + "created-at": _rfc3339(now),
+    }
+    for attr, value in caller.attributes.items():
+        stamps[RESERVED_PREFIX + "attr." + attr] = (
+            json.dumps(value) if not isinstance(value, str) else value
+        )
+    if rpc is not None:
+        stamps.update(rpc.stamps())
+    return stamps
+
+
 def _auth_header(detail: str) -> str:
     safe = detail.replace("\\", "\\\\").replace('"', "'")
     safe = safe.encode("ascii", "replace").decode("ascii")
@@ -153,6 +179,7 @@ class SandboxRecord:
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     started_at: float | None = None
     deleted: bool = False
+    deleted_at: float | None = None
     router_http: httpx.AsyncClient | None = None
     """The router's connections to this sandbox's runtime: closed with the sandbox, so that no
     keep-alive connection to an exited runtime is left behind (CLOSE_WAIT)."""
@@ -327,9 +354,13 @@ class BrokerApp:
         skew_seconds: int,
         max_token_bytes: int,
         protocols: tuple[str, ...] = ("v1", "rpc"),
+        keep_deleted: int = DEFAULT_KEEP_DELETED,
+        keep_deleted_seconds: float = DEFAULT_KEEP_DELETED_SECONDS,
     ) -> None:
         self.url = url
         self.protocols = protocols
+        self.keep_deleted = keep_deleted
+        self.keep_deleted_seconds = keep_deleted_seconds
         self.rpc: RpcEndpoint | None = None
         """The ``/rpc`` dialect's handler (set by ``LocalBroker``; routed to only when
         ``protocols`` has ``rpc``, while its claim-header check runs on every data request)."""
@@ -342,6 +373,8 @@ class BrokerApp:
         self.lock = threading.Lock()
         self.sandboxes: dict[str, SandboxRecord] = {}
         self.history: list[SandboxRecord] = []
+        """Every live record and the deleted ones not pruned yet, oldest first."""
+        self._deleted: deque[SandboxRecord] = deque()  # in the order they were deleted
         self.idempotency: dict[tuple[str, str, str], tuple[str, str, float]] = {}
         self.revoked: set[str] = set()
         self._jwks_http: httpx.AsyncClient | None = None
@@ -584,22 +617,9 @@ class BrokerApp:
         fields = self._validate_create(raw, policy.max_lifetime_seconds)
         digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
         # From here to the insert there is no await: concurrent creates cannot interleave.
-        if key is not None:
-            remembered = self.idempotency.get((caller.issuer, caller.subject, key))
-            if remembered is not None and time.time() - remembered[2] < 86400:
-                if remembered[0] != digest:
-                    raise ApiError(
-                        409,
-                        "idempotency_conflict",
-                        "this Idempotency-Key was used with a different body; use a new key "
-                        "for a different create",
-                    )
-                with self.lock:
-                    record = self.sandboxes.get(remembered[1]) or next(
-                        (r for r in self.history if r.name == remembered[1]), None
-                    )
-                if record is not None:
-                    return JSONResponse(record.api(), 200, headers={"Idempotency-Replayed": "true"})
+        replay = self._replay(caller, key, digest) if key is not None else None
+        if replay is not None:
+            return replay
         template = fields["template"] or policy.effective_default_template
         if template not in self.templates:
             raise ApiError(
@@ -624,6 +644,7 @@ class BrokerApp:
             lifetime=fields["lifetime"],
         )
         if key is not None:
+            self._forget_old_keys()
             self.idempotency[(caller.issuer, caller.subject, key)] = (
                 digest,
                 record.name,
@@ -631,6 +652,33 @@ class BrokerApp:
             )
         log.info("created sandbox %s for %s (%s)", record.name, caller.subject, caller.provider)
         return JSONResponse(record.api(), 201)
+
+    def _replay(self, caller: Caller, key: str, digest: str) -> Response | None:
+        """The answer to a create that repeats a remembered Idempotency-Key (``None``: the
+        key is new, or older than :data:`IDEMPOTENCY_SECONDS`)."""
+        remembered = self.idempotency.get((caller.issuer, caller.subject, key))
+        if remembered is None or time.time() - remembered[2] >= IDEMPOTENCY_SECONDS:
+            return None
+        if remembered[0] != digest:
+            raise ApiError(
+                409,
+                "idempotency_conflict",
+                "this Idempotency-Key was used with a different body; use a new key "
+                "for a different create",
+            )
+        with self.lock:
+            record = self.sandboxes.get(remembered[1]) or next(
+                (r for r in self.history if r.name == remembered[1]), None
+            )
+        if record is None:  # deleted, and its record pruned since (see prune_deleted)
+            raise ApiError(
+                404,
+                "not_found",
+                f"sandbox {remembered[1]!r}, which this Idempotency-Key created, was deleted "
+                "and is no longer remembered; use a new Idempotency-Key to create another "
+                "sandbox",
+            )
+        return JSONResponse(record.api(), 200, headers={"Idempotency-Replayed": "true"})
 
     def _admit(
         self,
@@ -668,18 +716,6 @@ class BrokerApp:
                 )
             name = self._new_name()
             now = time.time()
-            stamps = {
-                RESERVED_PREFIX + "issuer": caller.issuer,
-                RESERVED_PREFIX + "subject": caller.subject,
-                RESERVED_PREFIX + "provider": caller.provider,
-                RESERVED_PREFIX + "created-at": _rfc3339(now),
-            }
-            for attr, value in caller.attributes.items():
-                stamps[RESERVED_PREFIX + "attr." + attr] = (
-                    json.dumps(value) if not isinstance(value, str) else value
-                )
-            if rpc is not None:
-                stamps.update(rpc.stamps())
             record = SandboxRecord(
                 name=name,
                 namespace=namespace,
@@ -687,7 +723,7 @@ class BrokerApp:
                 owner=caller,
                 labels=labels,
                 annotations=annotations,
-                stamps=stamps,
+                stamps=_stamps(caller, rpc, now),
                 env=env,
                 created_at=now,
                 expires_at=now + lifetime,
@@ -698,6 +734,7 @@ class BrokerApp:
                 record.set_phase("Failed", *failure)
             self.sandboxes[name] = record
             self.history.append(record)
+            self.prune_deleted()
         self.schedule_expiry(record)
         if failure is None:
             self._spawn(self._provision(record))
@@ -768,9 +805,36 @@ class BrokerApp:
                 log.exception("backend failed to stop %s", record.name)
         with self.lock:
             self.sandboxes.pop(record.name, None)
-        record.deleted = True
+            record.deleted = True
+            record.deleted_at = time.time()
+            record.timers.clear()
+            self._deleted.append(record)
+            self.prune_deleted()
         if record.router_http is not None:
             await record.router_http.aclose()
+
+    def prune_deleted(self) -> None:
+        """Forget deleted sandboxes past the retention: beyond the newest ``keep_deleted``, or
+        deleted more than ``keep_deleted_seconds`` ago (live records are kept). The caller
+        holds ``self.lock``; it runs at every create and delete and before ``LocalBroker``
+        reads the records."""
+        now = time.time()
+        pruned: set[int] = set()
+        while self._deleted and (
+            len(self._deleted) > self.keep_deleted
+            or now - (self._deleted[0].deleted_at or now) >= self.keep_deleted_seconds
+        ):
+            pruned.add(id(self._deleted.popleft()))
+        if pruned:
+            self.history = [r for r in self.history if id(r) not in pruned]
+
+    def _forget_old_keys(self) -> None:
+        """Forget Idempotency-Keys older than :data:`IDEMPOTENCY_SECONDS` (at each keyed
+        create, on the event loop: the only place that reads or writes them)."""
+        now = time.time()
+        stale = [k for k, v in self.idempotency.items() if now - v[2] >= IDEMPOTENCY_SECONDS]
+        for key in stale:
+            del self.idempotency[key]
 
     async def _extend(
         self, request: Request, caller: Caller, issuer: Issuer, name: str
@@ -916,23 +980,14 @@ class BrokerApp:
             raise ApiError(
                 400, "invalid_path", "the path contains control characters (after URL decoding)"
             )
-        self._check_unavailable("data", request.url.path, sandbox_id)
+        # The one target every decision below is made on, and the bytes that are forwarded.
+        target = _normal_target(request.scope)
+        self._check_unavailable("data", target.path, sandbox_id)
         caller, _ = await self._authenticate(request)
-        with self.lock:
-            record = self.sandboxes.get(sandbox_id)
-        if record is None or record.namespace != namespace:
-            raise ApiError(
-                404, "not_found", f"no sandbox {sandbox_id!r} in namespace {namespace!r}"
-            )
-        if record.owner.key != caller.key:
-            raise ApiError(
-                403,
-                "not_owner",
-                f"sandbox {sandbox_id!r} belongs to another identity; only its owner may use it",
-            )
+        record = self._data_record(caller, sandbox_id, namespace)
         if self.rpc is not None:
             self.rpc.check_data_request(request, record)
-        scope = required_scope(request.url.path)
+        scope = required_scope(target.path)
         if scope is not None and scope not in record.scopes:
             raise ApiError(
                 403,
@@ -956,7 +1011,23 @@ class BrokerApp:
                 f"nothing listens on port {port} in sandbox {sandbox_id!r} (it serves "
                 f"{DEFAULT_PORT})",
             )
-        await self._forward(request, send, record, record.handle, timeout)
+        await self._forward(request, send, record, record.handle, target, timeout)
+
+    def _data_record(self, caller: Caller, sandbox_id: str, namespace: str) -> SandboxRecord:
+        """The live sandbox a data-plane request names, if ``caller`` owns it."""
+        with self.lock:
+            record = self.sandboxes.get(sandbox_id)
+        if record is None or record.namespace != namespace:
+            raise ApiError(
+                404, "not_found", f"no sandbox {sandbox_id!r} in namespace {namespace!r}"
+            )
+        if record.owner.key != caller.key:
+            raise ApiError(
+                403,
+                "not_owner",
+                f"sandbox {sandbox_id!r} belongs to another identity; only its owner may use it",
+            )
+        return record
 
     async def _forward(
         self,
@@ -964,12 +1035,19 @@ class BrokerApp:
         send: Send,
         record: SandboxRecord,
         handle: RuntimeHandle,
+        target: Target,
         read_timeout: float,
     ) -> None:
         # Built from parts: the request target is only ever the path (and query) of the URL,
-        # never its authority (see _origin_form), whatever bytes it holds.
-        target = _origin_form(request.scope)
-        url = httpx.URL(scheme="http", host=handle.host, port=handle.port, raw_path=target)
+        # never its authority (see _origin_form), and exactly the bytes that were checked.
+        url = httpx.URL(scheme="http", host=handle.host, port=handle.port, raw_path=target.raw)
+        if url.raw_path != target.raw:  # checked_target refuses what httpx would rewrite
+            raise ApiError(
+                400,
+                TARGET_CODE,
+                f"the request path {target.path!r} is not in normal form: the router would "
+                "send it changed",
+            )
         headers = [
             (k, v)
             for k, v in request.headers.raw
@@ -994,16 +1072,33 @@ class BrokerApp:
             content=body() if has_body else None,
             timeout=httpx.Timeout(connect=5.0, read=read_timeout, write=300.0, pool=10.0),
         )
-        is_execute = request.method == "POST" and request.url.path in ("/execute", "/commands")
+        is_execute = request.method == "POST" and target.path in ("/execute", "/commands")
         plan = None  # an event stream, or a start that may answer with one (NDJSON)
-        if (request.method == "GET" and EVENTS_PATH.match(request.url.path)) or (
-            request.method == "POST" and request.url.path == "/commands"
+        if (request.method == "GET" and EVENTS_PATH.match(target.path)) or (
+            request.method == "POST" and target.path == "/commands"
         ):
             plan = self.faults.event_stream_plan(record.name)
+        response = await self._send_upstream(client, upstream, record, is_execute, read_timeout)
+        try:
+            relay = _Relay(request, send, record, f"{request.method} {target.path}")
+            await self._relay(relay, response, is_execute, plan)
+        finally:
+            await response.aclose()
+
+    async def _send_upstream(
+        self,
+        client: httpx.AsyncClient,
+        upstream: httpx.Request,
+        record: SandboxRecord,
+        is_execute: bool,
+        read_timeout: float,
+    ) -> httpx.Response:
+        """Send ``upstream`` to ``record``'s runtime (counted if ``is_execute``); its answer
+        streams. A failure before the answer starts is the broker's 502 or 504."""
         if is_execute:
             record.executions += 1
         try:
-            response = await client.send(upstream, stream=True)
+            return await client.send(upstream, stream=True)
         except httpx.ConnectError:
             if is_execute:
                 record.executions -= 1
@@ -1023,48 +1118,34 @@ class BrokerApp:
                 "sandbox_unreachable",
                 f"the connection to sandbox {record.name!r} failed: {type(exc).__name__}",
             ) from None
-        try:
-            out_headers = [
-                (k.lower(), v)
-                for k, v in response.headers.raw
-                if k.decode("latin-1").lower() not in _HOP_BY_HOP
-                and k.lower() not in (b"date", b"server", _BROKER_ERROR_HEADER_RAW)
-            ]
-            if is_execute and self.faults.take_drop(record.name):
-                async for _ in response.aiter_raw():  # the command ran; now lose the answer
-                    pass  # (read and dropped, never held: an answer may be large)
-                await send({"type": "http.response.start", "status": 200, "headers": out_headers})
-                raise _DroppedConnection("injected: connection dropped after the command ran")
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": out_headers,
-                }
-            )
-            gone = asyncio.get_running_loop().create_task(_client_gone(request.receive))
-            chunks = response.aiter_raw()
-            ndjson = response.headers.get("content-type", "").startswith("application/x-ndjson")
-            if plan is not None and 200 <= response.status_code < 300 and ndjson:
-                chunks = plan.apply(chunks)
-            try:
-                async for chunk in chunks:
-                    if gone.done():  # the client went away: stop reading from the sandbox
-                        return
-                    if chunk:
-                        message: Message = {
-                            "type": "http.response.body",
-                            "body": chunk,
-                            "more_body": True,
-                        }
-                        await send(message)
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except StreamDropped as exc:
-                raise _DroppedConnection(str(exc)) from None
-            finally:
-                gone.cancel()
-        finally:
-            await response.aclose()
+
+    async def _relay(
+        self,
+        relay: _Relay,
+        response: httpx.Response,
+        is_execute: bool,
+        plan: StreamPlan | None,
+    ) -> None:
+        """Stream the runtime's answer to the client, as it comes."""
+        out_headers = [
+            (k.lower(), v)
+            for k, v in response.headers.raw
+            if k.decode("latin-1").lower() not in _HOP_BY_HOP
+            and k.lower() not in (b"date", b"server", _BROKER_ERROR_HEADER_RAW)
+        ]
+        if is_execute and self.faults.take_drop(relay.record.name):
+            async for _ in response.aiter_raw():  # the command ran; now lose the answer
+                pass  # (read and dropped, never held: an answer may be large)
+            await relay.send({"type": "http.response.start", "status": 200, "headers": out_headers})
+            raise _DroppedConnection("injected: connection dropped after the command ran")
+        await relay.send(
+            {"type": "http.response.start", "status": response.status_code, "headers": out_headers}
+        )
+        chunks = response.aiter_raw()
+        ndjson = response.headers.get("content-type", "").startswith("application/x-ndjson")
+        if plan is not None and 200 <= response.status_code < 300 and ndjson:
+            chunks = plan.apply(chunks)
+        await relay.pump(chunks)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def delete_all(self) -> None:
@@ -1108,12 +1189,85 @@ def _origin_form(scope: Scope) -> bytes:
     return target
 
 
+def _normal_target(scope: Scope) -> Target:
+    """The request target (origin-form, see :func:`_origin_form`) if it is in normal form,
+    else ``400 path_not_normalized`` (see ``_target``)."""
+    try:
+        return checked_target(_origin_form(scope))
+    except NonNormalTarget as exc:
+        raise ApiError(400, TARGET_CODE, exc.detail) from None
+
+
 async def _client_gone(receive: Receive) -> None:
     """Return when the client disconnects (the request body has been read by then)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class _Relay:
+    """One runtime answer on its way to the client (``what``: its method and path).
+
+    A peer that goes away mid-stream is an expected event, logged as one line without a
+    traceback: the client going away (it closed a ``watch_dir`` or an event stream early) stops
+    the relay at once (INFO) and the broker stops reading from the runtime; the runtime breaking
+    off its answer (killed, or silent past the read timeout) drops the client's connection, so
+    that the client sees a broken answer, never a complete one (WARNING; INFO when the sandbox
+    is being deleted)."""
+
+    def __init__(self, request: Request, send: Send, record: SandboxRecord, what: str) -> None:
+        self.request = request
+        self.send = send
+        self.record = record
+        self.what = what
+
+    async def pump(self, chunks: AsyncIterator[bytes]) -> None:
+        """Send ``chunks`` as the body, then end it, unless a peer goes away first."""
+        loop = asyncio.get_running_loop()
+        gone = loop.create_task(_client_gone(self.request.receive))
+        copy = loop.create_task(self._copy(chunks))
+        try:
+            await asyncio.wait({gone, copy}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            copy.cancel()  # no-op once done; else the client went away (or the broker stops)
+        await asyncio.wait({copy})
+        if not copy.cancelled():
+            self._raise_for(copy.exception())
+            return
+        log.info(
+            "sandbox %s: the client went away during %s; stopped relaying the runtime's answer",
+            self.record.name,
+            self.what,
+        )
+
+    async def _copy(self, chunks: AsyncIterator[bytes]) -> None:
+        async for chunk in chunks:
+            if chunk:
+                message: Message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                await self.send(message)
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _raise_for(self, exc: BaseException | None) -> None:
+        if exc is None:
+            return
+        if isinstance(exc, StreamDropped):  # injected (cut_event_streams and friends)
+            raise _DroppedConnection(str(exc)) from None
+        if isinstance(exc, httpx.HTTPError):
+            deleting = self.record.deleted or self.record.phase == "Terminating"
+            log.log(
+                logging.INFO if deleting else logging.WARNING,
+                "sandbox %s: the runtime's answer to %s broke off mid-stream (%s: %s)%s; "
+                "dropped the client's connection",
+                self.record.name,
+                self.what,
+                type(exc).__name__,
+                str(exc)[:200],
+                " as the sandbox is being deleted" if deleting else "",
+            )
+            raise _DroppedConnection(f"the runtime's answer broke off: {exc}") from None
+        raise exc
 
 
 def _string_map(value: Any, what: str) -> dict[str, str]:

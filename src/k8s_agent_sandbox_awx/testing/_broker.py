@@ -25,7 +25,14 @@ import trustme
 import uvicorn
 
 from . import NO_ISOLATION_WARNING
-from ._app import BrokerApp, Faults, _UnavailableRule, install_log_filter
+from ._app import (
+    DEFAULT_KEEP_DELETED,
+    DEFAULT_KEEP_DELETED_SECONDS,
+    BrokerApp,
+    Faults,
+    _UnavailableRule,
+    install_log_filter,
+)
 from ._backend import (
     RUNTIMES_DIR_PREFIX,
     LocalProcessBackend,
@@ -83,6 +90,10 @@ class LocalBroker:
       warm pool of its own name, and ``python-sandbox-warmpool`` (the original package's
       default) is template ``python``. A warm pool naming a template that does not exist makes
       its claims fail with ``TemplateNotFound``; an unknown warm pool with ``WarmPoolNotFound``.
+    - ``keep_deleted`` / ``keep_deleted_seconds``: the retention of deleted sandboxes' records
+      (for ``claims(include_deleted=True)``, ``execution_count`` and create replays): the newest
+      ``keep_deleted`` (default 1000), each for at most ``keep_deleted_seconds`` (default 3600)
+      after its deletion; older ones are forgotten, so a long-running broker does not grow.
 
     WARNING: local sandboxes are host processes with NO isolation (development and tests only).
     """
@@ -102,7 +113,10 @@ class LocalBroker:
         warn: bool = True,
         protocols: Sequence[str] = PROTOCOLS,
         warm_pools: Mapping[str, str] | None = None,
+        keep_deleted: int = DEFAULT_KEEP_DELETED,
+        keep_deleted_seconds: float = DEFAULT_KEEP_DELETED_SECONDS,
     ) -> None:
+        _check_retention(keep_deleted, keep_deleted_seconds)
         if isinstance(protocols, str) or not protocols or not set(protocols) <= set(PROTOCOLS):
             raise ValueError(
                 f"protocols={protocols!r}: give a non-empty sequence of {list(PROTOCOLS)}, "
@@ -123,6 +137,8 @@ class LocalBroker:
         if "python" in self._templates:
             self._warm_pools[DEFAULT_WARM_POOL] = "python"
         self._warm_pools.update(warm_pools or {})
+        self._keep_deleted = keep_deleted
+        self._keep_deleted_seconds = float(keep_deleted_seconds)
         self._lock = threading.Lock()
         self._issuers_by_url: dict[str, Issuer] = {}
         self._issuers_by_name: dict[str, Issuer] = {}
@@ -162,48 +178,8 @@ class LocalBroker:
             log.warning("LocalBroker: %s", NO_ISOLATION_WARNING)
         sweep_dead_owners(_TMP_PREFIX, RUNTIMES_DIR_PREFIX)  # of brokers whose process died
         self._tmp = owned_temp_dir(_TMP_PREFIX)
-        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self._host, 0))
-        sock.listen(1024)
-        port = sock.getsockname()[1]
-        self._url = f"https://{self._host}:{port}"
-        ca = trustme.CA()
-        server_cert = ca.issue_cert(self._host, "localhost")
-        self._ca_bundle = os.path.join(self._tmp, "ca.pem")
-        ca.cert_pem.write_to_path(self._ca_bundle)
-        server_pem = os.path.join(self._tmp, "server.pem")
-        server_cert.private_key_and_cert_chain_pem.write_to_path(server_pem)
-        os.chmod(server_pem, 0o600)
-
-        self._add_issuer(
-            "kubernetes",
-            provider="kubernetes",
-            policy=self._kubernetes_policy,
-            attributes=kubernetes_attributes,
-            audience_as_list=True,
-        )
-        self._add_issuer(
-            "gitlab", provider="gitlab", policy=self._gitlab_policy, attributes=GITLAB_ATTRIBUTES
-        )
-        backend = self._backend or LocalProcessBackend(
-            self._runtime_command, root_dir=os.path.join(self._tmp, "sandboxes")
-        )
-        self._backend = backend
-        self._app = BrokerApp(
-            url=self._url,
-            issuers=self._issuer_snapshot,
-            issuer_by_name=self._issuer_named,
-            templates=self._templates,
-            backend=backend,
-            ca_bundle=self._ca_bundle,
-            faults=self._faults,
-            skew_seconds=self._skew,
-            max_token_bytes=self._max_token_bytes,
-            protocols=self._protocols,
-        )
-        self._app.rpc = RpcEndpoint(self._app, self._warm_pools)
+        sock, server_pem = self._listen_with_tls(self._tmp)
+        self._app = self._make_app(self._tmp)
         install_log_filter()
         config = uvicorn.Config(
             self._app,
@@ -246,6 +222,59 @@ class LocalBroker:
         self.startup_seconds = time.perf_counter() - started
         log.info("LocalBroker at %s started in %.3f s", self._url, self.startup_seconds)
         return self
+
+    def _listen_with_tls(self, tmp: str) -> tuple[socket.socket, str]:
+        """The listening socket (sets ``url``) and the server's certificate chain file, from a
+        CA generated now (written to ``ca_bundle``)."""
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self._host, 0))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+        self._url = f"https://{self._host}:{port}"
+        ca = trustme.CA()
+        server_cert = ca.issue_cert(self._host, "localhost")
+        self._ca_bundle = os.path.join(tmp, "ca.pem")
+        ca.cert_pem.write_to_path(self._ca_bundle)
+        server_pem = os.path.join(tmp, "server.pem")
+        server_cert.private_key_and_cert_chain_pem.write_to_path(server_pem)
+        os.chmod(server_pem, 0o600)
+        return sock, server_pem
+
+    def _make_app(self, tmp: str) -> BrokerApp:
+        """The built-in issuers, the backend and the ASGI application with both dialects."""
+        assert self._url is not None and self._ca_bundle is not None
+        self._add_issuer(
+            "kubernetes",
+            provider="kubernetes",
+            policy=self._kubernetes_policy,
+            attributes=kubernetes_attributes,
+            audience_as_list=True,
+        )
+        self._add_issuer(
+            "gitlab", provider="gitlab", policy=self._gitlab_policy, attributes=GITLAB_ATTRIBUTES
+        )
+        backend = self._backend or LocalProcessBackend(
+            self._runtime_command, root_dir=os.path.join(tmp, "sandboxes")
+        )
+        self._backend = backend
+        app = BrokerApp(
+            url=self._url,
+            issuers=self._issuer_snapshot,
+            issuer_by_name=self._issuer_named,
+            templates=self._templates,
+            backend=backend,
+            ca_bundle=self._ca_bundle,
+            faults=self._faults,
+            skew_seconds=self._skew,
+            max_token_bytes=self._max_token_bytes,
+            protocols=self._protocols,
+            keep_deleted=self._keep_deleted,
+            keep_deleted_seconds=self._keep_deleted_seconds,
+        )
+        app.rpc = RpcEndpoint(app, self._warm_pools)
+        return app
 
     def stop(self) -> None:
         """Delete every sandbox, stop the runtimes and the server, remove the temp files."""
@@ -603,6 +632,7 @@ class LocalBroker:
         """The SandboxClaim manifests the broker created (live ones; all with include_deleted)."""
         app = self._require_app()
         with app.lock:
+            app.prune_deleted()
             records = list(app.history) if include_deleted else list(app.sandboxes.values())
         return [r.manifest() for r in records]
 
@@ -619,6 +649,7 @@ class LocalBroker:
         ``sandbox=``) accepts either."""
         app = self._require_app()
         with app.lock:
+            app.prune_deleted()
             bound = next(
                 (r.name for r in app.history if r.rpc is not None and r.rpc.claim_name == name),
                 None,
@@ -630,6 +661,7 @@ class LocalBroker:
         app = self._require_app()
         name = self.sandbox_name(name)
         with app.lock:
+            app.prune_deleted()
             record = app.sandboxes.get(name) or next(
                 (r for r in app.history if r.name == name), None
             )
@@ -743,6 +775,24 @@ class LocalBroker:
 
 
 _TMP_PREFIX = "agent-sandbox-broker-"
+
+
+def _check_retention(keep_deleted: object, keep_deleted_seconds: object) -> None:
+    if isinstance(keep_deleted, bool) or not isinstance(keep_deleted, int) or keep_deleted < 0:
+        raise ValueError(
+            f"keep_deleted={keep_deleted!r}: give the number of deleted sandboxes whose records "
+            f"are kept, an integer >= 0 (default {DEFAULT_KEEP_DELETED})"
+        )
+    if (
+        isinstance(keep_deleted_seconds, bool)
+        or not isinstance(keep_deleted_seconds, int | float)
+        or not keep_deleted_seconds >= 0
+    ):
+        raise ValueError(
+            f"keep_deleted_seconds={keep_deleted_seconds!r}: give the seconds a deleted "
+            f"sandbox's record is kept, a number >= 0 (default {DEFAULT_KEEP_DELETED_SECONDS:g}; "
+            "math.inf: no age limit)"
+        )
 
 
 def write_kubelet_style(path: str, token: str) -> None:

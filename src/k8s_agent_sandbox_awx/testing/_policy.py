@@ -19,19 +19,20 @@ managed ``commands`` endpoints) and ``files`` (``/upload``, ``/download``, ``/li
 docs/local-broker.md."""
 
 
-_SCOPE_PREFIXES = (
-    ("commands", ("/execute", "/commands")),
-    ("files", ("/upload", "/download", "/list", "/exists", "/fs")),
-)
+_SCOPE_ROUTES = {
+    **dict.fromkeys(("execute", "commands"), "commands"),
+    **dict.fromkeys(("upload", "download", "list", "exists", "fs"), "files"),
+}
 
 
 def required_scope(path: str) -> str | None:
-    """The scope a data-plane request to ``path`` needs (``None``: none, e.g. ``GET /``)."""
-    for scope, prefixes in _SCOPE_PREFIXES:
-        for prefix in prefixes:
-            if path == prefix or path.startswith(prefix + "/"):
-                return scope
-    return None
+    """The scope a data-plane request to ``path`` needs (``None``: none, e.g. ``GET /``).
+
+    Decided by the path's first segment, ignoring case (a server that routes without case
+    still needs the scope). ``path`` is the broker's checked target (see ``_target``): in
+    normal form, so no dot segment, encoding or ``//`` can make it another route downstream."""
+    first = path[1:].partition("/")[0]
+    return _SCOPE_ROUTES.get(first.lower())
 
 
 @dataclass(frozen=True)
