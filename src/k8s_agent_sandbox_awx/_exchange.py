@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import ssl
+import time
 import urllib.request
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from . import _dialects as dialects
 from . import _protocol as proto
 from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 from ._credential import Credential
@@ -59,6 +61,8 @@ __all__ = [
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
 MAX_ERROR_BODY = 64 * 1024
+PRIMED_SECONDS = 30.0
+"""How long a credential fetched before the dialect probe may be used by the first request."""
 _BUSY = frozenset({408, 429})
 """Answers to a probe that say the broker is busy, not what it serves: not an answer."""
 
@@ -408,8 +412,8 @@ class Exchange:
 
     def succeeded(self, response: httpx.Response) -> bool:
         status = response.status_code
-        if self.spec.probe:  # 408/429: busy, which tells nothing (a 429 is retried)
-            return status < 500 and status not in _BUSY
+        if self.spec.probe:  # 408/429: busy, which tells nothing (a 429 is retried); a 3xx
+            return status < 300 or (400 <= status < 500 and status not in _BUSY)  # is an error
         return status < 300 or (status == 404 and self.spec.not_found_ok)
 
     def delay_after_response(self, response: httpx.Response) -> float | None:
@@ -569,10 +573,44 @@ class TransportBase:
         self.dialect = dialect
         self.retry = retry or retry_policy(config)
         self._client = client
+        self.unconfirmed = False
+        """The dialect is a guess from the probe: the first control-plane answer of it that
+        parses confirms it (remembered for the broker URL, ``_dialects``)."""
+        self._primed: tuple[Credential, float] | None = None
 
     @property
     def broker_url(self) -> str:
         return self.config.broker_url
+
+    def prime(self, credential: Credential) -> None:
+        """Hand ``credential`` (just fetched: before the dialect probe) to the next request for
+        the broker's audience, so that it is not fetched twice (used within
+        :data:`PRIMED_SECONDS`, else fetched again)."""
+        self._primed = (credential, time.monotonic())
+
+    def primed(self) -> Credential | None:
+        """The credential :meth:`prime` handed over, once (``None``: fetch one)."""
+        primed, self._primed = self._primed, None
+        if primed is None or time.monotonic() - primed[1] > PRIMED_SECONDS:
+            return None
+        return primed[0]
+
+    def _confirm(self, spec: proto.RequestSpec, status: int) -> None:
+        """A control-plane answer of the guessed dialect parsed: the broker speaks it."""
+        if self.unconfirmed and status < 300 and not (spec.probe or spec.data_plane):
+            self.unconfirmed = False
+            dialects.remember(self.broker_url, self.dialect.name)
+
+    def _unconfirmed_note(self, spec: proto.RequestSpec, exc: Exception) -> None:
+        """A ``404``/``405`` under a guessed dialect: the guess may be wrong; say how to pin."""
+        status = getattr(exc, "status_code", None)
+        if self.unconfirmed and status in (404, 405) and not (spec.probe or spec.data_plane):
+            exc.add_note(
+                f"The broker's dialect ({self.dialect.name!r}) was guessed from its answer to GET "
+                "/v1/healthz, which was not the v1 broker's health answer; if the broker speaks "
+                "the other dialect (v1 or rpc), set AGENT_SANDBOX_BROKER_PROTOCOL (or "
+                "broker_protocol=) to it."
+            )
 
     def exchange(
         self,
@@ -608,6 +646,7 @@ class TransportBase:
         try:
             response = yield from self.exchange(call.spec, stream=call.stream, body=body)
         except Exception as exc:
+            self._unconfirmed_note(call.spec, exc)
             mapped = call.fail(exc) if call.fail is not None else None
             if mapped is None:
                 raise
@@ -616,7 +655,9 @@ class TransportBase:
         if sent is not None:
             sent.append(token)
         try:
-            return call.parse(response)
+            result = call.parse(response)
         except (BrokerError, SandboxFailedError) as exc:
             proto.redact_sent(exc, (token,))
             raise
+        self._confirm(call.spec, response.status_code)
+        return result

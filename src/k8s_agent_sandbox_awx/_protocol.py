@@ -194,9 +194,9 @@ class RequestSpec:
     delay: float = 0.0
     """Seconds to wait before the first attempt (the interval of a status poll)."""
     probe: bool = False
-    """Any answer below 500 but 408 and 429 (busy) is an answer, not an error (a probe reads the
-    status itself); sent without a token (a health check, the dialect probe: they must work
-    before one is usable)."""
+    """A ``2xx`` and any ``4xx`` but 408 and 429 (busy) is an answer, not an error (a probe
+    reads the status itself; a ``3xx`` is an error, never followed); sent without a token (a
+    health check, the dialect probe: they must work before one is usable)."""
 
 
 class Reply(Protocol):
