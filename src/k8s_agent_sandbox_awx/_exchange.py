@@ -61,6 +61,9 @@ __all__ = [
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
 MAX_ERROR_BODY = 64 * 1024
+KEEPALIVE_TIMEOUT = 2.0
+"""Seconds the activity keepalive's extension may take (one attempt, ``request_timeout`` if
+that is shorter): it never delays the data-plane request it rides on by more."""
 PRIMED_SECONDS = 30.0
 """How long a credential fetched before the dialect probe may be used by the first request."""
 _BUSY = frozenset({408, 429})
@@ -249,9 +252,12 @@ class Exchange:
         invalidate: Callable[[str], None],
         body: Any = None,
         authenticate: bool = True,
+        timeout: float | None = None,
     ) -> None:
         self._client = client
         self.config = config
+        self.timeout = timeout or config.request_timeout
+        """The request timeout (connect, and each read/write unless ``spec.read_timeout``)."""
         self.retry = retry
         self.dialect = dialect
         self.spec = spec
@@ -304,21 +310,29 @@ class Exchange:
         return response
 
     def _keep_alive(self, keepalive: proto.Keepalive) -> Generator[Step, Any, None]:
-        """Extend the sandbox's lifetime before this data-plane request: best effort, a
-        failure is logged and never fails the request (an interruption still propagates)."""
+        """Extend the sandbox's lifetime before this data-plane request, best effort: one
+        attempt within :data:`KEEPALIVE_TIMEOUT`, never retried (it must not delay the request
+        it rides on); a failure is logged, never fails the request, and the next request tries
+        again (an interruption still propagates)."""
         try:
             call = self.dialect.extend(keepalive.name, keepalive.seconds)
             extend = Exchange(
                 self._client,
                 self.config,
-                self.retry,
+                proto.SingleAttempt(),
                 self.dialect,
                 call.spec,
                 invalidate=self._invalidate,
+                timeout=min(KEEPALIVE_TIMEOUT, self.config.request_timeout),
             )
             keepalive.extended(call.parse((yield from extend.steps())).expires_at)
         except Exception as exc:
-            logger.warning("keepalive of sandbox %s failed (ignored): %s", keepalive.name, exc)
+            keepalive.failed()
+            logger.warning(
+                "keepalive of sandbox %s failed (ignored): %s (tried again at the next request)",
+                keepalive.name,
+                exc,
+            )
         else:
             logger.debug("keepalive: sandbox %s extended by %ss", keepalive.name, keepalive.seconds)
 
@@ -373,10 +387,7 @@ class Exchange:
             params=spec.params or None,
             headers=spec.headers,
             content=spec.content,
-            timeout=httpx.Timeout(
-                self.config.request_timeout,
-                read=spec.read_timeout or self.config.request_timeout,
-            ),
+            timeout=httpx.Timeout(self.timeout, read=spec.read_timeout or self.timeout),
         )
         if self.body is not None:
             request = httpx.Request(
@@ -470,9 +481,9 @@ class Exchange:
 
     def timeout_error(self, exc: httpx.TimeoutException) -> _RequestTimeoutError:
         spec = self.spec
-        limit = spec.read_timeout or self.config.request_timeout
+        limit = spec.read_timeout or self.timeout
         if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-            limit = self.config.request_timeout
+            limit = self.timeout
         return _RequestTimeoutError(
             f"Could not {spec.what}: no answer from the broker {self.config.broker_url} within "
             f"{limit:g}s ({type(exc).__name__}). Check the network path to the broker, or raise "
