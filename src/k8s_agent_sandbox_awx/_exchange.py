@@ -141,9 +141,26 @@ def _check_env_proxies() -> None:
         )
 
 
+def _check_url(config: BrokerConnectionConfig) -> None:
+    """The broker URL as the HTTP client reads it: a host that is no valid internationalised
+    domain name (``xn--zz``) would fail at the first request, as a raw ``idna`` error."""
+    try:
+        problem = "" if httpx.URL(config.broker_url).host else "no host"  # decodes an IDNA host
+    except (httpx.InvalidURL, UnicodeError) as exc:
+        problem = str(exc) or type(exc).__name__
+    if problem:
+        shown = proto.redact_url(config.broker_url, typed=True)
+        raise ConfigurationError(
+            f"The broker URL {shown!r} cannot be used for HTTP ({problem}); set "
+            "AGENT_SANDBOX_BROKER_URL (or broker_url=, --broker-url) to the broker's https:// "
+            "URL."
+        )
+
+
 def client_settings(config: BrokerConnectionConfig) -> dict[str, Any]:
     """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: TLS, never
-    following redirects, the request timeout and the User-Agent."""
+    following redirects, the request timeout and the User-Agent (the broker URL checked)."""
+    _check_url(config)
     verify: ssl.SSLContext | bool = True
     if config.broker_url.startswith("https://"):
         verify = _ssl_context(config)

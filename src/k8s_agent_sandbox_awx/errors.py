@@ -60,6 +60,7 @@ __all__ = [
     "EmptyCredentialError",
     "FileAPIUnsupportedError",
     "ForbiddenTokenSourceError",
+    "InvalidSettingError",
     "LifetimeExceedsPolicyError",
     "MalformedTokenError",
     "NoCredentialsError",
@@ -82,6 +83,16 @@ __all__ = [
 
 class ConfigurationError(SandboxError):
     """The client configuration is invalid or incomplete (a URL, a variable, an argument)."""
+
+
+class InvalidSettingError(ConfigurationError, ValueError):
+    """A connection setting has a value ``BrokerConnectionConfig`` refuses (a timeout that is
+    not a number > 0, a setting of the wrong type, ...); also a ``ValueError``, as the
+    validation error it replaces. ``setting``: the setting's name (the first, if several)."""
+
+    def __init__(self, message: str, *, setting: str | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
