@@ -637,7 +637,8 @@ def list_commands(target: dp.DataTarget) -> Call[list[dp.CommandInfo]]:
 
 
 def send_stdin(target: dp.DataTarget, command_id: str, data: str | bytes, eof: bool) -> Call[None]:
-    """``POST /commands/{id}/stdin`` (never retried)."""
+    """``POST /commands/{id}/stdin`` (never retried; over the runtime's limit per request:
+    :class:`~.errors.StdinTooLargeError`, before sending or from the refusal)."""
     if isinstance(data, (bytes, bytearray)):
         try:
             data = bytes(data).decode("utf-8")
@@ -647,7 +648,8 @@ def send_stdin(target: dp.DataTarget, command_id: str, data: str | bytes, eof: b
             ) from exc
     if not isinstance(data, str):
         raise TypeError(f"stdin data must be str or bytes, got {type(data).__name__}.")
-    return Call(dp.command_stdin(target, command_id, data, eof), _ignore)
+    spec = dp.command_stdin(target, command_id, data, eof)  # refuses a body over the limit
+    return Call(spec, _ignore, fail=dp.stdin_refusal(spec))
 
 
 # --------------------------------------------------------------------------------------------

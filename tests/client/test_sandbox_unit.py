@@ -258,3 +258,47 @@ def test_the_missing_snapshots_attribute_is_an_attribute_error_too(make_client: 
     assert getattr(sandbox, "snapshots", None) is None
     assert "commands" in dict(inspect.getmembers(sandbox))
     assert mock.create_autospec(sandbox).commands is not None
+
+
+@pytest.mark.parametrize(
+    ("answer", "limit", "chunk"),
+    [
+        (
+            httpx.Response(
+                413,
+                json={"detail": "the body is over 1048576 bytes", "code": "too_large"},
+                headers={"Agent-Sandbox-Broker-Error": "too_large"},
+            ),
+            1048576,
+            65536,
+        ),
+        (
+            httpx.Response(
+                400,
+                json={"detail": "the body must be a JSON object: body larger than 524288 bytes"},
+            ),
+            524288,
+            32768,
+        ),
+        (httpx.Response(413, text="Request Entity Too Large"), None, 32),
+    ],
+)
+def test_a_stdin_the_runtime_refuses_as_too_large_says_the_limit_and_how_to_send_more(
+    make_client: Any, fake: Any, answer: httpx.Response, limit: int | None, chunk: int
+) -> None:
+    """Issue 19 item 11: a runtime (or broker) that refuses a stdin body as too large (413, or
+    400 naming the size) is a StdinTooLargeError with the limit and the chunk size, not a
+    "malformed request, likely a client bug" (400) or an unexplained 413."""
+    from k8s_agent_sandbox_awx.errors import StdinTooLargeError
+
+    sandbox = make_client().create_sandbox()
+    fake.route("POST", "/commands")(lambda r: httpx.Response(200, json={"command_id": "c1"}))
+    fake.route("POST", "/commands/c1/stdin")(lambda r: answer)
+    handle = sandbox.commands.run(["cat"], background=True, stdin=True)
+    with pytest.raises(StdinTooLargeError) as info:
+        handle.send_stdin("y" * 1000)
+    error = info.value
+    assert (error.limit, error.status_code, error.request_sent) == (limit, answer.status_code, True)
+    assert f"chunks of at most {chunk} characters" in str(error), str(error)
+    assert (f"{limit} bytes" in str(error)) if limit else "did not say" in str(error)
+    assert [r.url.path for r in fake.requests].count("/commands/c1/stdin") == 1  # not retried
