@@ -114,7 +114,8 @@ class RuntimeFeatures:
     """What one sandbox's runtime was found to lack (remembered by its ``commands``)."""
 
     managed: bool | None = None
-    """``False`` once ``POST /commands`` answered 404 without a code: the legacy runtime."""
+    """``False`` once ``POST /commands`` answered the legacy runtime's 404 (no code, its
+    ``{"detail": "Not Found"}``)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,8 +480,16 @@ def _may_run(exc: errors.BrokerProtocolError) -> None:
 
 
 def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> None:
-    """A start's error: re-raised, unless the runtime has no ``/commands`` (remembered)."""
+    """A start's error: re-raised, unless the runtime has no ``/commands`` (remembered). Any
+    other 404 without a code (a proxy's, the runtime's own) is an error of this call only."""
     if not _lacks_commands(exc):
+        if exc.status_code == 404 and exc.code is None:
+            exc.add_note(
+                "POST /commands answered 404 without the legacy runtime's answer "
+                f'({{"detail": "{dp.LEGACY_NOT_FOUND}"}}), so it is not taken for a runtime '
+                "without managed commands (nothing is remembered); the command did not start. "
+                "Retry; if it persists, check the sandbox's template and the path to it."
+            )
         raise exc
     features.managed = False
 
@@ -490,8 +499,8 @@ def _command_id(reply: proto.Reply) -> str:
 
 
 def _lacks_commands(exc: errors.BrokerError) -> bool:
-    """A 404 without a broker code: the runtime has no ``/commands`` route."""
-    return exc.status_code == 404 and exc.code is None
+    """The legacy runtime's 404 (no broker code, its ``Not Found``): no ``/commands`` route."""
+    return exc.status_code == 404 and exc.code is None and exc.detail == dp.LEGACY_NOT_FOUND
 
 
 def _unsupported(target: dp.DataTarget, names: tuple[str, ...]) -> errors.UnsupportedByRuntimeError:

@@ -38,6 +38,7 @@ from .errors import (
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
     "EVENTS_DURATION",
+    "LEGACY_NOT_FOUND",
     "MAX_COMMAND_TIMEOUT",
     "MAX_SANDBOX_TIMEOUT",
     "STDIN_MAX_BODY",
@@ -82,6 +83,10 @@ MAX_COMMAND_TIMEOUT = MAX_SANDBOX_TIMEOUT - COMMAND_TIMEOUT_MARGIN / 2
 """The longest command time limit: the client sends ``X-Sandbox-Timeout`` = limit + 5 s."""
 
 
+LEGACY_NOT_FOUND = "Not Found"
+"""The detail of the legacy runtime's 404 for a route it does not have (upstream's python
+runtime is a FastAPI app: ``{"detail": "Not Found"}``): what identifies a runtime without
+``/commands``."""
 STDIN_MAX_BODY = 1024 * 1024
 """The largest request body the sandbox runtime reads (the local runtime's limit for its JSON
 requests, ``POST /commands/{id}/stdin`` included): a stdin write's body is its data
