@@ -1,8 +1,10 @@
 """A stand-in for an old sandbox runtime: the local runtime without the managed-command
-endpoints and without the file API. ``/commands`` and ``/fs/*`` answer ``404`` with a
-runtime-style body (``{"detail": ...}``, no broker ``code``), as runtimes older than those
-protocols do (the deployed runtimes before v0.3.0); ``/execute`` and the legacy file endpoints
-work. Started by a local broker from its template command line (``--port {port}``)."""
+endpoints and without the file API. ``/commands`` answers ``404`` with the body of the upstream
+python runtime, a FastAPI app, for a route it does not have (``{"detail": "Not Found"}``, no
+broker ``code``) and ``/fs/*`` ``404`` with a runtime-style body (``{"detail": ...}``), as
+runtimes older than those protocols do (the deployed runtimes before v0.3.0); ``/execute`` and
+the legacy file endpoints work. Started by a local broker from its template command line
+(``--port {port}``)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def _without_commands(method: str) -> None:
         if path == "/commands" or path.startswith("/commands/"):
             if self.command == "POST":
                 self._drain()
-            self._error(404, f"no route for {self.command} {path}")
+            self._error(404, "Not Found")  # FastAPI's answer for a route it does not have
             return
         original(self)
 

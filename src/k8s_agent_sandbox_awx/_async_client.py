@@ -26,6 +26,7 @@ from typing import Any, Literal, Self, Unpack, overload
 
 import httpx
 
+from . import _dialects as dialects
 from . import _flow as flow
 from . import _fsapi as fsapi
 from . import _protocol as proto
@@ -88,13 +89,19 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
             self.connection_config, self.auth, self.dialect, http_transport=http_transport
         )
 
-    async def _use_dialect(self) -> Dialect:
-        """The dialect, found out from the broker first if it is not known yet."""
+    async def _use_dialect(self, *, authenticated: bool = True) -> Dialect:
+        """The dialect, found out from the broker first if it is not known yet; an
+        ``authenticated`` operation fetches its credential first (see the sync client)."""
         if self._dialect is not None:
             return self._dialect
-        async with _probe_lock(self.broker_url):  # other tasks wait, then find it remembered
-            op = flow.resolve_dialect(None, self.broker_url)
-            return self._dialect_found(await self._transport.run(op))
+        if authenticated:
+            audience = self.connection_config.audience
+            self._transport.prime(await self.auth.aget_credential(audience))
+        url = self.broker_url
+        seen = dialects.probes_answered(url)
+        async with _probe_lock(url):  # other tasks wait, then take its answer
+            op = flow.resolve_dialect(dialects.answered_since(url, seen), url)
+            return self._dialect_probed(await self._transport.run(op))
 
     async def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""
@@ -116,7 +123,7 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
 
     async def healthz(self) -> proto.BrokerReply:
         """The broker's health check, without a token."""
-        spec = (await self._use_dialect()).healthz().spec
+        spec = (await self._use_dialect(authenticated=False)).healthz().spec
         reply = await self._transport.send(spec, authenticate=False)
         return proto.BrokerReply(reply.status_code, dict(reply.headers), reply.content)
 

@@ -96,7 +96,7 @@ class AsyncBrokerTransport(ex.TransportBase):
             case ex.Send(request):
                 return await self._http.send(request, stream=True)
             case ex.GetCredential(audience):
-                return await self.auth.aget_credential(audience)
+                return self.primed() or await self.auth.aget_credential(audience)
             case ex.Read(response):
                 try:
                     return await response.aread()

@@ -130,6 +130,13 @@ class ClientBase(ABC, Generic[H, T]):
         transport.dialect = dialect
         return dialect
 
+    def _dialect_probed(self, dialect: Dialect) -> Dialect:
+        """Record the dialect a probe found (this client's, or the one it waited for); if that
+        was a guess, the transport's first control-plane answer of it confirms it."""
+        transport: Any = self._transport
+        transport.unconfirmed = detected(self.broker_url) is None
+        return self._dialect_found(dialect)
+
     def _plan(self, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
         return plan_create(self.connection_config, self._dialect_found(dialect), spec)
 

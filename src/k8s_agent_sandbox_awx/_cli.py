@@ -166,7 +166,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The connection settings from the options (``None``: from the environment). The broker
     URL is checked here first, so that the fixes its errors name are the CLI's (a flag, not a
     keyword argument)."""
-    from ._config import ENV_ALIASES, ENV_BROKER_URL, check_broker_url
+    from ._config import ENV_ALIASES, ENV_BROKER_URL, ENV_CA_BUNDLE, check_broker_url
     from .errors import ConfigurationError
 
     names = ENV_ALIASES["broker_url"]  # ours, then the original package's BROKER_URL
@@ -176,9 +176,16 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             f"No broker URL: set the environment variable {ENV_BROKER_URL} to the broker's "
             "https:// URL, or pass --broker-url URL."
         )
-    check_broker_url(
+    url = check_broker_url(
         url, allow_insecure_http=args.allow_insecure_http, insecure_option=_INSECURE_FLAG
     )
+    ca_from = "--ca-bundle" if args.ca_bundle else ENV_CA_BUNDLE
+    if url.startswith("http://") and (args.ca_bundle or os.environ.get(ENV_CA_BUNDLE)):
+        fix = "leave out --ca-bundle" if args.ca_bundle else f"unset {ENV_CA_BUNDLE}"
+        raise ConfigurationError(
+            f"A CA bundle is set ({ca_from}) but the broker URL {url!r} is plain http://, where "
+            f"it would not be used: {fix}, or use the broker's https:// URL."
+        )
     settings: dict[str, Any] = {"broker_url": args.broker_url, "ca_cert": args.ca_bundle}
     if args.allow_insecure_http:
         settings["allow_insecure_http"] = True

@@ -26,7 +26,7 @@ from ._base import (
 from ._commands import CommandHandle, Commands
 from ._config import BrokerConnectionConfig
 from ._dialect import Dialect, Lifetime
-from ._dialects import probe_lock
+from ._dialects import answered_since, probe_lock, probes_answered
 from ._files import Files
 from ._transport import BrokerTransport
 from ._upstream import ExecutionResult, SandboxNotFoundError
@@ -78,13 +78,21 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
             self.connection_config, self.auth, self.dialect, http_transport=http_transport
         )
 
-    def _use_dialect(self) -> Dialect:
-        """The dialect, found out from the broker first if it is not known yet."""
+    def _use_dialect(self, *, authenticated: bool = True) -> Dialect:
+        """The dialect, found out from the broker first if it is not known yet. An
+        ``authenticated`` operation fetches its credential before the probe (the credential
+        chain and the token's checks need no network): a credential problem is the first error
+        a user meets, never hidden behind an unreachable broker; the request then sends it."""
         if self._dialect is not None:
             return self._dialect
-        with probe_lock(self.broker_url):  # other threads wait, then find it remembered
-            op = flow.resolve_dialect(None, self.broker_url)
-            return self._dialect_found(self._transport.run(op))
+        if authenticated:
+            audience = self.connection_config.audience
+            self._transport.prime(self.auth.get_credential(audience))
+        url = self.broker_url
+        seen = probes_answered(url)
+        with probe_lock(url):  # other threads wait, then take its answer
+            op = flow.resolve_dialect(answered_since(url, seen), url)
+            return self._dialect_probed(self._transport.run(op))
 
     # ---------------------------------------------------------------------------- lifecycle
 
@@ -111,7 +119,8 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
     def healthz(self) -> proto.BrokerReply:
         """The broker's health check, without a token: its status, headers (``Date``) and
         body."""
-        reply = self._transport.send(self._use_dialect().healthz().spec, authenticate=False)
+        spec = self._use_dialect(authenticated=False).healthz().spec
+        reply = self._transport.send(spec, authenticate=False)
         return proto.BrokerReply(reply.status_code, dict(reply.headers), reply.content)
 
     def list_sandboxes(

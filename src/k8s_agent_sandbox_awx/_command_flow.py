@@ -114,7 +114,8 @@ class RuntimeFeatures:
     """What one sandbox's runtime was found to lack (remembered by its ``commands``)."""
 
     managed: bool | None = None
-    """``False`` once ``POST /commands`` answered 404 without a code: the legacy runtime."""
+    """``False`` once ``POST /commands`` answered the legacy runtime's 404 (no code, its
+    ``{"detail": "Not Found"}``)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,8 +480,16 @@ def _may_run(exc: errors.BrokerProtocolError) -> None:
 
 
 def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> None:
-    """A start's error: re-raised, unless the runtime has no ``/commands`` (remembered)."""
+    """A start's error: re-raised, unless the runtime has no ``/commands`` (remembered). Any
+    other 404 without a code (a proxy's, the runtime's own) is an error of this call only."""
     if not _lacks_commands(exc):
+        if exc.status_code == 404 and exc.code is None:
+            exc.add_note(
+                "POST /commands answered 404 without the legacy runtime's answer "
+                f'({{"detail": "{dp.LEGACY_NOT_FOUND}"}}), so it is not taken for a runtime '
+                "without managed commands (nothing is remembered); the command did not start. "
+                "Retry; if it persists, check the sandbox's template and the path to it."
+            )
         raise exc
     features.managed = False
 
@@ -490,8 +499,8 @@ def _command_id(reply: proto.Reply) -> str:
 
 
 def _lacks_commands(exc: errors.BrokerError) -> bool:
-    """A 404 without a broker code: the runtime has no ``/commands`` route."""
-    return exc.status_code == 404 and exc.code is None
+    """The legacy runtime's 404 (no broker code, its ``Not Found``): no ``/commands`` route."""
+    return exc.status_code == 404 and exc.code is None and exc.detail == dp.LEGACY_NOT_FOUND
 
 
 def _unsupported(target: dp.DataTarget, names: tuple[str, ...]) -> errors.UnsupportedByRuntimeError:
@@ -637,7 +646,8 @@ def list_commands(target: dp.DataTarget) -> Call[list[dp.CommandInfo]]:
 
 
 def send_stdin(target: dp.DataTarget, command_id: str, data: str | bytes, eof: bool) -> Call[None]:
-    """``POST /commands/{id}/stdin`` (never retried)."""
+    """``POST /commands/{id}/stdin`` (never retried; over the runtime's limit per request:
+    :class:`~.errors.StdinTooLargeError`, before sending or from the refusal)."""
     if isinstance(data, (bytes, bytearray)):
         try:
             data = bytes(data).decode("utf-8")
@@ -647,7 +657,8 @@ def send_stdin(target: dp.DataTarget, command_id: str, data: str | bytes, eof: b
             ) from exc
     if not isinstance(data, str):
         raise TypeError(f"stdin data must be str or bytes, got {type(data).__name__}.")
-    return Call(dp.command_stdin(target, command_id, data, eof), _ignore)
+    spec = dp.command_stdin(target, command_id, data, eof)  # refuses a body over the limit
+    return Call(spec, _ignore, fail=dp.stdin_refusal(spec))
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from ._jwt import normalise_url
 from ._protocol import redact_url
 from ._upstream import SandboxDirectConnectionConfig
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InvalidSettingError
 
 __all__ = [
     "ENV_ALIASES",
@@ -60,6 +61,21 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 _RESERVED_EXTRA_HEADERS = frozenset(
     {"authorization", "host", "idempotency-key", "content-length", "transfer-encoding", "cookie"}
 )
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+"""An HTTP header name (an RFC 9110 token)."""
+
+SETTING_SOURCES: dict[str, str] = {
+    "broker_url": f"broker_url=, {ENV_BROKER_URL} or --broker-url",
+    "api_url": "api_url=",
+    "ca_cert": f"ca_cert=, {ENV_CA_BUNDLE} or --ca-bundle",
+    "template": f"template= or {ENV_TEMPLATE}",
+    "namespace": f"namespace= or {ENV_NAMESPACE}",
+    "broker_protocol": f"broker_protocol= or {ENV_BROKER_PROTOCOL}",
+    "trust_env_proxies": f"trust_env_proxies= or {ENV_TRUST_ENV_PROXIES}",
+    "sandbox_timeout": f"sandbox_timeout= or {ENV_TTL}",
+    "sandbox_keepalive": f"sandbox_keepalive= or {ENV_KEEPALIVE}",
+}
+"""Where each setting can be given (the keyword, the variable, the CLI option), for errors."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -93,6 +109,7 @@ def check_broker_url(
         )
     raw = url.strip()
     shown = redact_url(raw, typed=True)  # the only form of the URL that messages show
+    _refuse_odd_characters(raw, shown)
     try:
         parts = urlsplit(raw)
         port = parts.port
@@ -107,6 +124,7 @@ def check_broker_url(
             f"The broker URL {shown!r} must be an absolute https:// URL with a host, "
             "e.g. https://sandbox-broker.example."
         )
+    _refuse_bad_labels(host, shown)
     if parts.username is not None or parts.password is not None:
         raise ConfigurationError(
             "The broker URL must not contain a user name or password; credentials come from the "
@@ -130,6 +148,28 @@ def check_broker_url(
             )
     del port  # parsed above only to refuse a bad one
     return normalise_url(raw)  # the one URL rule (also for token audiences)
+
+
+def _refuse_odd_characters(raw: str, shown: str) -> None:
+    """No space or control character anywhere (``urlsplit`` would drop a tab or a line break
+    silently; the HTTP client refuses a ``DEL`` only when it sends)."""
+    if any(c.isspace() or not c.isprintable() for c in raw):
+        raise ConfigurationError(
+            f"The broker URL {shown!r} contains a space or a control character; set "
+            f"{ENV_BROKER_URL} (or broker_url=) to the broker's plain https:// URL."
+        )
+
+
+def _refuse_bad_labels(host: str, shown: str) -> None:
+    """A host name's labels: none empty (``a..b``), none over 63 characters, no ``%``."""
+    if ":" in host:  # an IPv6 literal
+        return
+    if any(not label or len(label) > 63 or "%" in label for label in host.rstrip(".").split(".")):
+        raise ConfigurationError(
+            f"The broker URL {shown!r} has an invalid host name (an empty part, a part longer "
+            f"than 63 characters, or a '%'); set {ENV_BROKER_URL} (or broker_url=) to the "
+            "broker's https:// URL."
+        )
 
 
 class BrokerConnectionConfig(SandboxDirectConnectionConfig):
@@ -210,14 +250,36 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
                 )
         data["broker_url"] = normalized
         data["api_url"] = normalized
+        _check_tls_needs_https(data, normalized)
         headers = data.get("extra_headers") or {}
-        for name in headers:
+        for name in headers if isinstance(headers, Mapping) else ():
             if str(name).lower() in _RESERVED_EXTRA_HEADERS:
                 raise ConfigurationError(
                     f"extra_headers must not set {name!r}: the client sets it itself "
                     "(the token comes from the credential chain; pass auth= to choose it)."
                 )
+            _check_header(name, headers[name])
         return data
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:  # pydantic's: a setting's value or type
+            raise invalid_setting(type(self), exc) from None
+
+    @classmethod
+    def model_validate(cls, *args: Any, **kwargs: Any) -> Self:
+        try:
+            return super().model_validate(*args, **kwargs)
+        except ValidationError as exc:
+            raise invalid_setting(cls, exc) from None
+
+    @classmethod
+    def model_validate_json(cls, *args: Any, **kwargs: Any) -> Self:
+        try:
+            return super().model_validate_json(*args, **kwargs)
+        except ValidationError as exc:
+            raise invalid_setting(cls, exc) from None
 
     @property
     def use_env_proxies(self) -> bool:
@@ -293,6 +355,75 @@ class SandboxBrokerConnectionConfig(BrokerConnectionConfig):
     token_path: str | None = None
     keepalive_ttl_seconds: int | None = None
     backend: str | None = None
+
+
+def _check_tls_needs_https(data: Mapping[str, Any], url: str) -> None:
+    """A CA bundle or a client certificate with an ``http://`` broker: TLS settings would do
+    nothing there (upstream's model refuses it with a bare validation error)."""
+    if not url.startswith("http://"):
+        return
+    if data.get("ca_cert"):
+        raise ConfigurationError(
+            f"A CA bundle is set ({SETTING_SOURCES['ca_cert']}) but the broker URL {url!r} is "
+            f"plain http://, where it would not be used. Unset {ENV_CA_BUNDLE} (or leave out "
+            "ca_cert= / --ca-bundle), or use the broker's https:// URL."
+        )
+    if data.get("client_cert"):
+        raise ConfigurationError(
+            f"client_cert= is set but the broker URL {url!r} is plain http://, where a client "
+            "certificate would not be used. Leave out client_cert=, or use the broker's "
+            "https:// URL."
+        )
+
+
+def _check_header(name: Any, value: Any) -> None:
+    """An extra header the HTTP client can send: a token name and a printable ASCII value
+    (never shown: it may be a secret). Wrong types are the model's to report."""
+    if not isinstance(name, str) or not isinstance(value, str):
+        return
+    if not _HEADER_NAME.fullmatch(name):
+        raise ConfigurationError(
+            f"extra_headers has the header name {name!r}, which is not a valid HTTP header name "
+            "(letters, digits and !#$%&'*+-.^_`|~ only); fix or remove it."
+        )
+    if not all(" " <= c <= "~" or c == "\t" for c in value):
+        raise ConfigurationError(
+            f"The value of extra_headers[{name!r}] has a character an HTTP header cannot carry "
+            "(a line break, a control character or a non-ASCII character; the value is not "
+            "shown); use printable ASCII only, e.g. percent- or base64-encode it."
+        )
+
+
+def invalid_setting(cls: type[Any], exc: ValidationError) -> InvalidSettingError:
+    """pydantic's validation error as ours: each wrong setting with where it is given and
+    what is wrong (never the value given: it may be a secret), and the fix. (Through
+    ``model_validate`` the validation runs our ``__init__``, whose error pydantic wraps: it is
+    taken out again.)"""
+    problems, names = [], []
+    for error in exc.errors(include_url=False, include_input=False):
+        ours = (error.get("ctx") or {}).get("error")
+        if isinstance(ours, InvalidSettingError):
+            return ours
+        loc = error.get("loc") or ()
+        name = str(loc[0]) if loc else None
+        names.append(name)
+        where = ".".join(str(part) for part in loc) or "the settings"
+        if name in SETTING_SOURCES:
+            where += f" ({SETTING_SOURCES[name]})"
+        elif len(loc) == 1:
+            where += "="
+        default = cls.model_fields[name].default if name in cls.model_fields else None
+        usual = f", or leave it out (default: {default!r})" if _shown(default) else ""
+        reason = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        problems.append(f"{where} is invalid: {reason[:1].lower()}{reason[1:]}; fix it{usual}")
+    return InvalidSettingError(
+        f"{cls.__name__}: " + "; ".join(problems) + ".",
+        setting=names[0] if names else None,
+    )
+
+
+def _shown(default: Any) -> bool:
+    return isinstance(default, bool | int | float | str) and default != ""
 
 
 def _env_flag(env: Mapping[str, str], name: str) -> bool:

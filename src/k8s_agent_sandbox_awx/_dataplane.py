@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -31,13 +32,16 @@ from .errors import (
     SandboxFileLimitError,
     SandboxFileNotFoundError,
     SandboxPathError,
+    StdinTooLargeError,
 )
 
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
     "EVENTS_DURATION",
+    "LEGACY_NOT_FOUND",
     "MAX_COMMAND_TIMEOUT",
     "MAX_SANDBOX_TIMEOUT",
+    "STDIN_MAX_BODY",
     "STREAMED_START_ACCEPT",
     "CommandInfo",
     "DataTarget",
@@ -65,6 +69,8 @@ __all__ = [
     "refuse_control_characters",
     "runtime_error",
     "start_command",
+    "stdin_chunk",
+    "stdin_refusal",
     "upload",
     "validate_sandbox_path",
 ]
@@ -76,6 +82,17 @@ MAX_SANDBOX_TIMEOUT = 86400.0
 MAX_COMMAND_TIMEOUT = MAX_SANDBOX_TIMEOUT - COMMAND_TIMEOUT_MARGIN / 2
 """The longest command time limit: the client sends ``X-Sandbox-Timeout`` = limit + 5 s."""
 
+
+LEGACY_NOT_FOUND = "Not Found"
+"""The detail of the legacy runtime's 404 for a route it does not have (upstream's python
+runtime is a FastAPI app: ``{"detail": "Not Found"}``): what identifies a runtime without
+``/commands``."""
+STDIN_MAX_BODY = 1024 * 1024
+"""The largest request body the sandbox runtime reads (the local runtime's limit for its JSON
+requests, ``POST /commands/{id}/stdin`` included): a stdin write's body is its data
+JSON-encoded, so a write is checked against it before it is sent."""
+_SIZE = re.compile(r"(?i)too large|larger than|\bover \d+ bytes")
+_BYTES = re.compile(r"(\d+)\s*bytes")
 
 EVENTS_DURATION = 20.0
 """Seconds an event stream is asked to stay open (the protocol's maximum): a client re-requests
@@ -281,10 +298,65 @@ def kill_command(target: DataTarget, command_id: str) -> RequestSpec:
 
 
 def command_stdin(target: DataTarget, command_id: str, data: str, eof: bool) -> RequestSpec:
-    """``POST /commands/{id}/stdin``: never retried (the data would be written twice)."""
+    """``POST /commands/{id}/stdin``: never retried (the data would be written twice); a body
+    over :data:`STDIN_MAX_BODY` is refused before it is sent (:class:`StdinTooLargeError`)."""
     path = _command_path(command_id, "/stdin")
     spec = _data("POST", path, f"write to the stdin of command {command_id!r}", target)
-    return json_body(spec, {"data": data, "eof": bool(eof)})
+    spec = json_body(spec, {"data": data, "eof": bool(eof)})
+    size = len(spec.content or b"")  # the body exactly as the runtime counts it
+    if size > STDIN_MAX_BODY:
+        raise _stdin_too_large(spec, size, STDIN_MAX_BODY, "", request_sent=False)
+    return spec
+
+
+def stdin_chunk(limit: int) -> int:
+    """Characters of text that always fit one stdin write under ``limit`` bytes of body (JSON
+    escaping makes a character at most 12 bytes), as a power of two (65536 for 1 MiB)."""
+    room = max(1, (limit - 64) // 12)
+    return 1 << (room.bit_length() - 1)
+
+
+def _stdin_too_large(
+    spec: RequestSpec, size: int, limit: int | None, answered: str, **common: Any
+) -> StdinTooLargeError:
+    chunk = stdin_chunk(limit if limit is not None else max(1, size // 2))
+    over = (
+        f"over the sandbox runtime's limit of {limit} bytes per request"
+        if limit is not None
+        else "too large for the sandbox runtime, which did not say its limit"
+    )
+    return StdinTooLargeError(
+        f"Could not {spec.what}: the request would be {size} bytes (the data JSON-encoded), "
+        f"{over}{answered}. Send it in chunks of at most {chunk} characters: one "
+        "send_stdin(piece) per piece, eof=True with the last one (or send_stdin('', eof=True)).",
+        limit=limit,
+        size=size,
+        method=spec.method,
+        path=spec.path,
+        **common,
+    )
+
+
+def stdin_refusal(spec: RequestSpec) -> Callable[[Exception], Exception | None]:
+    """The ``fail`` of a stdin write: a refusal for its size (``413``, or ``400`` naming the
+    size) is a :class:`StdinTooLargeError` with the limit the answer names, if any."""
+
+    def fail(exc: Exception) -> Exception | None:
+        status = getattr(exc, "status_code", None)
+        detail = getattr(exc, "detail", None) or ""
+        if not isinstance(exc, BrokerError) or not (
+            status == 413 or (status == 400 and _SIZE.search(detail))
+        ):
+            return None
+        found = _BYTES.search(detail)
+        answered = f" (it answered {status}: {detail})" if detail else f" (it answered {status})"
+        size = len(spec.content or b"")
+        limit = int(found.group(1)) if found else None
+        return _stdin_too_large(
+            spec, size, limit, answered, status_code=status, code=exc.code, detail=exc.detail
+        )
+
+    return fail
 
 
 def upload(

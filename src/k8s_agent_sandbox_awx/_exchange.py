@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import ssl
+import time
 import urllib.request
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from . import _dialects as dialects
 from . import _protocol as proto
 from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 from ._credential import Credential
@@ -59,6 +61,11 @@ __all__ = [
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
 MAX_ERROR_BODY = 64 * 1024
+KEEPALIVE_TIMEOUT = 2.0
+"""Seconds the activity keepalive's extension may take (one attempt, ``request_timeout`` if
+that is shorter): it never delays the data-plane request it rides on by more."""
+PRIMED_SECONDS = 30.0
+"""How long a credential fetched before the dialect probe may be used by the first request."""
 _BUSY = frozenset({408, 429})
 """Answers to a probe that say the broker is busy, not what it serves: not an answer."""
 
@@ -134,9 +141,26 @@ def _check_env_proxies() -> None:
         )
 
 
+def _check_url(config: BrokerConnectionConfig) -> None:
+    """The broker URL as the HTTP client reads it: a host that is no valid internationalised
+    domain name (``xn--zz``) would fail at the first request, as a raw ``idna`` error."""
+    try:
+        problem = "" if httpx.URL(config.broker_url).host else "no host"  # decodes an IDNA host
+    except (httpx.InvalidURL, UnicodeError) as exc:
+        problem = str(exc) or type(exc).__name__
+    if problem:
+        shown = proto.redact_url(config.broker_url, typed=True)
+        raise ConfigurationError(
+            f"The broker URL {shown!r} cannot be used for HTTP ({problem}); set "
+            "AGENT_SANDBOX_BROKER_URL (or broker_url=, --broker-url) to the broker's https:// "
+            "URL."
+        )
+
+
 def client_settings(config: BrokerConnectionConfig) -> dict[str, Any]:
     """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: TLS, never
-    following redirects, the request timeout and the User-Agent."""
+    following redirects, the request timeout and the User-Agent (the broker URL checked)."""
+    _check_url(config)
     verify: ssl.SSLContext | bool = True
     if config.broker_url.startswith("https://"):
         verify = _ssl_context(config)
@@ -245,9 +269,12 @@ class Exchange:
         invalidate: Callable[[str], None],
         body: Any = None,
         authenticate: bool = True,
+        timeout: float | None = None,
     ) -> None:
         self._client = client
         self.config = config
+        self.timeout = timeout or config.request_timeout
+        """The request timeout (connect, and each read/write unless ``spec.read_timeout``)."""
         self.retry = retry
         self.dialect = dialect
         self.spec = spec
@@ -300,21 +327,29 @@ class Exchange:
         return response
 
     def _keep_alive(self, keepalive: proto.Keepalive) -> Generator[Step, Any, None]:
-        """Extend the sandbox's lifetime before this data-plane request: best effort, a
-        failure is logged and never fails the request (an interruption still propagates)."""
+        """Extend the sandbox's lifetime before this data-plane request, best effort: one
+        attempt within :data:`KEEPALIVE_TIMEOUT`, never retried (it must not delay the request
+        it rides on); a failure is logged, never fails the request, and the next request tries
+        again (an interruption still propagates)."""
         try:
             call = self.dialect.extend(keepalive.name, keepalive.seconds)
             extend = Exchange(
                 self._client,
                 self.config,
-                self.retry,
+                proto.SingleAttempt(),
                 self.dialect,
                 call.spec,
                 invalidate=self._invalidate,
+                timeout=min(KEEPALIVE_TIMEOUT, self.config.request_timeout),
             )
             keepalive.extended(call.parse((yield from extend.steps())).expires_at)
         except Exception as exc:
-            logger.warning("keepalive of sandbox %s failed (ignored): %s", keepalive.name, exc)
+            keepalive.failed()
+            logger.warning(
+                "keepalive of sandbox %s failed (ignored): %s (tried again at the next request)",
+                keepalive.name,
+                exc,
+            )
         else:
             logger.debug("keepalive: sandbox %s extended by %ss", keepalive.name, keepalive.seconds)
 
@@ -369,10 +404,7 @@ class Exchange:
             params=spec.params or None,
             headers=spec.headers,
             content=spec.content,
-            timeout=httpx.Timeout(
-                self.config.request_timeout,
-                read=spec.read_timeout or self.config.request_timeout,
-            ),
+            timeout=httpx.Timeout(self.timeout, read=spec.read_timeout or self.timeout),
         )
         if self.body is not None:
             request = httpx.Request(
@@ -408,8 +440,8 @@ class Exchange:
 
     def succeeded(self, response: httpx.Response) -> bool:
         status = response.status_code
-        if self.spec.probe:  # 408/429: busy, which tells nothing (a 429 is retried)
-            return status < 500 and status not in _BUSY
+        if self.spec.probe:  # 408/429: busy, which tells nothing (a 429 is retried); a 3xx
+            return status < 300 or (400 <= status < 500 and status not in _BUSY)  # is an error
         return status < 300 or (status == 404 and self.spec.not_found_ok)
 
     def delay_after_response(self, response: httpx.Response) -> float | None:
@@ -466,9 +498,9 @@ class Exchange:
 
     def timeout_error(self, exc: httpx.TimeoutException) -> _RequestTimeoutError:
         spec = self.spec
-        limit = spec.read_timeout or self.config.request_timeout
+        limit = spec.read_timeout or self.timeout
         if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-            limit = self.config.request_timeout
+            limit = self.timeout
         return _RequestTimeoutError(
             f"Could not {spec.what}: no answer from the broker {self.config.broker_url} within "
             f"{limit:g}s ({type(exc).__name__}). Check the network path to the broker, or raise "
@@ -569,10 +601,44 @@ class TransportBase:
         self.dialect = dialect
         self.retry = retry or retry_policy(config)
         self._client = client
+        self.unconfirmed = False
+        """The dialect is a guess from the probe: the first control-plane answer of it that
+        parses confirms it (remembered for the broker URL, ``_dialects``)."""
+        self._primed: tuple[Credential, float] | None = None
 
     @property
     def broker_url(self) -> str:
         return self.config.broker_url
+
+    def prime(self, credential: Credential) -> None:
+        """Hand ``credential`` (just fetched: before the dialect probe) to the next request for
+        the broker's audience, so that it is not fetched twice (used within
+        :data:`PRIMED_SECONDS`, else fetched again)."""
+        self._primed = (credential, time.monotonic())
+
+    def primed(self) -> Credential | None:
+        """The credential :meth:`prime` handed over, once (``None``: fetch one)."""
+        primed, self._primed = self._primed, None
+        if primed is None or time.monotonic() - primed[1] > PRIMED_SECONDS:
+            return None
+        return primed[0]
+
+    def _confirm(self, spec: proto.RequestSpec, status: int) -> None:
+        """A control-plane answer of the guessed dialect parsed: the broker speaks it."""
+        if self.unconfirmed and status < 300 and not (spec.probe or spec.data_plane):
+            self.unconfirmed = False
+            dialects.remember(self.broker_url, self.dialect.name)
+
+    def _unconfirmed_note(self, spec: proto.RequestSpec, exc: Exception) -> None:
+        """A ``404``/``405`` under a guessed dialect: the guess may be wrong; say how to pin."""
+        status = getattr(exc, "status_code", None)
+        if self.unconfirmed and status in (404, 405) and not (spec.probe or spec.data_plane):
+            exc.add_note(
+                f"The broker's dialect ({self.dialect.name!r}) was guessed from its answer to GET "
+                "/v1/healthz, which was not the v1 broker's health answer; if the broker speaks "
+                "the other dialect (v1 or rpc), set AGENT_SANDBOX_BROKER_PROTOCOL (or "
+                "broker_protocol=) to it."
+            )
 
     def exchange(
         self,
@@ -608,6 +674,7 @@ class TransportBase:
         try:
             response = yield from self.exchange(call.spec, stream=call.stream, body=body)
         except Exception as exc:
+            self._unconfirmed_note(call.spec, exc)
             mapped = call.fail(exc) if call.fail is not None else None
             if mapped is None:
                 raise
@@ -616,7 +683,9 @@ class TransportBase:
         if sent is not None:
             sent.append(token)
         try:
-            return call.parse(response)
+            result = call.parse(response)
         except (BrokerError, SandboxFailedError) as exc:
             proto.redact_sent(exc, (token,))
             raise
+        self._confirm(call.spec, response.status_code)
+        return result

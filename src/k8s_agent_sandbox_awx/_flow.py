@@ -438,14 +438,16 @@ def plan_create(config: BrokerConnectionConfig, dialect: Dialect, spec: SandboxS
 
 
 def resolve_dialect(known: Dialect | None, broker_url: str) -> Op[Dialect]:
-    """The dialect to speak: ``known`` (pinned, or found out before), else the one found out
-    for ``broker_url`` earlier in this process, else one probe of the broker (remembered)."""
+    """The dialect to speak: ``known`` (pinned, found out before, or the answer of the probe
+    this caller waited for), else the one remembered for ``broker_url``, else one probe of the
+    broker (remembered only if its answer identifies the dialect; see ``_dialects``)."""
     if known is None:
         known = dialects.detected(broker_url)
     if known is None:
-        name = yield dialects.probe()
-        known = dialects.remember(broker_url, name)
-        logger.info("the broker %s speaks the %r dialect", broker_url, known.name)
+        verdict = yield dialects.probe()
+        known = dialects.record(broker_url, verdict)
+        how = "" if verdict.certain else " (a guess until a control-plane answer confirms it)"
+        logger.info("the broker %s speaks the %r dialect%s", broker_url, known.name, how)
     return known
 
 

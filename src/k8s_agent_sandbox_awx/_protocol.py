@@ -121,7 +121,8 @@ class Keepalive:
     """One sandbox's opt-in activity keepalive (``keepalive=`` seconds): data-plane activity
     moves the sandbox's deadline to now + ``seconds``, when that is later than the deadline
     it knows, and at most once per half window. Thread-safe; the extension itself is sent by
-    the exchange, best effort (a failure is logged, never raised)."""
+    the exchange, best effort: one short attempt, a failure is logged (never raised) and the
+    extension tried again by the next request (:meth:`failed`)."""
 
     def __init__(
         self,
@@ -152,6 +153,11 @@ class Keepalive:
     def extended(self, expires_at: str | None) -> None:
         """Record the deadline an extension's answer reports."""
         self.deadline = rfc3339_seconds(expires_at)
+
+    def failed(self) -> None:
+        """The extension :meth:`claim` asked for failed: the next request tries it again."""
+        with self._lock:
+            self._last = None
 
 
 def rfc3339_seconds(value: str | None) -> float | None:
@@ -194,9 +200,9 @@ class RequestSpec:
     delay: float = 0.0
     """Seconds to wait before the first attempt (the interval of a status poll)."""
     probe: bool = False
-    """Any answer below 500 but 408 and 429 (busy) is an answer, not an error (a probe reads the
-    status itself); sent without a token (a health check, the dialect probe: they must work
-    before one is usable)."""
+    """A ``2xx`` and any ``4xx`` but 408 and 429 (busy) is an answer, not an error (a probe
+    reads the status itself; a ``3xx`` is an error, never followed); sent without a token (a
+    health check, the dialect probe: they must work before one is usable)."""
 
 
 class Reply(Protocol):
@@ -553,3 +559,15 @@ class RetryPolicy:
     def after_unauthorized(*, retried: bool, replayable: bool) -> bool:
         """Whether to re-read the credential and send once more after the broker's 401."""
         return not retried and replayable
+
+
+@dataclass(frozen=True)
+class SingleAttempt(RetryPolicy):
+    """One attempt, never repeated, not even after the broker's 401 (whose credential is still
+    invalidated): the activity keepalive's extension, best effort."""
+
+    max_attempts: int = 1
+
+    @staticmethod
+    def after_unauthorized(*, retried: bool, replayable: bool) -> bool:
+        return False

@@ -92,7 +92,7 @@ class BrokerTransport(TransportBase):
             case Send(request):
                 return self._http.send(request, stream=True)
             case GetCredential(audience):
-                return self.auth.get_credential(audience)
+                return self.primed() or self.auth.get_credential(audience)
             case Read(response):
                 try:
                     return response.read()

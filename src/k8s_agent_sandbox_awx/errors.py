@@ -60,6 +60,7 @@ __all__ = [
     "EmptyCredentialError",
     "FileAPIUnsupportedError",
     "ForbiddenTokenSourceError",
+    "InvalidSettingError",
     "LifetimeExceedsPolicyError",
     "MalformedTokenError",
     "NoCredentialsError",
@@ -73,6 +74,7 @@ __all__ = [
     "SandboxPathError",
     "SandboxReadyTimeoutError",
     "SandboxTerminatingError",
+    "StdinTooLargeError",
     "TokenExpiredError",
     "UnreadableCredentialError",
     "UnsupportedByRuntimeError",
@@ -82,6 +84,16 @@ __all__ = [
 
 class ConfigurationError(SandboxError):
     """The client configuration is invalid or incomplete (a URL, a variable, an argument)."""
+
+
+class InvalidSettingError(ConfigurationError, ValueError):
+    """A connection setting has a value ``BrokerConnectionConfig`` refuses (a timeout that is
+    not a number > 0, a setting of the wrong type, ...); also a ``ValueError``, as the
+    validation error it replaces. ``setting``: the setting's name (the first, if several)."""
+
+    def __init__(self, message: str, *, setting: str | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
@@ -270,6 +282,22 @@ class CommandOutputLostError(BrokerError):
     def __init__(self, message: str, *, resume_after: int | None = None, **kwargs: Any) -> None:
         super().__init__(message, **kwargs)
         self.resume_after = resume_after
+
+
+class StdinTooLargeError(BrokerError, ValueError):
+    """``send_stdin`` data over the sandbox runtime's limit per request: refused before sending
+    when the limit is known (``request_sent`` is then ``False``), or by the runtime or the
+    broker (``413``, or a ``400`` naming the size; nothing was written). ``limit``: the largest
+    request body in bytes (``None``: the answer did not say); ``size``: the body that was too
+    large (the data JSON-encoded). Send the data in chunks: the message says how large. Also a
+    ``ValueError``."""
+
+    def __init__(
+        self, message: str, *, limit: int | None = None, size: int | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(message, **kwargs)
+        self.limit = limit
+        self.size = size
 
 
 class UnsupportedByRuntimeError(SandboxError, NotImplementedError):

@@ -123,7 +123,7 @@ class FakeBroker:
         if path == "/v1/sandboxes":
             return httpx.Response(200, json={"items": list(self.sandboxes.values())})
         if path.startswith("/commands"):
-            return error(404, None, f"no route for {request.method} {path}")
+            return error(404, None, "Not Found")  # the legacy runtime (FastAPI) has no route
         if path == "/execute":
             cmd = json.loads(request.content)["command"]
             return httpx.Response(

@@ -243,6 +243,28 @@ def test_stdin_and_iteration(sandbox: Sandbox) -> None:
         handle.send_stdin("late")
 
 
+def test_stdin_over_the_runtimes_limit_is_refused_before_sending(sandbox: Sandbox) -> None:
+    """Issue 19 item 11: 2 MB of stdin was reported as an unreachable sandbox (502, "create a
+    new sandbox"), and 0.9 MB of text that JSON escaping makes 1.2 MB as a 400. Both are now
+    refused before anything is sent, with the limit and how to send more (in chunks, which
+    work: the command reads all of it)."""
+    from k8s_agent_sandbox_awx.errors import StdinTooLargeError
+
+    handle = sandbox.commands.run(["wc", "-c"], background=True, stdin=True)
+    big, escaped = "x" * (2 * 1024 * 1024), '"' * (900 * 1024)  # a quote is sent as \"
+    for data in (big, escaped, big.encode()):
+        with pytest.raises(StdinTooLargeError) as info:
+            handle.send_stdin(data)
+        error = info.value
+        assert isinstance(error, ValueError) and error.limit == 1024 * 1024
+        assert error.size is not None and error.size > error.limit and not error.request_sent
+        assert "1048576 bytes" in str(error) and "chunks of at most 65536" in str(error)
+    for start in range(0, len(big), 65536):
+        handle.send_stdin(big[start : start + 65536])
+    handle.send_stdin("", eof=True)
+    assert handle.wait().stdout.strip() == str(len(big))  # nothing of the refused writes
+
+
 def test_wait_callbacks_and_reattach_replays_the_output(broker: Any, sandbox: Sandbox) -> None:
     handle = sandbox.commands.run("echo one; sleep 0.3; echo two", background=True)
     got: list[str] = []

@@ -121,6 +121,28 @@ def test_keepalive_never_fails_the_operation(
         assert "keepalive of sandbox sbx-gone0000 failed (ignored)" in caplog.text
 
 
+def test_keepalive_never_delays_the_call_it_rides_on(
+    files_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 19 item 10: while the control plane answers 503 (Retry-After: 3), a data-plane
+    call waits for one short attempt of the extension at most (it waited for the extension's
+    whole retry budget, 9 s); the failure is logged, and the next call tries the extension
+    again (it waited half a keepalive window)."""
+    with Sandbox.create(timeout=30, keepalive=100, **_options(files_broker)) as sb:
+        lifetime = f"/v1/sandboxes/{sb.name}/lifetime"
+        files_broker.inject_unavailable(50, retry_after=3, scope="control", path=lifetime)
+        with caplog.at_level("WARNING", logger="k8s_agent_sandbox_awx.transport"):
+            started = time.monotonic()
+            assert sb.files.exists("nothing") is False
+            assert time.monotonic() - started < 2.0
+        assert f"keepalive of sandbox {sb.name} failed" in caplog.text
+        assert "Bearer" not in caplog.text
+        files_broker.clear_faults()
+        before = _claimed(files_broker, sb)[1]
+        assert sb.files.exists("nothing") is False  # the next opportunity
+        assert _claimed(files_broker, sb)[1] > before + 30  # extended to now + 100 s
+
+
 def test_lifetime_settings_from_the_environment_and_arguments() -> None:
     from k8s_agent_sandbox_awx import BrokerConnectionConfig
     from k8s_agent_sandbox_awx._flow import sandbox_timeout, spec_from_create

@@ -258,3 +258,96 @@ def test_the_missing_snapshots_attribute_is_an_attribute_error_too(make_client: 
     assert getattr(sandbox, "snapshots", None) is None
     assert "commands" in dict(inspect.getmembers(sandbox))
     assert mock.create_autospec(sandbox).commands is not None
+
+
+@pytest.mark.parametrize(
+    ("answer", "limit", "chunk"),
+    [
+        (
+            httpx.Response(
+                413,
+                json={"detail": "the body is over 1048576 bytes", "code": "too_large"},
+                headers={"Agent-Sandbox-Broker-Error": "too_large"},
+            ),
+            1048576,
+            65536,
+        ),
+        (
+            httpx.Response(
+                400,
+                json={"detail": "the body must be a JSON object: body larger than 524288 bytes"},
+            ),
+            524288,
+            32768,
+        ),
+        (httpx.Response(413, text="Request Entity Too Large"), None, 32),
+    ],
+)
+def test_a_stdin_the_runtime_refuses_as_too_large_says_the_limit_and_how_to_send_more(
+    make_client: Any, fake: Any, answer: httpx.Response, limit: int | None, chunk: int
+) -> None:
+    """Issue 19 item 11: a runtime (or broker) that refuses a stdin body as too large (413, or
+    400 naming the size) is a StdinTooLargeError with the limit and the chunk size, not a
+    "malformed request, likely a client bug" (400) or an unexplained 413."""
+    from k8s_agent_sandbox_awx.errors import StdinTooLargeError
+
+    sandbox = make_client().create_sandbox()
+    fake.route("POST", "/commands")(lambda r: httpx.Response(200, json={"command_id": "c1"}))
+    fake.route("POST", "/commands/c1/stdin")(lambda r: answer)
+    handle = sandbox.commands.run(["cat"], background=True, stdin=True)
+    with pytest.raises(StdinTooLargeError) as info:
+        handle.send_stdin("y" * 1000)
+    error = info.value
+    assert (error.limit, error.status_code, error.request_sent) == (limit, answer.status_code, True)
+    assert f"chunks of at most {chunk} characters" in str(error), str(error)
+    assert (f"{limit} bytes" in str(error)) if limit else "did not say" in str(error)
+    assert [r.url.path for r in fake.requests].count("/commands/c1/stdin") == 1  # not retried
+
+
+NOT_LEGACY_404 = {
+    "a runtime's own 404": httpx.Response(404, json={"detail": "no such port in the sandbox"}),
+    "an ingress page": httpx.Response(
+        404, text="<html><body><h1>404 Not Found</h1>nginx</body></html>"
+    ),
+    "a router's text": httpx.Response(404, text="404 page not found"),
+}
+
+
+@pytest.mark.parametrize("answer", list(NOT_LEGACY_404))
+def test_a_404_to_post_commands_that_is_not_the_legacy_runtimes_is_not_remembered(
+    make_client: Any, fake: Any, answer: str
+) -> None:
+    """Issue 19 item 5b(c): any 404 without a broker code to ``POST /commands`` was taken for
+    the legacy runtime for the sandbox's life (a plain run went to ``/execute``, a background
+    one was refused from then on). Only the legacy runtime's answer (FastAPI's
+    ``{"detail": "Not Found"}``) means that; another 404 is an error for that call, and the
+    next call tries ``POST /commands`` again."""
+    from k8s_agent_sandbox_awx.errors import BrokerError
+
+    sandbox = make_client().create_sandbox()
+    answers = [NOT_LEGACY_404[answer], NOT_LEGACY_404[answer]]
+
+    @fake.route("POST", "/commands")
+    def start(request: httpx.Request) -> httpx.Response:
+        return answers.pop() if answers else httpx.Response(200, json={"command_id": "c1"})
+
+    before = len(fake.requests)
+    for run in (
+        lambda: sandbox.commands.run("echo hi"),
+        lambda: sandbox.commands.run(["true"], background=True),
+    ):
+        with pytest.raises(BrokerError) as info:
+            run()
+        assert info.value.status_code == 404 and info.value.code is None
+        assert any("legacy runtime" in note for note in info.value.__notes__)
+    assert sandbox.commands.run(["true"], background=True).command_id == "c1"
+    assert [r.url.path for r in fake.requests[before:]] == ["/commands"] * 3  # no /execute
+
+
+def test_the_legacy_runtimes_404_is_remembered(make_client: Any, fake: Any) -> None:
+    sandbox = make_client().create_sandbox()
+    fake.route("POST", "/commands")(lambda r: httpx.Response(404, json={"detail": "Not Found"}))
+    before = len(fake.requests)
+    assert sandbox.commands.run("echo hi").exit_code == 0
+    assert sandbox.commands.run("echo again").exit_code == 0
+    assert [r.url.path for r in fake.requests[before:]] == ["/commands", "/execute", "/execute"]
