@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import trustme
 import uvicorn
 
-from . import NO_ISOLATION_WARNING
+from . import NO_ISOLATION_WARNING, _tree
 from ._app import BrokerApp, Faults, _UnavailableRule, install_log_filter
 from ._backend import (
     RUNTIMES_DIR_PREFIX,
@@ -279,8 +279,8 @@ class LocalBroker:
         self._cleanup_files()
 
     def _cleanup_files(self) -> None:
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._tmp is not None:  # never raises: a failure is logged (any depth is removed)
+            _tree.remove_quietly(self._tmp, "the local broker's temporary directory")
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         if self._loop is None or self._app is None:
