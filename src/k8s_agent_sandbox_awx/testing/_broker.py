@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import trustme
 import uvicorn
 
-from . import NO_ISOLATION_WARNING, _tree
+from . import NO_ISOLATION_WARNING
 from ._app import BrokerApp, Faults, _UnavailableRule, install_log_filter
 from ._backend import (
     RUNTIMES_DIR_PREFIX,
@@ -43,6 +43,7 @@ from ._issuers import (
 from ._policy import Policy, caller_namespace
 from ._rpc import DEFAULT_WARM_POOL, RpcEndpoint
 from ._stream_faults import CutRule, DropRule
+from ._tree import remove_quietly
 from ._verify import token_fingerprint
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
@@ -280,7 +281,7 @@ class LocalBroker:
 
     def _cleanup_files(self) -> None:
         if self._tmp is not None:  # never raises: a failure is logged (any depth is removed)
-            _tree.remove_quietly(self._tmp, "the local broker's temporary directory")
+            remove_quietly(self._tmp, "the local broker's temporary directory")
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         if self._loop is None or self._app is None:
