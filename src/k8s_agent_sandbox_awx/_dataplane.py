@@ -549,6 +549,7 @@ FILE_ERRORS: dict[str, type[SandboxFileError]] = {
     "path_outside_root": SandboxPathError,
     "path_is_root": SandboxPathError,
     "symlink_not_followed": SandboxPathError,
+    "root_replaced": SandboxPathError,
     "file_too_large": SandboxFileLimitError,
     "too_many_entries": SandboxFileLimitError,
     "invalid_argument": SandboxFileError,
@@ -558,6 +559,7 @@ FILE_ERRORS: dict[str, type[SandboxFileError]] = {
     "not_empty": SandboxFileError,
     "cross_root": SandboxFileError,
     "permission_denied": SandboxFileError,
+    "not_supported": SandboxFileError,
     "io_error": SandboxFileError,
 }
 """The refusal codes of the runtime's file API (docs/broker-api.md, Files) and their error

@@ -202,7 +202,9 @@ class SandboxFileExistsError(SandboxFileError):
 
 class SandboxPathError(SandboxFileError):
     """The path breaks the runtime's path rules: ``path_invalid``, ``path_outside_root``,
-    ``path_is_root``, ``symlink_not_followed``."""
+    ``path_is_root``, ``symlink_not_followed``; or its root (``/app``, ``/workspace``) is no
+    longer the directory it was when the sandbox started (``root_replaced``: a command removed
+    it or put a link or another directory in its place)."""
 
 
 class SandboxFileLimitError(SandboxFileError):

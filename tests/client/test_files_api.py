@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -232,3 +233,75 @@ def test_watch_dir_reconnects_and_loses_no_change(
         assert created == [f"/app/r/sub/{i}.txt" for i in range(8)]  # each once, none lost
         segments = caplog.text.count("GET /fs/watch -> 200")
         assert segments >= 4, caplog.text[-2000:]
+
+
+DEEP_TREE = (
+    "python3 -c 'import os\n"
+    'os.mkdir("deep"); os.chdir("deep")\n'
+    "for _ in range(3000):\n"
+    '    os.mkdir("d"); os.chdir("d")\n'
+    'open("leaf", "w").close()\''
+)
+"""3,000 nested directories (deeper than Python's recursion limit, longer than PATH_MAX)."""
+
+
+def test_remove_recursive_of_a_tree_deeper_than_the_recursion_limit(files_broker: Any) -> None:
+    with _sandbox(files_broker) as sb:
+        assert sb.commands.run(DEEP_TREE).exit_code == 0
+        assert sb.files.get_info("deep/d/d/d").type == "directory"
+        assert sb.files.remove("deep", recursive=True) is True
+        assert not sb.files.exists("deep")
+
+
+def _outside(tmp_path: Path) -> Path:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("outside")
+    return outside
+
+
+def test_a_replaced_workspace_is_a_typed_error_never_followed(
+    files_broker: Any, tmp_path: Path
+) -> None:
+    outside = _outside(tmp_path)
+    with _sandbox(files_broker) as sb:
+        files = sb.files
+        files.write("/workspace/mine.txt", b"mine")
+        swap = f'rm -rf "$SANDBOX_WORKSPACE_DIR" && ln -s {outside} "$SANDBOX_WORKSPACE_DIR"'
+        assert sb.commands.run(swap).exit_code == 0
+        for operation in (
+            lambda: files.list("/workspace"),
+            lambda: files.read("/workspace/secret.txt"),
+            lambda: files.write("/workspace/new.txt", b"x"),
+            lambda: files.remove("/workspace/secret.txt"),
+            lambda: files.exists("/workspace/secret.txt"),
+        ):
+            with pytest.raises(SandboxPathError) as replaced:
+                operation()
+            assert replaced.value.code == "root_replaced"
+            assert "/workspace is no longer the directory it was" in str(replaced.value)
+        files.write("ok.txt", b"ok")  # /app still works
+        assert files.read("/app/ok.txt") == b"ok"
+    assert sorted(os.listdir(outside)) == ["secret.txt"]
+    assert (outside / "secret.txt").read_text() == "outside"
+
+
+def test_a_replaced_base_directory_is_a_typed_error_on_the_legacy_endpoints(
+    files_broker: Any, tmp_path: Path
+) -> None:
+    outside = _outside(tmp_path)
+    with _sandbox(files_broker, template="legacy") as sb:
+        base = '"$SANDBOX_BASE_DIR"'
+        swap = f"cd / && mv {base} {base}.old && cp -r {outside} {base}"
+        assert sb.commands.run(swap).exit_code == 0
+        for operation in (
+            lambda: sb.files.read("secret.txt"),
+            lambda: sb.files.list("."),
+            lambda: sb.files.exists("secret.txt"),
+            lambda: sb.files.write("new.txt", b"x"),
+        ):
+            with pytest.raises(SandboxPathError) as replaced:
+                operation()
+            assert replaced.value.code == "root_replaced"
+            assert "/app is no longer the directory it was" in str(replaced.value)
+    assert sorted(os.listdir(outside)) == ["secret.txt"]

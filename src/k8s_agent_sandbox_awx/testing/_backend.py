@@ -15,9 +15,9 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +30,10 @@ from typing import Any, Protocol
 
 import httpx
 
+from . import _tree
 from ._runtime import PARENT_PID_ENV
+
+log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 
 DEFAULT_RUNTIME_COMMAND = (
     "{python} -m k8s_agent_sandbox_awx.testing._runtime "
@@ -128,29 +131,42 @@ def owned_temp_dir(prefix: str) -> str:
 
 def sweep_dead_owners(*prefixes: str) -> None:
     """Remove this user's temporary directories with one of ``prefixes`` whose owner process
-    is gone (a crashed test, ``kill -9``): nothing else would ever remove them."""
+    is gone (a crashed test, ``kill -9``): nothing else would ever remove them. Never raises
+    (it runs as a broker starts): a leftover that cannot be removed is logged as a warning and
+    left for the next start; trees of any depth are removed (see :mod:`._tree`)."""
     root = tempfile.gettempdir()
     try:
         entries = os.listdir(root)
-    except OSError:
+    except OSError as exc:
+        log.warning("could not look for dead brokers' leftovers in %s: %s", root, exc)
         return
     for entry in entries:
         if not entry.startswith(prefixes):
             continue
         path = os.path.join(root, entry)
         try:
-            with open(os.path.join(path, OWNER_FILE)) as fh:
-                pid = int(fh.read().strip())
-            if os.stat(path).st_uid != os.getuid():
-                continue
-        except (OSError, ValueError):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            continue
+            if _owner_is_gone(path):
+                _tree.remove_quietly(path, "a dead broker's leftover directory")
+        except Exception:  # a sweep never stops a broker from starting
+            log.warning("could not sweep %s", path, exc_info=True)
+
+
+def _owner_is_gone(path: str) -> bool:
+    """Whether ``path`` is this user's and names an owner process that no longer exists."""
+    try:
+        with open(os.path.join(path, OWNER_FILE)) as fh:
+            pid = int(fh.read().strip())
+        if os.stat(path).st_uid != os.getuid():
+            return False
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _inherited_environment() -> dict[str, str]:
@@ -373,7 +389,6 @@ class LocalProcessBackend:
         # so that a fresh base directory is empty; removed with the sandbox.
         workspace_dir = os.path.join(root, "workspace")
         os.makedirs(workspace_dir, exist_ok=True)
-        log_path = os.path.join(root, "runtime.log")
         command = spec.command or self.command
         # the built-in runtime is forked from a warm fork server, anything else is exec'd
         builtin = self._fork is not None and command == DEFAULT_RUNTIME_COMMAND
@@ -389,38 +404,12 @@ class LocalProcessBackend:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(port_file)
                 port = 0 if port_file else _free_port(self.host)
-                env = {
-                    **_inherited_environment(),
-                    **spec.env,
-                    "PORT": str(port),
-                    "SANDBOX_BASE_DIR": base_dir,
-                    "SANDBOX_WORKSPACE_DIR": workspace_dir,
-                    **({"SANDBOX_PORT_FILE": port_file} if port_file else {}),
-                }
-                values = {
-                    "python": sys.executable,
-                    "host": self.host,
-                    "port": str(port),
-                    "port_file": port_file or "",
-                    "base_dir": base_dir,
-                    "name": spec.name,
-                    "namespace": spec.namespace,
-                    "template": spec.template,
-                }
-                request = {
-                    "host": self.host,
-                    "port": port,
-                    "port_file": port_file,
-                    "base_dir": base_dir,
-                    "env": env,
-                    "log": log_path,
-                    "argv": None if builtin else self._argv(command, values),
-                }
+                request = self._spawn_request(spec, command, builtin, root, port, port_file)
                 pid = await fork.spawn(request)
                 handle = RuntimeHandle(spec.name, self.host, port, base_dir, pid, root=root)
                 self._handles[spec.name] = handle
                 try:
-                    await self._wait_ready(handle, log_path, port_file)
+                    await self._wait_ready(handle, request["log"], port_file)
                     return handle
                 except RuntimeStartError as exc:
                     await self._terminate(handle, remove=False)
@@ -431,8 +420,47 @@ class LocalProcessBackend:
         except BaseException:
             self._handles.pop(spec.name, None)
             await self._close_own_fork(spec.name)
-            shutil.rmtree(root, ignore_errors=True)
+            _tree.remove_quietly(root, f"the directory of sandbox {spec.name}")
             raise
+
+    def _spawn_request(
+        self,
+        spec: SandboxSpec,
+        command: str | Sequence[str],
+        builtin: bool,
+        root: str,
+        port: int,
+        port_file: str | None,
+    ) -> dict[str, Any]:
+        """What the fork server is asked to start for ``spec`` (see ``_runtime.fork_server``)."""
+        base_dir = os.path.join(root, "work")
+        env = {
+            **_inherited_environment(),
+            **spec.env,
+            "PORT": str(port),
+            "SANDBOX_BASE_DIR": base_dir,
+            "SANDBOX_WORKSPACE_DIR": os.path.join(root, "workspace"),
+            **({"SANDBOX_PORT_FILE": port_file} if port_file else {}),
+        }
+        values = {
+            "python": sys.executable,
+            "host": self.host,
+            "port": str(port),
+            "port_file": port_file or "",
+            "base_dir": base_dir,
+            "name": spec.name,
+            "namespace": spec.namespace,
+            "template": spec.template,
+        }
+        return {
+            "host": self.host,
+            "port": port,
+            "port_file": port_file,
+            "base_dir": base_dir,
+            "env": env,
+            "log": os.path.join(root, "runtime.log"),
+            "argv": None if builtin else self._argv(command, values),
+        }
 
     def _exit_status(self, handle: RuntimeHandle) -> int | None:
         fork = self._fork_server_of(handle.name)
@@ -492,7 +520,7 @@ class LocalProcessBackend:
             self._handles.pop(handle.name, None)
             await self._close_own_fork(handle.name)
             if handle.root:
-                shutil.rmtree(handle.root, ignore_errors=True)
+                _tree.remove_quietly(handle.root, f"the directory of sandbox {handle.name}")
 
     async def _close_own_fork(self, name: str) -> None:
         fork = self._own_forks.pop(name, None)
@@ -511,7 +539,7 @@ class LocalProcessBackend:
             await self._http.aclose()
             self._http = None
         if self._own_root:
-            shutil.rmtree(self.root_dir, ignore_errors=True)
+            _tree.remove_quietly(self.root_dir, "the runtimes directory")
 
     def kill_all_now(self) -> None:
         for handle in list(self._handles.values()):
@@ -526,7 +554,7 @@ class LocalProcessBackend:
         for fork in forks:
             fork.kill_now()
         if self._own_root:
-            shutil.rmtree(self.root_dir, ignore_errors=True)
+            _tree.remove_quietly(self.root_dir, "the runtimes directory")
 
 
 def _reports_port(command: str | Sequence[str]) -> bool:

@@ -50,6 +50,7 @@ from ._issuers import (
 from ._policy import Policy, caller_namespace
 from ._rpc import DEFAULT_WARM_POOL, RpcEndpoint
 from ._stream_faults import CutRule, DropRule
+from ._tree import remove_quietly
 from ._verify import token_fingerprint
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
@@ -308,8 +309,8 @@ class LocalBroker:
         self._cleanup_files()
 
     def _cleanup_files(self) -> None:
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._tmp is not None:  # never raises: a failure is logged (any depth is removed)
+            remove_quietly(self._tmp, "the local broker's temporary directory")
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         if self._loop is None or self._app is None:

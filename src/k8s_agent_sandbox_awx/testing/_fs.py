@@ -9,7 +9,9 @@ Paths. Two roots: ``/app`` (the sandbox's base directory, where commands run) an
 ``/app/workspace`` is an alias of it). A relative path is relative to ``/app``. No ``..``, no
 control characters, at most 4096 characters. Symbolic links are never followed: every
 directory is opened relative to its parent with ``O_NOFOLLOW`` (no check-then-use race), and an
-operation on a link acts on the link itself.
+operation on a link acts on the link itself. The roots themselves are the directories they were
+when the runtime started (:class:`Roots`): one that a command removed, moved or replaced (by a
+link or another directory) is refused, never followed.
 
 Refusals are JSON ``{"detail", "code", "path"}`` with the codes in :data:`ERROR_CODES`.
 """
@@ -21,13 +23,15 @@ import errno
 import json
 import os
 import secrets
-import shutil
 import stat
+import sys
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
+
+from . import _tree
 
 if TYPE_CHECKING:
     from ._runtime import _Handler
@@ -52,6 +56,7 @@ ERROR_CODES: dict[str, int] = {
     "path_invalid": 400,  # empty, too long, control characters, '..'
     "path_outside_root": 403,  # absolute, but not under /app or /workspace
     "path_is_root": 403,  # /app or /workspace cannot be moved or removed
+    "root_replaced": 403,  # /app or /workspace is no longer the directory it was at start
     "symlink_not_followed": 400,  # a directory on the way is a symbolic link
     "path_not_found": 404,
     "path_exists": 400,  # the destination exists (move without overwrite, mkdir over a file)
@@ -63,6 +68,7 @@ ERROR_CODES: dict[str, int] = {
     "file_too_large": 400,  # read over the runtime's cap
     "too_many_entries": 400,  # list or watch of a directory over the limit
     "permission_denied": 403,
+    "not_supported": 400,  # this platform cannot do it safely (a no-replace directory move)
     "io_error": 500,
 }
 
@@ -90,13 +96,93 @@ class FsError(Exception):
 
 
 # -- paths ---------------------------------------------------------------------------------------
+def _ident(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+class Roots:
+    """The host directories of ``/app`` (``base_dir``) and ``/workspace`` (``workspace``, else
+    ``SANDBOX_WORKSPACE_DIR``, else ``<base dir>/workspace``; made if missing), as they are
+    now: each is kept open (so that its identity cannot pass to another directory), and
+    :meth:`open` refuses a root whose path no longer leads to that very directory."""
+
+    def __init__(self, base_dir: str, workspace: str | None = None) -> None:
+        workspace = (
+            workspace or os.environ.get(WORKSPACE_ENV) or os.path.join(base_dir, "workspace")
+        )
+        self.paths = {"/app": os.path.realpath(base_dir), "/workspace": os.path.realpath(workspace)}
+        os.makedirs(self.paths["/workspace"], exist_ok=True)
+        self._held: dict[str, int] = {}
+        self._idents: dict[str, tuple[int, int]] = {}
+        for root, path in self.paths.items():
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._held[root] = fd
+            self._idents[root] = _ident(fd)
+
+    def open(self, root: str, given: str | None = None) -> int:
+        """A new descriptor of ``root`` (``"/app"`` or ``"/workspace"``); FsError
+        ``root_replaced`` when its path is no longer the directory it was."""
+        try:
+            fd = os.open(self.paths[root], _DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise self._replaced(root, self._what_is_there(root), given) from None
+        if _ident(fd) != self._idents[root]:
+            os.close(fd)
+            raise self._replaced(root, "another directory is in its place", given)
+        return fd
+
+    @classmethod
+    def of(cls, base_dir: str) -> Roots:
+        """The roots of ``base_dir`` in this process: made (and so recorded) on the first call,
+        the same object after (the runtime makes them at its start)."""
+        key = os.path.realpath(base_dir)
+        roots = _SHARED_ROOTS.get(key)
+        if roots is None:
+            roots = _SHARED_ROOTS[key] = cls(key)
+        return roots
+
+    def check(self, root: str, given: str | None = None) -> None:
+        """FsError ``root_replaced`` when ``root`` is no longer the directory it was."""
+        os.close(self.open(root, given))
+
+    def close(self) -> None:
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
+
+    def _what_is_there(self, root: str) -> str:
+        try:
+            mode = os.lstat(self.paths[root]).st_mode
+        except FileNotFoundError:
+            return "it was removed"
+        except OSError:
+            return "its path no longer leads to it"
+        return "it is now a symbolic link" if stat.S_ISLNK(mode) else "it is now a file"
+
+    @staticmethod
+    def _replaced(root: str, why: str, given: str | None) -> FsError:
+        return FsError(
+            "root_replaced",
+            f"{root} is no longer the directory it was when the sandbox started ({why}); the "
+            "file API never follows a replaced root. Leave the directory in place (empty it "
+            "instead of removing it) or use a new sandbox",
+            given,
+        )
+
+
+_SHARED_ROOTS: dict[str, Roots] = {}
+
+
 @dataclass(frozen=True)
 class Target:
     """A checked path: its root (``"/app"`` or ``"/workspace"``) and components below it."""
 
     given: str
     root: str
-    root_dir: str
+    roots: Roots = field(compare=False, repr=False)
     parts: tuple[str, ...]
 
     @property
@@ -108,20 +194,21 @@ class Target:
     def is_root(self) -> bool:
         return not self.parts
 
+    @property
+    def root_dir(self) -> str:
+        """The root's host path (as it was at start: a path, not checked; the file operations
+        open the root through :meth:`Roots.open`)."""
+        return self.roots.paths[self.root]
+
     def child(self, name: str) -> Target:
-        return Target(self.given, self.root, self.root_dir, (*self.parts, name))
+        return Target(self.given, self.root, self.roots, (*self.parts, name))
 
 
-def roots(base_dir: str) -> dict[str, str]:
-    """The host directories of ``/app`` and ``/workspace`` (the workspace made on first use)."""
-    workspace = os.environ.get(WORKSPACE_ENV) or os.path.join(base_dir, "workspace")
-    workspace = os.path.realpath(workspace)
-    os.makedirs(workspace, exist_ok=True)
-    return {"/app": base_dir, "/workspace": workspace}
-
-
-def check_path(raw: Any, base_dir: str, field: str = "path") -> Target:
-    """``raw`` checked against the path rules (see the module docstring); raises FsError."""
+def check_path(raw: Any, roots: Roots | str, field: str = "path") -> Target:
+    """``raw`` checked against the path rules (see the module docstring); raises FsError.
+    ``roots``: the roots, or the base directory (its :meth:`Roots.of`)."""
+    if isinstance(roots, str):
+        roots = Roots.of(roots)
     if not isinstance(raw, str):
         raise FsError("invalid_argument", f"field {field!r} must be a string path")
     shown = raw if len(raw) <= 200 else raw[:200] + "..."
@@ -154,7 +241,6 @@ def check_path(raw: Any, base_dir: str, field: str = "path") -> Target:
             f"{field} {raw!r} contains '..'; give the path without parent references",
             raw,
         )
-    dirs = roots(base_dir)
     root = "/app"
     if raw.startswith("/"):
         if not parts or parts[0] not in ("app", "workspace"):
@@ -168,7 +254,7 @@ def check_path(raw: Any, base_dir: str, field: str = "path") -> Target:
     if root == "/app" and parts[:1] == ["workspace"]:  # /app/workspace is an alias
         root = "/workspace"
         parts.pop(0)
-    return Target(raw, root, dirs[root], tuple(parts))
+    return Target(raw, root, roots, tuple(parts))
 
 
 def _refusal(exc: OSError, target: Target, what: str = "") -> FsError:
@@ -200,7 +286,7 @@ def _refusal(exc: OSError, target: Target, what: str = "") -> FsError:
 
 def _open_dir(target: Target, parts: tuple[str, ...], *, create: bool = False) -> int:
     """A descriptor of the directory ``parts`` below ``target``'s root, never through a link."""
-    fd = os.open(target.root_dir, _DIR_FLAGS)
+    fd = target.roots.open(target.root, target.given)
     walked = target.root
     try:
         for name in parts:
@@ -280,7 +366,12 @@ def _entry_info(name: str, dir_fd: int, path: str) -> dict[str, Any] | None:
 def info_of(target: Target) -> dict[str, Any]:
     """``target``'s FileInfo (a link is described, not followed); FsError when missing."""
     if target.is_root:
-        return file_info(os.stat(target.root_dir), target.root.lstrip("/"), target.root)
+        fd = target.roots.open(target.root, target.given)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return file_info(st, target.root.lstrip("/"), target.root)
     with _parent(target) as fd:
         info = _entry_info(target.parts[-1], fd, target.display)
     if info is None:
@@ -372,29 +463,127 @@ def move(source: Target, destination: Target, overwrite: bool) -> dict[str, Any]
         )
     with _parent(source) as src_fd, _parent(destination) as dst_fd:
         src_name, dst_name = source.parts[-1], destination.parts[-1]
-        if _lstat(src_name, src_fd) is None:
+        st = _lstat(src_name, src_fd)
+        if st is None:
             raise FsError("path_not_found", f"{source.display} does not exist", source.given)
-        if not overwrite and _lstat(dst_name, dst_fd) is not None:
-            raise FsError(
-                "path_exists",
-                f"{destination.display} already exists; a move never replaces it unless "
-                "overwrite is true",
-                destination.given,
-            )
+        inside = destination.parts[: len(source.parts)] == source.parts
+        if stat.S_ISDIR(st.st_mode) and inside and destination.parts != source.parts:
+            raise _into_itself(source, destination)
         try:
-            os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+            if overwrite:
+                os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+            else:
+                _rename_no_replace(src_fd, dst_fd, source, destination, stat.S_ISDIR(st.st_mode))
         except OSError as exc:
-            if exc.errno == errno.EINVAL:
+            if exc.errno == errno.EEXIST and not overwrite:
                 raise FsError(
-                    "invalid_argument",
-                    f"cannot move {source.display} into itself ({destination.display})",
-                    source.given,
+                    "path_exists",
+                    f"{destination.display} already exists; a move never replaces it unless "
+                    "overwrite is true",
+                    destination.given,
                 ) from None
+            if exc.errno == errno.EINVAL:
+                raise _into_itself(source, destination) from None
             raise _refusal(exc, destination) from None
         info = _entry_info(dst_name, dst_fd, destination.display)
     if info is None:  # pragma: no cover - removed by a command in between
         raise FsError("path_not_found", f"{destination.display} vanished after the move")
     return info
+
+
+def _into_itself(source: Target, destination: Target) -> FsError:
+    return FsError(
+        "invalid_argument",
+        f"cannot move {source.display} into itself ({destination.display})",
+        source.given,
+    )
+
+
+_RenameFn = Callable[[int, str, int, str], None]
+_no_replace: list[_RenameFn | None] = []  # [the platform's no-replace rename], once looked up
+
+
+def _load_no_replace() -> _RenameFn | None:
+    """``renameat2(..., RENAME_NOREPLACE)`` (Linux >= 3.15, glibc >= 2.28) or
+    ``renameatx_np(..., RENAME_EXCL)`` (macOS >= 10.12) from the C library, if it has it."""
+    if sys.platform.startswith("linux"):
+        name, flag = "renameat2", 1  # RENAME_NOREPLACE
+    elif sys.platform == "darwin":
+        name, flag = "renameatx_np", 4  # RENAME_EXCL
+    else:
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        func = getattr(libc, name)
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    func.restype = ctypes.c_int
+
+    def rename(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+        if func(src_fd, os.fsencode(src), dst_fd, os.fsencode(dst), flag) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+
+    return rename
+
+
+def _platform_no_replace() -> _RenameFn | None:
+    if not _no_replace:
+        _no_replace.append(_load_no_replace())
+    return _no_replace[0]
+
+
+_UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def _rename_no_replace(
+    src_fd: int, dst_fd: int, source: Target, destination: Target, is_dir: bool
+) -> None:
+    """Rename ``source`` to ``destination`` (their parents open at ``src_fd`` and ``dst_fd``)
+    atomically unless the destination exists (OSError ``EEXIST`` then): the platform's
+    no-replace rename, else, for anything but a directory, a hard link then the removal of the
+    old name; FsError ``not_supported`` where neither can be done."""
+    src, dst = source.parts[-1], destination.parts[-1]
+    rename = _platform_no_replace()
+    if rename is not None:
+        try:
+            rename(src_fd, src, dst_fd, dst)
+            return
+        except OSError as exc:  # EINVAL: the file system lacks the flag ("into itself" is not
+            if exc.errno not in _UNSUPPORTED:  # possible here: move() refused it before)
+                raise
+    if is_dir:
+        raise FsError(
+            "not_supported",
+            f"cannot move {source.display} without overwrite: this platform cannot move a "
+            "directory without the risk of replacing a destination created meanwhile (no "
+            "renameat2 with RENAME_NOREPLACE); pass overwrite=true to allow replacing, or move "
+            "it with a command",
+            source.given,
+        )
+    try:
+        os.link(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, *_UNSUPPORTED):
+            raise  # EEXIST: the destination exists, nothing changed
+        raise FsError(
+            "not_supported",
+            f"cannot move {source.display} without overwrite: this platform has no no-replace "
+            f"rename and this file system no hard links ({exc.strerror}); pass overwrite=true "
+            "to allow replacing, or move it with a command",
+            source.given,
+        ) from None
+    try:
+        os.unlink(src, dir_fd=src_fd)
+    except FileNotFoundError:
+        pass  # removed meanwhile: the move happened
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(dst, dir_fd=dst_fd)  # undo: the source stays where it was
+        raise
 
 
 def remove(target: Target, recursive: bool) -> bool:
@@ -413,13 +602,20 @@ def remove(target: Target, recursive: bool) -> bool:
         try:
             if not stat.S_ISDIR(st.st_mode):
                 os.unlink(name, dir_fd=parent)
-            elif recursive:
-                shutil.rmtree(name, dir_fd=parent)  # fd-based: never follows a link
+            elif recursive:  # iterative and fd-based: any depth, never follows a link
+                return _tree.remove_tree(parent, name)
             else:
                 os.rmdir(name, dir_fd=parent)
         except FileNotFoundError:
             return False
         except OSError as exc:
+            if exc.errno == errno.ENOTEMPTY and recursive:
+                raise FsError(
+                    "not_empty",
+                    f"{target.display} kept being filled while it was removed (a command is "
+                    "writing in it); try again",
+                    target.given,
+                ) from None
             if exc.errno == errno.ENOTEMPTY:
                 raise FsError(
                     "not_empty",
@@ -529,7 +725,7 @@ def _query(handler: _Handler) -> dict[str, str]:
 def _target(handler: _Handler, args: dict[str, Any], field: str = "path") -> Target:
     if field not in args:
         raise FsError("invalid_argument", f"{field!r} is required")
-    return check_path(args[field], handler.base_dir, field)
+    return check_path(args[field], handler.fs_roots, field)
 
 
 def _flag(args: dict[str, Any], name: str) -> bool:
@@ -595,29 +791,36 @@ def _post_remove(handler: _Handler, body: dict[str, Any]) -> None:
 
 
 # -- watch ---------------------------------------------------------------------------------------
-def _scan(fd: int, target: Target, recursive: bool, prefix: str = "") -> dict[str, Any]:
-    """Entries below the directory at ``fd`` keyed by their path relative to it."""
-    limit = MAX_WATCH_ENTRIES if recursive else MAX_LIST_ENTRIES
-    out = {prefix + k: v for k, v in _children(fd, target, limit).items()}
-    if recursive:
-        for key, info in list(out.items()):
-            if info["type"] != "directory":
-                continue
-            try:
-                sub = os.open(info["name"], _DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                continue  # removed or replaced meanwhile: the next poll sees it
-            try:
-                out.update(_scan(sub, target.child(key), True, key + "/"))
-            finally:
-                os.close(sub)
-            if len(out) > MAX_WATCH_ENTRIES:
-                raise FsError(
-                    "too_many_entries",
-                    f"{target.display} has more than {MAX_WATCH_ENTRIES} entries below it; "
-                    "watch a subdirectory or without recursive",
-                    target.given,
-                )
+def _scan(fd: int, target: Target, recursive: bool) -> dict[str, Any]:
+    """Entries below the directory at ``fd`` keyed by their path relative to it (with
+    ``recursive``, at any depth: an iterative walk)."""
+    if not recursive:
+        return _children(fd, target, MAX_LIST_ENTRIES)
+    out: dict[str, Any] = {}
+
+    def enter(dir_fd: int, parts: tuple[str, ...]) -> list[str]:
+        below = "/".join(parts)
+        here = target.child(below) if parts else target
+        children = _children(dir_fd, here, MAX_WATCH_ENTRIES)
+        prefix = below + "/" if parts else ""
+        out.update((prefix + name, info) for name, info in children.items())
+        if len(out) > MAX_WATCH_ENTRIES:
+            raise FsError(
+                "too_many_entries",
+                f"{target.display} has more than {MAX_WATCH_ENTRIES} entries below it; "
+                "watch a subdirectory or without recursive",
+                target.given,
+            )
+        return [name for name, info in children.items() if info["type"] == "directory"]
+
+    try:  # a subdirectory removed or replaced meanwhile is skipped: the next poll sees it
+        _tree.walk(fd, enter, skip_errors=True)
+    except _tree.TreeChangedError:
+        raise FsError(
+            "io_error",
+            f"{target.display}: a directory below it was moved while it was read; watch again",
+            target.given,
+        ) from None
     return out
 
 
@@ -673,6 +876,11 @@ def _watch_loop(
         if now >= deadline:
             return
         time.sleep(min(WATCH_POLL_SECONDS, deadline - now))
+        try:
+            target.roots.check(target.root, target.given)
+        except FsError as exc:
+            emit({"type": "error", "message": exc.detail})
+            return
         if os.fstat(fd).st_nlink == 0:
             emit({"type": "error", "message": f"{target.display} was removed"})
             return
@@ -703,8 +911,8 @@ def _both_directories(old: dict[str, Any] | None, new: dict[str, Any] | None) ->
 class _Write:
     """The state of one ``POST /fs/write``: the ``path`` field, then the ``file`` part."""
 
-    def __init__(self, base_dir: str) -> None:
-        self.base_dir = base_dir
+    def __init__(self, roots: Roots) -> None:
+        self.roots = roots
         self.headers: dict[str, bytes] = {}
         self.field = b""
         self.value = b""
@@ -715,6 +923,19 @@ class _Write:
         self.tmp_name: str | None = None
         self.out: int | None = None
         self.result: dict[str, Any] | None = None
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self.field += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self.value += data[start:end]
+
+    def on_header_end(self) -> None:
+        self.headers[self.field.decode("latin-1").lower()] = self.value
+        self.field, self.value = b"", b""
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        self.data(data[start:end])
 
     def begin_part(self) -> None:
         from python_multipart.multipart import parse_options_header
@@ -744,7 +965,7 @@ class _Write:
             raw = self.path_value.decode("utf-8")
         except UnicodeDecodeError:
             raise FsError("path_invalid", "the 'path' field is not UTF-8") from None
-        target = check_path(raw, self.base_dir)
+        target = check_path(raw, self.roots)
         if target.is_root:
             raise FsError("is_a_directory", f"{target.display} is a directory", raw)
         self.target = target
@@ -796,7 +1017,7 @@ def _write(handler: _Handler) -> None:
 
     ctype, options = parse_options_header(handler.headers.get("Content-Type", ""))
     boundary = options.get(b"boundary")
-    state = _Write(handler.base_dir)
+    state = _Write(handler.fs_roots)
     failure: FsError | None = None
     if ctype != b"multipart/form-data" or not boundary:
         failure = FsError(
@@ -804,27 +1025,14 @@ def _write(handler: _Handler) -> None:
             "fs/write takes multipart/form-data with a 'path' field and a 'file' part",
         )
 
-    def on_header_field(data: bytes, start: int, end: int) -> None:
-        state.field += data[start:end]
-
-    def on_header_value(data: bytes, start: int, end: int) -> None:
-        state.value += data[start:end]
-
-    def on_header_end() -> None:
-        state.headers[state.field.decode("latin-1").lower()] = state.value
-        state.field, state.value = b"", b""
-
-    def on_part_data(data: bytes, start: int, end: int) -> None:
-        state.data(data[start:end])
-
     parser = MultipartParser(
         boundary or b"-",
         {
-            "on_header_field": on_header_field,
-            "on_header_value": on_header_value,
-            "on_header_end": on_header_end,
+            "on_header_field": state.on_header_field,
+            "on_header_value": state.on_header_value,
+            "on_header_end": state.on_header_end,
             "on_headers_finished": state.begin_part,
-            "on_part_data": on_part_data,
+            "on_part_data": state.on_part_data,
             "on_part_end": state.end_part,
         },
     )

@@ -13,7 +13,8 @@ Semantics (as upstream's python-runtime-sandbox):
   :data:`OUTPUT_CAP` bytes of stdout and of stderr are kept, the rest is read and dropped
   (``output_truncated: true``).
 - ``POST /upload`` multipart field ``file``, filename = destination path (parents created);
-  ``GET /download/{path}``, ``GET /list/{path}``, ``GET /exists/{path}``.
+  ``GET /download/{path}``, ``GET /list/{path}``, ``GET /exists/{path}``: see
+  :mod:`._legacy_fs`.
 - Every path is resolved inside the base directory; a path that escapes it is ``403``.
 - The deployed runtimes' file endpoints ``/fs/*`` (``/app`` = the base directory, ``/workspace`` =
   ``SANDBOX_WORKSPACE_DIR``): see :mod:`._fs`.
@@ -38,7 +39,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -46,7 +46,7 @@ from collections.abc import Container, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from . import _fs, _managed
+from . import _fs, _legacy_fs, _managed
 
 CHUNK_SIZE = 256 * 1024
 OUTPUT_CAP = 1024 * 1024
@@ -110,16 +110,6 @@ def _die_with_parent(parent_pid: int) -> None:
                 _exit_now()
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def resolve_path(base_dir: str, relative: str) -> str | None:
-    """The real path of ``relative`` inside ``base_dir``, or ``None`` when it escapes."""
-    if "\x00" in relative:
-        return None
-    full = os.path.realpath(os.path.join(base_dir, relative))
-    if full == base_dir or full.startswith(base_dir + os.sep):
-        return full
-    return None
 
 
 def run_command(command: str, timeout: float, cwd: str) -> dict[str, Any]:
@@ -236,6 +226,7 @@ class _Handler(BaseHTTPRequestHandler):
     base_dir: str = "/"
     exec_timeout: float = DEFAULT_EXEC_TIMEOUT
     commands: _managed.CommandManager
+    fs_roots: _fs.Roots
 
     def log_message(self, format: str, *args: Any) -> None:
         return  # quiet: the broker logs requests
@@ -297,10 +288,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError(f"body larger than {MAX_JSON_BODY} bytes")
         return json.loads(buf or b"{}")
 
-    def _path_arg(self, prefix: str) -> tuple[str, str | None]:
-        raw = urllib.parse.urlsplit(self.path).path[len(prefix) :]
-        relative = urllib.parse.unquote(raw)
-        return relative, resolve_path(self.base_dir, relative)
+    def _path_arg(self, prefix: str) -> str:
+        return urllib.parse.unquote(urllib.parse.urlsplit(self.path).path[len(prefix) :])
 
     # -- routes ----------------------------------------------------------------------------
     def do_GET(self) -> None:
@@ -360,154 +349,36 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, run_command(command, float(timeout), self.base_dir))
 
     def _download(self) -> None:
-        relative, full = self._path_arg("/download/")
-        if full is None:
-            self._error(403, f"path {relative!r} escapes the sandbox directory")
-            return
-        if not os.path.isfile(full):
-            self._error(404, f"{relative!r} is not a file")
-            return
-        with open(full, "rb") as fh:
-            _fs.send_file(self, fh, os.fstat(fh.fileno()).st_size)
+        try:
+            _legacy_fs.download(self, self._path_arg("/download/"))
+        except _legacy_fs.Refusal as exc:
+            _legacy_fs.send_refusal(self, exc)
 
     def _list(self) -> None:
         prefix = "/list/" if urllib.parse.urlsplit(self.path).path.startswith("/list/") else "/list"
-        relative, full = self._path_arg(prefix)
-        if full is None:
-            self._error(403, f"path {relative!r} escapes the sandbox directory")
+        try:
+            entries = _legacy_fs.list_dir(self, self._path_arg(prefix))
+        except _legacy_fs.Refusal as exc:
+            _legacy_fs.send_refusal(self, exc)
             return
-        if not os.path.isdir(full):
-            self._error(404, f"{relative!r} is not a directory")
-            return
-        entries = []
-        with os.scandir(full) as it:
-            for entry in sorted(it, key=lambda e: e.name):
-                try:
-                    st = entry.stat()
-                except OSError:
-                    continue
-                kind = "directory" if entry.is_dir() else "file"
-                entries.append(
-                    {"name": entry.name, "size": st.st_size, "type": kind, "mod_time": st.st_mtime}
-                )
         self._send_json(200, entries)
 
     def _exists(self) -> None:
-        relative, full = self._path_arg("/exists/")
-        if full is None:
-            self._error(403, f"path {relative!r} escapes the sandbox directory")
+        relative = self._path_arg("/exists/")
+        try:
+            found = _legacy_fs.exists(self, relative)
+        except _legacy_fs.Refusal as exc:
+            _legacy_fs.send_refusal(self, exc)
             return
-        self._send_json(200, {"path": relative, "exists": os.path.exists(full)})
+        self._send_json(200, {"path": relative, "exists": found})
 
     def _upload(self) -> None:
         try:
-            result = _receive_upload(self)
-        except _UploadError as exc:
-            self._error(exc.status, exc.detail, close=True)
+            result = _legacy_fs.receive_upload(self)
+        except _legacy_fs.Refusal as exc:
+            _legacy_fs.send_refusal(self, exc, close=True)
             return
         self._send_json(200, result)
-
-
-class _UploadError(Exception):
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-
-
-def _receive_upload(handler: _Handler) -> dict[str, Any]:
-    """Stream a multipart upload to its destination (a temp file renamed into place)."""
-    from python_multipart.multipart import MultipartParser, parse_options_header
-
-    ctype, options = parse_options_header(handler.headers.get("Content-Type", ""))
-    boundary = options.get(b"boundary")
-    if ctype != b"multipart/form-data" or not boundary:
-        raise _UploadError(400, "upload must be multipart/form-data with a boundary")
-
-    state: dict[str, Any] = {"headers": {}, "field": b"", "value": b"", "out": None}
-    done: dict[str, Any] = {}
-    base = handler.base_dir
-
-    def on_header_field(data: bytes, start: int, end: int) -> None:
-        state["field"] += data[start:end]
-
-    def on_header_value(data: bytes, start: int, end: int) -> None:
-        state["value"] += data[start:end]
-
-    def on_header_end() -> None:
-        state["headers"][state["field"].decode("latin-1").lower()] = state["value"]
-        state["field"], state["value"] = b"", b""
-
-    def on_headers_finished() -> None:
-        _, disp = parse_options_header(state["headers"].get("content-disposition", b""))
-        if disp.get(b"name") != b"file" or done:
-            return
-        raw_name = disp.get(b"filename")
-        if not raw_name:
-            raise _UploadError(400, "the 'file' part needs a filename (the destination path)")
-        relative = raw_name.decode("utf-8", errors="strict")
-        full = resolve_path(base, relative)
-        if full is None:
-            raise _UploadError(403, f"path {relative!r} escapes the sandbox directory")
-        if full == base or os.path.isdir(full):
-            raise _UploadError(400, f"destination {relative!r} is a directory")
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".upload-", dir=os.path.dirname(full))
-        state["out"] = (os.fdopen(fd, "wb"), tmp, full, relative)
-        state["size"] = 0
-
-    def on_part_data(data: bytes, start: int, end: int) -> None:
-        if state["out"] is not None:
-            state["out"][0].write(data[start:end])
-            state["size"] += end - start
-
-    def on_part_end() -> None:
-        if state["out"] is not None:
-            fh, tmp, full, relative = state["out"]
-            fh.close()
-            os.replace(tmp, full)
-            done.update(path=relative, size=state["size"])
-            state["out"] = None
-        state["headers"] = {}
-
-    parser = MultipartParser(
-        boundary,
-        {
-            "on_header_field": on_header_field,
-            "on_header_value": on_header_value,
-            "on_header_end": on_header_end,
-            "on_headers_finished": on_headers_finished,
-            "on_part_data": on_part_data,
-            "on_part_end": on_part_end,
-        },
-    )
-    failure: _UploadError | None = None
-    try:
-        for chunk in handler._body_chunks():
-            if failure is not None:
-                continue  # read the rest, so the client gets our answer, not a reset
-            try:
-                parser.write(chunk)
-            except _UploadError as exc:
-                failure = exc
-            except (ValueError, OSError) as exc:
-                failure = _UploadError(400, f"malformed upload: {exc}")
-        if failure is None:
-            parser.finalize()
-    except _UploadError:
-        raise
-    except (ConnectionError, ValueError, OSError) as exc:
-        raise _UploadError(400, f"malformed upload: {exc}") from exc
-    finally:
-        if state["out"] is not None:
-            state["out"][0].close()
-            with contextlib.suppress(OSError):
-                os.unlink(state["out"][1])
-    if failure is not None:
-        raise failure
-    if not done:
-        raise _UploadError(400, "multipart body has no 'file' part")
-    return done
 
 
 def serve(host: str, port: int, base_dir: str, port_file: str | None = None) -> None:
@@ -524,7 +395,12 @@ def serve(host: str, port: int, base_dir: str, port_file: str | None = None) -> 
     handler = type(
         "Handler",
         (_Handler,),
-        {"base_dir": base_dir, "exec_timeout": exec_timeout, "commands": commands},
+        {
+            "base_dir": base_dir,
+            "exec_timeout": exec_timeout,
+            "commands": commands,
+            "fs_roots": _fs.Roots.of(base_dir),  # the file API's roots, as they are at start
+        },
     )
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
