@@ -1,0 +1,48 @@
+"""Fixtures of the Kubernetes tests: ONE real kube-apiserver (and etcd) per pytest session.
+
+The binaries come from ``.ci/kube-tools`` (see ``tests/_support/kube.py``). Without them the
+tests skip, saying how to build them, unless ``AGENT_SANDBOX_REQUIRE_KUBE`` is set (CI sets
+it): then every test that needs the server errors, naming what is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests._support.kube import (
+    ENV_REQUIRE,
+    KubeAPIServer,
+    KubeTools,
+    KubeToolsMissing,
+    find_kube_tools,
+    kube_required,
+)
+
+
+@pytest.fixture(scope="session")
+def kube_tools() -> KubeTools:
+    """etcd and kube-apiserver (waits for a background ``.ci/kube-tools`` build)."""
+    try:
+        return find_kube_tools()
+    except KubeToolsMissing as exc:
+        missing = str(exc)
+    if kube_required():
+        pytest.fail(f"{ENV_REQUIRE} is set, and {missing}", pytrace=False)
+    pytest.skip(missing)
+
+
+@pytest.fixture(scope="session")
+def kube(kube_tools: KubeTools) -> Iterator[KubeAPIServer]:
+    """The session's API server, with the stand-in agent-sandbox CRDs installed. Tests share
+    it: each works in its own namespace (``namespace``); nothing deletes namespaces (1.20
+    without kube-controller-manager would leave them Terminating)."""
+    with KubeAPIServer(kube_tools) as server:
+        yield server
+
+
+@pytest.fixture
+def namespace(kube: KubeAPIServer) -> str:
+    """A fresh namespace of the session's API server."""
+    return kube.create_namespace()
