@@ -243,6 +243,42 @@ def test_stdin_and_iteration(sandbox: Sandbox) -> None:
         handle.send_stdin("late")
 
 
+@pytest.mark.dialect_feature(SANDBOX_ENV, reason="the runtime's limits are set through it")
+def test_a_background_server_keeps_serving_while_its_iterator_is_held_unread(
+    broker: Any, logging_server: Any
+) -> None:
+    """``events = iter(handle)``, one event read (the server's port), then the iterator is held
+    without reading while the server serves and logs 37.5 MiB, far beyond every buffer on the
+    way to the iterator (the runtime, the broker, the client's socket): the runtime's stream
+    stalls, and after the grace time (0.5 s here) it no longer holds the server's output pipe
+    (before: it held it for good and the server stopped serving until the client went away).
+    The stream's unacknowledged bound is raised so that the stream cannot end at it first.
+    Read again, the iterator goes on from its cursor and gets every event up to the exit: the
+    window kept what it had not acknowledged (up to the window plus the unacknowledged bound,
+    256 MiB here; beyond it the oldest would be skipped, with a 410)."""
+    env = {
+        "SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES": "4096",
+        "SANDBOX_COMMAND_LIVE_WINDOW_BYTES": "65536",
+        "SANDBOX_COMMAND_UNACKED_BYTES": str(256 * 1024 * 1024),
+        "SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS": "0.5",
+    }
+    with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sandbox:
+        handle = sandbox.commands.run(logging_server.argv, background=True)
+        events = iter(handle)
+        try:
+            port = int(next(events).data)
+            assert logging_server.serves(port, 400) < 5.0
+            assert handle.status().state == "running"
+            assert next(events).seq == 2
+            handle.kill()
+            rest = [(event.seq, event.type) for event in events]
+            assert [seq for seq, _ in rest] == list(range(3, len(rest) + 3))
+            assert rest[-1][1] == "exit" and handle.wait().state == "cancelled"
+        finally:
+            events.close()
+            handle.kill()
+
+
 def test_wait_callbacks_and_reattach_replays_the_output(broker: Any, sandbox: Sandbox) -> None:
     handle = sandbox.commands.run("echo one; sleep 0.3; echo two", background=True)
     got: list[str] = []
