@@ -540,20 +540,41 @@ def run(
     except GeneratorExit:
         raise
     except BaseException as exc:
-        yield from _kill_quietly(target, command_id)
+        failed = yield from _kill_quietly(target, command_id)
         if isinstance(exc, errors.CommandWaitTimeoutError):
-            raise _no_exit(target, plan.timeout, output.result()) from exc
+            timed_out = _no_exit(target, plan.timeout, output.result(), killed=failed is None)
+            _note_unkilled(timed_out, target, command_id, failed)
+            raise timed_out from exc
+        _note_unkilled(exc, target, command_id, failed)
         raise
     return _checked(result, plan.timeout, raise_on_timeout)
 
 
-def _kill_quietly(target: dp.DataTarget, command_id: str) -> Op:
-    """Kill after a failed or interrupted wait; a kill that fails is logged, not raised (the
-    wait's own error is what the caller sees)."""
+def _kill_quietly(target: dp.DataTarget, command_id: str) -> flow.Op[Exception | None]:
+    """Kill after a failed or interrupted wait; a kill that fails is logged and returned, not
+    raised (the wait's own error is what the caller sees, with a note: ``_note_unkilled``)."""
     try:
         yield Call(dp.kill_command(target, command_id), _ignore, cleanup=True)
     except Exception as exc:  # the original error is re-raised by the caller
         logger.warning("could not kill command %s after a failed wait: %s", command_id, exc)
+        return exc
+    return None
+
+
+def _note_unkilled(
+    exc: BaseException, target: dp.DataTarget, command_id: str, failed: Exception | None
+) -> None:
+    """When the kill after a failed wait could not be delivered (``failed``: its error), the
+    raised error says that the command may still run and how to stop it (the kill's error is
+    named by its type only: its text is the broker's, never repeated)."""
+    if failed is None:
+        return
+    exc.add_note(
+        f"Command {command_id!r} may still be running in sandbox {target.sandbox_id!r}: the "
+        f"kill after the failed wait could not be delivered ({type(failed).__name__}). Stop it "
+        f'with sandbox.commands.get("{command_id}").kill() once the broker answers again '
+        "(sandbox.commands.list() shows whether it still runs)."
+    )
 
 
 def _ignore(reply: proto.Reply) -> None:
@@ -561,11 +582,12 @@ def _ignore(reply: proto.Reply) -> None:
 
 
 def _no_exit(
-    target: dp.DataTarget, limit: float, partial: ExecutionResult
+    target: dp.DataTarget, limit: float, partial: ExecutionResult, *, killed: bool = True
 ) -> errors.CommandTimeoutError:
+    outcome = "it was killed" if killed else "it could not be killed (see the note)"
     return errors.CommandTimeoutError(
         f"Command {partial.command_id!r} gave no exit within its time limit of {limit:g}s plus "
-        f"{dp.COMMAND_TIMEOUT_MARGIN:g}s in sandbox {target.sandbox_id!r}; it was killed. Pass "
+        f"{dp.COMMAND_TIMEOUT_MARGIN:g}s in sandbox {target.sandbox_id!r}; {outcome}. Pass "
         "a larger timeout=, or run it with background=True.",
         command_timeout=limit,
         result=partial,

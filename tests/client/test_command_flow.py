@@ -221,6 +221,40 @@ def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
     assert info.value.result is not None and info.value.result.command_id == "c1"
 
 
+@pytest.mark.parametrize("wait_error", ["no exit in time", "Ctrl-C"])
+def test_a_failed_wait_whose_kill_fails_says_the_command_may_still_run(wait_error: str) -> None:
+    """The wait fails (no exit within the limit plus the margin; a Ctrl-C) and so does the kill
+    after it: the error raised says, in a note, that the command may still be running in the
+    sandbox and how to stop it (a timeout's message no longer claims it was killed)."""
+    from k8s_agent_sandbox_awx.errors import CommandTimeoutError
+
+    now = [0.0]
+    lines = iter([{"command_id": "c1"}, {"type": "heartbeat", "seq": 0, "data": ""}])
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, cf.Call):
+            raise BrokerUnavailableError("the broker answered 503 (Bearer not-a-secret)")
+        if isinstance(step, cf.NextEvent):
+            value = next(lines, None)
+            if value is None and wait_error == "Ctrl-C":
+                raise KeyboardInterrupt
+            if wait_error == "no exit in time":
+                now[0] += 50.0  # the limit plus the margin passes
+            return value or {"type": "heartbeat", "seq": 0, "data": ""}
+        return None
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    expected = CommandTimeoutError if wait_error == "no exit in time" else KeyboardInterrupt
+    with pytest.raises(expected) as info:
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: now[0]), perform)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "Command 'c1' may still be running in sandbox 'sbx'" in notes
+    assert "(BrokerUnavailableError)" in notes and "not-a-secret" not in notes
+    assert 'sandbox.commands.get("c1").kill()' in notes
+    if wait_error == "no exit in time":
+        assert "could not be killed" in str(info.value) and "it was killed" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     "first",
     [{"type": "heartbeat", "seq": 0, "data": ""}, None, BrokerProtocolError("not JSON")],

@@ -207,6 +207,31 @@ def test_an_interrupted_foreground_run_kills_the_process_group(
     assert process_gone(pids[0])  # the background child of the shell too: the whole group
 
 
+def test_a_run_whose_kill_cannot_be_delivered_says_the_command_may_still_run(
+    broker: Any, sandbox: Sandbox
+) -> None:
+    """The broker goes down (every data-plane request 503) once the command printed: the wait
+    gives up (``BrokerUnavailableError``), and so does the kill after it. The error's note
+    names the sandbox and the command, says it may still be running and how to stop it, and
+    quotes no token (before: the kill's failure was only logged, and the error said nothing)."""
+    token = Path(broker.environ("kubernetes")["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
+    broker.cut_event_streams(after_events=2, sandbox=sandbox.name)  # the id line, "started"
+
+    def outage(_text: str) -> None:
+        broker.inject_unavailable(100_000, retry_after=0, scope="data", sandbox=sandbox.name)
+
+    with pytest.raises(BrokerUnavailableError) as info:
+        sandbox.commands.run("echo started; exec sleep 60", on_stdout=outage)
+    broker.clear_faults()
+    [running] = [c for c in sandbox.commands.list() if c.running]
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"Command {running.command_id!r} may still be running" in notes
+    assert f"in sandbox {sandbox.sandbox_id!r}" in notes
+    assert f'sandbox.commands.get("{running.command_id}").kill()' in notes
+    assert token.strip() not in notes + str(info.value)
+    assert sandbox.commands.get(running.command_id).kill().state == "cancelled"
+
+
 # ------------------------------------------------------------------------------- background
 
 
