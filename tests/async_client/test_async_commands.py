@@ -204,6 +204,51 @@ def test_a_run_whose_kill_cannot_be_delivered_says_the_command_may_still_run(
     run(main())
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_start_cancelled_before_its_command_id_is_found_and_killed(
+    broker: Any, process_gone: Any, background: bool
+) -> None:
+    """The start's answer is held back after the runtime started the command (its head
+    arrived, its command id not read), and the task is cancelled then: the cleanup finds the
+    command by the start's request id and kills it before ``CancelledError`` propagates
+    (before: it ran on, and nobody had its id to kill it)."""
+
+    async def main() -> None:
+        async with await create(broker) as sandbox:
+            transport = sandbox.commands._transport
+            perform = transport.perform
+            answered = asyncio.Event()
+
+            async def held_back(step: Any) -> Any:
+                response = await perform(step)
+                request = getattr(step, "request", None)
+                if request is None or (request.method, request.url.path) != ("POST", "/commands"):
+                    return response
+                answered.set()
+                try:
+                    await asyncio.sleep(3600)  # the answer's body never comes
+                finally:
+                    await response.aclose()
+                return response
+
+            transport.perform = held_back  # type: ignore[method-assign]
+            task = asyncio.create_task(sandbox.commands.run("exec sleep 60", background=background))
+            await answered.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError) as info:
+                await task
+            del transport.perform
+            [started] = [
+                c for c in await sandbox.commands.list() if c.command[-1] == "exec sleep 60"
+            ]
+            assert started.state == "cancelled" and started.pid is not None
+            assert process_gone(started.pid)
+            notes = " ".join(getattr(info.value, "__notes__", []))
+            assert f"{started.command_id!r} (killed)" in notes
+
+    run(main())
+
+
 def test_background_wait_kill_stdin_iteration_and_reattach(broker: Any) -> None:
     async def main() -> None:
         async with await create(broker) as sandbox:

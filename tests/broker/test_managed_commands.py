@@ -208,6 +208,46 @@ def test_repeated_request_id_returns_the_same_command(cmds: Commands, tmp_path: 
     assert "request_id" in other.json()["detail"]
 
 
+def test_the_list_by_request_id_is_the_one_command_its_start_carried(
+    cmds: Commands, tmp_path: Any
+) -> None:
+    """``GET /commands?request_id=R``: the command whose start carried ``R`` (how a client whose
+    start's answer was lost finds it), an empty list for an id no start carried, ``400`` for an
+    empty or too long one. Two starts with one request id, even at the same time, run once."""
+    marker = tmp_path / "runs"
+    mine, other = str(uuid.uuid4()), str(uuid.uuid4())
+    starts: list[httpx.Response] = []
+    threads = [
+        threading.Thread(
+            target=lambda: starts.append(cmds.start(f"echo x >> {marker}", request_id=mine))
+        )
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    cmds.start_id("sleep 0", request_id=other)
+    [command_id] = {resp.json()["command_id"] for resp in starts}
+
+    def by_request(request_id: str) -> httpx.Response:
+        params = {"request_id": request_id}
+        return cmds.http.get("/commands", params=params, headers=cmds.headers)
+
+    found = by_request(mine)
+    assert found.status_code == 200, found.text
+    assert [(c["command_id"], c["request_id"]) for c in found.json()["commands"]] == [
+        (command_id, mine)
+    ]
+    assert by_request(str(uuid.uuid4())).json() == {"commands": []}
+    for bad in ("", "x" * 256):
+        refused = by_request(bad)
+        assert refused.status_code == 400 and "request_id" in refused.json()["detail"]
+    cmds.wait(command_id)
+    assert marker.read_text() == "x\n"  # it ran once
+    assert len(cmds.list()) == 2
+
+
 def test_events_are_sent_as_produced_not_line_buffered(cmds: Commands) -> None:
     command_id = cmds.start_id("printf partial; sleep 30")
     events = cmds.events(command_id, 0, duration=1)

@@ -232,6 +232,58 @@ def test_a_run_whose_kill_cannot_be_delivered_says_the_command_may_still_run(
     assert sandbox.commands.get(running.command_id).kill().state == "cancelled"
 
 
+def interrupt_after_the_start_is_sent(monkeypatch: pytest.MonkeyPatch, sandbox: Sandbox) -> None:
+    """From now on, a ``POST /commands`` of ``sandbox`` is sent and its answer's head arrives
+    (the runtime started the command), then Ctrl-C strikes before the command id is read."""
+    transport = sandbox.commands._transport
+    perform = transport.perform
+
+    def interrupting(step: Any) -> Any:
+        response = perform(step)
+        request = getattr(step, "request", None)
+        if request is not None and (request.method, request.url.path) == ("POST", "/commands"):
+            response.close()
+            raise KeyboardInterrupt
+        return response
+
+    monkeypatch.setattr(transport, "perform", interrupting)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_start_interrupted_before_its_command_id_is_found_and_killed(
+    monkeypatch: pytest.MonkeyPatch, sandbox: Sandbox, process_gone: Any, background: bool
+) -> None:
+    """Ctrl-C between sending a start and reading its command id: the cleanup finds the command
+    by the start's request id (``GET /commands?request_id=``) and kills it; the interrupt says
+    so (before: the command ran on, and nobody had its id to kill it)."""
+    interrupt_after_the_start_is_sent(monkeypatch, sandbox)
+    with pytest.raises(KeyboardInterrupt) as info:
+        sandbox.commands.run("exec sleep 60", background=background)
+    monkeypatch.undo()
+    [started] = [c for c in sandbox.commands.list() if c.command[-1] == "exec sleep 60"]
+    assert started.state == "cancelled" and started.pid is not None
+    assert process_gone(started.pid)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert f"{started.command_id!r} (killed)" in notes and started.request_id in notes
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_start_whose_answer_is_lost_is_found_and_killed(
+    broker: Any, sandbox: Sandbox, background: bool
+) -> None:
+    """The connection drops after the runtime started the command, before its id arrived (the
+    streamed start's first line; a plain start's answer): ``BrokerUnavailableError``, and the
+    command is found by its request id and killed, not left running unseen; nothing ran twice."""
+    if background:
+        broker.drop_connection_after_execute(1, sandbox=sandbox.name)
+    else:
+        broker.drop_event_stream_mid_line(1, after_events=0, sandbox=sandbox.name)
+    with pytest.raises(BrokerUnavailableError, match="not idempotent"):
+        sandbox.commands.run("exec sleep 60", background=background)
+    assert [c.state for c in sandbox.commands.list()] == ["cancelled"]
+    assert broker.execution_count(sandbox.name) == 1
+
+
 # ------------------------------------------------------------------------------- background
 
 

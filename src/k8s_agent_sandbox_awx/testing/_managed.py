@@ -9,7 +9,8 @@ docs/broker-api.md and openapi.json):
   ``{"command_id"}``, then the command's events as ``GET /commands/{id}/events?after=0`` sends
   them, until the exit event or ``max_duration`` (``SANDBOX_COMMAND_STREAM_START=0``: off, as
   a runtime without the extension).
-- ``GET /commands`` -> ``{"commands": [summary...]}``; ``GET /commands/{id}`` -> the status.
+- ``GET /commands`` -> ``{"commands": [summary...]}`` (``?request_id=R``: only the command whose
+  start carried ``R``, or none); ``GET /commands/{id}`` -> the status.
 - ``GET /commands/{id}/events?after=SEQ&duration=S`` -> NDJSON lines
   ``{"type": "stdout"|"stderr"|"exit"|"heartbeat", "seq", "data"}``.
 - ``POST /commands/{id}/kill`` -> the final status; ``POST /commands/{id}/stdin``
@@ -515,7 +516,9 @@ class CommandManager:
             if method == "POST" and parts == []:
                 self._answer_start(handler, self.start(body))
             elif method == "GET" and parts == []:
-                handler._send_json(200, {"commands": self.list_commands()})
+                query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
+                listed = self.list_commands(_request_id_query(query))
+                handler._send_json(200, {"commands": listed})
             elif method == "GET" and len(parts) == 1:
                 handler._send_json(200, self.get(parts[0]).status())
             elif method == "GET" and len(parts) == 2 and parts[1] == "events":
@@ -836,10 +839,16 @@ class CommandManager:
             )
         return command
 
-    def list_commands(self) -> list[dict[str, Any]]:
+    def list_commands(self, request_id: str | None = None) -> list[dict[str, Any]]:
+        """The summaries of the commands, oldest first; with ``request_id``, of the one its
+        start carried it (the cleanup of a client whose start's answer was lost), or none."""
         with self.lock:
             self._sweep()
-            commands = sorted(self.commands.values(), key=lambda c: c.started_at)
+            if request_id is None:
+                commands = sorted(self.commands.values(), key=lambda c: c.started_at)
+            else:
+                found = self.commands.get(self.by_request.get(request_id, ""))
+                commands = [found] if found is not None else []
         out = []
         for command in commands:
             with command.cond:
@@ -1079,6 +1088,16 @@ def _send_parts(sock: Any, parts: tuple[bytes, ...], sending: _Sending) -> None:
         if views and sent:
             views[0] = views[0][sent:]
     sending.progress(False)
+
+
+def _request_id_query(query: dict[str, list[str]]) -> str | None:
+    """The ``request_id`` a ``GET /commands`` asks for (``None``: every command)."""
+    values = query.get("request_id")
+    if values is None:
+        return None
+    if not 0 < len(values[-1]) <= 255:
+        raise CommandError(400, "query 'request_id' must be a string of 1 to 255 characters")
+    return values[-1]
 
 
 def _query_number(
