@@ -252,9 +252,6 @@ class _Follower:
     def holding(self, now: float, grace: float) -> bool:
         return self.holds and not self.stalled(now, grace)
 
-    def overlaps(self, other: _Follower) -> bool:
-        return self.acked <= other.cursor and other.acked <= self.cursor
-
 
 @dataclass
 class Command:
