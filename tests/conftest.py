@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -325,6 +326,51 @@ def long_stream() -> LongStream:
         f"line {i} of a long stream \u00e9\u20ac {'x' * (i % 7)}\n" for i in range(1, 1601)
     )
     return LongStream([sys.executable, "-c", LONG_STREAM], expected)
+
+
+LOGGING_SERVER = r"""
+import http.server, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        sys.stderr.write(("served " + self.path + " ").ljust(131072, ".") + "\n")
+        sys.stderr.flush()  # a dev server's request log: 128 KiB per request
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@dataclass(frozen=True)
+class LoggingServer:
+    """A background dev server (a command: ``argv``) that logs every request it serves to its
+    stderr, 128 KiB each; its first output line is its port (it listens on 127.0.0.1: a local
+    sandbox's commands are host processes)."""
+
+    argv: list[str]
+
+    @staticmethod
+    def serves(port: int, requests: int, within: float = 10.0) -> float:
+        """Send ``requests`` requests one after the other, each answered within ``within`` s
+        (else the test fails: the server is blocked); the slowest answer's seconds."""
+        slowest = 0.0
+        for i in range(requests):
+            started = time.monotonic()
+            url = f"http://127.0.0.1:{port}/{i}"
+            with urllib.request.urlopen(url, timeout=within) as resp:
+                assert resp.read() == b"ok"
+            slowest = max(slowest, time.monotonic() - started)
+        return slowest
+
+
+@pytest.fixture
+def logging_server() -> LoggingServer:
+    return LoggingServer([sys.executable, "-c", LOGGING_SERVER])
 
 
 def mid_line_drops(broker: Any, sandbox: str) -> Callable[[int], None]:

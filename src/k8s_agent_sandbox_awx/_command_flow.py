@@ -439,15 +439,23 @@ def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> 
 def _start(
     target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures
 ) -> flow.Op[str | None]:
-    """``POST /commands``; ``None`` when the runtime has no such endpoint (remembered)."""
+    """``POST /commands``; ``None`` when the runtime has no such endpoint (remembered). Its
+    answer lost (interrupted, the connection broke): see :func:`_kill_unanswered`."""
     try:
         command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
     except errors.BrokerProtocolError as exc:
         _may_run(exc)
         raise
     except errors.BrokerError as exc:
+        if _unanswered(exc):
+            yield from _kill_unanswered(target, plan, exc)
+            raise
         _without_commands(features, exc)
         return None
+    except BaseException as exc:
+        if _unanswered(exc):
+            yield from _kill_unanswered(target, plan, exc)
+        raise
     features.managed = True
     return command_id
 
@@ -456,7 +464,8 @@ def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFea
     """The streamed start: ``POST /commands`` whose answer is an event stream, its first value
     the command id, then the command's events (left open for :func:`follow`); a runtime
     without the extension answers that first value alone. ``None`` as :func:`_start`. Sent
-    once: a drop before the command id is raised, never retried."""
+    once: a drop before the command id is raised, never retried (the command is found by its
+    request id and killed: :func:`_kill_unanswered`)."""
     try:
         yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
         command_id = dp.parse_command_id((yield _NEXT))
@@ -464,10 +473,70 @@ def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFea
         _may_run(exc)
         raise
     except errors.BrokerError as exc:
+        if _unanswered(exc):
+            yield from _kill_unanswered(target, plan, exc)
+            raise
         _without_commands(features, exc)
         return None
+    except BaseException as exc:
+        if _unanswered(exc):
+            yield from _kill_unanswered(target, plan, exc)
+        raise
     features.managed = True
     return command_id
+
+
+def _unanswered(exc: BaseException) -> bool:
+    """Whether a start may have reached the runtime without its answer being read: an
+    interruption (Ctrl-C, a cancelled task) or a connection that broke or stalled after the
+    request was sent. Not an answer (the runtime, or the broker, refused it: nothing ran),
+    nor a request that was never sent, nor an error of the caller's own (a callback's)."""
+    if isinstance(exc, errors.BrokerError):
+        return exc.status_code is None and exc.request_sent
+    return not isinstance(exc, Exception | GeneratorExit)
+
+
+def _kill_unanswered(target: dp.DataTarget, plan: StartPlan, exc: BaseException) -> flow.Op[None]:
+    """A start was sent but its command id never arrived: nobody could kill the command
+    without it. Find it by the start's ``request_id`` (``GET /commands?request_id=``) and
+    kill it, one short attempt each (the cleanup of an interrupted start); only a command
+    whose ``request_id`` is the start's is ever killed. ``exc`` gets a note saying what was
+    found and done, or how to find the command when the lookup failed."""
+    request_id = plan.request_id
+    try:
+        found = yield Call(dp.find_command(target, request_id), _listed, cleanup=True)
+        mine = [info for info in found if info.request_id == request_id]
+        for info in mine:
+            if info.running:
+                yield Call(dp.kill_command(target, info.command_id), _ignore, cleanup=True)
+    except Exception as failed:  # the start's own error is what the caller sees
+        logger.warning("could not find or kill the command of an interrupted start: %s", failed)
+        exc.add_note(
+            f"The start was sent but its command id did not arrive, and the command could not "
+            f"be looked up or killed ({type(failed).__name__}): it may be running in sandbox "
+            f"{target.sandbox_id!r}. sandbox.commands.list() shows it (request_id "
+            f"{request_id!r}); sandbox.commands.get(id).kill() stops it."
+        )
+        return
+    exc.add_note(_unanswered_note(target, request_id, mine))
+
+
+def _unanswered_note(target: dp.DataTarget, request_id: str, mine: list[dp.CommandInfo]) -> str:
+    where = f"in sandbox {target.sandbox_id!r} (request_id {request_id!r})"
+    if not mine:
+        return (
+            f"The start was sent but its command id did not arrive; no command was started "
+            f"with its request id {where}, so nothing runs (sandbox.commands.list() shows "
+            "every command)."
+        )
+    done = ", ".join(
+        f"{info.command_id!r} ({'killed' if info.running else info.state})" for info in mine
+    )
+    return f"The start was sent but its command id did not arrive; its command {where}: {done}."
+
+
+def _listed(reply: proto.Reply) -> list[dp.CommandInfo]:
+    return dp.parse_command_list(proto.parse_json(reply.content, "find a command"))
 
 
 def _may_run(exc: errors.BrokerProtocolError) -> None:
@@ -549,20 +618,41 @@ def run(
     except GeneratorExit:
         raise
     except BaseException as exc:
-        yield from _kill_quietly(target, command_id)
+        failed = yield from _kill_quietly(target, command_id)
         if isinstance(exc, errors.CommandWaitTimeoutError):
-            raise _no_exit(target, plan.timeout, output.result()) from exc
+            timed_out = _no_exit(target, plan.timeout, output.result(), killed=failed is None)
+            _note_unkilled(timed_out, target, command_id, failed)
+            raise timed_out from exc
+        _note_unkilled(exc, target, command_id, failed)
         raise
     return _checked(result, plan.timeout, raise_on_timeout)
 
 
-def _kill_quietly(target: dp.DataTarget, command_id: str) -> Op:
-    """Kill after a failed or interrupted wait; a kill that fails is logged, not raised (the
-    wait's own error is what the caller sees)."""
+def _kill_quietly(target: dp.DataTarget, command_id: str) -> flow.Op[Exception | None]:
+    """Kill after a failed or interrupted wait; a kill that fails is logged and returned, not
+    raised (the wait's own error is what the caller sees, with a note: ``_note_unkilled``)."""
     try:
         yield Call(dp.kill_command(target, command_id), _ignore, cleanup=True)
     except Exception as exc:  # the original error is re-raised by the caller
         logger.warning("could not kill command %s after a failed wait: %s", command_id, exc)
+        return exc
+    return None
+
+
+def _note_unkilled(
+    exc: BaseException, target: dp.DataTarget, command_id: str, failed: Exception | None
+) -> None:
+    """When the kill after a failed wait could not be delivered (``failed``: its error), the
+    raised error says that the command may still run and how to stop it (the kill's error is
+    named by its type only: its text is the broker's, never repeated)."""
+    if failed is None:
+        return
+    exc.add_note(
+        f"Command {command_id!r} may still be running in sandbox {target.sandbox_id!r}: the "
+        f"kill after the failed wait could not be delivered ({type(failed).__name__}). Stop it "
+        f'with sandbox.commands.get("{command_id}").kill() once the broker answers again '
+        "(sandbox.commands.list() shows whether it still runs)."
+    )
 
 
 def _ignore(reply: proto.Reply) -> None:
@@ -570,11 +660,12 @@ def _ignore(reply: proto.Reply) -> None:
 
 
 def _no_exit(
-    target: dp.DataTarget, limit: float, partial: ExecutionResult
+    target: dp.DataTarget, limit: float, partial: ExecutionResult, *, killed: bool = True
 ) -> errors.CommandTimeoutError:
+    outcome = "it was killed" if killed else "it could not be killed (see the note)"
     return errors.CommandTimeoutError(
         f"Command {partial.command_id!r} gave no exit within its time limit of {limit:g}s plus "
-        f"{dp.COMMAND_TIMEOUT_MARGIN:g}s in sandbox {target.sandbox_id!r}; it was killed. Pass "
+        f"{dp.COMMAND_TIMEOUT_MARGIN:g}s in sandbox {target.sandbox_id!r}; {outcome}. Pass "
         "a larger timeout=, or run it with background=True.",
         command_timeout=limit,
         result=partial,

@@ -56,6 +56,7 @@ __all__ = [
     "download",
     "execute",
     "exists",
+    "find_command",
     "kill_command",
     "list_commands",
     "list_files",
@@ -277,6 +278,26 @@ def list_commands(target: DataTarget) -> RequestSpec:
     return _data("GET", "/commands", "list the sandbox's commands", target)
 
 
+LOOKUP_TIMEOUT = 10.0
+"""Seconds the lookup of an interrupted start (:func:`find_command`) waits for its answer."""
+
+
+def find_command(target: DataTarget, request_id: str) -> RequestSpec:
+    """``GET /commands?request_id=...``: the command a start with ``request_id`` started (a
+    list of one, or none). One short attempt, never retried: it is the cleanup of an
+    interrupted start. A runtime that ignores the query lists every command: the caller keeps
+    those whose ``request_id`` matches (a runtime that does not report it: none)."""
+    return _data(
+        "GET",
+        "/commands",
+        f"find the command started with request_id {request_id!r}",
+        target,
+        params={"request_id": request_id},
+        retryable=False,
+        read_timeout=LOOKUP_TIMEOUT,
+    )
+
+
 def command_events(
     target: DataTarget, command_id: str, after: int, duration: float = EVENTS_DURATION
 ) -> RequestSpec:
@@ -465,6 +486,8 @@ class CommandInfo:
     ended_at: str | None = None
     stdout: str | None = None
     stderr: str | None = None
+    request_id: str | None = None
+    """The ``request_id`` its start carried (``None``: none, or a runtime that does not say)."""
 
     @property
     def running(self) -> bool:
@@ -513,6 +536,7 @@ def parse_command_info(obj: Any, what: str = "get a command's status") -> Comman
             ended_at=obj.get("ended_at"),
             stdout=obj.get("stdout"),
             stderr=obj.get("stderr"),
+            request_id=obj.get("request_id") if isinstance(obj.get("request_id"), str) else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise protocol_error(what, f"bad command status ({exc!r})", _MANAGED) from exc

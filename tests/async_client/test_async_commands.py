@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -150,6 +151,100 @@ def test_cancelling_a_foreground_run_kills_the_process_group(
                 await asyncio.wait_for(sandbox.commands.run("exec sleep 60"), 1)
             [slept] = [c for c in await sandbox.commands.list() if c.command[-1] == "exec sleep 60"]
             assert slept.state == "cancelled"
+
+    run(main())
+
+
+def test_a_run_whose_kill_cannot_be_delivered_says_the_command_may_still_run(
+    broker: Any,
+) -> None:
+    """The broker goes down (every data-plane request 503) while a foreground run waits: the
+    wait gives up, or the task is cancelled, and the kill after it fails too. The raised error
+    (the ``BrokerUnavailableError``, the ``CancelledError``) carries a note naming the sandbox
+    and the command, saying it may still be running and how to stop it, without any token."""
+    token = Path(broker.environ("kubernetes")["AGENT_SANDBOX_TOKEN_FILE"]).read_text().strip()
+
+    def check(exc: BaseException, sandbox: AsyncSandbox, command_id: str) -> None:
+        notes = "\n".join(getattr(exc, "__notes__", []))
+        assert f"Command {command_id!r} may still be running" in notes
+        assert f"in sandbox {sandbox.sandbox_id!r}" in notes
+        assert f'sandbox.commands.get("{command_id}").kill()' in notes
+        assert token not in notes + str(exc)
+
+    async def running(sandbox: AsyncSandbox) -> str:
+        broker.clear_faults()
+        [command] = [c for c in await sandbox.commands.list() if c.running]
+        assert (await (await sandbox.commands.get(command.command_id)).kill()).state == "cancelled"
+        return command.command_id
+
+    async def main() -> None:
+        async with await create(broker) as sandbox:
+            down = {"retry_after": 0, "scope": "data", "sandbox": sandbox.name}
+            broker.cut_event_streams(after_events=2, sandbox=sandbox.name)
+            with pytest.raises(BrokerUnavailableError) as info:
+                await sandbox.commands.run(
+                    "echo started; exec sleep 60",
+                    on_stdout=lambda _text: broker.inject_unavailable(100_000, **down),
+                )
+            check(info.value, sandbox, await running(sandbox))
+
+            started = asyncio.Event()
+            task = asyncio.create_task(
+                sandbox.commands.run(
+                    "echo started; exec sleep 60", on_stdout=lambda _: started.set()
+                )
+            )
+            await started.wait()
+            broker.inject_unavailable(100_000, **down)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError) as cancelled:
+                await task
+            check(cancelled.value, sandbox, await running(sandbox))
+
+    run(main())
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_start_cancelled_before_its_command_id_is_found_and_killed(
+    broker: Any, process_gone: Any, background: bool
+) -> None:
+    """The start's answer is held back after the runtime started the command (its head
+    arrived, its command id not read), and the task is cancelled then: the cleanup finds the
+    command by the start's request id and kills it before ``CancelledError`` propagates
+    (before: it ran on, and nobody had its id to kill it)."""
+
+    async def main() -> None:
+        async with await create(broker) as sandbox:
+            transport = sandbox.commands._transport
+            perform = transport.perform
+            answered = asyncio.Event()
+
+            async def held_back(step: Any) -> Any:
+                response = await perform(step)
+                request = getattr(step, "request", None)
+                if request is None or (request.method, request.url.path) != ("POST", "/commands"):
+                    return response
+                answered.set()
+                try:
+                    await asyncio.sleep(3600)  # the answer's body never comes
+                finally:
+                    await response.aclose()
+                return response
+
+            transport.perform = held_back  # type: ignore[method-assign]
+            task = asyncio.create_task(sandbox.commands.run("exec sleep 60", background=background))
+            await answered.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError) as info:
+                await task
+            del transport.perform
+            [started] = [
+                c for c in await sandbox.commands.list() if c.command[-1] == "exec sleep 60"
+            ]
+            assert started.state == "cancelled" and started.pid is not None
+            assert process_gone(started.pid)
+            notes = " ".join(getattr(info.value, "__notes__", []))
+            assert f"{started.command_id!r} (killed)" in notes
 
     run(main())
 

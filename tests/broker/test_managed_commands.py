@@ -8,12 +8,18 @@ the broker.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
+import socket
+import struct
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -200,6 +206,46 @@ def test_repeated_request_id_returns_the_same_command(cmds: Commands, tmp_path: 
     other = cmds.start("echo other", request_id=request_id)
     assert other.status_code == 409
     assert "request_id" in other.json()["detail"]
+
+
+def test_the_list_by_request_id_is_the_one_command_its_start_carried(
+    cmds: Commands, tmp_path: Any
+) -> None:
+    """``GET /commands?request_id=R``: the command whose start carried ``R`` (how a client whose
+    start's answer was lost finds it), an empty list for an id no start carried, ``400`` for an
+    empty or too long one. Two starts with one request id, even at the same time, run once."""
+    marker = tmp_path / "runs"
+    mine, other = str(uuid.uuid4()), str(uuid.uuid4())
+    starts: list[httpx.Response] = []
+    threads = [
+        threading.Thread(
+            target=lambda: starts.append(cmds.start(f"echo x >> {marker}", request_id=mine))
+        )
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    cmds.start_id("sleep 0", request_id=other)
+    [command_id] = {resp.json()["command_id"] for resp in starts}
+
+    def by_request(request_id: str) -> httpx.Response:
+        params = {"request_id": request_id}
+        return cmds.http.get("/commands", params=params, headers=cmds.headers)
+
+    found = by_request(mine)
+    assert found.status_code == 200, found.text
+    assert [(c["command_id"], c["request_id"]) for c in found.json()["commands"]] == [
+        (command_id, mine)
+    ]
+    assert by_request(str(uuid.uuid4())).json() == {"commands": []}
+    for bad in ("", "x" * 256):
+        refused = by_request(bad)
+        assert refused.status_code == 400 and "request_id" in refused.json()["detail"]
+    cmds.wait(command_id)
+    assert marker.read_text() == "x\n"  # it ran once
+    assert len(cmds.list()) == 2
 
 
 def test_events_are_sent_as_produced_not_line_buffered(cmds: Commands) -> None:
@@ -826,3 +872,207 @@ def test_sixty_four_commands_followed_at_once(alice: Any) -> None:
     outputs = asyncio.run(follow_all())
     assert outputs == [f"out-{i}\n" for i in range(64)]
     assert all(c["state"] == "exited" for c in cmds.list())
+
+
+# -- followers that overlap, and followers that do not read ------------------------------------
+
+
+@contextlib.contextmanager
+def local_runtime(
+    tmp_path: Any, sndbuf: int | None = None, **limits: Any
+) -> Iterator[tuple[Any, int]]:
+    """The runtime's HTTP server in this process (its module is standard library only), with a
+    ``CommandManager`` of these ``Limits`` (``sndbuf``: the send buffer of its connections, so
+    that a reader that stops reading blocks its sends soon)."""
+    from k8s_agent_sandbox_awx.testing import _managed, _runtime
+
+    manager = _managed.CommandManager(str(tmp_path), _managed.Limits(**limits))
+
+    def setup(self: Any) -> None:
+        if sndbuf is not None:
+            self.request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        _runtime._Handler.setup(self)
+
+    attributes = {"base_dir": str(tmp_path), "commands": manager, "setup": setup}
+    handler = type("Handler", (_runtime._Handler,), attributes)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1})
+    thread.start()
+    try:
+        yield manager, int(server.server_address[1])
+    finally:
+        manager.kill_all()
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+class RawStream:
+    """One ``GET .../events`` (plain HTTP/1.1 to the runtime) on its own socket, read only as
+    far as asked: its reader stops reading there. ``cut()`` resets the connection."""
+
+    def __init__(self, port: int, path: str, rcvbuf: int | None = None) -> None:
+        self.sock = socket.socket()
+        self.sock.settimeout(30)
+        if rcvbuf is not None:  # before the connection: a small receive window
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.connect(("127.0.0.1", port))
+        self.sock.sendall(f"GET {path} HTTP/1.1\r\nHost: runtime\r\n\r\n".encode())
+        self.raw = b""
+        self.body = b""
+        self.head: bytes | None = None
+        self.chunk_left = 0
+        self.events: list[dict[str, Any]] = []
+
+    def read_until(self, seq: int) -> RawStream:
+        while not self.events or self.events[-1]["seq"] < seq:
+            data = self.sock.recv(65536)
+            assert data, f"the stream ended before seq {seq}"
+            self.raw += data
+            self._parse()
+        return self
+
+    def _parse(self) -> None:
+        """De-chunk what arrived (a chunk's part too: a reader gets its lines as they come)."""
+        if self.head is None:
+            if b"\r\n\r\n" not in self.raw:
+                return
+            self.head, self.raw = self.raw.split(b"\r\n\r\n", 1)
+            assert self.head.startswith(b"HTTP/1.1 200"), self.head
+        while self.raw:
+            if self.chunk_left == 0:
+                if b"\r\n" not in self.raw:
+                    break
+                size_line, self.raw = self.raw.split(b"\r\n", 1)
+                self.chunk_left = int(size_line, 16) + 2  # its data and its CRLF
+            part, self.raw = self.raw[: self.chunk_left], self.raw[self.chunk_left :]
+            self.chunk_left -= len(part)
+            self.body += part[: max(0, len(part) - max(0, 2 - self.chunk_left))]
+        lines, _, self.body = self.body.rpartition(b"\n")
+        self.events += [json.loads(line) for line in lines.split(b"\n") if line.strip()]
+
+    def drain(self) -> bytes:
+        """Read to the end of the connection; the last bytes read (the body's end, if any)."""
+        tail = b""
+        while data := self.sock.recv(65536):
+            self.raw += data
+            tail = (tail + data)[-16:]
+            self._parse()
+        return tail
+
+    def sizes(self) -> dict[int, int]:
+        return {e["seq"]: len(e["data"]) for e in self.events if e["type"] != "heartbeat"}
+
+    def cut(self) -> None:
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
+
+
+def read_to_exit(port: int, command_id: str, after: int, out: dict[str, Any]) -> None:
+    """Follow from ``after`` to the exit event (plain HTTP), checking every stream's status
+    and the contiguity; ``out``: the first seq, the output bytes, the statuses."""
+    cursor, out["bytes"], out["statuses"] = after, 0, []
+    while True:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", f"/commands/{command_id}/events?after={cursor}")
+        resp = conn.getresponse()
+        out["statuses"].append(resp.status)
+        if resp.status != 200:
+            out["detail"] = resp.read().decode()
+            return
+        for line in resp.read().splitlines():
+            event = json.loads(line)
+            if event["type"] == "heartbeat":
+                continue
+            assert event["seq"] == cursor + 1, (event["seq"], cursor)
+            out.setdefault("first", event["seq"])
+            cursor = event["seq"]
+            out["bytes"] += len(event["data"])
+            if event["type"] == "exit":
+                return
+        conn.close()
+
+
+def test_two_followers_with_overlapping_ranges_cut_at_once_lose_nothing(tmp_path: Any) -> None:
+    """A was sent events 1 to 60 and more from cursor 0; B continued from 20 (another reader,
+    within what A was sent) and was sent up to 50 and more; both connections are reset at the
+    same moment while their readers had only 5 and 30. Each comes back with its own cursor and
+    gets every byte after it: nothing a follower had not acknowledged left the live window
+    (before: B's cursor within A's range made A look continued, and the events between 5 and
+    20 were dropped: A's request was 410)."""
+    size = 3_000_000
+    with local_runtime(
+        tmp_path, output_bytes=4096, window_bytes=65536, follower_grace_seconds=120
+    ) as (manager, port):
+        command = manager.start(
+            {"command": ["/bin/sh", "-c", f"head -c {size} /dev/zero | tr '\\0' x"]}
+        )
+        path = f"/commands/{command.command_id}/events"
+        a = RawStream(port, f"{path}?after=0").read_until(60)
+        b = RawStream(port, f"{path}?after=20").read_until(50)
+        sizes = {**a.sizes(), **b.sizes()}
+        a.cut()
+        b.cut()
+        time.sleep(3)  # both streams notice (a send fails, or the next heartbeat's)
+        results: list[dict[str, Any]] = [{}, {}]
+        readers = [
+            threading.Thread(target=read_to_exit, args=(port, command.command_id, after, out))
+            for after, out in ((5, results[0]), (30, results[1]))
+        ]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(120)
+        for after, out in ((5, results[0]), (30, results[1])):
+            assert out["statuses"] == [200] * len(out["statuses"]), out.get("detail")
+            assert out["first"] == after + 1
+            assert out["bytes"] == size - sum(sizes[seq] for seq in range(1, after + 1))
+
+
+def test_a_follower_that_stops_reading_never_holds_the_command(
+    tmp_path: Any, logging_server: Any
+) -> None:
+    """A raw follower reads the first line of a background dev server's event stream (its
+    port), then stops reading with its connection open. The server goes on serving and logging
+    far beyond every buffer on the way to that reader: once the stream's send has made no
+    progress for the grace time (0.5 s here) it no longer holds the command's pipe, and its pin
+    on the window gives way beyond the bound (window + unacknowledged bytes). At its duration
+    (2 s) plus the grace the runtime ends the stream: the reader finds its connection closed
+    without the end of the body and continues from its cursor: what it was not sent and the
+    window no longer holds is a 410 naming the lost events, and after them it goes on (before:
+    the runtime blocked in its send for good, and the server stopped serving)."""
+    grace, duration = 0.5, 2.0
+    window, unacked = 65536, 262144
+    with local_runtime(
+        tmp_path,
+        sndbuf=16384,
+        output_bytes=4096,
+        window_bytes=window,
+        unacked_bytes=unacked,
+        follower_grace_seconds=grace,
+    ) as (manager, port):
+        command = manager.start({"command": logging_server.argv})
+        path = f"/commands/{command.command_id}/events"
+        opened = time.monotonic()
+        raw = RawStream(port, f"{path}?after=0&duration={duration:g}", rcvbuf=8192).read_until(1)
+        server = int(raw.events[0]["data"])
+        assert (
+            logging_server.serves(server, 100) < 5.0
+        )  # 12.5 MiB of log while the stream is not read
+        with command.cond:
+            assert command.window_size <= window + unacked
+        time.sleep(max(0.0, opened + duration + grace + 1.0 - time.monotonic()))
+        assert not raw.drain().endswith(b"0\r\n\r\n")  # closed by the runtime, not finished
+        cursor = raw.events[-1]["seq"]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", f"{path}?after={cursor}&duration=1")
+        lost = conn.getresponse()
+        body = json.loads(lost.read())
+        assert lost.status == 410 and body["resume_after"] > cursor, body
+        assert f"events {cursor + 1} to {body['resume_after']} were dropped" in body["detail"]
+        conn.request("GET", f"{path}?after={body['resume_after']}&duration=1")
+        rest = conn.getresponse()
+        assert rest.status == 200
+        assert json.loads(rest.read().splitlines()[0])["seq"] == body["resume_after"] + 1
+        assert logging_server.serves(server, 1) < 5.0 and command.state == "running"

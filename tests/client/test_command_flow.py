@@ -15,6 +15,7 @@ from k8s_agent_sandbox_awx import _dataplane as dp
 from k8s_agent_sandbox_awx._driver import drive
 from k8s_agent_sandbox_awx._protocol import RouterTarget
 from k8s_agent_sandbox_awx.errors import (
+    BrokerError,
     BrokerProtocolError,
     BrokerUnavailableError,
     CommandOutputLostError,
@@ -219,6 +220,109 @@ def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
         drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: now[0]), perform)
     assert sent == [("POST", "/commands", False), ("POST", "/commands/c1/kill", True)]
     assert info.value.result is not None and info.value.result.command_id == "c1"
+
+
+@pytest.mark.parametrize("wait_error", ["no exit in time", "Ctrl-C"])
+def test_a_failed_wait_whose_kill_fails_says_the_command_may_still_run(wait_error: str) -> None:
+    """The wait fails (no exit within the limit plus the margin; a Ctrl-C) and so does the kill
+    after it: the error raised says, in a note, that the command may still be running in the
+    sandbox and how to stop it (a timeout's message no longer claims it was killed)."""
+    from k8s_agent_sandbox_awx.errors import CommandTimeoutError
+
+    now = [0.0]
+    lines = iter([{"command_id": "c1"}, {"type": "heartbeat", "seq": 0, "data": ""}])
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, cf.Call):
+            raise BrokerUnavailableError("the broker answered 503 (Bearer not-a-secret)")
+        if isinstance(step, cf.NextEvent):
+            value = next(lines, None)
+            if value is None and wait_error == "Ctrl-C":
+                raise KeyboardInterrupt
+            if wait_error == "no exit in time":
+                now[0] += 50.0  # the limit plus the margin passes
+            return value or {"type": "heartbeat", "seq": 0, "data": ""}
+        return None
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    expected = CommandTimeoutError if wait_error == "no exit in time" else KeyboardInterrupt
+    with pytest.raises(expected) as info:
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: now[0]), perform)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "Command 'c1' may still be running in sandbox 'sbx'" in notes
+    assert "(BrokerUnavailableError)" in notes and "not-a-secret" not in notes
+    assert 'sandbox.commands.get("c1").kill()' in notes
+    if wait_error == "no exit in time":
+        assert "could not be killed" in str(info.value) and "it was killed" not in str(info.value)
+
+
+def listed(command_id: str, request_id: str | None, state: str = "running") -> dp.CommandInfo:
+    return dp.CommandInfo(command_id, state, None, ("sleep",), request_id=request_id)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+@pytest.mark.parametrize("started", [True, False], ids=["started", "not started"])
+def test_an_unanswered_start_kills_only_the_command_its_request_id_started(
+    background: bool, started: bool
+) -> None:
+    """The start's answer is lost (the connection broke after it was sent): one lookup by its
+    request id (never retried), then a kill of the command whose ``request_id`` is the start's
+    only; what a runtime that ignores the query lists besides (another command, one without a
+    ``request_id``) is never killed."""
+    plan = cf.StartPlan.make("sleep 999", 30)
+    others = [listed("x", "other"), listed("y", None)]
+    mine = [listed("c1", plan.request_id)] if started else []
+    sent: list[tuple[str, str, dict[str, str], bool]] = []
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, (cf.Call, cf.OpenEvents)):
+            spec = step.spec
+            sent.append((spec.method, spec.path, spec.params, spec.retryable))
+        if isinstance(step, cf.Call) and step.spec.method == "GET":
+            assert step.cleanup
+            return [*others, *mine]
+        start = isinstance(step, cf.Call) and step.spec.path == "/commands"
+        if start or isinstance(step, cf.NextEvent):
+            raise BrokerUnavailableError("the connection broke while the answer was read")
+        return None
+
+    features = cf.RuntimeFeatures()
+    op = cf.start(TARGET, plan, features) if background else cf.run(TARGET, plan, features)
+    with pytest.raises(BrokerUnavailableError) as info:
+        drive(op, perform)
+    lookup = ("GET", "/commands", {"request_id": plan.request_id}, False)
+    kills = [("POST", "/commands/c1/kill", {}, False)] if started else []
+    assert sent == [("POST", "/commands", {}, False), lookup, *kills]
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert ("'c1' (killed)" if started else "no command was started") in notes
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        BrokerUnavailableError("503 unavailable", status_code=503, code="unavailable"),
+        BrokerError("400 from the runtime", status_code=400),
+        BrokerUnavailableError("no connection", request_sent=False),
+        ValueError("a bug of the caller's own"),
+    ],
+    ids=["broker 503", "runtime 400", "never sent", "not a broker error"],
+)
+def test_a_start_that_was_answered_or_never_sent_is_not_looked_up(refusal: Exception) -> None:
+    """A start the broker or the runtime answered with an error started nothing, and one that
+    was never sent reached nothing: no lookup, no kill, nothing but the start is sent."""
+    sent: list[str] = []
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, (cf.Call, cf.OpenEvents)):
+            sent.append(f"{step.spec.method} {step.spec.path}")
+        if isinstance(step, cf.NextEvent):
+            raise refusal
+        return None
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    with pytest.raises(type(refusal)):
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures()), perform)
+    assert sent == ["POST /commands"]
 
 
 @pytest.mark.parametrize(

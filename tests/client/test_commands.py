@@ -207,6 +207,83 @@ def test_an_interrupted_foreground_run_kills_the_process_group(
     assert process_gone(pids[0])  # the background child of the shell too: the whole group
 
 
+def test_a_run_whose_kill_cannot_be_delivered_says_the_command_may_still_run(
+    broker: Any, sandbox: Sandbox
+) -> None:
+    """The broker goes down (every data-plane request 503) once the command printed: the wait
+    gives up (``BrokerUnavailableError``), and so does the kill after it. The error's note
+    names the sandbox and the command, says it may still be running and how to stop it, and
+    quotes no token (before: the kill's failure was only logged, and the error said nothing)."""
+    token = Path(broker.environ("kubernetes")["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
+    broker.cut_event_streams(after_events=2, sandbox=sandbox.name)  # the id line, "started"
+
+    def outage(_text: str) -> None:
+        broker.inject_unavailable(100_000, retry_after=0, scope="data", sandbox=sandbox.name)
+
+    with pytest.raises(BrokerUnavailableError) as info:
+        sandbox.commands.run("echo started; exec sleep 60", on_stdout=outage)
+    broker.clear_faults()
+    [running] = [c for c in sandbox.commands.list() if c.running]
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"Command {running.command_id!r} may still be running" in notes
+    assert f"in sandbox {sandbox.sandbox_id!r}" in notes
+    assert f'sandbox.commands.get("{running.command_id}").kill()' in notes
+    assert token.strip() not in notes + str(info.value)
+    assert sandbox.commands.get(running.command_id).kill().state == "cancelled"
+
+
+def interrupt_after_the_start_is_sent(monkeypatch: pytest.MonkeyPatch, sandbox: Sandbox) -> None:
+    """From now on, a ``POST /commands`` of ``sandbox`` is sent and its answer's head arrives
+    (the runtime started the command), then Ctrl-C strikes before the command id is read."""
+    transport = sandbox.commands._transport
+    perform = transport.perform
+
+    def interrupting(step: Any) -> Any:
+        response = perform(step)
+        request = getattr(step, "request", None)
+        if request is not None and (request.method, request.url.path) == ("POST", "/commands"):
+            response.close()
+            raise KeyboardInterrupt
+        return response
+
+    monkeypatch.setattr(transport, "perform", interrupting)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_start_interrupted_before_its_command_id_is_found_and_killed(
+    monkeypatch: pytest.MonkeyPatch, sandbox: Sandbox, process_gone: Any, background: bool
+) -> None:
+    """Ctrl-C between sending a start and reading its command id: the cleanup finds the command
+    by the start's request id (``GET /commands?request_id=``) and kills it; the interrupt says
+    so (before: the command ran on, and nobody had its id to kill it)."""
+    interrupt_after_the_start_is_sent(monkeypatch, sandbox)
+    with pytest.raises(KeyboardInterrupt) as info:
+        sandbox.commands.run("exec sleep 60", background=background)
+    monkeypatch.undo()
+    [started] = [c for c in sandbox.commands.list() if c.command[-1] == "exec sleep 60"]
+    assert started.state == "cancelled" and started.pid is not None
+    assert process_gone(started.pid)
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert f"{started.command_id!r} (killed)" in notes and started.request_id in notes
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_start_whose_answer_is_lost_is_found_and_killed(
+    broker: Any, sandbox: Sandbox, background: bool
+) -> None:
+    """The connection drops after the runtime started the command, before its id arrived (the
+    streamed start's first line; a plain start's answer): ``BrokerUnavailableError``, and the
+    command is found by its request id and killed, not left running unseen; nothing ran twice."""
+    if background:
+        broker.drop_connection_after_execute(1, sandbox=sandbox.name)
+    else:
+        broker.drop_event_stream_mid_line(1, after_events=0, sandbox=sandbox.name)
+    with pytest.raises(BrokerUnavailableError, match="not idempotent"):
+        sandbox.commands.run("exec sleep 60", background=background)
+    assert [c.state for c in sandbox.commands.list()] == ["cancelled"]
+    assert broker.execution_count(sandbox.name) == 1
+
+
 # ------------------------------------------------------------------------------- background
 
 
@@ -263,6 +340,42 @@ def test_stdin_over_the_runtimes_limit_is_refused_before_sending(sandbox: Sandbo
         handle.send_stdin(big[start : start + 65536])
     handle.send_stdin("", eof=True)
     assert handle.wait().stdout.strip() == str(len(big))  # nothing of the refused writes
+
+
+@pytest.mark.dialect_feature(SANDBOX_ENV, reason="the runtime's limits are set through it")
+def test_a_background_server_keeps_serving_while_its_iterator_is_held_unread(
+    broker: Any, logging_server: Any
+) -> None:
+    """``events = iter(handle)``, one event read (the server's port), then the iterator is held
+    without reading while the server serves and logs 37.5 MiB, far beyond every buffer on the
+    way to the iterator (the runtime, the broker, the client's socket): the runtime's stream
+    stalls, and after the grace time (0.5 s here) it no longer holds the server's output pipe
+    (before: it held it for good and the server stopped serving until the client went away).
+    The stream's unacknowledged bound is raised so that the stream cannot end at it first.
+    Read again, the iterator goes on from its cursor and gets every event up to the exit: the
+    window kept what it had not acknowledged (up to the window plus the unacknowledged bound,
+    256 MiB here; beyond it the oldest would be skipped, with a 410)."""
+    env = {
+        "SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES": "4096",
+        "SANDBOX_COMMAND_LIVE_WINDOW_BYTES": "65536",
+        "SANDBOX_COMMAND_UNACKED_BYTES": str(256 * 1024 * 1024),
+        "SANDBOX_COMMAND_FOLLOWER_GRACE_SECONDS": "0.5",
+    }
+    with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sandbox:
+        handle = sandbox.commands.run(logging_server.argv, background=True)
+        events = iter(handle)
+        try:
+            port = int(next(events).data)
+            assert logging_server.serves(port, 400) < 5.0
+            assert handle.status().state == "running"
+            assert next(events).seq == 2
+            handle.kill()
+            rest = [(event.seq, event.type) for event in events]
+            assert [seq for seq, _ in rest] == list(range(3, len(rest) + 3))
+            assert rest[-1][1] == "exit" and handle.wait().state == "cancelled"
+        finally:
+            events.close()
+            handle.kill()
 
 
 def test_wait_callbacks_and_reattach_replays_the_output(broker: Any, sandbox: Sandbox) -> None:

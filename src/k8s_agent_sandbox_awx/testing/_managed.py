@@ -9,7 +9,8 @@ docs/broker-api.md and openapi.json):
   ``{"command_id"}``, then the command's events as ``GET /commands/{id}/events?after=0`` sends
   them, until the exit event or ``max_duration`` (``SANDBOX_COMMAND_STREAM_START=0``: off, as
   a runtime without the extension).
-- ``GET /commands`` -> ``{"commands": [summary...]}``; ``GET /commands/{id}`` -> the status.
+- ``GET /commands`` -> ``{"commands": [summary...]}`` (``?request_id=R``: only the command whose
+  start carried ``R``, or none); ``GET /commands/{id}`` -> the status.
 - ``GET /commands/{id}/events?after=SEQ&duration=S`` -> NDJSON lines
   ``{"type": "stdout"|"stderr"|"exit"|"heartbeat", "seq", "data"}``.
 - ``POST /commands/{id}/kill`` -> the final status; ``POST /commands/{id}/stdin``
@@ -22,16 +23,22 @@ per stream, so a multi-byte character split across two reads stays whole.
 
 Retention: the first ``output_bytes`` (1 MiB) of output are kept for replay; later events are kept
 only in a live window of the most recent ``window_bytes`` (1 MiB). The window never drops an event
-that a follower (an open stream, or one that ended less than ``FOLLOWER_GRACE_SECONDS`` ago and is
-continued from a cursor within what it sent) may not have received: everything after the cursor
-its request continued from, the protocol's only acknowledgement (what a stream sent may still be
-in socket buffers or a proxy when the connection breaks). A stream ends once it has sent
-``unacked_bytes`` (16 MiB) of window output past that cursor, so the client continues from its
-cursor and acknowledges it; the command's pipes are not read while a follower has a window's size
-of output it was not sent (backpressure: the command blocks on its writes). After the exit the
-window returns to its size once its followers acknowledged or their grace ended. A replay from
-the start finds the events between the two gone: the request is ``410`` naming the lost range and
-the cursor to resume from. The ``exit`` event is always kept.
+that a follower (an event stream, open or ended less than ``FOLLOWER_GRACE_SECONDS`` ago) may not
+have received: everything after the cursor its request continued from, the protocol's only
+acknowledgement (what a stream sent may still be in socket buffers or a proxy when the connection
+breaks). A request continuing from within what one ended stream sent replaces it; when several
+streams' ranges hold its cursor (two readers with overlapping ranges), those keep their pins for
+their grace time. A stream ends once it has sent ``unacked_bytes`` (16 MiB) of window output past
+that cursor, so the client continues from its cursor and acknowledges it; the command's pipes are
+not read while a follower that holds has a window's size of output it was not sent
+(backpressure: the command blocks on its writes). A follower does not hold once its send has
+made no progress for the grace time (its reader does not read), once it ended so, or once a
+later request continued from within what it sent: its pin then gives way beyond the window's
+size plus ``unacked_bytes``. Every send of a stream must be done by its duration plus the grace
+time, else the runtime closes the connection (the reader continues from its cursor). After the
+exit the window returns to its size once its followers acknowledged or their grace ended. A
+replay from the start finds the events between the two gone: the request is ``410`` naming the
+lost range and the cursor to resume from. The ``exit`` event is always kept.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -211,17 +219,38 @@ class _Event:
     line: bytes
 
 
+_SERIALS = itertools.count(1)
+
+
 @dataclass
 class _Follower:
     """An event stream: ``acked``, the cursor its request continued from (its reader is known to
     have every event up to it: the protocol's only acknowledgement), and ``cursor``, the seq of
     the last event it sent (or is sending). What it sent after ``acked`` may still be in flight
-    (socket buffers, a proxy) and lost if the connection breaks: it is kept until a request
-    continues from a later cursor."""
+    (socket buffers, a proxy) and lost if the connection breaks: it is kept until the
+    follower's grace time after its stream ended, unless its own reader is known to have come
+    back (see ``Command.follow``).
+
+    ``holds``: whether the reader waits for it (backpressure) when it has a window's size of
+    output it was not sent, and whether its pin holds beyond the window's bound (see
+    ``Command.evict``). A stream whose send has made no progress for the grace time does not
+    hold (its reader does not read), nor one that ended so, nor one that ended after a later
+    request continued from within what it sent (perhaps its own reader, perhaps another)."""
 
     acked: int
     cursor: int
     ended_at: float | None = None
+    holds: bool = True
+    sending_since: float | None = None
+    """While a chunk is being sent: when the send started or last made progress."""
+    serial: int = field(default_factory=lambda: next(_SERIALS))
+
+    def stalled(self, now: float, grace: float) -> bool:
+        """Its send has made no progress for ``grace`` seconds: its reader does not read."""
+        return self.sending_since is not None and now - self.sending_since >= grace
+
+    def holding(self, now: float, grace: float) -> bool:
+        return self.holds and not self.stalled(now, grace)
 
 
 @dataclass
@@ -296,62 +325,86 @@ class Command:
 
     def evict(self, limits: Limits) -> bool:
         """Drop the window's oldest events beyond its size, but never one that a follower may
-        not have received (after its ``acked`` cursor); ``True`` when a follower has a window's
-        size of output it has not been sent: the reader waits (backpressure) until it is sent,
-        or the follower's grace time ends. The window so holds at most its size beyond what the
-        slowest follower sent past its ``acked`` (``unacked_bytes``, the most one stream sends)."""
-        horizon = time.monotonic() - limits.follower_grace_seconds
-        self.followers = [f for f in self.followers if f.ended_at is None or f.ended_at > horizon]
-        pin: int | None = None  # the first event some follower may not have received is pin + 1
-        unsent = 0  # the most window output a follower has not been sent
+        not have received (after its ``acked`` cursor) while it holds; the pin of a follower
+        that does not hold (see ``_Follower``) gives way only beyond the bound of the window's
+        size plus ``unacked_bytes``. ``True`` when a follower that holds has a window's size
+        of output it has not been sent: the reader waits (backpressure) until it is sent, the
+        follower's send stalls for the grace time, or its grace time after its end ends. The
+        window so holds at most its size beyond what the slowest follower sent past its
+        ``acked`` (``unacked_bytes``, the most one stream sends)."""
+        now = time.monotonic()
+        grace = limits.follower_grace_seconds
+        self.followers = [
+            f for f in self.followers if f.ended_at is None or f.ended_at > now - grace
+        ]
+        held, kept, unsent = self._pins(now, grace)
+        bound = limits.window_bytes + limits.unacked_bytes
+        while self.window_size > limits.window_bytes and len(self.window) > 1:
+            first = self.window[0].seq
+            if held is not None and first > held:
+                break
+            if kept is not None and first > kept and self.window_size <= bound:
+                break
+            self.window_size -= self.window.popleft().size
+        return unsent >= limits.window_bytes
+
+    def _pins(self, now: float, grace: float) -> tuple[int | None, int | None, int]:
+        """The lowest ``acked`` of the followers that hold and of those that do not (the first
+        event either may not have received is that + 1), and the most window output a follower
+        that holds has not been sent."""
+        held: int | None = None
+        kept: int | None = None
+        unsent = 0
         start = self.window[0].offset if self.window else self.output_size
         for follower in self.followers:
             try:
                 self.event_at(follower.acked + 1)
             except LookupError:
                 continue  # that follower already lost events: it gets a 410
+            if not follower.holding(now, grace):
+                kept = follower.acked if kept is None else min(kept, follower.acked)
+                continue
             try:
                 sent = self.event_at(follower.cursor) if follower.cursor else None
                 sent_end = sent.offset + sent.size if sent is not None else 0
             except LookupError:  # its cursor is its acked one, dropped already: before the window
                 sent_end = start
-            pin = follower.acked if pin is None else min(pin, follower.acked)
+            held = follower.acked if held is None else min(held, follower.acked)
             unsent = max(unsent, self.output_size - max(sent_end, start))
-        while self.window_size > limits.window_bytes and len(self.window) > 1:
-            if pin is not None and self.window[0].seq > pin:
-                break
-            self.window_size -= self.window.popleft().size
-        return unsent >= limits.window_bytes
+        return held, kept, unsent
 
     def follow(self, after: int) -> _Follower:
-        """The follower of a request continuing from ``after``: the stream that ended and had
-        sent up to at least ``after`` from at most ``after`` (a reconnect: what it sent beyond
-        ``after`` was lost on the way), or a new one."""
-        ended = [
-            f for f in self.followers if f.ended_at is not None and f.acked <= after <= f.cursor
-        ]
-        if ended:
-            follower = max(ended, key=lambda f: f.acked)
-            follower.acked = follower.cursor = after
-            follower.ended_at = None
-        else:
-            follower = _Follower(after, after)
-            self.followers.append(follower)
+        """A new follower for a request continuing from ``after``. A stream that sent up to at
+        least ``after`` from at most ``after`` may be this reader's (what it sent beyond
+        ``after`` was lost on the way). When it is the only follower whose range holds
+        ``after`` and it ended, it is this reader's: it is replaced (its pin moves up to
+        ``after``). When several do (two readers whose ranges overlap), the continuation may be
+        any one's: those that ended keep their pins for their grace time, without holding."""
+        containing = [f for f in self.followers if f.acked <= after <= f.cursor]
+        for ended in (f for f in containing if f.ended_at is not None):
+            if len(containing) == 1:
+                self.followers.remove(ended)
+            else:
+                ended.holds = False
+        follower = _Follower(after, after)
+        self.followers.append(follower)
         self.cond.notify_all()  # acknowledged: the reader may go on
         return follower
 
-    def unfollow(self, follower: _Follower) -> None:
-        """The stream of ``follower`` ended: it holds the window for the grace time, unless a
-        request already continued from within what it sent (it reconnected before its old
-        stream noticed the broken connection)."""
+    def unfollow(self, follower: _Follower, grace: float) -> None:
+        """The stream of ``follower`` ended: it holds the window for the grace time. It no
+        longer holds the reader if its send had stalled (its reader did not read), or if a
+        later request continued from within what it sent (it may have reconnected before this
+        stream noticed the broken connection; or that is another reader: it keeps its pin)."""
+        now = time.monotonic()
+        follower.ended_at = now
         continued = any(
-            other is not follower and follower.acked <= other.acked <= follower.cursor
+            other.serial > follower.serial and follower.acked <= other.acked <= follower.cursor
             for other in self.followers
         )
-        if continued:
-            self.followers.remove(follower)
-        else:
-            follower.ended_at = time.monotonic()
+        if continued or follower.stalled(now, grace):
+            follower.holds = False
+        follower.sending_since = None
         self.cond.notify_all()
 
     def event_at(self, seq: int) -> _Event | None:
@@ -460,7 +513,9 @@ class CommandManager:
             if method == "POST" and parts == []:
                 self._answer_start(handler, self.start(body))
             elif method == "GET" and parts == []:
-                handler._send_json(200, {"commands": self.list_commands()})
+                query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
+                listed = self.list_commands(_request_id_query(query))
+                handler._send_json(200, {"commands": listed})
             elif method == "GET" and len(parts) == 1:
                 handler._send_json(200, self.get(parts[0]).status())
             elif method == "GET" and len(parts) == 2 and parts[1] == "events":
@@ -781,10 +836,16 @@ class CommandManager:
             )
         return command
 
-    def list_commands(self) -> list[dict[str, Any]]:
+    def list_commands(self, request_id: str | None = None) -> list[dict[str, Any]]:
+        """The summaries of the commands, oldest first; with ``request_id``, of the one its
+        start carried it (the cleanup of a client whose start's answer was lost), or none."""
         with self.lock:
             self._sweep()
-            commands = sorted(self.commands.values(), key=lambda c: c.started_at)
+            if request_id is None:
+                commands = sorted(self.commands.values(), key=lambda c: c.started_at)
+            else:
+                found = self.commands.get(self.by_request.get(request_id, ""))
+                commands = [found] if found is not None else []
         out = []
         for command in commands:
             with command.cond:
@@ -873,7 +934,8 @@ class CommandManager:
                     f"resume with after={first - 1} (the output is truncated)",
                     resume_after=first - 1,
                 ) from None
-        _send_ndjson(handler, self._lines(command, after, duration))
+        sending = _Sending(command, duration + self.limits.follower_grace_seconds)
+        _send_ndjson(handler, self._lines(command, after, duration, sending), sending)
 
     def _answer_start(self, handler: Handler, command: Command) -> None:
         """``{"command_id"}``, or with ``Accept: application/x-ndjson`` (the streamed start)
@@ -883,23 +945,27 @@ class CommandManager:
         if not self.limits.stream_start or "application/x-ndjson" not in accept:
             handler._send_json(200, started)
             return
+        duration = self.limits.max_duration
+        sending = _Sending(command, duration + self.limits.follower_grace_seconds)
 
         def lines() -> Generator[bytes, None, None]:
             yield _line(started)
-            with contextlib.closing(self._lines(command, 0, self.limits.max_duration)) as events:
+            with contextlib.closing(self._lines(command, 0, duration, sending)) as events:
                 yield from events
 
-        _send_ndjson(handler, lines())
+        _send_ndjson(handler, lines(), sending)
 
-    def _lines(self, command: Command, after: int, duration: float) -> Generator[bytes, None, None]:
+    def _lines(
+        self, command: Command, after: int, duration: float, sending: _Sending
+    ) -> Generator[bytes, None, None]:
         """Batches of NDJSON lines after ``after``, until the exit event or ``duration``."""
         with command.cond:
-            follower = command.follow(after)
+            follower = sending.follower = command.follow(after)
         try:
             yield from self._batches(command, follower, after, duration)
         finally:
             with command.cond:
-                command.unfollow(follower)
+                command.unfollow(follower, self.limits.follower_grace_seconds)
 
     def _batches(
         self, command: Command, follower: _Follower, after: int, duration: float
@@ -955,32 +1021,80 @@ class CommandManager:
                 last_sent = now
 
 
-def _send_ndjson(handler: Handler, chunks: Generator[bytes, None, None]) -> None:
-    """A ``200`` NDJSON answer, each chunk sent as it comes (chunked transfer encoding)."""
-    handler.send_response(200)
-    handler.send_header("Content-Type", "application/x-ndjson")
-    handler.send_header("Cache-Control", "no-store")
-    handler.send_header("Transfer-Encoding", "chunked")
-    handler.end_headers()
-    with contextlib.closing(chunks):
-        try:
-            for chunk in chunks:
-                _send_parts(handler, (b"%x\r\n" % len(chunk), chunk, b"\r\n"))
-            handler.wfile.write(b"0\r\n\r\n")
-        except OSError:  # the reader went away
-            handler.close_connection = True
+class _Sending:
+    """The sending side of one event stream: its sends must be done ``limit`` seconds (its
+    duration plus the follower grace time) after it began, else the runtime ends it (a
+    reader that does not read never holds a thread, a connection or the window for longer);
+    and the progress of its follower's sends (``_Follower.sending_since``), which tells the
+    reader whether that follower still reads."""
+
+    def __init__(self, command: Command, limit: float) -> None:
+        self.command = command
+        self.send_by = time.monotonic() + limit
+        self.follower: _Follower | None = None
+
+    def remaining(self) -> float:
+        """Seconds left to send in; a ``TimeoutError`` when none are."""
+        left = self.send_by - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the event stream could not be sent within its time")
+        return left
+
+    def progress(self, sending: bool = True) -> None:
+        """A send started or made progress (``sending``), or is done."""
+        follower = self.follower
+        if follower is not None:
+            with self.command.cond:
+                follower.sending_since = time.monotonic() if sending else None
 
 
-def _send_parts(handler: Handler, parts: tuple[bytes, ...]) -> None:
-    """Send ``parts`` as one write without joining them (no copy of a large chunk)."""
+def _send_ndjson(handler: Handler, chunks: Generator[bytes, None, None], sending: _Sending) -> None:
+    """A ``200`` NDJSON answer, each chunk sent as it comes (chunked transfer encoding). Every
+    write is bounded by ``sending``: a reader that stops reading gets its connection closed
+    (no end of the chunked body) once the stream's time is up, and continues from its cursor."""
     sock = handler.connection
+    try:
+        sock.settimeout(sending.remaining())  # the status line and headers too
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/x-ndjson")
+        handler.send_header("Cache-Control", "no-store")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        with contextlib.closing(chunks):
+            for chunk in chunks:
+                _send_parts(sock, (b"%x\r\n" % len(chunk), chunk, b"\r\n"), sending)
+            _send_parts(sock, (b"0\r\n\r\n",), sending)
+    except OSError:  # the reader went away, or did not read within the stream's time
+        handler.close_connection = True
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(None)
+
+
+def _send_parts(sock: Any, parts: tuple[bytes, ...], sending: _Sending) -> None:
+    """Send ``parts`` as one write without joining them (no copy of a large chunk), within the
+    stream's time (``TimeoutError`` past it), recording the progress of the send."""
     views = [memoryview(part) for part in parts]
+    sending.progress()
     while views:
+        sock.settimeout(sending.remaining())
         sent = sock.sendmsg(views)
+        sending.progress()
         while views and sent >= len(views[0]):
             sent -= len(views.pop(0))
         if views and sent:
             views[0] = views[0][sent:]
+    sending.progress(False)
+
+
+def _request_id_query(query: dict[str, list[str]]) -> str | None:
+    """The ``request_id`` a ``GET /commands`` asks for (``None``: every command)."""
+    values = query.get("request_id")
+    if values is None:
+        return None
+    if not 0 < len(values[-1]) <= 255:
+        raise CommandError(400, "query 'request_id' must be a string of 1 to 255 characters")
+    return values[-1]
 
 
 def _query_number(
