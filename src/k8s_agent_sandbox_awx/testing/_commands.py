@@ -34,8 +34,7 @@ def _import_broker() -> type:
     return LocalBroker
 
 
-def dev_main(argv: list[str]) -> int:
-    """Run the local stack in the foreground; print the ``export`` lines; stop on Ctrl-C."""
+def _dev_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agent-sandbox-awx dev",
         description="Run the local broker stack (issuers, broker, local sandboxes) in the "
@@ -56,6 +55,12 @@ def dev_main(argv: list[str]) -> int:
         default="v1,rpc",
         help="control-plane dialects to serve, comma-separated: v1, rpc (default: v1,rpc)",
     )
+    return parser
+
+
+def dev_main(argv: list[str]) -> int:
+    """Run the local stack in the foreground; print the ``export`` lines; stop on Ctrl-C."""
+    parser = _dev_parser()
     args = parser.parse_args(argv)
     if args.ttl < 10:
         parser.error("--ttl must be at least 10 seconds")
@@ -76,26 +81,7 @@ def dev_main(argv: list[str]) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
-        with local_broker(warn=False, protocols=protocols) as broker:
-            broker.keep_projected_token_rotated(
-                token_file, args.namespace, args.service_account, args.ttl
-            )
-            print(f"export AGENT_SANDBOX_BROKER_URL={shlex.quote(broker.url)}")
-            print(f"export AGENT_SANDBOX_CA_BUNDLE={shlex.quote(broker.ca_bundle)}")
-            print(f"export AGENT_SANDBOX_TOKEN_FILE={shlex.quote(os.path.abspath(token_file))}")
-            print(
-                f"# local broker up in {broker.startup_seconds:.3f} s as "
-                f"system:serviceaccount:{args.namespace}:{args.service_account}, serving "
-                f"{' and '.join(broker.protocols)}; the token file is rotated at 80% of its "
-                "lifetime. Ctrl-C stops it.",
-                flush=True,
-            )
-            try:
-                while not stop.wait(0.5):
-                    pass
-            except KeyboardInterrupt:
-                pass
-            print("# stopping the local broker", file=sys.stderr, flush=True)
+        _serve(local_broker, args, protocols, token_file, stop)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if token_dir is not None:
@@ -103,6 +89,36 @@ def dev_main(argv: list[str]) -> int:
 
             shutil.rmtree(token_dir, ignore_errors=True)
     return 0
+
+
+def _serve(
+    local_broker: type,
+    args: argparse.Namespace,
+    protocols: tuple[str, ...],
+    token_file: str,
+    stop: threading.Event,
+) -> None:
+    """Run the broker until ``stop`` is set or Ctrl-C, keeping the token file rotated."""
+    with local_broker(warn=False, protocols=protocols) as broker:
+        broker.keep_projected_token_rotated(
+            token_file, args.namespace, args.service_account, args.ttl
+        )
+        print(f"export AGENT_SANDBOX_BROKER_URL={shlex.quote(broker.url)}")
+        print(f"export AGENT_SANDBOX_CA_BUNDLE={shlex.quote(broker.ca_bundle)}")
+        print(f"export AGENT_SANDBOX_TOKEN_FILE={shlex.quote(os.path.abspath(token_file))}")
+        print(
+            f"# local broker up in {broker.startup_seconds:.3f} s as "
+            f"system:serviceaccount:{args.namespace}:{args.service_account}, serving "
+            f"{' and '.join(broker.protocols)}; the token file is rotated at 80% of its "
+            "lifetime. Ctrl-C stops it.",
+            flush=True,
+        )
+        try:
+            while not stop.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+        print("# stopping the local broker", file=sys.stderr, flush=True)
 
 
 def demo_main(argv: list[str]) -> int:
