@@ -15,24 +15,39 @@ SRC = Path(k8s_agent_sandbox_awx.__file__).resolve().parent
 PACKAGE = "k8s_agent_sandbox_awx"
 MAX_FUNCTION_LINES = 60
 
-CREDENTIALS = {
-    "_auth",
-    "_bridge",
-    "_cache",
-    "_chain",
-    "_credential",
-    "_credential_errors",
-    "_jwt",
-    "_plugins",
-    "_providers",
-    "hookspecs",
-}
+CREDENTIALS = {"credentials", "hookspecs"}
+"""The credential framework: the ``credentials`` package and the hook specifications (at the top
+level, where plugin authors import them)."""
 SHARED = {"_driver", "_upstream", "_version"}
 """What both halves may use: the one driver, the upstream boundary, the version."""
+LOCAL_STACK = {"broker", "testing"}
+"""The local broker stack (the broker, its runtime and backends; LocalBroker, the test kits)."""
+
+
+def _module_names() -> dict[str, Path]:
+    """Every module of the package by its dotted name below the package (``client.wire._protocol``;
+    a package by its own name, ``client.wire``; the top-level ``__init__`` as ``""``)."""
+    names: dict[str, Path] = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
 
 
 def _core_modules() -> dict[str, Path]:
-    return {p.stem: p for p in SRC.glob("*.py")}
+    """Every module outside the local stack (what the cycle check covers today)."""
+    return {name: path for name, path in _module_names().items() if _group(name) not in LOCAL_STACK}
+
+
+def _group(name: str) -> str:
+    """The top-level piece a module belongs to (``client``, ``credentials``, ``errors``, ...)."""
+    return name.split(".")[0]
+
+
+def in_group(name: str, groups: set[str]) -> bool:
+    return any(name == g or name.startswith(g + ".") for g in groups)
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -42,15 +57,18 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """The package modules ``path`` imports anywhere (also inside functions), relative or
-    absolute; imports only type checkers see are left out."""
+def _imported_modules(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The package modules the module ``name`` (at ``path``) imports anywhere (also inside
+    functions), relative or absolute, by their dotted names; imports only type checkers see are
+    left out. ``from package import x`` counts as importing ``package.x`` when that is a module,
+    else ``package``."""
     found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
 
-    def add(dotted: str) -> None:
-        head = dotted.split(".")[0]
-        if head in modules or head == "testing":
-            found.add(head)
+    def add(dotted: str, names: list[str]) -> None:
+        for alias in names:
+            sub = f"{dotted}.{alias}" if dotted else alias
+            found.add(sub if sub in modules else dotted)
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node):
@@ -60,32 +78,28 @@ def _imported_modules(path: Path, modules: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith(PACKAGE + "."):
-                    add(alias.name[len(PACKAGE) + 1 :])
+                    found.add(alias.name[len(PACKAGE) + 1 :])
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module and node.module.startswith(PACKAGE):
-                rest = node.module[len(PACKAGE) + 1 :]
-                if rest:
-                    add(rest)
-                else:
-                    for alias in node.names:
-                        add(alias.name)
-            elif node.level == 1:
+            names = [alias.name for alias in node.names]
+            if node.level == 0 and node.module and node.module.split(".")[0] == PACKAGE:
+                add(node.module[len(PACKAGE) + 1 :], names)
+            elif node.level > 0:
+                parts = package.split(".") if package else []
+                base = parts[: len(parts) - (node.level - 1)]
                 if node.module:
-                    add(node.module)
-                else:
-                    for alias in node.names:
-                        add(alias.name)
+                    base.append(node.module)
+                add(".".join(base), names)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
     visit(ast.parse(path.read_text()))
-    return found - {path.stem}
+    return found - {name}
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = _core_modules()
-    names = set(modules)
-    return {name: _imported_modules(path, names) for name, path in modules.items()}
+def _graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    modules = _module_names() if modules is None else modules
+    names = set(_module_names())
+    return {name: _imported_modules(path, name, names) for name, path in modules.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -111,8 +125,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle_among_core_modules() -> None:
-    graph = _graph()
-    graph.pop("testing", None)
+    core = _core_modules()
+    graph = {name: deps & set(core) for name, deps in _graph(core).items()}
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
@@ -120,48 +134,55 @@ def test_the_cycle_check_sees_relative_and_function_level_imports(tmp_path: Path
     (tmp_path / "_a.py").write_text("from . import _b\n")
     (tmp_path / "_b.py").write_text("def f():\n    from ._a import x\n    return x\n")
     names = {"_a", "_b"}
-    graph = {p.stem: _imported_modules(p, names) for p in tmp_path.glob("*.py")}
+    graph = {p.stem: _imported_modules(p, p.stem, names) for p in tmp_path.glob("*.py")}
     assert _cycle(graph) in (["_a", "_b", "_a"], ["_b", "_a", "_b"])
+    # a relative import from a sub-package, two levels up
+    (tmp_path / "_c.py").write_text("def f():\n    from .._d import y\n    return y\n")
+    deps = _imported_modules(tmp_path / "_c.py", "pkg.sub._c", {"pkg.sub._c", "pkg._d"})
+    assert deps == {"pkg._d"}
 
 
 def test_no_function_over_60_lines_outside_testing() -> None:
+    # outside the local stack: broker/ and testing/ (all of the former testing/)
     long: list[str] = []
-    for path in sorted(SRC.rglob("*.py")):
-        if "testing" in path.relative_to(SRC).parts:
-            continue
+    for name, path in sorted(_core_modules().items()):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
-                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+                    long.append(f"{name}:{node.name} ({lines} lines)")
     assert long == []
 
 
 def test_credentials_never_import_the_client() -> None:
     graph = _graph()
-    for name in CREDENTIALS:
-        assert graph[name] <= CREDENTIALS | SHARED, (name, graph[name] - CREDENTIALS - SHARED)
+    framework = [name for name in graph if in_group(name, CREDENTIALS)]
+    assert len(framework) > len(CREDENTIALS)
+    for name in framework:
+        outside = {d for d in graph[name] if not in_group(d, CREDENTIALS | SHARED)}
+        assert outside == set(), (name, outside)
 
 
 def test_core_never_imports_testing() -> None:
-    graph = _graph()
-    allowed = {"_cli", "_pytest_plugin"}  # the dev/demo commands and the pytest fixture
-    assert sorted(name for name, deps in graph.items() if "testing" in deps) == sorted(
-        name for name in allowed if "testing" in graph[name]
-    )
+    graph = _graph(_core_modules())
+    allowed = {"cli._local"}  # the dev/demo commands (the pytest fixture is in testing/)
+    importers = {
+        name for name, deps in graph.items() if any(in_group(d, LOCAL_STACK) for d in deps)
+    }
+    assert sorted(importers) == sorted(allowed & importers)
 
 
 IO_FREE = {
-    "_base",
-    "_dataplane",
-    "_dialect",
-    "_dialect_v1",
-    "_dialects",
+    "client._base",
+    "client.wire._dataplane",
+    "client.wire._dialect",
+    "client.wire._dialect_v1",
+    "client.wire._dialects",
     "_driver",
-    "_flow",
-    "_fsapi",
-    "_protocol",
-    "_upload",
+    "client.core._flow",
+    "client.core._fsapi",
+    "client.wire._protocol",
+    "client.core._upload",
 }
 """What the sync and the async shells share: decisions only, no I/O, no httpx."""
 
@@ -177,7 +198,7 @@ def _third_party(path: Path) -> set[str]:
 
 
 def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
-    graph, modules = _graph(), _core_modules()
+    graph, modules = _graph(), _module_names()
     for name in IO_FREE:
         reached, todo = set(), [name]
         while todo:
@@ -185,8 +206,13 @@ def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
             if current not in reached:
                 reached.add(current)
                 todo.extend(graph.get(current, ()))
-        assert reached.isdisjoint({"_exchange", "_transport", "_async_transport"}), name
-        for module in reached - {"testing"}:
+        performers = {
+            "client.http._exchange",
+            "client.http._transport",
+            "client.http._async_transport",
+        }
+        assert reached.isdisjoint(performers), name
+        for module in reached:
             io = {"httpx", "httpcore", "socket", "ssl", "requests", "urllib3"}
             assert not io & _third_party(modules[module]), (name, module)
         assert "asyncio" not in _third_party(modules[name]), name
@@ -194,19 +220,24 @@ def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
 
 def test_exchange_performs_nothing() -> None:
     # _exchange builds httpx requests and decides outcomes; it never sends, reads or sleeps.
-    text = (SRC / "_exchange.py").read_text()
-    assert "asyncio" not in _third_party(SRC / "_exchange.py")
+    text = (SRC / "client/http/_exchange.py").read_text()
+    assert "asyncio" not in _third_party(SRC / "client/http/_exchange.py")
     for call in ("_client.send(", "response.read(", "aread(", "sleep(", "iter_bytes("):
         assert call not in text, call
 
 
 def test_sync_modules_never_import_asyncio() -> None:
-    for module in ("_transport.py", "_client.py", "_commands.py", "_files.py"):
+    for module in (
+        "client/http/_transport.py",
+        "client/_client.py",
+        "client/_commands.py",
+        "client/_files.py",
+    ):
         assert "asyncio" not in _third_party(SRC / module), module
 
 
 def test_async_modules_use_the_async_http_client_only() -> None:
-    for module in ("_async_transport.py", "_async_client.py"):
+    for module in ("client/http/_async_transport.py", "client/_async_client.py"):
         text = (SRC / module).read_text()
         assert "httpx.Client(" not in text and "time.sleep" not in text, module
 
@@ -215,8 +246,9 @@ def test_sandbox_use_does_not_load_the_local_stack() -> None:
     code = (
         "import sys\n"
         "from k8s_agent_sandbox_awx import Sandbox, BrokerSandboxClient, BrokerConnectionConfig\n"
-        "import k8s_agent_sandbox_awx._cli\n"
-        "bad = [m for m in sys.modules if m.startswith('k8s_agent_sandbox_awx.testing')\n"
+        "import k8s_agent_sandbox_awx.cli._cli\n"
+        "bad = [m for m in sys.modules if m.startswith(('k8s_agent_sandbox_awx.testing',\n"
+        "                                               'k8s_agent_sandbox_awx.broker'))\n"
         "       or m.split('.')[0] in ('uvicorn', 'starlette', 'jwt', 'trustme')]\n"
         "print(bad)\n"
     )
@@ -227,8 +259,8 @@ def test_sandbox_use_does_not_load_the_local_stack() -> None:
 def test_abstract_methods_of_the_shared_bases_are_enforced() -> None:
     import pytest
 
-    from k8s_agent_sandbox_awx._base import ClientBase
-    from k8s_agent_sandbox_awx._dialect import Dialect
+    from k8s_agent_sandbox_awx.client._base import ClientBase
+    from k8s_agent_sandbox_awx.client.wire._dialect import Dialect
 
     for base in (ClientBase, Dialect):
         with pytest.raises(TypeError, match="abstract"):

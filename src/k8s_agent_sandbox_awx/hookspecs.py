@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pluggy
 
-from ._credential import Credential, CredentialRequest, ProviderInfo
+from .credentials._credential import Credential, CredentialRequest, ProviderInfo
 
 PROJECT_NAME = "k8s_agent_sandbox_awx"
 ENTRY_POINT_GROUP = "k8s_agent_sandbox_awx.providers"

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import pytest
 
 from k8s_agent_sandbox_awx import AsyncCommandHandle, AsyncSandbox
-from k8s_agent_sandbox_awx._dialect import SANDBOX_ENV
-from k8s_agent_sandbox_awx._dialects import get_dialect
+from k8s_agent_sandbox_awx.client.wire._dialect import SANDBOX_ENV
+from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
     BrokerUnavailableError,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import AsyncSandbox, FileInfo, KubernetesAuth, WatchEvent
-from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
+from k8s_agent_sandbox_awx.client.wire._protocol import rfc3339_seconds
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
     FileAPIUnsupportedError,

@@ -15,8 +15,8 @@ from k8s_agent_sandbox_awx import (
     BrokerConnectionConfig,
     BrokerRedirectError,
 )
-from k8s_agent_sandbox_awx._credential import Credential
-from k8s_agent_sandbox_awx._protocol import RouterTarget, SandboxInfo
+from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget, SandboxInfo
+from k8s_agent_sandbox_awx.credentials._credential import Credential
 
 pytestmark = pytest.mark.e2e
 

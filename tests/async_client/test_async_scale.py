@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from k8s_agent_sandbox_awx import AsyncSandbox, OIDCTokenAuth, _cache, clear_credential_cache
+from k8s_agent_sandbox_awx import AsyncSandbox, OIDCTokenAuth, clear_credential_cache
+from k8s_agent_sandbox_awx.credentials import _cache
 
 pytestmark = pytest.mark.e2e
 

@@ -19,8 +19,8 @@ from k8s_agent_sandbox_awx import (
     BrokerRedirectError,
     BrokerUnavailableError,
 )
-from k8s_agent_sandbox_awx._credential import Credential
-from k8s_agent_sandbox_awx._protocol import RetryPolicy
+from k8s_agent_sandbox_awx.client.wire._protocol import RetryPolicy
+from k8s_agent_sandbox_awx.credentials._credential import Credential
 
 BROKER = "https://broker.test"
 
@@ -218,8 +218,8 @@ def test_retries_are_bounded_and_only_for_idempotent_requests() -> None:
     broker.hooks[("POST", "/commands")] = busy
 
     async def main() -> None:
-        from k8s_agent_sandbox_awx._async_client import AsyncSandbox
-        from k8s_agent_sandbox_awx._protocol import RouterTarget, SandboxInfo
+        from k8s_agent_sandbox_awx.client._async_client import AsyncSandbox
+        from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget, SandboxInfo
 
         client = make(broker, AsyncStub(), max_attempts=3)
         handle = AsyncSandbox(
@@ -287,7 +287,7 @@ def test_unknown_keyword_arguments_are_refused() -> None:
     with pytest.raises(TypeError, match="'templat'"):
         Sandbox.create(templat="python", broker_url=BROKER)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="'cwdir'"):
-        from k8s_agent_sandbox_awx._commands import Commands
-        from k8s_agent_sandbox_awx._protocol import RouterTarget
+        from k8s_agent_sandbox_awx.client._commands import Commands
+        from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget
 
         Commands(None, RouterTarget("s")).run("true", cwdir="/")  # type: ignore[arg-type,call-arg]

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from k8s_agent_sandbox_awx.cli._local import demo_main, dev_main
 from k8s_agent_sandbox_awx.testing import LocalBroker
-from k8s_agent_sandbox_awx.testing._commands import demo_main, dev_main
 
 
 def test_fixture_sets_zero_arg_environment(sandbox_broker: LocalBroker) -> None:
@@ -88,7 +88,7 @@ def test_plugin_without_the_extra(tmp_path: Path) -> None:
 
 def test_plugin_module_imports_nothing_heavy() -> None:
     code = (
-        "import sys, k8s_agent_sandbox_awx._pytest_plugin; "
+        "import sys, k8s_agent_sandbox_awx.testing._pytest_plugin; "
         "heavy = ('uvicorn', 'starlette', 'jwt', 'trustme', 'cryptography', 'httpx', "
         "'k8s_agent_sandbox_awx.testing._broker'); "
         "print(','.join(m for m in heavy if m in sys.modules))"
@@ -118,7 +118,7 @@ def _dev(tmp_path: Path, *args: str) -> Iterator[tuple[dict[str, str], str]]:
         [
             sys.executable,
             "-c",
-            "import sys; from k8s_agent_sandbox_awx.testing._commands import dev_main; "
+            "import sys; from k8s_agent_sandbox_awx.cli._local import dev_main; "
             "sys.exit(dev_main(sys.argv[1:]))",
             "--namespace",
             "team-a",

@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
-from k8s_agent_sandbox_awx._cli import main
-from k8s_agent_sandbox_awx._dialect import LIST, WHOAMI
-from k8s_agent_sandbox_awx._dialects import get_dialect
+from k8s_agent_sandbox_awx.cli._cli import main
+from k8s_agent_sandbox_awx.client.wire._dialect import LIST, WHOAMI
+from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
 
-CLI = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli"]
+CLI = [sys.executable, "-m", "k8s_agent_sandbox_awx.cli._cli"]
 
 
 def test_version_and_help_are_fast_imports() -> None:
     code = (
-        "import sys; from k8s_agent_sandbox_awx import _cli; "
+        "import sys; from k8s_agent_sandbox_awx.cli import _cli; "
         "print(','.join(m for m in ('httpx', 'k8s_agent_sandbox', 'uvicorn') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -42,7 +42,7 @@ def test_missing_broker_url_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys:
 def test_an_errors_notes_are_printed(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
     """What an error's notes say (a sandbox a failed create left, to delete with `kill`; a
     command that may have started) reaches the CLI's user too, indented under the message."""
-    from k8s_agent_sandbox_awx import _cli
+    from k8s_agent_sandbox_awx.cli import _cli
     from k8s_agent_sandbox_awx.errors import BrokerProtocolError
 
     def fails(args: argparse.Namespace) -> int:
@@ -194,11 +194,11 @@ def test_doctor_fails_with_hints(broker: Any, use_env: Any, capsys: Any) -> None
 
 @pytest.mark.timeout(30)
 def test_dev_without_the_local_extra(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    import k8s_agent_sandbox_awx.testing as testing
+    import k8s_agent_sandbox_awx.cli as cli
 
     # as if the [local] extra's modules could not be imported
-    monkeypatch.delattr(testing, "_commands", raising=False)
-    monkeypatch.setitem(sys.modules, "k8s_agent_sandbox_awx.testing._commands", None)
+    monkeypatch.delattr(cli, "_local", raising=False)
+    monkeypatch.setitem(sys.modules, "k8s_agent_sandbox_awx.cli._local", None)
     assert main(["dev"]) == 1
     err = capsys.readouterr().err
     assert 'python3 -m pip install -e ".[local]"' in err and "Traceback" not in err
@@ -246,8 +246,8 @@ def test_doctor_reports_an_unusable_date_header(date: str) -> None:
     import httpx
 
     from k8s_agent_sandbox_awx import BrokerSandboxClient, OIDCTokenAuth
-    from k8s_agent_sandbox_awx._config import BrokerConnectionConfig
-    from k8s_agent_sandbox_awx._doctor import DoctorReport, check_broker
+    from k8s_agent_sandbox_awx.cli._doctor import DoctorReport, check_broker
+    from k8s_agent_sandbox_awx.client.http._config import BrokerConnectionConfig
 
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json={"status": "ok"}, headers={"Date": date})
@@ -337,7 +337,7 @@ def test_doctor_audience_check_uses_the_sdks_url_rule(
     """A token the SDK would send (aud differs only in case and a trailing slash) passes the
     doctor's audience check too; a token for another service fails it."""
     from k8s_agent_sandbox_awx import clear_credential_cache
-    from k8s_agent_sandbox_awx._doctor import DoctorReport, check_credentials
+    from k8s_agent_sandbox_awx.cli._doctor import DoctorReport, check_credentials
     from k8s_agent_sandbox_awx.testing import unsigned_jwt
 
     for name in [n for n in os.environ if n.startswith("AGENT_SANDBOX_")]:
@@ -497,7 +497,7 @@ def test_no_credentials_error_is_a_list(
 
 def test_docs_describe_every_json_output() -> None:
     """docs/client.md documents the --json shape of every command that has --json."""
-    from k8s_agent_sandbox_awx._cli import _parser
+    from k8s_agent_sandbox_awx.cli._cli import _parser
 
     docs = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
     parser = _parser()

@@ -8,15 +8,15 @@ from datetime import UTC, datetime
 
 import pytest
 
-from k8s_agent_sandbox_awx import _dataplane as dp
-from k8s_agent_sandbox_awx import _dialect_v1 as v1
-from k8s_agent_sandbox_awx import _protocol as proto
 from k8s_agent_sandbox_awx._upstream import (
     FileEntry,
     SandboxNotFoundError,
     SandboxRequestError,
     SandboxTemplateNotFoundError,
 )
+from k8s_agent_sandbox_awx.client.wire import _dataplane as dp
+from k8s_agent_sandbox_awx.client.wire import _dialect_v1 as v1
+from k8s_agent_sandbox_awx.client.wire import _protocol as proto
 from k8s_agent_sandbox_awx.errors import (
     BrokerAuthenticationError,
     BrokerNotFoundError,
@@ -231,8 +231,8 @@ def test_execute_rejects_a_timeout_that_is_not_a_finite_positive_number(limit: f
 def test_create_rejects_a_ready_timeout_that_is_nan_or_negative(ready: float) -> None:
     """NaN would wait forever (no comparison with it is true), a negative one would create a
     sandbox only to delete it: both are refused before anything is sent."""
-    from k8s_agent_sandbox_awx import _flow as flow
-    from k8s_agent_sandbox_awx._config import BrokerConnectionConfig
+    from k8s_agent_sandbox_awx.client.core import _flow as flow
+    from k8s_agent_sandbox_awx.client.http._config import BrokerConnectionConfig
 
     config = BrokerConnectionConfig(broker_url="https://broker.test")
     with pytest.raises(ValueError, match="sandbox_ready_timeout"):
