@@ -1,4 +1,4 @@
-"""Fixtures shared by the sync (tests/client) and async (tests/async_client) client suites.
+"""Fixtures shared by the client tests (tests/client: sync and async, side by side) and the rest.
 
 pytest runs with ``--import-mode=importlib``, so test directories cannot import each other's
 modules: what both suites use is provided here, as fixtures. ``tests/broker`` overrides
