@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import pluggy
 
-from .. import hookspecs
+from . import _hookspecs as hookspecs
 from ._bridge import FetchTimeout, aresult, awaited_in_thread, in_thread, result, within
 from ._credential import CredentialRequest, ProviderInfo
 from ._credential_errors import CredentialPluginWarning

@@ -19,7 +19,6 @@ import functools
 import os
 from collections.abc import Mapping
 
-from ..hookspecs import hookimpl
 from ._credential import Credential, CredentialRequest, ProviderInfo
 from ._credential_errors import (
     EmptyCredentialError,
@@ -27,6 +26,7 @@ from ._credential_errors import (
     MalformedTokenError,
     UnreadableCredentialError,
 )
+from ._hookspecs import hookimpl
 from ._jwt import MAX_TOKEN_CHARS, check_token_text
 
 __all__ = [
