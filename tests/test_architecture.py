@@ -183,6 +183,7 @@ IO_FREE = {
     "client.core._fsapi",
     "client.wire._protocol",
     "client.core._upload",
+    "client.core._retry",
 }
 """What the sync and the async shells share: decisions only, no I/O, no httpx."""
 

@@ -151,7 +151,7 @@ def creds() -> StubCredentials:
 @pytest.fixture
 def make_client(fake: FakeBroker, creds: StubCredentials) -> Callable[..., Any]:
     from k8s_agent_sandbox_awx import BrokerConnectionConfig, BrokerSandboxClient
-    from k8s_agent_sandbox_awx.client.wire._protocol import RetryPolicy
+    from k8s_agent_sandbox_awx.client.core._retry import RetryPolicy
 
     clients: list[Any] = []
 

@@ -19,7 +19,7 @@ from k8s_agent_sandbox_awx import (
     BrokerRedirectError,
     BrokerUnavailableError,
 )
-from k8s_agent_sandbox_awx.client.wire._protocol import RetryPolicy
+from k8s_agent_sandbox_awx.client.core._retry import RetryPolicy
 from k8s_agent_sandbox_awx.credentials._credential import Credential
 
 BROKER = "https://broker.test"

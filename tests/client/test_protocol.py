@@ -14,6 +14,7 @@ from k8s_agent_sandbox_awx._upstream import (
     SandboxRequestError,
     SandboxTemplateNotFoundError,
 )
+from k8s_agent_sandbox_awx.client.core import _retry as retry
 from k8s_agent_sandbox_awx.client.wire import _dataplane as dp
 from k8s_agent_sandbox_awx.client.wire import _dialect_v1 as v1
 from k8s_agent_sandbox_awx.client.wire import _protocol as proto
@@ -138,14 +139,14 @@ def test_error_mapping_types() -> None:
 
 def test_retry_after_parsing() -> None:
     now = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
-    assert proto.parse_retry_after("3", now) == 3.0
-    assert proto.parse_retry_after("Sun, 29 Nov 2026 12:00:05 GMT", now) == 5.0
-    assert proto.parse_retry_after("garbage", now) is None
-    assert proto.parse_retry_after(None, now) is None
+    assert retry.parse_retry_after("3", now) == 3.0
+    assert retry.parse_retry_after("Sun, 29 Nov 2026 12:00:05 GMT", now) == 5.0
+    assert retry.parse_retry_after("garbage", now) is None
+    assert retry.parse_retry_after(None, now) is None
 
 
 def test_retry_decisions() -> None:
-    policy = proto.RetryPolicy(max_attempts=3, backoff_base=1, backoff_max=4, rand=lambda a, b: b)
+    policy = retry.RetryPolicy(max_attempts=3, backoff_base=1, backoff_max=4, rand=lambda a, b: b)
     get = v1.get("x")
     execute = dp.execute(ROUTER, "true", command_timeout=5)
     assert policy.after_status(get, 1, 503, {}) == 1

@@ -20,6 +20,7 @@ import httpx
 from ..._driver import Steps, adrive
 from ...credentials._auth import CredentialSource
 from ...errors import BrokerError, SandboxFailedError
+from ..core._retry import RetryPolicy
 from ..wire import _protocol as proto
 from ..wire._dataplane import DownloadMeter
 from ..wire._dialect import Dialect
@@ -72,7 +73,7 @@ class AsyncBrokerTransport(ex.TransportBase):
         *,
         http_transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        retry: proto.RetryPolicy | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         client = httpx.AsyncClient(transport=http_transport, **ex.client_settings(config))
         super().__init__(config, auth, dialect, client, retry)

@@ -37,6 +37,7 @@ from ...errors import (
     SandboxFailedError,
 )
 from ...errors import RequestTimeoutError as _RequestTimeoutError
+from ..core._retry import RetryPolicy, SingleAttempt
 from ..core._upload import CHUNK_SIZE, UploadBody
 from ..wire import _dialects as dialects
 from ..wire import _protocol as proto
@@ -192,8 +193,8 @@ class _NoCookies(http.cookiejar.CookieJar):
         return None
 
 
-def retry_policy(config: BrokerConnectionConfig) -> proto.RetryPolicy:
-    return proto.RetryPolicy(
+def retry_policy(config: BrokerConnectionConfig) -> RetryPolicy:
+    return RetryPolicy(
         max_attempts=config.max_attempts,
         backoff_base=config.backoff_base,
         backoff_max=config.backoff_max,
@@ -262,7 +263,7 @@ class Exchange:
         self,
         client: httpx.Client | httpx.AsyncClient,
         config: BrokerConnectionConfig,
-        retry: proto.RetryPolicy,
+        retry: RetryPolicy,
         dialect: Dialect,
         spec: proto.RequestSpec,
         *,
@@ -336,7 +337,7 @@ class Exchange:
             extend = Exchange(
                 self._client,
                 self.config,
-                proto.SingleAttempt(),
+                SingleAttempt(),
                 self.dialect,
                 call.spec,
                 invalidate=self._invalidate,
@@ -594,7 +595,7 @@ class TransportBase:
         auth: Any,
         dialect: Dialect,
         client: httpx.Client | httpx.AsyncClient,
-        retry: proto.RetryPolicy | None,
+        retry: RetryPolicy | None,
     ) -> None:
         self.config = config
         self.auth = auth

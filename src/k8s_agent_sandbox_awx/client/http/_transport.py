@@ -17,6 +17,7 @@ import httpx
 from ..._driver import Steps, drive
 from ...credentials._auth import CredentialSource
 from ...errors import BrokerError, SandboxFailedError
+from ..core._retry import RetryPolicy
 from ..wire import _protocol as proto
 from ..wire._dataplane import DownloadMeter
 from ..wire._dialect import Dialect
@@ -76,7 +77,7 @@ class BrokerTransport(TransportBase):
         *,
         http_transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
-        retry: proto.RetryPolicy | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         client = httpx.Client(transport=http_transport, **client_settings(config))
         super().__init__(config, auth, dialect, client, retry)

@@ -1,7 +1,8 @@
 """What every broker dialect and the data plane share, without any I/O.
 
 The value types (:class:`RequestSpec`, :class:`SandboxInfo`, :class:`RouterTarget`), JSON
-bodies and parsing, and the one :class:`RetryPolicy` that decides whether an attempt is retried.
+bodies and parsing, NDJSON, redaction. Whether an attempt is retried is decided by the one
+``RetryPolicy`` (``client/core/_retry.py``).
 What one broker protocol decides lives in its dialect (``_dialect_v1``); what the sandbox
 runtime endpoints decide lives in ``_dataplane``.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import re
 import threading
 import time
@@ -18,7 +18,6 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any, Generic, Protocol, TypeVar
 
 from ...credentials._jwt import redact
@@ -30,14 +29,12 @@ __all__ = [
     "NdjsonDecoder",
     "Reply",
     "RequestSpec",
-    "RetryPolicy",
     "RouterTarget",
     "SandboxInfo",
     "json_body",
     "json_object",
     "new_idempotency_key",
     "parse_json",
-    "parse_retry_after",
     "protocol_error",
     "redact_answer",
     "redact_sent",
@@ -469,105 +466,3 @@ def json_object(body: bytes, what: str) -> dict[str, Any]:
     if not isinstance(result, dict):
         raise protocol_error(what, "expected a JSON object")
     return result
-
-
-# --------------------------------------------------------------------------------------------
-# Retry decisions: the one policy
-
-RETRYABLE_STATUSES = frozenset({502, 503, 504})
-
-
-def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
-    """``Retry-After`` as seconds (delta-seconds or HTTP date); ``None`` if absent or bad."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isascii() and value.isdigit():  # isdigit() alone: also "²" and other digits
-        return float(value)
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    now = now or datetime.now(UTC)
-    return max(0.0, (when - now).total_seconds())
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Every decision to send a request again, in one place.
-
-    Only idempotent requests (``spec.retryable``: GET, DELETE, create with its key, a
-    replayable upload) are retried, with bounded exponential backoff and full jitter
-    (``Retry-After`` honoured up to the cap); a mutating request is never sent again after it may
-    have been sent, and a read timeout is never retried (the server had the request).
-    """
-
-    max_attempts: int = 4
-    backoff_base: float = 0.2
-    backoff_max: float = 10.0
-    rand: Callable[[float, float], float] = field(default=random.uniform, repr=False)
-
-    def backoff(self, attempt: int) -> float:
-        """Delay before attempt ``attempt + 1`` (``attempt`` counts from 1)."""
-        ceiling = min(self.backoff_max, self.backoff_base * (2 ** (attempt - 1)))
-        return self.rand(0.0, ceiling)
-
-    def after_status(
-        self,
-        spec: RequestSpec,
-        attempt: int,
-        status: int,
-        headers: Mapping[str, str],
-        now: datetime | None = None,
-    ) -> float | None:
-        """Seconds to wait before retrying after ``status``, or ``None``: do not retry."""
-        if not spec.retryable or attempt >= self.max_attempts:
-            return None
-        retry_after = parse_retry_after(headers.get("retry-after"), now)
-        if status == 429:
-            if retry_after is None:  # quota_exceeded: retrying cannot help
-                return None
-        elif status not in RETRYABLE_STATUSES:
-            return None
-        if retry_after is not None:
-            return min(self.backoff_max, retry_after)
-        return self.backoff(attempt)
-
-    def after_transport_error(
-        self,
-        spec: RequestSpec,
-        attempt: int,
-        *,
-        request_sent: bool,
-        timed_out: bool = False,
-        permanent: bool = False,
-    ) -> float | None:
-        """Seconds to wait before retrying after a connection error, or ``None``.
-
-        ``request_sent``: the request may have reached the server. A read timeout of a sent
-        request is never retried; a non-idempotent request (``POST /execute``) never is; a
-        ``permanent`` failure (a certificate that does not verify) never is."""
-        if permanent or not spec.retryable or attempt >= self.max_attempts:
-            return None
-        if timed_out and request_sent:
-            return None
-        return self.backoff(attempt)
-
-    @staticmethod
-    def after_unauthorized(*, retried: bool, replayable: bool) -> bool:
-        """Whether to re-read the credential and send once more after the broker's 401."""
-        return not retried and replayable
-
-
-@dataclass(frozen=True)
-class SingleAttempt(RetryPolicy):
-    """One attempt, never repeated, not even after the broker's 401 (whose credential is still
-    invalidated): the activity keepalive's extension, best effort."""
-
-    max_attempts: int = 1
-
-    @staticmethod
-    def after_unauthorized(*, retried: bool, replayable: bool) -> bool:
-        return False
