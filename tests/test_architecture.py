@@ -238,7 +238,11 @@ def test_sync_modules_never_import_asyncio() -> None:
 
 
 def test_async_modules_use_the_async_http_client_only() -> None:
-    for module in ("client/http/_async_transport.py", "client/_async_client.py"):
+    for module in (
+        "client/http/_async_transport.py",
+        "client/_async_client.py",
+        "client/_async_files.py",
+    ):
         text = (SRC / module).read_text()
         assert "httpx.Client(" not in text and "time.sleep" not in text, module
 
