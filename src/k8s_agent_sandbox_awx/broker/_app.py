@@ -34,7 +34,7 @@ from ..testing._issuers import Issuer
 from ._stream_faults import EVENTS_PATH, CutRule, DropRule, StreamDropped, StreamPlan
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, Target, checked_target
-from .backends._local import RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxSpec
+from .backends._interface import RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxSpec
 from .identity._policy import RESERVED_PREFIX, SCOPES, Caller, Policy, required_scope
 from .identity._verify import TokenRejected, TokenVerifier
 

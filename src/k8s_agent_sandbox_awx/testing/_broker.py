@@ -34,10 +34,10 @@ from ..broker._app import (
 )
 from ..broker._rpc import DEFAULT_WARM_POOL, RpcEndpoint
 from ..broker._stream_faults import CutRule, DropRule
+from ..broker.backends._interface import SandboxBackend
 from ..broker.backends._local import (
     RUNTIMES_DIR_PREFIX,
     LocalProcessBackend,
-    SandboxBackend,
     owned_temp_dir,
     sweep_dead_owners,
 )

@@ -1,10 +1,9 @@
-"""Sandbox backends: where a sandbox's runtime runs. The local one starts host processes.
+"""The local backend: each sandbox's runtime is a host process.
 
-A backend turns a :class:`SandboxSpec` into a running runtime server that speaks the legacy
-python-runtime protocol and returns a :class:`RuntimeHandle` (host and port) once the runtime
-answers ``GET /``. :class:`LocalProcessBackend` starts one process per sandbox from a command
-line template, so any server that speaks the protocol can be plugged in, under a supervisor that
-kills every process the sandbox started when the runtime ends (see ``_runtime.fork_server``).
+:class:`LocalProcessBackend` (a :class:`~._interface.SandboxBackend`) starts one process per
+sandbox from a command line template, so any server that speaks the legacy python-runtime
+protocol can be plugged in, under a supervisor that kills every process the sandbox started when
+the runtime ends (see ``_runtime.fork_server``).
 
 NO ISOLATION: local runtimes and the commands they run are ordinary host processes.
 """
@@ -25,13 +24,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 
 from ..runtime import _tree
 from ..runtime._runtime import PARENT_PID_ENV
+from ._interface import RuntimeHandle, RuntimeStartError, SandboxSpec
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 
@@ -50,62 +49,6 @@ writes its number to that file once it listens (``PORT`` is then ``0`` and ``SAN
 the file), so that no two runtimes can get the same port, however many start at once. A command
 without it gets ``{port}``: a free loopback port the broker chose just before, which another
 process can take before the runtime binds it (the start is then retried with another port)."""
-
-
-@dataclass(frozen=True)
-class SandboxSpec:
-    """What to start: the claim's name, namespace, template and environment."""
-
-    name: str
-    namespace: str
-    template: str
-    env: Mapping[str, str] = field(default_factory=dict)
-    command: str | Sequence[str] | None = None
-    """Runtime command line for this template (``None``: the backend's default)."""
-
-
-@dataclass
-class RuntimeHandle:
-    """A running runtime: where the broker's router reaches it."""
-
-    name: str
-    host: str
-    port: int
-    base_dir: str
-    pid: int | None = None
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    root: str | None = field(default=None, repr=False)
-
-
-class RuntimeStartError(Exception):
-    """The runtime did not come up: ``reason`` is a CamelCase reason, ``message`` says why."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
-
-
-class SandboxBackend(Protocol):
-    """What the broker needs from a backend (all methods run on the broker's event loop)."""
-
-    async def start(self, spec: SandboxSpec) -> RuntimeHandle:
-        """Start the runtime and return once it answers ``GET /``; raise RuntimeStartError."""
-        ...
-
-    async def stop(self, handle: RuntimeHandle) -> None:
-        """Stop the runtime and remove everything it left behind."""
-        ...
-
-    def is_alive(self, handle: RuntimeHandle) -> bool: ...
-
-    async def close(self) -> None:
-        """Stop every runtime this backend started."""
-        ...
-
-    def kill_all_now(self) -> None:
-        """Synchronous last-resort cleanup (no event loop): kill and remove everything."""
-        ...
 
 
 _CREDENTIAL_VARIABLES = (
