@@ -30,11 +30,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
-from ..testing._issuers import Issuer
 from ._stream_faults import EVENTS_PATH, CutRule, DropRule, StreamDropped, StreamPlan
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, Target, checked_target
 from .backends._interface import RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxSpec
+from .identity._issuer import PublishedIssuer, TrustedIssuer
 from .identity._policy import RESERVED_PREFIX, SCOPES, Caller, Policy, required_scope
 from .identity._verify import TokenRejected, TokenVerifier
 
@@ -345,8 +345,8 @@ class BrokerApp:
         self,
         *,
         url: str,
-        issuers: Callable[[], Mapping[str, Issuer]],
-        issuer_by_name: Callable[[str], Issuer | None],
+        issuers: Callable[[], Mapping[str, TrustedIssuer]],
+        issuer_by_name: Callable[[str], PublishedIssuer | None],
         templates: Mapping[str, str | list[str] | None],
         backend: SandboxBackend,
         ca_bundle: str,
@@ -473,7 +473,7 @@ class BrokerApp:
             return JSONResponse(issuer.jwks())
         raise ApiError(404, "not_found", f"no issuer document at {path}")
 
-    async def _authenticate(self, request: Request) -> tuple[Caller, Issuer]:
+    async def _authenticate(self, request: Request) -> tuple[Caller, TrustedIssuer]:
         try:
             return await self.verifier.verify(request.headers.get("authorization"))
         except TokenRejected as exc:
@@ -528,7 +528,7 @@ class BrokerApp:
                 return await self._extend(request, caller, issuer, name)
         raise ApiError(404, "not_found", f"no route for {method} {path}")
 
-    def _whoami(self, caller: Caller, issuer: Issuer) -> dict[str, Any]:
+    def _whoami(self, caller: Caller, issuer: TrustedIssuer) -> dict[str, Any]:
         try:
             policy = issuer.policy.describe(caller)
         except (ValueError, KeyError) as exc:
@@ -604,7 +604,7 @@ class BrokerApp:
             "env": env,
         }
 
-    async def _create(self, request: Request, caller: Caller, issuer: Issuer) -> Response:
+    async def _create(self, request: Request, caller: Caller, issuer: TrustedIssuer) -> Response:
         key = request.headers.get("idempotency-key")
         if key is not None and not _IDEMPOTENCY_KEY.match(key):
             raise ApiError(
@@ -837,7 +837,7 @@ class BrokerApp:
             del self.idempotency[key]
 
     async def _extend(
-        self, request: Request, caller: Caller, issuer: Issuer, name: str
+        self, request: Request, caller: Caller, issuer: TrustedIssuer, name: str
     ) -> Response:
         body = await self._json_body(request)
         if not isinstance(body, dict) or set(body) != {"seconds"}:

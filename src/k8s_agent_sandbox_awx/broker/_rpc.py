@@ -28,8 +28,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..testing._issuers import Issuer
 from ._app import ApiError, BrokerApp, SandboxRecord, _rfc3339, check_metadata
+from .identity._issuer import TrustedIssuer
 from .identity._policy import RESERVED_PREFIX, Caller
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
@@ -146,7 +146,7 @@ class RpcEndpoint:
             return plain_error(exc.status, exc.detail, exc.headers)
 
     # -- ops -----------------------------------------------------------------------------------
-    def _create(self, body: dict[str, Any], caller: Caller, issuer: Issuer) -> Response:
+    def _create(self, body: dict[str, Any], caller: Caller, issuer: TrustedIssuer) -> Response:
         unknown = sorted(set(body) - _CREATE_FIELDS)
         if unknown:
             raise _bad(f"unknown create field(s) {unknown}; allowed: {sorted(_CREATE_FIELDS)}")
@@ -249,7 +249,7 @@ class RpcEndpoint:
             )
         return Response(status_code=204)
 
-    def _extend(self, body: dict[str, Any], caller: Caller, issuer: Issuer) -> Response:
+    def _extend(self, body: dict[str, Any], caller: Caller, issuer: TrustedIssuer) -> Response:
         record = self._claim(body, caller)
         if body.get("lifecycle") is None:
             raise _bad("op 'extend' needs 'lifecycle': {\"shutdownTime\": RFC 3339 time}")

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 import jwt
 
-from ...testing._issuers import Issuer
+from ._issuer import TrustedIssuer
 from ._policy import Caller
 
 ALLOWED_ALGORITHMS = frozenset(
@@ -136,7 +136,7 @@ class TokenVerifier:
         self,
         *,
         audience: str,
-        issuers: Callable[[], Mapping[str, Issuer]],
+        issuers: Callable[[], Mapping[str, TrustedIssuer]],
         http: Callable[[], httpx.AsyncClient],
         skew_seconds: int = 30,
         max_token_bytes: int = 16 * 1024,
@@ -153,7 +153,7 @@ class TokenVerifier:
         self._jwks: dict[str, tuple[float, dict[str, jwt.PyJWK]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.jwks_fetches = 0
-        self.verified: VerifiedTokens[tuple[dict[str, Any], Issuer]] = VerifiedTokens(
+        self.verified: VerifiedTokens[tuple[dict[str, Any], TrustedIssuer]] = VerifiedTokens(
             max_age=jwks_cache_seconds
         )
         self._forgotten = 0  # bumped by forget(): a verification begun before is not cached
@@ -165,7 +165,7 @@ class TokenVerifier:
         self._jwks.pop(issuer_url, None)
         self.verified.forget_issuer(issuer_url)
 
-    async def _fetch_jwks(self, issuer: Issuer) -> dict[str, jwt.PyJWK]:
+    async def _fetch_jwks(self, issuer: TrustedIssuer) -> dict[str, jwt.PyJWK]:
         client = self._http()
         try:
             disco = await client.get(f"{issuer.url}/.well-known/openid-configuration")
@@ -190,7 +190,7 @@ class TokenVerifier:
         self._jwks[issuer.url] = (time.monotonic(), keys)
         return keys
 
-    async def _key_for(self, issuer: Issuer, kid: str) -> jwt.PyJWK | None:
+    async def _key_for(self, issuer: TrustedIssuer, kid: str) -> jwt.PyJWK | None:
         lock = self._locks.setdefault(issuer.url, asyncio.Lock())
         async with lock:
             cached = self._jwks.get(issuer.url)
@@ -200,7 +200,7 @@ class TokenVerifier:
             keys = await self._fetch_jwks(issuer)  # unknown kid: refetch once
             return keys.get(kid)
 
-    async def verify(self, authorization: str | None) -> tuple[Caller, Issuer]:
+    async def verify(self, authorization: str | None) -> tuple[Caller, TrustedIssuer]:
         if not authorization:
             raise TokenRejected(
                 "token_missing",
@@ -290,7 +290,7 @@ class TokenVerifier:
             self.verified.put(token, (claims, issuer), issuer_url=issuer.url, exp=caller.expires_at)
         return caller, issuer
 
-    def _check_claims(self, claims: Mapping[str, Any], issuer: Issuer, token: str) -> Caller:
+    def _check_claims(self, claims: Mapping[str, Any], issuer: TrustedIssuer, token: str) -> Caller:
         aud = claims.get("aud")
         if aud is None:
             raise TokenRejected("missing_claim", "the token has no 'aud' (audience) claim")
