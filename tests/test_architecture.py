@@ -1,6 +1,8 @@
-"""The architecture (docs/architecture.md) as checks: no import cycle among the core modules,
-no function over 60 lines outside ``testing``, one-way dependencies between the groups, shared
-layers free of I/O, and sync/async shells that differ only by their I/O."""
+"""The architecture (docs/architecture.md) as checks: the folders are layers and every import
+goes down (``LAYERS``: the broker never imports the client, the client never the broker or the
+CLI), no import cycle and no function over 60 lines outside the local stack (``broker/``,
+``testing/``), the I/O-free layers never reaching httpx, the sandbox runtime on the standard
+library, and sync/async shells that differ only by their I/O."""
 
 from __future__ import annotations
 
@@ -172,6 +174,72 @@ def test_core_never_imports_testing() -> None:
     assert sorted(importers) == sorted(allowed & importers)
 
 
+LAYERS: dict[str, set[str]] = {
+    # layer: the layers below it that it may import (its own is always allowed)
+    "shared": set(),
+    "credentials": {"shared"},
+    "errors": {"shared", "credentials"},
+    "client.wire": {"shared", "credentials", "errors"},
+    "client.core": {"shared", "credentials", "errors", "client.wire"},
+    "client.http": {"shared", "credentials", "errors", "client.wire", "client.core"},
+    "client": {"shared", "credentials", "errors", "client.wire", "client.core", "client.http"},
+    "broker.runtime": set(),
+    "broker.identity": {"shared"},
+    "broker.backends": {"shared", "broker.runtime"},
+    "broker": {"shared", "broker.runtime", "broker.identity", "broker.backends"},
+    "testing": {
+        *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
+        *("client", "broker.runtime", "broker.identity", "broker.backends", "broker"),
+    },
+    "cli": {
+        *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
+        *("client", "testing"),  # testing: the dev/demo commands run the local broker
+    },
+    "api": {"shared"},  # the top-level __init__: its other names are imported on first use
+}
+"""The folders as layers, bottom to top: the credential framework below the client (wire, core,
+http, then the sync and async shells), the broker beside it (runtime, identity, backends, then
+the app), never importing it; testing above both, the CLI on top."""
+
+
+def _layer(name: str) -> str:
+    if name in SHARED:
+        return "shared"
+    if name == "hookspecs":  # at the top level for plugin authors; part of the framework
+        return "credentials"
+    if name in ("errors", ""):
+        return "errors" if name else "api"
+    deepest = [layer for layer in LAYERS if in_group(name, {layer})]
+    assert deepest, f"{name}: in no layer of LAYERS (add its folder there, and to the docs)"
+    return max(deepest, key=len)
+
+
+def test_every_module_imports_only_its_layer_or_below() -> None:
+    wrong = [
+        f"{name} ({_layer(name)}) imports {dep} ({_layer(dep)})"
+        for name, deps in sorted(_graph().items())
+        for dep in sorted(deps)
+        if _layer(dep) != _layer(name) and _layer(dep) not in LAYERS[_layer(name)]
+    ]
+    assert wrong == []
+
+
+def test_the_layer_check_sees_a_wall_broken(tmp_path: Path) -> None:
+    (tmp_path / "_x.py").write_text("from ...client import _client\n")
+    deps = _imported_modules(tmp_path / "_x.py", "broker.backends._x", set(_module_names()))
+    assert deps == {"client._client"}
+    assert _layer("client._client") not in LAYERS[_layer("broker.backends._x")]
+
+
+def test_the_runtime_uses_the_standard_library_only() -> None:
+    """It is forked per sandbox and will run in a container image of its own."""
+    lazily = {"python_multipart"}  # imported on the first upload; phase B: one multipart reader
+    for name, path in _module_names().items():
+        if in_group(name, {"broker.runtime"}):
+            outside = _third_party(path) - set(sys.stdlib_module_names) - {PACKAGE}
+            assert outside <= lazily, (name, outside - lazily)
+
+
 IO_FREE = {
     "client._base",
     "client.wire._dataplane",
@@ -200,7 +268,9 @@ def _third_party(path: Path) -> set[str]:
 
 def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
     graph, modules = _graph(), _module_names()
-    for name in IO_FREE:
+    layers = {name for name in modules if in_group(name, {"client.wire", "client.core"})}
+    assert IO_FREE - {"client._base", "_driver"} <= layers
+    for name in IO_FREE | layers:
         reached, todo = set(), [name]
         while todo:
             current = todo.pop()
@@ -213,6 +283,8 @@ def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
             "client.http._async_transport",
         }
         assert reached.isdisjoint(performers), name
+        if name in layers:  # client/wire and client/core never reach client/http at all
+            assert not any(in_group(m, {"client.http"}) for m in reached), name
         for module in reached:
             io = {"httpx", "httpcore", "socket", "ssl", "requests", "urllib3"}
             assert not io & _third_party(modules[module]), (name, module)
