@@ -7,7 +7,7 @@ import zipfile
 
 REQUIRED_CORE = (
     "k8s_agent_sandbox_awx/py.typed",
-    "k8s_agent_sandbox_awx/openapi.json",
+    "k8s_agent_sandbox_awx/broker/openapi.json",
 )
 TEST_DIRS = {"tests", "test", "testdata"}
 CACHE_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}

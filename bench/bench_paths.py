@@ -41,7 +41,7 @@ from k8s_agent_sandbox.models import SandboxDirectConnectionConfig
 from k8s_agent_sandbox.sandbox import Sandbox as UpstreamSandbox
 
 from k8s_agent_sandbox_awx import BrokerSandboxClient, Sandbox
-from k8s_agent_sandbox_awx._commands import Commands
+from k8s_agent_sandbox_awx.client._commands import Commands
 from k8s_agent_sandbox_awx.testing import LocalBroker
 
 

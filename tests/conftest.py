@@ -1,4 +1,4 @@
-"""Fixtures shared by the sync (tests/client) and async (tests/async_client) client suites.
+"""Fixtures shared by the client tests (tests/client: sync and async, side by side) and the rest.
 
 pytest runs with ``--import-mode=importlib``, so test directories cannot import each other's
 modules: what both suites use is provided here, as fixtures. ``tests/broker`` overrides
@@ -50,7 +50,8 @@ def _forget_detected_dialects(
     ``/v1/healthz``: unless a test runs per dialect (``dialect``, ``dialect_broker``) or uses
     ``rpc_broker`` or ``real_detection``, a broker whose dialect is not pinned is taken to
     speak v1 (no probe)."""
-    from k8s_agent_sandbox_awx import _base, _dialects
+    from k8s_agent_sandbox_awx.client import _base
+    from k8s_agent_sandbox_awx.client.wire import _dialects
 
     _dialects.forget_detected()
     if _DETECTING.isdisjoint(request.fixturenames):
@@ -127,7 +128,7 @@ def dialect(request: pytest.FixtureRequest) -> str:
     A test that needs an operation a dialect lacks (``_dialect.FEATURES``) says so with
     ``@pytest.mark.dialect_feature(FEATURE, ...)``: it is skipped, with that reason, under a
     dialect without it."""
-    from k8s_agent_sandbox_awx._dialects import get_dialect
+    from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
 
     name: str = request.param
     marker = request.node.get_closest_marker("dialect_feature")

@@ -13,7 +13,7 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from k8s_agent_sandbox_awx.testing import _fs, _runtime
+from k8s_agent_sandbox_awx.broker.runtime import _fs, _runtime
 
 
 def _without_commands(method: str) -> None:

@@ -1,6 +1,8 @@
-"""The architecture (docs/architecture.md) as checks: no import cycle among the core modules,
-no function over 60 lines outside ``testing``, one-way dependencies between the groups, shared
-layers free of I/O, and sync/async shells that differ only by their I/O."""
+"""The architecture (docs/architecture.md) as checks: the folders are layers and every import
+goes down (``LAYERS``: the broker never imports the client, the client never the broker or the
+CLI), no import cycle and no function over 60 lines outside the local stack (``broker/``,
+``testing/``), the I/O-free layers never reaching httpx, the sandbox runtime on the standard
+library, and sync/async shells that differ only by their I/O."""
 
 from __future__ import annotations
 
@@ -15,24 +17,39 @@ SRC = Path(k8s_agent_sandbox_awx.__file__).resolve().parent
 PACKAGE = "k8s_agent_sandbox_awx"
 MAX_FUNCTION_LINES = 60
 
-CREDENTIALS = {
-    "_auth",
-    "_bridge",
-    "_cache",
-    "_chain",
-    "_credential",
-    "_credential_errors",
-    "_jwt",
-    "_plugins",
-    "_providers",
-    "hookspecs",
-}
+CREDENTIALS = {"credentials", "hookspecs"}
+"""The credential framework: the ``credentials`` package and the hook specifications (at the top
+level, where plugin authors import them)."""
 SHARED = {"_driver", "_upstream", "_version"}
 """What both halves may use: the one driver, the upstream boundary, the version."""
+LOCAL_STACK = {"broker", "testing"}
+"""The local broker stack (the broker, its runtime and backends; LocalBroker, the test kits)."""
+
+
+def _module_names() -> dict[str, Path]:
+    """Every module of the package by its dotted name below the package (``client.wire._protocol``;
+    a package by its own name, ``client.wire``; the top-level ``__init__`` as ``""``)."""
+    names: dict[str, Path] = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
 
 
 def _core_modules() -> dict[str, Path]:
-    return {p.stem: p for p in SRC.glob("*.py")}
+    """Every module outside the local stack (what the cycle check covers today)."""
+    return {name: path for name, path in _module_names().items() if _group(name) not in LOCAL_STACK}
+
+
+def _group(name: str) -> str:
+    """The top-level piece a module belongs to (``client``, ``credentials``, ``errors``, ...)."""
+    return name.split(".")[0]
+
+
+def in_group(name: str, groups: set[str]) -> bool:
+    return any(name == g or name.startswith(g + ".") for g in groups)
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -42,15 +59,18 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """The package modules ``path`` imports anywhere (also inside functions), relative or
-    absolute; imports only type checkers see are left out."""
+def _imported_modules(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The package modules the module ``name`` (at ``path``) imports anywhere (also inside
+    functions), relative or absolute, by their dotted names; imports only type checkers see are
+    left out. ``from package import x`` counts as importing ``package.x`` when that is a module,
+    else ``package``."""
     found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
 
-    def add(dotted: str) -> None:
-        head = dotted.split(".")[0]
-        if head in modules or head == "testing":
-            found.add(head)
+    def add(dotted: str, names: list[str]) -> None:
+        for alias in names:
+            sub = f"{dotted}.{alias}" if dotted else alias
+            found.add(sub if sub in modules else dotted)
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node):
@@ -60,32 +80,28 @@ def _imported_modules(path: Path, modules: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith(PACKAGE + "."):
-                    add(alias.name[len(PACKAGE) + 1 :])
+                    found.add(alias.name[len(PACKAGE) + 1 :])
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module and node.module.startswith(PACKAGE):
-                rest = node.module[len(PACKAGE) + 1 :]
-                if rest:
-                    add(rest)
-                else:
-                    for alias in node.names:
-                        add(alias.name)
-            elif node.level == 1:
+            names = [alias.name for alias in node.names]
+            if node.level == 0 and node.module and node.module.split(".")[0] == PACKAGE:
+                add(node.module[len(PACKAGE) + 1 :], names)
+            elif node.level > 0:
+                parts = package.split(".") if package else []
+                base = parts[: len(parts) - (node.level - 1)]
                 if node.module:
-                    add(node.module)
-                else:
-                    for alias in node.names:
-                        add(alias.name)
+                    base.append(node.module)
+                add(".".join(base), names)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
     visit(ast.parse(path.read_text()))
-    return found - {path.stem}
+    return found - {name}
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = _core_modules()
-    names = set(modules)
-    return {name: _imported_modules(path, names) for name, path in modules.items()}
+def _graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    modules = _module_names() if modules is None else modules
+    names = set(_module_names())
+    return {name: _imported_modules(path, name, names) for name, path in modules.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -111,8 +127,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycle_among_core_modules() -> None:
-    graph = _graph()
-    graph.pop("testing", None)
+    core = _core_modules()
+    graph = {name: deps & set(core) for name, deps in _graph(core).items()}
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
@@ -120,48 +136,122 @@ def test_the_cycle_check_sees_relative_and_function_level_imports(tmp_path: Path
     (tmp_path / "_a.py").write_text("from . import _b\n")
     (tmp_path / "_b.py").write_text("def f():\n    from ._a import x\n    return x\n")
     names = {"_a", "_b"}
-    graph = {p.stem: _imported_modules(p, names) for p in tmp_path.glob("*.py")}
+    graph = {p.stem: _imported_modules(p, p.stem, names) for p in tmp_path.glob("*.py")}
     assert _cycle(graph) in (["_a", "_b", "_a"], ["_b", "_a", "_b"])
+    # a relative import from a sub-package, two levels up
+    (tmp_path / "_c.py").write_text("def f():\n    from .._d import y\n    return y\n")
+    deps = _imported_modules(tmp_path / "_c.py", "pkg.sub._c", {"pkg.sub._c", "pkg._d"})
+    assert deps == {"pkg._d"}
 
 
 def test_no_function_over_60_lines_outside_testing() -> None:
+    # outside the local stack: broker/ and testing/ (all of the former testing/)
     long: list[str] = []
-    for path in sorted(SRC.rglob("*.py")):
-        if "testing" in path.relative_to(SRC).parts:
-            continue
+    for name, path in sorted(_core_modules().items()):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
-                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+                    long.append(f"{name}:{node.name} ({lines} lines)")
     assert long == []
 
 
 def test_credentials_never_import_the_client() -> None:
     graph = _graph()
-    for name in CREDENTIALS:
-        assert graph[name] <= CREDENTIALS | SHARED, (name, graph[name] - CREDENTIALS - SHARED)
+    framework = [name for name in graph if in_group(name, CREDENTIALS)]
+    assert len(framework) > len(CREDENTIALS)
+    for name in framework:
+        outside = {d for d in graph[name] if not in_group(d, CREDENTIALS | SHARED)}
+        assert outside == set(), (name, outside)
 
 
 def test_core_never_imports_testing() -> None:
-    graph = _graph()
-    allowed = {"_cli", "_pytest_plugin"}  # the dev/demo commands and the pytest fixture
-    assert sorted(name for name, deps in graph.items() if "testing" in deps) == sorted(
-        name for name in allowed if "testing" in graph[name]
-    )
+    graph = _graph(_core_modules())
+    allowed = {"cli._local"}  # the dev/demo commands (the pytest fixture is in testing/)
+    importers = {
+        name for name, deps in graph.items() if any(in_group(d, LOCAL_STACK) for d in deps)
+    }
+    assert sorted(importers) == sorted(allowed & importers)
+
+
+LAYERS: dict[str, set[str]] = {
+    # layer: the layers below it that it may import (its own is always allowed)
+    "shared": set(),
+    "credentials": {"shared"},
+    "errors": {"shared", "credentials"},
+    "client.wire": {"shared", "credentials", "errors"},
+    "client.core": {"shared", "credentials", "errors", "client.wire"},
+    "client.http": {"shared", "credentials", "errors", "client.wire", "client.core"},
+    "client": {"shared", "credentials", "errors", "client.wire", "client.core", "client.http"},
+    "broker.runtime": set(),
+    "broker.identity": {"shared"},
+    "broker.backends": {"shared", "broker.runtime"},
+    "broker": {"shared", "broker.runtime", "broker.identity", "broker.backends"},
+    "testing": {
+        *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
+        *("client", "broker.runtime", "broker.identity", "broker.backends", "broker"),
+    },
+    "cli": {
+        *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
+        *("client", "testing"),  # testing: the dev/demo commands run the local broker
+    },
+    "api": {"shared"},  # the top-level __init__: its other names are imported on first use
+}
+"""The folders as layers, bottom to top: the credential framework below the client (wire, core,
+http, then the sync and async shells), the broker beside it (runtime, identity, backends, then
+the app), never importing it; testing above both, the CLI on top."""
+
+
+def _layer(name: str) -> str:
+    if name in SHARED:
+        return "shared"
+    if name == "hookspecs":  # at the top level for plugin authors; part of the framework
+        return "credentials"
+    if name in ("errors", ""):
+        return "errors" if name else "api"
+    deepest = [layer for layer in LAYERS if in_group(name, {layer})]
+    assert deepest, f"{name}: in no layer of LAYERS (add its folder there, and to the docs)"
+    return max(deepest, key=len)
+
+
+def test_every_module_imports_only_its_layer_or_below() -> None:
+    wrong = [
+        f"{name} ({_layer(name)}) imports {dep} ({_layer(dep)})"
+        for name, deps in sorted(_graph().items())
+        for dep in sorted(deps)
+        if _layer(dep) != _layer(name) and _layer(dep) not in LAYERS[_layer(name)]
+    ]
+    assert wrong == []
+
+
+def test_the_layer_check_sees_a_wall_broken(tmp_path: Path) -> None:
+    (tmp_path / "_x.py").write_text("from ...client import _client\n")
+    deps = _imported_modules(tmp_path / "_x.py", "broker.backends._x", set(_module_names()))
+    assert deps == {"client._client"}
+    assert _layer("client._client") not in LAYERS[_layer("broker.backends._x")]
+
+
+def test_the_runtime_uses_the_standard_library_only() -> None:
+    """It is forked per sandbox and will run in a container image of its own."""
+    lazily = {"python_multipart"}  # imported on the first upload; phase B: one multipart reader
+    for name, path in _module_names().items():
+        if in_group(name, {"broker.runtime"}):
+            outside = _third_party(path) - set(sys.stdlib_module_names) - {PACKAGE}
+            assert outside <= lazily, (name, outside - lazily)
 
 
 IO_FREE = {
-    "_base",
-    "_dataplane",
-    "_dialect",
-    "_dialect_v1",
-    "_dialects",
+    "client._base",
+    "client.wire._dataplane",
+    "client.wire._dialect",
+    "client.wire._dialect_v1",
+    "client.wire._dialects",
     "_driver",
-    "_flow",
-    "_fsapi",
-    "_protocol",
-    "_upload",
+    "client.core._flow",
+    "client.core._fsapi",
+    "client.wire._protocol",
+    "client.core._upload",
+    "client.core._retry",
 }
 """What the sync and the async shells share: decisions only, no I/O, no httpx."""
 
@@ -177,16 +267,25 @@ def _third_party(path: Path) -> set[str]:
 
 
 def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
-    graph, modules = _graph(), _core_modules()
-    for name in IO_FREE:
+    graph, modules = _graph(), _module_names()
+    layers = {name for name in modules if in_group(name, {"client.wire", "client.core"})}
+    assert IO_FREE - {"client._base", "_driver"} <= layers
+    for name in IO_FREE | layers:
         reached, todo = set(), [name]
         while todo:
             current = todo.pop()
             if current not in reached:
                 reached.add(current)
                 todo.extend(graph.get(current, ()))
-        assert reached.isdisjoint({"_exchange", "_transport", "_async_transport"}), name
-        for module in reached - {"testing"}:
+        performers = {
+            "client.http._exchange",
+            "client.http._transport",
+            "client.http._async_transport",
+        }
+        assert reached.isdisjoint(performers), name
+        if name in layers:  # client/wire and client/core never reach client/http at all
+            assert not any(in_group(m, {"client.http"}) for m in reached), name
+        for module in reached:
             io = {"httpx", "httpcore", "socket", "ssl", "requests", "urllib3"}
             assert not io & _third_party(modules[module]), (name, module)
         assert "asyncio" not in _third_party(modules[name]), name
@@ -194,19 +293,28 @@ def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
 
 def test_exchange_performs_nothing() -> None:
     # _exchange builds httpx requests and decides outcomes; it never sends, reads or sleeps.
-    text = (SRC / "_exchange.py").read_text()
-    assert "asyncio" not in _third_party(SRC / "_exchange.py")
+    text = (SRC / "client/http/_exchange.py").read_text()
+    assert "asyncio" not in _third_party(SRC / "client/http/_exchange.py")
     for call in ("_client.send(", "response.read(", "aread(", "sleep(", "iter_bytes("):
         assert call not in text, call
 
 
 def test_sync_modules_never_import_asyncio() -> None:
-    for module in ("_transport.py", "_client.py", "_commands.py", "_files.py"):
+    for module in (
+        "client/http/_transport.py",
+        "client/_client.py",
+        "client/_commands.py",
+        "client/_files.py",
+    ):
         assert "asyncio" not in _third_party(SRC / module), module
 
 
 def test_async_modules_use_the_async_http_client_only() -> None:
-    for module in ("_async_transport.py", "_async_client.py"):
+    for module in (
+        "client/http/_async_transport.py",
+        "client/_async_client.py",
+        "client/_async_files.py",
+    ):
         text = (SRC / module).read_text()
         assert "httpx.Client(" not in text and "time.sleep" not in text, module
 
@@ -215,8 +323,9 @@ def test_sandbox_use_does_not_load_the_local_stack() -> None:
     code = (
         "import sys\n"
         "from k8s_agent_sandbox_awx import Sandbox, BrokerSandboxClient, BrokerConnectionConfig\n"
-        "import k8s_agent_sandbox_awx._cli\n"
-        "bad = [m for m in sys.modules if m.startswith('k8s_agent_sandbox_awx.testing')\n"
+        "import k8s_agent_sandbox_awx.cli._cli\n"
+        "bad = [m for m in sys.modules if m.startswith(('k8s_agent_sandbox_awx.testing',\n"
+        "                                               'k8s_agent_sandbox_awx.broker'))\n"
         "       or m.split('.')[0] in ('uvicorn', 'starlette', 'jwt', 'trustme')]\n"
         "print(bad)\n"
     )
@@ -227,8 +336,8 @@ def test_sandbox_use_does_not_load_the_local_stack() -> None:
 def test_abstract_methods_of_the_shared_bases_are_enforced() -> None:
     import pytest
 
-    from k8s_agent_sandbox_awx._base import ClientBase
-    from k8s_agent_sandbox_awx._dialect import Dialect
+    from k8s_agent_sandbox_awx.client._base import ClientBase
+    from k8s_agent_sandbox_awx.client.wire._dialect import Dialect
 
     for base in (ClientBase, Dialect):
         with pytest.raises(TypeError, match="abstract"):

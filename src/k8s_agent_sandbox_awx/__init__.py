@@ -17,34 +17,34 @@ from ._version import __version__
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # --- broker client --------------------------------------------------------------------
-    "Sandbox": "._client",
-    "SandboxInfo": "._client",
-    "BrokerSandboxClient": "._client",
-    "AsyncSandbox": "._async_client",
-    "AsyncBrokerSandboxClient": "._async_client",
-    "BrokerConnectionConfig": "._config",
-    "FileInfo": "._fsapi",
-    "WatchEvent": "._fsapi",
+    "Sandbox": ".client._client",
+    "SandboxInfo": ".client._client",
+    "BrokerSandboxClient": ".client._client",
+    "AsyncSandbox": ".client._async_client",
+    "AsyncBrokerSandboxClient": ".client._async_client",
+    "BrokerConnectionConfig": ".client.http._config",
+    "FileInfo": ".client.core._fsapi",
+    "WatchEvent": ".client.core._fsapi",
     "SandboxError": ".errors",
-    "CommandHandle": "._commands",
-    "AsyncCommandHandle": "._async_commands",
-    "CommandEvent": "._command_flow",
-    "CommandInfo": "._dataplane",
+    "CommandHandle": ".client._commands",
+    "AsyncCommandHandle": ".client._async_commands",
+    "CommandEvent": ".client.core._command_flow",
+    "CommandInfo": ".client.wire._dataplane",
     # --- the original package's names (drop-in migration) ----------------------------------
-    "SandboxBrokerConnectionConfig": "._config",
-    "BrokerSandbox": "._client",
+    "SandboxBrokerConnectionConfig": ".client.http._config",
+    "BrokerSandbox": ".client._client",
     # --- credential framework -------------------------------------------------------------
-    "DefaultCredentials": "._chain",
-    "explain": "._chain",
-    "Explanation": "._chain",
-    "ProviderDecision": "._chain",
-    "KubernetesAuth": "._auth",
-    "OIDCTokenAuth": "._auth",
-    "CredentialSource": "._auth",
-    "clear_credential_cache": "._cache",
-    "Credential": "._credential",
-    "CredentialRequest": "._credential",
-    "ProviderInfo": "._credential",
+    "DefaultCredentials": ".credentials._chain",
+    "explain": ".credentials._chain",
+    "Explanation": ".credentials._chain",
+    "ProviderDecision": ".credentials._chain",
+    "KubernetesAuth": ".credentials._auth",
+    "OIDCTokenAuth": ".credentials._auth",
+    "CredentialSource": ".credentials._auth",
+    "clear_credential_cache": ".credentials._cache",
+    "Credential": ".credentials._credential",
+    "CredentialRequest": ".credentials._credential",
+    "ProviderInfo": ".credentials._credential",
     "hookimpl": ".hookspecs",
     "ENTRY_POINT_GROUP": ".hookspecs",
 }
@@ -107,18 +107,18 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from . import errors
-    from ._async_client import AsyncBrokerSandboxClient, AsyncSandbox
-    from ._async_commands import AsyncCommandHandle
-    from ._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
-    from ._cache import clear_credential_cache
-    from ._chain import DefaultCredentials, Explanation, ProviderDecision, explain
-    from ._client import BrokerSandbox, BrokerSandboxClient, Sandbox, SandboxInfo
-    from ._command_flow import CommandEvent
-    from ._commands import CommandHandle
-    from ._config import BrokerConnectionConfig, SandboxBrokerConnectionConfig
-    from ._credential import Credential, CredentialRequest, ProviderInfo
-    from ._dataplane import CommandInfo
-    from ._fsapi import FileInfo, WatchEvent
+    from .client._async_client import AsyncBrokerSandboxClient, AsyncSandbox
+    from .client._async_commands import AsyncCommandHandle
+    from .client._client import BrokerSandbox, BrokerSandboxClient, Sandbox, SandboxInfo
+    from .client._commands import CommandHandle
+    from .client.core._command_flow import CommandEvent
+    from .client.core._fsapi import FileInfo, WatchEvent
+    from .client.http._config import BrokerConnectionConfig, SandboxBrokerConnectionConfig
+    from .client.wire._dataplane import CommandInfo
+    from .credentials._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
+    from .credentials._cache import clear_credential_cache
+    from .credentials._chain import DefaultCredentials, Explanation, ProviderDecision, explain
+    from .credentials._credential import Credential, CredentialRequest, ProviderInfo
     from .errors import *  # noqa: F403 - the old top-level error names
     from .errors import SandboxError
     from .hookspecs import ENTRY_POINT_GROUP, hookimpl

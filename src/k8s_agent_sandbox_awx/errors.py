@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._credential_errors import (
+from ._upstream import (
+    ExecutionResult,
+    SandboxClaimFailedError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxNotReadyError,
+    SandboxRequestError,
+    SandboxTemplateNotFoundError,
+    SandboxWarmPoolNotFoundError,
+)
+from .credentials._credential_errors import (
     AudienceMismatchError,
     CredentialError,
     CredentialPluginWarning,
@@ -24,16 +34,6 @@ from ._credential_errors import (
     NoCredentialsError,
     TokenExpiredError,
     UnreadableCredentialError,
-)
-from ._upstream import (
-    ExecutionResult,
-    SandboxClaimFailedError,
-    SandboxError,
-    SandboxNotFoundError,
-    SandboxNotReadyError,
-    SandboxRequestError,
-    SandboxTemplateNotFoundError,
-    SandboxWarmPoolNotFoundError,
 )
 
 __all__ = [

@@ -201,7 +201,7 @@ def test_a_dead_brokers_deep_leftover_does_not_stop_a_start() -> None:
 def test_a_leftover_the_sweep_cannot_remove_is_logged_and_skipped(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from k8s_agent_sandbox_awx.testing import _tree
+    from k8s_agent_sandbox_awx.broker.runtime import _tree
 
     path = _dead_brokers_leftover(3)
 
@@ -531,7 +531,7 @@ def test_move_without_overwrite_never_replaces_a_destination_made_meanwhile(
 # -- in-process: the walk, and a move where the platform has no no-replace rename ---------------
 @pytest.fixture
 def roots(tmp_path: Path) -> Iterator[Any]:
-    from k8s_agent_sandbox_awx.testing import _fs
+    from k8s_agent_sandbox_awx.broker.runtime import _fs
 
     (tmp_path / "app").mkdir()
     made = _fs.Roots(str(tmp_path / "app"), str(tmp_path / "workspace"))
@@ -560,7 +560,7 @@ def _tree_of(top: Path, depth: int) -> set[str]:
 def test_the_walk_climbs_back_through_dotdot_below_the_descriptors_it_keeps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from k8s_agent_sandbox_awx.testing import _tree
+    from k8s_agent_sandbox_awx.broker.runtime import _tree
 
     monkeypatch.setattr(_tree, "KEEP_OPEN", 3)
     (tmp_path / "t").mkdir()
@@ -592,7 +592,7 @@ def test_the_walk_climbs_back_through_dotdot_below_the_descriptors_it_keeps(
 def test_the_walk_stops_when_a_directory_is_moved_from_under_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from k8s_agent_sandbox_awx.testing import _tree
+    from k8s_agent_sandbox_awx.broker.runtime import _tree
 
     monkeypatch.setattr(_tree, "KEEP_OPEN", 2)
     (tmp_path / "t" / "a" / "b" / "c" / "d").mkdir(parents=True)
@@ -613,7 +613,7 @@ def test_the_walk_stops_when_a_directory_is_moved_from_under_it(
 
 
 def test_remove_tree_removes_a_link_never_its_target(tmp_path: Path) -> None:
-    from k8s_agent_sandbox_awx.testing import _tree
+    from k8s_agent_sandbox_awx.broker.runtime import _tree
 
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "keep").write_text("keep")
@@ -624,7 +624,7 @@ def test_remove_tree_removes_a_link_never_its_target(tmp_path: Path) -> None:
 
 
 def _no_replace_unavailable(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    from k8s_agent_sandbox_awx.testing import _fs
+    from k8s_agent_sandbox_awx.broker.runtime import _fs
 
     def unsupported(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
         raise OSError(22, "Invalid argument")  # a file system without RENAME_NOREPLACE
@@ -640,7 +640,7 @@ def test_move_without_a_no_replace_rename(
 ) -> None:
     """Files: a hard link, then the old name removed (never replaces); directories: a clear
     error, unless overwrite."""
-    from k8s_agent_sandbox_awx.testing import _fs
+    from k8s_agent_sandbox_awx.broker.runtime import _fs
 
     _no_replace_unavailable(monkeypatch, how)
     app = Path(roots.paths["/app"])
@@ -667,7 +667,7 @@ def test_move_without_a_no_replace_rename(
 def test_the_hard_link_move_never_replaces_a_destination_made_meanwhile(
     roots: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from k8s_agent_sandbox_awx.testing import _fs
+    from k8s_agent_sandbox_awx.broker.runtime import _fs
 
     _no_replace_unavailable(monkeypatch, "no renameat2")
     app = roots.paths["/app"]

@@ -646,7 +646,7 @@ def test_a_failing_output_reader_still_ends_the_command(
 ) -> None:
     """In process (the runtime's module is standard library only): a bug in the reader thread
     kills the command's group and ends it visibly instead of leaving it 'running' forever."""
-    from k8s_agent_sandbox_awx.testing import _managed
+    from k8s_agent_sandbox_awx.broker.runtime import _managed
 
     manager = _managed.CommandManager(str(tmp_path), _managed.Limits())
 
@@ -884,7 +884,7 @@ def local_runtime(
     """The runtime's HTTP server in this process (its module is standard library only), with a
     ``CommandManager`` of these ``Limits`` (``sndbuf``: the send buffer of its connections, so
     that a reader that stops reading blocks its sends soon)."""
-    from k8s_agent_sandbox_awx.testing import _managed, _runtime
+    from k8s_agent_sandbox_awx.broker.runtime import _managed, _runtime
 
     manager = _managed.CommandManager(str(tmp_path), _managed.Limits(**limits))
 

@@ -337,8 +337,8 @@ def test_the_refusal_names_the_path_and_the_rule(scoped_broker: LocalBroker) -> 
 
 def test_the_client_maps_the_refusal_to_a_typed_error() -> None:
     from k8s_agent_sandbox_awx import errors
-    from k8s_agent_sandbox_awx._dialect_v1 import error_from_response
-    from k8s_agent_sandbox_awx._protocol import RequestSpec
+    from k8s_agent_sandbox_awx.client.wire._dialect_v1 import error_from_response
+    from k8s_agent_sandbox_awx.client.wire._protocol import RequestSpec
 
     spec = RequestSpec("GET", "/download/x", "read 'x'", data_plane=True)
     body = json.dumps({"detail": "the request path '/x/../y' is not in normal form", "code": CODE})

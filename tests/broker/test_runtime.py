@@ -202,7 +202,7 @@ def test_exec_mode_runtime(api: Any) -> None:
         assert out["stdout"] == "42\n"
         pid = b.runtime_pid(sandbox["name"])
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            assert b"k8s_agent_sandbox_awx.testing._runtime" in fh.read()
+            assert b"k8s_agent_sandbox_awx.broker.runtime" in fh.read()
 
 
 def _peak_rss(pid: int) -> int:

@@ -13,12 +13,9 @@ import pytest
 
 pytest.importorskip("uvicorn", reason="needs the [local] extra")
 
-from k8s_agent_sandbox_awx.testing import _backend
-from k8s_agent_sandbox_awx.testing._backend import (
-    LocalProcessBackend,
-    RuntimeHandle,
-    SandboxSpec,
-)
+from k8s_agent_sandbox_awx.broker.backends import _local
+from k8s_agent_sandbox_awx.broker.backends._interface import RuntimeHandle, SandboxSpec
+from k8s_agent_sandbox_awx.broker.backends._local import LocalProcessBackend
 
 
 async def _start(backend: LocalProcessBackend, *names: str) -> list[RuntimeHandle]:
@@ -47,7 +44,7 @@ def test_a_port_taken_since_the_backend_chose_it_is_never_used(
     async def main() -> None:
         try:
             [first] = await _start(backend, "first")
-            monkeypatch.setattr(_backend, "_free_port", lambda host: first.port)
+            monkeypatch.setattr(_local, "_free_port", lambda host: first.port)
             [second] = await _start(backend, "second")
             assert backend.is_alive(first) and backend.is_alive(second)
             await _check_each_port_is_its_own_runtime([first, second])
@@ -74,7 +71,7 @@ def test_many_runtimes_started_at_once_get_distinct_ports() -> None:
 def test_a_custom_command_without_port_file_still_gets_a_port(tmp_path: Any) -> None:
     """A runtime of one's own that takes ``--port {port}`` (no ``{port_file}``) keeps working."""
     command = (
-        "{python} -m k8s_agent_sandbox_awx.testing._runtime "
+        "{python} -m k8s_agent_sandbox_awx.broker.runtime "
         "--host {host} --port {port} --base-dir {base_dir}"
     )
     backend = LocalProcessBackend(command)

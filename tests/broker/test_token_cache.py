@@ -16,8 +16,8 @@ import jwt
 import pytest
 from jwt.algorithms import RSAAlgorithm
 
+from k8s_agent_sandbox_awx.broker.identity._verify import VerifiedTokens
 from k8s_agent_sandbox_awx.testing import LocalBroker
-from k8s_agent_sandbox_awx.testing._verify import VerifiedTokens
 
 
 class _Counter:

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from k8s_agent_sandbox_awx._credential import Credential
+from k8s_agent_sandbox_awx.credentials._credential import Credential
 
 BROKER = "https://broker.test"
 TOKEN = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ0ZXN0In0.c2VjcmV0LXNpZ25hdHVyZQ"
@@ -151,7 +151,7 @@ def creds() -> StubCredentials:
 @pytest.fixture
 def make_client(fake: FakeBroker, creds: StubCredentials) -> Callable[..., Any]:
     from k8s_agent_sandbox_awx import BrokerConnectionConfig, BrokerSandboxClient
-    from k8s_agent_sandbox_awx._protocol import RetryPolicy
+    from k8s_agent_sandbox_awx.client.core._retry import RetryPolicy
 
     clients: list[Any] = []
 

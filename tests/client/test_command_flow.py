@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from k8s_agent_sandbox_awx import _command_flow as cf
-from k8s_agent_sandbox_awx import _dataplane as dp
 from k8s_agent_sandbox_awx._driver import drive
-from k8s_agent_sandbox_awx._protocol import RouterTarget
+from k8s_agent_sandbox_awx.client.core import _command_flow as cf
+from k8s_agent_sandbox_awx.client.wire import _dataplane as dp
+from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
     BrokerProtocolError,

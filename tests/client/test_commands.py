@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import CommandHandle, Sandbox
-from k8s_agent_sandbox_awx._dialect import SANDBOX_ENV
-from k8s_agent_sandbox_awx._dialects import get_dialect
 from k8s_agent_sandbox_awx._upstream import ExecutionResult
+from k8s_agent_sandbox_awx.client.wire._dialect import SANDBOX_ENV
+from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
     BrokerUnavailableError,
@@ -641,7 +641,7 @@ def cli_run(broker: Any, *argv: str) -> subprocess.Popen[str]:
         "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
         "PYTHONFAULTHANDLER": "1",  # SIGABRT prints every thread's stack (see exit_after)
     }
-    cli = [sys.executable, "-m", "k8s_agent_sandbox_awx._cli", "run", "--", *argv]
+    cli = [sys.executable, "-m", "k8s_agent_sandbox_awx.cli._cli", "run", "--", *argv]
     pipe = subprocess.PIPE
     return subprocess.Popen(cli, env=env, stdout=pipe, stderr=pipe, text=True)
 
@@ -685,8 +685,8 @@ def cli_with_stuck_kill(
     kill request that never returns (in the field: a lock an interrupted library call left
     held); ``second_ctrl_c``: Ctrl-C again once the kill is stuck. Its exit code and stderr.
     A hang is ended by a Ctrl-C after 20 s and fails the test."""
-    from k8s_agent_sandbox_awx import _cli
-    from k8s_agent_sandbox_awx._transport import BrokerTransport
+    from k8s_agent_sandbox_awx.cli import _cli
+    from k8s_agent_sandbox_awx.client.http._transport import BrokerTransport
 
     for key, value in broker.environ("kubernetes").items():
         monkeypatch.setenv(key, value)

@@ -114,7 +114,7 @@ def test_unreadable_tls_files_are_configuration_errors(tmp_path: pytest.TempPath
 def test_the_broker_url_follows_the_one_url_rule(url: str) -> None:
     """One URL normaliser: the broker URL (the only origin a token goes to) is normalised by
     the same rule as a token's audience (``_jwt.normalise_url``)."""
-    from k8s_agent_sandbox_awx._jwt import normalise_url
+    from k8s_agent_sandbox_awx.credentials._jwt import normalise_url
 
     assert BrokerConnectionConfig(broker_url=url).broker_url == normalise_url(url)
 
@@ -180,7 +180,7 @@ def test_an_invalid_setting_is_a_typed_error_naming_it(
     """pydantic's ``ValidationError`` escaped from every way of building a config (the model,
     ``model_validate``, a client's settings, ``Sandbox.create``'s, a config plus overrides)."""
     from k8s_agent_sandbox_awx import BrokerSandboxClient
-    from k8s_agent_sandbox_awx._flow import client_overrides
+    from k8s_agent_sandbox_awx.client.core._flow import client_overrides
     from k8s_agent_sandbox_awx.errors import InvalidSettingError
 
     base = BrokerConnectionConfig(broker_url="https://b.example")
@@ -260,7 +260,7 @@ def test_the_cli_reports_a_ca_bundle_with_an_http_broker(
 ) -> None:
     """``--allow-insecure-http --broker-url http://...`` with a CA bundle: exit 1, one line on
     stderr naming where the bundle came from and the fix, no traceback (doctor too)."""
-    from k8s_agent_sandbox_awx._cli import main
+    from k8s_agent_sandbox_awx.cli._cli import main
 
     monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.delenv("AGENT_SANDBOX_CA_BUNDLE", raising=False)
@@ -285,7 +285,7 @@ def test_the_cli_reports_a_ca_bundle_with_an_http_broker(
 def test_the_cli_reports_an_invalid_broker_host(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from k8s_agent_sandbox_awx._cli import main
+    from k8s_agent_sandbox_awx.cli._cli import main
 
     monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv("AGENT_SANDBOX_TOKEN", "x.y.z")

@@ -28,8 +28,8 @@ from k8s_agent_sandbox_awx import (
     Sandbox,
     clear_credential_cache,
 )
-from k8s_agent_sandbox_awx._cli import main
-from k8s_agent_sandbox_awx._dialects import detected
+from k8s_agent_sandbox_awx.cli._cli import main
+from k8s_agent_sandbox_awx.client.wire._dialects import detected
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
     BrokerRedirectError,
@@ -338,7 +338,7 @@ def _error_of(call: Callable[[], Any]) -> BaseException | None:
 
 def test_the_probe_answer_shapes() -> None:
     """The verdicts, without I/O: what identifies a dialect and what is only a guess."""
-    from k8s_agent_sandbox_awx._dialects import _verdict
+    from k8s_agent_sandbox_awx.client.wire._dialects import _verdict
 
     def reply(status: int, body: Any = None) -> httpx.Response:
         return httpx.Response(status, content=json.dumps(body).encode() if body else b"")

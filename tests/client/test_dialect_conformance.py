@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import BrokerConnectionConfig, BrokerSandboxClient, Sandbox
-from k8s_agent_sandbox_awx import _flow as flow
-from k8s_agent_sandbox_awx._dialect import LIFETIME, LIST, SANDBOX_ENV, WHOAMI, Dialect
-from k8s_agent_sandbox_awx._dialect_v1 import V1Dialect
-from k8s_agent_sandbox_awx._dialects import DIALECTS, get_dialect
+from k8s_agent_sandbox_awx.client.core import _flow as flow
+from k8s_agent_sandbox_awx.client.wire._dialect import LIFETIME, LIST, SANDBOX_ENV, WHOAMI, Dialect
+from k8s_agent_sandbox_awx.client.wire._dialect_v1 import V1Dialect
+from k8s_agent_sandbox_awx.client.wire._dialects import DIALECTS, get_dialect
 from k8s_agent_sandbox_awx.errors import (
     BrokerPermissionError,
     BrokerQuotaError,
@@ -205,7 +205,7 @@ at the cap and says so (``Lifetime.capped``). A new dialect declares its rule he
 def _claimed(broker: Any, sandbox: Sandbox) -> tuple[float, float]:
     """``(created, deadline)`` of ``sandbox``'s claim as the broker keeps it (the claim is
     named ``sandbox.name`` under every dialect)."""
-    from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
+    from k8s_agent_sandbox_awx.client.wire._protocol import rfc3339_seconds
 
     [claim] = [c for c in broker.claims() if c["metadata"]["name"] == sandbox.name]
     created = rfc3339_seconds(claim["metadata"]["creationTimestamp"]) or 0
@@ -219,7 +219,7 @@ def test_the_lifetime_is_set_moved_and_capped(
     deadline moves both ways; past the policy's cap each dialect does what it documents
     (:data:`PAST_THE_CAP`); a create past the cap is refused by both (``/rpc``: a plain 400
     that names the SDK's setting)."""
-    from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
+    from k8s_agent_sandbox_awx.client.wire._protocol import rfc3339_seconds
     from k8s_agent_sandbox_awx.errors import BrokerError, LifetimeExceedsPolicyError
 
     needs(client, LIFETIME)

@@ -27,13 +27,13 @@ from k8s_agent_sandbox_awx import (
     Sandbox,
     SandboxReadyTimeoutError,
 )
-from k8s_agent_sandbox_awx._dialect import LIST, REPLAY_CREATE
 from k8s_agent_sandbox_awx._upstream import (
     ExecutionResult,
     SandboxError,
     SandboxNotFoundError,
     SandboxTemplateNotFoundError,
 )
+from k8s_agent_sandbox_awx.client.wire._dialect import LIST, REPLAY_CREATE
 
 pytestmark = pytest.mark.e2e
 

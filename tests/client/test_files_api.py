@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import FileInfo, KubernetesAuth, Sandbox, WatchEvent
-from k8s_agent_sandbox_awx._dialect import SANDBOX_ENV
+from k8s_agent_sandbox_awx.client.wire._dialect import SANDBOX_ENV
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
     FileAPIUnsupportedError,
@@ -213,7 +213,7 @@ def test_watch_dir_reconnects_and_loses_no_change(
 ) -> None:
     """Short segments (1 s instead of 20): every reconnection reads the token again and diffs
     the runtime's new snapshot, so files created around the reconnections each arrive once."""
-    from k8s_agent_sandbox_awx import _fsapi
+    from k8s_agent_sandbox_awx.client.core import _fsapi
 
     monkeypatch.setattr(_fsapi, "MAX_WATCH_SEGMENT", 1.0)
     with _sandbox(files_broker) as sb:

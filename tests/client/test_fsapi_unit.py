@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from k8s_agent_sandbox_awx import _fsapi as fsapi
-from k8s_agent_sandbox_awx._protocol import RouterTarget
+from k8s_agent_sandbox_awx.client.core import _fsapi as fsapi
+from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget
 from k8s_agent_sandbox_awx.errors import (
     BrokerProtocolError,
     BrokerUnavailableError,

@@ -383,7 +383,7 @@ URLS_WITH_A_PASSWORD = [
 def test_a_password_in_the_broker_url_is_never_shown(
     url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from k8s_agent_sandbox_awx._cli import main
+    from k8s_agent_sandbox_awx.cli._cli import main
 
     with pytest.raises(ConfigurationError) as info:
         BrokerConnectionConfig(broker_url=url)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import KubernetesAuth, Sandbox, SandboxInfo
-from k8s_agent_sandbox_awx._dialect import LIST
-from k8s_agent_sandbox_awx._protocol import rfc3339_seconds
+from k8s_agent_sandbox_awx.client.wire._dialect import LIST
+from k8s_agent_sandbox_awx.client.wire._protocol import rfc3339_seconds
 from k8s_agent_sandbox_awx.errors import BrokerError, LifetimeExceedsPolicyError
 
 pytestmark = pytest.mark.e2e
@@ -145,7 +145,7 @@ def test_keepalive_never_delays_the_call_it_rides_on(
 
 def test_lifetime_settings_from_the_environment_and_arguments() -> None:
     from k8s_agent_sandbox_awx import BrokerConnectionConfig
-    from k8s_agent_sandbox_awx._flow import sandbox_timeout, spec_from_create
+    from k8s_agent_sandbox_awx.client.core._flow import sandbox_timeout, spec_from_create
     from k8s_agent_sandbox_awx.errors import ConfigurationError
 
     base = {"AGENT_SANDBOX_BROKER_URL": "https://broker.example"}
@@ -169,7 +169,7 @@ def test_lifetime_settings_from_the_environment_and_arguments() -> None:
 
 
 def test_keepalive_is_due_once_per_half_window_and_only_when_it_extends() -> None:
-    from k8s_agent_sandbox_awx._protocol import Keepalive
+    from k8s_agent_sandbox_awx.client.wire._protocol import Keepalive
 
     now = [1000.0]
     keepalive = Keepalive("sbx", 60, deadline=1300.0, clock=lambda: now[0])

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import AsyncSandbox, BrokerConnectionConfig, Sandbox
-from k8s_agent_sandbox_awx._chain import explain
+from k8s_agent_sandbox_awx.credentials._chain import explain
 from k8s_agent_sandbox_awx.errors import ConfigurationError
 
 Env = Callable[[dict[str, str]], None]

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import BrokerConnectionConfig, Sandbox
-from k8s_agent_sandbox_awx._chain import explain
-from k8s_agent_sandbox_awx._cli import main
+from k8s_agent_sandbox_awx.cli._cli import main
+from k8s_agent_sandbox_awx.credentials._chain import explain
 from k8s_agent_sandbox_awx.testing import unsigned_jwt
 
 AUDIENCE = "https://broker.example"
@@ -140,7 +140,7 @@ def test_each_variable_is_honoured_and_the_earlier_one_wins(
 
 
 def test_the_original_defaults() -> None:
-    from k8s_agent_sandbox_awx._providers import DEFAULT_TOKEN_PATH
+    from k8s_agent_sandbox_awx.credentials._providers import DEFAULT_TOKEN_PATH
 
     config = BrokerConnectionConfig.from_env({"BROKER_URL": AUDIENCE})
     assert DEFAULT_TOKEN_PATH == "/var/run/secrets/tokens/agent-sandbox-token"

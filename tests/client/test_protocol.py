@@ -8,15 +8,16 @@ from datetime import UTC, datetime
 
 import pytest
 
-from k8s_agent_sandbox_awx import _dataplane as dp
-from k8s_agent_sandbox_awx import _dialect_v1 as v1
-from k8s_agent_sandbox_awx import _protocol as proto
 from k8s_agent_sandbox_awx._upstream import (
     FileEntry,
     SandboxNotFoundError,
     SandboxRequestError,
     SandboxTemplateNotFoundError,
 )
+from k8s_agent_sandbox_awx.client.core import _retry as retry
+from k8s_agent_sandbox_awx.client.wire import _dataplane as dp
+from k8s_agent_sandbox_awx.client.wire import _dialect_v1 as v1
+from k8s_agent_sandbox_awx.client.wire import _protocol as proto
 from k8s_agent_sandbox_awx.errors import (
     BrokerAuthenticationError,
     BrokerNotFoundError,
@@ -138,14 +139,14 @@ def test_error_mapping_types() -> None:
 
 def test_retry_after_parsing() -> None:
     now = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
-    assert proto.parse_retry_after("3", now) == 3.0
-    assert proto.parse_retry_after("Sun, 29 Nov 2026 12:00:05 GMT", now) == 5.0
-    assert proto.parse_retry_after("garbage", now) is None
-    assert proto.parse_retry_after(None, now) is None
+    assert retry.parse_retry_after("3", now) == 3.0
+    assert retry.parse_retry_after("Sun, 29 Nov 2026 12:00:05 GMT", now) == 5.0
+    assert retry.parse_retry_after("garbage", now) is None
+    assert retry.parse_retry_after(None, now) is None
 
 
 def test_retry_decisions() -> None:
-    policy = proto.RetryPolicy(max_attempts=3, backoff_base=1, backoff_max=4, rand=lambda a, b: b)
+    policy = retry.RetryPolicy(max_attempts=3, backoff_base=1, backoff_max=4, rand=lambda a, b: b)
     get = v1.get("x")
     execute = dp.execute(ROUTER, "true", command_timeout=5)
     assert policy.after_status(get, 1, 503, {}) == 1
@@ -231,8 +232,8 @@ def test_execute_rejects_a_timeout_that_is_not_a_finite_positive_number(limit: f
 def test_create_rejects_a_ready_timeout_that_is_nan_or_negative(ready: float) -> None:
     """NaN would wait forever (no comparison with it is true), a negative one would create a
     sandbox only to delete it: both are refused before anything is sent."""
-    from k8s_agent_sandbox_awx import _flow as flow
-    from k8s_agent_sandbox_awx._config import BrokerConnectionConfig
+    from k8s_agent_sandbox_awx.client.core import _flow as flow
+    from k8s_agent_sandbox_awx.client.http._config import BrokerConnectionConfig
 
     config = BrokerConnectionConfig(broker_url="https://broker.test")
     with pytest.raises(ValueError, match="sandbox_ready_timeout"):

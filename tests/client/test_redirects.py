@@ -14,7 +14,7 @@ from k8s_agent_sandbox_awx import (
     BrokerSandboxClient,
     Sandbox,
 )
-from k8s_agent_sandbox_awx._protocol import RouterTarget, SandboxInfo
+from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget, SandboxInfo
 
 pytestmark = pytest.mark.e2e
 

@@ -19,8 +19,8 @@ from k8s_agent_sandbox_awx import (
     BrokerSandboxClient,
     Sandbox,
 )
-from k8s_agent_sandbox_awx._dialects import detected, forget_detected
 from k8s_agent_sandbox_awx._upstream import SandboxWarmPoolNotFoundError
+from k8s_agent_sandbox_awx.client.wire._dialects import detected, forget_detected
 from k8s_agent_sandbox_awx.errors import (
     AudienceMismatchError,
     BrokerError,
@@ -305,7 +305,7 @@ def test_concurrent_first_uses_send_one_probe(creds: Any, real_detection: None) 
     from concurrent.futures import ThreadPoolExecutor
 
     from k8s_agent_sandbox_awx import AsyncBrokerSandboxClient
-    from k8s_agent_sandbox_awx._dialects import forget_detected
+    from k8s_agent_sandbox_awx.client.wire._dialects import forget_detected
 
     script = RpcScript()
     answer = script.__call__

@@ -18,13 +18,13 @@ from k8s_agent_sandbox_awx import (
     SandboxFailedError,
     SandboxReadyTimeoutError,
 )
-from k8s_agent_sandbox_awx._command_flow import SHELL
 from k8s_agent_sandbox_awx._upstream import (
     ExecutionResult,
     SandboxClaimFailedError,
     SandboxError,
     SandboxNotReadyError,
 )
+from k8s_agent_sandbox_awx.client.core._command_flow import SHELL
 
 
 def test_create_waits_with_the_long_poll(make_client: Any, fake: Any) -> None:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx import AsyncBrokerSandboxClient, BrokerSandboxClient, OIDCTokenAuth
-from k8s_agent_sandbox_awx._protocol import NdjsonDecoder, RequestSpec
+from k8s_agent_sandbox_awx.client.wire._protocol import NdjsonDecoder, RequestSpec
 from k8s_agent_sandbox_awx.errors import BrokerNotFoundError, BrokerProtocolError
 
 BROKER = "https://broker.test"
@@ -81,8 +81,8 @@ def test_events_stream_through_the_local_broker_sync_and_async(broker: Any) -> N
     """A managed command's NDJSON events, streamed through the broker over real HTTPS by the
     one exchange (auth, the dialect's data-plane headers), sync and async."""
     from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
-    from k8s_agent_sandbox_awx._dataplane import _data
-    from k8s_agent_sandbox_awx._protocol import json_body
+    from k8s_agent_sandbox_awx.client.wire._dataplane import _data
+    from k8s_agent_sandbox_awx.client.wire._protocol import json_body
 
     env = broker.environ("kubernetes")
 
@@ -128,9 +128,9 @@ EVENTS_HI = (
 def run_echo_hi(start: httpx.Response) -> tuple[Any, list[str]]:
     """A foreground ``echo hi`` against a runtime that answers the start with ``start`` and
     GET events with :data:`EVENTS_HI`: its result and the requests sent."""
-    from k8s_agent_sandbox_awx import _command_flow as cf
-    from k8s_agent_sandbox_awx._commands import _Performer
-    from k8s_agent_sandbox_awx._protocol import RouterTarget
+    from k8s_agent_sandbox_awx.client._commands import _Performer
+    from k8s_agent_sandbox_awx.client.core import _command_flow as cf
+    from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget
 
     seen: list[str] = []
 

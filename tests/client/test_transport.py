@@ -17,7 +17,7 @@ from k8s_agent_sandbox_awx import (
     BrokerUnavailableError,
     RequestTimeoutError,
 )
-from k8s_agent_sandbox_awx import _protocol as proto
+from k8s_agent_sandbox_awx.client.wire import _protocol as proto
 
 
 def test_token_is_fetched_for_the_broker_on_every_request(

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from k8s_agent_sandbox_awx import ENTRY_POINT_GROUP, _cache, _plugins, clear_credential_cache
+from k8s_agent_sandbox_awx import ENTRY_POINT_GROUP, clear_credential_cache
+from k8s_agent_sandbox_awx.credentials import _cache, _plugins
 
 BROKER = "https://sandbox-broker.example"
 T0 = 1_900_000_000.0  # the fake clock's starting point (2030-03-17)

@@ -721,7 +721,7 @@ async def test_invalidate_is_synchronous_and_never_blocks(mint) -> None:
 @pytest.fixture
 def default_chain_plugin(monkeypatch: pytest.MonkeyPatch, mint, clock) -> SyncPlugin:
     """A counting plugin in the process's default chain (what ``DefaultCredentials()`` uses)."""
-    from k8s_agent_sandbox_awx import _plugins
+    from k8s_agent_sandbox_awx.credentials import _plugins
 
     for name in ("AGENT_SANDBOX_TOKEN", "AGENT_SANDBOX_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)

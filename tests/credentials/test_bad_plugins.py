@@ -532,7 +532,7 @@ def test_the_timeout_must_be_a_positive_number_of_seconds(timeout: Any) -> None:
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "k8s_agent_sandbox_awx._cli", *args],
+        [sys.executable, "-m", "k8s_agent_sandbox_awx.cli._cli", *args],
         env=env,
         capture_output=True,
         text=True,

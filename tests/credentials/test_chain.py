@@ -502,7 +502,7 @@ def test_ctrl_c_right_after_a_flight_is_registered_does_not_hang_the_next_fetch(
     """Ctrl-C can land between any two bytecodes: here after the thread registered its flight
     and before its ``with`` could end it. The next fetch on that thread (the cleanup after
     Ctrl-C: a rollback, a kill) must not wait forever for that dead flight; it fetches."""
-    from k8s_agent_sandbox_awx import _cache
+    from k8s_agent_sandbox_awx.credentials import _cache
 
     calls = []
     token = mint(now=clock.now, ttl=600)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from k8s_agent_sandbox_awx import hookspecs
-from k8s_agent_sandbox_awx._plugins import DISABLE_AUTOLOAD_ENV, LOAD_PLUGINS_ENV
-from k8s_agent_sandbox_awx._providers import (
+from k8s_agent_sandbox_awx.credentials._plugins import DISABLE_AUTOLOAD_ENV, LOAD_PLUGINS_ENV
+from k8s_agent_sandbox_awx.credentials._providers import (
     DEFAULT_TOKEN_PATH,
     RESERVED_NAMES,
     TOKEN_ENV,

@@ -14,7 +14,7 @@ from k8s_agent_sandbox_awx import (
     MalformedTokenError,
     TokenExpiredError,
 )
-from k8s_agent_sandbox_awx._jwt import (
+from k8s_agent_sandbox_awx.credentials._jwt import (
     CLOCK_SKEW_SECONDS,
     DEFAULT_TTL_SECONDS,
     _decode_cached,

@@ -21,7 +21,7 @@ from k8s_agent_sandbox_awx import (
     explain,
     hookimpl,
 )
-from k8s_agent_sandbox_awx._jwt import MAX_CLAIM_DEPTH, decode_token
+from k8s_agent_sandbox_awx.credentials._jwt import MAX_CLAIM_DEPTH, decode_token
 
 BROKER = "https://sandbox-broker.example"
 

@@ -24,7 +24,7 @@ from k8s_agent_sandbox_awx import (
     TokenExpiredError,
     UnreadableCredentialError,
 )
-from k8s_agent_sandbox_awx._providers import (
+from k8s_agent_sandbox_awx.credentials._providers import (
     EnvTokenProvider,
     ProjectedTokenProvider,
     TokenFileProvider,
@@ -411,7 +411,7 @@ def test_the_file_actually_opened_is_checked_not_only_the_path(
 ) -> None:
     """The automount rule holds for what ``open`` reached, so a link re-pointed between the
     path check and the open (a race a ``realpath`` before opening cannot close) is refused."""
-    from k8s_agent_sandbox_awx import _providers
+    from k8s_agent_sandbox_awx.credentials import _providers
 
     automount = tmp_path / "serviceaccount"
     automount.mkdir()

@@ -15,8 +15,8 @@ service, with ``Reply`` and ``RecordedRequest``), ``unsigned_jwt`` / ``unverifie
 WARNING: local sandboxes are host processes with NO isolation. Use the local broker for
 development and tests only, never to run untrusted code.
 
-The names below are imported on first use (PEP 562), so the sandbox runtime
-(``python -m k8s_agent_sandbox_awx.testing._runtime``) starts without loading the broker.
+The names below are imported on first use (PEP 562), so the plugin kit works without the
+``[local]`` extra and importing this package loads nothing of the broker.
 """
 
 from __future__ import annotations
@@ -36,16 +36,16 @@ EXTRA_HINT = (
 _EXPORTS: dict[str, str] = {
     "LocalBroker": "._broker",
     "Issuer": "._issuers",
-    "Policy": "._policy",
-    "Caller": "._policy",
-    "caller_namespace": "._policy",
-    "SandboxBackend": "._backend",
-    "SandboxSpec": "._backend",
-    "RuntimeHandle": "._backend",
-    "RuntimeStartError": "._backend",
-    "LocalProcessBackend": "._backend",
-    "DEFAULT_RUNTIME_COMMAND": "._backend",
-    "RESERVED_PREFIX": "._policy",
+    "Policy": "..broker.identity._policy",
+    "Caller": "..broker.identity._policy",
+    "caller_namespace": "..broker.identity._policy",
+    "SandboxBackend": "..broker.backends._interface",
+    "SandboxSpec": "..broker.backends._interface",
+    "RuntimeHandle": "..broker.backends._interface",
+    "RuntimeStartError": "..broker.backends._interface",
+    "LocalProcessBackend": "..broker.backends._local",
+    "DEFAULT_RUNTIME_COMMAND": "..broker.backends._local",
+    "RESERVED_PREFIX": "..broker.identity._policy",
     # for plugin authors' tests (standard library only: no [local] extra needed)
     "ScriptedEndpoint": "._endpoint",
     "Reply": "._endpoint",
@@ -104,12 +104,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._backend import DEFAULT_RUNTIME_COMMAND as DEFAULT_RUNTIME_COMMAND
-    from ._backend import LocalProcessBackend as LocalProcessBackend
-    from ._backend import RuntimeHandle as RuntimeHandle
-    from ._backend import RuntimeStartError as RuntimeStartError
-    from ._backend import SandboxBackend as SandboxBackend
-    from ._backend import SandboxSpec as SandboxSpec
+    from ..broker.backends._interface import RuntimeHandle as RuntimeHandle
+    from ..broker.backends._interface import RuntimeStartError as RuntimeStartError
+    from ..broker.backends._interface import SandboxBackend as SandboxBackend
+    from ..broker.backends._interface import SandboxSpec as SandboxSpec
+    from ..broker.backends._local import DEFAULT_RUNTIME_COMMAND as DEFAULT_RUNTIME_COMMAND
+    from ..broker.backends._local import LocalProcessBackend as LocalProcessBackend
+    from ..broker.identity._policy import RESERVED_PREFIX as RESERVED_PREFIX
+    from ..broker.identity._policy import Caller as Caller
+    from ..broker.identity._policy import Policy as Policy
+    from ..broker.identity._policy import caller_namespace as caller_namespace
     from ._broker import LocalBroker as LocalBroker
     from ._endpoint import RecordedRequest as RecordedRequest
     from ._endpoint import Reply as Reply
@@ -121,7 +125,3 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._plugin_kit import check_entry_point as check_entry_point
     from ._plugin_kit import unsigned_jwt as unsigned_jwt
     from ._plugin_kit import unverified_claims as unverified_claims
-    from ._policy import RESERVED_PREFIX as RESERVED_PREFIX
-    from ._policy import Caller as Caller
-    from ._policy import Policy as Policy
-    from ._policy import caller_namespace as caller_namespace

@@ -24,8 +24,7 @@ from typing import Any, TypeVar
 import trustme
 import uvicorn
 
-from . import NO_ISOLATION_WARNING
-from ._app import (
+from ..broker._app import (
     DEFAULT_KEEP_DELETED,
     DEFAULT_KEEP_DELETED_SECONDS,
     BrokerApp,
@@ -33,13 +32,19 @@ from ._app import (
     _UnavailableRule,
     install_log_filter,
 )
-from ._backend import (
+from ..broker._rpc import DEFAULT_WARM_POOL, RpcEndpoint
+from ..broker._stream_faults import CutRule, DropRule
+from ..broker.backends._interface import SandboxBackend
+from ..broker.backends._local import (
     RUNTIMES_DIR_PREFIX,
     LocalProcessBackend,
-    SandboxBackend,
     owned_temp_dir,
     sweep_dead_owners,
 )
+from ..broker.identity._policy import Policy, caller_namespace
+from ..broker.identity._verify import token_fingerprint
+from ..broker.runtime._tree import remove_quietly
+from . import NO_ISOLATION_WARNING
 from ._issuers import (
     GITLAB_ATTRIBUTES,
     AttributesRule,
@@ -47,11 +52,6 @@ from ._issuers import (
     Issuer,
     kubernetes_attributes,
 )
-from ._policy import Policy, caller_namespace
-from ._rpc import DEFAULT_WARM_POOL, RpcEndpoint
-from ._stream_faults import CutRule, DropRule
-from ._tree import remove_quietly
-from ._verify import token_fingerprint
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from typing import Any
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from ._policy import Policy
+from ..broker.identity._policy import Policy
 
 SUPPORTED_ALGORITHMS = ("RS256", "ES256")
 _REGISTERED = frozenset({"iss", "sub", "aud", "exp", "nbf", "iat", "jti"})

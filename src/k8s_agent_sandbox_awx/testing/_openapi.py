@@ -26,7 +26,8 @@ _TYPES: dict[str, Any] = {
 
 @cache
 def _load_text() -> str:
-    return resources.files("k8s_agent_sandbox_awx").joinpath("openapi.json").read_text("utf-8")
+    document = resources.files("k8s_agent_sandbox_awx.broker").joinpath("openapi.json")
+    return document.read_text("utf-8")
 
 
 def load_openapi() -> dict[str, Any]:

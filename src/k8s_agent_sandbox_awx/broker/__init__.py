@@ -1,0 +1,1 @@
+"""The identity broker: routing, the request gate, the control and data planes."""

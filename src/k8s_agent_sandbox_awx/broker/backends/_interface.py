@@ -1,0 +1,71 @@
+"""What the broker needs from a backend: where a sandbox's runtime runs.
+
+A backend turns a :class:`SandboxSpec` into a running runtime server that speaks the legacy
+python-runtime protocol and returns a :class:`RuntimeHandle` (host and port) once the runtime
+answers ``GET /``. The local one (``_local.LocalProcessBackend``) starts host processes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["RuntimeHandle", "RuntimeStartError", "SandboxBackend", "SandboxSpec"]
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What to start: the claim's name, namespace, template and environment."""
+
+    name: str
+    namespace: str
+    template: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    command: str | Sequence[str] | None = None
+    """Runtime command line for this template (``None``: the backend's default)."""
+
+
+@dataclass
+class RuntimeHandle:
+    """A running runtime: where the broker's router reaches it."""
+
+    name: str
+    host: str
+    port: int
+    base_dir: str
+    pid: int | None = None
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    root: str | None = field(default=None, repr=False)
+
+
+class RuntimeStartError(Exception):
+    """The runtime did not come up: ``reason`` is a CamelCase reason, ``message`` says why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+class SandboxBackend(Protocol):
+    """What the broker needs from a backend (all methods run on the broker's event loop)."""
+
+    async def start(self, spec: SandboxSpec) -> RuntimeHandle:
+        """Start the runtime and return once it answers ``GET /``; raise RuntimeStartError."""
+        ...
+
+    async def stop(self, handle: RuntimeHandle) -> None:
+        """Stop the runtime and remove everything it left behind."""
+        ...
+
+    def is_alive(self, handle: RuntimeHandle) -> bool: ...
+
+    async def close(self) -> None:
+        """Stop every runtime this backend started."""
+        ...
+
+    def kill_all_now(self) -> None:
+        """Synchronous last-resort cleanup (no event loop): kill and remove everything."""
+        ...

@@ -1,0 +1,539 @@
+"""The local backend: each sandbox's runtime is a host process.
+
+:class:`LocalProcessBackend` (a :class:`~._interface.SandboxBackend`) starts one process per
+sandbox from a command line template, so any server that speaks the legacy python-runtime
+protocol can be plugged in, under a supervisor that kills every process the sandbox started when
+the runtime ends (see ``_runtime.fork_server``).
+
+NO ISOLATION: local runtimes and the commands they run are ordinary host processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from ..runtime import _tree
+from ..runtime._runtime import PARENT_PID_ENV
+from ._interface import RuntimeHandle, RuntimeStartError, SandboxSpec
+
+log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+
+DEFAULT_RUNTIME_COMMAND = (
+    "{python} -m k8s_agent_sandbox_awx.broker.runtime "
+    "--host {host} --port-file {port_file} --base-dir {base_dir}"
+)
+"""The default runtime command line. Placeholders: ``{python}`` (this interpreter), ``{host}``,
+``{port_file}`` and ``{port}`` (see below), ``{base_dir}`` (the sandbox's own directory),
+``{name}``, ``{namespace}``, ``{template}``. The environment also carries ``PORT``,
+``SANDBOX_BASE_DIR``, ``SANDBOX_WORKSPACE_DIR`` (the sandbox's persistent area, ``/workspace`` of
+the file API) and the sandbox's ``env``.
+
+The port: a command that names ``{port_file}`` listens on a port the system picks (port 0) and
+writes its number to that file once it listens (``PORT`` is then ``0`` and ``SANDBOX_PORT_FILE``
+the file), so that no two runtimes can get the same port, however many start at once. A command
+without it gets ``{port}``: a free loopback port the broker chose just before, which another
+process can take before the runtime binds it (the start is then retried with another port)."""
+
+
+_CREDENTIAL_VARIABLES = (
+    "AGENT_SANDBOX_",
+    "ACTIONS_ID_TOKEN_REQUEST_",
+    "CI_JOB_JWT",
+    "CI_JOB_TOKEN",
+)
+
+
+RUNTIMES_DIR_PREFIX = "agent-sandbox-runtimes-"
+OWNER_FILE = "broker.pid"
+
+
+def owned_temp_dir(prefix: str) -> str:
+    """A new private temporary directory that names its owner process (see
+    :func:`sweep_dead_owners`)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(path, OWNER_FILE), "w") as fh:
+        fh.write(str(os.getpid()))
+    return path
+
+
+def sweep_dead_owners(*prefixes: str) -> None:
+    """Remove this user's temporary directories with one of ``prefixes`` whose owner process
+    is gone (a crashed test, ``kill -9``): nothing else would ever remove them. Never raises
+    (it runs as a broker starts): a leftover that cannot be removed is logged as a warning and
+    left for the next start; trees of any depth are removed (see :mod:`..runtime._tree`)."""
+    root = tempfile.gettempdir()
+    try:
+        entries = os.listdir(root)
+    except OSError as exc:
+        log.warning("could not look for dead brokers' leftovers in %s: %s", root, exc)
+        return
+    for entry in entries:
+        if not entry.startswith(prefixes):
+            continue
+        path = os.path.join(root, entry)
+        try:
+            if _owner_is_gone(path):
+                _tree.remove_quietly(path, "a dead broker's leftover directory")
+        except Exception:  # a sweep never stops a broker from starting
+            log.warning("could not sweep %s", path, exc_info=True)
+
+
+def _owner_is_gone(path: str) -> bool:
+    """Whether ``path`` is this user's and names an owner process that no longer exists."""
+    try:
+        with open(os.path.join(path, OWNER_FILE)) as fh:
+            pid = int(fh.read().strip())
+        if os.stat(path).st_uid != os.getuid():
+            return False
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _inherited_environment() -> dict[str, str]:
+    """The broker's environment minus credentials: a sandbox never sees the caller's tokens."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_CREDENTIAL_VARIABLES)}
+
+
+def _free_port(host: str) -> int:
+    """A port free now (for a runtime command without ``{port_file}``): racy, see
+    :data:`DEFAULT_RUNTIME_COMMAND`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class _ForkServer:
+    """Client side of the runtime's fork server (see ``_runtime.fork_server``)."""
+
+    def __init__(self, log_path: str) -> None:
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.exited: dict[int, int] = {}
+        self._exit_events: dict[int, asyncio.Event] = {}
+        self._waiting: dict[int, asyncio.Future[int]] = {}
+        self._ids = itertools.count(1)
+        self._buffer = b""
+        self._start_lock = asyncio.Lock()
+        self.dead = False
+
+    async def ensure_started(self) -> None:
+        async with self._start_lock:
+            if self.proc is not None:
+                return
+            argv = [sys.executable, "-m", "k8s_agent_sandbox_awx.broker.runtime", "--fork-server"]
+            env = {**_inherited_environment(), PARENT_PID_ENV: str(os.getpid())}
+            self.proc = _spawn_piped(argv, env, self.log_path)
+            assert self.proc.stdout is not None
+            fd = self.proc.stdout.fileno()
+            os.set_blocking(fd, False)
+            asyncio.get_running_loop().add_reader(fd, self._on_readable, fd)
+
+    def _on_readable(self, fd: int) -> None:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if not data:
+            asyncio.get_running_loop().remove_reader(fd)
+            self._on_dead()
+            return
+        self._buffer += data
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            message = json.loads(line)
+            if "exited" in message:
+                pid = int(message["exited"])
+                self.exited[pid] = int(message["status"])
+                event = self._exit_events.pop(pid, None)
+                if event is not None:
+                    event.set()
+                continue
+            future = self._waiting.pop(int(message["id"]), None)
+            if future is None or future.done():
+                continue
+            if "pid" in message:
+                future.set_result(int(message["pid"]))
+            else:
+                future.set_exception(RuntimeStartError("RuntimeStartFailed", message["error"]))
+
+    def _on_dead(self) -> None:
+        self.dead = True
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(
+                    RuntimeStartError("RuntimeStartFailed", "the runtime fork server exited")
+                )
+        self._waiting.clear()
+        for event in self._exit_events.values():
+            event.set()
+
+    async def spawn(self, request: dict[str, Any]) -> int:
+        await self.ensure_started()
+        if self.dead or self.proc is None or self.proc.stdin is None:
+            raise RuntimeStartError("RuntimeStartFailed", "the runtime fork server is not running")
+        ident = next(self._ids)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting[ident] = future
+        line = json.dumps({**request, "id": ident}).encode() + b"\n"
+        try:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+        except OSError as exc:
+            self._waiting.pop(ident, None)
+            raise RuntimeStartError(
+                "RuntimeStartFailed", f"cannot reach the runtime fork server: {exc}"
+            ) from exc
+        return await asyncio.wait_for(future, 10.0)
+
+    def status(self, pid: int) -> int | None:
+        if pid in self.exited:
+            return self.exited[pid]
+        return -1 if self.dead else None
+
+    async def wait_exit(self, pid: int, within: float) -> bool:
+        if self.status(pid) is not None:
+            return True
+        event = self._exit_events.setdefault(pid, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), within)
+        return self.status(pid) is not None
+
+    async def close(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.stdout is not None and not self.dead:
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(proc.stdout.fileno())
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # EOF: the fork server stops its runtimes and exits
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(proc.wait, 3.0)
+        self.kill_now()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def terminate(self) -> None:
+        """SIGTERM the fork server (it stops its supervisors, which stop their sandboxes)."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc.pid, signal.SIGTERM)
+
+    def kill_now(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=3.0)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=2.0)
+
+
+class LocalProcessBackend:
+    """One runtime process per sandbox, on loopback, in its own process group and directory.
+
+    ``command``: a command line template (string, split with shell-like rules, or a list) with
+    the placeholders of :data:`DEFAULT_RUNTIME_COMMAND`. It runs without a shell. Runtimes get
+    ``AGENT_SANDBOX_RUNTIME_PARENT_PID`` so the default runtime dies with its supervisor.
+
+    Every runtime runs under a supervisor of its sandbox (Linux: a child subreaper) that kills
+    every process the sandbox started when the runtime exits, is killed or is stopped, and the
+    supervisors run under a fork server (see ``_runtime.fork_server``).
+
+    ``fork_server``: ``True`` (default where the platform can fork): one warm fork server for all
+    sandboxes; the built-in runtime (the default command) is forked from it instead of starting
+    a new interpreter (about 2 ms instead of 60 ms of CPU, memory shared copy-on-write), a custom
+    command is exec'd from it. ``False``: a fresh fork server (a new interpreter) per sandbox,
+    which starts the runtime command as a new process.
+    """
+
+    def __init__(
+        self,
+        command: str | Sequence[str] | None = None,
+        *,
+        root_dir: str | None = None,
+        host: str = "127.0.0.1",
+        startup_timeout: float = 20.0,
+        fork_server: bool | None = None,
+    ) -> None:
+        self.command = command or DEFAULT_RUNTIME_COMMAND
+        self.host = host
+        self.startup_timeout = startup_timeout
+        self._own_root = root_dir is None
+        self.root_dir = root_dir or owned_temp_dir(RUNTIMES_DIR_PREFIX)
+        os.makedirs(self.root_dir, exist_ok=True)
+        if fork_server is None:
+            fork_server = hasattr(os, "fork")
+        self._fork: _ForkServer | None = (
+            _ForkServer(os.path.join(self.root_dir, "fork-server.log")) if fork_server else None
+        )
+        self._own_forks: dict[str, _ForkServer] = {}  # sandbox name -> its own fork server
+        self._handles: dict[str, RuntimeHandle] = {}
+        self._http: httpx.AsyncClient | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(  # readiness probes: never queue behind a pool limit
+                timeout=httpx.Timeout(2.0),
+                trust_env=False,
+                follow_redirects=False,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+            )
+        return self._http
+
+    def _argv(self, command: str | Sequence[str], values: Mapping[str, str]) -> list[str]:
+        parts = shlex.split(command) if isinstance(command, str) else list(command)
+        try:
+            return [part.format_map(values) for part in parts]
+        except (KeyError, IndexError, ValueError) as exc:
+            raise RuntimeStartError(
+                "InvalidRuntimeCommand",
+                f"runtime command {command!r} has an unknown placeholder ({exc}); use "
+                "{python} {host} {port} {port_file} {base_dir} {name} {namespace} {template}",
+            ) from exc
+
+    def _fork_server_of(self, name: str) -> _ForkServer | None:
+        return self._fork or self._own_forks.get(name)
+
+    async def start(self, spec: SandboxSpec) -> RuntimeHandle:
+        root = os.path.join(self.root_dir, spec.name)
+        base_dir = os.path.join(root, "work")
+        os.makedirs(base_dir, exist_ok=True)
+        # The sandbox's persistent area (/workspace of the file API), beside the base directory
+        # so that a fresh base directory is empty; removed with the sandbox.
+        workspace_dir = os.path.join(root, "workspace")
+        os.makedirs(workspace_dir, exist_ok=True)
+        command = spec.command or self.command
+        # the built-in runtime is forked from a warm fork server, anything else is exec'd
+        builtin = self._fork is not None and command == DEFAULT_RUNTIME_COMMAND
+        fork = self._fork or self._own_forks.setdefault(
+            spec.name, _ForkServer(os.path.join(root, "fork-server.log"))
+        )
+        # the runtime picks its own port and reports it (see DEFAULT_RUNTIME_COMMAND)
+        port_file = os.path.join(root, "runtime.port") if _reports_port(command) else None
+        last_error = ""
+        try:
+            for _attempt in range(3):
+                if port_file:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(port_file)
+                port = 0 if port_file else _free_port(self.host)
+                request = self._spawn_request(spec, command, builtin, root, port, port_file)
+                pid = await fork.spawn(request)
+                handle = RuntimeHandle(spec.name, self.host, port, base_dir, pid, root=root)
+                self._handles[spec.name] = handle
+                try:
+                    await self._wait_ready(handle, request["log"], port_file)
+                    return handle
+                except RuntimeStartError as exc:
+                    await self._terminate(handle, remove=False)
+                    last_error = exc.message
+                    if port_file or "Address already in use" not in last_error:
+                        raise
+            raise RuntimeStartError("RuntimeStartFailed", last_error)
+        except BaseException:
+            self._handles.pop(spec.name, None)
+            await self._close_own_fork(spec.name)
+            _tree.remove_quietly(root, f"the directory of sandbox {spec.name}")
+            raise
+
+    def _spawn_request(
+        self,
+        spec: SandboxSpec,
+        command: str | Sequence[str],
+        builtin: bool,
+        root: str,
+        port: int,
+        port_file: str | None,
+    ) -> dict[str, Any]:
+        """What the fork server is asked to start for ``spec`` (see ``_runtime.fork_server``)."""
+        base_dir = os.path.join(root, "work")
+        env = {
+            **_inherited_environment(),
+            **spec.env,
+            "PORT": str(port),
+            "SANDBOX_BASE_DIR": base_dir,
+            "SANDBOX_WORKSPACE_DIR": os.path.join(root, "workspace"),
+            **({"SANDBOX_PORT_FILE": port_file} if port_file else {}),
+        }
+        values = {
+            "python": sys.executable,
+            "host": self.host,
+            "port": str(port),
+            "port_file": port_file or "",
+            "base_dir": base_dir,
+            "name": spec.name,
+            "namespace": spec.namespace,
+            "template": spec.template,
+        }
+        return {
+            "host": self.host,
+            "port": port,
+            "port_file": port_file,
+            "base_dir": base_dir,
+            "env": env,
+            "log": os.path.join(root, "runtime.log"),
+            "argv": None if builtin else self._argv(command, values),
+        }
+
+    def _exit_status(self, handle: RuntimeHandle) -> int | None:
+        fork = self._fork_server_of(handle.name)
+        if handle.pid is None or fork is None:
+            return -1
+        return fork.status(handle.pid)
+
+    async def _wait_ready(
+        self, handle: RuntimeHandle, log_path: str, port_file: str | None = None
+    ) -> None:
+        """Wait until the runtime answers ``GET /`` (first, with ``port_file``, until it has
+        written the port it listens on: ``handle.port`` is set from it)."""
+        deadline = time.monotonic() + self.startup_timeout
+        delay = 0.002
+        while True:
+            code = self._exit_status(handle)
+            if code is not None:
+                tail = _tail(log_path)
+                raise RuntimeStartError(
+                    "RuntimeExited",
+                    f"the runtime exited with status {code} before it was ready"
+                    + (f": {tail}" if tail else ""),
+                )
+            if port_file is not None and not handle.port:
+                handle.port = _reported_port(port_file)
+            if handle.port:
+                try:
+                    resp = await self._client().get(f"http://{handle.host}:{handle.port}/")
+                    if resp.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            if time.monotonic() > deadline:
+                waited_for = "answer GET /" if handle.port else f"write its port to {port_file}"
+                raise RuntimeStartError(
+                    "RuntimeStartTimeout",
+                    f"the runtime did not {waited_for} within {self.startup_timeout:g} s",
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.05)
+
+    def is_alive(self, handle: RuntimeHandle) -> bool:
+        return self._exit_status(handle) is None
+
+    async def _terminate(self, handle: RuntimeHandle, *, remove: bool = True) -> None:
+        """SIGTERM the runtime's group, SIGKILL it after 2 s; return once its supervisor has
+        killed everything the sandbox started (the fork server's exit report)."""
+        fork = self._fork_server_of(handle.name)
+        if fork is not None and handle.pid is not None and fork.status(handle.pid) is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(handle.pid, signal.SIGTERM)
+            if not await fork.wait_exit(handle.pid, 2.0):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(handle.pid, signal.SIGKILL)
+                await fork.wait_exit(handle.pid, 3.0)
+        if remove:
+            self._handles.pop(handle.name, None)
+            await self._close_own_fork(handle.name)
+            if handle.root:
+                _tree.remove_quietly(handle.root, f"the directory of sandbox {handle.name}")
+
+    async def _close_own_fork(self, name: str) -> None:
+        fork = self._own_forks.pop(name, None)
+        if fork is not None:
+            await fork.close()
+
+    async def stop(self, handle: RuntimeHandle) -> None:
+        await self._terminate(handle)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self._terminate(h) for h in list(self._handles.values())))
+        await asyncio.gather(*(self._close_own_fork(name) for name in list(self._own_forks)))
+        if self._fork is not None:
+            await self._fork.close()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if self._own_root:
+            _tree.remove_quietly(self.root_dir, "the runtimes directory")
+
+    def kill_all_now(self) -> None:
+        for handle in list(self._handles.values()):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if handle.pid is not None:
+                    os.killpg(handle.pid, signal.SIGKILL)
+        self._handles.clear()
+        forks = [*self._own_forks.values(), *([self._fork] if self._fork is not None else [])]
+        self._own_forks.clear()
+        for fork in forks:  # each supervisor kills what its sandbox started, then they exit
+            fork.terminate()
+        for fork in forks:
+            fork.kill_now()
+        if self._own_root:
+            _tree.remove_quietly(self.root_dir, "the runtimes directory")
+
+
+def _reports_port(command: str | Sequence[str]) -> bool:
+    """Whether the runtime command picks its own port and writes it to ``{port_file}``."""
+    parts = [command] if isinstance(command, str) else command
+    return any("{port_file}" in part for part in parts)
+
+
+def _reported_port(path: str) -> int:
+    """The port a runtime wrote to ``path`` (0: not yet)."""
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
+def _spawn_piped(argv: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def _tail(path: str, limit: int = 2000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            return fh.read().decode("utf-8", errors="replace").strip()
+    except OSError:
+        return ""

@@ -1,0 +1,1 @@
+"""Who may call the broker: token verification, trusted issuers, policy and callers."""

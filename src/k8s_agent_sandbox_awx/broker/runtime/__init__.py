@@ -1,0 +1,1 @@
+"""The sandbox runtime (standard library only), run as ``python -m <this package>``."""

@@ -1,0 +1,7 @@
+"""``python -m k8s_agent_sandbox_awx.broker.runtime``: one sandbox runtime, or the fork server."""
+
+import sys
+
+from ._runtime import main
+
+sys.exit(main())

@@ -1,0 +1,658 @@
+"""``agent-sandbox-awx``: whoami, doctor, run, ls, kill, extend, files (and dev/demo from the
+[local] extra).
+
+Imports are deferred to the subcommand that needs them, so ``--help`` and ``--version`` are
+fast and never fail for a missing optional dependency. Errors print ``agent-sandbox-awx: error:``
+and the message (a list in it stays one item per line, indented) and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..client._client import BrokerSandboxClient
+
+__all__ = ["main"]
+
+PROG = "agent-sandbox-awx"
+# from a clone: the index has an unrelated package of this name until a release exists
+_LOCAL_EXTRA = (
+    'python3 -m pip install -e ".[local]" in a clone of the k8s-agent-sandbox-awx repository'
+)
+_INSECURE_FLAG = "--allow-insecure-http"
+CLEANUP_TIMEOUT = 30.0
+"""Seconds ``run`` may spend cleaning up after Ctrl-C (kill the command, delete the sandbox)."""
+CUT_TIMEOUT = 1.0
+LAST_DELETE_TIMEOUT = 5.0
+"""The request time limit of the one last delete, on new connections, of a sandbox whose
+cleanup hit :data:`CLEANUP_TIMEOUT` (not tried after a second Ctrl-C: the user wants out)."""
+"""Seconds each later cleanup step gets once the cleanup was cut (the time limit passed, or a
+second Ctrl-C): a step that cannot finish is cut again, so the CLI always exits."""
+
+
+class _CliError(Exception):
+    """A failure already explained for the user (exit code attached)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _seconds(*, positive: bool) -> Callable[[str], float]:
+    """An argparse type: a number of seconds, > 0 (``positive``) or >= 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or not (value > 0 if positive else value >= 0):
+            rule = "a number of seconds greater than 0" if positive else "a number of seconds >= 0"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .._version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Kubernetes agent sandboxes through an OIDC identity broker.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--broker-url", help="the broker's https:// URL (default: $AGENT_SANDBOX_BROKER_URL)"
+    )
+    parser.add_argument(
+        "--ca-bundle",
+        help="CA bundle for the broker (default: "
+        "$AGENT_SANDBOX_CA_BUNDLE, else the system trust store)",
+    )
+    parser.add_argument(
+        _INSECURE_FLAG,
+        action="store_true",
+        help="allow a plain http:// broker URL on this machine (127.0.0.1, ::1, localhost): "
+        "local development only, the token travels unencrypted",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    _subcommands(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return parser
+
+
+def _subcommands(sub: Any) -> None:
+    p = sub.add_parser("whoami", help="show the identity the broker verified for your token")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("doctor", help="check configuration, credentials, TLS and the broker")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("run", help="create a sandbox, run one command, print its output, kill it")
+    p.add_argument(
+        "--template",
+        help="sandbox template (default: $AGENT_SANDBOX_TEMPLATE, "
+        "else the broker policy's default)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_seconds(positive=True),
+        default=300,
+        help="command time limit in seconds",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=_seconds(positive=False),
+        default=None,
+        help="seconds to wait for the sandbox to become ready",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
+    p = sub.add_parser("ls", help="list my sandboxes")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--selector", help="label selector k1=v1,k2=v2")
+    p = sub.add_parser("kill", help="delete sandboxes by name (already gone is fine)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("names", nargs="+", metavar="NAME")
+    p = sub.add_parser(
+        "extend", help="set a sandbox's lifetime: the broker deletes it SECONDS from now"
+    )
+    p.add_argument("--json", action="store_true", help="print the sandbox as JSON")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("seconds", type=_seconds(positive=True), metavar="SECONDS")
+    _files_subcommands(sub.add_parser("files", help="the files of a sandbox: ls, get, put, rm"))
+    for name, text in (
+        ("dev", "run a local broker (needs the [local] extra)"),
+        ("demo", "run a demo against a local broker (needs the [local] extra)"),
+    ):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def _files_subcommands(files: argparse.ArgumentParser) -> None:
+    sub = files.add_subparsers(dest="files_command", metavar="ACTION", required=True)
+    p = sub.add_parser("ls", help="list a directory (default: the sandbox's base, /app)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("path", nargs="?", default=".", metavar="PATH")
+    p.add_argument("--json", action="store_true", help="print JSON (FileInfo objects)")
+    p = sub.add_parser("get", help="download a file (DEST '-': standard output)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("dest", nargs="?", metavar="DEST", help="default: the file's name, here")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    p = sub.add_parser("put", help="upload a local file (atomic replace, parents created)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("local", metavar="LOCAL")
+    p.add_argument("path", nargs="?", metavar="PATH", help="default: LOCAL's name, in /app")
+    p.add_argument("--json", action="store_true", help="print the FileInfo as JSON")
+    p = sub.add_parser("rm", help="remove a file or directory (a missing one is fine)")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("-r", "--recursive", action="store_true", help="a directory and its contents")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The connection settings from the options (``None``: from the environment). The broker
+    URL is checked here first, so that the fixes its errors name are the CLI's (a flag, not a
+    keyword argument)."""
+    from ..client.http._config import ENV_ALIASES, ENV_BROKER_URL, ENV_CA_BUNDLE, check_broker_url
+    from ..errors import ConfigurationError
+
+    names = ENV_ALIASES["broker_url"]  # ours, then the original package's BROKER_URL
+    url = args.broker_url or next((os.environ[n] for n in names if os.environ.get(n)), None)
+    if not url:
+        raise ConfigurationError(
+            f"No broker URL: set the environment variable {ENV_BROKER_URL} to the broker's "
+            "https:// URL, or pass --broker-url URL."
+        )
+    url = check_broker_url(
+        url, allow_insecure_http=args.allow_insecure_http, insecure_option=_INSECURE_FLAG
+    )
+    ca_from = "--ca-bundle" if args.ca_bundle else ENV_CA_BUNDLE
+    if url.startswith("http://") and (args.ca_bundle or os.environ.get(ENV_CA_BUNDLE)):
+        fix = "leave out --ca-bundle" if args.ca_bundle else f"unset {ENV_CA_BUNDLE}"
+        raise ConfigurationError(
+            f"A CA bundle is set ({ca_from}) but the broker URL {url!r} is plain http://, where "
+            f"it would not be used: {fix}, or use the broker's https:// URL."
+        )
+    settings: dict[str, Any] = {"broker_url": args.broker_url, "ca_cert": args.ca_bundle}
+    if args.allow_insecure_http:
+        settings["allow_insecure_http"] = True
+    return settings
+
+
+def _client(args: argparse.Namespace) -> BrokerSandboxClient:
+    from ..client._client import BrokerSandboxClient
+
+    settings = {k: v for k, v in _settings(args).items() if v is not None}
+    return BrokerSandboxClient(**settings)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True, default=str))
+
+
+# ------------------------------------------------------------------------------ subcommands
+
+
+def _cmd_whoami(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        who = client.whoami()
+    finally:
+        client.close()
+    if args.json:
+        _print_json(who)
+        return 0
+    print(f"provider:   {who.get('provider')}")
+    print(f"issuer:     {who.get('issuer')}")
+    print(f"subject:    {who.get('subject')}")
+    print(f"audience:   {who.get('audience')}")
+    print(f"expires_at: {who.get('expires_at')}")
+    for key, value in sorted((who.get("attributes") or {}).items()):
+        print(f"  {key}: {value}")
+    policy = who.get("policy") or {}
+    if policy:
+        print("policy:")
+        for key, value in sorted(policy.items()):
+            print(f"  {key}: {value}")
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        items = client.list_sandboxes(args.selector)
+    finally:
+        client.close()
+    if args.json:
+        _print_json([{**item.to_dict(), "seconds_left": item.seconds_left()} for item in items])
+        return 0
+    if not items:
+        print("no sandboxes")
+        return 0
+    rows = [("NAME", "PHASE", "TEMPLATE", "NAMESPACE", "EXPIRES", "LEFT")]
+    rows += [
+        (i.name, i.phase, i.template or "-", i.namespace, i.expires_at or "-", _left(i))
+        for i in items
+    ]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _left(info: Any) -> str:
+    """The time until the broker deletes a sandbox, e.g. ``4m05s`` (``-``: unknown)."""
+    left = info.seconds_left()
+    if left is None:
+        return "-"
+    minutes, secs = divmod(int(left), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _cmd_extend(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        lifetime = client.extend(args.name, math.ceil(args.seconds))
+        # a dialect whose answer has no state (/rpc): its status has no deadline, the answer has
+        info = lifetime.info or dataclasses.replace(
+            client.get_info(args.name), expires_at=lifetime.expires_at
+        )
+    finally:
+        client.close()
+    if args.json:
+        _print_json(
+            {**info.to_dict(), "seconds_left": info.seconds_left(), "capped": lifetime.capped}
+        )
+    else:
+        capped = " (cut at the policy's cap)" if lifetime.capped else ""
+        print(f"{info.name}: expires at {info.expires_at} (in {_left(info)}){capped}")
+    return 0
+
+
+def _cmd_files(args: argparse.Namespace) -> int:
+    from ..client._client import Sandbox
+
+    client = _client(args)
+    try:
+        sandbox = Sandbox(client, client.get_info(args.name))
+        return _FILES[args.files_command](args, sandbox.files)
+    finally:
+        client.close()
+
+
+def _files_ls(args: argparse.Namespace, files: Any) -> int:
+    entries = files.list(args.path)
+    if args.json:
+        _print_json([entry.to_dict() for entry in entries])
+        return 0
+    for entry in entries:
+        mode = entry.mode or "-"
+        kind = {"directory": "d", "file": "-", "symlink": "l"}.get(entry.type, "?")
+        print(f"{kind} {mode:>5} {entry.size:>12}  {entry.name}{'/' if entry.is_dir else ''}")
+    return 0
+
+
+def _files_get(args: argparse.Namespace, files: Any) -> int:
+    if args.dest == "-":
+        written = files.read_to(args.path, sys.stdout.buffer)
+        sys.stdout.flush()
+        return 0
+    dest = args.dest or os.path.basename(args.path.rstrip("/")) or "download"
+    written = files.read_to(args.path, dest)
+    if args.json:
+        _print_json({"path": args.path, "destination": dest, "bytes": written})
+    else:
+        print(f"{args.path} -> {dest} ({written} bytes)")
+    return 0
+
+
+def _files_put(args: argparse.Namespace, files: Any) -> int:
+    info = files.write_from(args.path or os.path.basename(args.local), args.local)
+    if args.json:
+        _print_json(info.to_dict())
+    else:
+        print(f"{args.local} -> {info.path} ({info.size} bytes)")
+    return 0
+
+
+def _files_rm(args: argparse.Namespace, files: Any) -> int:
+    removed = files.remove(args.path, recursive=args.recursive)
+    if args.json:
+        _print_json({"path": args.path, "removed": removed})
+    else:
+        print(f"{args.path}: {'removed' if removed else 'did not exist'}")
+    return 0
+
+
+_FILES: dict[str, Callable[[argparse.Namespace, Any], int]] = {
+    "ls": _files_ls,
+    "get": _files_get,
+    "put": _files_put,
+    "rm": _files_rm,
+}
+
+
+def _cmd_kill(args: argparse.Namespace) -> int:
+    client = _client(args)
+    done: list[dict[str, Any]] = []
+    try:
+        for name in args.names:
+            existed = client.delete(name)
+            done.append({"name": name, "deleted": existed})
+            if not args.json:
+                print(f"{name}: {'deleted' if existed else 'already gone'}")
+    finally:
+        client.close()
+        if args.json:  # also after an error: the names handled so far
+            _print_json(done)
+    return 0
+
+
+class _CleanupCut(BaseException):
+    """The cleanup after Ctrl-C was cut short (not an ``Exception``: no cleanup step swallows
+    it)."""
+
+
+class _Interrupts:
+    """Ctrl-C during ``run`` (main thread, where ``signal.setitimer`` exists): the first one is a
+    ``KeyboardInterrupt`` (the command is killed, the sandbox deleted) and starts the cleanup's
+    time limit, :data:`CLEANUP_TIMEOUT`; when it passes, or at a second Ctrl-C,
+    :class:`_CleanupCut` is raised wherever the cleanup waits (a read, a lock an interrupted
+    library call left held), and every later step gets :data:`CUT_TIMEOUT`."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.second = False
+        self.cut: str | None = None
+        self._saved: list[tuple[int, Any]] = []
+
+    def __enter__(self) -> _Interrupts:
+        if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+            for signum, handler in ((signal.SIGALRM, self._alarm), (signal.SIGINT, self._sigint)):
+                self._saved.append((signum, signal.signal(signum, handler)))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._saved:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for signum, handler in reversed(self._saved):
+                signal.signal(signum, handler)
+
+    def limit(self, seconds: float) -> None:
+        """Cut what runs now after ``seconds`` (with the handlers installed)."""
+        if self._saved:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    def _sigint(self, signum: int, frame: Any) -> None:
+        if not self.interrupted:
+            self.interrupted = True
+            signal.setitimer(signal.ITIMER_REAL, CLEANUP_TIMEOUT)
+            raise KeyboardInterrupt
+        self.second = True
+        self._cut_short("a second Ctrl-C stopped it")
+
+    def _alarm(self, signum: int, frame: Any) -> None:
+        if self.interrupted:
+            self._cut_short(f"it did not finish within {CLEANUP_TIMEOUT:g}s")
+
+    def _cut_short(self, why: str) -> None:
+        self.cut = self.cut or why
+        signal.setitimer(signal.ITIMER_REAL, CUT_TIMEOUT)
+        raise _CleanupCut(why)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise _CliError(f"run: no command given; use `{PROG} run -- COMMAND [ARG...]`.", 2)
+    streams = (
+        {} if args.json else {"on_stdout": _writer(sys.stdout), "on_stderr": _writer(sys.stderr)}
+    )
+    client = _client(args)
+    made: list[str] = []
+    interrupts = _Interrupts()
+    try:
+        with interrupts:
+            try:
+                try:
+                    return _run_in_sandbox(args, client, cmd, streams, made)
+                finally:
+                    if interrupts.cut is None:
+                        client.close()
+            except _CleanupCut:
+                if not made or interrupts.second:
+                    raise
+                interrupts.limit(2 * LAST_DELETE_TIMEOUT)  # cut too if it cannot finish
+                if not _last_delete(args, made[0]):
+                    raise
+        raise KeyboardInterrupt  # deleted after all: a plain interruption
+    except _CleanupCut as exc:
+        raise _CliError(_cut_message(interrupts.cut or str(exc), made), 130) from None
+
+
+def _last_delete(args: argparse.Namespace, name: str) -> bool:
+    """Delete sandbox ``name`` on new connections (the old ones may be stuck: a lock an
+    interrupted call left held), each request within :data:`LAST_DELETE_TIMEOUT`, not
+    retried; whether that worked."""
+    from ..client._client import BrokerSandboxClient
+
+    settings = {k: v for k, v in _settings(args).items() if v is not None}
+    try:
+        client = BrokerSandboxClient(
+            request_timeout=LAST_DELETE_TIMEOUT, max_attempts=1, **settings
+        )
+        try:
+            client.delete(name)
+        finally:
+            client.close()
+    except Exception as exc:
+        print(f"{PROG}: could not delete sandbox {name}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def _cut_message(why: str, made: list[str]) -> str:
+    """What may be left when the cleanup after Ctrl-C was cut short (``made``: the sandbox's
+    name, once it was created)."""
+    if made:
+        name = made[0]
+        left = (
+            f"sandbox {name} (and the command in it) may be left; delete it with "
+            f"`{PROG} kill {name}`"
+        )
+    else:
+        left = f"a sandbox being created may be left; check with `{PROG} ls`"
+    return f"interrupted; the cleanup was cut short ({why}): {left}."
+
+
+def _run_in_sandbox(
+    args: argparse.Namespace, client: Any, cmd: list[str], streams: dict[str, Any], made: list[str]
+) -> int:
+    """Create a sandbox (its name appended to ``made``), run ``cmd`` in it, delete it."""
+    from ..errors import CommandTimeoutError, UnsupportedByRuntimeError
+
+    with client.create_sandbox(
+        template=args.template, sandbox_ready_timeout=args.ready_timeout
+    ) as sandbox:
+        made.append(sandbox.name)
+        try:  # an argv: no shell; Ctrl-C kills the command, then the sandbox
+            try:
+                result = sandbox.commands.run(cmd, timeout=args.timeout, **streams)
+            except UnsupportedByRuntimeError:
+                if not streams:
+                    raise
+                # an old runtime cannot stream (the command did not run): the output at
+                # the end instead
+                result = sandbox.commands.run(cmd, timeout=args.timeout)
+                _writer(sys.stdout)(result.stdout)
+                _writer(sys.stderr)(result.stderr)
+        except CommandTimeoutError as exc:
+            if exc.result is not None and args.json:
+                _print_result(args, sandbox.name, exc.result)
+            if not args.json and exc.result is not None:
+                sys.stderr.write("\n" if exc.result.stderr[-1:] not in ("", "\n") else "")
+            raise _CliError(
+                f"the command ran longer than --timeout {args.timeout:g}s and was killed; "
+                "pass a larger --timeout.",
+                124,
+            ) from exc
+    if args.json:
+        _print_result(args, sandbox.name, result)
+    return int(result.exit_code)
+
+
+def _writer(stream: Any) -> Any:
+    """A callback that prints output as it arrives."""
+
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+    return write
+
+
+def _print_result(args: argparse.Namespace, sandbox: str, result: Any) -> None:
+    """The command's output as it is (stdout, stderr), or with ``--json`` one JSON object."""
+    if args.json:
+        _print_json(
+            {
+                "sandbox": sandbox,
+                "exit_code": result.exit_code,
+                "stdout": result.stdout,
+                "stderr": result.stderr,
+                "timed_out": bool(result.timed_out),
+            }
+        )
+        return
+    sys.stdout.write(result.stdout)
+    sys.stdout.flush()
+    sys.stderr.write(result.stderr)
+
+
+def _cmd_local(name: str, argv: list[str]) -> int:
+    try:
+        from . import _local
+    except ImportError as exc:
+        raise _CliError(
+            f"`{PROG} {name}` needs the local broker, which could not be imported "
+            f"({exc.name or exc}): install the [local] extra: {_LOCAL_EXTRA}"
+        ) from exc
+    function = _local.dev_main if name == "dev" else _local.demo_main
+    return int(function(argv))
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ..client.http._config import BrokerConnectionConfig
+    from ._doctor import run_doctor
+
+    report = run_doctor(lambda: BrokerConnectionConfig.from_env(**_settings(args)))
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report)
+    return 0 if report.ok else 1
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    with warnings.catch_warnings():  # restored on return (main may run inside a program)
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """A warning as the CLI's own line (a broken plugin, ...): no file path or source line."""
+    first, *more = _lines(str(message)) or [category.__name__]
+    print(f"{PROG}: warning: {first}", file=sys.stderr)
+    for rest in more:
+        print(f"  {rest}", file=sys.stderr)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments and arguments[0] in ("dev", "demo"):
+        # dispatched before parsing, so that `dev --help` reaches the dev command's own parser
+        try:
+            return _cmd_local(arguments[0], arguments[1:])
+        except _CliError as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return exc.code
+    parser = _parser()
+    args = parser.parse_args(arguments)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command in ("dev", "demo"):
+        handler = None
+    else:
+        handler = {
+            "whoami": _cmd_whoami,
+            "doctor": _cmd_doctor,
+            "run": _cmd_run,
+            "ls": _cmd_ls,
+            "kill": _cmd_kill,
+            "extend": _cmd_extend,
+            "files": _cmd_files,
+        }[args.command]
+    try:
+        if handler is None:
+            return _cmd_local(args.command, list(args.args))
+        return handler(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except _CliError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except Exception as exc:
+        if args.debug or os.environ.get("AGENT_SANDBOX_DEBUG"):
+            raise
+        first, *more = _lines(str(exc)) or [type(exc).__name__]
+        for note in getattr(exc, "__notes__", ()):  # what else it says (a leftover to kill)
+            more += _lines(str(note))
+        print(f"{PROG}: error: {type(exc).__name__}: {first}", file=sys.stderr)
+        for line in more:  # indented: no line of a message can pass for a line of its own
+            print(f"  {line}", file=sys.stderr)
+        return 1
+
+
+def _lines(message: str) -> list[str]:
+    """A message's lines with their indentation (a list in a message stays a list), other
+    runs of whitespace (tabs, CRs, ...) collapsed to one space, blank lines dropped."""
+    lines = []
+    for line in message.splitlines():
+        if words := line.split():
+            indent = len(line) - len(line.lstrip(" "))
+            lines.append(" " * indent + " ".join(words))
+    return lines
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""``agent-sandbox-awx dev`` and ``agent-sandbox-awx demo`` (dispatched here by the CLI)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import threading
+from types import FrameType
+
+from ..testing import EXTRA_HINT, NO_ISOLATION_WARNING
+
+DEMO_CODE = """\
+from k8s_agent_sandbox_awx import Sandbox
+
+with Sandbox.create() as sandbox:
+    print(sandbox.commands.run("python3 -c 'print(6 * 7)'").stdout)
+"""
+
+
+def _warn() -> None:
+    print(f"WARNING: {NO_ISOLATION_WARNING}", file=sys.stderr, flush=True)
+
+
+def _import_broker() -> type:
+    try:
+        from ..testing._broker import LocalBroker
+    except ImportError as exc:
+        raise SystemExit(f"agent-sandbox-awx: {EXTRA_HINT} ({exc})") from None
+    return LocalBroker
+
+
+def _dev_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agent-sandbox-awx dev",
+        description="Run the local broker stack (issuers, broker, local sandboxes) in the "
+        "foreground. " + NO_ISOLATION_WARNING,
+    )
+    parser.add_argument("--namespace", default="default", help="token namespace (default)")
+    parser.add_argument(
+        "--service-account", default="default", help="token service account (default)"
+    )
+    parser.add_argument(
+        "--ttl", type=int, default=3600, help="token lifetime in seconds; rotated at 80%%"
+    )
+    parser.add_argument(
+        "--token-file", default=None, help="where to keep the projected token (default: temp)"
+    )
+    parser.add_argument(
+        "--protocols",
+        default="v1,rpc",
+        help="control-plane dialects to serve, comma-separated: v1, rpc (default: v1,rpc)",
+    )
+    return parser
+
+
+def dev_main(argv: list[str]) -> int:
+    """Run the local stack in the foreground; print the ``export`` lines; stop on Ctrl-C."""
+    parser = _dev_parser()
+    args = parser.parse_args(argv)
+    if args.ttl < 10:
+        parser.error("--ttl must be at least 10 seconds")
+    protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
+    if not protocols or not set(protocols) <= {"v1", "rpc"}:
+        parser.error(f"--protocols {args.protocols!r}: give v1, rpc or v1,rpc")
+    local_broker = _import_broker()
+    _warn()
+    token_dir = None
+    token_file = args.token_file
+    if token_file is None:
+        token_dir = tempfile.mkdtemp(prefix="agent-sandbox-dev-")
+        token_file = os.path.join(token_dir, "agent-sandbox-token")
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        _serve(local_broker, args, protocols, token_file, stop)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if token_dir is not None:
+            import shutil
+
+            shutil.rmtree(token_dir, ignore_errors=True)
+    return 0
+
+
+def _serve(
+    local_broker: type,
+    args: argparse.Namespace,
+    protocols: tuple[str, ...],
+    token_file: str,
+    stop: threading.Event,
+) -> None:
+    """Run the broker until ``stop`` is set or Ctrl-C, keeping the token file rotated."""
+    with local_broker(warn=False, protocols=protocols) as broker:
+        broker.keep_projected_token_rotated(
+            token_file, args.namespace, args.service_account, args.ttl
+        )
+        print(f"export AGENT_SANDBOX_BROKER_URL={shlex.quote(broker.url)}")
+        print(f"export AGENT_SANDBOX_CA_BUNDLE={shlex.quote(broker.ca_bundle)}")
+        print(f"export AGENT_SANDBOX_TOKEN_FILE={shlex.quote(os.path.abspath(token_file))}")
+        print(
+            f"# local broker up in {broker.startup_seconds:.3f} s as "
+            f"system:serviceaccount:{args.namespace}:{args.service_account}, serving "
+            f"{' and '.join(broker.protocols)}; the token file is rotated at 80% of its "
+            "lifetime. Ctrl-C stops it.",
+            flush=True,
+        )
+        try:
+            while not stop.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+        print("# stopping the local broker", file=sys.stderr, flush=True)
+
+
+def demo_main(argv: list[str]) -> int:
+    """Start the local stack, run the README example zero-arg, print its output, stop."""
+    parser = argparse.ArgumentParser(
+        prog="agent-sandbox-awx demo",
+        description="Run the README example against a throw-away local broker. "
+        + NO_ISOLATION_WARNING,
+    )
+    parser.parse_args(argv)
+    local_broker = _import_broker()
+    _warn()
+    saved = dict(os.environ)
+    try:
+        with local_broker(warn=False) as broker:
+            print(f"# local broker at {broker.url} (started in {broker.startup_seconds:.3f} s)")
+            os.environ.update(broker.environ("kubernetes"))
+            for name in ("AGENT_SANDBOX_TOKEN", "AGENT_SANDBOX_TEMPLATE"):
+                os.environ.pop(name, None)
+            _clear_cache()
+            print("# running:")
+            print(
+                "\n".join(("#   " + line).rstrip() for line in DEMO_CODE.splitlines()), flush=True
+            )
+            namespace: dict[str, object] = {"__name__": "__agent_sandbox_demo__"}
+            exec(compile(DEMO_CODE, "<agent-sandbox-awx demo>", "exec"), namespace)  # noqa: S102
+    except Exception as exc:
+        print(f"agent-sandbox-awx demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        _clear_cache()
+    return 0
+
+
+def _clear_cache() -> None:
+    try:
+        module = importlib.import_module("k8s_agent_sandbox_awx.credentials._cache")
+    except ImportError:
+        return
+    clear = getattr(module, "clear_credential_cache", None)
+    if callable(clear):
+        clear()

@@ -1,0 +1,476 @@
+"""State shared by the sync and the async client and sandbox handle (no I/O).
+
+``ClientBase`` holds the configuration, the credential source and the registry of handles;
+``SandboxBase`` the sandbox's state and the checks before each use. The sync classes
+(``BrokerSandboxClient``, ``Sandbox``) and the async ones (``AsyncBrokerSandboxClient``,
+``AsyncSandbox``) add only the methods that talk to the broker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Generic, NoReturn, TypeVar
+
+from .._upstream import SandboxNotFoundError
+from ..credentials._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
+from ..credentials._chain import DefaultCredentials
+from ..errors import ConfigurationError, UnsupportedOperationError
+from .core import _fsapi as fsapi
+from .core._flow import (
+    ConnectOptions,
+    CreatePlan,
+    SandboxCreateOptions,
+    SandboxSpec,
+    UpstreamCreateOptions,
+    check_options,
+    client_overrides,
+    plan_create,
+    spec_from_upstream,
+    unexpected_keywords,
+)
+from .http._config import BrokerConnectionConfig
+from .wire import _protocol as proto
+from .wire._dataplane import DataTarget, KeptAlive, check_max_bytes
+from .wire._dialect import Dialect, Lifetime
+from .wire._dialects import detected, get_dialect
+
+__all__ = [
+    "ClientBase",
+    "ExcType",
+    "FilesBase",
+    "SandboxBase",
+    "SandboxPart",
+    "Traceback",
+    "data_target",
+    "make_client",
+    "timeout_seconds",
+]
+
+ExcType = type[BaseException] | None
+Traceback = TracebackType | None
+
+
+H = TypeVar("H", bound="SandboxBase[Any, Any, Any]")
+CL = TypeVar("CL", bound="ClientBase[Any, Any]")
+C = TypeVar("C")
+Cmd = TypeVar("Cmd")
+F = TypeVar("F")
+T = TypeVar("T")
+
+
+class ClientBase(ABC, Generic[H, T]):
+    """Configuration, credentials, the transport (``T``) and the handles a client created or
+    attached to, and the checks of ``create_sandbox`` (:meth:`_upstream_spec`); the sync and
+    the async client add the methods that do I/O.
+
+    ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
+    ``config_overrides`` such as ``broker_url=``/``ca_cert=`` winning); ``auth`` defaults to
+    ``DefaultCredentials()``, the zero-config discovery chain; ``http_transport`` replaces
+    httpx's network transport (tests).
+    """
+
+    def __init__(
+        self,
+        connection_config: BrokerConnectionConfig | None = None,
+        *,
+        auth: CredentialSource | None = None,
+        environ: Mapping[str, str] | None = None,
+        http_transport: Any = None,
+        **config_overrides: Any,
+    ) -> None:
+        if environ is not None and not isinstance(environ, Mapping):
+            raise TypeError(
+                "environ= must be a mapping of variable names to values (like os.environ), "
+                f"not a {type(environ).__name__}."
+            )
+        fields = BrokerConnectionConfig.model_fields
+        unknown = sorted(set(config_overrides) - set(fields))
+        if unknown:
+            import inspect
+
+            parameters = inspect.signature(type(self).__init__).parameters.values()
+            named = {p.name for p in parameters if p.kind is not p.VAR_KEYWORD} - {"self"}
+            raise unexpected_keywords(f"{type(self).__name__}()", unknown, {*fields, *named})
+        if connection_config is not None and config_overrides:
+            raise ConfigurationError(
+                "Pass either connection_config= or individual settings "
+                f"({', '.join(sorted(config_overrides))}), not both."
+            )
+        self.connection_config = connection_config or BrokerConnectionConfig.from_env(
+            environ, **config_overrides
+        )
+        self.auth = auth if auth is not None else config_auth(self.connection_config, environ)
+        pinned = self.connection_config.broker_protocol
+        self._dialect: Dialect | None = (
+            get_dialect(pinned) if pinned else detected(self.connection_config.broker_url)
+        )
+        self._lock = threading.RLock()
+        self._handles: dict[str, H] = {}
+        self._closed = False
+        self._transport = self._new_transport(http_transport)
+
+    @abstractmethod
+    def _new_transport(self, http_transport: Any) -> T: ...
+
+    @property
+    def dialect(self) -> Dialect:
+        """The broker dialect spoken: pinned (``broker_protocol``), or found out from the
+        broker on the first request (until then: the default, ``v1``)."""
+        return self._dialect or get_dialect()
+
+    def _dialect_found(self, dialect: Dialect) -> Dialect:
+        """Record the dialect the broker speaks (the transport maps errors with it)."""
+        self._dialect = dialect
+        transport: Any = self._transport
+        transport.dialect = dialect
+        return dialect
+
+    def _dialect_probed(self, dialect: Dialect) -> Dialect:
+        """Record the dialect a probe found (this client's, or the one it waited for); if that
+        was a guess, the transport's first control-plane answer of it confirms it."""
+        transport: Any = self._transport
+        transport.unconfirmed = detected(self.broker_url) is None
+        return self._dialect_found(dialect)
+
+    def _plan(self, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
+        return plan_create(self.connection_config, self._dialect_found(dialect), spec)
+
+    def _upstream_spec(
+        self,
+        warmpool: str | None,
+        namespace: str | None,
+        sandbox_ready_timeout: float | None,
+        labels: Mapping[str, str] | None,
+        options: UpstreamCreateOptions,
+    ) -> SandboxSpec:
+        """``create_sandbox``'s arguments (upstream's spellings) as what to create (checked;
+        the dialect's request is built once the dialect is known)."""
+        return spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
+
+    @property
+    def broker_url(self) -> str:
+        return self.connection_config.broker_url
+
+    def _mark_closed(self) -> bool:
+        """Mark closed; ``False`` if it already was."""
+        with self._lock:
+            was_open = not self._closed
+            self._closed = True
+        return was_open
+
+    def _register(self, handle: H) -> H:
+        with self._lock:
+            self._handles[handle.name] = handle
+        return handle
+
+    def _existing(self, name: str) -> H | None:
+        with self._lock:
+            handle = self._handles.get(name)
+        return handle if handle is not None and handle.is_active else None
+
+    def _pop(self, name: str) -> H | None:
+        with self._lock:
+            return self._handles.pop(name, None)
+
+    def _names_to_delete(self) -> list[str]:
+        with self._lock:
+            return [] if self._closed else list(self._handles)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._handles.pop(name, None)
+
+    def _active(self) -> list[tuple[str, str]]:
+        with self._lock:
+            for name, handle in list(self._handles.items()):
+                if not handle.is_active:
+                    del self._handles[name]
+            return [(h.namespace, name) for name, h in self._handles.items()]
+
+
+class SandboxPart(Generic[T]):
+    """``commands`` or ``files`` of one sandbox: its transport and data-plane target."""
+
+    def __init__(self, transport: T, target: DataTarget) -> None:
+        self._transport = transport
+        self._target = target
+
+
+S = TypeVar("S")
+
+
+class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
+    """What ``files`` of the sync and the async handle share: the sandbox's :class:`FileAPI`
+    and the operations' plans (``_fsapi``); ``S``: a generator of chunks, or an async one."""
+
+    def __init__(self, transport: T, target: DataTarget) -> None:
+        super().__init__(transport, target)
+        self._api = fsapi.FileAPI(target)
+
+    @abstractmethod
+    def _stream(self, op: fsapi.Op[fsapi.Opened], src: str, max_bytes: int | None) -> S:
+        """The chunks of the file ``op`` opens (the request is sent on first iteration)."""
+
+    def iter_bytes(
+        self,
+        path: str,
+        timeout: float | None = None,
+        allow_unsafe_paths: bool = False,
+        max_bytes: int | None = None,
+    ) -> S:
+        """The file at ``path`` as an iterator of chunks (up to 1 MiB each), streamed: ``for``
+        (sync) or ``async for`` (async); the download starts with the first chunk. Close it
+        (``contextlib.closing`` / ``contextlib.aclosing``) if you stop early. The same as
+        ``read(path, format="stream")``, with ``max_bytes``."""
+        check_max_bytes(max_bytes)  # now, not at the first chunk
+        op = fsapi.read(self._api, path, timeout, allow_unsafe_paths, stream=True)
+        return self._stream(op, path, max_bytes)
+
+    def _write_op(
+        self, path: Any, data: Any, timeout: float | None, allow_unsafe: bool, allow_async: bool
+    ) -> fsapi.Op[Any]:
+        if isinstance(path, list | tuple) and data is None:
+            return fsapi.write_many(self._api, path, timeout, allow_async=allow_async)
+        if data is None:
+            raise TypeError(
+                "write() needs the data: write(path, data), or a batch write([(path, data)])."
+            )
+        return fsapi.write(
+            self._api, path, data, timeout, allow_unsafe=allow_unsafe, allow_async=allow_async
+        )
+
+
+def data_target(client: Any, info: proto.SandboxInfo, keepalive: int | None) -> DataTarget:
+    """Where sandbox ``info``'s data plane goes, with its activity keepalive (``keepalive``
+    seconds, else the config's ``sandbox_keepalive``; 0: none)."""
+    target: DataTarget = client.dialect.data_target(info)
+    seconds = keepalive if keepalive is not None else client.connection_config.sandbox_keepalive
+    if not seconds:
+        return target
+    deadline = proto.rfc3339_seconds(info.expires_at)
+    return KeptAlive(target, proto.Keepalive(info.name, seconds, deadline))
+
+
+def timeout_seconds(seconds: Any) -> int:
+    """``set_timeout``'s argument as whole seconds (rounded up: never shorter than asked)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise ValueError(
+            f"set_timeout() takes a positive number of seconds, e.g. 600; got {seconds!r}."
+        )
+    if seconds == float("inf"):
+        raise ValueError("set_timeout() takes a finite number of seconds.")
+    return math.ceil(seconds)
+
+
+class _MissingAttributeError(UnsupportedOperationError, AttributeError):
+    """An attribute of the original package this SDK does not have (``sandbox.snapshots``):
+    the typed error, and an ``AttributeError`` for ``hasattr``, ``getattr(..., default)`` and
+    introspection (``inspect.getmembers``, ``mock.create_autospec``)."""
+
+
+class SandboxBase(Generic[C, Cmd, F]):
+    """A sandbox's state as the broker reported it, and whether the handle may be used."""
+
+    def __init__(
+        self, client: C, info: proto.SandboxInfo, commands: Cmd, files: F, owns_client: bool
+    ) -> None:
+        self._client = client
+        self._info = info
+        self._owns_client = owns_client
+        self._killed = False
+        self._closed = False
+        self._commands = commands
+        self._files = files
+
+    @property
+    def name(self) -> str:
+        return self._info.name
+
+    @property
+    def sandbox_id(self) -> str:
+        return self._info.router.sandbox_id
+
+    @property
+    def namespace(self) -> str:
+        return self._info.namespace
+
+    @property
+    def template(self) -> str | None:
+        return self._info.template
+
+    @property
+    def info(self) -> proto.SandboxInfo:
+        """The broker's last reported state (see ``refresh``)."""
+        return self._info
+
+    @property
+    def client(self) -> C:
+        return self._client
+
+    @property
+    def is_active(self) -> bool:
+        return not (self._killed or self._closed)
+
+    def _check_active(self) -> None:
+        if self._killed:
+            raise SandboxNotFoundError(
+                f"Sandbox {self.name!r} was killed; create a new one with Sandbox.create()."
+            )
+        if self._closed:
+            raise SandboxNotFoundError(
+                f"The connection to sandbox {self.name!r} was closed; reattach with "
+                f"Sandbox.connect({self.name!r})."
+            )
+
+    @property
+    def commands(self) -> Cmd:
+        self._check_active()
+        return self._commands
+
+    @property
+    def files(self) -> F:
+        self._check_active()
+        return self._files
+
+    # -- the original package's GKE-only operations: refused, before anything is sent --------
+    def _gke_only(
+        self, operation: str, error: type[UnsupportedOperationError] | None = None
+    ) -> NoReturn:
+        dialect = getattr(getattr(self._client, "dialect", None), "name", "any")
+        raise (error or UnsupportedOperationError)(
+            f"{operation} is the original package's GKE pod-snapshot feature (snapshots, "
+            "suspend, resume, restore, is_suspended), which this SDK does not have. Keep the "
+            "sandbox running with set_timeout(), or create a new one and write the files it "
+            "needs; see docs/migrating.md (Differences that remain).",
+            dialect=dialect,
+            operation=operation.removesuffix("()"),
+        )
+
+    @property
+    def snapshots(self) -> NoReturn:
+        """Not available: the original package's GKE pod snapshots (a clear error, also an
+        ``AttributeError``: ``hasattr`` is ``False`` and introspection skips it)."""
+        self._gke_only("snapshots", _MissingAttributeError)
+
+    def suspend(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not available: the original package's GKE suspend (a clear error)."""
+        self._gke_only("suspend()")
+
+    def resume(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not available: the original package's GKE resume (a clear error)."""
+        self._gke_only("resume()")
+
+    def restore(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not available: the original package's GKE restore from a snapshot (a clear error)."""
+        self._gke_only("restore()")
+
+    def is_suspended(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Not available: the original package's GKE suspend state (a clear error)."""
+        self._gke_only("is_suspended()")
+
+    def _extended(self, lifetime: Lifetime) -> proto.SandboxInfo:
+        """Record the state a lifetime change answered (and the keepalive's deadline); a
+        dialect whose answer carries only the deadline updates the known state with it."""
+        info = lifetime.info or dataclasses.replace(self._info, expires_at=lifetime.expires_at)
+        self._info = info
+        keepalive = getattr(getattr(self._files, "_target", None), "keepalive", None)
+        if keepalive is not None:
+            keepalive.extended(info.expires_at)
+        return info
+
+    @staticmethod
+    def _running(info: proto.SandboxInfo | None) -> bool:
+        return info is not None and (info.ready or info.phase == "Ready")
+
+    @staticmethod
+    def _status_of(info: proto.SandboxInfo | None, name: str) -> tuple[str, str]:
+        if info is None:
+            return "SandboxNotFound", f"Sandbox {name!r} does not exist (any more)."
+        if info.ready:
+            return "SandboxReady", info.message or ""
+        return "SandboxNotReady", info.message or info.phase
+
+    def _needs_own_client_to_kill(self) -> bool:
+        """``close_connection()`` closed the HTTP client this handle owned."""
+        return self._closed and self._owns_client
+
+    def _killed_now(self) -> bool:
+        """Record a successful delete; ``True`` if the handle's client must be closed now."""
+        self._killed = True
+        forget = getattr(self._client, "_forget", None)
+        if forget is not None:
+            forget(self.name)
+        if self._owns_client and not self._closed:
+            self._closed = True
+            return True
+        return False
+
+    def _exit_note(self, exc: BaseException, kill_error: Exception) -> None:
+        exc.add_note(
+            f"Sandbox {self.name!r} could not be killed ({kill_error}); kill it with "
+            f"`agent-sandbox-awx kill {self.name}`."
+        )
+
+    def __repr__(self) -> str:
+        state = "killed" if self._killed else self._info.phase
+        return f"{type(self).__name__}(name={self.name!r}, namespace={self.namespace!r}, {state})"
+
+
+def config_auth(config: BrokerConnectionConfig, environ: Mapping[str, str] | None) -> Any:
+    """The credential source when no ``auth=`` is given: the config's ``token`` or
+    ``token_path`` (the original package's ``SandboxBrokerConnectionConfig``), else the
+    discovery chain."""
+    token, path = getattr(config, "token", None), getattr(config, "token_path", None)
+    if token is not None and path is not None:
+        raise ConfigurationError("Pass token= or token_path=, not both.")
+    if getattr(config, "keepalive_ttl_seconds", None):
+        raise NotImplementedError(
+            "keepalive_ttl_seconds (the activity keepalive) is not available in this version "
+            "of the SDK; leave it out and give the sandbox a long enough lifetime."
+        )
+    if getattr(config, "backend", None) not in (None, "kubernetes"):
+        raise ConfigurationError("backend= must be 'kubernetes' (or left out).")
+    if token is not None:
+        return OIDCTokenAuth(token.get_secret_value())
+    if path is not None:
+        return KubernetesAuth(path)
+    return DefaultCredentials(environ)
+
+
+def options_auth(options: ConnectOptions | SandboxCreateOptions) -> Any:
+    """``auth=``, or the original package's ``token=`` / ``token_path=`` (one of them)."""
+    values: Mapping[str, object] = options
+    given = {k: values.get(k) for k in ("auth", "token", "token_path")}
+    named = [k for k, v in given.items() if v is not None]
+    if len(named) > 1:
+        raise ConfigurationError(f"Pass only one of {', '.join(named)}: each names the credential.")
+    if given.get("token") is not None:
+        return OIDCTokenAuth(str(given["token"]))
+    if given.get("token_path") is not None:
+        return KubernetesAuth(str(given["token_path"]))
+    return given["auth"]
+
+
+def make_client(
+    cls: type[CL],
+    options: ConnectOptions | SandboxCreateOptions,
+    *,
+    creating: bool = False,
+    what: str = "connect()",
+    named: tuple[str, ...] = (),
+) -> CL:
+    """A client for ``Sandbox.create/connect/list`` from their keyword options (``what`` and
+    ``named``: the calling method and its named parameters, for the unknown-keyword error)."""
+    if not creating:
+        check_options(what, options, ConnectOptions, named)
+    config, overrides = client_overrides(options)
+    factory: Any = cls
+    client: CL = factory(
+        config, auth=options_auth(options), environ=options.get("environ"), **overrides
+    )
+    return client

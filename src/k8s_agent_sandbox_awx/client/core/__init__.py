@@ -1,0 +1,1 @@
+"""The operations as generators of steps, I/O-free: lifecycle, commands, files, uploads."""

@@ -1,0 +1,838 @@
+"""Managed commands, written once for the sync and the async API (no I/O).
+
+``commands.run`` and a background command's handle speak the managed-command data plane
+(``POST /commands``, the NDJSON event stream, kill, stdin: see
+``docs/broker-api.md#managed-commands``). Everything they decide is here: how a command becomes
+an argv, the start body, the checks before anything is sent, the cursor and the contiguity of the
+event stream (:class:`CommandOutput`), when to re-request the stream, and when a command is
+killed. The operations are generators of steps (:data:`Step`), run by the one driver
+(``_driver``) in the sync shell (``_commands``) and the async one (``_async_commands``):
+
+- a :class:`~._protocol.Call` (start, status, kill, stdin, the legacy ``/execute``): one request;
+- :class:`OpenEvents`: open the event stream of ``spec`` (closing the one before); the request is
+  sent when the first event is asked for (a foreground run's start is one: the streamed start);
+- :class:`NextEvent`: the next NDJSON value of the open stream, ``None`` when it ended cleanly; a
+  dropped or stalled connection is raised (and thrown back into the operation);
+- :class:`Emit`: hand one output event to the caller (a callback, or an iterator's consumer);
+- :class:`Pause`: sleep before re-requesting a stream that failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shlex
+import time
+import uuid
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ... import errors
+from ..._upstream import ExecutionResult
+from ..wire import _dataplane as dp
+from ..wire import _protocol as proto
+from ..wire._protocol import Call
+from . import _flow as flow
+
+__all__ = [
+    "SHELL",
+    "CommandEvent",
+    "CommandOutput",
+    "Emit",
+    "NextEvent",
+    "OpenEvents",
+    "Pause",
+    "RuntimeFeatures",
+    "Step",
+    "command_argv",
+    "follow",
+    "run",
+    "start",
+]
+
+logger = logging.getLogger("k8s_agent_sandbox_awx.client")
+
+SHELL_SCRIPT = 'command -v bash >/dev/null 2>&1 && exec bash -c -- "$1"; exec /bin/sh -c -- "$1"'
+SHELL = ("/bin/sh", "-c", SHELL_SCRIPT, "sh")
+"""How a string command runs (``shell=None`` or ``True``): ``SHELL + (command,)``. ``/bin/sh``
+runs :data:`SHELL_SCRIPT`, which replaces itself with ``bash -c COMMAND`` (bash found on the
+command's ``PATH``), or with ``/bin/sh -c COMMAND`` where there is no bash. One process decides,
+so nothing is retried and the command never runs twice; the command is an argument of the
+script (``$1``), never pasted into it, and after ``--``: never read as the shell's options."""
+COLLECT_LIMIT = 16 * 1024 * 1024
+"""Characters of output (stdout and stderr together) a result keeps; beyond it the output still
+reaches the callbacks but the result's ``output_truncated`` is ``True``."""
+MAX_STREAM_FAILURES = 5
+"""Re-requests of an event stream in a row that fail without a new event before giving up."""
+
+
+@dataclass(frozen=True)
+class OpenEvents:
+    spec: proto.RequestSpec
+    json_answer: bool = False
+    """An answer not labelled ``application/x-ndjson`` is one value (a runtime that does not
+    stream it)."""
+
+
+@dataclass(frozen=True)
+class NextEvent:
+    pass
+
+
+@dataclass(frozen=True)
+class CommandEvent:
+    """One event of a command's output: ``type`` is ``stdout``, ``stderr`` or ``exit``; ``data``
+    the text (empty for ``exit``); ``seq`` its sequence number; ``exit_code`` and ``state`` are
+    set on the ``exit`` event."""
+
+    type: str
+    data: str
+    seq: int
+    exit_code: int | None = None
+    state: str | None = None
+
+
+@dataclass(frozen=True)
+class Emit:
+    event: CommandEvent
+
+
+@dataclass(frozen=True)
+class Pause:
+    seconds: float
+
+
+Step = Call[Any] | OpenEvents | NextEvent | Emit | Pause
+Op = Generator[Step, Any, Any]
+
+_NEXT = NextEvent()
+
+
+@dataclass
+class RuntimeFeatures:
+    """What one sandbox's runtime was found to lack (remembered by its ``commands``)."""
+
+    managed: bool | None = None
+    """``False`` once ``POST /commands`` answered the legacy runtime's 404 (no code, its
+    ``{"detail": "Not Found"}``)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Before anything is sent
+
+
+def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
+    """The argv a command runs as: a string through bash (:data:`SHELL`: ``bash -c``, or
+    ``/bin/sh -c`` where the sandbox has no bash; ``shell=None`` or ``True``) or split with
+    shell-like rules (``shell=False``); a list as given (``shell=True`` is refused). Empty
+    commands and NUL bytes are refused."""
+    if isinstance(command, str):
+        if "\0" in command:
+            raise ValueError("The command contains a NUL byte (\\0); remove it.")
+        if not command.strip():
+            raise ValueError("The command is empty; pass the command to run, e.g. 'echo hi'.")
+        if shell is False:
+            return _split(command)
+        return [*SHELL, command]
+    if not isinstance(command, (list, tuple)):
+        raise TypeError(
+            f"The command must be a str (run through a shell) or a list of str (an argv), "
+            f"got {type(command).__name__}."
+        )
+    if shell:
+        raise ValueError(
+            "shell=True needs the command as one string; a list is an argv and runs without a "
+            "shell. Pass a string, or drop shell=True."
+        )
+    argv = list(command)
+    for index, arg in enumerate(argv):
+        if not isinstance(arg, str):
+            raise TypeError(f"Argument {index} of the command is {type(arg).__name__}, not str.")
+        if "\0" in arg:
+            raise ValueError(f"Argument {index} of the command contains a NUL byte; remove it.")
+    if not argv or not argv[0]:
+        raise ValueError("The command is empty; pass the program and its arguments, e.g. ['ls'].")
+    return argv
+
+
+def _split(command: str) -> list[str]:
+    """``command`` split with shell-like rules (``shell=False``), as a non-empty argv."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        raise ValueError(
+            f"With shell=False the command {command!r} is split with shell-like rules, and it "
+            f"cannot be split ({exc}); balance its quotes, or pass the argv as a list."
+        ) from None
+    if not argv or not argv[0]:
+        raise ValueError(
+            f"With shell=False the command {command!r} splits into an empty program name; pass "
+            "the program and its arguments, e.g. 'ls -l'."
+        )
+    return argv
+
+
+def _check_envs(envs: Mapping[str, str] | None) -> dict[str, str] | None:
+    if envs is None:
+        return None
+    if not isinstance(envs, Mapping):
+        raise TypeError(f"envs must be a mapping of str to str, got {type(envs).__name__}.")
+    out = {}
+    for key, value in envs.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"envs must map str to str; {key!r}: {value!r} is not.")
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise ValueError(
+                f"envs has an invalid variable {key!r}: names are non-empty without '=' or NUL, "
+                "values without NUL."
+            )
+        out[key] = value
+    return out
+
+
+def _check_cwd(cwd: str | None) -> str | None:
+    if cwd is None:
+        return None
+    if not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd:
+        raise ValueError(
+            f"cwd must be an absolute path inside the sandbox (e.g. '/app'), got {cwd!r}."
+        )
+    return cwd
+
+
+def _check_timeout(timeout: float) -> float:
+    try:
+        limit = float(timeout)
+    except (TypeError, ValueError):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}.") from None
+    return dp.check_command_timeout(limit)
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """A command checked and ready to start (``POST /commands`` body, or ``/execute``)."""
+
+    argv: list[str]
+    timeout: float
+    envs: dict[str, str] | None = None
+    cwd: str | None = None
+    stdin: bool = False
+    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+
+    @classmethod
+    def make(
+        cls,
+        command: str | Sequence[str],
+        timeout: float,
+        *,
+        shell: bool | None = None,
+        background: bool = False,
+        envs: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bool = False,
+    ) -> StartPlan:
+        if stdin and not background:
+            raise ValueError(
+                "stdin=True needs background=True: only a background command's handle can "
+                "send_stdin(); start it with background=True."
+            )
+        argv = command_argv(command, shell)
+        limit, checked_envs, checked_cwd = (
+            _check_timeout(timeout),
+            _check_envs(envs),
+            _check_cwd(cwd),
+        )
+        return cls(argv, limit, checked_envs, checked_cwd, stdin)
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "command": self.argv,
+            "timeout": self.timeout,
+            "request_id": self.request_id,
+            "stdin": self.stdin,
+        }
+        if self.envs:
+            body["envs"] = self.envs
+        if self.cwd is not None:
+            body["cwd"] = self.cwd
+        return body
+
+    def managed_only(self, background: bool) -> tuple[str, ...]:
+        """The start options given that a legacy runtime (``/execute`` only) cannot honour."""
+        given = (
+            ("background", background),
+            ("stdin", self.stdin),
+            ("envs", bool(self.envs)),
+            ("cwd", self.cwd is not None),
+        )
+        return tuple(name for name, value in given if value)
+
+
+# --------------------------------------------------------------------------------------------
+# The event stream
+
+
+class CommandOutput:
+    """The reader's side of one command's event stream: the cursor, the contiguity check, the
+    collected output and the exit event."""
+
+    def __init__(self, command_id: str, *, collect: bool = True) -> None:
+        self.command_id = command_id
+        self.cursor = 0
+        self.collect = collect
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self.collected = 0
+        self.truncated = False
+        self.exit: CommandEvent | None = None
+
+    def accept(self, value: Any) -> CommandEvent | None:
+        """The event ``value`` is (``None`` for a heartbeat); a gap, a repeat or a malformed
+        line is a :class:`BrokerProtocolError`."""
+        what = f"follow the output of command {self.command_id!r}"
+        if not isinstance(value, dict) or not isinstance(value.get("seq"), int):
+            raise proto.protocol_error(what, f"bad event {value!r}"[:200], _MANAGED)
+        kind, seq = value.get("type"), value["seq"]
+        if kind == "heartbeat":
+            return None
+        if kind not in ("stdout", "stderr", "exit") or seq != self.cursor + 1:
+            raise proto.protocol_error(
+                what, f"event {kind!r} seq {seq} after seq {self.cursor} (not contiguous)", _MANAGED
+            )
+        self.cursor = seq
+        data = value.get("data") or ""
+        if kind == "exit":
+            code = value.get("exit_code")
+            self.exit = CommandEvent(
+                "exit", "", seq, code if isinstance(code, int) else -1, str(value.get("state"))
+            )
+            return self.exit
+        if not isinstance(data, str):
+            raise proto.protocol_error(what, f"event {seq} has non-text data", _MANAGED)
+        self._keep(kind, data)
+        return CommandEvent(kind, data, seq)
+
+    def _keep(self, kind: str, data: str) -> None:
+        if not self.collect:
+            return
+        room = COLLECT_LIMIT - self.collected
+        if len(data) > room:
+            self.truncated = True
+            data = data[: max(room, 0)]
+        if data:
+            (self.stdout if kind == "stdout" else self.stderr).append(data)
+            self.collected += len(data)
+
+    @property
+    def ended(self) -> bool:
+        return self.exit is not None
+
+    def lost(self, exc: errors.CommandOutputLostError) -> None:
+        """Events up to ``exc.resume_after`` are gone (not retained): go on after them."""
+        if exc.resume_after is None or exc.resume_after < self.cursor:
+            raise exc
+        self.cursor = exc.resume_after
+        self.truncated = True
+
+    def result(self) -> ExecutionResult:
+        end = self.exit
+        state = end.state if end is not None and end.state else "running"
+        return ExecutionResult(
+            stdout="".join(self.stdout),
+            stderr="".join(self.stderr),
+            exit_code=end.exit_code if end is not None and end.exit_code is not None else -1,
+            timed_out=state == "timed_out",
+            output_truncated=self.truncated,
+            command_id=self.command_id,
+            state=state,
+        )
+
+
+_MANAGED = "the managed-command protocol"
+
+
+def follow(
+    target: dp.DataTarget,
+    output: CommandOutput,
+    deadline: float | None = None,
+    *,
+    timeout: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    opened: bool = False,
+) -> Op:
+    """Follow ``output``'s command from its cursor to its exit event, yielding each output event
+    (:class:`Emit`); returns its :class:`ExecutionResult`. The stream is re-requested with the
+    cursor when it ends (every 20 s) or drops (a fresh token each time); a ``410`` goes on after
+    the lost events. Past ``deadline`` (``clock`` time; ``timeout``: the wait's, for the
+    message) :class:`CommandWaitTimeoutError` is raised; the command is left running.
+    ``opened``: a stream of the command's events from the cursor is open already (the rest of
+    a streamed start) and is read first."""
+    failures = 0
+    while output.exit is None:
+        remaining = dp.EVENTS_DURATION if deadline is None else deadline - clock()
+        if remaining <= 0:
+            waited = f" after {timeout:g}s" if timeout is not None else ""
+            raise errors.CommandWaitTimeoutError(
+                f"Command {output.command_id!r} is still running{waited} (the wait timed out); "
+                "it goes on. Call wait() again, or kill() to stop it.",
+                command_id=output.command_id,
+                timeout=timeout if timeout is not None else 0.0,
+            )
+        duration = min(dp.EVENTS_DURATION, max(remaining, 0.05))
+        position = output.cursor
+        if not opened:
+            yield OpenEvents(dp.command_events(target, output.command_id, position, duration))
+        opened = False
+        while True:
+            try:
+                value = yield _NEXT
+            except errors.CommandOutputLostError as exc:
+                output.lost(exc)
+                break
+            except (errors.BrokerUnavailableError, errors.RequestTimeoutError):
+                failures += 1
+                if failures > MAX_STREAM_FAILURES:
+                    raise
+                yield Pause(min(0.1 * 2**failures, 2.0))
+                break
+            if value is None or output.cursor != position:
+                break  # the stream ended, or another reader of this handle went on: resume
+            event = output.accept(value)
+            position = output.cursor
+            if event is not None:
+                failures = 0
+                yield Emit(event)
+                if event.type == "exit":
+                    yield from _drain()
+                    break
+            if output.ended or (deadline is not None and clock() >= deadline):
+                break
+    return output.result()
+
+
+def _drain() -> Op:
+    """Read the stream to its end (the runtime ends it after the exit event), so that its
+    connection goes back to the pool instead of being closed (a new TLS handshake per command
+    otherwise). The result is complete: a failure here changes nothing and is not raised."""
+    try:
+        while (yield _NEXT) is not None:
+            pass
+    except (errors.BrokerUnavailableError, errors.RequestTimeoutError, errors.BrokerProtocolError):
+        logger.debug("an event stream broke after its exit event", exc_info=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Operations
+
+
+def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> flow.Op[str]:
+    """``POST /commands`` of a background command (never retried); returns the command id. A
+    runtime without the endpoint is :class:`UnsupportedByRuntimeError` (the 404 means the
+    command did not start; known from an earlier answer: nothing is sent)."""
+    command_id = None if features.managed is False else (yield from _start(target, plan, features))
+    if command_id is None:
+        raise _unsupported(target, plan.managed_only(True))
+    return command_id
+
+
+def _start(
+    target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures
+) -> flow.Op[str | None]:
+    """``POST /commands``; ``None`` when the runtime has no such endpoint (remembered). Its
+    answer lost (interrupted, the connection broke): see :func:`_kill_unanswered`."""
+    try:
+        command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
+    except errors.BrokerProtocolError as exc:
+        _may_run(exc)
+        raise
+    except errors.BrokerError as exc:
+        if _unanswered(exc):
+            yield from _kill_unanswered(target, plan, exc)
+            raise
+        _without_commands(features, exc)
+        return None
+    except BaseException as exc:
+        if _unanswered(exc):
+            yield from _kill_unanswered(target, plan, exc)
+        raise
+    features.managed = True
+    return command_id
+
+
+def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op:
+    """The streamed start: ``POST /commands`` whose answer is an event stream, its first value
+    the command id, then the command's events (left open for :func:`follow`); a runtime
+    without the extension answers that first value alone. ``None`` as :func:`_start`. Sent
+    once: a drop before the command id is raised, never retried (the command is found by its
+    request id and killed: :func:`_kill_unanswered`)."""
+    try:
+        yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
+        command_id = dp.parse_command_id((yield _NEXT))
+    except errors.BrokerProtocolError as exc:
+        _may_run(exc)
+        raise
+    except errors.BrokerError as exc:
+        if _unanswered(exc):
+            yield from _kill_unanswered(target, plan, exc)
+            raise
+        _without_commands(features, exc)
+        return None
+    except BaseException as exc:
+        if _unanswered(exc):
+            yield from _kill_unanswered(target, plan, exc)
+        raise
+    features.managed = True
+    return command_id
+
+
+def _unanswered(exc: BaseException) -> bool:
+    """Whether a start may have reached the runtime without its answer being read: an
+    interruption (Ctrl-C, a cancelled task) or a connection that broke or stalled after the
+    request was sent. Not an answer (the runtime, or the broker, refused it: nothing ran),
+    nor a request that was never sent, nor an error of the caller's own (a callback's)."""
+    if isinstance(exc, errors.BrokerError):
+        return exc.status_code is None and exc.request_sent
+    return not isinstance(exc, Exception | GeneratorExit)
+
+
+def _kill_unanswered(target: dp.DataTarget, plan: StartPlan, exc: BaseException) -> flow.Op[None]:
+    """A start was sent but its command id never arrived: nobody could kill the command
+    without it. Find it by the start's ``request_id`` (``GET /commands?request_id=``) and
+    kill it, one short attempt each (the cleanup of an interrupted start); only a command
+    whose ``request_id`` is the start's is ever killed. ``exc`` gets a note saying what was
+    found and done, or how to find the command when the lookup failed."""
+    request_id = plan.request_id
+    try:
+        found = yield Call(dp.find_command(target, request_id), _listed, cleanup=True)
+        mine = [info for info in found if info.request_id == request_id]
+        for info in mine:
+            if info.running:
+                yield Call(dp.kill_command(target, info.command_id), _ignore, cleanup=True)
+    except Exception as failed:  # the start's own error is what the caller sees
+        logger.warning("could not find or kill the command of an interrupted start: %s", failed)
+        exc.add_note(
+            f"The start was sent but its command id did not arrive, and the command could not "
+            f"be looked up or killed ({type(failed).__name__}): it may be running in sandbox "
+            f"{target.sandbox_id!r}. sandbox.commands.list() shows it (request_id "
+            f"{request_id!r}); sandbox.commands.get(id).kill() stops it."
+        )
+        return
+    exc.add_note(_unanswered_note(target, request_id, mine))
+
+
+def _unanswered_note(target: dp.DataTarget, request_id: str, mine: list[dp.CommandInfo]) -> str:
+    where = f"in sandbox {target.sandbox_id!r} (request_id {request_id!r})"
+    if not mine:
+        return (
+            f"The start was sent but its command id did not arrive; no command was started "
+            f"with its request id {where}, so nothing runs (sandbox.commands.list() shows "
+            "every command)."
+        )
+    done = ", ".join(
+        f"{info.command_id!r} ({'killed' if info.running else info.state})" for info in mine
+    )
+    return f"The start was sent but its command id did not arrive; its command {where}: {done}."
+
+
+def _listed(reply: proto.Reply) -> list[dp.CommandInfo]:
+    return dp.parse_command_list(proto.parse_json(reply.content, "find a command"))
+
+
+def _may_run(exc: errors.BrokerProtocolError) -> None:
+    """A start answered without a command id: the runtime may have started the command, which
+    cannot be followed or killed without its id (the note says so and how to find it)."""
+    exc.add_note(
+        "The command may have started in the sandbox (its id is unknown, so it was not killed): "
+        "sandbox.commands.list() shows it, commands.get(id).kill() stops it."
+    )
+
+
+def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> None:
+    """A start's error: re-raised, unless the runtime has no ``/commands`` (remembered). Any
+    other 404 without a code (a proxy's, the runtime's own) is an error of this call only."""
+    if not _lacks_commands(exc):
+        if exc.status_code == 404 and exc.code is None:
+            exc.add_note(
+                "POST /commands answered 404 without the legacy runtime's answer "
+                f'({{"detail": "{dp.LEGACY_NOT_FOUND}"}}), so it is not taken for a runtime '
+                "without managed commands (nothing is remembered); the command did not start. "
+                "Retry; if it persists, check the sandbox's template and the path to it."
+            )
+        raise exc
+    features.managed = False
+
+
+def _command_id(reply: proto.Reply) -> str:
+    return dp.parse_command_id(proto.parse_json(reply.content, "start a command"))
+
+
+def _lacks_commands(exc: errors.BrokerError) -> bool:
+    """The legacy runtime's 404 (no broker code, its ``Not Found``): no ``/commands`` route."""
+    return exc.status_code == 404 and exc.code is None and exc.detail == dp.LEGACY_NOT_FOUND
+
+
+def _unsupported(target: dp.DataTarget, names: tuple[str, ...]) -> errors.UnsupportedByRuntimeError:
+    given = "".join(f", {name}=..." for name in names)
+    return errors.UnsupportedByRuntimeError(
+        f"commands.run(command{given}) cannot be honoured in sandbox {target.sandbox_id!r}: its "
+        "runtime has no managed commands (POST /commands answered 404), and "
+        f"{', '.join(names)} need{'s' if len(names) == 1 else ''} them: a runtime that serves "
+        "POST /commands (the original package's Python runtime v0.3.0+ behind broker v0.11.0+, "
+        "or the local broker's runtime). Nothing was run. Recreate the sandbox from a template "
+        "whose runtime is up to date; on this one only a plain commands.run(command) works "
+        "(through the legacy POST /execute, the output arriving when the command ends).",
+        options=names,
+    )
+
+
+def run(
+    target: dp.DataTarget,
+    plan: StartPlan,
+    features: RuntimeFeatures,
+    *,
+    raise_on_timeout: bool = True,
+    live: tuple[str, ...] = (),
+    clock: Callable[[], float] = time.monotonic,
+) -> Op:
+    """A foreground ``commands.run``: start, follow to the exit (emitting the output), and kill
+    the command if the wait fails or is interrupted (Ctrl-C, a cancelled task, no exit in
+    time). On a legacy runtime (``POST /commands`` answered 404: the command did not start) a
+    plain run falls back to ``/execute``; one with an option only the managed protocol honours
+    (``live``: the names of the output callbacks given) is :class:`UnsupportedByRuntimeError`,
+    and nothing runs. The start asks for the streamed start: its answer goes on with the
+    command's events, read before any ``GET events``."""
+    managed = features.managed is not False
+    command_id = (yield from _start_streamed(target, plan, features)) if managed else None
+    if command_id is None:
+        managed_only = (*live, *plan.managed_only(False))
+        if managed_only:
+            raise _unsupported(target, managed_only)
+        return (yield from _legacy(target, plan, raise_on_timeout))
+    output = CommandOutput(command_id)
+    deadline = clock() + plan.timeout + dp.COMMAND_TIMEOUT_MARGIN
+    try:
+        result: ExecutionResult = yield from follow(
+            target, output, deadline, clock=clock, opened=True
+        )
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        failed = yield from _kill_quietly(target, command_id)
+        if isinstance(exc, errors.CommandWaitTimeoutError):
+            timed_out = _no_exit(target, plan.timeout, output.result(), killed=failed is None)
+            _note_unkilled(timed_out, target, command_id, failed)
+            raise timed_out from exc
+        _note_unkilled(exc, target, command_id, failed)
+        raise
+    return _checked(result, plan.timeout, raise_on_timeout)
+
+
+def _kill_quietly(target: dp.DataTarget, command_id: str) -> flow.Op[Exception | None]:
+    """Kill after a failed or interrupted wait; a kill that fails is logged and returned, not
+    raised (the wait's own error is what the caller sees, with a note: ``_note_unkilled``)."""
+    try:
+        yield Call(dp.kill_command(target, command_id), _ignore, cleanup=True)
+    except Exception as exc:  # the original error is re-raised by the caller
+        logger.warning("could not kill command %s after a failed wait: %s", command_id, exc)
+        return exc
+    return None
+
+
+def _note_unkilled(
+    exc: BaseException, target: dp.DataTarget, command_id: str, failed: Exception | None
+) -> None:
+    """When the kill after a failed wait could not be delivered (``failed``: its error), the
+    raised error says that the command may still run and how to stop it (the kill's error is
+    named by its type only: its text is the broker's, never repeated)."""
+    if failed is None:
+        return
+    exc.add_note(
+        f"Command {command_id!r} may still be running in sandbox {target.sandbox_id!r}: the "
+        f"kill after the failed wait could not be delivered ({type(failed).__name__}). Stop it "
+        f'with sandbox.commands.get("{command_id}").kill() once the broker answers again '
+        "(sandbox.commands.list() shows whether it still runs)."
+    )
+
+
+def _ignore(reply: proto.Reply) -> None:
+    return None
+
+
+def _no_exit(
+    target: dp.DataTarget, limit: float, partial: ExecutionResult, *, killed: bool = True
+) -> errors.CommandTimeoutError:
+    outcome = "it was killed" if killed else "it could not be killed (see the note)"
+    return errors.CommandTimeoutError(
+        f"Command {partial.command_id!r} gave no exit within its time limit of {limit:g}s plus "
+        f"{dp.COMMAND_TIMEOUT_MARGIN:g}s in sandbox {target.sandbox_id!r}; {outcome}. Pass "
+        "a larger timeout=, or run it with background=True.",
+        command_timeout=limit,
+        result=partial,
+    )
+
+
+def _checked(result: ExecutionResult, limit: float, raise_on_timeout: bool) -> ExecutionResult:
+    if result.timed_out and raise_on_timeout:
+        raise errors.CommandTimeoutError(
+            f"The command ran longer than its time limit of {limit:g}s and was killed "
+            f"(exit code {result.exit_code}). Pass a larger timeout= to commands.run, or "
+            "raise_on_timeout=False to get the partial output as a result.",
+            command_timeout=limit,
+            result=result,
+        )
+    return result
+
+
+def _legacy(target: dp.DataTarget, plan: StartPlan, raise_on_timeout: bool) -> Op:
+    """The legacy ``POST /execute``: the argv quoted so that the runtime's shell-like split
+    rebuilds it (a string keeps its shell)."""
+    spec = dp.execute(target, shlex.join(plan.argv), command_timeout=plan.timeout)
+    call = Call(spec, _execute_result, fail=_no_answer(target, plan.timeout))
+    result: ExecutionResult = yield call
+    return _checked(result, plan.timeout, raise_on_timeout)
+
+
+def _execute_result(reply: proto.Reply) -> ExecutionResult:
+    outcome = dp.parse_execution_result(proto.parse_json(reply.content, "run a command"))
+    return outcome.model_copy(update={"state": "timed_out" if outcome.timed_out else "exited"})
+
+
+def _no_answer(target: dp.DataTarget, limit: float) -> Callable[[Exception], Exception | None]:
+    def fail(exc: Exception) -> Exception | None:
+        if not isinstance(exc, errors.RequestTimeoutError):
+            return None
+        return errors.CommandTimeoutError(
+            f"No answer for the command within its time limit of {limit:g}s plus "
+            f"{dp.COMMAND_TIMEOUT_MARGIN:g}s; it may still be running in sandbox "
+            f"{target.sandbox_id!r}. Pass a larger timeout= to commands.run.",
+            command_timeout=limit,
+        )
+
+    return fail
+
+
+def kill(target: dp.DataTarget, command_id: str) -> Call[ExecutionResult]:
+    """``POST /commands/{id}/kill``: the final result (safe to repeat)."""
+    return Call(dp.kill_command(target, command_id), _final_result)
+
+
+def _final_result(reply: proto.Reply) -> ExecutionResult:
+    info = dp.parse_command_info(proto.parse_json(reply.content, "kill a command"))
+    return info.result()
+
+
+def status(target: dp.DataTarget, command_id: str) -> Call[dp.CommandInfo]:
+    spec = dp.command_status(target, command_id)
+    return Call(
+        spec, lambda reply: dp.parse_command_info(proto.parse_json(reply.content, spec.what))
+    )
+
+
+def list_commands(target: dp.DataTarget) -> Call[list[dp.CommandInfo]]:
+    spec = dp.list_commands(target)
+    return Call(
+        spec, lambda reply: dp.parse_command_list(proto.parse_json(reply.content, spec.what))
+    )
+
+
+def send_stdin(target: dp.DataTarget, command_id: str, data: str | bytes, eof: bool) -> Call[None]:
+    """``POST /commands/{id}/stdin`` (never retried; over the runtime's limit per request:
+    :class:`~.errors.StdinTooLargeError`, before sending or from the refusal)."""
+    if isinstance(data, (bytes, bytearray)):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"stdin data must be text or UTF-8 bytes ({exc}); decode it first."
+            ) from exc
+    if not isinstance(data, str):
+        raise TypeError(f"stdin data must be str or bytes, got {type(data).__name__}.")
+    spec = dp.command_stdin(target, command_id, data, eof)  # refuses a body over the limit
+    return Call(spec, _ignore, fail=dp.stdin_refusal(spec))
+
+
+# --------------------------------------------------------------------------------------------
+# What the sync and async shells share
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """``commands.run``'s arguments, checked."""
+
+    start: StartPlan
+    background: bool
+    on_stdout: Callable[[str], Any] | None
+    on_stderr: Callable[[str], Any] | None
+    raise_on_timeout: bool
+
+    @property
+    def live(self) -> tuple[str, ...]:
+        """The output callbacks given (a legacy runtime cannot stream: see :func:`run`)."""
+        given = (("on_stdout", self.on_stdout), ("on_stderr", self.on_stderr))
+        return tuple(name for name, callback in given if callback is not None)
+
+
+def plan_run(command: Any, timeout: float, background: bool, options: flow.RunOptions) -> RunPlan:
+    """Check ``commands.run``'s arguments before anything is sent."""
+    named = ("command", "timeout", "background")
+    flow.check_options("commands.run()", options, flow.RunOptions, named)
+    background = bool(background)
+    on_stdout, on_stderr = options.get("on_stdout"), options.get("on_stderr")
+    for name, callback in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
+        if callback is not None and not callable(callback):
+            raise TypeError(f"{name} must be callable, got {type(callback).__name__}.")
+        if callback is not None and background:
+            raise ValueError(
+                f"{name} is for a foreground run; with background=True pass it to the "
+                "handle's wait(on_stdout=..., on_stderr=...)."
+            )
+    plan = StartPlan.make(
+        command,
+        timeout,
+        shell=options.get("shell"),
+        background=background,
+        envs=options.get("envs"),
+        cwd=options.get("cwd"),
+        stdin=bool(options.get("stdin", False)),
+    )
+    return RunPlan(plan, background, on_stdout, on_stderr, options.get("raise_on_timeout", True))
+
+
+def output_callback(
+    event: CommandEvent,
+    on_stdout: Callable[[str], Any] | None,
+    on_stderr: Callable[[str], Any] | None,
+) -> Callable[[str], Any] | None:
+    """The callback an output event goes to (``None``: none, or the exit event)."""
+    return {"stdout": on_stdout, "stderr": on_stderr}.get(event.type)
+
+
+def wait_deadline(
+    timeout: float | None, clock: Callable[[], float] = time.monotonic
+) -> float | None:
+    if timeout is None:
+        return None
+    limit = float(timeout)
+    if math.isnan(limit) or limit < 0:
+        raise ValueError(f"wait(timeout=) must be a number of seconds >= 0 or None, got {timeout}.")
+    return clock() + limit
+
+
+class HandleBase:
+    """What a background command's sync and async handles share: its id and what was read of
+    its output so far (one reader at a time)."""
+
+    def __init__(self, transport: Any, target: dp.DataTarget, command_id: str) -> None:
+        self._transport = transport
+        self._target = target
+        self.command_id = command_id
+        self._output = CommandOutput(command_id)
+
+    def __repr__(self) -> str:
+        end = self._output.exit
+        state = f"{end.state}, exit {end.exit_code}" if end is not None else "not seen ended"
+        return f"{type(self).__name__}(command_id={self.command_id!r}, {state})"
+
+    def _follow(self, timeout: float | None) -> Op:
+        return follow(self._target, self._output, wait_deadline(timeout), timeout=timeout)

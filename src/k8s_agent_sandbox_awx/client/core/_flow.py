@@ -1,0 +1,583 @@
+"""The operations of the client, written once for the sync and the async API.
+
+An operation that has steps (create → wait until Ready → roll back on failure) is a generator
+that yields :class:`Call`s and receives their parsed answers; the transports run it with the one
+driver (``_driver``): ``transport.run(op)``. An exception raised while a call is performed (a
+broker error, Ctrl-C, an ``asyncio`` cancellation) is thrown back into the generator, so the
+cleanup decisions live here; a cleanup call is marked ``cleanup=True`` so that the async
+transport completes it even while the task is being cancelled. An operation of one request is
+just a :class:`Call` (``transport.call(...)``): the dialect's for the control plane, the ones
+below for the data plane. Also here: the keyword options of the public signatures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import time
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
+
+from ... import errors
+from ..wire import _dialects as dialects
+from ..wire import _protocol as proto
+from ..wire._dialect import REPLAY_CREATE, CreateRequest, Dialect
+from ..wire._protocol import Call
+
+if TYPE_CHECKING:
+    from ...credentials._auth import CredentialSource
+    from ..http._config import BrokerConnectionConfig
+
+__all__ = [
+    "Call",
+    "ConnectOptions",
+    "Op",
+    "RunOptions",
+    "SandboxCreateOptions",
+    "SandboxSpec",
+    "UpstreamCreateOptions",
+    "create",
+    "wait_ready",
+]
+
+logger = logging.getLogger("k8s_agent_sandbox_awx.client")
+
+T = TypeVar("T")
+
+Op = Generator[Call[Any], Any, T]
+"""An operation with steps: yields calls, receives their parsed answers, returns ``T``."""
+
+
+# --------------------------------------------------------------------------------------------
+# Options shared by the sync and async signatures
+
+
+class UpstreamCreateOptions(TypedDict, total=False):
+    """Keyword arguments of ``create_sandbox`` after the upstream positional ones (upstream's
+    spellings; mapped by :func:`spec_from_upstream`)."""
+
+    template: str | None
+    annotations: Mapping[str, str] | None
+    shutdown_after_seconds: int | None
+    env: Mapping[str, str] | None
+    idempotency_key: str | None
+    claim_name: str | None
+    adopt_existing: bool
+    volume_claim_templates: Any
+    pod_labels: Mapping[str, str] | None
+    pod_annotations: Mapping[str, str] | None
+    scopes: Sequence[str] | None
+    keepalive_ttl_seconds: int | None
+    backend: str | None
+
+
+class ConnectOptions(TypedDict, total=False):
+    """Where the broker is and who I am, for ``Sandbox.create/connect/list``."""
+
+    auth: CredentialSource | None
+    broker_url: str | None
+    ca_cert: str | os.PathLike[str] | None
+    config: BrokerConnectionConfig | None
+    environ: Mapping[str, str] | None
+    token: str | None
+    """The original package's spelling of ``auth=OIDCTokenAuth(token)``."""
+    token_path: str | None
+    """The original package's spelling of ``auth=KubernetesAuth(token_path)``."""
+
+
+class SandboxCreateOptions(ConnectOptions, total=False):
+    """Keyword arguments of ``Sandbox.create``."""
+
+    annotations: Mapping[str, str] | None
+    env: Mapping[str, str] | None
+    timeout: int | None
+    lifetime_seconds: int | None
+    keepalive: int | None
+    ready_timeout: float | None
+    request_timeout: float | None
+    allow_insecure_http: bool | None
+    idempotency_key: str | None
+    pod_labels: Mapping[str, str] | None
+    pod_annotations: Mapping[str, str] | None
+    scopes: Sequence[str] | None
+    # The original package's spellings (drop-in migration), mapped by ``sdk_spelling``:
+    warmpool: str | None
+    namespace: str | None
+    shutdown_after_seconds: int | None
+    sandbox_ready_timeout: float | None
+    keepalive_ttl_seconds: int | None
+    backend: str | None
+
+
+OutputCallback = Callable[[str], Any]
+"""``on_stdout``/``on_stderr``: called with each chunk of text as it is produced (an async
+sandbox also awaits what a callback returns, so a coroutine function works)."""
+
+
+class RunOptions(TypedDict, total=False):
+    """Keyword arguments of ``commands.run`` after ``timeout`` (and ``background``)."""
+
+    shell: bool | None
+    envs: Mapping[str, str] | None
+    cwd: str | None
+    stdin: bool
+    on_stdout: OutputCallback | None
+    on_stderr: OutputCallback | None
+    raise_on_timeout: bool
+
+
+def check_options(
+    what: str, options: Mapping[str, Any], kind: Any, named: tuple[str, ...] = ()
+) -> None:
+    """Refuse keyword arguments ``kind`` (a TypedDict) does not declare, as Python would for
+    an explicit signature; ``named``: the function's named parameters (accepted too, so they
+    are listed and suggested)."""
+    known = kind.__required_keys__ | kind.__optional_keys__
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise unexpected_keywords(what, unknown, {*known, *named})
+
+
+UPSTREAM_SPELLINGS = {
+    "warmpool": "template",
+    "sandbox_ready_timeout": "ready_timeout",
+    "resolve_timeout": "ready_timeout",
+    "shutdown_after_seconds": "timeout",
+    "command_timeout": "timeout",
+    "env": "envs",
+    "claim_name": "name",
+}
+"""Upstream ``SandboxClient``'s spellings and the SDK's name for each: they are accepted only
+by ``BrokerSandboxClient`` (and the handles it returns); elsewhere an error suggests the SDK's."""
+
+
+def unexpected_keywords(what: str, unknown: Iterable[str], known: Iterable[str]) -> TypeError:
+    """The TypeError for misspelt keyword arguments: each with the closest accepted name
+    (``templte`` -> did you mean 'template'?), then every accepted name."""
+    accepted = sorted(known)
+    names = []
+    for name in unknown:
+        sdk_name = UPSTREAM_SPELLINGS.get(name)
+        close = (
+            [sdk_name] if sdk_name in accepted else difflib.get_close_matches(name, accepted, n=1)
+        )
+        names.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    plural = "s" if len(names) > 1 else ""
+    return TypeError(
+        f"{what} got unexpected keyword argument{plural} {', '.join(names)}; "
+        f"it accepts {', '.join(accepted)}."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Control plane: the operations with steps
+
+
+def check_phase(
+    info: proto.SandboxInfo, ready_timeout: float, remaining: float, *, creating: bool
+) -> bool:
+    """``True`` if ``info`` is Ready; raise if it never will be or the time is up."""
+    deleted = "; its claim is deleted" if creating else ""
+    if info.phase == "Ready" or info.ready:
+        return True
+    phase = proto.redact_answer(info.phase)  # the broker's words, quoted in messages
+    reason = proto.redact_answer(info.reason) if info.reason else None
+    message = proto.redact_answer(info.message) if info.message else None
+    if info.phase == "Terminating":
+        raise errors.SandboxTerminatingError(
+            f"Sandbox {info.name!r} is being deleted (Terminating) and will not become "
+            "ready; create a new one with Sandbox.create().",
+            name=info.name,
+        )
+    if info.phase == "Failed":
+        raise errors.SandboxFailedError(
+            f"Sandbox {info.name!r} is {phase} and will not become ready{deleted} "
+            f"(reason: {reason or 'none given'}; {message or 'no message'}). "
+            "Check the template and your policy (`agent-sandbox-awx whoami`), then "
+            "create a new sandbox.",
+            name=info.name,
+            reason=reason,
+            detail=message,
+        )
+    if remaining <= 0:
+        raise errors.SandboxReadyTimeoutError(
+            f"Sandbox {info.name!r} did not become ready within {ready_timeout:g}s "
+            f"(phase {phase}){deleted}. Pass a larger ready_timeout= "
+            "(or sandbox_ready_timeout=), or ask the broker's operator why the template "
+            "starts slowly.",
+            name=info.name,
+            ready_timeout=ready_timeout,
+            phase=phase,
+        )
+    return False
+
+
+def wait_ready(
+    dialect: Dialect,
+    info: proto.SandboxInfo,
+    ready_timeout: float,
+    request_timeout: float,
+    *,
+    creating: bool = False,
+    poll_interval: float = 2.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> Op[proto.SandboxInfo]:
+    """Wait (the dialect's long-poll or status poll) until ``info`` is Ready; raise on Failed or
+    at the timeout. ``creating``: the caller deletes the claim on failure (the messages say so);
+    ``poll_interval``: the longest pause between two status polls (a polling dialect)."""
+    deadline = clock() + ready_timeout
+    poll = 0
+    while not check_phase(info, ready_timeout, deadline - clock(), creating=creating):
+        info = yield dialect.wait_ready(
+            info.name, deadline - clock(), request_timeout, poll=poll, poll_interval=poll_interval
+        )
+        poll += 1
+    return info
+
+
+@dataclass(frozen=True)
+class CreatePlan:
+    dialect: Dialect
+    spec: proto.RequestSpec
+    ready_timeout: float
+    request_timeout: float
+    keepalive: int | None = None
+    poll_interval: float = 2.0
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What to create, in the SDK's vocabulary (``Sandbox.create``'s names)."""
+
+    template: str | None = None
+    labels: Mapping[str, str] | None = None
+    annotations: Mapping[str, str] | None = None
+    env: Mapping[str, str] | None = None
+    lifetime_seconds: int | None = None
+    """``timeout=``: the sandbox's lifetime (``None``: the config's ``sandbox_timeout``)."""
+    ready_timeout: float | None = None
+    idempotency_key: str | None = None
+    keepalive: int | None = None
+    pod_labels: Mapping[str, str] | None = None
+    pod_annotations: Mapping[str, str] | None = None
+    scopes: Sequence[str] | None = None
+
+
+ORIGINAL_SPELLINGS = {
+    "warmpool": "template",
+    "sandbox_ready_timeout": "ready_timeout",
+    "shutdown_after_seconds": "lifetime_seconds",
+    "keepalive_ttl_seconds": "keepalive",
+}
+"""The spellings of upstream ``SandboxClient.create_sandbox`` and of the original package's
+``Sandbox.create`` that both create paths accept, and the SDK's name for each (the one mapping:
+:func:`sdk_spelling`)."""
+
+
+def sdk_spelling(given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` with the original/upstream spellings renamed to the SDK's (``None`` values
+    dropped); the same option given in both spellings with different values is an error."""
+    out = {k: v for k, v in given.items() if k not in ORIGINAL_SPELLINGS and v is not None}
+    for old, new in ORIGINAL_SPELLINGS.items():
+        value = given.get(old)
+        if value is None:
+            continue
+        if new == "keepalive" and new not in SandboxCreateOptions.__optional_keys__:
+            if value:  # 0 is "off" in the original package
+                raise NotImplementedError(
+                    f"{old}={value!r} asks for the activity keepalive (extend the sandbox's "
+                    "lifetime on every use), which this version of the SDK does not have yet; "
+                    "leave it out and pass lifetime_seconds= (shutdown_after_seconds=) long "
+                    "enough, or extend with client.extend(name, seconds)."
+                )
+            continue
+        if out.get(new) is not None and out[new] != value:
+            raise errors.ConfigurationError(
+                f"{new}={out[new]!r} and {old}={value!r} differ; pass only {new}=."
+            )
+        out[new] = value
+    backend = out.pop("backend", "kubernetes")
+    if backend != "kubernetes":
+        raise errors.ConfigurationError(
+            f"backend={backend!r} is not supported: this SDK creates sandboxes on the broker's "
+            "Kubernetes backend only; leave backend= out."
+        )
+    namespace = out.pop("namespace", None)
+    if namespace is not None:
+        logger.debug("namespace=%r: the broker's policy decides the namespace", namespace)
+    return out
+
+
+def _sandbox_spec(options: Mapping[str, Any]) -> SandboxSpec:
+    """The spec, checked as far as it can be before the broker's dialect is known (before
+    anything is sent, also a detection probe)."""
+    options = {**options}
+    options["lifetime_seconds"] = _lifetime(
+        options.pop("timeout", None), options.get("lifetime_seconds")
+    )
+    options["keepalive"] = _seconds("keepalive", options.get("keepalive"), allow_zero=True)
+    names = [f.name for f in dataclasses.fields(SandboxSpec)]
+    spec = SandboxSpec(**{name: options.get(name) for name in names})
+    for name in ("labels", "annotations", "env", "pod_labels", "pod_annotations"):
+        proto.str_mapping(name, getattr(spec, name))
+    scopes = spec.scopes
+    if scopes is not None and (
+        isinstance(scopes, str) or not all(isinstance(s, str) and s for s in scopes)
+    ):
+        raise TypeError("scopes= must be a list of scope names, e.g. ['commands', 'files'].")
+    ready_timeout(spec, None)
+    return spec
+
+
+def ready_timeout(spec: SandboxSpec, config: BrokerConnectionConfig | None) -> float:
+    """The ready timeout: the spec's, else the config's (checked: a number >= 0)."""
+    given = spec.ready_timeout
+    if given is None:
+        return config.ready_timeout if config is not None else 0.0
+    value = float(given)
+    if not value >= 0:  # also NaN, which no comparison ever ends
+        raise ValueError(
+            f"ready_timeout (sandbox_ready_timeout=) must be a number of seconds >= 0, got "
+            f"{given}; pass, e.g., 180."
+        )
+    return value
+
+
+def spec_from_create(
+    template: str | None, labels: Mapping[str, str] | None, options: SandboxCreateOptions
+) -> SandboxSpec:
+    """``Sandbox.create``'s arguments (the original package's spellings too)."""
+    check_options("create()", options, SandboxCreateOptions, ("template", "labels"))
+    return _sandbox_spec(sdk_spelling({"template": template, "labels": labels, **options}))
+
+
+def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> int | None:
+    """A whole number of seconds for ``name=`` (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise TypeError(f"{name}= must be a whole number of seconds, e.g. 300; got {value!r}.")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}= must be a positive number of seconds, got {value!r}.")
+    return int(value)
+
+
+def _lifetime(timeout: Any, lifetime_seconds: Any) -> int | None:
+    """``timeout=`` (the SDK's name) or ``lifetime_seconds=`` (its name in 0.5.0)."""
+    if timeout is not None and lifetime_seconds is not None and timeout != lifetime_seconds:
+        raise errors.ConfigurationError(
+            f"timeout={timeout!r} and lifetime_seconds={lifetime_seconds!r} differ; pass only "
+            "timeout= (lifetime_seconds= is its 0.5.0 name)."
+        )
+    given = timeout if timeout is not None else lifetime_seconds
+    return _seconds("timeout", given)
+
+
+def sandbox_timeout(spec_seconds: int | None, config: BrokerConnectionConfig) -> int | None:
+    """The lifetime a create asks for: ``timeout=``, else ``AGENT_SANDBOX_TTL_SECONDS`` (or the
+    original package's ``SANDBOX_TTL_SECONDS``; 300 s by default; 0: none, the policy's
+    maximum)."""
+    if spec_seconds is not None:
+        return spec_seconds
+    return config.sandbox_timeout or None
+
+
+def spec_from_upstream(
+    warmpool: str | None,
+    namespace: str | None,
+    sandbox_ready_timeout: float | None,
+    labels: Mapping[str, str] | None,
+    options: UpstreamCreateOptions,
+) -> SandboxSpec:
+    """``create_sandbox``'s arguments, upstream ``SandboxClient``'s spellings (mapped by
+    :func:`sdk_spelling`); what the broker decides itself (claim names, adoption, volumes) is
+    refused."""
+    check_options(
+        "create_sandbox()",
+        options,
+        UpstreamCreateOptions,
+        ("warmpool", "namespace", "sandbox_ready_timeout", "labels"),
+    )
+    unsupported = ("claim_name", "adopt_existing", "volume_claim_templates")
+    given = sorted(k for k in unsupported if options.get(k))
+    if given:
+        raise errors.ConfigurationError(
+            f"{', '.join(given)} cannot be used through the broker: it names claims and "
+            "builds their spec itself. Use labels=/annotations=/env= instead."
+        )
+    positional: dict[str, Any] = {"warmpool": warmpool, "namespace": namespace, "labels": labels}
+    positional["sandbox_ready_timeout"] = sandbox_ready_timeout
+    return _sandbox_spec(sdk_spelling({**positional, **options}))
+
+
+def plan_create(config: BrokerConnectionConfig, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
+    """Check what to create and build its request (before anything is sent but a detection
+    probe)."""
+    request = CreateRequest(
+        idempotency_key=spec.idempotency_key or proto.new_idempotency_key(),
+        template=spec.template or config.template,
+        labels=spec.labels or {},
+        annotations=spec.annotations or {},
+        lifetime_seconds=sandbox_timeout(spec.lifetime_seconds, config),
+        env=spec.env or {},
+        pod_labels=spec.pod_labels or {},
+        pod_annotations=spec.pod_annotations or {},
+        scopes=tuple(spec.scopes) if spec.scopes is not None else None,
+    )
+    return CreatePlan(
+        dialect,
+        dialect.create(request),
+        ready_timeout(spec, config),
+        config.request_timeout,
+        spec.keepalive,
+        config.poll_interval,
+    )
+
+
+def resolve_dialect(known: Dialect | None, broker_url: str) -> Op[Dialect]:
+    """The dialect to speak: ``known`` (pinned, found out before, or the answer of the probe
+    this caller waited for), else the one remembered for ``broker_url``, else one probe of the
+    broker (remembered only if its answer identifies the dialect; see ``_dialects``)."""
+    if known is None:
+        known = dialects.detected(broker_url)
+    if known is None:
+        verdict = yield dialects.probe()
+        known = dialects.record(broker_url, verdict)
+        how = "" if verdict.certain else " (a guess until a control-plane answer confirms it)"
+        logger.info("the broker %s speaks the %r dialect%s", broker_url, known.name, how)
+    return known
+
+
+def _outcome_unknown(exc: BaseException) -> bool:
+    """Whether the broker may have created the sandbox although we saw no answer: the create
+    was interrupted (Ctrl-C, cancellation) or timed out, or the connection broke, after the
+    request may have reached the broker. A request that never left (no connection, a TLS
+    certificate that did not verify) cannot have created anything."""
+    if not isinstance(exc, Exception):
+        return True
+    if isinstance(exc, errors.RequestTimeoutError | errors.BrokerUnavailableError):
+        return exc.request_sent
+    return False
+
+
+def create(plan: CreatePlan) -> Op[proto.SandboxInfo]:
+    """Create a sandbox and wait until it is Ready. If anything fails after the claim was
+    created (ready timeout, Failed phase, Ctrl-C, cancellation), it is deleted before raising."""
+    dialect, spec = plan.dialect, plan.spec
+    try:
+        reply = yield Call(spec, proto.raw)
+    except BaseException as exc:
+        if not _outcome_unknown(exc):
+            raise
+        # The broker may have created the sandbox without us seeing the answer: replay the
+        # create with the same Idempotency-Key (which returns that sandbox) and delete it.
+        yield from _abandon_create(plan, exc)
+        raise
+    try:
+        info = dialect.parse_created(reply, spec)
+    except errors.BrokerProtocolError as exc:
+        name = dialect.created_name(reply.content)
+        if name is not None:  # a sandbox was made although its answer is unusable
+            yield from _rollback(dialect, name, exc)
+        raise
+    logger.info("created sandbox %s (template %s)", info.name, info.template)
+    try:
+        return (
+            yield from wait_ready(
+                dialect,
+                info,
+                plan.ready_timeout,
+                plan.request_timeout,
+                creating=True,
+                poll_interval=plan.poll_interval,
+            )
+        )
+    except BaseException as exc:
+        yield from _rollback(dialect, info.name, exc)
+        raise
+
+
+def _abandon_create(plan: CreatePlan, exc: BaseException) -> Op[None]:
+    dialect, spec = plan.dialect, plan.spec
+    if REPLAY_CREATE not in dialect.features:
+        exc.add_note(
+            f"The create was interrupted after it was sent, and the broker's {dialect.name!r} "
+            "dialect cannot replay a create to find out whether it made a sandbox (it has no "
+            "idempotency key and no list). A sandbox may exist: it ends at its lifetime "
+            "(lifetime_seconds=, or the broker policy's maximum)."
+        )
+        return
+    try:
+        reply = yield Call(spec, proto.raw, cleanup=True)
+        name = dialect.parse_created(reply, spec).name
+    except Exception as replay_error:
+        logger.warning(
+            "could not check whether an interrupted create left a sandbox: %s", replay_error
+        )
+        exc.add_note(
+            "The create was interrupted and the broker could not be asked whether it created "
+            "a sandbox; check with `agent-sandbox-awx ls` and kill any leftover."
+        )
+        return
+    yield from _rollback(dialect, name, exc)
+
+
+def _rollback(dialect: Dialect, name: str, exc: BaseException) -> Op[None]:
+    try:
+        yield cleanup(dialect.delete(name, purpose="create_cleanup"))
+        logger.info("deleted sandbox %s after a failed create", name)
+    except Exception as cleanup_error:
+        logger.error("could not delete sandbox %s after a failed create: %s", name, cleanup_error)
+        exc.add_note(
+            f"The sandbox {name!r} could not be deleted ({cleanup_error}); delete it with "
+            f"`agent-sandbox-awx kill {name}`."
+        )
+
+
+def cleanup(call: Call[T]) -> Call[T]:
+    """``call`` marked as a cleanup: it completes even while the caller is cancelled."""
+    return dataclasses.replace(call, cleanup=True)
+
+
+def client_overrides(
+    options: ConnectOptions | SandboxCreateOptions,
+) -> tuple[BrokerConnectionConfig | None, dict[str, Any]]:
+    """The explicit config and the settings that override it (or the environment)."""
+    ca = options.get("ca_cert")
+    settings: dict[str, Any] = {
+        "broker_url": options.get("broker_url"),
+        "ca_cert": os.fspath(ca) if ca is not None else None,
+        "request_timeout": options.get("request_timeout"),
+        "allow_insecure_http": options.get("allow_insecure_http"),
+    }
+    overrides = {k: v for k, v in settings.items() if v is not None}
+    config = options.get("config")
+    if config is not None and overrides:
+        data = config.model_dump()
+        data.update(overrides)
+        if "broker_url" in overrides:
+            data.pop("api_url", None)
+        return type(config).model_validate(data), {}
+    return config, overrides
+
+
+# --------------------------------------------------------------------------------------------
+# Data plane: one call each
+
+
+def upstream_envs(options: RunOptions, env: Mapping[str, str] | None) -> None:
+    """Upstream ``commands.run``'s ``env=`` is the SDK's ``envs=`` (both given: refused)."""
+    if env is None:
+        return
+    if options.get("envs") is not None:
+        raise TypeError("commands.run() got both env= and envs=; pass only envs=.")
+    options["envs"] = env
+
+
+def upstream_timeout(timeout: float, command_timeout: float | None) -> float:
+    """Upstream ``commands.run``'s two limits as the SDK's one: ``command_timeout`` (the
+    command's limit) wins if given."""
+    return timeout if command_timeout is None else command_timeout

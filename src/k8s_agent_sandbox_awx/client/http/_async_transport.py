@@ -1,0 +1,232 @@
+"""The async I/O layer: one ``httpx.AsyncClient`` per client object.
+
+The counterpart of ``_transport`` for asyncio: it performs the same ``_exchange`` steps (auth,
+retries, redirects, timeouts, errors) and the same ``_flow`` operations with ``await``. A call
+marked ``cleanup`` (deleting a claim after a failed or cancelled create, killing on exit) runs in
+its own task that a cancellation of the caller does not interrupt; the cancellation is re-raised
+once the cleanup is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import httpx
+
+from ..._driver import Steps, adrive
+from ...credentials._auth import CredentialSource
+from ...errors import BrokerError, SandboxFailedError
+from ..core._retry import RetryPolicy
+from ..wire import _protocol as proto
+from ..wire._dataplane import DownloadMeter
+from ..wire._dialect import Dialect
+from . import _exchange as ex
+from ._config import BrokerConnectionConfig
+
+__all__ = ["AsyncBrokerTransport", "AsyncUploadStream"]
+
+logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
+
+T = TypeVar("T")
+
+
+class AsyncUploadStream(httpx.AsyncByteStream):
+    """A streamed upload body: bytes, a sync binary file (read in a worker thread, so the
+    event loop never waits for the disk), an iterator or an async iterable of bytes."""
+
+    def __init__(self, body: ex.UploadBody) -> None:
+        self._body = body
+        self.replayable = body.replayable
+
+    async def __aiter__(self) -> AsyncGenerator[bytes, None]:
+        body = self._body
+        body.begin()
+        yield body.framing.prefix
+        for data in body.byte_chunks():
+            yield data
+        if body.kind == "aiter":
+            async for piece in body.content:
+                if data := body.accept(piece):
+                    yield data
+        elif body.kind == "iter":
+            for piece in body.content:
+                if data := body.accept(piece):
+                    yield data
+        while want := body.want():
+            if data := body.accept(await asyncio.to_thread(body.content.read, want)):
+                yield data
+        yield body.framing.suffix
+
+
+class AsyncBrokerTransport(ex.TransportBase):
+    """Sends requests to the broker from an event loop (``httpx.AsyncClient``)."""
+
+    def __init__(
+        self,
+        config: BrokerConnectionConfig,
+        auth: CredentialSource,
+        dialect: Dialect,
+        *,
+        http_transport: httpx.AsyncBaseTransport | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        client = httpx.AsyncClient(transport=http_transport, **ex.client_settings(config))
+        super().__init__(config, auth, dialect, client, retry)
+        self._http = client
+        self._sleep = sleep
+        self._cleanups: set[asyncio.Task[Any]] = set()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._http.is_closed
+
+    async def close(self) -> None:
+        """Close the connections (after any cleanup still running)."""
+        if self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
+        await self._http.aclose()
+
+    async def perform(self, step: ex.Step) -> Any:
+        """Perform one I/O step of an exchange."""
+        match step:
+            case ex.Send(request):
+                return await self._http.send(request, stream=True)
+            case ex.GetCredential(audience):
+                return self.primed() or await self.auth.aget_credential(audience)
+            case ex.Read(response):
+                try:
+                    return await response.aread()
+                finally:
+                    await response.aclose()
+            case ex.ReadError(response):
+                return await self._error_body(response)
+            case ex.Close(response):
+                return await response.aclose()
+            case ex.Sleep(seconds):
+                return await self._sleep(seconds)
+
+    @staticmethod
+    async def _error_body(response: httpx.Response) -> bytes:
+        capped = ex.CappedBody()
+        try:
+            async for chunk in response.aiter_bytes():
+                if capped.add(chunk):
+                    break
+        except httpx.HTTPError:
+            pass  # the status alone is reported
+        finally:
+            await response.aclose()
+        return capped.data
+
+    async def send(
+        self,
+        spec: proto.RequestSpec,
+        *,
+        stream: bool = False,
+        body: httpx.AsyncByteStream | None = None,
+        authenticate: bool = True,
+    ) -> httpx.Response:
+        """Send ``spec`` (see ``BrokerTransport.send``)."""
+        steps = self.exchange(spec, stream=stream, body=body, authenticate=authenticate)
+        return await adrive(steps, self.perform)
+
+    async def call(self, call: proto.Call[T], sent: list[str] | None = None) -> T:
+        """Send one call and parse its answer; a cleanup call completes even if cancelled."""
+        steps = self.call_steps(call, sent)
+        if call.cleanup:
+            return await self.complete(adrive(steps, self.perform))
+        result: T = await adrive(steps, self.perform)
+        return result
+
+    async def run(self, op: Steps[proto.Call[Any], T]) -> T:
+        """Run an operation of ``_flow`` (a generator of calls) to its result (see
+        ``BrokerTransport.run``)."""
+        sent: list[str] = []
+        try:
+            return await adrive(op, lambda call: self.call(call, sent))
+        except (BrokerError, SandboxFailedError) as exc:
+            proto.redact_sent(exc, sent)
+            raise
+
+    async def complete(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` to the end in its own task, even if the calling task is cancelled
+        meanwhile (``asyncio.shield``, again after each cancellation); then re-raise the
+        cancellation, or return the result."""
+        task = asyncio.ensure_future(work)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        cancelled: asyncio.CancelledError | None = None
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError as exc:
+                if task.cancelled():
+                    raise
+                cancelled = exc
+            except BaseException:
+                break  # the task's own error: raised by task.result() below
+        if cancelled is not None:
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("a cleanup failed while cancelled: %s", task.exception())
+            raise cancelled
+        return task.result()
+
+    def upload_stream(self, body: ex.UploadBody) -> AsyncUploadStream:
+        return AsyncUploadStream(body)
+
+    async def stream(
+        self, spec: proto.RequestSpec, meter: DownloadMeter, chunk_size: int | None = ex.CHUNK_SIZE
+    ) -> AsyncGenerator[bytes, None]:
+        """The answer to ``spec`` in chunks of ``chunk_size`` (``None``: each as it arrives);
+        the request is sent on first iteration."""
+        async with contextlib.aclosing(
+            self.chunks(await self.send(spec, stream=True), meter, chunk_size)
+        ) as it:
+            async for chunk in it:
+                yield chunk
+
+    async def chunks(
+        self, response: httpx.Response, meter: DownloadMeter, size: int | None = ex.CHUNK_SIZE
+    ) -> AsyncGenerator[bytes, None]:
+        """An open ``response``'s body in chunks of ``size`` bytes (``None``: as they arrive),
+        counted by ``meter``; closed at the end."""
+        try:
+            async for chunk in response.aiter_bytes(size):
+                yield meter.count(chunk)
+        except httpx.TransportError as exc:
+            raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
+        finally:
+            await response.aclose()
+
+    async def events(
+        self, spec: proto.RequestSpec, *, json_answer: bool = False
+    ) -> AsyncGenerator[Any, None]:
+        """The answer to ``spec`` as a stream of NDJSON values (see ``BrokerTransport.events``;
+        ``contextlib.aclosing`` to stop early)."""
+        response = await self.send(spec, stream=True)
+        content_type = response.headers.get("content-type")
+        decoder = proto.event_decoder(spec.what, content_type, json_answer)
+        meter = DownloadMeter(spec, spec.path, None)
+        async with contextlib.aclosing(self.chunks(response, meter, None)) as chunks:
+            async for chunk in chunks:
+                for value in decoder.feed(chunk):
+                    yield value
+        for value in decoder.end():
+            yield value
+
+    async def download(
+        self,
+        spec: proto.RequestSpec,
+        meter: DownloadMeter,
+        write: Callable[[bytes], Awaitable[Any]],
+    ) -> int:
+        """Stream the answer to ``spec`` into ``await write(chunk)``; the bytes written."""
+        async with contextlib.aclosing(self.stream(spec, meter)) as chunks:
+            async for chunk in chunks:
+                await write(chunk)
+        return meter.total

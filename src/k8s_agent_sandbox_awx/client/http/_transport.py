@@ -1,0 +1,192 @@
+"""The sync I/O layer: one ``httpx.Client`` per client object.
+
+Everything else (what to send, auth, retries, timeouts, errors) comes from ``_exchange`` and
+the dialect; this module only performs the steps: sends, reads, credential fetches and sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, TypeVar
+
+import httpx
+
+from ..._driver import Steps, drive
+from ...credentials._auth import CredentialSource
+from ...errors import BrokerError, SandboxFailedError
+from ..core._retry import RetryPolicy
+from ..wire import _protocol as proto
+from ..wire._dataplane import DownloadMeter
+from ..wire._dialect import Dialect
+from ._config import BrokerConnectionConfig
+from ._exchange import (
+    CHUNK_SIZE,
+    CappedBody,
+    Close,
+    GetCredential,
+    Read,
+    ReadError,
+    Send,
+    Sleep,
+    Step,
+    TransportBase,
+    UploadBody,
+    client_settings,
+)
+
+__all__ = ["BrokerTransport", "UploadStream"]
+
+logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
+
+T = TypeVar("T")
+
+
+class UploadStream(httpx.SyncByteStream):
+    """A streamed upload body read from bytes or a binary file, chunk by chunk."""
+
+    def __init__(self, body: UploadBody) -> None:
+        self._body = body
+        self.replayable = body.replayable
+
+    def __iter__(self) -> Iterator[bytes]:
+        body = self._body
+        body.begin()
+        yield body.framing.prefix
+        yield from body.byte_chunks()
+        if body.kind == "iter":
+            for piece in body.content:
+                if chunk := body.accept(piece):
+                    yield chunk
+        while want := body.want():
+            if chunk := body.accept(body.content.read(want)):
+                yield chunk
+        yield body.framing.suffix
+
+
+class BrokerTransport(TransportBase):
+    """Sends requests to the broker: performs the steps of ``_exchange`` with ``httpx.Client``."""
+
+    def __init__(
+        self,
+        config: BrokerConnectionConfig,
+        auth: CredentialSource,
+        dialect: Dialect,
+        *,
+        http_transport: httpx.BaseTransport | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        client = httpx.Client(transport=http_transport, **client_settings(config))
+        super().__init__(config, auth, dialect, client, retry)
+        self._http = client
+        self._sleep = sleep
+
+    def close(self) -> None:
+        self._http.close()
+
+    def perform(self, step: Step) -> Any:
+        """Perform one I/O step of an exchange."""
+        match step:
+            case Send(request):
+                return self._http.send(request, stream=True)
+            case GetCredential(audience):
+                return self.primed() or self.auth.get_credential(audience)
+            case Read(response):
+                try:
+                    return response.read()
+                finally:
+                    response.close()
+            case ReadError(response):
+                return self._error_body(response)
+            case Close(response):
+                return response.close()
+            case Sleep(seconds):
+                return self._sleep(seconds)
+
+    @staticmethod
+    def _error_body(response: httpx.Response) -> bytes:
+        capped = CappedBody()
+        try:
+            for chunk in response.iter_bytes():
+                if capped.add(chunk):
+                    break
+        except httpx.HTTPError:
+            pass  # the status alone is reported
+        finally:
+            response.close()
+        return capped.data
+
+    def send(
+        self,
+        spec: proto.RequestSpec,
+        *,
+        stream: bool = False,
+        body: Any = None,
+        authenticate: bool = True,
+    ) -> httpx.Response:
+        """Send ``spec``; the response (read, unless ``stream``: then the caller closes it)."""
+        steps = self.exchange(spec, stream=stream, body=body, authenticate=authenticate)
+        return drive(steps, self.perform)
+
+    def call(self, call: proto.Call[T], sent: list[str] | None = None) -> T:
+        """Send one call and parse its answer (``sent``: see ``call_steps``)."""
+        result: T = drive(self.call_steps(call, sent), self.perform)
+        return result
+
+    def run(self, op: Steps[proto.Call[Any], T]) -> T:
+        """Run an operation of ``_flow`` (a generator of calls) to its result; an error it
+        builds from an answer never shows a token its requests carried."""
+        sent: list[str] = []
+        try:
+            return drive(op, lambda call: self.call(call, sent))
+        except (BrokerError, SandboxFailedError) as exc:
+            proto.redact_sent(exc, sent)
+            raise
+
+    def upload_stream(self, body: UploadBody) -> UploadStream:
+        return UploadStream(body)
+
+    def stream(
+        self, spec: proto.RequestSpec, meter: DownloadMeter, chunk_size: int | None = CHUNK_SIZE
+    ) -> Generator[bytes, None, None]:
+        """The answer to ``spec`` in chunks of ``chunk_size`` (``None``: each as it arrives);
+        the request is sent on first iteration."""
+        yield from self.chunks(self.send(spec, stream=True), meter, chunk_size)
+
+    def chunks(
+        self, response: httpx.Response, meter: DownloadMeter, size: int | None = CHUNK_SIZE
+    ) -> Generator[bytes, None, None]:
+        """An open ``response``'s body in chunks of ``size`` bytes (``None``: as they arrive),
+        counted by ``meter``; closed at the end."""
+        try:
+            for chunk in response.iter_bytes(size):
+                yield meter.count(chunk)
+        except httpx.TransportError as exc:
+            raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
+        finally:
+            response.close()
+
+    def events(
+        self, spec: proto.RequestSpec, *, json_answer: bool = False
+    ) -> Generator[Any, None, None]:
+        """The answer to ``spec`` as a stream of NDJSON values, each as soon as its line is
+        complete (the request is sent on first iteration; close the generator to stop).
+        ``json_answer``: an answer not labelled ``application/x-ndjson`` is one value."""
+        response = self.send(spec, stream=True)
+        content_type = response.headers.get("content-type")
+        decoder = proto.event_decoder(spec.what, content_type, json_answer)
+        meter = DownloadMeter(spec, spec.path, None)
+        with contextlib.closing(self.chunks(response, meter, None)) as chunks:  # not held back
+            for chunk in chunks:
+                yield from decoder.feed(chunk)
+        yield from decoder.end()
+
+    def download(self, spec: proto.RequestSpec, meter: DownloadMeter, out: Any) -> int:
+        """Stream the answer to ``spec`` into ``out.write``; the bytes written."""
+        with contextlib.closing(self.stream(spec, meter)) as chunks:
+            for chunk in chunks:
+                out.write(chunk)
+        return meter.total

@@ -1,0 +1,1 @@
+"""The credential framework: types, token checks, sources, providers, discovery, cache."""
