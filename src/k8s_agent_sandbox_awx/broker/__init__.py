@@ -1,0 +1,1 @@
+"""The broker: the server, its backends and the identity it verifies."""

@@ -1,0 +1,1 @@
+"""The broker's backends: where the sandboxes it hands out live."""
