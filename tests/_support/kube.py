@@ -8,7 +8,7 @@ whose RSA signing key is generated at test time; it installs the stand-in agent-
 everything down (each process group killed, temporary folders removed) even when a step fails.
 Like envtest it runs no controllers, no kubelet and no pods: nothing garbage-collects by
 ownerReference, no namespace gets its ``default`` ServiceAccount, and objects' status is what
-a test writes.
+a test writes. The test CA also signs client certificates (``client_certificate``).
 
 The binaries come from ``.ci/kube-tools`` (``find_kube_tools``): etcd from Debian's
 etcd-server, kube-apiserver 1.20 built from Debian's source package, cached outside the clone.
@@ -21,6 +21,7 @@ refusing them; a watch from a resourceVersion older than the watch cache's windo
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import json
@@ -31,6 +32,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -178,19 +180,42 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphan if pytest is killed
 
 
+_SPAWNER: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _spawner() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that starts processes for callers other than the main thread."""
+    if not _SPAWNER:
+        _SPAWNER.append(
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kube-spawner")
+        )
+    return _SPAWNER[0]
+
+
 class _Process:
     """One child process in its own process group, its output in a log file."""
 
     def __init__(self, name: str, argv: Sequence[str], log: Path) -> None:
         self.name, self.log = name, log
         with log.open("ab") as out:
-            self.popen = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,  # the test session starts these from one thread
-            )
+
+            def spawn() -> subprocess.Popen[bytes]:
+                return subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_die_with_parent,  # forked by a thread that lives (below)
+                )
+
+            # PR_SET_PDEATHSIG fires when the THREAD that forked ends, not the process: a
+            # restart() from a worker thread (asyncio.to_thread, whose thread ends with the
+            # test's event loop) would have the new API server killed with it. Such starts go
+            # through one spawner thread that lives as long as the session.
+            if threading.current_thread() is threading.main_thread():
+                self.popen = spawn()
+            else:
+                self.popen = _spawner().submit(spawn).result()
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -245,6 +270,7 @@ class _Pki:
     key_file: Path
     sa_key_file: Path
     sa_public_file: Path
+    authority: Any = None  # the trustme.CA: it also signs client certificates
 
 
 def _make_pki(folder: Path) -> _Pki:
@@ -255,7 +281,8 @@ def _make_pki(folder: Path) -> _Pki:
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
     paths = _Pki(
-        *(folder / n for n in ("ca.pem", "server.pem", "server-key.pem", "sa.key", "sa.pub"))
+        *(folder / n for n in ("ca.pem", "server.pem", "server-key.pem", "sa.key", "sa.pub")),
+        authority=ca,
     )
     ca.cert_pem.write_to_path(str(paths.ca_file))
     cert.cert_chain_pems[0].write_to_path(str(paths.cert_file))
@@ -394,6 +421,7 @@ class KubeAPIServer:
             "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
             f"--tls-cert-file={pki.cert_file}", f"--tls-private-key-file={pki.key_file}",
             f"--token-auth-file={self.workdir / 'tokens.csv'}",
+            f"--client-ca-file={pki.ca_file}",  # client certificates: client_certificate()
             "--authorization-mode=RBAC",
             f"--service-account-issuer={self.issuer}",
             f"--service-account-key-file={pki.sa_public_file}",
@@ -548,6 +576,20 @@ class KubeAPIServer:
                 client.close()
 
     # ---------------------------------------------------------------------- identities
+
+    def client_certificate(self, user: str, group: str | None = None) -> tuple[Path, Path]:
+        """A client certificate the API server accepts (``--client-ca-file`` is the test
+        CA): the user is its CN, the group its O. Returns (certificate file, key file)."""
+        if self._pki is None:
+            raise RuntimeError("client_certificate(): the API server is not running")
+        cert = self._pki.authority.issue_cert(user, common_name=user, organization_name=group)
+        folder = self.workdir / "client-certs"
+        folder.mkdir(exist_ok=True)
+        cert_file, key_file = folder / f"{user}.pem", folder / f"{user}-key.pem"
+        cert.cert_chain_pems[0].write_to_path(str(cert_file))
+        cert.private_key_pem.write_to_path(str(key_file))
+        key_file.chmod(0o600)
+        return cert_file, key_file
 
     def create_namespace(self, name: str | None = None) -> str:
         """A new namespace (``t-<random>`` when no name is given); its name."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from typing import Any
 
@@ -448,3 +449,18 @@ def test_restart_the_server_is_ready_again_and_an_old_watch_gets_410(
     with kube.watch(claims_path(namespace), resource_version=since, timeout_seconds=5) as events:
         [error] = list(events)
     assert error["type"] == "ERROR" and error["object"]["code"] == 410
+
+
+def test_a_restart_from_a_thread_that_then_ends_leaves_the_server_running(
+    kube: KubeAPIServer,
+) -> None:
+    """PR_SET_PDEATHSIG fires when the thread that forked ends: an API server restarted from a
+    worker thread (``asyncio.to_thread``, a thread pool shut down with its event loop) must
+    not die with that thread."""
+    worker = threading.Thread(target=kube.restart, kwargs={"crash": True})
+    worker.start()
+    worker.join()
+    time.sleep(0.5)  # the signal, had it been armed, comes at once
+    assert kube.admin.get("/readyz").status_code == 200
+    with kube.client(kube.admin_token) as fresh:  # a new connection: a living process
+        assert fresh.get("/version").json()["gitVersion"] == "v1.20.2"

@@ -1,0 +1,1 @@
+"""The Kubernetes backend: SandboxClaims on a Kubernetes API server."""
