@@ -83,7 +83,10 @@ TERMINAL_CLAIM_REASONS: Final = frozenset(
         WARM_POOL_NOT_FOUND,
     }
 )
-"""The reasons upstream's Python client treats as terminal (it stops waiting)."""
+"""The reasons upstream's Python client stops waiting on (``TERMINAL_CLAIM_READY_REASONS`` in
+its constants.py, and TemplateNotFound/WarmPoolNotFound, for which it raises errors of its own).
+The controller itself retries the last two: a pool or template created later resumes the
+claim."""
 
 _RESTRICTED_DOMAINS: Final = ("kubernetes.io", "k8s.io", "agents.x-k8s.io")
 DEFAULT_ALLOWED_LABEL_DOMAINS: Final = ("sandbox.users.io",)

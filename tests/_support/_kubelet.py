@@ -171,7 +171,8 @@ class Kubelet:
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
         self._events.put(("STOP", {}))
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
         with self._lock:
             pods = list(self._pods.values())
             self._pods.clear()

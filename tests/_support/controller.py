@@ -11,8 +11,8 @@ like upstream's, but no controller: nothing would ever answer a ``SandboxClaim``
   adoption under the pool-generated name, cold start under the claim's name, the terminal
   reasons, expiry by ``shutdownTime`` (see ``_claims``, ``_sandboxes``, ``_agent_sandbox``);
 - kube-controller-manager's garbage collector (owner references, foreground and orphan
-  deletion) and ServiceAccount controller (the ``default`` account a Pod needs), see
-  ``_collector``;
+  deletion; ``_collector``) and ServiceAccount controller (the ``default`` account 1.20's
+  admission wants for every Pod; ``_sandboxes``);
 - kube-scheduler and a kubelet whose Pods are local sandbox runtimes, each on its own loopback
   address and the same port, like pod IPs (see ``_kubelet``).
 
@@ -25,6 +25,19 @@ its runtime answers), ``restart_delay`` (a crashed container's restart), ``pause
 ``inject_claim_error()`` (any Ready=False reason on a claim), and ``timings`` (per claim uid,
 when it was observed and when its Ready=True was written: the stand-in's own share of a
 create-to-ready time).
+
+Upstream facts a client of the controller must not guess otherwise (each pinned in
+tests/kube/test_controller.py): an adopted Sandbox keeps its pool-generated name (resolve it
+through ``status.sandbox.name``); with no Ready warm Sandbox one not Ready yet but with pod
+IPs is adopted, and one without pod IPs is waited for up to 2 s after the claim's creation
+before a cold start; ``WarmPoolNotFound`` and ``TemplateNotFound`` are not final for the
+controller (the pool's or template's creation resumes the claim); ``agents.x-k8s.io/claim-uid``
+is on the Sandbox and its pod template, not on the Pod; ``service``/``serviceFQDN`` are only
+set when a Service exists (``spec.service: true``); a crashed pod is ``DependenciesNotReady``
+(restarting) or ``PodFailed`` with ``Finished`` (``restartPolicy: Never``), there is no crash
+reason; at ``shutdownTime`` the claim first shows ``ClaimExpired``, then (``Delete``) goes;
+``ttlSecondsAfterFinished`` expires a claim too; a claim never sets its Sandbox's own
+``shutdownTime`` (``SandboxExpired`` comes from a Sandbox expiring on its own).
 
 Not reproduced (nothing here needs them): NetworkPolicies (the SandboxTemplate controller's),
 events, metrics and traces, the v1alpha1 API, suspend/resume beyond the Pod's deletion, and
@@ -552,6 +565,9 @@ class StandInController:
         with self._idle:
             self._busy = key
         try:
+            if not self._may_run(key):  # paused between the hand-out and now: later
+                self._queue.add(key)
+                return
             again = handlers[kind](*args)
             self._failures.pop(key, None)
             if again is not None:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests._support import _agent_sandbox as rules
-from tests._support._api import CLAIM, POD, POOL, SANDBOX, collection, path
+from tests._support._api import CLAIM, POD, SANDBOX, collection, path
 from tests._support.controller import StandInController, claim_body
 from tests._support.kube import KubeAPIServer, KubeError
 
@@ -691,10 +691,11 @@ def test_set_condition_keeps_the_transition_time_unless_the_status_changes() -> 
     assert conditions[0]["lastTransitionTime"] != "2026-01-01T00:00:00Z"
 
 
-def test_the_pool_members_and_claim_reasons_are_upstreams() -> None:
-    """The terminal reasons upstream's client stops on."""
+def test_the_reasons_upstreams_client_stops_waiting_on() -> None:
+    """clients/python/agentic-sandbox-client/k8s_agent_sandbox: ``TERMINAL_CLAIM_READY_REASONS``
+    (constants.py), plus TemplateNotFound and WarmPoolNotFound, on which
+    async_k8s_helper.py raises its own errors."""
     assert {
         "InvalidMetadata", "EnvVarsInjectionRejected", "VolumeClaimTemplatesError",
         "ClaimExpired", "SandboxExpired", "TemplateNotFound", "WarmPoolNotFound",
     } == rules.TERMINAL_CLAIM_REASONS  # fmt: skip
-    assert POOL == ("extensions.agents.x-k8s.io/v1beta1", "SandboxWarmPool")
