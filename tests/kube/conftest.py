@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests._support.controller import StandInController
 from tests._support.kube import (
     ENV_REQUIRE,
     KubeAPIServer,
@@ -46,3 +47,12 @@ def kube(kube_tools: KubeTools) -> Iterator[KubeAPIServer]:
 def namespace(kube: KubeAPIServer) -> str:
     """A fresh namespace of the session's API server."""
     return kube.create_namespace()
+
+
+@pytest.fixture
+def controller(kube: KubeAPIServer, namespace: str) -> Iterator[StandInController]:
+    """The stand-in agent-sandbox controller (tests/_support/controller.py) on the session's
+    API server, watching the test's own namespace; stopped (every pod's processes killed) at
+    the end of the test."""
+    with StandInController(kube, [namespace]) as stand_in:
+        yield stand_in
