@@ -51,7 +51,7 @@ from tests._support.kube import KubeError
 
 log = logging.getLogger("tests.standin")
 
-RUNTIME_MODULE: Final = "k8s_agent_sandbox_awx.testing._runtime"
+RUNTIME_MODULE: Final = "k8s_agent_sandbox_awx.broker.runtime"
 """The sandbox runtime each pod runs as ``python -m RUNTIME_MODULE --host IP --port PORT
 --base-dir DIR``: the one place its module path is written."""
 RUNTIME_PARENT_ENV: Final = "AGENT_SANDBOX_RUNTIME_PARENT_PID"
