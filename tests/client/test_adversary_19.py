@@ -1,0 +1,247 @@
+"""Issue 19, attacked from the client's side: ways around the rules of its fixes that still
+work. Each test states the rule it holds the code to and is a strict ``xfail`` until the
+defect is fixed (then it passes, and the marker goes).
+
+- item 10: the keepalive's "one short attempt" is bounded per read, not in total: a control
+  plane that trickles its answer holds the data-plane call for as long as it trickles;
+- items 11/12: a lone surrogate in a command's argv, environment or stdin is sent, and kills
+  the runtime's answer: a ``BrokerUnavailableError`` ("create a new sandbox") instead of a
+  refusal before sending; ``timeout=``/``keepalive=`` of NaN or infinity escape as Python's own
+  ``ValueError``/``OverflowError`` naming no option;
+- item 5b(b): a start whose connection broke after it reached the runtime is the broker's
+  ``502 sandbox_unreachable``, which the client takes for a refusal: the command it started is
+  neither looked up by its ``request_id`` nor killed, and the error does not say it may run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.responses import StreamingResponse
+
+from k8s_agent_sandbox_awx import KubernetesAuth, Sandbox
+from k8s_agent_sandbox_awx.errors import BrokerError
+from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+
+pytestmark = pytest.mark.e2e
+
+
+def _options(broker: Any, **extra: str) -> dict[str, Any]:
+    env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
+    auth = KubernetesAuth(env.pop("AGENT_SANDBOX_TOKEN_FILE"))
+    return {"auth": auth, "environ": {**env, **extra}}
+
+
+# -- item 10: the keepalive never delays a call by more than one short attempt --------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="adversary: KEEPALIVE_TIMEOUT is httpx's per-read timeout: an extension answered a "
+    "byte per second holds the data-plane call for the whole answer (10 s here)",
+)
+def test_a_trickling_control_plane_never_holds_the_call(
+    files_broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = files_broker._require_app()
+    extend = app._extend
+
+    async def trickle(*args: Any) -> Any:
+        answer = await extend(*args)  # the real extension, answered slowly
+        body = bytes(answer.body)
+
+        async def slowly() -> Any:
+            for i in range(len(body)):
+                if i < 10:
+                    await asyncio.sleep(1.0)
+                yield body[i : i + 1]
+
+        return StreamingResponse(slowly(), media_type="application/json")
+
+    with Sandbox.create(timeout=30, keepalive=100, **_options(files_broker)) as sb:
+        monkeypatch.setattr(app, "_extend", trickle)
+        started = time.monotonic()
+        assert sb.files.exists("nothing") is False
+        took = time.monotonic() - started
+        monkeypatch.setattr(app, "_extend", extend)
+    assert took < 3.0, f"the data-plane call waited {took:.1f} s for the keepalive"
+
+
+# -- items 11/12: text a sandbox cannot carry is refused before sending ---------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="adversary: a lone surrogate is JSON-escaped and sent; the runtime's encode fails in "
+    "its answer: BrokerUnavailableError (502 sandbox_unreachable, 'create a new sandbox')",
+)
+@pytest.mark.parametrize("where", ["argv", "envs", "stdin"])
+def test_a_lone_surrogate_is_refused_before_sending(broker: Any, where: str) -> None:
+    """A ``str`` can hold a lone surrogate (``os.fsdecode`` of odd bytes, ``errors=
+    "surrogateescape"``); UTF-8 cannot. Like a NUL byte or a path's lone surrogate (refused by
+    the file API), it must be a clear ``ValueError`` naming the argument before anything is
+    sent, never the runtime failing mid-answer (a 502 that says the sandbox is unreachable)."""
+    with Sandbox.create(timeout=60, **_options(broker)) as sb:
+        with pytest.raises(ValueError) as refused:
+            if where == "argv":
+                sb.commands.run(["echo", "\ud800"], timeout=10)
+            elif where == "envs":
+                sb.commands.run(["true"], envs={"A": "\ud800"}, timeout=10)
+            else:
+                handle = sb.commands.run("cat", background=True, stdin=True)
+                try:
+                    handle.send_stdin("\ud800")
+                finally:
+                    handle.kill()
+        assert "surrogate" in str(refused.value) or "UTF-8" in str(refused.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="adversary: _flow._seconds compares value != int(value) first: NaN and infinity "
+    "raise Python's own ValueError/OverflowError ('cannot convert float NaN to integer')",
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("option", ["timeout", "keepalive"])
+def test_a_non_finite_number_of_seconds_names_the_option(option: str, value: float) -> None:
+    with socket.socket() as sock:  # a broker that is never reached: the check is local
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    environ = {
+        "AGENT_SANDBOX_BROKER_URL": f"http://127.0.0.1:{port}",
+        "AGENT_SANDBOX_TOKEN": "opaque-token",
+        "AGENT_SANDBOX_BROKER_PROTOCOL": "v1",
+    }
+    with pytest.raises((TypeError, ValueError)) as refused:
+        Sandbox.create(environ=environ, allow_insecure_http=True, **{option: value})
+    assert f"{option}=" in str(refused.value), str(refused.value)
+
+
+# -- item 5b(b): a start sent whose answer was lost is looked up, whoever reports the loss --------
+
+LOSSY_RUNTIME = """
+    import json, os, signal, socket, subprocess, sys, urllib.parse, uuid
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    COMMANDS = {}
+
+    def summary(c):
+        code = c["proc"].poll()
+        return {"command_id": c["id"], "request_id": c["request_id"], "command": c["argv"],
+                "state": "running" if code is None else "cancelled", "exit_code": code,
+                "pid": c["proc"].pid, "timeout": 60, "stdin": False, "last_seq": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _json(self, status, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            split = urllib.parse.urlsplit(self.path)
+            if split.path == "/":
+                return self._json(200, {"status": "ok"})
+            if split.path == "/commands":
+                wanted = urllib.parse.parse_qs(split.query).get("request_id", [None])[-1]
+                found = [c for c in COMMANDS.values() if wanted in (None, c["request_id"])]
+                return self._json(200, {"commands": [summary(c) for c in found]})
+            self._json(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = json.loads(raw or b"{}")
+            if self.path == "/commands":  # start it, then lose the answer
+                proc = subprocess.Popen(body["command"], start_new_session=True)
+                ident = str(uuid.uuid4())
+                COMMANDS[ident] = {"id": ident, "request_id": body.get("request_id"),
+                                   "argv": body["command"], "proc": proc}
+                with open(os.path.join(os.environ["SANDBOX_BASE_DIR"], "pids"), "a") as fh:
+                    fh.write(f"{proc.pid}\\n")
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            parts = self.path.split("/")
+            if len(parts) == 4 and parts[1] == "commands" and parts[3] == "kill":
+                command = COMMANDS[parts[2]]
+                os.killpg(command["proc"].pid, signal.SIGKILL)
+                command["proc"].wait()
+                return self._json(200, summary(command))
+            self._json(404, {"detail": "Not Found"})
+
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+@pytest.fixture(scope="module")
+def lossy_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
+    """A broker with the template ``lossy``: a runtime that starts a command and then drops
+    the connection without answering (a runtime or router that fails after the start)."""
+    pytest.importorskip("uvicorn", reason="needs the [local] extra")
+    script = tmp_path_factory.mktemp("lossy") / "lossy_runtime.py"
+    script.write_text(textwrap.dedent(LOSSY_RUNTIME))
+    policy = Policy(
+        templates=("lossy",),
+        namespace=lambda caller: str(caller.attributes["namespace"]),
+    )
+    templates: dict[str, str | list[str] | None] = {
+        "lossy": [sys.executable, str(script), "--port", "{port}"]
+    }
+    with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False) as broker:
+        yield broker
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(") ", 1)[1][0] != "Z"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="adversary: the broker answers a start whose runtime connection broke after it was "
+    "sent '502 sandbox_unreachable'; _unanswered() takes every answer with a status for a "
+    "refusal, so the command is neither looked up by its request_id nor killed, and no note",
+)
+@pytest.mark.parametrize("background", [False, True])
+def test_a_start_lost_after_it_was_sent_is_found_and_killed(
+    lossy_broker: LocalBroker, monkeypatch: pytest.MonkeyPatch, background: bool
+) -> None:
+    for name in [n for n in os.environ if n.startswith("AGENT_SANDBOX_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
+    with Sandbox.create(template="lossy", timeout=60, **_options(lossy_broker)) as sb:
+        record = lossy_broker._require_app().sandboxes[sb.name]
+        assert record.handle is not None
+        with pytest.raises(BrokerError) as lost:
+            sb.commands.run("sleep 60", background=background, timeout=60)
+        assert lost.value.status_code == 502, lost.value  # the broker's sandbox_unreachable
+        [pid] = [int(p) for p in Path(record.handle.base_dir, "pids").read_text().split()]
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        still_running = _alive(pid)
+        if still_running:
+            os.kill(pid, 9)
+        notes = " ".join(getattr(lost.value, "__notes__", []))
+        assert not still_running, f"the command it started runs on, unseen (notes: {notes!r})"
