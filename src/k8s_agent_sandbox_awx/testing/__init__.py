@@ -24,14 +24,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-NO_ISOLATION_WARNING = (
-    "local sandboxes are host processes with NO isolation: commands run as your user on this "
-    "machine. Use the local broker for development and tests only, never for untrusted code."
-)
-EXTRA_HINT = (
-    'the local broker needs the [local] extra: python3 -m pip install -e ".[local]" in a clone of '
-    "the k8s-agent-sandbox-awx repository"
-)
+from ._messages import EXTRA_HINT, NO_ISOLATION_WARNING
 
 _EXPORTS: dict[str, str] = {
     "LocalBroker": "._broker",

@@ -44,7 +44,6 @@ from ..broker.backends._local import (
 from ..broker.identity._policy import Policy, caller_namespace
 from ..broker.identity._verify import token_fingerprint
 from ..broker.runtime._tree import remove_quietly
-from . import NO_ISOLATION_WARNING
 from ._issuers import (
     GITLAB_ATTRIBUTES,
     AttributesRule,
@@ -52,6 +51,7 @@ from ._issuers import (
     Issuer,
     kubernetes_attributes,
 )
+from ._messages import NO_ISOLATION_WARNING
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 T = TypeVar("T")
