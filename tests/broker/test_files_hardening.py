@@ -68,7 +68,7 @@ def _deep(api: Any, sandbox: dict[str, Any], depth: int, where: str = ".") -> No
 
 
 def _handle(broker: LocalBroker, sandbox: dict[str, Any]) -> Any:
-    handle = broker._require_app().sandboxes[sandbox["name"]].handle
+    handle = broker._require_store().sandboxes[sandbox["name"]].handle
     assert handle is not None and handle.root is not None
     return handle
 

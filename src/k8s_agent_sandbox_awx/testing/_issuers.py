@@ -11,7 +11,8 @@ from typing import Any
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from ..broker.identity._policy import Policy
+from ..broker.identity._policy import Caller, Policy
+from ..broker.identity._verify import ALLOWED_ALGORITHMS
 
 SUPPORTED_ALGORITHMS = ("RS256", "ES256")
 _REGISTERED = frozenset({"iss", "sub", "aud", "exp", "nbf", "iat", "jti"})
@@ -77,6 +78,21 @@ class Issuer:
 
     def __repr__(self) -> str:
         return f"Issuer(name={self.name!r}, url={self.url!r}, provider={self.provider!r})"
+
+    # -- what the broker reads (broker.identity.TrustedIssuer) -----------------------------
+    @property
+    def audiences(self) -> tuple[str, ...]:
+        """The audiences the broker accepts this issuer's tokens for: the broker's URL."""
+        return (self.default_audience,)
+
+    @property
+    def algorithms(self) -> frozenset[str]:
+        """The algorithms the broker accepts from it: every one the broker allows."""
+        return ALLOWED_ALGORITHMS
+
+    def policy_for(self, caller: Caller) -> Policy:
+        """The policy of every caller of this issuer: :attr:`policy`."""
+        return self.policy
 
     # -- documents -------------------------------------------------------------------------
     @property

@@ -30,7 +30,7 @@ import httpx
 
 from ..runtime import _tree
 from ..runtime._process import PARENT_PID_ENV
-from ._interface import RuntimeHandle, RuntimeStartError, SandboxSpec
+from ._runtimes import RuntimeHandle, RuntimeStartError, SandboxSpec
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import threading
@@ -201,6 +202,22 @@ class TokenVerifier:
             return keys.get(kid)
 
     async def verify(self, authorization: str | None) -> tuple[Caller, TrustedIssuer]:
+        """The caller an ``Authorization`` header's bearer token proves, and its issuer;
+        TokenRejected (the code and a reason naming the rule) otherwise."""
+        token = self._bearer(authorization)
+        seen = self.verified.get(token)
+        if seen is not None and self._issuers().get(seen[1].url) is seen[1]:  # still trusted
+            return self._check_claims(seen[0], seen[1], token), seen[1]
+        forgotten = self._forgotten
+        header, issuer = self._unverified(token)
+        claims = await self._verified_claims(token, header, issuer)
+        caller = self._check_claims(claims, issuer, token)
+        if forgotten == self._forgotten:  # no key retired while the JWKS was being fetched
+            self.verified.put(token, (claims, issuer), issuer_url=issuer.url, exp=caller.expires_at)
+        return caller, issuer
+
+    def _bearer(self, authorization: str | None) -> str:
+        """The token of a ``Bearer`` Authorization header, within the size limit."""
         if not authorization:
             raise TokenRejected(
                 "token_missing",
@@ -218,10 +235,11 @@ class TokenVerifier:
                 "token_too_large",
                 f"the token is {len(token)} bytes; the limit is {self.max_token_bytes} bytes",
             )
-        seen = self.verified.get(token)
-        if seen is not None and self._issuers().get(seen[1].url) is seen[1]:  # still trusted
-            return self._check_claims(seen[0], seen[1], token), seen[1]
-        forgotten = self._forgotten
+        return token
+
+    def _unverified(self, token: str) -> tuple[dict[str, Any], TrustedIssuer]:
+        """The token's header and its trusted issuer, before the signature is checked: the
+        JWT's shape, an algorithm the broker allows and the issuer it names."""
         parts = token.split(".")
         if len(parts) != 3:
             raise TokenRejected(
@@ -236,8 +254,7 @@ class TokenVerifier:
                 f"algorithm {_short(alg)} is not allowed; allowed: "
                 f"{', '.join(sorted(ALLOWED_ALGORITHMS))}",
             )
-        unverified = _b64json(parts[1], "payload")
-        iss = unverified.get("iss")
+        iss = _b64json(parts[1], "payload").get("iss")
         if not isinstance(iss, str) or not iss:
             raise TokenRejected("missing_claim", "the token has no 'iss' (issuer) claim")
         issuer = self._issuers().get(iss)
@@ -247,7 +264,19 @@ class TokenVerifier:
                 f"issuer {_short(iss)} is not trusted by this broker; use a token from a trusted "
                 "issuer",
             )
-        kid = header.get("kid")
+        if alg not in issuer.algorithms:
+            raise TokenRejected(
+                "algorithm_not_allowed",
+                f"algorithm {alg!r} is not allowed for issuer {iss!r}; allowed: "
+                f"{', '.join(sorted(issuer.algorithms))}",
+            )
+        return header, issuer
+
+    async def _verified_claims(
+        self, token: str, header: Mapping[str, Any], issuer: TrustedIssuer
+    ) -> dict[str, Any]:
+        """The token's claims once its signature verifies with the issuer's key ``kid``."""
+        alg, kid, iss = header.get("alg"), header.get("kid"), issuer.url
         if not isinstance(kid, str):
             raise TokenRejected("bad_signature", "the token header has no 'kid' to select a key")
         key = await self._key_for(issuer, kid)
@@ -263,10 +292,10 @@ class TokenVerifier:
                 f"the token's algorithm {alg!r} does not match key {kid!r} ({key.algorithm_name})",
             )
         try:
-            claims: dict[str, Any] = jwt.decode(
+            claims: dict[str, Any] = jwt.decode(  # the signature only: the claim rules are ours
                 token,
                 key=key.key,
-                algorithms=[alg],
+                algorithms=[str(alg)],
                 options={
                     "verify_signature": True,
                     "verify_aud": False,
@@ -285,22 +314,31 @@ class TokenVerifier:
             raise TokenRejected(
                 "token_malformed", f"the token cannot be decoded: {type(exc).__name__}"
             ) from exc
-        caller = self._check_claims(claims, issuer, token)
-        if forgotten == self._forgotten:  # no key retired while the JWKS was being fetched
-            self.verified.put(token, (claims, issuer), issuer_url=issuer.url, exp=caller.expires_at)
-        return caller, issuer
+        return claims
+
+    def _audience(self, aud: Any, issuer: TrustedIssuer) -> str:
+        """The first audience ``issuer`` is accepted for that the token's ``aud`` names."""
+        audiences = [aud] if isinstance(aud, str) else aud
+        accepted = list(issuer.audiences)
+        found = [a for a in accepted if a in audiences] if isinstance(audiences, list) else []
+        if found:
+            return found[0]
+        if accepted == [self.audience]:
+            wanted = f"this broker's URL {self.audience!r}; request a token with that audience"
+        else:
+            wanted = (
+                f"an audience this broker accepts from issuer {issuer.url!r} ({accepted}); "
+                "request a token with one of them"
+            )
+        raise TokenRejected(
+            "audience_mismatch", f"the token's audience {_short(aud)} does not contain {wanted}"
+        )
 
     def _check_claims(self, claims: Mapping[str, Any], issuer: TrustedIssuer, token: str) -> Caller:
         aud = claims.get("aud")
         if aud is None:
             raise TokenRejected("missing_claim", "the token has no 'aud' (audience) claim")
-        audiences = [aud] if isinstance(aud, str) else aud
-        if not isinstance(audiences, list) or self.audience not in audiences:
-            raise TokenRejected(
-                "audience_mismatch",
-                f"the token's audience {_short(aud)} does not contain this broker's URL "
-                f"{self.audience!r}; request a token with that audience",
-            )
+        audience = self._audience(aud, issuer)
         now = time.time()
         times: dict[str, float] = {}
         for name in ("exp", "nbf", "iat"):
@@ -339,7 +377,33 @@ class TokenVerifier:
             provider=issuer.provider,
             issuer=issuer.url,
             subject=sub,
-            audience=self.audience,
+            audience=audience,
             expires_at=int(times["exp"]),
             attributes=issuer.attributes_from(claims),
         )
+
+
+class Revocations:
+    """The tokens no longer accepted (``401 token_revoked``), by their ``jti`` and by their
+    digest (the token itself is not kept); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._revoked: set[str] = set()
+
+    def revoke(self, token: str) -> None:
+        """Refuse ``token`` from now on (its ``jti`` read without verifying it: a revocation
+        only ever refuses)."""
+        with self._lock:
+            self._revoked.add("sha256:" + token_fingerprint(token))
+            with contextlib.suppress(jwt.PyJWTError, RecursionError):  # revoked by digest
+                jti = jwt.decode(token, options={"verify_signature": False}).get("jti")
+                if isinstance(jti, str):
+                    self._revoked.add(f"jti:{jti}")
+
+    def is_revoked(self, claims: Mapping[str, Any], token: str) -> bool:
+        jti = claims.get("jti")
+        with self._lock:
+            if isinstance(jti, str) and f"jti:{jti}" in self._revoked:
+                return True
+            return "sha256:" + token_fingerprint(token) in self._revoked
