@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import stat
 import urllib.parse
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from typing import Any
 
 from . import _files, _watch
 from ._http import Exchange, body_chunks, read_json, send_file, send_json
-from ._multipart import boundary_of, read_form
+from ._multipart import PartFile, boundary_of, read_form
 from ._paths import (
     MAX_PATH_CHARS,
     FsError,
@@ -178,8 +177,7 @@ class _Write:
         self.path_value = bytearray()
         self.target: SandboxPath | None = None
         self.parent: int | None = None
-        self.tmp_name: str | None = None
-        self.out: int | None = None
+        self.file: PartFile | None = None
         self.result: dict[str, Any] | None = None
 
     def begin(self, disposition: dict[bytes, bytes]) -> None:
@@ -189,7 +187,7 @@ class _Write:
                 raise FsError("invalid_argument", "the 'path' field is given twice")
             self.part = "path"
         elif name == "file":
-            if self.result is not None or self.out is not None:
+            if self.result is not None or self.file is not None:
                 raise FsError("invalid_argument", "one 'file' part per request")
             if not self.path_value:
                 raise FsError(
@@ -214,30 +212,25 @@ class _Write:
         st = lstat(target.parts[-1], self.parent)
         if st is not None and stat.S_ISDIR(st.st_mode):
             raise FsError("is_a_directory", f"{target.display} is a directory", raw)
-        self.tmp_name = f"{_files.WRITE_TMP_PREFIX}{secrets.token_hex(8)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.out = os.open(self.tmp_name, flags, 0o666, dir_fd=self.parent)
+        self.file = PartFile(self.parent, _files.WRITE_TMP_PREFIX, 0o666)
         if st is not None and stat.S_ISREG(st.st_mode):  # a replaced file keeps its mode
-            os.fchmod(self.out, stat.S_IMODE(st.st_mode))
+            assert self.file.out is not None
+            os.fchmod(self.file.out, stat.S_IMODE(st.st_mode))
 
     def data(self, data: memoryview) -> None:
         if self.part == "path":
             self.path_value += data
             if len(self.path_value) > MAX_PATH_CHARS * 4:
                 raise FsError("path_invalid", f"the 'path' field is over {MAX_PATH_CHARS} chars")
-        elif self.part == "file" and self.out is not None:
-            view = data
-            while view:
-                view = view[os.write(self.out, view) :]
+        elif self.part == "file" and self.file is not None:
+            self.file.write(data)
 
     def end(self) -> None:
-        if self.part == "file" and self.out is not None:
-            assert self.target is not None and self.parent is not None and self.tmp_name
-            os.close(self.out)
-            self.out = None
+        if self.part == "file" and self.file is not None:
+            assert self.target is not None and self.parent is not None
             name = self.target.parts[-1]
-            os.rename(self.tmp_name, name, src_dir_fd=self.parent, dst_dir_fd=self.parent)
-            self.tmp_name = None
+            self.file.commit(name)
+            self.file = None
             self.result = _files.entry_info(name, self.parent, self.target.display)
         self.part = None
 
@@ -252,12 +245,9 @@ class _Write:
         raise exc
 
     def cleanup(self) -> None:
-        if self.out is not None:
-            os.close(self.out)
-            self.out = None
-        if self.tmp_name is not None and self.parent is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.tmp_name, dir_fd=self.parent)
+        if self.file is not None:
+            self.file.discard()
+            self.file = None
         if self.parent is not None:
             os.close(self.parent)
             self.parent = None

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import selectors
 import shlex
 import signal
@@ -34,7 +33,7 @@ from typing import Any
 
 from . import _process
 from ._http import CHUNK_SIZE, Exchange, body_chunks, read_json, send_file, send_json
-from ._multipart import boundary_of, read_form
+from ._multipart import PartFile, boundary_of, read_form
 from ._paths import PathChanged, Refusal, Roots, open_legacy_dirs, resolve_legacy
 
 OUTPUT_CAP = 1024 * 1024
@@ -332,27 +331,25 @@ class _Upload:
     def __init__(self, roots: Roots) -> None:
         self.roots = roots
         self.parent: int | None = None
-        self.tmp: str | None = None
-        self.out: int | None = None
+        self.file: PartFile | None = None
         self.name = ""
         self.relative = ""
-        self.size = 0
         self.done: dict[str, Any] = {}
 
     def begin(self, disposition: dict[bytes, bytes]) -> None:
-        if disposition.get(b"name") != b"file" or self.done or self.out is not None:
+        if disposition.get(b"name") != b"file" or self.done or self.file is not None:
             return
         raw_name = disposition.get(b"filename")
         if not raw_name:
             raise Refusal(400, "the 'file' part needs a filename (the destination path)")
         self.relative = raw_name.decode("utf-8", errors="strict")
-        self.parent, self.tmp, self.out = resolve_legacy(
+        self.parent, self.file = resolve_legacy(
             self.roots, self.relative, self._open, self._unresolvable
         )
 
-    def _open(self, base_fd: int, parts: list[str]) -> tuple[int, str, int]:
+    def _open(self, base_fd: int, parts: list[str]) -> tuple[int, PartFile]:
         """The destination's directory (made if missing), after checking the destination, and
-        a new temporary file in it: ``(directory, temporary name, its descriptor)``."""
+        a new temporary file in it."""
         if not parts:
             raise Refusal(400, f"destination {self.relative!r} is a directory")
         parent = open_legacy_dirs(base_fd, self.roots.paths["/app"], parts[:-1], create=True)
@@ -363,53 +360,42 @@ class _Upload:
                 st = None
             if st is not None and stat.S_ISDIR(st.st_mode):
                 raise Refusal(400, f"destination {self.relative!r} is a directory")
-            tmp = f"{UPLOAD_TMP_PREFIX}{secrets.token_hex(8)}"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
-                out = os.open(tmp, flags, 0o600, dir_fd=parent)
+                file = PartFile(parent, UPLOAD_TMP_PREFIX, 0o600)
             except FileNotFoundError:  # the directory was removed since it was opened
                 raise PathChanged() from None
         except BaseException:
             os.close(parent)
             raise
         self.name = parts[-1]
-        return parent, tmp, out
+        return parent, file
 
-    def _unresolvable(self) -> tuple[int, str, int]:
+    def _unresolvable(self) -> tuple[int, PartFile]:
         raise Refusal(
             400, f"destination {self.relative!r}: a symbolic link on its way does not resolve"
         )
 
     def data(self, data: memoryview) -> None:
-        if self.out is not None:
-            view = data
-            self.size += len(view)
-            while view:
-                view = view[os.write(self.out, view) :]
+        if self.file is not None:
+            self.file.write(data)
 
     def end(self) -> None:
-        if self.out is not None:
-            assert self.parent is not None and self.tmp is not None
-            os.close(self.out)
-            self.out = None
+        if self.file is not None:
             try:
-                os.rename(self.tmp, self.name, src_dir_fd=self.parent, dst_dir_fd=self.parent)
+                self.file.commit(self.name)
             except FileNotFoundError:
                 raise Refusal(
                     409,
                     f"the directory of {self.relative!r} was removed or replaced while the "
                     "upload was written; try again",
                 ) from None
-            self.tmp = None
-            self.done.update(path=self.relative, size=self.size)
+            self.done.update(path=self.relative, size=self.file.size)
+            self.file = None
 
     def cleanup(self) -> None:
-        if self.out is not None:
-            os.close(self.out)
-            self.out = None
-        if self.tmp is not None and self.parent is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.tmp, dir_fd=self.parent)
+        if self.file is not None:
+            self.file.discard()
+            self.file = None
         if self.parent is not None:
             os.close(self.parent)
             self.parent = None

@@ -10,6 +10,9 @@ read and dropped, so that the client gets the answer, not a connection reset.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import secrets
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -31,6 +34,45 @@ class Form(Protocol):
     def end(self) -> None:
         """The current part ended."""
         ...
+
+
+class PartFile:
+    """Where a file part's bytes go: a new temporary file (``prefix`` + 16 hex digits) in the
+    directory open at ``parent`` (the caller's), never through a link, renamed over its
+    destination at the part's end (:meth:`commit`), so that the destination is the old file or
+    the whole new one, never half of it; :meth:`discard` removes it when it was not committed.
+    ``OSError`` as ``os.open`` raises it (``FileNotFoundError``: the directory is gone)."""
+
+    def __init__(self, parent: int, prefix: str, mode: int) -> None:
+        self.parent = parent
+        self.name: str | None = f"{prefix}{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.out: int | None = os.open(self.name, flags, mode, dir_fd=parent)
+        self.size = 0
+
+    def write(self, data: memoryview) -> None:
+        assert self.out is not None
+        self.size += len(data)
+        while data:
+            data = data[os.write(self.out, data) :]
+
+    def commit(self, destination: str) -> None:
+        """Close it and rename it over ``destination`` (a name in the same directory)."""
+        assert self.out is not None and self.name is not None
+        os.close(self.out)
+        self.out = None
+        os.rename(self.name, destination, src_dir_fd=self.parent, dst_dir_fd=self.parent)
+        self.name = None
+
+    def discard(self) -> None:
+        """Close it, and remove it unless it was committed."""
+        if self.out is not None:
+            os.close(self.out)
+            self.out = None
+        if self.name is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.name, dir_fd=self.parent)
+            self.name = None
 
 
 def boundary_of(content_type: str) -> bytes | None:
