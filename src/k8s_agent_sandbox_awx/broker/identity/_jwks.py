@@ -362,7 +362,9 @@ class KeySet:
     async def _get_json(
         self, client: httpx.AsyncClient, url: str, what: str, *, send_token: bool = True
     ) -> dict[str, Any]:
-        headers = {"Accept": "application/json", **(self._authorization() if send_token else {})}
+        # Accept stays */*: kube-apiserver answers 406 to "application/json" for its JWKS
+        # (application/jwk-set+json)
+        headers = self._authorization() if send_token else {}
         limit = self.settings.max_document_bytes
         try:
             async with client.stream("GET", url, headers=headers) as response:

@@ -24,7 +24,7 @@ from ._issuer import VerifiableIssuer
 from ._policy import Caller
 from ._rejection import TokenRejected
 from ._rejection import short as _short
-from ._settings import ALLOWED_ALGORITHMS
+from ._settings import ALLOWED_ALGORITHMS, IssuerSettings
 from ._tokenreview import TokenReviewer
 from ._trust import IssuerTrust
 
@@ -265,8 +265,9 @@ class TokenVerifier(Generic[I]):
             self.verified.put(token, (claims, issuer), issuer_url=issuer.url, exp=until)
         return caller, issuer
 
-    def _check_claims(self, claims: Mapping[str, Any], issuer: I, token: str) -> Caller:
-        settings = issuer.settings
+    def _audience(self, claims: Mapping[str, Any], settings: IssuerSettings) -> str:
+        """The first accepted audience the token's ``aud`` holds (the issuer's audiences, or
+        the broker's URL)."""
         accepted = settings.audiences or (self.audience,)
         aud = claims.get("aud")
         if aud is None:
@@ -282,6 +283,11 @@ class TokenVerifier(Generic[I]):
                 f"the token's audience {_short(aud)} does not contain {wanted}; request a "
                 "token with that audience",
             )
+        return matched[0]
+
+    def _check_claims(self, claims: Mapping[str, Any], issuer: I, token: str) -> Caller:
+        settings = issuer.settings
+        audience = self._audience(claims, settings)
         skew = self.skew if settings.clock_skew_seconds is None else settings.clock_skew_seconds
         now = time.time()
         times: dict[str, float] = {}
@@ -321,7 +327,7 @@ class TokenVerifier(Generic[I]):
             provider=issuer.provider,
             issuer=issuer.url,
             subject=sub,
-            audience=matched[0],
+            audience=audience,
             expires_at=int(times["exp"]),
             attributes=issuer.attributes_from(claims),
             claims=dict(claims),
