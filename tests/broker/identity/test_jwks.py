@@ -280,7 +280,7 @@ async def test_a_slow_jwks_never_blocks_verifications_with_cached_keys(
         tick.cancel()
         assert isinstance(results[0], TokenRejected)
         assert results[1][0].subject == "first"  # type: ignore[index]
-        assert max(gaps) < 0.25, max(gaps)  # the loop kept turning throughout
+        assert max(gaps) < 0.5, max(gaps)  # the loop kept turning (a fetch takes 1.5 s)
         await verifier.aclose()
 
 
