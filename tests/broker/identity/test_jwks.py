@@ -219,8 +219,20 @@ async def test_an_unknown_kid_flood_costs_one_fetch_per_interval(
     clock.now += 5.01  # 30 s since that refetch
     assert await keys.key_for(uuid.uuid4().hex, "RS256") is None
     assert issuer.hits(JWKS) == 3
-    assert (keys.kid_refetches, keys.rate_limited) == (2, 99)
+    assert (keys.kid_refetches, keys.rate_limited) == (2, 50)  # the 49 joined the refetch
     await keys.aclose()
+
+
+async def test_a_rotation_burst_shares_one_refetch_and_every_token_verifies(
+    issuer: ScriptedIssuer,
+) -> None:
+    verifier = verifier_for(issuer.settings(jwks_min_refetch_seconds=30))
+    await verify(verifier, issuer.token())
+    issuer.rotate()
+    issuer.replies[JWKS] = Reply(200, {"keys": [k.jwk() for k in issuer.keys]}, delay=0.2)
+    callers = await asyncio.gather(*(verify(verifier, issuer.token(f"n{i}")) for i in range(20)))
+    assert len(callers) == 20 and issuer.hits(JWKS) == 2
+    await verifier.aclose()
 
 
 async def test_the_flood_through_the_verifier(issuer: ScriptedIssuer) -> None:

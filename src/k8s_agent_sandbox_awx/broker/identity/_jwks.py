@@ -17,7 +17,8 @@ Decisions (docs/broker/identity.md, "Keys"):
   ``keep_stale_seconds`` after they were fetched; then they are dropped and verification
   fails until a fetch succeeds.
 - An unknown ``kid`` refetches at most once per ``jwks_min_refetch_seconds`` (measured
-  between such refetches): a flood of forged kids costs one fetch per interval.
+  between such refetches): a flood of forged kids costs one fetch per interval. An unknown
+  kid seen while a fetch is under way waits for that fetch (the burst of a rotation).
 - Single flight: concurrent verifications share one fetch; a verification whose key is
   cached and fresh never waits for a fetch.
 - Keys are filtered to the pinned algorithms: ``use: enc`` keys, and keys whose ``alg`` or
@@ -206,13 +207,16 @@ class KeySet:
         if key is None and not tried:
             now = self._clock()
             interval = self.settings.jwks_min_refetch_seconds
-            if now - self._last_kid_refetch >= interval and now >= self._retry_at:
+            if self._inflight is not None and not self._inflight.done():
+                await self._fetch_once()  # join the fetch under way (a rotation's burst)
+            elif now - self._last_kid_refetch >= interval and now >= self._retry_at:
                 self._last_kid_refetch = now
                 self.kid_refetches += 1
                 await self._fetch_once()
-                key = (self._loaded or loaded).keys.get(kid)
             else:
                 self.rate_limited += 1
+                return None
+            key = (self._loaded or loaded).keys.get(kid)
         return None if key is None else key.jwk_for(alg)
 
     async def _current(self) -> bool:

@@ -1,7 +1,7 @@
 """What each provider's tokens carry: the claims kept as a caller's attributes, and the
 dotted-name lookup that policies and attributes share.
 
-Claim shapes: ``/work/shared/reference/token-claims.md`` (Kubernetes projected tokens, GitLab
+Claim shapes as the platforms document them (Kubernetes projected tokens, GitLab
 CI ``id_tokens``, GitHub Actions OIDC, Google's metadata server).
 """
 
