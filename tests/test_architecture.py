@@ -20,7 +20,7 @@ MAX_FUNCTION_LINES = 60
 CREDENTIALS = {"credentials", "hookspecs"}
 """The credential framework: the ``credentials`` package and the hook specifications (at the top
 level, where plugin authors import them)."""
-SHARED = {"_driver", "_upstream", "_version"}
+SHARED = {"_driver", "_upstream", "_urls", "_version"}
 """What both halves may use: the one driver, the upstream boundary, the version."""
 LOCAL_STACK = {"broker", "testing"}
 """The local broker stack (the broker, its runtime and backends; LocalBroker, the test kits)."""
