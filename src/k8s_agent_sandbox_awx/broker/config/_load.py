@@ -108,6 +108,7 @@ def _cross_rules(
                 f"issuers[{index}].verification",
                 '"tokenreview" needs the Kubernetes API server: backend kind = "kubernetes"',
                 'set verification = "jwks" for this issuer, or use the kubernetes backend',
+                context=_named("issuer", issuer.name),
             )
     if backend is not None and backend.local is not None and _templates_ok(root):
         templates = set(backend.local.templates)
@@ -119,7 +120,12 @@ def _cross_rules(
                         f"{pool!r} is not a template of [backend.local] "
                         f"({', '.join(sorted(templates)) or 'none'})",
                         f"add {pool} to [backend.local] templates, or remove it here",
+                        context=_named("policy", policy.name),
                     )
+
+
+def _named(kind: str, name: str) -> str:
+    return f'{kind} "{name}"' if name else ""
 
 
 def _templates_ok(root: Table) -> bool:
@@ -155,6 +161,7 @@ def _policy_issuer(
             f"{policy.issuer!r} is not the name of an [[issuers]] table "
             f"({', '.join(map(repr, issuers)) or 'none is valid'})",
             f"{hint}name one of the issuers",
+            context=_named("policy", policy.name),
         )
     elif policy.namespace == CALLER_NAMESPACE and not _has_namespace(found):
         root.problem(
@@ -162,6 +169,7 @@ def _policy_issuer(
             f"{CALLER_NAMESPACE} needs callers with a namespace, and issuer {found.name!r} "
             f"(provider {found.provider!r}) gives its callers none",
             'name a fixed namespace, or add "namespace" to that issuer\'s attributes',
+            context=_named("policy", policy.name),
         )
 
 
@@ -183,6 +191,7 @@ def _shadowed(root: Table, policies: list[PolicyConfig]) -> None:
                 f"caller of issuer {policy.issuer!r} first (first match wins)",
                 f"move this policy before policies[{first}], or narrow policies[{first}] with "
                 "subject or claims",
+                context=_named("policy", policy.name),
             )
         elif policy.subject == "*" and not policy.claims:
             catch_all.setdefault(policy.issuer, index)

@@ -93,10 +93,12 @@ class Table:
     def key(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name
 
-    def problem(self, name: str, rule: str, fix: str) -> None:
+    def problem(self, name: str, rule: str, fix: str, *, context: str = "") -> None:
+        """Record a problem at key ``name`` (``context``: the table's name, if not this one's)."""
         key = self.key(name) if name else self.prefix
         self.ctx.bad.add(key)
-        where = f"{key} ({self.context})" if self.context and key else key
+        context = context or self.context
+        where = f"{key} ({context})" if context and key else key
         self.ctx.problems.append(Problem(where, rule, fix))
 
     def ok(self, name: str) -> bool:
