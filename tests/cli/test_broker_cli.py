@@ -82,7 +82,7 @@ def test_check_lists_every_problem_on_stderr_and_exits_2(config: Path) -> None:
     )
     assert all(line.startswith(f"  {config}: ") and "; fix: " in line for line in lines[1:])
     assert any("backend.kind: 'locl' is not one of" in line for line in lines)
-    assert any("policies[1].issuer: 'nobody' is not the name" in line for line in lines)
+    assert any("policies[1].issuer (policy \"x\"): 'nobody' is not the" in line for line in lines)
     assert len(lines) == 5 and "Traceback" not in run.stderr
 
 
