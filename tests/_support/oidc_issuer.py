@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jwt
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
 from k8s_agent_sandbox_awx.broker.identity._settings import IssuerSettings
 from tests._support.scripted_https import Reply, ScriptedHTTPS, Seen
@@ -33,9 +33,11 @@ class SigningKey:
         self.kid = kid or uuid.uuid4().hex[:12]
         if algorithm.startswith(("RS", "PS")):
             self.private: Any = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        elif algorithm == "EdDSA":
+            self.private = ed25519.Ed25519PrivateKey.generate()
         else:
-            curve = {"ES256": ec.SECP256R1(), "ES384": ec.SECP384R1()}[algorithm]
-            self.private = ec.generate_private_key(curve)
+            curves = {"ES256": ec.SECP256R1(), "ES384": ec.SECP384R1(), "ES512": ec.SECP521R1()}
+            self.private = ec.generate_private_key(curves[algorithm])
 
     def jwk(self, **extra: Any) -> dict[str, Any]:
         algo = jwt.get_algorithm_by_name(self.algorithm)

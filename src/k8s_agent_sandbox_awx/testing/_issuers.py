@@ -93,13 +93,13 @@ class Issuer:
     @functools.cached_property
     def settings(self) -> IssuerSettings:
         """How the broker verifies its tokens: discovery at its URL, the broker's audience
-        and skew, any asymmetric algorithm, an unknown kid refetched every time (tests
-        rotate keys on purpose)."""
+        and skew, RS256/384/512, PS256/384/512 and ES256/384 (the local broker's allow-list),
+        an unknown kid refetched every time (tests rotate keys on purpose)."""
         return IssuerSettings(
             name=self.name,
             url=self.url,
             provider=self.provider,
-            algorithms=tuple(sorted(ALLOWED_ALGORITHMS)),
+            algorithms=tuple(sorted(ALLOWED_ALGORITHMS - {"ES512", "EdDSA"})),  # as ever
             jwks_min_refetch_seconds=0.0,
         )
 

@@ -86,11 +86,13 @@ async def test_algorithm_confusion_is_refused(issuer: ScriptedIssuer) -> None:
 
 
 @pytest.mark.asyncio
-async def test_an_es256_issuer(tmp_path: Any) -> None:
-    async with ScriptedIssuer(tmp_path, algorithm="ES256") as es:
-        verifier = verifier_for(es.settings(algorithms=["ES256"]))
-        caller, issuer = await verifier.verify(f"Bearer {es.token('ec')}")
-        assert caller.subject == "ec" and issuer.name == "scripted"
+@pytest.mark.parametrize("algorithm", ["ES256", "ES384", "ES512", "EdDSA", "PS512", "RS384"])
+async def test_each_pinnable_algorithm(tmp_path: Any, algorithm: str) -> None:
+    async with ScriptedIssuer(tmp_path, algorithm=algorithm) as signer:
+        verifier = verifier_for(signer.settings(algorithms=[algorithm]))
+        caller, issuer = await verifier.verify(f"Bearer {signer.token('k')}")
+        assert caller.subject == "k" and issuer.name == "scripted"
+        assert verifier.readiness()["scripted"]["ignored_keys"] == 0
         await verifier.aclose()
 
 
@@ -183,9 +185,10 @@ async def test_a_verified_token_is_remembered_and_its_claims_still_checked(
 
 
 def test_attributes_per_provider() -> None:
-    def issuer(provider: str, *extra: str) -> ConfiguredIssuer:
+    def issuer(provider: str, *names: str) -> ConfiguredIssuer:
+        attributes = names or None  # none given: the provider's defaults
         return ConfiguredIssuer(
-            IssuerSettings("x", "https://x.test", provider, attributes=tuple(extra))
+            IssuerSettings("x", "https://x.test", provider, attributes=attributes)
         )
 
     kubernetes = {
@@ -202,12 +205,13 @@ def test_attributes_per_provider() -> None:
         "service_account": "agent",
         "pod": "agent-0",
     }
-    assert (
-        issuer("kubernetes", "kubernetes.io.node.name").attributes_from(kubernetes)[
-            "kubernetes.io.node.name"
-        ]
-        == "n1"
-    )
+    chosen = issuer("kubernetes", "namespace", "kubernetes.io.node.name")  # exactly these
+    assert chosen.attributes_from(kubernetes) == {
+        "namespace": "team-a",
+        "kubernetes.io.node.name": "n1",
+    }
+    none = ConfiguredIssuer(IssuerSettings("x", "https://x.test", "kubernetes", attributes=[]))
+    assert none.attributes_from(kubernetes) == {}
     gitlab = {"project_path": "g/p", "ref_protected": "true", "user_email": "a@b", "job_id": 7}
     assert issuer("gitlab").attributes_from(gitlab) == {
         "project_path": "g/p",
@@ -221,11 +225,17 @@ def test_attributes_per_provider() -> None:
         "run_id": "42",
     }
     google = {"email": "sa@p.iam", "email_verified": True, "azp": "123", "google": {"x": 1}}
-    assert issuer("google", "google").attributes_from(google) == {
+    assert issuer("google").attributes_from(google) == {
         "email": "sa@p.iam",
         "email_verified": True,
         "azp": "123",
+    }
+    assert issuer("google", "email", "google").attributes_from(google) == {
+        "email": "sa@p.iam",
         "google": '{"x":1}',  # a non-scalar claim kept as its JSON text
+    }
+    assert issuer("gitlab", "namespace").attributes_from({"namespace": "ci"}) == {
+        "namespace": "ci"  # what {caller.namespace} reads for a non-Kubernetes issuer
     }
     assert issuer("buildkite").attributes_from({"organization_slug": "o"}) == {}
     assert issuer("buildkite", "organization_slug", "absent").attributes_from(
@@ -278,7 +288,7 @@ BAD_SETTINGS: dict[str, tuple[dict[str, Any], str, str]] = {
     "no provider": ({"provider": " "}, "provider", "must name the provider"),
     "none": ({"algorithms": ["none"]}, "algorithms", "never allowed"),
     "HS256": ({"algorithms": ["RS256", "HS256"]}, "algorithms", "never allowed"),
-    "EdDSA": ({"algorithms": ["EdDSA"]}, "algorithms", "not supported"),
+    "ES256K": ({"algorithms": ["ES256K"]}, "algorithms", "not supported"),
     "no algorithms": ({"algorithms": []}, "algorithms", "at least one"),
     "a string list": ({"audiences": "https://b.test"}, "audiences", "list of strings"),
     "empty audience": ({"audiences": [""]}, "audiences", "non-empty string"),

@@ -54,6 +54,8 @@ _KEY_TYPES: Final[Mapping[str, tuple[str, str | None]]] = {
     **{alg: ("RSA", None) for alg in ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512")},
     "ES256": ("EC", "P-256"),
     "ES384": ("EC", "P-384"),
+    "ES512": ("EC", "P-521"),
+    "EdDSA": ("OKP", "Ed25519"),
 }
 _TIMEOUT_PHASES: Final[Mapping[type[Exception], str]] = {
     httpx.ConnectTimeout: "no connection",

@@ -50,7 +50,7 @@ DEFAULT_ATTRIBUTES: Final[Mapping[str, tuple[str, ...]]] = {
     "google": GOOGLE_ATTRIBUTES,
 }
 """The top-level claims each provider's callers keep by default (Kubernetes: see
-:func:`kubernetes_attributes`; any other provider: none but those configured)."""
+:func:`kubernetes_attributes`; any other provider: none)."""
 
 
 class _Missing:
@@ -109,20 +109,19 @@ def kubernetes_attributes(claims: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def attributes_for(
-    provider: str, extra: Sequence[str], claims: Mapping[str, Any]
+    provider: str, names: Sequence[str] | None, claims: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The provider's default attributes of ``claims``, then each claim of ``extra`` (under
-    its dotted name) that the token has. Strings, numbers and booleans are kept as they are;
-    anything else as its JSON text (attributes are stamped as annotations)."""
-    if provider == "kubernetes":
-        attributes = kubernetes_attributes(claims)
-    else:
-        attributes = {}
-        for name in DEFAULT_ATTRIBUTES.get(provider, ()):
-            if name in claims:
-                attributes[name] = _scalar(claims[name])
-    for name in extra:
-        value = claim_at(claims, name)
+    """The caller attributes of ``claims``: the provider's defaults when ``names`` is
+    ``None``, else exactly ``names``, each the claim of that (dotted) name, or for a
+    Kubernetes issuer one of the attributes it derives (``namespace``, ``service_account``,
+    ``pod``). Claims the token lacks are left out. Strings, numbers and booleans are kept as
+    they are; anything else as its JSON text (attributes are stamped as annotations)."""
+    derived = kubernetes_attributes(claims) if provider == "kubernetes" else {}
+    if names is None:
+        names = tuple(derived) if provider == "kubernetes" else DEFAULT_ATTRIBUTES.get(provider, ())
+    attributes: dict[str, Any] = {}
+    for name in names:
+        value = derived[name] if name in derived else claim_at(claims, name)
         if value is not MISSING:
             attributes[name] = _scalar(value)
     return attributes

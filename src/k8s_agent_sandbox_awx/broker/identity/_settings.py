@@ -9,6 +9,7 @@ to the same rules.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 ALLOWED_ALGORITHMS: Final = frozenset(
-    {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384"}
+    {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"}
 )
 """The asymmetric JWS algorithms the broker can verify; ``none`` and HMAC (``HS*``) never."""
 
@@ -74,8 +75,9 @@ class IssuerSettings:
     - ``verification``: ``jwks``, or ``tokenreview`` (provider ``kubernetes`` only: the API
       server reviews each token; ``tokenreview_cache_seconds`` caches a positive answer, at
       most until the token's ``exp``; ``tokenreview_negative_cache_seconds`` a negative one).
-    - ``attributes``: claims (dotted names reach nested claims) kept as caller attributes on
-      top of the provider's defaults.
+    - ``attributes``: the claims kept as caller attributes (dotted names reach nested claims;
+      a name the provider derives, like Kubernetes' ``namespace``, is taken as derived);
+      ``None``: the provider's defaults; ``()``: none.
     """
 
     name: str
@@ -89,18 +91,23 @@ class IssuerSettings:
     jwks_cache_seconds: float = 300.0
     jwks_min_refetch_seconds: float = 30.0
     jwks_max_stale_seconds: float | None = None
-    ca_file: str | None = None
+    ca_file: str | None = None  # a path (os.PathLike is accepted and kept as str)
     token_file: str | None = None
     timeout_seconds: float = 10.0
     max_document_bytes: int = 256 * 1024
     verification: str = "jwks"
     tokenreview_cache_seconds: float = 10.0
     tokenreview_negative_cache_seconds: float = 2.0
-    attributes: tuple[str, ...] = ()
+    attributes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("ca_file", "token_file"):
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         for name in ("audiences", "algorithms", "attributes"):
             value = getattr(self, name)
+            if value is None and name == "attributes":
+                continue
             if isinstance(value, str) or not isinstance(value, Sequence):
                 self._fail(name, f"must be a list of strings, not {value!r}")
             object.__setattr__(self, name, tuple(value))
@@ -122,7 +129,7 @@ class IssuerSettings:
         if not isinstance(self.provider, str) or not self.provider.strip():
             self._fail("provider", "must name the provider (kubernetes, gitlab, ...)")
         for field in ("audiences", "attributes"):
-            bad = [v for v in getattr(self, field) if not isinstance(v, str) or not v]
+            bad = [v for v in getattr(self, field) or () if not isinstance(v, str) or not v]
             if bad:
                 self._fail(field, f"every entry must be a non-empty string, not {bad[0]!r}")
 
