@@ -10,7 +10,8 @@ request that carries ``X-Sandbox-ID``: :mod:`._forward`). Every request passes t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
@@ -24,7 +25,9 @@ from ._gate import Gate, origin_form
 from ._rpc import Rpc
 from ._v1 import V1
 from .backends._interface import Backend
-from .identity._issuer import PublishedIssuer, TrustedIssuer
+from .identity._issuer import PublishedIssuer
+from .identity._rules import PolicySource
+from .identity._verify import TokenVerifier
 
 PROTOCOLS = ("v1", "rpc")
 """The control-plane dialects a broker can serve."""
@@ -48,33 +51,25 @@ def plane_of(scope: Scope, protocols: tuple[str, ...]) -> str:
 
 
 class BrokerApp:
-    """The ASGI application of one broker, over ``backend``."""
+    """The ASGI application of one broker: callers verified by ``verifier``, admitted by
+    ``policies``, their sandboxes in ``backend``; the control-plane dialects of ``protocols``;
+    ``issuer_by_name``: the issuers whose documents it serves (the local broker's)."""
 
     def __init__(
         self,
         *,
-        url: str,
-        issuers: Callable[[], Mapping[str, TrustedIssuer]],
-        issuer_by_name: Callable[[str], PublishedIssuer | None],
+        verifier: TokenVerifier[Any],
+        policies: PolicySource,
         backend: Backend,
-        ca_bundle: str,
-        skew_seconds: int,
-        max_token_bytes: int,
         protocols: tuple[str, ...] = PROTOCOLS,
+        issuer_by_name: Callable[[str], PublishedIssuer | None] | None = None,
     ) -> None:
-        self.url = url
         self.protocols = protocols
         self.backend = backend
         self._issuer_by_name = issuer_by_name
-        self.gate = Gate(
-            audience=url,
-            issuers=issuers,
-            ca_bundle=ca_bundle,
-            skew_seconds=skew_seconds,
-            max_token_bytes=max_token_bytes,
-        )
-        self.verifier = self.gate.verifier
-        self.claims = Claims(backend)
+        self.gate = Gate(verifier)
+        self.verifier = verifier
+        self.claims = Claims(backend, policies)
         self.v1 = V1(self.claims, self.gate)
         self.rpc = Rpc(self.claims, self.gate)
         self.forward = Forward(backend, self.gate)
@@ -117,7 +112,7 @@ class BrokerApp:
     def _issuer_document(self, path: str) -> Response:
         _, _, rest = path.partition("/issuers/")
         name, _, doc = rest.partition("/")
-        issuer = self._issuer_by_name(name)
+        issuer = self._issuer_by_name(name) if self._issuer_by_name is not None else None
         if issuer is not None and doc == ".well-known/openid-configuration":
             return JSONResponse(issuer.openid_configuration())
         if issuer is not None and doc == "jwks":
@@ -126,6 +121,6 @@ class BrokerApp:
 
     async def shutdown(self) -> None:
         """End what this broker owns (the backend's :meth:`~.backends._interface.Backend.close`)
-        and its connections."""
+        and the verifier's connections."""
         await self.backend.close()
         await self.gate.close()

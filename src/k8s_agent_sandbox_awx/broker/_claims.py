@@ -27,8 +27,8 @@ from .backends._interface import (
     WarmPool,
     rfc3339,
 )
-from .identity._issuer import TrustedIssuer
 from .identity._policy import RESERVED_PREFIX, Caller, Policy
+from .identity._rules import PolicyDenied, PolicySource
 
 
 def owner_of(caller: Caller) -> Owner:
@@ -52,21 +52,20 @@ def stamps(caller: Caller, now: float, extra: Mapping[str, str] | None = None) -
 
 
 class Claims:
-    """A caller's claims over ``backend``, with the broker's rules."""
+    """A caller's claims over ``backend``, with the broker's rules; ``policies`` gives each
+    verified caller its policy (the local broker's issuers' own, or a configuration's rules)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, policies: PolicySource) -> None:
         self.backend = backend
+        self.policies = policies
 
     # -- policy --------------------------------------------------------------------------------
-    @staticmethod
-    def policy(caller: Caller, issuer: TrustedIssuer) -> Policy:
-        """The policy ``issuer`` applies to ``caller``; 403 when none does."""
+    def policy(self, caller: Caller) -> Policy:
+        """The policy of ``caller``; 403 when none admits it."""
         try:
-            return issuer.policy_for(caller)
-        except (ValueError, LookupError) as exc:
-            raise ApiError(
-                403, "policy_denied", f"no policy applies to this caller: {exc}"
-            ) from None
+            return self.policies.policy_for(caller)
+        except PolicyDenied as exc:
+            raise ApiError(403, exc.code, exc.detail) from None
 
     @staticmethod
     def describe(caller: Caller, policy: Policy) -> dict[str, Any]:

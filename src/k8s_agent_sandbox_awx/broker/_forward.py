@@ -63,7 +63,7 @@ class Forward:
     async def handle(self, request: Request, send: Send) -> None:
         """Forward one data-plane request (it carries X-Sandbox-ID) and relay the answer."""
         data = data_request(request)
-        caller, _ = await self.gate.authenticate(request)
+        caller = await self.gate.authenticate(request)
         state = await self._ready_sandbox(request, caller, data)
         try:
             route = await self.backend.route(state, data.port)

@@ -3,19 +3,17 @@
 - the request target: origin-form only (:func:`origin_form`), and for the data plane in normal
   form (:func:`data_request`, see :mod:`._target`), with the router's headers checked;
 - the caller: a bearer token verified against the trusted issuers (:class:`Gate`:
-  ``authenticate``; a refusal is ``401`` with a ``WWW-Authenticate`` challenge);
+  ``authenticate``, over :class:`.identity._verify.TokenVerifier`; a refusal is ``401`` with a
+  ``WWW-Authenticate`` challenge);
 - the body: JSON of at most :data:`MAX_JSON_BODY` bytes (:meth:`Gate.json_body`).
 """
 
 from __future__ import annotations
 
 import json
-import ssl
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from starlette.requests import Request
 from starlette.types import Scope
 
@@ -24,9 +22,9 @@ from ._metadata import DNS_LABEL
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, Target, checked_target
 from .backends._interface import RUNTIME_PORT
-from .identity._issuer import TrustedIssuer
 from .identity._policy import Caller
-from .identity._verify import Revocations, TokenRejected, TokenVerifier
+from .identity._rejection import TokenRejected
+from .identity._verify import TokenVerifier
 
 MAX_JSON_BODY = 1024 * 1024
 DEFAULT_DATA_PLANE_TIMEOUT = 300.0
@@ -127,48 +125,21 @@ def auth_header(detail: str) -> str:
 
 
 class Gate:
-    """Authentication and bodies: the verifier of the broker's trusted issuers (their JWKS
-    fetched over HTTPS, trusting ``ca_bundle``), and the tokens revoked since."""
+    """Authentication and bodies: ``verifier`` checks the bearer tokens of the trusted
+    issuers (the local broker's, or a configuration's)."""
 
-    def __init__(
-        self,
-        *,
-        audience: str,
-        issuers: Callable[[], Mapping[str, TrustedIssuer]],
-        ca_bundle: str,
-        skew_seconds: int,
-        max_token_bytes: int,
-    ) -> None:
-        self.ca_bundle = ca_bundle
-        self.revocations = Revocations()
-        self._jwks_http: httpx.AsyncClient | None = None
-        self.verifier = TokenVerifier(
-            audience=audience,
-            issuers=issuers,
-            http=self._jwks_client,
-            skew_seconds=skew_seconds,
-            max_token_bytes=max_token_bytes,
-            is_revoked=self.revocations.is_revoked,
-        )
+    def __init__(self, verifier: TokenVerifier[Any]) -> None:
+        self.verifier = verifier
 
-    def _jwks_client(self) -> httpx.AsyncClient:
-        if self._jwks_http is None:
-            self._jwks_http = httpx.AsyncClient(
-                verify=ssl.create_default_context(cafile=self.ca_bundle),
-                timeout=httpx.Timeout(5.0),
-                follow_redirects=False,
-                trust_env=False,
-            )
-        return self._jwks_http
-
-    async def authenticate(self, request: Request) -> tuple[Caller, TrustedIssuer]:
-        """The caller of ``request`` and the issuer that vouches for it; 401 otherwise."""
+    async def authenticate(self, request: Request) -> Caller:
+        """The caller of ``request``, as its token proves it; 401 otherwise."""
         try:
-            return await self.verifier.verify(request.headers.get("authorization"))
+            caller, _ = await self.verifier.verify(request.headers.get("authorization"))
         except TokenRejected as exc:
             raise ApiError(
                 401, exc.code, exc.detail, {"WWW-Authenticate": auth_header(exc.detail)}
             ) from None
+        return caller
 
     async def json_body(self, request: Request) -> Any:
         """The body as JSON (an empty body: ``{}``); 413 beyond :data:`MAX_JSON_BODY`."""
@@ -188,5 +159,4 @@ class Gate:
             raise ApiError(400, "invalid_request", f"the body is not valid JSON: {exc}") from None
 
     async def close(self) -> None:
-        if self._jwks_http is not None:
-            await self._jwks_http.aclose()
+        await self.verifier.aclose()

@@ -32,7 +32,6 @@ from ._errors import ApiError
 from ._gate import Gate
 from ._metadata import check_metadata
 from .backends._interface import PENDING, READY, TERMINATING, ClaimNameTaken, ClaimState, rfc3339
-from .identity._issuer import TrustedIssuer
 from .identity._policy import RESERVED_PREFIX, Caller, Policy
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
@@ -106,7 +105,7 @@ class Rpc:
                 {"Allow": "POST"},
             )
         try:
-            caller, issuer = await self.gate.authenticate(request)
+            caller = await self.gate.authenticate(request)
             body = await self.gate.json_body(request)
             if not isinstance(body, dict) or not isinstance(body.get("op"), str):
                 raise _bad(
@@ -114,13 +113,13 @@ class Rpc:
                 )
             op = body["op"]
             if op == "create":
-                return await self._create(body, caller, issuer)
+                return await self._create(body, caller)
             if op == "status":
                 return await self._status(body, caller)
             if op == "delete":
                 return await self._delete(body, caller)
             if op == "extend":
-                return await self._extend(body, caller, issuer)
+                return await self._extend(body, caller)
             if op in _UNSUPPORTED_OPS:
                 raise _bad(f"op {op!r} is not served by the local broker (GKE snapshots only)")
             raise _bad(f"unknown op {op[:40]!r}; this broker serves " + ", ".join(OPS))
@@ -128,13 +127,11 @@ class Rpc:
             return plain_error(exc.status, exc.detail, exc.headers)
 
     # -- ops -----------------------------------------------------------------------------------
-    async def _create(
-        self, body: dict[str, Any], caller: Caller, issuer: TrustedIssuer
-    ) -> Response:
+    async def _create(self, body: dict[str, Any], caller: Caller) -> Response:
         unknown = sorted(set(body) - _CREATE_FIELDS)
         if unknown:
             raise _bad(f"unknown create field(s) {unknown}; allowed: {sorted(_CREATE_FIELDS)}")
-        policy = self.claims.policy(caller, issuer)
+        policy = self.claims.policy(caller)
         labels, annotations = check_metadata(body)
         pod_labels, pod_annotations = check_metadata(body, "pod_labels", "pod_annotations")
         backend = body.get("backend", "kubernetes")
@@ -220,9 +217,7 @@ class Rpc:
             )
         return Response(status_code=204)
 
-    async def _extend(
-        self, body: dict[str, Any], caller: Caller, issuer: TrustedIssuer
-    ) -> Response:
+    async def _extend(self, body: dict[str, Any], caller: Caller) -> Response:
         state = await self._claim(body, caller)
         if body.get("lifecycle") is None:
             raise _bad("op 'extend' needs 'lifecycle': {\"shutdownTime\": RFC 3339 time}")
@@ -232,7 +227,7 @@ class Rpc:
                 "lifecycle.shutdownTime is not in the future; to end the sandbox now use op "
                 "'delete'"
             )
-        cap = state.created_at + self.claims.policy(caller, issuer).max_lifetime_seconds
+        cap = state.created_at + self.claims.policy(caller).max_lifetime_seconds
         state = await self.claims.set_expiry(state, min(requested, cap))
         return JSONResponse(
             {

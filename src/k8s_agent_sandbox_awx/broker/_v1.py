@@ -22,7 +22,6 @@ from ._errors import ApiError
 from ._gate import Gate
 from ._metadata import check_env, check_metadata, check_name, check_qualified_key
 from .backends._interface import PENDING, RUNTIME_PORT, ClaimState, Idempotency, rfc3339
-from .identity._issuer import TrustedIssuer
 from .identity._policy import Caller
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
@@ -71,18 +70,18 @@ class V1:
                 raise ApiError(404, "not_found", f"no route for {method} {path}")
             return JSONResponse({"status": "ok", "api_version": API_VERSION})
         if path == "/v1/whoami" and method == "GET":
-            caller, issuer = await self.gate.authenticate(request)
-            return JSONResponse(self._whoami(caller, issuer))
+            caller = await self.gate.authenticate(request)
+            return JSONResponse(self._whoami(caller))
         if path == "/v1/sandboxes" and method in ("POST", "GET"):
-            caller, issuer = await self.gate.authenticate(request)
+            caller = await self.gate.authenticate(request)
             if method == "POST":
-                return await self._create(request, caller, issuer)
+                return await self._create(request, caller)
             return await self._list(request, caller)
         if path.startswith("/v1/sandboxes/") and path.count("/") == 3:
             name = path.rsplit("/", 1)[1]
             if method in ("GET", "DELETE"):
                 check_name(name)
-                caller, _ = await self.gate.authenticate(request)
+                caller = await self.gate.authenticate(request)
                 if method == "GET":
                     return await self._get(request, caller, name)
                 return await self._delete(caller, name)
@@ -90,12 +89,12 @@ class V1:
             name, _, sub = path[len("/v1/sandboxes/") :].partition("/")
             if sub == "lifetime" and method == "PUT":
                 check_name(name)
-                caller, issuer = await self.gate.authenticate(request)
-                return await self._extend(request, caller, issuer, name)
+                caller = await self.gate.authenticate(request)
+                return await self._extend(request, caller, name)
         raise ApiError(404, "not_found", f"no route for {method} {path}")
 
-    def _whoami(self, caller: Caller, issuer: TrustedIssuer) -> dict[str, Any]:
-        policy = self.claims.describe(caller, self.claims.policy(caller, issuer))
+    def _whoami(self, caller: Caller) -> dict[str, Any]:
+        policy = self.claims.describe(caller, self.claims.policy(caller))
         return {
             "provider": caller.provider,
             "issuer": caller.issuer,
@@ -107,7 +106,7 @@ class V1:
         }
 
     # -- create --------------------------------------------------------------------------------
-    async def _create(self, request: Request, caller: Caller, issuer: TrustedIssuer) -> Response:
+    async def _create(self, request: Request, caller: Caller) -> Response:
         key = request.headers.get("idempotency-key")
         if key is not None and not _IDEMPOTENCY_KEY.match(key):
             raise ApiError(
@@ -116,7 +115,7 @@ class V1:
                 "Idempotency-Key must be 1-255 printable ASCII characters",
             )
         raw = await self.gate.json_body(request)
-        policy = self.claims.policy(caller, issuer)
+        policy = self.claims.policy(caller)
         fields = _create_fields(raw, policy.max_lifetime_seconds)
         digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
         replay = await self.claims.replay(caller, key, digest) if key is not None else None
@@ -170,9 +169,7 @@ class V1:
         state = await self.claims.delete(await self.claims.owned(caller, name))
         return JSONResponse(sandbox_json(state), 202)
 
-    async def _extend(
-        self, request: Request, caller: Caller, issuer: TrustedIssuer, name: str
-    ) -> Response:
+    async def _extend(self, request: Request, caller: Caller, name: str) -> Response:
         body = await self.gate.json_body(request)
         if not isinstance(body, dict) or set(body) != {"seconds"}:
             raise ApiError(
@@ -184,7 +181,7 @@ class V1:
         state = await self.claims.owned(caller, name)
         if state.ending:
             raise ApiError(409, "terminating", f"sandbox {name!r} is being deleted")
-        cap = self.claims.policy(caller, issuer).max_lifetime_seconds
+        cap = self.claims.policy(caller).max_lifetime_seconds
         now = time.time()
         if now + seconds > state.created_at + cap:
             left = max(0, int(state.created_at + cap - now))

@@ -12,6 +12,7 @@ import re
 import secrets
 import shutil
 import socket
+import ssl
 import tempfile
 import threading
 import time
@@ -21,6 +22,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, TypeVar
 
+import httpx
 import trustme
 import uvicorn
 
@@ -41,6 +43,9 @@ from ..broker.backends._local_claims import (
 )
 from ..broker.backends._runtimes import SandboxBackend
 from ..broker.identity._policy import Policy, caller_namespace
+from ..broker.identity._revocations import Revocations
+from ..broker.identity._rules import IssuerPolicies
+from ..broker.identity._verify import TokenVerifier
 from ..broker.runtime._tree import remove_quietly
 from ._faults import CutRule, DropRule, FaultLayer, Faults, FaultyRuntimes, UnavailableRule
 from ._issuers import (
@@ -151,6 +156,8 @@ class LocalBroker:
         self._server: uvicorn.Server | None = None
         self._app: BrokerApp | None = None
         self._store: LocalBackend | None = None
+        self._jwks: _JwksClient | None = None
+        self._revocations = Revocations()
         self.startup_seconds: float | None = None
 
     def __repr__(self) -> str:
@@ -244,6 +251,7 @@ class LocalBroker:
     def _make_app(self, tmp: str) -> BrokerApp:
         """The built-in issuers, the backend and the ASGI application with both dialects."""
         assert self._url is not None and self._ca_bundle is not None
+        self._jwks = _JwksClient(self._ca_bundle)
         self._add_issuer(
             "kubernetes",
             provider="kubernetes",
@@ -265,15 +273,20 @@ class LocalBroker:
             keep_deleted=self._keep_deleted,
             keep_deleted_seconds=self._keep_deleted_seconds,
         )
-        return BrokerApp(
-            url=self._url,
+        verifier = TokenVerifier(
+            audience=self._url,
             issuers=self._issuer_snapshot,
-            issuer_by_name=self._issuer_named,
-            backend=self._store,
-            ca_bundle=self._ca_bundle,
+            http=self._jwks.client,  # the local issuers' documents: this broker's own URL
             skew_seconds=self._skew,
             max_token_bytes=self._max_token_bytes,
+            is_revoked=self._revocations.is_revoked,
+        )
+        return BrokerApp(
+            verifier=verifier,
+            policies=IssuerPolicies(self._issuer_snapshot),
+            backend=self._store,
             protocols=self._protocols,
+            issuer_by_name=self._issuer_named,
         )
 
     def stop(self) -> None:
@@ -284,7 +297,7 @@ class LocalBroker:
         loop, thread, server, app = self._loop, self._thread, self._server, self._app
         if loop is not None and thread is not None and thread.is_alive() and app is not None:
             try:
-                asyncio.run_coroutine_threadsafe(app.shutdown(), loop).result(30)
+                asyncio.run_coroutine_threadsafe(self._shutdown(app), loop).result(30)
             except Exception:
                 log.exception("LocalBroker: clean shutdown failed; killing the runtimes")
                 if self._backend is not None:
@@ -301,6 +314,11 @@ class LocalBroker:
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
         self._cleanup_files()
+
+    async def _shutdown(self, app: BrokerApp) -> None:
+        await app.shutdown()
+        if self._jwks is not None:
+            await self._jwks.aclose()
 
     def _atexit(self) -> None:
         if self._backend is not None:
@@ -549,7 +567,8 @@ class LocalBroker:
 
     def revoke_token(self, token: str) -> None:
         """Reject ``token`` from now on (``401 token_revoked``), by ``jti`` and by digest."""
-        self._require_app().gate.revocations.revoke(token)
+        self._require_app()
+        self._revocations.revoke(token)
 
     # -- token files and environment -----------------------------------------------------------
     def write_projected_token(
@@ -769,6 +788,30 @@ class LocalBroker:
 
 
 _TMP_PREFIX = "agent-sandbox-broker-"
+
+
+class _JwksClient:
+    """The one HTTPS client the broker fetches its local issuers' keys with (they are served
+    by the broker itself, under the CA made at start); made on first use, on the loop."""
+
+    def __init__(self, ca_bundle: str) -> None:
+        self.ca_bundle = ca_bundle
+        self._http: httpx.AsyncClient | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                verify=ssl.create_default_context(cafile=self.ca_bundle),
+                timeout=httpx.Timeout(5.0),
+                follow_redirects=False,
+                trust_env=False,
+            )
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
 
 def _check_retention(keep_deleted: object, keep_deleted_seconds: object) -> None:

@@ -1,6 +1,6 @@
 """The local backend: each sandbox's runtime is a host process.
 
-:class:`LocalProcessBackend` (a :class:`~._interface.SandboxBackend`) starts one process per
+:class:`LocalProcessBackend` (a :class:`~._runtimes.SandboxBackend`) starts one process per
 sandbox from a command line template, so any server that speaks the legacy python-runtime
 protocol can be plugged in, under a supervisor that kills every process the sandbox started when
 the runtime ends (see ``runtime._forkserver``).

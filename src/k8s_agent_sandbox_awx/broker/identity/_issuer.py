@@ -1,25 +1,22 @@
 """What the broker needs of a trusted issuer: verification and policy, never signing.
 
-:class:`TrustedIssuer` is the small description the verifier and the broker depend on: its URL,
-audiences, provider, algorithms, the attributes it takes from a token's claims, and the policy
-lookup for a verified caller.
-
 The local broker's issuers (``k8s_agent_sandbox_awx.testing.Issuer``) also hold signing keys and
 mint tokens; the broker only reads what is described here, so it never depends on them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ._policy import Caller, Policy
+from ._policy import Policy
+from ._settings import IssuerSettings
 
-__all__ = ["PublishedIssuer", "TrustedIssuer"]
+__all__ = ["PublishedIssuer", "TrustedIssuer", "VerifiableIssuer"]
 
 
-class TrustedIssuer(Protocol):
-    """An issuer whose tokens the broker accepts."""
+class VerifiableIssuer(Protocol):
+    """What the verifier needs of an issuer whose tokens the broker accepts."""
 
     @property
     def url(self) -> str:
@@ -32,23 +29,23 @@ class TrustedIssuer(Protocol):
         ...
 
     @property
-    def audiences(self) -> Sequence[str]:
-        """The audiences its tokens are accepted for (one of them must be in ``aud``)."""
-        ...
-
-    @property
-    def algorithms(self) -> Collection[str]:
-        """The signing algorithms its tokens may use (never beyond the verifier's
-        ``ALLOWED_ALGORITHMS``: no ``none``, no HMAC)."""
+    def settings(self) -> IssuerSettings:
+        """How its tokens are verified (audiences, algorithms, skew, keys; see
+        ``IssuerSettings``)."""
         ...
 
     def attributes_from(self, claims: Mapping[str, Any]) -> dict[str, Any]:
         """The provider's key attributes of a verified token (stamped and shown by whoami)."""
         ...
 
-    def policy_for(self, caller: Caller) -> Policy:
-        """The policy applied to ``caller`` (one of this issuer's); ``LookupError`` or
-        ``ValueError`` when none applies (the broker answers ``403 policy_denied``)."""
+
+class TrustedIssuer(VerifiableIssuer, Protocol):
+    """An issuer whose tokens the broker accepts, with the policy of its callers (the local
+    broker's; a configured broker finds the policy with ``PolicySet.policy_for``)."""
+
+    @property
+    def policy(self) -> Policy:
+        """The policy applied to its callers."""
         ...
 
 
