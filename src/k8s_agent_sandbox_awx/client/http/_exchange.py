@@ -14,7 +14,6 @@ limits, capped error bodies).
 
 from __future__ import annotations
 
-import http.cookiejar
 import importlib.util
 import logging
 import os
@@ -27,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from ..._cookies import NoCookies
 from ..._version import __version__
 from ...credentials._credential import Credential
 from ...errors import (
@@ -177,20 +177,8 @@ def client_settings(config: BrokerConnectionConfig) -> dict[str, Any]:
             max_keepalive_connections=config.max_keepalive_connections,
         ),
         "headers": {"User-Agent": f"k8s-agent-sandbox-awx/{__version__}", **config.extra_headers},
-        "cookies": _NoCookies(),
+        "cookies": NoCookies(),
     }
-
-
-class _NoCookies(http.cookiejar.CookieJar):
-    """The client keeps no cookies: a sandbox's ``Set-Cookie`` (passed through the broker) is
-    never stored and sent back on later requests, and no answer is parsed for cookies (about
-    50 µs per call; docs/performance.md)."""
-
-    def extract_cookies(self, response: Any, request: Any) -> None:
-        return None
-
-    def add_cookie_header(self, request: Any) -> None:
-        return None
 
 
 def retry_policy(config: BrokerConnectionConfig) -> RetryPolicy:
