@@ -459,8 +459,7 @@ class Exchange:
 
     def _sent_token(self) -> tuple[str, ...]:
         """The token the last attempt carried: redacted from messages about its outcome."""
-        header = self.request.headers.get("Authorization", "") if self.request else ""
-        token = header.partition(" ")[2].strip()
+        token = proto.sent_token(self.request.headers) if self.request else ""
         return (token,) if token else ()
 
     def _reason(self, exc: httpx.TransportError) -> str:

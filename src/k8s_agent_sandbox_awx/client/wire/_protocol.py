@@ -338,7 +338,8 @@ def redact_sent(exc: BaseException, tokens: Iterable[str]) -> None:
 
 
 def sent_token(request_headers: Mapping[str, str]) -> str:
-    """The bearer token a request carried (``""`` if none)."""
+    """The bearer token a request carried (``""`` if none): the one reading of it, for the
+    exchange's messages about an attempt and the transports' redaction of answers."""
     return str(request_headers.get("Authorization", "")).partition(" ")[2].strip()
 
 
