@@ -246,3 +246,17 @@ def test_parse_output_truncated() -> None:
     assert dp.parse_execution_result(base).output_truncated is False
     assert dp.parse_execution_result({**base, "output_truncated": True}).output_truncated
     assert not dp.parse_execution_result({**base, "output_truncated": "no"}).output_truncated
+
+
+@pytest.mark.parametrize(("dialect", "field"), [("v1", "name"), ("rpc", "claim_name")])
+def test_each_dialect_names_the_sandbox_of_an_unusable_create_answer(
+    dialect: str, field: str
+) -> None:
+    """A create answer that does not parse still names the sandbox it made (to delete it):
+    the dialect's field, a non-empty string in a JSON object; anything else names none."""
+    from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
+
+    named = get_dialect(dialect)
+    assert named.created_name(json.dumps({field: "sbx-1", "phase": 5}).encode()) == "sbx-1"
+    for body in (b"not json", b"[]", json.dumps({field: ""}).encode(), b'{"other": "x"}'):
+        assert named.created_name(body) is None, body

@@ -289,6 +289,7 @@ class RpcDialect(Dialect):
 
     name = "rpc"
     features = frozenset({LIFETIME})  # no list, no whoami, no replay, no sandbox env
+    created_name_field = "claim_name"
 
     def healthz(self) -> Call[Reply]:
         # No health op: any answer of the endpoint (405 to a GET) shows the broker is there.
@@ -311,14 +312,6 @@ class RpcDialect(Dialect):
 
     def parse_created(self, reply: Reply, spec: RequestSpec) -> SandboxInfo:
         return parse_created(reply, spec)
-
-    def created_name(self, body: bytes) -> str | None:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        name = obj.get("claim_name") if isinstance(obj, dict) else None
-        return name if isinstance(name, str) and name else None
 
     def get(self, name: str) -> Call[SandboxInfo]:
         spec = status(name)
