@@ -260,3 +260,21 @@ def test_each_dialect_names_the_sandbox_of_an_unusable_create_answer(
     assert named.created_name(json.dumps({field: "sbx-1", "phase": 5}).encode()) == "sbx-1"
     for body in (b"not json", b"[]", json.dumps({field: ""}).encode(), b'{"other": "x"}'):
         assert named.created_name(body) is None, body
+
+
+def test_scopes_are_checked_by_one_rule_before_the_dialect_and_by_it() -> None:
+    """``scopes=`` is checked once, by one rule, before anything is sent (a str or an empty
+    name refused, naming it); what passes is kept as the names given, also from an iterator
+    (the check used to consume it and the create then asked for no scopes)."""
+    from k8s_agent_sandbox_awx.client.core._flow import spec_from_create
+    from k8s_agent_sandbox_awx.client.wire._dialect import CreateRequest
+    from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
+
+    assert spec_from_create(None, None, {"scopes": iter(["commands"])}).scopes == ("commands",)
+    for bad in ("commands", ["commands", ""], [1]):
+        with pytest.raises(TypeError, match=r"scopes= must be a list of scope names"):
+            spec_from_create(None, None, {"scopes": bad})  # type: ignore[typeddict-item]
+        with pytest.raises(TypeError, match=r"scopes= must be a list of scope names"):
+            get_dialect("rpc").create(CreateRequest("k", scopes=bad))  # type: ignore[arg-type]
+    spec = get_dialect("rpc").create(CreateRequest("k", scopes=("commands",)))
+    assert json.loads(spec.content or b"")["scopes"] == ["commands"]

@@ -323,11 +323,7 @@ def _sandbox_spec(options: Mapping[str, Any]) -> SandboxSpec:
     spec = SandboxSpec(**{name: options.get(name) for name in names})
     for name in ("labels", "annotations", "env", "pod_labels", "pod_annotations"):
         proto.str_mapping(name, getattr(spec, name))
-    scopes = spec.scopes
-    if scopes is not None and (
-        isinstance(scopes, str) or not all(isinstance(s, str) and s for s in scopes)
-    ):
-        raise TypeError("scopes= must be a list of scope names, e.g. ['commands', 'files'].")
+    spec = dataclasses.replace(spec, scopes=proto.scope_names(spec.scopes))
     ready_timeout(spec, None)
     return spec
 

@@ -39,6 +39,7 @@ __all__ = [
     "redact_answer",
     "redact_sent",
     "redact_url",
+    "scope_names",
     "selector_text",
     "str_mapping",
 ]
@@ -282,6 +283,17 @@ def str_mapping(argument: str, value: Mapping[str, str] | None) -> dict[str, str
                 f"{type(item).__name__}: convert it with str()."
             )
     return dict(value)
+
+
+def scope_names(scopes: Iterable[str] | None) -> tuple[str, ...] | None:
+    """``scopes=`` as the scope names to ask for (``None``: the policy's), else a TypeError
+    naming it: a list of non-empty str (one str is refused, never split into letters)."""
+    if scopes is None:
+        return None
+    names = None if isinstance(scopes, str) else tuple(scopes)
+    if names is None or not all(isinstance(s, str) and s for s in names):
+        raise TypeError("scopes= must be a list of scope names, e.g. ['commands', 'files'].")
+    return names
 
 
 def selector_text(label_selector: Mapping[str, str] | str | None) -> str | None:
