@@ -278,3 +278,28 @@ def test_scopes_are_checked_by_one_rule_before_the_dialect_and_by_it() -> None:
             get_dialect("rpc").create(CreateRequest("k", scopes=bad))  # type: ignore[arg-type]
     spec = get_dialect("rpc").create(CreateRequest("k", scopes=("commands",)))
     assert json.loads(spec.content or b"")["scopes"] == ["commands"]
+
+
+def test_one_multipart_framing_and_one_length_rule_for_both_upload_endpoints() -> None:
+    """``/fs/write`` (the ``path`` field, then the file) and the legacy ``/upload`` (the file
+    named by its destination) are framed by one builder, and their headers (the type, the
+    length of a sized body, chunked for one of unknown size) come from one place."""
+    fs = dp.multipart_framing("file", boundary="b0", fields={"path": "d/a.txt"})
+    assert fs.prefix == (
+        b'--b0\r\nContent-Disposition: form-data; name="path"\r\n\r\nd/a.txt\r\n'
+        b'--b0\r\nContent-Disposition: form-data; name="file"; filename="file"\r\n'
+        b"Content-Type: application/octet-stream\r\n\r\n"
+    )
+    legacy = dp.multipart_framing("d/a.txt", boundary="b1")
+    assert (
+        legacy.prefix.count(b"Content-Disposition") == 1 and b'filename="d/a.txt"' in legacy.prefix
+    )
+    for framing in (fs, legacy):
+        assert framing.headers(3) == {
+            "Content-Type": framing.content_type,
+            "Content-Length": str(len(framing.prefix) + 3 + len(framing.suffix)),
+        }
+        assert framing.headers(None) == {
+            "Content-Type": framing.content_type,
+            "Transfer-Encoding": "chunked",
+        }

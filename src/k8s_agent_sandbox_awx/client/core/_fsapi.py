@@ -322,7 +322,8 @@ def write(
     stream is sent once: while it is unknown whether the runtime has the file API, it is asked
     first (``GET /fs/exists``)."""
     what = f"write {fs_path(path)!r}"
-    body = up.plan_body(up.fs_write_framing(path), content, allow_async=allow_async)
+    framing = dp.multipart_framing("file", fields={"path": path})
+    body = up.plan_body(framing, content, allow_async=allow_async)
     if api.has_fs is None and not body.replayable:
         try:
             yield Call(_get(api, "/fs/exists", what, "."), proto.raw)
@@ -335,10 +336,8 @@ def write(
 
     def legacy() -> Call[FileInfo]:
         dest = legacy_path(path, allow_unsafe=allow_unsafe)
-        framing = dp.multipart_framing(dest)
-        legacy_body = dataclasses.replace(body, framing=framing)
-        sized = dp.upload(api.target, dest, framing, size=body.size, replayable=body.replayable)
-        legacy_spec = up.finish_spec(sized, legacy_body, timeout)
+        legacy_body = dataclasses.replace(body, framing=dp.multipart_framing(dest))
+        legacy_spec = up.finish_spec(dp.upload(api.target, dest), legacy_body, timeout)
         return Call(legacy_spec, _legacy_written(dest), body=legacy_body)
 
     parse = _json(lambda obj, w: parse_info(obj, w), what)

@@ -380,31 +380,11 @@ def stdin_refusal(spec: RequestSpec) -> Callable[[Exception], Exception | None]:
     return fail
 
 
-def upload(
-    target: DataTarget,
-    path: str,
-    multipart: Multipart,
-    *,
-    size: int | None,
-    replayable: bool,
-    read_timeout: float | None = None,
-) -> RequestSpec:
-    """``POST /upload``; the body (``multipart.prefix``, ``size`` content bytes or a chunked
-    stream, ``.suffix``) is added by the I/O layer; retried only if it is ``replayable``."""
-    length = (
-        {"Content-Length": str(multipart.length(size))}
-        if size is not None
-        else {"Transfer-Encoding": "chunked"}
-    )
-    return _data(
-        "POST",
-        "/upload",
-        f"write {path!r}",
-        target,
-        headers={"Content-Type": multipart.content_type, **length},
-        read_timeout=read_timeout,
-        retryable=replayable,
-    )
+def upload(target: DataTarget, path: str) -> RequestSpec:
+    """``POST /upload``, without its body: the upload (``_upload.finish_spec``) adds the
+    multipart framing's headers (:meth:`Multipart.headers`), and the retry rule (only a
+    replayable body is retried) and read timeout of that body."""
+    return _data("POST", "/upload", f"write {path!r}", target)
 
 
 def download(target: DataTarget, path: str) -> RequestSpec:
@@ -422,28 +402,56 @@ def exists(target: DataTarget, path: str) -> RequestSpec:
 
 @dataclass(frozen=True)
 class Multipart:
-    """Framing of a single-file ``multipart/form-data`` body (field ``file``)."""
+    """The framing of a ``multipart/form-data`` body whose last part is one file (field
+    ``file``): ``prefix``, the file's bytes, ``suffix``."""
 
     prefix: bytes
     suffix: bytes
     content_type: str
 
     def length(self, content_length: int) -> int:
+        """The body's length around ``content_length`` bytes of file."""
         return len(self.prefix) + content_length + len(self.suffix)
 
+    def headers(self, content_length: int | None) -> dict[str, str]:
+        """The body's headers: its type, and its ``Content-Length`` around
+        ``content_length`` bytes of file (``None``: unknown, the body is chunked)."""
+        if content_length is None:
+            return {"Content-Type": self.content_type, "Transfer-Encoding": "chunked"}
+        return {
+            "Content-Type": self.content_type,
+            "Content-Length": str(self.length(content_length)),
+        }
 
-def multipart_framing(path: str, boundary: str | None = None) -> Multipart:
+
+def multipart_framing(
+    filename: str, boundary: str | None = None, *, fields: Mapping[str, str] | None = None
+) -> Multipart:
+    """The one multipart framing of an upload: the text ``fields`` first (``/fs/write``'s
+    ``path``), then the ``file`` part named ``filename`` (the legacy ``/upload``: the
+    destination path). The filename is a quoted-string: ``\\`` and ``"`` are escaped with a
+    backslash, which multipart parsers undo (a ``%22`` would be kept: another file's name). A
+    random boundary is drawn again while a field holds it."""
+    values = [(name, value.encode("utf-8")) for name, value in (fields or {}).items()]
     boundary = boundary or secrets.token_hex(16)
-    # The filename is the destination path, a quoted-string: '\\' and '"' are escaped with a
-    # backslash, which multipart parsers undo (a "%22" would be kept: another file's name).
-    filename = path.replace("\\", "\\\\").replace('"', '\\"')
-    prefix = (
+    while any(boundary.encode() in value for _, value in values):  # pragma: no cover
+        boundary = secrets.token_hex(16)  # 128 random bits in a field
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+        + value
+        + b"\r\n"
+        for name, value in values
+    ]
+    quoted = filename.replace("\\", "\\\\").replace('"', '\\"')
+    file_part = (
         f"--{boundary}\r\n"
-        f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+        f'Content-Disposition: form-data; name="file"; filename="{quoted}"\r\n'
         "Content-Type: application/octet-stream\r\n\r\n"
     ).encode()
     suffix = f"\r\n--{boundary}--\r\n".encode()
-    return Multipart(prefix, suffix, f"multipart/form-data; boundary={boundary}")
+    return Multipart(
+        b"".join(parts) + file_part, suffix, f"multipart/form-data; boundary={boundary}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
