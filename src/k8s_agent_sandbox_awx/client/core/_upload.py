@@ -4,8 +4,9 @@ again.
 A body is multipart framing (``_dataplane.multipart_framing``, the one framing: the legacy
 ``/upload``'s single ``file`` part, or ``/fs/write``'s ``path`` field then ``file`` part) around
 the content, which is bytes, a binary reader (``read(n)``), an iterator of bytes or (async
-client only) an async iterable of bytes. The transports turn an :class:`UploadBody` into their httpx stream, chunk by chunk (flat
-memory); only bytes and seekable files are replayable, so only they are retried.
+client only) an async iterable of bytes. The transports turn an :class:`UploadBody` into their
+httpx stream, chunk by chunk (flat memory); only bytes and seekable files are replayable, so
+only they are retried.
 """
 
 from __future__ import annotations
