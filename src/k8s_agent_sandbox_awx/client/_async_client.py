@@ -35,6 +35,7 @@ from ._base import (
     timeout_seconds,
 )
 from .core import _flow as flow
+from .core import _options as opts
 from .http._async_transport import AsyncBrokerTransport
 from .wire import _dialects as dialects
 from .wire import _protocol as proto
@@ -162,7 +163,7 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
         namespace: str | None = None,
         sandbox_ready_timeout: float | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.UpstreamCreateOptions],
+        **options: Unpack[opts.UpstreamCreateOptions],
     ) -> AsyncSandbox:
         """``BrokerSandboxClient.create_sandbox``, awaited: a cancelled create deletes the
         claim it made before ``CancelledError`` propagates."""
@@ -341,7 +342,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         cls,
         template: str | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.SandboxCreateOptions],
+        **options: Unpack[opts.SandboxCreateOptions],
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.create`: the same options, environment and guarantees; a
         cancelled create deletes the claim it made, then re-raises ``CancelledError``."""
@@ -351,7 +352,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
 
     @classmethod
     async def connect(
-        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[flow.ConnectOptions]
+        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[opts.ConnectOptions]
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.connect`."""
         client = make_client(AsyncBrokerSandboxClient, options)
@@ -363,7 +364,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
     async def list(
         cls,
         label_selector: Mapping[str, str] | str | None = None,
-        **options: Unpack[flow.ConnectOptions],
+        **options: Unpack[opts.ConnectOptions],
     ) -> builtins.list[proto.SandboxInfo]:
         """Async :meth:`Sandbox.list`."""
         client = make_client(AsyncBrokerSandboxClient, options)
@@ -390,7 +391,7 @@ class AsyncUpstreamCommands(AsyncCommands):
         *,
         background: Literal[True],
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> AsyncCommandHandle: ...
 
     @overload
@@ -402,7 +403,7 @@ class AsyncUpstreamCommands(AsyncCommands):
         *,
         background: Literal[False] = False,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
     @overload
@@ -414,7 +415,7 @@ class AsyncUpstreamCommands(AsyncCommands):
         *,
         background: bool,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle: ...
 
     async def run(
@@ -425,10 +426,10 @@ class AsyncUpstreamCommands(AsyncCommands):
         *,
         background: bool = False,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle:
-        limit = flow.upstream_timeout(timeout, command_timeout)
-        flow.upstream_envs(options, env)
+        limit = opts.upstream_timeout(timeout, command_timeout)
+        opts.upstream_envs(options, env)
         return await super().run(command, limit, background=background, **options)
 
 

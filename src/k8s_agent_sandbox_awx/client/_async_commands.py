@@ -13,7 +13,7 @@ from .._driver import adrive, aiterate
 from .._upstream import ExecutionResult
 from ._base import SandboxPart
 from .core import _command_flow as cf
-from .core import _flow as flow
+from .core import _options as opts
 from .http._async_transport import AsyncBrokerTransport
 from .wire._dataplane import CommandInfo, DataTarget
 
@@ -117,7 +117,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         timeout: float = 60,  # noqa: ASYNC109
         *,
         background: Literal[True],
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> AsyncCommandHandle: ...
 
     @overload
@@ -127,7 +127,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         timeout: float = 60,  # noqa: ASYNC109
         *,
         background: Literal[False] = False,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
     @overload
@@ -137,7 +137,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         timeout: float = 60,  # noqa: ASYNC109
         *,
         background: bool,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle: ...
 
     async def run(
@@ -146,7 +146,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         timeout: float = 60,  # noqa: ASYNC109
         *,
         background: bool = False,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle:
         """Async ``Sandbox.commands.run`` (the same rules, results and errors). Cancelling the
         task of a foreground run kills the command; callbacks may be coroutine functions."""

@@ -22,15 +22,18 @@ from ..credentials._chain import DefaultCredentials
 from ..errors import ConfigurationError, UnsupportedOperationError
 from .core import _fsapi as fsapi
 from .core._flow import (
-    ConnectOptions,
     CreatePlan,
-    SandboxCreateOptions,
     SandboxSpec,
-    UpstreamCreateOptions,
-    check_options,
     client_overrides,
     plan_create,
     spec_from_upstream,
+)
+from .core._options import (
+    ATTACH,
+    ConnectOptions,
+    SandboxCreateOptions,
+    UpstreamCreateOptions,
+    check_options,
     unexpected_keywords,
 )
 from .http._config import BrokerConnectionConfig
@@ -467,7 +470,7 @@ def make_client(
     """A client for ``Sandbox.create/connect/list`` from their keyword options (``what`` and
     ``named``: the calling method and its named parameters, for the unknown-keyword error)."""
     if not creating:
-        check_options(what, options, ConnectOptions, named)
+        check_options(what, options, ConnectOptions, named, where=ATTACH)
     config, overrides = client_overrides(options)
     factory: Any = cls
     client: CL = factory(

@@ -25,6 +25,7 @@ from ._base import (
 from ._commands import CommandHandle, Commands
 from ._files import Files
 from .core import _flow as flow
+from .core import _options as opts
 from .http._config import BrokerConnectionConfig
 from .http._transport import BrokerTransport
 from .wire import _protocol as proto
@@ -169,7 +170,7 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         namespace: str | None = None,
         sandbox_ready_timeout: float | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.UpstreamCreateOptions],
+        **options: Unpack[opts.UpstreamCreateOptions],
     ) -> Sandbox:
         """Create a sandbox, wait until it is Ready and return its handle.
 
@@ -358,7 +359,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         cls,
         template: str | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.SandboxCreateOptions],
+        **options: Unpack[opts.SandboxCreateOptions],
     ) -> Sandbox:
         """Create a sandbox through the broker and wait until it is Ready.
 
@@ -388,7 +389,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
 
     @classmethod
     def connect(
-        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[flow.ConnectOptions]
+        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[opts.ConnectOptions]
     ) -> Sandbox:
         """Reattach to one of my sandboxes by name (waits up to ``ready_timeout`` for Ready).
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
@@ -399,7 +400,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     def list(
         cls,
         label_selector: Mapping[str, str] | str | None = None,
-        **options: Unpack[flow.ConnectOptions],
+        **options: Unpack[opts.ConnectOptions],
     ) -> builtins.list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them (``SandboxInfo``), newest first.
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
@@ -416,7 +417,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
 
 class UpstreamCommands(Commands):
     """``commands`` of a handle from ``BrokerSandboxClient``: upstream's ``command_timeout``
-    (it wins over ``timeout``; see ``flow.upstream_timeout``) and ``env`` (``envs``) too."""
+    (it wins over ``timeout``; see ``opts.upstream_timeout``) and ``env`` (``envs``) too."""
 
     @overload
     def run(
@@ -427,7 +428,7 @@ class UpstreamCommands(Commands):
         *,
         background: Literal[True],
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> CommandHandle: ...
 
     @overload
@@ -439,7 +440,7 @@ class UpstreamCommands(Commands):
         *,
         background: Literal[False] = False,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
     @overload
@@ -451,7 +452,7 @@ class UpstreamCommands(Commands):
         *,
         background: bool,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle: ...
 
     def run(
@@ -462,10 +463,10 @@ class UpstreamCommands(Commands):
         *,
         background: bool = False,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle:
-        limit = flow.upstream_timeout(timeout, command_timeout)
-        flow.upstream_envs(options, env)
+        limit = opts.upstream_timeout(timeout, command_timeout)
+        opts.upstream_envs(options, env)
         return super().run(command, limit, background=background, **options)
 
 

@@ -12,7 +12,7 @@ from .._driver import drive, iterate
 from .._upstream import ExecutionResult
 from ._base import SandboxPart
 from .core import _command_flow as cf
-from .core import _flow as flow
+from .core import _options as opts
 from .http._transport import BrokerTransport
 from .wire._dataplane import CommandInfo, DataTarget
 
@@ -121,7 +121,7 @@ class Commands(SandboxPart[BrokerTransport]):
         timeout: float = 60,
         *,
         background: Literal[True],
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> CommandHandle: ...
 
     @overload
@@ -131,7 +131,7 @@ class Commands(SandboxPart[BrokerTransport]):
         timeout: float = 60,
         *,
         background: Literal[False] = False,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
     @overload
@@ -141,7 +141,7 @@ class Commands(SandboxPart[BrokerTransport]):
         timeout: float = 60,
         *,
         background: bool,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle: ...
 
     def run(
@@ -150,7 +150,7 @@ class Commands(SandboxPart[BrokerTransport]):
         timeout: float = 60,
         *,
         background: bool = False,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle:
         """Run ``command`` and return its :class:`ExecutionResult` (a non-zero exit code is a
         result, not an exception), or with ``background=True`` its :class:`CommandHandle`.

@@ -34,6 +34,7 @@ from ..wire import _dataplane as dp
 from ..wire import _protocol as proto
 from ..wire._protocol import Call
 from . import _flow as flow
+from . import _options as opts
 
 __all__ = [
     "SHELL",
@@ -773,10 +774,10 @@ class RunPlan:
         return tuple(name for name, callback in given if callback is not None)
 
 
-def plan_run(command: Any, timeout: float, background: bool, options: flow.RunOptions) -> RunPlan:
+def plan_run(command: Any, timeout: float, background: bool, options: opts.RunOptions) -> RunPlan:
     """Check ``commands.run``'s arguments before anything is sent."""
     named = ("command", "timeout", "background")
-    flow.check_options("commands.run()", options, flow.RunOptions, named)
+    opts.check_options("commands.run()", options, opts.RunOptions, named, where=opts.RUN)
     background = bool(background)
     on_stdout, on_stderr = options.get("on_stdout"), options.get("on_stderr")
     for name, callback in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
