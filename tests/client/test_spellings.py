@@ -92,3 +92,30 @@ def _info() -> Any:
     from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget, SandboxInfo
 
     return SandboxInfo("sbx-1", "default", None, "Ready", True, RouterTarget("sbx-1"))
+
+
+def test_the_original_configs_keepalive_is_the_clients_keepalive() -> None:
+    """``SandboxBrokerConnectionConfig(keepalive_ttl_seconds=)`` is the original package's
+    spelling of ``sandbox_keepalive`` (docs/migrating.md: the keepalive works as in the
+    original); a client built with it used to refuse it as "not available in this version"."""
+    from k8s_agent_sandbox_awx import BrokerSandboxClient, SandboxBrokerConnectionConfig
+
+    url = "https://broker.example"
+    config = SandboxBrokerConnectionConfig(broker_url=url, token="t", keepalive_ttl_seconds=60)
+    assert config.sandbox_keepalive == 60
+    client = BrokerSandboxClient(config)
+    try:
+        assert client.connection_config.sandbox_keepalive == 60
+    finally:
+        client.close()
+    assert (
+        SandboxBrokerConnectionConfig(broker_url=url, keepalive_ttl_seconds=0).sandbox_keepalive
+        == 0
+    )
+    with pytest.raises(ConfigurationError, match=r"keepalive_ttl_seconds=60.*sandbox_keepalive=30"):
+        SandboxBrokerConnectionConfig(
+            broker_url=url, keepalive_ttl_seconds=60, sandbox_keepalive=30
+        )
+    environ = {"AGENT_SANDBOX_BROKER_URL": url, "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS": "30"}
+    config = SandboxBrokerConnectionConfig.from_env(environ, keepalive_ttl_seconds=60)
+    assert config.sandbox_keepalive == 60  # the keyword wins over the environment

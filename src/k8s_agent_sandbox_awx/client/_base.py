@@ -431,11 +431,6 @@ def config_auth(config: BrokerConnectionConfig, environ: Mapping[str, str] | Non
     token, path = getattr(config, "token", None), getattr(config, "token_path", None)
     if token is not None and path is not None:
         raise ConfigurationError("Pass token= or token_path=, not both.")
-    if getattr(config, "keepalive_ttl_seconds", None):
-        raise NotImplementedError(
-            "keepalive_ttl_seconds (the activity keepalive) is not available in this version "
-            "of the SDK; leave it out and give the sandbox a long enough lifetime."
-        )
     if getattr(config, "backend", None) not in (None, "kubernetes"):
         raise ConfigurationError("backend= must be 'kubernetes' (or left out).")
     if token is not None:
