@@ -27,9 +27,12 @@ from ._async_commands import AsyncCommandHandle, AsyncCommands
 from ._async_files import AsyncFiles
 from ._base import (
     ClientBase,
+    ConnectOptions,
     ExcType,
     SandboxBase,
+    SandboxCreateOptions,
     Traceback,
+    create_spec,
     data_target,
     make_client,
     timeout_seconds,
@@ -342,17 +345,17 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         cls,
         template: str | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[opts.SandboxCreateOptions],
+        **options: Unpack[SandboxCreateOptions],
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.create`: the same options, environment and guarantees; a
         cancelled create deletes the claim it made, then re-raises ``CancelledError``."""
-        spec = flow.spec_from_create(template, labels, options)
+        spec = create_spec(template, labels, options)
         client = make_client(AsyncBrokerSandboxClient, options, creating=True)
         return await cls._owning(client, lambda: client._create(spec, upstream=False))
 
     @classmethod
     async def connect(
-        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[opts.ConnectOptions]
+        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[ConnectOptions]
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.connect`."""
         client = make_client(AsyncBrokerSandboxClient, options)
@@ -364,7 +367,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
     async def list(
         cls,
         label_selector: Mapping[str, str] | str | None = None,
-        **options: Unpack[opts.ConnectOptions],
+        **options: Unpack[ConnectOptions],
     ) -> builtins.list[proto.SandboxInfo]:
         """Async :meth:`Sandbox.list`."""
         client = make_client(AsyncBrokerSandboxClient, options)

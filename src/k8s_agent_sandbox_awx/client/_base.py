@@ -10,28 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypedDict, TypeVar
 
 from .._upstream import SandboxNotFoundError
 from ..credentials._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
 from ..credentials._chain import DefaultCredentials
 from ..errors import ConfigurationError, UnsupportedOperationError
 from .core import _fsapi as fsapi
-from .core._flow import (
-    CreatePlan,
-    SandboxSpec,
-    client_overrides,
-    plan_create,
-    spec_from_upstream,
-)
+from .core._flow import CreatePlan, SandboxSpec, plan_create, spec_from_create, spec_from_upstream
 from .core._options import (
     ATTACH,
-    ConnectOptions,
-    SandboxCreateOptions,
+    CREATE,
     UpstreamCreateOptions,
     check_options,
     unexpected_keywords,
@@ -44,11 +38,15 @@ from .wire._dialects import detected, get_dialect
 
 __all__ = [
     "ClientBase",
+    "ConnectOptions",
     "ExcType",
     "FilesBase",
     "SandboxBase",
+    "SandboxCreateOptions",
     "SandboxPart",
     "Traceback",
+    "client_overrides",
+    "create_spec",
     "data_target",
     "make_client",
     "timeout_seconds",
@@ -56,6 +54,44 @@ __all__ = [
 
 ExcType = type[BaseException] | None
 Traceback = TracebackType | None
+
+
+class ConnectOptions(TypedDict, total=False):
+    """Where the broker is and who I am, for ``Sandbox.create/connect/list``."""
+
+    auth: CredentialSource | None
+    broker_url: str | None
+    ca_cert: str | os.PathLike[str] | None
+    config: BrokerConnectionConfig | None
+    environ: Mapping[str, str] | None
+    token: str | None
+    """The original package's spelling of ``auth=OIDCTokenAuth(token)``."""
+    token_path: str | None
+    """The original package's spelling of ``auth=KubernetesAuth(token_path)``."""
+
+
+class SandboxCreateOptions(ConnectOptions, total=False):
+    """Keyword arguments of ``Sandbox.create``."""
+
+    annotations: Mapping[str, str] | None
+    env: Mapping[str, str] | None
+    timeout: int | None
+    lifetime_seconds: int | None
+    keepalive: int | None
+    ready_timeout: float | None
+    request_timeout: float | None
+    allow_insecure_http: bool | None
+    idempotency_key: str | None
+    pod_labels: Mapping[str, str] | None
+    pod_annotations: Mapping[str, str] | None
+    scopes: Sequence[str] | None
+    # The original package's spellings (drop-in migration), renamed by ``sdk_spelling``:
+    warmpool: str | None
+    namespace: str | None
+    shutdown_after_seconds: int | None
+    sandbox_ready_timeout: float | None
+    keepalive_ttl_seconds: int | None
+    backend: str | None
 
 
 H = TypeVar("H", bound="SandboxBase[Any, Any, Any]")
@@ -472,3 +508,33 @@ def make_client(
         config, auth=options_auth(options), environ=options.get("environ"), **overrides
     )
     return client
+
+
+def client_overrides(
+    options: ConnectOptions | SandboxCreateOptions,
+) -> tuple[BrokerConnectionConfig | None, dict[str, Any]]:
+    """The explicit config and the settings that override it (or the environment)."""
+    ca = options.get("ca_cert")
+    settings: dict[str, Any] = {
+        "broker_url": options.get("broker_url"),
+        "ca_cert": os.fspath(ca) if ca is not None else None,
+        "request_timeout": options.get("request_timeout"),
+        "allow_insecure_http": options.get("allow_insecure_http"),
+    }
+    overrides = {k: v for k, v in settings.items() if v is not None}
+    config = options.get("config")
+    if config is not None and overrides:
+        data = config.model_dump()
+        data.update(overrides)
+        if "broker_url" in overrides:
+            data.pop("api_url", None)
+        return type(config).model_validate(data), {}
+    return config, overrides
+
+
+def create_spec(
+    template: str | None, labels: Mapping[str, str] | None, options: SandboxCreateOptions
+) -> SandboxSpec:
+    """``Sandbox.create``'s arguments, its keywords checked against its signature first."""
+    check_options("create()", options, SandboxCreateOptions, ("template", "labels"), where=CREATE)
+    return spec_from_create(template, labels, options)

@@ -15,9 +15,12 @@ from .._upstream import ExecutionResult, SandboxNotFoundError
 from ..credentials._auth import CredentialSource
 from ._base import (
     ClientBase,
+    ConnectOptions,
     ExcType,
     SandboxBase,
+    SandboxCreateOptions,
     Traceback,
+    create_spec,
     data_target,
     make_client,
     timeout_seconds,
@@ -359,7 +362,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         cls,
         template: str | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[opts.SandboxCreateOptions],
+        **options: Unpack[SandboxCreateOptions],
     ) -> Sandbox:
         """Create a sandbox through the broker and wait until it is Ready.
 
@@ -383,13 +386,13 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         The handle owns its HTTP connections; :meth:`kill` (or leaving the ``with`` block)
         deletes the sandbox and closes them.
         """
-        spec = flow.spec_from_create(template, labels, options)
+        spec = create_spec(template, labels, options)
         client = make_client(BrokerSandboxClient, options, creating=True)
         return cls._owning(client, lambda: client._create(spec, upstream=False))
 
     @classmethod
     def connect(
-        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[opts.ConnectOptions]
+        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[ConnectOptions]
     ) -> Sandbox:
         """Reattach to one of my sandboxes by name (waits up to ``ready_timeout`` for Ready).
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
@@ -400,7 +403,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     def list(
         cls,
         label_selector: Mapping[str, str] | str | None = None,
-        **options: Unpack[opts.ConnectOptions],
+        **options: Unpack[ConnectOptions],
     ) -> builtins.list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them (``SandboxInfo``), newest first.
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ... import errors
 from ..wire import _dialects as dialects
@@ -27,16 +26,11 @@ from ..wire._dialect import REPLAY_CREATE, CreateRequest, Dialect
 from ..wire._protocol import Call
 from ._options import (
     CREATE,
-    ConnectOptions,
     Given,
-    SandboxCreateOptions,
     UpstreamCreateOptions,
     check_options,
     sdk_spelling,
 )
-
-if TYPE_CHECKING:
-    from ..http._config import BrokerConnectionConfig
 
 __all__ = [
     "Call",
@@ -120,6 +114,21 @@ def wait_ready(
     return info
 
 
+class CreateDefaults(Protocol):
+    """What a create takes from the client's configuration (``BrokerConnectionConfig``)."""
+
+    @property
+    def template(self) -> str | None: ...
+    @property
+    def ready_timeout(self) -> float: ...
+    @property
+    def request_timeout(self) -> float: ...
+    @property
+    def poll_interval(self) -> float: ...
+    @property
+    def sandbox_timeout(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class CreatePlan:
     dialect: Dialect
@@ -166,7 +175,7 @@ def _sandbox_spec(options: Mapping[str, Any], given: Given) -> SandboxSpec:
     return spec
 
 
-def ready_timeout(spec: SandboxSpec, config: BrokerConnectionConfig | None) -> float:
+def ready_timeout(spec: SandboxSpec, config: CreateDefaults | None) -> float:
     """The ready timeout: the spec's, else the config's (checked: a number >= 0)."""
     given = spec.ready_timeout
     if given is None:
@@ -181,10 +190,10 @@ def ready_timeout(spec: SandboxSpec, config: BrokerConnectionConfig | None) -> f
 
 
 def spec_from_create(
-    template: str | None, labels: Mapping[str, str] | None, options: SandboxCreateOptions
+    template: str | None, labels: Mapping[str, str] | None, options: Mapping[str, Any]
 ) -> SandboxSpec:
-    """``Sandbox.create``'s arguments (the original package's spellings too)."""
-    check_options("create()", options, SandboxCreateOptions, ("template", "labels"), where=CREATE)
+    """``Sandbox.create``'s arguments (the original package's spellings too; its keywords
+    checked by the shell against its signature)."""
     return _sandbox_spec(*sdk_spelling({"template": template, "labels": labels, **options}))
 
 
@@ -199,7 +208,7 @@ def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> int | None:
     return int(value)
 
 
-def sandbox_timeout(spec_seconds: int | None, config: BrokerConnectionConfig) -> int | None:
+def sandbox_timeout(spec_seconds: int | None, config: CreateDefaults) -> int | None:
     """The lifetime a create asks for: ``timeout=``, else ``AGENT_SANDBOX_TTL_SECONDS`` (or the
     original package's ``SANDBOX_TTL_SECONDS``; 300 s by default; 0: none, the policy's
     maximum)."""
@@ -237,7 +246,7 @@ def spec_from_upstream(
     return _sandbox_spec(*sdk_spelling({**positional, **options}))
 
 
-def plan_create(config: BrokerConnectionConfig, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
+def plan_create(config: CreateDefaults, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
     """Check what to create and build its request (before anything is sent but a detection
     probe)."""
     request = CreateRequest(
@@ -364,25 +373,3 @@ def _rollback(dialect: Dialect, name: str, exc: BaseException) -> Op[None]:
 def cleanup(call: Call[T]) -> Call[T]:
     """``call`` marked as a cleanup: it completes even while the caller is cancelled."""
     return dataclasses.replace(call, cleanup=True)
-
-
-def client_overrides(
-    options: ConnectOptions | SandboxCreateOptions,
-) -> tuple[BrokerConnectionConfig | None, dict[str, Any]]:
-    """The explicit config and the settings that override it (or the environment)."""
-    ca = options.get("ca_cert")
-    settings: dict[str, Any] = {
-        "broker_url": options.get("broker_url"),
-        "ca_cert": os.fspath(ca) if ca is not None else None,
-        "request_timeout": options.get("request_timeout"),
-        "allow_insecure_http": options.get("allow_insecure_http"),
-    }
-    overrides = {k: v for k, v in settings.items() if v is not None}
-    config = options.get("config")
-    if config is not None and overrides:
-        data = config.model_dump()
-        data.update(overrides)
-        if "broker_url" in overrides:
-            data.pop("api_url", None)
-        return type(config).model_validate(data), {}
-    return config, overrides

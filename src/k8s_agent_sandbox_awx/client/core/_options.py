@@ -1,5 +1,6 @@
-"""The keyword options of the public signatures and the one table of their other spellings
-(no I/O).
+"""The keyword options of the public signatures (those of ``create_sandbox`` and
+``commands.run``; ``Sandbox.create``'s and ``connect``'s name the connection settings, in the
+shells' ``_base``) and the one table of their other spellings (no I/O).
 
 :data:`SPELLINGS` is the only place that knows the names upstream ``SandboxClient``, the
 original package of this name and the SDK's 0.5.0 gave an option: each row says the SDK's name
@@ -13,26 +14,19 @@ from __future__ import annotations
 
 import difflib
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 from ... import errors
-
-if TYPE_CHECKING:
-    from ...credentials._auth import CredentialSource
-    from ..http._config import BrokerConnectionConfig
 
 __all__ = [
     "ATTACH",
     "CREATE",
     "RUN",
     "SPELLINGS",
-    "ConnectOptions",
     "Given",
     "RunOptions",
-    "SandboxCreateOptions",
     "Spelling",
     "UpstreamCreateOptions",
     "check_options",
@@ -64,44 +58,6 @@ class UpstreamCreateOptions(TypedDict, total=False):
     pod_labels: Mapping[str, str] | None
     pod_annotations: Mapping[str, str] | None
     scopes: Sequence[str] | None
-    keepalive_ttl_seconds: int | None
-    backend: str | None
-
-
-class ConnectOptions(TypedDict, total=False):
-    """Where the broker is and who I am, for ``Sandbox.create/connect/list``."""
-
-    auth: CredentialSource | None
-    broker_url: str | None
-    ca_cert: str | os.PathLike[str] | None
-    config: BrokerConnectionConfig | None
-    environ: Mapping[str, str] | None
-    token: str | None
-    """The original package's spelling of ``auth=OIDCTokenAuth(token)``."""
-    token_path: str | None
-    """The original package's spelling of ``auth=KubernetesAuth(token_path)``."""
-
-
-class SandboxCreateOptions(ConnectOptions, total=False):
-    """Keyword arguments of ``Sandbox.create``."""
-
-    annotations: Mapping[str, str] | None
-    env: Mapping[str, str] | None
-    timeout: int | None
-    lifetime_seconds: int | None
-    keepalive: int | None
-    ready_timeout: float | None
-    request_timeout: float | None
-    allow_insecure_http: bool | None
-    idempotency_key: str | None
-    pod_labels: Mapping[str, str] | None
-    pod_annotations: Mapping[str, str] | None
-    scopes: Sequence[str] | None
-    # The original package's spellings (drop-in migration), renamed by ``sdk_spelling``:
-    warmpool: str | None
-    namespace: str | None
-    shutdown_after_seconds: int | None
-    sandbox_ready_timeout: float | None
     keepalive_ttl_seconds: int | None
     backend: str | None
 
