@@ -14,6 +14,7 @@ from .._upstream import ExecutionResult
 from ._base import SandboxPart
 from .core import _command_flow as cf
 from .core import _options as opts
+from .core._steps import Op
 from .http._async_transport import AsyncBrokerTransport
 from .wire._dataplane import CommandInfo, DataTarget
 
@@ -43,7 +44,7 @@ class _AsyncPerformer:
                 await self.close()
                 self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
-            case cf.Pause(seconds):
+            case cf.Sleep(seconds):
                 return await asyncio.sleep(seconds)
             case _:
                 return await self._transport.call(step)
@@ -53,7 +54,7 @@ class _AsyncPerformer:
         if stream is not None:
             await stream.aclose()
 
-    async def drive(self, op: cf.Op) -> Any:
+    async def drive(self, op: Op[Any]) -> Any:
         try:
             return await adrive(op, self)
         finally:

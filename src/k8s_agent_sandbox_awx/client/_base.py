@@ -30,6 +30,7 @@ from .core._options import (
     check_options,
     unexpected_keywords,
 )
+from .core._steps import Op
 from .http._config import BrokerConnectionConfig
 from .wire import _protocol as proto
 from .wire._dataplane import DataTarget, KeptAlive, check_max_bytes
@@ -252,7 +253,7 @@ class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
         self._api = fsapi.FileAPI(target)
 
     @abstractmethod
-    def _stream(self, op: fsapi.Op[fsapi.Opened], src: str, max_bytes: int | None) -> S:
+    def _stream(self, op: Op[fsapi.Opened], src: str, max_bytes: int | None) -> S:
         """The chunks of the file ``op`` opens (the request is sent on first iteration)."""
 
     def iter_bytes(
@@ -272,7 +273,7 @@ class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
 
     def _write_op(
         self, path: Any, data: Any, timeout: float | None, allow_unsafe: bool, allow_async: bool
-    ) -> fsapi.Op[Any]:
+    ) -> Op[Any]:
         if isinstance(path, list | tuple) and data is None:
             return fsapi.write_many(self._api, path, timeout, allow_async=allow_async)
         if data is None:

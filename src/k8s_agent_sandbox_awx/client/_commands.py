@@ -13,6 +13,7 @@ from .._upstream import ExecutionResult
 from ._base import SandboxPart
 from .core import _command_flow as cf
 from .core import _options as opts
+from .core._steps import Op
 from .http._transport import BrokerTransport
 from .wire._dataplane import CommandInfo, DataTarget
 
@@ -41,7 +42,7 @@ class _Performer:
                 self.close()
                 self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
-            case cf.Pause(seconds):
+            case cf.Sleep(seconds):
                 return time.sleep(seconds)
             case _:
                 return self._transport.call(step)
@@ -51,7 +52,7 @@ class _Performer:
         if stream is not None:
             stream.close()
 
-    def drive(self, op: cf.Op) -> Any:
+    def drive(self, op: Op[Any]) -> Any:
         try:
             return drive(op, self)
         finally:

@@ -5,16 +5,11 @@
 ``docs/broker-api.md#managed-commands``). Everything they decide is here: how a command becomes
 an argv, the start body, the checks before anything is sent, the cursor and the contiguity of the
 event stream (:class:`CommandOutput`), when to re-request the stream, and when a command is
-killed. The operations are generators of steps (:data:`Step`), run by the one driver
-(``_driver``) in the sync shell (``_commands``) and the async one (``_async_commands``):
-
-- a :class:`~._protocol.Call` (start, status, kill, stdin, the legacy ``/execute``): one request;
-- :class:`OpenEvents`: open the event stream of ``spec`` (closing the one before); the request is
-  sent when the first event is asked for (a foreground run's start is one: the streamed start);
-- :class:`NextEvent`: the next NDJSON value of the open stream, ``None`` when it ended cleanly; a
-  dropped or stalled connection is raised (and thrown back into the operation);
-- :class:`Emit`: hand one output event to the caller (a callback, or an iterator's consumer);
-- :class:`Pause`: sleep before re-requesting a stream that failed.
+killed. The operations are generators of the client's steps (``_steps``: calls, the event
+stream's ``OpenEvents``/``NextEvent``, ``Emit`` per output event, ``Sleep`` before re-requesting
+a stream that failed), run by the one driver (``_driver``) in the sync shell (``_commands``) and
+the async one (``_async_commands``). A foreground run's start opens a stream itself (the
+streamed start); a dropped or stalled stream is raised, and thrown back into the operation.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import math
 import shlex
 import time
 import uuid
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +27,8 @@ from ... import errors
 from ..._upstream import ExecutionResult
 from ..wire import _dataplane as dp
 from ..wire import _protocol as proto
-from ..wire._protocol import Call
-from . import _flow as flow
 from . import _options as opts
+from ._steps import Call, Emit, NextEvent, Op, OpenEvents, Sleep, Step
 
 __all__ = [
     "SHELL",
@@ -43,8 +37,8 @@ __all__ = [
     "Emit",
     "NextEvent",
     "OpenEvents",
-    "Pause",
     "RuntimeFeatures",
+    "Sleep",
     "Step",
     "command_argv",
     "follow",
@@ -69,19 +63,6 @@ MAX_STREAM_FAILURES = 5
 
 
 @dataclass(frozen=True)
-class OpenEvents:
-    spec: proto.RequestSpec
-    json_answer: bool = False
-    """An answer not labelled ``application/x-ndjson`` is one value (a runtime that does not
-    stream it)."""
-
-
-@dataclass(frozen=True)
-class NextEvent:
-    pass
-
-
-@dataclass(frozen=True)
 class CommandEvent:
     """One event of a command's output: ``type`` is ``stdout``, ``stderr`` or ``exit``; ``data``
     the text (empty for ``exit``); ``seq`` its sequence number; ``exit_code`` and ``state`` are
@@ -93,19 +74,6 @@ class CommandEvent:
     exit_code: int | None = None
     state: str | None = None
 
-
-@dataclass(frozen=True)
-class Emit:
-    event: CommandEvent
-
-
-@dataclass(frozen=True)
-class Pause:
-    seconds: float
-
-
-Step = Call[Any] | OpenEvents | NextEvent | Emit | Pause
-Op = Generator[Step, Any, Any]
 
 _NEXT = NextEvent()
 
@@ -361,7 +329,7 @@ def follow(
     timeout: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     opened: bool = False,
-) -> Op:
+) -> Op[Any]:
     """Follow ``output``'s command from its cursor to its exit event, yielding each output event
     (:class:`Emit`); returns its :class:`ExecutionResult`. The stream is re-requested with the
     cursor when it ends (every 20 s) or drops (a fresh token each time); a ``410`` goes on after
@@ -395,7 +363,7 @@ def follow(
                 failures += 1
                 if failures > MAX_STREAM_FAILURES:
                     raise
-                yield Pause(min(0.1 * 2**failures, 2.0))
+                yield Sleep(min(0.1 * 2**failures, 2.0))
                 break
             if value is None or output.cursor != position:
                 break  # the stream ended, or another reader of this handle went on: resume
@@ -412,7 +380,7 @@ def follow(
     return output.result()
 
 
-def _drain() -> Op:
+def _drain() -> Op[Any]:
     """Read the stream to its end (the runtime ends it after the exit event), so that its
     connection goes back to the pool instead of being closed (a new TLS handshake per command
     otherwise). The result is complete: a failure here changes nothing and is not raised."""
@@ -427,7 +395,7 @@ def _drain() -> Op:
 # Operations
 
 
-def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> flow.Op[str]:
+def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op[str]:
     """``POST /commands`` of a background command (never retried); returns the command id. A
     runtime without the endpoint is :class:`UnsupportedByRuntimeError` (the 404 means the
     command did not start; known from an earlier answer: nothing is sent)."""
@@ -437,9 +405,7 @@ def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> 
     return command_id
 
 
-def _start(
-    target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures
-) -> flow.Op[str | None]:
+def _start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op[str | None]:
     """``POST /commands``; ``None`` when the runtime has no such endpoint (remembered). Its
     answer lost (interrupted, the connection broke): see :func:`_kill_unanswered`."""
     try:
@@ -461,7 +427,7 @@ def _start(
     return command_id
 
 
-def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op:
+def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op[Any]:
     """The streamed start: ``POST /commands`` whose answer is an event stream, its first value
     the command id, then the command's events (left open for :func:`follow`); a runtime
     without the extension answers that first value alone. ``None`` as :func:`_start`. Sent
@@ -497,7 +463,7 @@ def _unanswered(exc: BaseException) -> bool:
     return not isinstance(exc, Exception | GeneratorExit)
 
 
-def _kill_unanswered(target: dp.DataTarget, plan: StartPlan, exc: BaseException) -> flow.Op[None]:
+def _kill_unanswered(target: dp.DataTarget, plan: StartPlan, exc: BaseException) -> Op[None]:
     """A start was sent but its command id never arrived: nobody could kill the command
     without it. Find it by the start's ``request_id`` (``GET /commands?request_id=``) and
     kill it, one short attempt each (the cleanup of an interrupted start); only a command
@@ -595,7 +561,7 @@ def run(
     raise_on_timeout: bool = True,
     live: tuple[str, ...] = (),
     clock: Callable[[], float] = time.monotonic,
-) -> Op:
+) -> Op[Any]:
     """A foreground ``commands.run``: start, follow to the exit (emitting the output), and kill
     the command if the wait fails or is interrupted (Ctrl-C, a cancelled task, no exit in
     time). On a legacy runtime (``POST /commands`` answered 404: the command did not start) a
@@ -629,7 +595,7 @@ def run(
     return _checked(result, plan.timeout, raise_on_timeout)
 
 
-def _kill_quietly(target: dp.DataTarget, command_id: str) -> flow.Op[Exception | None]:
+def _kill_quietly(target: dp.DataTarget, command_id: str) -> Op[Exception | None]:
     """Kill after a failed or interrupted wait; a kill that fails is logged and returned, not
     raised (the wait's own error is what the caller sees, with a note: ``_note_unkilled``)."""
     try:
@@ -685,7 +651,7 @@ def _checked(result: ExecutionResult, limit: float, raise_on_timeout: bool) -> E
     return result
 
 
-def _legacy(target: dp.DataTarget, plan: StartPlan, raise_on_timeout: bool) -> Op:
+def _legacy(target: dp.DataTarget, plan: StartPlan, raise_on_timeout: bool) -> Op[Any]:
     """The legacy ``POST /execute``: the argv quoted so that the runtime's shell-like split
     rebuilds it (a string keeps its shell)."""
     spec = dp.execute(target, shlex.join(plan.argv), command_timeout=plan.timeout)
@@ -835,5 +801,5 @@ class HandleBase:
         state = f"{end.state}, exit {end.exit_code}" if end is not None else "not seen ended"
         return f"{type(self).__name__}(command_id={self.command_id!r}, {state})"
 
-    def _follow(self, timeout: float | None) -> Op:
+    def _follow(self, timeout: float | None) -> Op[Any]:
         return follow(self._target, self._output, wait_deadline(timeout), timeout=timeout)

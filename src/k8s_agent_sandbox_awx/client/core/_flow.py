@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -23,7 +23,6 @@ from ... import errors
 from ..wire import _dialects as dialects
 from ..wire import _protocol as proto
 from ..wire._dialect import REPLAY_CREATE, CreateRequest, Dialect
-from ..wire._protocol import Call
 from ._options import (
     CREATE,
     Given,
@@ -31,10 +30,10 @@ from ._options import (
     check_options,
     sdk_spelling,
 )
+from ._steps import Call, Op
 
 __all__ = [
     "Call",
-    "Op",
     "SandboxSpec",
     "create",
     "wait_ready",
@@ -43,9 +42,6 @@ __all__ = [
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 T = TypeVar("T")
-
-Op = Generator[Call[Any], Any, T]
-"""An operation with steps: yields calls, receives their parsed answers, returns ``T``."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 "Files") with the legacy endpoints (``/upload``, ``/download``, ``/list``, ``/exists``) as the
 fallback when a runtime lacks it, written once for the sync and the async ``files``.
 
-Each operation is a generator of :class:`Call`s (``_flow``'s ``Op``), run by the transports'
+Each operation is a generator of :class:`Call`s (an ``Op``, ``_steps``), run by the transports'
 ``run``. A runtime without the file API answers its paths with ``404`` and no ``code``
 (:class:`FileAPIUnsupportedError`): the operation is sent again to the legacy endpoint if it
 has one, and the sandbox's :class:`FileAPI` remembers it, so later operations go there at once;
@@ -18,7 +18,7 @@ import dataclasses
 import math
 import posixpath
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
@@ -32,8 +32,8 @@ from ...errors import (
 )
 from ..wire import _dataplane as dp
 from ..wire import _protocol as proto
-from ..wire._protocol import Call
 from . import _upload as up
+from ._steps import Call, Op
 
 __all__ = [
     "FileAPI",
@@ -52,7 +52,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-Op = Generator[Call[Any], Any, T]
 ReadFormat = Literal["bytes", "text", "stream"]
 MAX_WATCH_SEGMENT = 20.0
 """The longest single ``GET /fs/watch`` (the runtime's limit); a watch reconnects after it."""

@@ -17,10 +17,11 @@ from typing import Any, TypeVar
 
 import httpx
 
-from ..._driver import Steps, adrive
+from ..._driver import adrive
 from ...credentials._auth import CredentialSource
 from ...errors import BrokerError, SandboxFailedError
 from ..core._retry import RetryPolicy
+from ..core._steps import Op
 from ..wire import _protocol as proto
 from ..wire._dataplane import DownloadMeter
 from ..wire._dialect import Dialect
@@ -91,7 +92,7 @@ class AsyncBrokerTransport(ex.TransportBase):
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         await self._http.aclose()
 
-    async def perform(self, step: ex.Step) -> Any:
+    async def perform(self, step: ex.ExchangeStep) -> Any:
         """Perform one I/O step of an exchange."""
         match step:
             case ex.Send(request):
@@ -143,12 +144,12 @@ class AsyncBrokerTransport(ex.TransportBase):
         result: T = await adrive(steps, self.perform)
         return result
 
-    async def run(self, op: Steps[proto.Call[Any], T]) -> T:
-        """Run an operation of ``_flow`` (a generator of calls) to its result (see
+    async def run(self, op: Op[T]) -> T:
+        """Run an operation whose steps are calls to its result (see
         ``BrokerTransport.run``)."""
         sent: list[str] = []
         try:
-            return await adrive(op, lambda call: self.call(call, sent))
+            return await adrive(op, lambda step: self.call(ex.only_call(step), sent))
         except (BrokerError, SandboxFailedError) as exc:
             proto.redact_sent(exc, sent)
             raise

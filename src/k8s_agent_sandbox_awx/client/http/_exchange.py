@@ -20,13 +20,14 @@ import os
 import ssl
 import time
 import urllib.request
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from ..._cookies import NoCookies
+from ..._driver import Steps
 from ..._version import __version__
 from ...credentials._credential import Credential
 from ...errors import (
@@ -38,6 +39,7 @@ from ...errors import (
 )
 from ...errors import RequestTimeoutError as _RequestTimeoutError
 from ..core._retry import RetryPolicy, SingleAttempt
+from ..core._steps import Sleep, Step
 from ..core._upload import CHUNK_SIZE, UploadBody
 from ..wire import _dialects as dialects
 from ..wire import _protocol as proto
@@ -56,6 +58,7 @@ __all__ = [
     "Sleep",
     "UploadBody",
     "client_settings",
+    "only_call",
     "retry_policy",
 ]
 
@@ -229,14 +232,19 @@ class Close:
     response: httpx.Response
 
 
-@dataclass(frozen=True, slots=True)
-class Sleep:
-    """Wait ``seconds`` before the next attempt."""
-
-    seconds: float
+ExchangeStep = GetCredential | Send | Read | ReadError | Close | Sleep
+"""What an exchange asks for (``Sleep``, before the next attempt, is the operations' step)."""
 
 
-Step = GetCredential | Send | Read | ReadError | Close | Sleep
+def only_call(step: Step) -> proto.Call[Any]:
+    """``step``, a call: what ``transport.run`` performs (the commands shells perform the
+    event-stream steps)."""
+    if not isinstance(step, proto.Call):
+        raise TypeError(
+            f"transport.run() performs calls only, not {type(step).__name__}: run a command's "
+            "operation with the commands shell's performer."
+        )
+    return step
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,7 +291,7 @@ class Exchange:
         """Whether the body can be sent again (bytes, or a rewindable upload)."""
         return self.body is None or bool(getattr(self.body, "replayable", False))
 
-    def steps(self, *, stream: bool = False) -> Generator[Step, Any, httpx.Response]:
+    def steps(self, *, stream: bool = False) -> Steps[ExchangeStep, httpx.Response]:
         """The exchange: a 2xx response (or a 404 when ``spec.not_found_ok``), read unless
         ``stream`` (then the caller closes it); errors raised as typed ``BrokerError``s."""
         if self.spec.delay > 0:
@@ -315,7 +323,7 @@ class Exchange:
                 raise self.read_error(exc) from exc
         return response
 
-    def _keep_alive(self, keepalive: proto.Keepalive) -> Generator[Step, Any, None]:
+    def _keep_alive(self, keepalive: proto.Keepalive) -> Steps[ExchangeStep, None]:
         """Extend the sandbox's lifetime before this data-plane request, best effort: one
         attempt within :data:`KEEPALIVE_TIMEOUT`, never retried (it must not delay the request
         it rides on); a failure is logged, never fails the request, and the next request tries
@@ -342,7 +350,7 @@ class Exchange:
         else:
             logger.debug("keepalive: sandbox %s extended by %ss", keepalive.name, keepalive.seconds)
 
-    def _send(self, request: httpx.Request) -> Generator[Step, Any, httpx.Response]:
+    def _send(self, request: httpx.Request) -> Steps[ExchangeStep, httpx.Response]:
         """One attempt, with the token; after the broker's 401, once more with a re-read one."""
         if self.authenticate:
             self._check_origin(request)
@@ -635,7 +643,7 @@ class TransportBase:
         stream: bool = False,
         body: Any = None,
         authenticate: bool = True,
-    ) -> Generator[Step, Any, httpx.Response]:
+    ) -> Steps[ExchangeStep, httpx.Response]:
         """The steps of sending ``spec`` (see :meth:`Exchange.steps`)."""
         exchange = Exchange(
             self._client,
@@ -655,7 +663,7 @@ class TransportBase:
 
     def call_steps(
         self, call: proto.Call[Any], sent: list[str] | None = None
-    ) -> Generator[Step, Any, Any]:
+    ) -> Steps[ExchangeStep, Any]:
         """The steps of one :class:`Call`: send, then parse (or map the failure). The token the
         request carried is added to ``sent`` and never shows in an error about the answer."""
         body = None if call.body is None else self.upload_stream(call.body)
