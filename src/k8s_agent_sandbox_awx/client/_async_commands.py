@@ -16,6 +16,7 @@ from .core import _command_flow as cf
 from .core import _options as opts
 from .core._steps import Op
 from .http._async_transport import AsyncBrokerTransport
+from .http._exchange import only_call
 from .wire._dataplane import CommandInfo, DataTarget
 
 __all__ = ["AsyncCommandHandle", "AsyncCommands"]
@@ -47,7 +48,7 @@ class _AsyncPerformer:
             case cf.Sleep(seconds):
                 return await asyncio.sleep(seconds)
             case _:
-                return await self._transport.call(step)
+                return await self._transport.call(only_call(step))
 
     async def close(self) -> None:
         stream, self._stream = self._stream, None

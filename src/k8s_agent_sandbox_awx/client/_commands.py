@@ -14,6 +14,7 @@ from ._base import SandboxPart
 from .core import _command_flow as cf
 from .core import _options as opts
 from .core._steps import Op
+from .http._exchange import only_call
 from .http._transport import BrokerTransport
 from .wire._dataplane import CommandInfo, DataTarget
 
@@ -45,7 +46,7 @@ class _Performer:
             case cf.Sleep(seconds):
                 return time.sleep(seconds)
             case _:
-                return self._transport.call(step)
+                return self._transport.call(only_call(step))
 
     def close(self) -> None:
         stream, self._stream = self._stream, None

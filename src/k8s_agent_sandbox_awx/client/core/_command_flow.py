@@ -28,7 +28,7 @@ from ..._upstream import ExecutionResult
 from ..wire import _dataplane as dp
 from ..wire import _protocol as proto
 from . import _options as opts
-from ._steps import Call, Emit, NextEvent, Op, OpenEvents, Sleep, Step
+from ._steps import Call, Emit, Learned, NextEvent, Op, OpenEvents, Sleep, Step, learning
 
 __all__ = [
     "SHELL",
@@ -78,13 +78,23 @@ class CommandEvent:
 _NEXT = NextEvent()
 
 
+MANAGED_COMMANDS = "managed_commands"
+"""The feature ``POST /commands`` is (a :class:`~._steps.Learned` step names it)."""
+
+
 @dataclass
 class RuntimeFeatures:
-    """What one sandbox's runtime was found to lack (remembered by its ``commands``)."""
+    """What one sandbox's runtime was found to have or lack, kept by its ``commands``: the
+    operations yield what they find out (:class:`~._steps.Learned`), and :meth:`record` keeps
+    it (:func:`start` and :func:`run` hand it over)."""
 
     managed: bool | None = None
     """``False`` once ``POST /commands`` answered the legacy runtime's 404 (no code, its
-    ``{"detail": "Not Found"}``)."""
+    ``{"detail": "Not Found"}``); ``True`` once it started a command."""
+
+    def record(self, learned: Learned) -> None:
+        if learned.feature == MANAGED_COMMANDS:
+            self.managed = learned.present
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,18 +408,31 @@ def _drain() -> Op[Any]:
 def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op[str]:
     """``POST /commands`` of a background command (never retried); returns the command id. A
     runtime without the endpoint is :class:`UnsupportedByRuntimeError` (the 404 means the
-    command did not start; known from an earlier answer: nothing is sent)."""
-    command_id = None if features.managed is False else (yield from _start(target, plan, features))
+    command did not start; known from an earlier answer: nothing is sent). What the answer
+    tells of the runtime is kept in ``features``."""
+    return learning(_background(target, plan, features.managed), features.record)
+
+
+def _background(target: dp.DataTarget, plan: StartPlan, managed: bool | None) -> Op[str]:
+    command_id = None if managed is False else (yield from _start(target, plan, stream=False))
     if command_id is None:
         raise _unsupported(target, plan.managed_only(True))
     return command_id
 
 
-def _start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op[str | None]:
-    """``POST /commands``; ``None`` when the runtime has no such endpoint (remembered). Its
-    answer lost (interrupted, the connection broke): see :func:`_kill_unanswered`."""
+def _start(target: dp.DataTarget, plan: StartPlan, *, stream: bool) -> Op[str | None]:
+    """``POST /commands`` (never retried): the command id, or ``None`` when the runtime has no
+    such endpoint (learned, like its having one). ``stream``: the streamed start, whose answer
+    is an event stream, its first value the command id, then the command's events (left open
+    for :func:`follow`; a runtime without the extension answers that first value alone). Sent
+    once: its answer lost before the command id (interrupted, the connection broke or
+    stalled), the command is found by its request id and killed (:func:`_kill_unanswered`)."""
     try:
-        command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
+        if stream:
+            yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
+            command_id: str = dp.parse_command_id((yield _NEXT))
+        else:
+            command_id = yield Call(dp.start_command(target, plan.body()), _command_id)
     except errors.BrokerProtocolError as exc:
         _may_run(exc)
         raise
@@ -417,39 +440,14 @@ def _start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) ->
         if _unanswered(exc):
             yield from _kill_unanswered(target, plan, exc)
             raise
-        _without_commands(features, exc)
+        _without_commands(exc)
+        yield Learned(MANAGED_COMMANDS, False)
         return None
     except BaseException as exc:
         if _unanswered(exc):
             yield from _kill_unanswered(target, plan, exc)
         raise
-    features.managed = True
-    return command_id
-
-
-def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op[Any]:
-    """The streamed start: ``POST /commands`` whose answer is an event stream, its first value
-    the command id, then the command's events (left open for :func:`follow`); a runtime
-    without the extension answers that first value alone. ``None`` as :func:`_start`. Sent
-    once: a drop before the command id is raised, never retried (the command is found by its
-    request id and killed: :func:`_kill_unanswered`)."""
-    try:
-        yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
-        command_id = dp.parse_command_id((yield _NEXT))
-    except errors.BrokerProtocolError as exc:
-        _may_run(exc)
-        raise
-    except errors.BrokerError as exc:
-        if _unanswered(exc):
-            yield from _kill_unanswered(target, plan, exc)
-            raise
-        _without_commands(features, exc)
-        return None
-    except BaseException as exc:
-        if _unanswered(exc):
-            yield from _kill_unanswered(target, plan, exc)
-        raise
-    features.managed = True
+    yield Learned(MANAGED_COMMANDS, True)
     return command_id
 
 
@@ -515,9 +513,9 @@ def _may_run(exc: errors.BrokerProtocolError) -> None:
     )
 
 
-def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> None:
-    """A start's error: re-raised, unless the runtime has no ``/commands`` (remembered). Any
-    other 404 without a code (a proxy's, the runtime's own) is an error of this call only."""
+def _without_commands(exc: errors.BrokerError) -> None:
+    """A start's error: re-raised, unless the runtime has no ``/commands`` (then it returns).
+    Any other 404 without a code (a proxy's, the runtime's own) is an error of this call only."""
     if not _lacks_commands(exc):
         if exc.status_code == 404 and exc.code is None:
             exc.add_note(
@@ -527,7 +525,6 @@ def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> Non
                 "Retry; if it persists, check the sandbox's template and the path to it."
             )
         raise exc
-    features.managed = False
 
 
 def _command_id(reply: proto.Reply) -> str:
@@ -562,6 +559,20 @@ def run(
     live: tuple[str, ...] = (),
     clock: Callable[[], float] = time.monotonic,
 ) -> Op[Any]:
+    """A foreground ``commands.run`` (:func:`_run`); what its answers tell of the runtime is
+    kept in ``features``."""
+    op = _run(target, plan, features.managed, raise_on_timeout, live, clock)
+    return learning(op, features.record)
+
+
+def _run(
+    target: dp.DataTarget,
+    plan: StartPlan,
+    managed: bool | None,
+    raise_on_timeout: bool,
+    live: tuple[str, ...],
+    clock: Callable[[], float],
+) -> Op[Any]:
     """A foreground ``commands.run``: start, follow to the exit (emitting the output), and kill
     the command if the wait fails or is interrupted (Ctrl-C, a cancelled task, no exit in
     time). On a legacy runtime (``POST /commands`` answered 404: the command did not start) a
@@ -569,8 +580,8 @@ def run(
     (``live``: the names of the output callbacks given) is :class:`UnsupportedByRuntimeError`,
     and nothing runs. The start asks for the streamed start: its answer goes on with the
     command's events, read before any ``GET events``."""
-    managed = features.managed is not False
-    command_id = (yield from _start_streamed(target, plan, features)) if managed else None
+    known_legacy = managed is False
+    command_id = None if known_legacy else (yield from _start(target, plan, stream=True))
     if command_id is None:
         managed_only = (*live, *plan.managed_only(False))
         if managed_only:

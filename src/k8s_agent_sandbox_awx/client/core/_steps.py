@@ -13,6 +13,8 @@ raised while a step is performed is thrown back into it:
   iterator's consumer);
 - :class:`Sleep`: wait (before re-requesting a stream that failed; the exchange's pause before
   a retry is the same step);
+- :class:`Learned`: what the operation found out about the sandbox's runtime (a feature it
+  has or lacks), for whoever keeps that knowledge: an operation never stores it itself.
 
 The file and control-plane operations yield only calls (``transport.run`` performs them); a
 command's operations are performed by the ``commands`` shells.
@@ -20,21 +22,24 @@ command's operations are performed by the ``commands`` shells.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ..._driver import Steps
+from ..._driver import Stepper, Steps
 from ..wire import _protocol as proto
 from ..wire._protocol import Call
 
 __all__ = [
     "Call",
     "Emit",
+    "Learned",
     "NextEvent",
     "Op",
     "OpenEvents",
     "Sleep",
     "Step",
+    "learning",
 ]
 
 E = TypeVar("E")
@@ -70,6 +75,32 @@ class Sleep:
     seconds: float
 
 
-Step = Call[Any] | OpenEvents | NextEvent | Emit[Any] | Sleep
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """The sandbox's runtime has (``present``) or lacks ``feature`` (``"managed_commands"``,
+    ``"file_api"``): found out from an answer."""
+
+    feature: str
+    present: bool
+
+
+Step = Call[Any] | OpenEvents | NextEvent | Emit[Any] | Sleep | Learned
 Op = Steps[Step, T]
 """An operation: yields steps, receives their outcomes, returns ``T``."""
+
+
+def learning(op: Op[T], record: Callable[[Learned], None]) -> Op[T]:
+    """``op`` with what it learns handed to ``record`` (the keeper of that knowledge) as soon
+    as it is yielded; every other step passes through, and what ``op`` is sent or thrown
+    reaches it unchanged."""
+    stepper = Stepper(op)
+    while (step := stepper.advance()) is not None:
+        if isinstance(step, Learned):
+            record(step)
+            stepper.reply = None
+            continue
+        try:
+            stepper.reply = yield step
+        except BaseException as exc:  # thrown into the operation, which decides
+            stepper.error = exc
+    return stepper.result
