@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import weakref
 from collections.abc import (
     Awaitable,
     Callable,
@@ -55,17 +54,6 @@ __all__ = [
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
-_PROBE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _probe_lock(broker_url: str) -> asyncio.Lock:
-    """The lock a task holds while it probes ``broker_url`` (per event loop: one probe per
-    broker at a time; see ``_dialects``)."""
-    locks = _PROBE_LOCKS.setdefault(asyncio.get_running_loop(), {})
-    return locks.setdefault(broker_url, asyncio.Lock())
-
 
 class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport]):
     """The async counterpart of :class:`BrokerSandboxClient` (upstream ``AsyncSandboxClient``'s
@@ -81,22 +69,22 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
         self, http_transport: httpx.AsyncBaseTransport | None
     ) -> AsyncBrokerTransport:
         return AsyncBrokerTransport(
-            self.connection_config, self.auth, self.dialect, http_transport=http_transport
+            self.connection_config, self.auth, self._speaking, http_transport=http_transport
         )
 
     async def _use_dialect(self, *, authenticated: bool = True) -> Dialect:
         """The dialect, found out from the broker first if it is not known yet; an
         ``authenticated`` operation fetches its credential first (see the sync client)."""
-        if self._dialect is not None:
-            return self._dialect
+        if self._speaking.known is not None:
+            return self._speaking.known
         if authenticated:
             audience = self.connection_config.audience
             self._transport.prime(await self.auth.aget_credential(audience))
         url = self.broker_url
         seen = dialects.probes_answered(url)
-        async with _probe_lock(url):  # other tasks wait, then take its answer
-            op = flow.resolve_dialect(dialects.answered_since(url, seen), url)
-            return self._dialect_probed(await self._transport.run(op))
+        lock = dialects.probe_lock(url, asyncio.get_running_loop(), asyncio.Lock)
+        async with lock:  # other tasks of this loop wait, then take its answer
+            return await self._transport.run(self._speaking.resolve(seen))
 
     async def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""

@@ -35,7 +35,7 @@ from .http._config import BrokerConnectionConfig
 from .wire import _protocol as proto
 from .wire._dataplane import DataTarget, KeptAlive, check_max_bytes
 from .wire._dialect import Dialect, Lifetime
-from .wire._dialects import detected, get_dialect
+from .wire._dialects import BrokerDialect
 
 __all__ = [
     "ClientBase",
@@ -145,10 +145,9 @@ class ClientBase(ABC, Generic[H, T]):
             environ, **config_overrides
         )
         self.auth = auth if auth is not None else config_auth(self.connection_config, environ)
-        pinned = self.connection_config.broker_protocol
-        self._dialect: Dialect | None = (
-            get_dialect(pinned) if pinned else detected(self.connection_config.broker_url)
-        )
+        config = self.connection_config
+        self._speaking = BrokerDialect(config.broker_url, config.broker_protocol)
+        """The dialect spoken: the one owner of it (the transport shares it)."""
         self._lock = threading.RLock()
         self._handles: dict[str, H] = {}
         self._closed = False
@@ -161,24 +160,10 @@ class ClientBase(ABC, Generic[H, T]):
     def dialect(self) -> Dialect:
         """The broker dialect spoken: pinned (``broker_protocol``), or found out from the
         broker on the first request (until then: the default, ``v1``)."""
-        return self._dialect or get_dialect()
-
-    def _dialect_found(self, dialect: Dialect) -> Dialect:
-        """Record the dialect the broker speaks (the transport maps errors with it)."""
-        self._dialect = dialect
-        transport: Any = self._transport
-        transport.dialect = dialect
-        return dialect
-
-    def _dialect_probed(self, dialect: Dialect) -> Dialect:
-        """Record the dialect a probe found (this client's, or the one it waited for); if that
-        was a guess, the transport's first control-plane answer of it confirms it."""
-        transport: Any = self._transport
-        transport.unconfirmed = detected(self.broker_url) is None
-        return self._dialect_found(dialect)
+        return self._speaking.current
 
     def _plan(self, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
-        return plan_create(self.connection_config, self._dialect_found(dialect), spec)
+        return plan_create(self.connection_config, dialect, spec)
 
     def _upstream_spec(
         self,

@@ -33,7 +33,7 @@ from .http._config import BrokerConnectionConfig
 from .http._transport import BrokerTransport
 from .wire import _protocol as proto
 from .wire._dialect import Dialect, Lifetime
-from .wire._dialects import answered_since, probe_lock, probes_answered
+from .wire._dialects import probe_lock, probes_answered
 
 __all__ = ["BrokerSandbox", "BrokerSandboxClient", "Sandbox", "SandboxInfo", "UpstreamSandbox"]
 
@@ -79,7 +79,7 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
 
     def _new_transport(self, http_transport: httpx.BaseTransport | None) -> BrokerTransport:
         return BrokerTransport(
-            self.connection_config, self.auth, self.dialect, http_transport=http_transport
+            self.connection_config, self.auth, self._speaking, http_transport=http_transport
         )
 
     def _use_dialect(self, *, authenticated: bool = True) -> Dialect:
@@ -87,16 +87,14 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         ``authenticated`` operation fetches its credential before the probe (the credential
         chain and the token's checks need no network): a credential problem is the first error
         a user meets, never hidden behind an unreachable broker; the request then sends it."""
-        if self._dialect is not None:
-            return self._dialect
+        if self._speaking.known is not None:
+            return self._speaking.known
         if authenticated:
             audience = self.connection_config.audience
             self._transport.prime(self.auth.get_credential(audience))
-        url = self.broker_url
-        seen = probes_answered(url)
-        with probe_lock(url):  # other threads wait, then take its answer
-            op = flow.resolve_dialect(answered_since(url, seen), url)
-            return self._dialect_probed(self._transport.run(op))
+        seen = probes_answered(self.broker_url)
+        with probe_lock(self.broker_url):  # other threads wait, then take its answer
+            return self._transport.run(self._speaking.resolve(seen))
 
     # ---------------------------------------------------------------------------- lifecycle
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ... import errors
-from ..wire import _dialects as dialects
 from ..wire import _protocol as proto
 from ..wire._dialect import REPLAY_CREATE, CreateRequest, Dialect
 from ._options import (
@@ -264,20 +263,6 @@ def plan_create(config: CreateDefaults, dialect: Dialect, spec: SandboxSpec) -> 
         spec.keepalive,
         config.poll_interval,
     )
-
-
-def resolve_dialect(known: Dialect | None, broker_url: str) -> Op[Dialect]:
-    """The dialect to speak: ``known`` (pinned, found out before, or the answer of the probe
-    this caller waited for), else the one remembered for ``broker_url``, else one probe of the
-    broker (remembered only if its answer identifies the dialect; see ``_dialects``)."""
-    if known is None:
-        known = dialects.detected(broker_url)
-    if known is None:
-        verdict = yield dialects.probe()
-        known = dialects.record(broker_url, verdict)
-        how = "" if verdict.certain else " (a guess until a control-plane answer confirms it)"
-        logger.info("the broker %s speaks the %r dialect%s", broker_url, known.name, how)
-    return known
 
 
 def _outcome_unknown(exc: BaseException) -> bool:

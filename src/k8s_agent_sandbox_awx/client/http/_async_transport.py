@@ -24,7 +24,7 @@ from ..core._retry import RetryPolicy
 from ..core._steps import Op
 from ..wire import _protocol as proto
 from ..wire._dataplane import DownloadMeter
-from ..wire._dialect import Dialect
+from ..wire._dialects import BrokerDialect
 from . import _exchange as ex
 from ._config import BrokerConnectionConfig
 
@@ -70,14 +70,14 @@ class AsyncBrokerTransport(ex.TransportBase):
         self,
         config: BrokerConnectionConfig,
         auth: CredentialSource,
-        dialect: Dialect,
+        speaking: BrokerDialect,
         *,
         http_transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         retry: RetryPolicy | None = None,
     ) -> None:
         client = httpx.AsyncClient(transport=http_transport, **ex.client_settings(config))
-        super().__init__(config, auth, dialect, client, retry)
+        super().__init__(config, auth, speaking, client, retry)
         self._http = client
         self._sleep = sleep
         self._cleanups: set[asyncio.Task[Any]] = set()

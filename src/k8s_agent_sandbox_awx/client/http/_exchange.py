@@ -41,9 +41,9 @@ from ...errors import RequestTimeoutError as _RequestTimeoutError
 from ..core._retry import RetryPolicy, SingleAttempt
 from ..core._steps import Sleep, Step
 from ..core._upload import CHUNK_SIZE, UploadBody
-from ..wire import _dialects as dialects
 from ..wire import _protocol as proto
 from ..wire._dialect import Dialect
+from ..wire._dialects import BrokerDialect
 from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 
 __all__ = [
@@ -588,19 +588,21 @@ class TransportBase:
         self,
         config: BrokerConnectionConfig,
         auth: Any,
-        dialect: Dialect,
+        speaking: BrokerDialect,
         client: httpx.Client | httpx.AsyncClient,
         retry: RetryPolicy | None,
     ) -> None:
         self.config = config
         self.auth = auth
-        self.dialect = dialect
+        self.speaking = speaking
+        """The dialect spoken (the client's: one owner), which maps the answers."""
         self.retry = retry or retry_policy(config)
         self._client = client
-        self.unconfirmed = False
-        """The dialect is a guess from the probe: the first control-plane answer of it that
-        parses confirms it (remembered for the broker URL, ``_dialects``)."""
         self._primed: tuple[Credential, float] | None = None
+
+    @property
+    def dialect(self) -> Dialect:
+        return self.speaking.current
 
     @property
     def broker_url(self) -> str:
@@ -618,23 +620,6 @@ class TransportBase:
         if primed is None or time.monotonic() - primed[1] > PRIMED_SECONDS:
             return None
         return primed[0]
-
-    def _confirm(self, spec: proto.RequestSpec, status: int) -> None:
-        """A control-plane answer of the guessed dialect parsed: the broker speaks it."""
-        if self.unconfirmed and status < 300 and not (spec.probe or spec.data_plane):
-            self.unconfirmed = False
-            dialects.remember(self.broker_url, self.dialect.name)
-
-    def _unconfirmed_note(self, spec: proto.RequestSpec, exc: Exception) -> None:
-        """A ``404``/``405`` under a guessed dialect: the guess may be wrong; say how to pin."""
-        status = getattr(exc, "status_code", None)
-        if self.unconfirmed and status in (404, 405) and not (spec.probe or spec.data_plane):
-            exc.add_note(
-                f"The broker's dialect ({self.dialect.name!r}) was guessed from its answer to GET "
-                "/v1/healthz, which was not the v1 broker's health answer; if the broker speaks "
-                "the other dialect (v1 or rpc), set AGENT_SANDBOX_BROKER_PROTOCOL (or "
-                "broker_protocol=) to it."
-            )
 
     def exchange(
         self,
@@ -670,7 +655,7 @@ class TransportBase:
         try:
             response = yield from self.exchange(call.spec, stream=call.stream, body=body)
         except Exception as exc:
-            self._unconfirmed_note(call.spec, exc)
+            self.speaking.note(call.spec, exc)
             mapped = call.fail(exc) if call.fail is not None else None
             if mapped is None:
                 raise
@@ -683,5 +668,5 @@ class TransportBase:
         except (BrokerError, SandboxFailedError) as exc:
             proto.redact_sent(exc, (token,))
             raise
-        self._confirm(call.spec, response.status_code)
+        self.speaking.confirm(call.spec, response.status_code)
         return result

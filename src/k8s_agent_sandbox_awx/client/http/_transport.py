@@ -21,7 +21,7 @@ from ..core._retry import RetryPolicy
 from ..core._steps import Op
 from ..wire import _protocol as proto
 from ..wire._dataplane import DownloadMeter
-from ..wire._dialect import Dialect
+from ..wire._dialects import BrokerDialect
 from ._config import BrokerConnectionConfig
 from ._exchange import (
     CHUNK_SIZE,
@@ -75,14 +75,14 @@ class BrokerTransport(TransportBase):
         self,
         config: BrokerConnectionConfig,
         auth: CredentialSource,
-        dialect: Dialect,
+        speaking: BrokerDialect,
         *,
         http_transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
         retry: RetryPolicy | None = None,
     ) -> None:
         client = httpx.Client(transport=http_transport, **client_settings(config))
-        super().__init__(config, auth, dialect, client, retry)
+        super().__init__(config, auth, speaking, client, retry)
         self._http = client
         self._sleep = sleep
 
