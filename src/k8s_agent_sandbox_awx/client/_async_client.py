@@ -243,9 +243,10 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         owns_client: bool = False,
         keepalive: int | None = None,
     ) -> None:
-        transport, target = client._transport, data_target(client, info, keepalive)
+        target = data_target(client, info, keepalive)
+        transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         parts = self._commands_class(transport, target), AsyncFiles(transport, target)
-        super().__init__(client, info, *parts, owns_client)
+        super().__init__(client, info, target, *parts, owns_client)
 
     async def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""

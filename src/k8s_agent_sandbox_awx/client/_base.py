@@ -33,7 +33,7 @@ from .core._options import (
 from .core._steps import Op
 from .http._config import BrokerConnectionConfig
 from .wire import _protocol as proto
-from .wire._dataplane import DataTarget, KeptAlive, check_max_bytes
+from .wire._dataplane import DataTarget, Keepalive, KeptAlive, check_max_bytes
 from .wire._dialect import Dialect, Lifetime
 from .wire._dialects import BrokerDialect
 
@@ -272,13 +272,15 @@ class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
 
 def data_target(client: Any, info: proto.SandboxInfo, keepalive: int | None) -> DataTarget:
     """Where sandbox ``info``'s data plane goes, with its activity keepalive (``keepalive``
-    seconds, else the config's ``sandbox_keepalive``; 0: none)."""
-    target: DataTarget = client.dialect.data_target(info)
+    seconds, else the config's ``sandbox_keepalive``; 0: none): a :class:`KeptAlive` target
+    owns it, and extends through the client's dialect."""
+    dialect: Dialect = client.dialect
+    target = dialect.data_target(info)
     seconds = keepalive if keepalive is not None else client.connection_config.sandbox_keepalive
     if not seconds:
         return target
     deadline = proto.rfc3339_seconds(info.expires_at)
-    return KeptAlive(target, proto.Keepalive(info.name, seconds, deadline))
+    return KeptAlive(target, Keepalive(info.name, seconds, deadline), dialect.extend)
 
 
 def timeout_seconds(seconds: Any) -> int:
@@ -302,10 +304,18 @@ class SandboxBase(Generic[C, Cmd, F]):
     """A sandbox's state as the broker reported it, and whether the handle may be used."""
 
     def __init__(
-        self, client: C, info: proto.SandboxInfo, commands: Cmd, files: F, owns_client: bool
+        self,
+        client: C,
+        info: proto.SandboxInfo,
+        target: DataTarget,
+        commands: Cmd,
+        files: F,
+        owns_client: bool,
     ) -> None:
         self._client = client
         self._info = info
+        self._target = target
+        """Where its data plane goes (with its keepalive, if any)."""
         self._owns_client = owns_client
         self._killed = False
         self._closed = False
@@ -403,9 +413,8 @@ class SandboxBase(Generic[C, Cmd, F]):
         dialect whose answer carries only the deadline updates the known state with it."""
         info = lifetime.info or dataclasses.replace(self._info, expires_at=lifetime.expires_at)
         self._info = info
-        keepalive = getattr(getattr(self._files, "_target", None), "keepalive", None)
-        if keepalive is not None:
-            keepalive.extended(info.expires_at)
+        if isinstance(self._target, KeptAlive):
+            self._target.keepalive.extended(info.expires_at)
         return info
 
     @staticmethod

@@ -264,9 +264,10 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         owns_client: bool = False,
         keepalive: int | None = None,
     ) -> None:
-        transport, target = client._transport, data_target(client, info, keepalive)
+        target = data_target(client, info, keepalive)
+        transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         commands, files = self._commands_class(transport, target), Files(transport, target)
-        super().__init__(client, info, commands, files, owns_client)
+        super().__init__(client, info, target, commands, files, owns_client)
 
     def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""

@@ -14,6 +14,7 @@ limits, capped error bodies).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -22,7 +23,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -42,6 +43,7 @@ from ..core._retry import RetryPolicy, SingleAttempt
 from ..core._steps import Sleep, Step
 from ..core._upload import CHUNK_SIZE, UploadBody
 from ..wire import _protocol as proto
+from ..wire._dataplane import DataTarget, Keepalive, KeptAlive
 from ..wire._dialect import Dialect
 from ..wire._dialects import BrokerDialect
 from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
@@ -296,9 +298,6 @@ class Exchange:
         ``stream`` (then the caller closes it); errors raised as typed ``BrokerError``s."""
         if self.spec.delay > 0:
             yield Sleep(self.spec.delay)
-        keepalive = self.spec.keepalive
-        if keepalive is not None and self.authenticate and keepalive.claim():
-            yield from self._keep_alive(keepalive)
         while True:
             request = self.next_request()
             try:
@@ -322,33 +321,6 @@ class Exchange:
             except httpx.TransportError as exc:
                 raise self.read_error(exc) from exc
         return response
-
-    def _keep_alive(self, keepalive: proto.Keepalive) -> Steps[ExchangeStep, None]:
-        """Extend the sandbox's lifetime before this data-plane request, best effort: one
-        attempt within :data:`KEEPALIVE_TIMEOUT`, never retried (it must not delay the request
-        it rides on); a failure is logged, never fails the request, and the next request tries
-        again (an interruption still propagates)."""
-        try:
-            call = self.dialect.extend(keepalive.name, keepalive.seconds)
-            extend = Exchange(
-                self._client,
-                self.config,
-                SingleAttempt(),
-                self.dialect,
-                call.spec,
-                invalidate=self._invalidate,
-                timeout=min(KEEPALIVE_TIMEOUT, self.config.request_timeout),
-            )
-            keepalive.extended(call.parse((yield from extend.steps())).expires_at)
-        except Exception as exc:
-            keepalive.failed()
-            logger.warning(
-                "keepalive of sandbox %s failed (ignored): %s (tried again at the next request)",
-                keepalive.name,
-                exc,
-            )
-        else:
-            logger.debug("keepalive: sandbox %s extended by %ss", keepalive.name, keepalive.seconds)
 
     def _send(self, request: httpx.Request) -> Steps[ExchangeStep, httpx.Response]:
         """One attempt, with the token; after the broker's 401, once more with a re-read one."""
@@ -599,6 +571,8 @@ class TransportBase:
         self.retry = retry or retry_policy(config)
         self._client = client
         self._primed: tuple[Credential, float] | None = None
+        self._kept: KeptAlive | None = None
+        """The kept-alive sandbox whose data plane this twin serves (:meth:`to`)."""
 
     @property
     def dialect(self) -> Dialect:
@@ -629,7 +603,8 @@ class TransportBase:
         body: Any = None,
         authenticate: bool = True,
     ) -> Steps[ExchangeStep, httpx.Response]:
-        """The steps of sending ``spec`` (see :meth:`Exchange.steps`)."""
+        """The steps of sending ``spec`` (see :meth:`Exchange.steps`); a data-plane request
+        of a kept-alive sandbox (:meth:`to`) extends its lifetime first when that is due."""
         exchange = Exchange(
             self._client,
             self.config,
@@ -640,7 +615,55 @@ class TransportBase:
             body=body,
             authenticate=authenticate,
         )
-        return exchange.steps(stream=stream)
+        steps = exchange.steps(stream=stream)
+        if self._kept is None or not (spec.data_plane and exchange.authenticate):
+            return steps
+        return self._kept_alive(self._kept, steps)
+
+    def to(self, target: DataTarget) -> Self:
+        """This transport for the data plane of one sandbox (``target``): itself, or for a
+        kept-alive target (:class:`KeptAlive`) a twin that shares everything (the connections,
+        the credential source, the retry policy, the dialect) and extends the sandbox's
+        lifetime before a data-plane request when the target says it is due."""
+        if not isinstance(target, KeptAlive):
+            return self
+        twin = copy.copy(self)
+        twin._kept, twin._primed = target, None
+        return twin
+
+    def _kept_alive(
+        self, kept: KeptAlive, steps: Steps[ExchangeStep, httpx.Response]
+    ) -> Steps[ExchangeStep, httpx.Response]:
+        extension = kept.due()
+        if extension is not None:
+            yield from self._extend(kept.keepalive, extension)
+        return (yield from steps)
+
+    def _extend(self, keepalive: Keepalive, call: proto.Call[Any]) -> Steps[ExchangeStep, None]:
+        """Extend the sandbox's lifetime before a data-plane request, best effort: one attempt
+        within :data:`KEEPALIVE_TIMEOUT`, never retried (it must not delay the request it rides
+        on); a failure is logged, never fails the request, and the next request tries again
+        (an interruption still propagates)."""
+        try:
+            extend = Exchange(
+                self._client,
+                self.config,
+                SingleAttempt(),
+                self.dialect,
+                call.spec,
+                invalidate=self.auth.invalidate,
+                timeout=min(KEEPALIVE_TIMEOUT, self.config.request_timeout),
+            )
+            keepalive.extended(call.parse((yield from extend.steps())).expires_at)
+        except Exception as exc:
+            keepalive.failed()
+            logger.warning(
+                "keepalive of sandbox %s failed (ignored): %s (tried again at the next request)",
+                keepalive.name,
+                exc,
+            )
+        else:
+            logger.debug("keepalive: sandbox %s extended by %ss", keepalive.name, keepalive.seconds)
 
     def upload_stream(self, body: UploadBody) -> Any:
         """``body`` as this transport's httpx stream."""

@@ -14,6 +14,8 @@ import math
 import posixpath
 import re
 import secrets
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,7 +35,15 @@ from ...errors import (
     SandboxPathError,
     StdinTooLargeError,
 )
-from ._protocol import Keepalive, RequestSpec, json_body, protocol_error, redact_answer, seconds
+from ._protocol import (
+    Call,
+    RequestSpec,
+    json_body,
+    protocol_error,
+    redact_answer,
+    rfc3339_seconds,
+    seconds,
+)
 
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
@@ -46,6 +56,7 @@ __all__ = [
     "CommandInfo",
     "DataTarget",
     "DownloadMeter",
+    "Keepalive",
     "KeptAlive",
     "Multipart",
     "check_command_timeout",
@@ -129,13 +140,67 @@ def refuse_control_characters(path: str) -> str:
     return path
 
 
+class Keepalive:
+    """One sandbox's opt-in activity keepalive (``keepalive=`` seconds): data-plane activity
+    moves the sandbox's deadline to now + ``seconds``, when that is later than the deadline
+    it knows, and at most once per half window. Thread-safe; owned by the sandbox's data
+    target (:class:`KeptAlive`). The extension itself is sent by the transport of the
+    sandbox's data plane, best effort: one short attempt, a failure is logged (never raised)
+    and the extension tried again by the next request (:meth:`failed`)."""
+
+    def __init__(
+        self,
+        name: str,
+        seconds: int,
+        deadline: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.seconds = seconds
+        self.deadline = deadline
+        """The sandbox's deadline as last reported (epoch seconds), ``None``: unknown."""
+        self._clock = clock
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def claim(self) -> bool:
+        """Whether this request should extend the lifetime now (then it counts as done)."""
+        with self._lock:
+            now = self._clock()
+            if self._last is not None and now - self._last < self.seconds / 2:
+                return False
+            if self.deadline is not None and now + self.seconds <= self.deadline:
+                return False
+            self._last = now
+            return True
+
+    def extended(self, expires_at: str | None) -> None:
+        """Record the deadline an extension's answer reports."""
+        self.deadline = rfc3339_seconds(expires_at)
+
+    def failed(self) -> None:
+        """The extension :meth:`claim` asked for failed: the next request tries it again."""
+        with self._lock:
+            self._last = None
+
+
 @dataclass(frozen=True)
 class KeptAlive:
-    """A sandbox's data target with its activity keepalive: every data-plane request built
-    for it carries the keepalive (``RequestSpec.keepalive``)."""
+    """A sandbox's data target with its activity keepalive, the one owner of it: the
+    transport of the sandbox's data plane (``transport.to(target)``) asks :meth:`due` before
+    each data-plane request, and sends the extension it returns; ``extend`` is the dialect's
+    (``Dialect.extend``)."""
 
     target: DataTarget
     keepalive: Keepalive
+    extend: Callable[[str, int], Call[Any]]
+
+    def due(self) -> Call[Any] | None:
+        """The extension to send before a data-plane request now, if one is due (it then
+        counts as sent: report its outcome to :attr:`keepalive`)."""
+        if not self.keepalive.claim():
+            return None
+        return self.extend(self.keepalive.name, self.keepalive.seconds)
 
     @property
     def sandbox_id(self) -> str:
@@ -189,7 +254,7 @@ def data_request(
     params: Mapping[str, str] | None = None,
 ) -> RequestSpec:
     """A data-plane request to ``target`` (``GET``s are retryable unless ``retryable`` says;
-    ``subject``: the sandbox path it is about; it carries the target's keepalive, if any)."""
+    ``subject``: the sandbox path it is about)."""
     return RequestSpec(
         method,
         endpoint,
@@ -200,7 +265,6 @@ def data_request(
         read_timeout=read_timeout,
         data_plane=True,
         subject=subject,
-        keepalive=getattr(target, "keepalive", None),
     )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -25,7 +24,6 @@ from ...errors import BrokerProtocolError, BrokerUnavailableError
 
 __all__ = [
     "Call",
-    "Keepalive",
     "NdjsonDecoder",
     "Reply",
     "RequestSpec",
@@ -39,6 +37,7 @@ __all__ = [
     "redact_answer",
     "redact_sent",
     "redact_url",
+    "rfc3339_seconds",
     "scope_names",
     "selector_text",
     "str_mapping",
@@ -115,49 +114,6 @@ class SandboxInfo:
         }
 
 
-class Keepalive:
-    """One sandbox's opt-in activity keepalive (``keepalive=`` seconds): data-plane activity
-    moves the sandbox's deadline to now + ``seconds``, when that is later than the deadline
-    it knows, and at most once per half window. Thread-safe; the extension itself is sent by
-    the exchange, best effort: one short attempt, a failure is logged (never raised) and the
-    extension tried again by the next request (:meth:`failed`)."""
-
-    def __init__(
-        self,
-        name: str,
-        seconds: int,
-        deadline: float | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.name = name
-        self.seconds = seconds
-        self.deadline = deadline
-        """The sandbox's deadline as last reported (epoch seconds), ``None``: unknown."""
-        self._clock = clock
-        self._last: float | None = None
-        self._lock = threading.Lock()
-
-    def claim(self) -> bool:
-        """Whether this request should extend the lifetime now (then it counts as done)."""
-        with self._lock:
-            now = self._clock()
-            if self._last is not None and now - self._last < self.seconds / 2:
-                return False
-            if self.deadline is not None and now + self.seconds <= self.deadline:
-                return False
-            self._last = now
-            return True
-
-    def extended(self, expires_at: str | None) -> None:
-        """Record the deadline an extension's answer reports."""
-        self.deadline = rfc3339_seconds(expires_at)
-
-    def failed(self) -> None:
-        """The extension :meth:`claim` asked for failed: the next request tries it again."""
-        with self._lock:
-            self._last = None
-
-
 def rfc3339_seconds(value: str | None) -> float | None:
     """An RFC 3339 time as epoch seconds (``None`` if absent or unreadable)."""
     if not value:
@@ -193,8 +149,6 @@ class RequestSpec:
     """A 404 is an answer, not an error (delete: already gone)."""
     subject: str | None = None
     """The sandbox path a data-plane request is about (named by its errors)."""
-    keepalive: Keepalive | None = None
-    """The sandbox's activity keepalive: a data-plane request extends its lifetime when due."""
     delay: float = 0.0
     """Seconds to wait before the first attempt (the interval of a status poll)."""
     probe: bool = False
