@@ -158,7 +158,7 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
     ) -> AsyncSandbox:
         """``BrokerSandboxClient.create_sandbox``, awaited: a cancelled create deletes the
         claim it made before ``CancelledError`` propagates."""
-        spec = self._upstream_spec(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        spec = flow.spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
         return await self._create(spec, upstream=True)
 
     def _handle(
@@ -169,7 +169,7 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
     async def _create(self, spec: flow.SandboxSpec, *, upstream: bool) -> AsyncSandbox:
         """``create_sandbox``'s I/O: a failed or cancelled create deletes the claim it made
         before the error (or ``CancelledError``) propagates."""
-        plan = self._plan(await self._use_dialect(), spec)
+        plan = flow.plan_create(self.connection_config, await self._use_dialect(), spec)
         info = await self._transport.run(flow.create(plan))
         return self._register(self._handle(info, upstream=upstream, keepalive=plan.keepalive))
 

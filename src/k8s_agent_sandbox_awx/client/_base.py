@@ -22,11 +22,10 @@ from ..credentials._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
 from ..credentials._chain import DefaultCredentials
 from ..errors import ConfigurationError, UnsupportedOperationError
 from .core import _fsapi as fsapi
-from .core._flow import CreatePlan, SandboxSpec, plan_create, spec_from_create, spec_from_upstream
+from .core._flow import SandboxSpec, spec_from_create
 from .core._options import (
     ATTACH,
     CREATE,
-    UpstreamCreateOptions,
     check_options,
     unexpected_keywords,
 )
@@ -104,9 +103,9 @@ T = TypeVar("T")
 
 
 class ClientBase(ABC, Generic[H, T]):
-    """Configuration, credentials, the transport (``T``) and the handles a client created or
-    attached to, and the checks of ``create_sandbox`` (:meth:`_upstream_spec`); the sync and
-    the async client add the methods that do I/O.
+    """Configuration, credentials, the dialect spoken, the transport (``T``) and the handles a
+    client created or attached to; the sync and the async client add the methods that do
+    I/O.
 
     ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
     ``config_overrides`` such as ``broker_url=``/``ca_cert=`` winning); ``auth`` defaults to
@@ -161,21 +160,6 @@ class ClientBase(ABC, Generic[H, T]):
         """The broker dialect spoken: pinned (``broker_protocol``), or found out from the
         broker on the first request (until then: the default, ``v1``)."""
         return self._speaking.current
-
-    def _plan(self, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
-        return plan_create(self.connection_config, dialect, spec)
-
-    def _upstream_spec(
-        self,
-        warmpool: str | None,
-        namespace: str | None,
-        sandbox_ready_timeout: float | None,
-        labels: Mapping[str, str] | None,
-        options: UpstreamCreateOptions,
-    ) -> SandboxSpec:
-        """``create_sandbox``'s arguments (upstream's spellings) as what to create (checked;
-        the dialect's request is built once the dialect is known)."""
-        return spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
 
     @property
     def broker_url(self) -> str:

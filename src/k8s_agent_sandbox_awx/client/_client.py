@@ -183,7 +183,7 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         was created (ready timeout, Failed phase, Ctrl-C, a cancelled task), the claim is
         deleted before raising.
         """
-        spec = self._upstream_spec(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        spec = flow.spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
         return self._create(spec, upstream=True)
 
     def _handle(
@@ -192,7 +192,7 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         return (UpstreamSandbox if upstream else Sandbox)(self, info, keepalive=keepalive)
 
     def _create(self, spec: flow.SandboxSpec, *, upstream: bool) -> Sandbox:
-        plan = self._plan(self._use_dialect(), spec)
+        plan = flow.plan_create(self.connection_config, self._use_dialect(), spec)
         info = self._transport.run(flow.create(plan))
         return self._register(self._handle(info, upstream=upstream, keepalive=plan.keepalive))
 
