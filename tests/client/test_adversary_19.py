@@ -105,11 +105,6 @@ def test_a_lone_surrogate_is_refused_before_sending(broker: Any, where: str) -> 
         assert "surrogate" in str(refused.value) or "UTF-8" in str(refused.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: _flow._seconds compares value != int(value) first: NaN and infinity "
-    "raise Python's own ValueError/OverflowError ('cannot convert float NaN to integer')",
-)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("option", ["timeout", "keepalive"])
 def test_a_non_finite_number_of_seconds_names_the_option(option: str, value: float) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -358,7 +359,13 @@ def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> int | None:
     """A whole number of seconds for ``name=`` (``None`` stays ``None``)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}= must be a whole number of seconds, e.g. 300; got {value!r}.")
+    if not math.isfinite(value):  # before int(): NaN and infinity have no int
+        raise ValueError(
+            f"{name}= must be a finite whole number of seconds, e.g. 300; got {value!r}."
+        )
+    if value != int(value):
         raise TypeError(f"{name}= must be a whole number of seconds, e.g. 300; got {value!r}.")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name}= must be a positive number of seconds, got {value!r}.")
