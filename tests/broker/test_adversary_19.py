@@ -335,12 +335,6 @@ PID_REUSE = """
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: _ForkServer.exited keeps every exit status by pid forever; a pid used "
-    "again is taken as already exited: the new sandbox is Failed (RuntimeExited) and its "
-    "runtime is never stopped",
-)
 @pytest.mark.usefixtures("pid_namespace")
 def test_a_pid_used_again_is_a_new_runtime(tmp_path: Path) -> None:
     """With ``pid_max`` 32768 (this machine, many containers) a long-running ``dev`` broker

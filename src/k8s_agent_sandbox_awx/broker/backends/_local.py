@@ -127,12 +127,16 @@ def _free_port(host: str) -> int:
 
 
 class _ForkServer:
-    """Client side of the runtime's fork server (see ``_runtime.fork_server``)."""
+    """Client side of the runtime's fork server (see ``_runtime.fork_server``).
+
+    A runtime is known by the id of the request that started it (``spawn``'s first value),
+    never by its pid: the fork server reports an exit with that id, and a pid can be used again
+    by the next runtime, also before the previous one's exit is reported."""
 
     def __init__(self, log_path: str) -> None:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
-        self.exited: dict[int, int] = {}
+        self.exited: dict[int, int] = {}  # request id -> exit status (until forgotten)
         self._exit_events: dict[int, asyncio.Event] = {}
         self._waiting: dict[int, asyncio.Future[int]] = {}
         self._ids = itertools.count(1)
@@ -166,9 +170,9 @@ class _ForkServer:
             line, self._buffer = self._buffer.split(b"\n", 1)
             message = json.loads(line)
             if "exited" in message:
-                pid = int(message["exited"])
-                self.exited[pid] = int(message["status"])
-                event = self._exit_events.pop(pid, None)
+                ident = int(message["id"])
+                self.exited[ident] = int(message["status"])
+                event = self._exit_events.pop(ident, None)
                 if event is not None:
                     event.set()
                 continue
@@ -191,7 +195,8 @@ class _ForkServer:
         for event in self._exit_events.values():
             event.set()
 
-    async def spawn(self, request: dict[str, Any]) -> int:
+    async def spawn(self, request: dict[str, Any]) -> tuple[int, int]:
+        """Start a runtime: ``(its request id, its pid)``."""
         await self.ensure_started()
         if self.dead or self.proc is None or self.proc.stdin is None:
             raise RuntimeStartError("RuntimeStartFailed", "the runtime fork server is not running")
@@ -207,20 +212,26 @@ class _ForkServer:
             raise RuntimeStartError(
                 "RuntimeStartFailed", f"cannot reach the runtime fork server: {exc}"
             ) from exc
-        return await asyncio.wait_for(future, 10.0)
+        return ident, await asyncio.wait_for(future, 10.0)
 
-    def status(self, pid: int) -> int | None:
-        if pid in self.exited:
-            return self.exited[pid]
+    def status(self, ident: int) -> int | None:
+        """The exit status of the runtime of request ``ident`` (``None``: still running)."""
+        if ident in self.exited:
+            return self.exited[ident]
         return -1 if self.dead else None
 
-    async def wait_exit(self, pid: int, within: float) -> bool:
-        if self.status(pid) is not None:
+    async def wait_exit(self, ident: int, within: float) -> bool:
+        if self.status(ident) is not None:
             return True
-        event = self._exit_events.setdefault(pid, asyncio.Event())
+        event = self._exit_events.setdefault(ident, asyncio.Event())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), within)
-        return self.status(pid) is not None
+        return self.status(ident) is not None
+
+    def forget(self, ident: int) -> None:
+        """Drop what is known of a stopped runtime (a long-lived broker keeps no exit forever)."""
+        self.exited.pop(ident, None)
+        self._exit_events.pop(ident, None)
 
     async def close(self) -> None:
         proc = self.proc
@@ -348,8 +359,10 @@ class LocalProcessBackend:
                         os.unlink(port_file)
                 port = 0 if port_file else _free_port(self.host)
                 request = self._spawn_request(spec, command, builtin, root, port, port_file)
-                pid = await fork.spawn(request)
-                handle = RuntimeHandle(spec.name, self.host, port, base_dir, pid, root=root)
+                ident, pid = await fork.spawn(request)
+                handle = RuntimeHandle(
+                    spec.name, self.host, port, base_dir, pid, root=root, runtime_id=ident
+                )
                 self._handles[spec.name] = handle
                 try:
                     await self._wait_ready(handle, request["log"], port_file)
@@ -407,9 +420,13 @@ class LocalProcessBackend:
 
     def _exit_status(self, handle: RuntimeHandle) -> int | None:
         fork = self._fork_server_of(handle.name)
-        if handle.pid is None or fork is None:
+        if handle.runtime_id is None or fork is None:
             return -1
-        return fork.status(handle.pid)
+        return fork.status(handle.runtime_id)
+
+    def _exit_reported(self, handle: RuntimeHandle) -> bool:
+        fork = self._fork_server_of(handle.name)
+        return fork is not None and handle.runtime_id in fork.exited
 
     async def _wait_ready(
         self, handle: RuntimeHandle, log_path: str, port_file: str | None = None
@@ -452,13 +469,17 @@ class LocalProcessBackend:
         """SIGTERM the runtime's group, SIGKILL it after 2 s; return once its supervisor has
         killed everything the sandbox started (the fork server's exit report)."""
         fork = self._fork_server_of(handle.name)
-        if fork is not None and handle.pid is not None and fork.status(handle.pid) is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(handle.pid, signal.SIGTERM)
-            if not await fork.wait_exit(handle.pid, 2.0):
+        ident, pid = handle.runtime_id, handle.pid
+        if fork is not None and ident is not None and pid is not None:
+            if fork.status(ident) is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(handle.pid, signal.SIGKILL)
-                await fork.wait_exit(handle.pid, 3.0)
+                    os.killpg(pid, signal.SIGTERM)
+                if not await fork.wait_exit(ident, 2.0):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+                    await fork.wait_exit(ident, 3.0)
+            if fork.status(ident) is not None:
+                fork.forget(ident)
         if remove:
             self._handles.pop(handle.name, None)
             await self._close_own_fork(handle.name)
@@ -487,8 +508,8 @@ class LocalProcessBackend:
     def kill_all_now(self) -> None:
         for handle in list(self._handles.values()):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                if handle.pid is not None:
-                    os.killpg(handle.pid, signal.SIGKILL)
+                if handle.pid is not None and not self._exit_reported(handle):
+                    os.killpg(handle.pid, signal.SIGKILL)  # never a pid used again
         self._handles.clear()
         forks = [*self._own_forks.values(), *([self._fork] if self._fork is not None else [])]
         self._own_forks.clear()

@@ -455,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
 #   {"id": N, "host": ..., "port": ..., "base_dir": ..., "env": {...}, "log": path,
 #    "port_file": path or null, "argv": [...] or null}
 # and reads back {"id": N, "pid": PID} or {"id": N, "error": "..."}, and {"exited": PID,
-# "status": CODE} whenever a runtime has ended and everything it started is gone.
+# "id": N, "status": CODE} whenever the runtime of request N has ended and everything it started
+# is gone. An exit names its request: a PID can be used again (by the next sandbox's runtime)
+# before the exit of the runtime that had it is reported.
 #
 # Process tree (Linux): fork server -> one supervisor per sandbox -> the runtime (its own process
 # group; the built-in one is forked, ``argv`` is exec'd) -> commands. The supervisor is a session
@@ -525,7 +527,7 @@ def fork_server() -> int:
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     with contextlib.suppress(ImportError):  # warm for the children's first upload
         import python_multipart.multipart  # noqa: F401
-    supervisors: dict[int, int] = {}  # supervisor pid -> runtime pid
+    supervisors: dict[int, tuple[int, Any]] = {}  # supervisor pid -> (runtime pid, request id)
     # a supervisor reports its runtime's pid (or why it could not start it) on a pipe, read
     # here without blocking so that the next fork need not wait: report fd -> (supervisor pid,
     # request id, data so far); and the exit codes of supervisors reaped before their report
@@ -571,9 +573,9 @@ def fork_server() -> int:
         if "pid" not in started:
             early.pop(supervisor, None)
         elif supervisor in early:  # the runtime has already ended, and its supervisor too
-            reply({"exited": started["pid"], "status": early.pop(supervisor)})
+            reply({"exited": started["pid"], "id": ident, "status": early.pop(supervisor)})
         else:
-            supervisors[supervisor] = int(started["pid"])
+            supervisors[supervisor] = (int(started["pid"]), ident)
 
     def reap() -> None:
         orphans = False
@@ -588,7 +590,7 @@ def fork_server() -> int:
             code = os.waitstatus_to_exitcode(status)
             runtime = supervisors.pop(pid, None)
             if runtime is not None:
-                reply({"exited": runtime, "status": code})
+                reply({"exited": runtime[0], "id": runtime[1], "status": code})
             elif pid in reporting:
                 early[pid] = code
             # not a supervisor (an orphan), or a supervisor killed before it could clean up
