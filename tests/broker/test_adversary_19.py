@@ -353,12 +353,6 @@ SWEEPER = """
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: sweep_dead_owners decides 'dead' by os.kill(pid, 0) on the pid in "
-    "broker.pid, meaningless in another PID namespace: a broker started in a container that "
-    "shares /tmp removes every live broker's directory",
-)
 @pytest.mark.usefixtures("pid_namespace")
 def test_a_broker_in_another_pid_namespace_leaves_live_brokers_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
