@@ -78,11 +78,6 @@ def _raw(
 # -- item 1: what is counted is what is forwarded -------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: a lowercase method runs the command (httpx forwards POST) but "
-    "execution_count, which compares request.method == 'POST', does not count it",
-)
 @pytest.mark.parametrize("path", ["/execute", "/commands"])
 def test_a_lowercase_method_is_counted_or_refused(
     broker: LocalBroker, alice: Any, path: str
@@ -117,11 +112,6 @@ FRAMINGS = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: the broker forwards the client's Content-Length with a body it frames "
-    "itself; h11's LocalProtocolError escapes _send_upstream: 500 and an ASGI traceback",
-)
 @pytest.mark.parametrize("framing", list(FRAMINGS))
 def test_a_body_framed_differently_is_no_500_and_no_traceback(
     broker: LocalBroker, alice: Any, framing: str, caplog: pytest.LogCaptureFixture

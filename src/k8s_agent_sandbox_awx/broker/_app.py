@@ -73,6 +73,8 @@ _HOP_BY_HOP = frozenset(
         "expect",
     }
 )
+_BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+"""Data-plane methods without a request body (one sent with them is refused)."""
 _CREATE_FIELDS = frozenset({"template", "labels", "annotations", "lifetime_seconds", "env"})
 _NAME_ALPHABET = string.ascii_lowercase + string.digits
 BROKER_ERROR_HEADER = "Agent-Sandbox-Broker-Error"
@@ -975,6 +977,7 @@ class BrokerApp:
         return sandbox_id, namespace, int(raw_port), timeout
 
     async def _data_plane(self, request: Request, send: Send) -> None:
+        _check_method(request)
         sandbox_id, namespace, port, timeout = self._router_headers(request)
         if any(ord(c) < 0x20 or ord(c) == 0x7F for c in request.url.path):
             raise ApiError(
@@ -1052,16 +1055,10 @@ class BrokerApp:
             (k, v)
             for k, v in request.headers.raw
             if k.decode("latin-1").lower() not in _HOP_BY_HOP
-            and k.lower() not in (b"authorization", b"host", b"cookie")
+            and k.lower() not in (b"authorization", b"host", b"cookie", b"content-length")
             and not k.lower().startswith(b"x-sandbox-")
         ]
-        has_body = request.method not in ("GET", "HEAD", "DELETE", "OPTIONS")
-
-        async def body() -> AsyncIterator[bytes]:
-            async for chunk in request.stream():
-                if chunk:
-                    yield chunk
-
+        content = _forwarded_body(request, headers)
         if record.deleted:  # terminated since the checks above
             raise ApiError(409, "terminating", f"sandbox {record.name!r} is being deleted")
         client = self._router_client(record)
@@ -1069,7 +1066,7 @@ class BrokerApp:
             request.method,
             url,
             headers=headers,
-            content=body() if has_body else None,
+            content=content,
             timeout=httpx.Timeout(connect=5.0, read=read_timeout, write=300.0, pool=10.0),
         )
         is_execute = request.method == "POST" and target.path in ("/execute", "/commands")
@@ -1187,6 +1184,51 @@ def _origin_form(scope: Scope) -> bytes:
             "the request target has a fragment ('#') or a non-ASCII byte; percent-encode them",
         )
     return target
+
+
+def _check_method(request: Request) -> None:
+    """What the router forwards is what was checked: the method is in upper case (HTTP
+    methods are case-sensitive, RFC 9110 section 9.1, and the router's HTTP client sends
+    ``post`` as ``POST``, which would run as a method other than the one checked and counted),
+    and a method without a body (``GET``, ``HEAD``, ``DELETE``, ``OPTIONS``) carries none."""
+    method = request.method
+    shown = method if len(method) <= 20 else method[:17] + "..."
+    if method != method.upper():
+        raise ApiError(
+            400,
+            "invalid_method",
+            f"the request method {shown!r} is not in upper case: HTTP methods are "
+            f"case-sensitive (RFC 9110, section 9.1); send {shown.upper()!r}",
+        )
+    length = request.headers.get("content-length", "0").strip()
+    if method in _BODYLESS and ("transfer-encoding" in request.headers or length != "0"):
+        raise ApiError(
+            400,
+            "invalid_request",
+            f"a {method} request to a sandbox carries no body (it would not be forwarded); "
+            "send it without one (no Content-Length other than 0, no Transfer-Encoding)",
+        )
+
+
+def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) -> Any:
+    """The body the router forwards, framed by the router, never by the client's own framing
+    headers (``headers``: the forwarded ones, without them): none for a method without a body;
+    a client's chunked body is sent chunked; a body the client sent with a ``Content-Length``
+    (which the server read it by) with that length; no framing at all: empty."""
+    if request.method in _BODYLESS:
+        return None
+    if "transfer-encoding" not in request.headers:
+        length = request.headers.get("content-length")
+        if length is None:
+            return b""
+        headers.append((b"content-length", str(int(length)).encode()))
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in request.stream():
+            if chunk:
+                yield chunk
+
+    return body()
 
 
 def _normal_target(scope: Scope) -> Target:

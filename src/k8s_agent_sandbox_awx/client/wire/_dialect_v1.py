@@ -260,6 +260,7 @@ _HINTS: dict[str, str] = {
     "invalid_path": "Use a path relative to the sandbox root.",
     "path_not_normalized": "Send the request path resolved (no '.', '..' or empty segments, "
     "no '\\' or ';', percent-encoding only in a file path or the query), as the SDK builds it.",
+    "invalid_method": "Send the HTTP method in upper case (POST, not post), as the SDK does.",
     "token_missing": "No token reached the broker; run `agent-sandbox-awx doctor`.",
     "token_malformed": "The token is not a valid JWT; check the token source with "
     "`agent-sandbox-awx doctor`.",
