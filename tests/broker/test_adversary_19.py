@@ -129,11 +129,6 @@ def test_a_body_framed_differently_is_no_500_and_no_traceback(
 # -- a lone surrogate: a refusal, not a broken runtime answer and a ghost command -----------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: a lone surrogate in argv/envs raises UnicodeEncodeError in Popen after "
-    "the command is registered: 502, and a 'running' command without a process forever",
-)
 @pytest.mark.parametrize("where", ["argv", "envs"])
 def test_a_lone_surrogate_is_refused_and_leaves_no_ghost_command(alice: Any, where: str) -> None:
     """JSON can carry ``"\\ud800"``; the runtime must refuse it (400, like a NUL byte), not die
@@ -157,11 +152,6 @@ def test_a_lone_surrogate_is_refused_and_leaves_no_ghost_command(alice: Any, whe
 # -- item 5: a command's cwd under a replaced root ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: _managed._host_cwd joins the root's start-time path: cwd='/workspace' "
-    "follows a /workspace replaced by a link (the file API refuses it: root_replaced)",
-)
 def test_a_command_cwd_never_follows_a_replaced_root(alice: Any, tmp_path: Path) -> None:
     sandbox = alice.ready()
     outside = tmp_path / "outside"

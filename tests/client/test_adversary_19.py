@@ -79,11 +79,6 @@ def test_a_trickling_control_plane_never_holds_the_call(
 # -- items 11/12: text a sandbox cannot carry is refused before sending ---------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: a lone surrogate is JSON-escaped and sent; the runtime's encode fails in "
-    "its answer: BrokerUnavailableError (502 sandbox_unreachable, 'create a new sandbox')",
-)
 @pytest.mark.parametrize("where", ["argv", "envs", "stdin"])
 def test_a_lone_surrogate_is_refused_before_sending(broker: Any, where: str) -> None:
     """A ``str`` can hold a lone surrogate (``os.fsdecode`` of odd bytes, ``errors=

@@ -38,6 +38,25 @@ def test_argv_rules() -> None:
         cf.command_argv(["ls", 1], None)  # type: ignore[list-item]
 
 
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda: cf.StartPlan.make("echo \ud800", 5), "The command"),
+        (lambda: cf.StartPlan.make("echo \udcff", 5, shell=False), "The command"),
+        (lambda: cf.StartPlan.make(["echo", "\udc80"], 5), "Argument 1"),
+        (lambda: cf.StartPlan.make("true", 5, envs={"\ud800": "v"}), "The name of the envs"),
+        (lambda: cf.StartPlan.make("true", 5, envs={"A": "\ud800"}), "The value of the envs"),
+        (lambda: cf.StartPlan.make("true", 5, cwd="/app/\ud800"), "cwd"),
+        (lambda: cf.send_stdin(TARGET, "c1", "\ud800", False), "The stdin data"),
+    ],
+)
+def test_text_utf8_cannot_carry_is_refused_before_sending(make: Any, named: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        make()
+    assert str(refused.value).startswith(named), refused.value
+    assert "lone surrogate" in str(refused.value) and "UTF-8" in str(refused.value)
+
+
 def test_the_start_body_has_a_fresh_request_id_and_is_never_retried() -> None:
     one = cf.StartPlan.make("true", 5, envs={"A": "b"}, cwd="/tmp")
     two = cf.StartPlan.make("true", 5)

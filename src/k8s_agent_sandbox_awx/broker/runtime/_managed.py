@@ -79,6 +79,8 @@ KILL_WAIT_SECONDS = 10.0
 DRAIN_SECONDS = 2.0
 FOLLOWER_GRACE_SECONDS = 5.0
 _ENV_NAME = re.compile(r"^[^=\x00]+$")
+INVALID_TEXT = "invalid_text"
+"""The code of a refusal of text UTF-8 cannot carry (argv, envs, cwd, stdin data)."""
 _REQUEST_FIELDS = frozenset({"command", "timeout", "request_id", "stdin", "envs", "cwd"})
 _STDIN_FIELDS = frozenset({"data", "eof"})
 
@@ -93,9 +95,61 @@ def _host_cwd(cwd: str, base_dir: str) -> str:
         return cwd
     try:
         target = _fs.check_path(cwd, base_dir, "cwd")
-    except _fs.FsError as exc:
-        raise CommandError(400, f"field 'cwd': {exc.detail}") from None
+        # a root replaced (by a link, another directory) is refused, as the file API does
+        target.roots.check(target.root, cwd)
+    except _fs.FsError as exc:  # its detail names sandbox paths only, never host ones
+        raise CommandError(exc.status, f"field 'cwd': {exc.detail}", code=exc.code) from None
     return os.path.join(target.root_dir, *target.parts)
+
+
+def _argv(argv: Any) -> list[str]:
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        argv = None
+    if argv is None or not argv[0]:
+        raise CommandError(
+            400,
+            "field 'command' must be a non-empty list of strings (the argv; to use a shell "
+            'send ["/bin/bash", "-c", "..."])',
+        )
+    if any("\x00" in a for a in argv):
+        raise CommandError(400, "field 'command' contains a NUL byte, which argv cannot carry")
+    checked: list[str] = argv
+    for arg in checked:
+        _check_text("command", arg)
+    return checked
+
+
+def _envs(envs: Any) -> dict[str, str]:
+    if not isinstance(envs, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in envs.items()
+    ):
+        raise CommandError(400, "field 'envs' must be an object of string values")
+    for key, value in envs.items():
+        if not _ENV_NAME.match(key) or "\x00" in value:
+            raise CommandError(
+                400,
+                f"field 'envs': {key!r} is not a valid variable (a name is non-empty, without "
+                "'=' or NUL; a value without NUL)",
+            )
+        _check_text("envs", key)
+        _check_text("envs", value)
+    return envs
+
+
+def _check_text(name: str, text: str) -> None:
+    """Refuse text UTF-8 cannot carry (a lone surrogate: JSON can escape one, ``"\\ud800"``),
+    before anything is registered or started: ``400`` with code ``invalid_text``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise CommandError(
+            400,
+            f"field {name!r} holds text that is not valid Unicode (a lone surrogate, "
+            f"{bad!r}), which UTF-8, and so an argv, an environment or a stdin, cannot carry; "
+            "send valid text (decode bytes with errors='replace', or send them as base64)",
+            code=INVALID_TEXT,
+        ) from None
 
 
 class CommandError(Exception):
@@ -537,21 +591,27 @@ class CommandManager:
             raise CommandError(
                 400, f"unknown field(s) {unknown}: the fields are {sorted(_REQUEST_FIELDS)}"
             )
-        argv = body.get("command")
-        if (
-            not isinstance(argv, list)
-            or not argv
-            or not all(isinstance(a, str) for a in argv)
-            or not argv[0]
+        argv = _argv(body.get("command"))
+        timeout = self._timeout(body.get("timeout"))
+        request_id = body.get("request_id")
+        if request_id is not None and (
+            not isinstance(request_id, str) or not 0 < len(request_id) <= 255
         ):
-            raise CommandError(
-                400,
-                "field 'command' must be a non-empty list of strings (the argv; to use a shell "
-                'send ["/bin/bash", "-c", "..."])',
-            )
-        if any("\x00" in a for a in argv):
-            raise CommandError(400, "field 'command' contains a NUL byte, which argv cannot carry")
-        timeout = body.get("timeout")
+            raise CommandError(400, "field 'request_id' must be a string of 1 to 255 characters")
+        stdin = body.get("stdin", False)
+        if not isinstance(stdin, bool):
+            raise CommandError(400, "field 'stdin' must be true or false")
+        envs = _envs(body.get("envs") or {})
+        return {
+            "command": argv,
+            "timeout": timeout,
+            "request_id": request_id,
+            "stdin": stdin,
+            "envs": envs,
+            "cwd": self._cwd(body.get("cwd")),
+        }
+
+    def _timeout(self, timeout: Any) -> float:
         if timeout is None:
             timeout = self.limits.default_timeout
         max_timeout = self.limits.max_timeout
@@ -565,41 +625,18 @@ class CommandManager:
                 f"field 'timeout' must be a number of seconds above 0 and at most {max_timeout:g} "
                 "(this runtime's SANDBOX_EXEC_TIMEOUT_SECONDS)",
             )
-        request_id = body.get("request_id")
-        if request_id is not None and (
-            not isinstance(request_id, str) or not 0 < len(request_id) <= 255
-        ):
-            raise CommandError(400, "field 'request_id' must be a string of 1 to 255 characters")
-        stdin = body.get("stdin", False)
-        if not isinstance(stdin, bool):
-            raise CommandError(400, "field 'stdin' must be true or false")
-        envs = body.get("envs") or {}
-        if not isinstance(envs, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in envs.items()
-        ):
-            raise CommandError(400, "field 'envs' must be an object of string values")
-        for key, value in envs.items():
-            if not _ENV_NAME.match(key) or "\x00" in value:
-                raise CommandError(
-                    400,
-                    f"field 'envs': {key!r} is not a valid variable (a name is non-empty, without "
-                    "'=' or NUL; a value without NUL)",
-                )
-        cwd = body.get("cwd")
+        return float(timeout)
+
+    def _cwd(self, cwd: Any) -> str:
         if cwd is None:
-            cwd = self.base_dir
-        elif not isinstance(cwd, str) or not cwd.startswith("/") or "\x00" in cwd:
+            return self.base_dir
+        if not isinstance(cwd, str) or not cwd.startswith("/") or "\x00" in cwd:
             raise CommandError(400, f"field 'cwd' must be an absolute path, not {cwd!r}")
-        elif not os.path.isdir(cwd := _host_cwd(cwd, self.base_dir)):
+        _check_text("cwd", cwd)
+        host = _host_cwd(cwd, self.base_dir)
+        if not os.path.isdir(host):
             raise CommandError(400, f"field 'cwd': {cwd!r} is not an existing directory")
-        return {
-            "command": argv,
-            "timeout": float(timeout),
-            "request_id": request_id,
-            "stdin": stdin,
-            "envs": envs,
-            "cwd": cwd,
-        }
+        return host
 
     def start(self, body: dict[str, Any]) -> Command:
         request = self._parse(body)
@@ -656,10 +693,14 @@ class CommandManager:
                 stderr=subprocess.PIPE,
                 start_new_session=True,
             )
-        except OSError as exc:  # not found / not executable: a result, as a shell reports it
+        except (OSError, ValueError) as exc:
+            # not found / not executable (126, 127: a result, as a shell reports it), or what
+            # _parse did not foresee (1): never a command left running without a process
             code = 126 if isinstance(exc, PermissionError) else 127
+            code = 1 if isinstance(exc, ValueError) else code
             with command.cond:
-                reason = f"cannot start {command.argv[0]!r}: {exc.strerror or exc}\n"
+                why = (exc.strerror if isinstance(exc, OSError) else None) or exc
+                reason = f"cannot start {command.argv[0]!r}: {why}\n"
                 command.append("stderr", reason, len(reason.encode()), self.limits)
                 self._finish(command, code, "exited")
             return
@@ -877,6 +918,7 @@ class CommandManager:
         eof = body.get("eof", False)
         if not isinstance(data, str) or not isinstance(eof, bool):
             raise CommandError(400, "field 'data' must be a string and 'eof' true or false")
+        _check_text("data", data)
         if not command.stdin_requested:
             raise CommandError(
                 409, 'the command was started without stdin; start it with "stdin": true'

@@ -130,6 +130,7 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
     if isinstance(command, str):
         if "\0" in command:
             raise ValueError("The command contains a NUL byte (\\0); remove it.")
+        check_text("The command", command)
         if not command.strip():
             raise ValueError("The command is empty; pass the command to run, e.g. 'echo hi'.")
         if shell is False:
@@ -151,9 +152,24 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
             raise TypeError(f"Argument {index} of the command is {type(arg).__name__}, not str.")
         if "\0" in arg:
             raise ValueError(f"Argument {index} of the command contains a NUL byte; remove it.")
+        check_text(f"Argument {index} of the command", arg)
     if not argv or not argv[0]:
         raise ValueError("The command is empty; pass the program and its arguments, e.g. ['ls'].")
     return argv
+
+
+def check_text(what: str, text: str) -> None:
+    """Refuse text that UTF-8, and so the wire, an argv, an environment or a stdin, cannot
+    carry: a lone surrogate (``os.fsdecode`` of bytes that are not UTF-8, ``"\\ud800"``),
+    before anything is sent. ``what`` names the argument."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} holds a lone surrogate ({text[exc.start : exc.end]!r} at index "
+            f"{exc.start}), which UTF-8 cannot carry, so the sandbox could not receive it; pass "
+            "valid text (decode bytes with errors='replace', or send them as base64)."
+        ) from None
 
 
 def _split(command: str) -> list[str]:
@@ -187,6 +203,8 @@ def _check_envs(envs: Mapping[str, str] | None) -> dict[str, str] | None:
                 f"envs has an invalid variable {key!r}: names are non-empty without '=' or NUL, "
                 "values without NUL."
             )
+        check_text(f"The name of the envs variable {key!r}", key)
+        check_text(f"The value of the envs variable {key!r}", value)
         out[key] = value
     return out
 
@@ -198,6 +216,7 @@ def _check_cwd(cwd: str | None) -> str | None:
         raise ValueError(
             f"cwd must be an absolute path inside the sandbox (e.g. '/app'), got {cwd!r}."
         )
+    check_text("cwd", cwd)
     return cwd
 
 
@@ -748,6 +767,7 @@ def send_stdin(target: dp.DataTarget, command_id: str, data: str | bytes, eof: b
             ) from exc
     if not isinstance(data, str):
         raise TypeError(f"stdin data must be str or bytes, got {type(data).__name__}.")
+    check_text("The stdin data (send_stdin's data)", data)
     spec = dp.command_stdin(target, command_id, data, eof)  # refuses a body over the limit
     return Call(spec, _ignore, fail=dp.stdin_refusal(spec))
 
