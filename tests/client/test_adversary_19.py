@@ -44,11 +44,6 @@ def _options(broker: Any, **extra: str) -> dict[str, Any]:
 # -- item 10: the keepalive never delays a call by more than one short attempt --------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: KEEPALIVE_TIMEOUT is httpx's per-read timeout: an extension answered a "
-    "byte per second holds the data-plane call for the whole answer (10 s here)",
-)
 def test_a_trickling_control_plane_never_holds_the_call(
     files_broker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
