@@ -202,12 +202,6 @@ def _alive(pid: int) -> bool:
         return fh.read().split(") ", 1)[1][0] != "Z"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: the broker answers a start whose runtime connection broke after it was "
-    "sent '502 sandbox_unreachable'; _unanswered() takes every answer with a status for a "
-    "refusal, so the command is neither looked up by its request_id nor killed, and no note",
-)
 @pytest.mark.parametrize("background", [False, True])
 def test_a_start_lost_after_it_was_sent_is_found_and_killed(
     lossy_broker: LocalBroker, monkeypatch: pytest.MonkeyPatch, background: bool

@@ -344,6 +344,47 @@ def test_a_start_that_was_answered_or_never_sent_is_not_looked_up(refusal: Excep
     assert sent == ["POST /commands"]
 
 
+def _start_failing_with(error: Exception) -> list[str]:
+    """What a foreground run sends when its start fails with ``error`` (no command listed)."""
+    sent: list[str] = []
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, (cf.Call, cf.OpenEvents)):
+            sent.append(f"{step.spec.method} {step.spec.path}")
+        if isinstance(step, cf.Call) and step.spec.method == "GET":
+            return []
+        if isinstance(step, cf.NextEvent):
+            raise error
+        return None
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    with pytest.raises(type(error)):
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures()), perform)
+    return sent
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        BrokerUnavailableError("lost", status_code=502, code="sandbox_answer_lost"),
+        BrokerUnavailableError("stalled", status_code=504, code="sandbox_timeout"),
+        BrokerUnavailableError("a deployed /rpc broker's plain-text 502", status_code=502),
+        BrokerUnavailableError("a proxy's 504", status_code=504),
+    ],
+    ids=["broker: answer lost", "broker: timeout", "502 without a code", "504 without a code"],
+)
+def test_a_start_the_broker_lost_after_sending_it_is_looked_up(lost: Exception) -> None:
+    """The broker's 502/504 saying its connection to the runtime broke or stalled after the
+    start was sent (or a 502/504 without a code, which cannot tell): the command may run, so
+    it is looked up by its request id, as after a connection of the client's own broke."""
+    assert _start_failing_with(lost) == ["POST /commands", "GET /commands"]
+
+
+def test_a_start_the_broker_could_not_send_is_not_looked_up() -> None:
+    unreachable = BrokerUnavailableError("no", status_code=502, code="sandbox_unreachable")
+    assert _start_failing_with(unreachable) == ["POST /commands"]
+
+
 @pytest.mark.parametrize(
     "first",
     [{"type": "heartbeat", "seq": 0, "data": ""}, None, BrokerProtocolError("not JSON")],

@@ -1091,29 +1091,35 @@ class BrokerApp:
         read_timeout: float,
     ) -> httpx.Response:
         """Send ``upstream`` to ``record``'s runtime (counted if ``is_execute``); its answer
-        streams. A failure before the answer starts is the broker's 502 or 504."""
+        streams. A failure before the answer starts is the broker's 502 or 504, whose code
+        says whether the request may have reached the sandbox: ``sandbox_unreachable`` (no
+        connection: nothing was sent, nothing counted), ``sandbox_answer_lost`` (the
+        connection broke after the request was sent) or ``sandbox_timeout`` (sent, no answer
+        in time)."""
         if is_execute:
             record.executions += 1
         try:
             return await client.send(upstream, stream=True)
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             if is_execute:
                 record.executions -= 1
+            how = "" if isinstance(exc, httpx.ConnectError) else " (timed out)"
             raise ApiError(
-                502, "sandbox_unreachable", f"cannot connect to sandbox {record.name!r}"
+                502, "sandbox_unreachable", f"cannot connect to sandbox {record.name!r}{how}"
             ) from None
         except httpx.TimeoutException:
             raise ApiError(
                 504,
                 "sandbox_timeout",
                 f"sandbox {record.name!r} did not answer within {read_timeout:g} s "
-                "(X-Sandbox-Timeout)",
+                "(X-Sandbox-Timeout); the request may have reached it",
             ) from None
         except httpx.HTTPError as exc:
             raise ApiError(
                 502,
-                "sandbox_unreachable",
-                f"the connection to sandbox {record.name!r} failed: {type(exc).__name__}",
+                "sandbox_answer_lost",
+                f"the connection to sandbox {record.name!r} broke after the request was sent "
+                f"({type(exc).__name__}): the request may have reached the sandbox",
             ) from None
 
     async def _relay(

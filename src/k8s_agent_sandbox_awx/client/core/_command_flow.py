@@ -505,12 +505,21 @@ def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFea
     return command_id
 
 
+_LOST_CODES = frozenset({"sandbox_answer_lost", "sandbox_timeout"})
+"""The broker's codes of a 502/504 that may have reached the runtime (sent, then the connection
+to the sandbox broke or stalled); its ``sandbox_unreachable`` says nothing was sent."""
+
+
 def _unanswered(exc: BaseException) -> bool:
     """Whether a start may have reached the runtime without its answer being read: an
-    interruption (Ctrl-C, a cancelled task) or a connection that broke or stalled after the
-    request was sent. Not an answer (the runtime, or the broker, refused it: nothing ran),
-    nor a request that was never sent, nor an error of the caller's own (a callback's)."""
+    interruption (Ctrl-C, a cancelled task), a connection that broke or stalled after the
+    request was sent, or the broker's 502/504 saying that its own connection to the runtime
+    did (a code of :data:`_LOST_CODES`, or no code: a deployed ``/rpc`` broker or a proxy,
+    which cannot tell). Not a refusal (the runtime or the broker refused it: nothing ran), nor
+    a request that was never sent, nor an error of the caller's own (a callback's)."""
     if isinstance(exc, errors.BrokerError):
+        if exc.status_code in (502, 504):
+            return exc.code is None or exc.code in _LOST_CODES
         return exc.status_code is None and exc.request_sent
     return not isinstance(exc, Exception | GeneratorExit)
 

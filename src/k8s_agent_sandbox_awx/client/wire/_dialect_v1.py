@@ -303,6 +303,8 @@ _HINTS: dict[str, str] = {
     "rate_limited": "Too many requests; retry later.",
     "sandbox_unreachable": "The broker could not reach the sandbox runtime; retry later or "
     "create a new sandbox.",
+    "sandbox_answer_lost": "The request may have reached the sandbox (a command may run): it is "
+    "retried only if it is idempotent; check the sandbox's state (commands.list()).",
     "unavailable": "The broker or the sandbox is temporarily unavailable; retry later.",
     "sandbox_timeout": "The sandbox runtime did not answer in time; retry, or allow more time.",
 }
