@@ -189,12 +189,6 @@ CHATTY = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: a follower that reads everything but always continues from after=0 pins "
-    "the window at 0 while it holds; backpressure then stops the command for as long as it "
-    "keeps doing so",
-)
 def test_a_reader_replaying_from_the_start_does_not_hold_the_command(
     broker: LocalBroker, alice: Any
 ) -> None:
