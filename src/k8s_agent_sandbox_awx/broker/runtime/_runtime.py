@@ -518,8 +518,6 @@ def _kill_children(keep: Container[int] = ()) -> None:
 
 
 def fork_server() -> int:
-    import selectors
-
     parent = int(os.environ.get(PARENT_PID_ENV) or os.getppid())
     _set_pdeathsig()
     if os.getppid() != parent:
@@ -527,59 +525,104 @@ def fork_server() -> int:
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     with contextlib.suppress(ImportError):  # warm for the children's first upload
         import python_multipart.multipart  # noqa: F401
-    supervisors: dict[int, tuple[int, Any]] = {}  # supervisor pid -> (runtime pid, request id)
-    # a supervisor reports its runtime's pid (or why it could not start it) on a pipe, read
-    # here without blocking so that the next fork need not wait: report fd -> (supervisor pid,
-    # request id, data so far); and the exit codes of supervisors reaped before their report
-    starting: dict[int, tuple[int, Any, bytes]] = {}
-    early: dict[int, int] = {}
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
-    selector = selectors.DefaultSelector()
-    selector.register(0, selectors.EVENT_READ)
-    selector.register(wake_r, selectors.EVENT_READ)
-    pending = b""
+    server = _ForkServerLoop(parent)
+    try:
+        server.serve()
+    except (_Stop, BrokenPipeError):
+        pass
+    finally:
+        server.stop_all()
+    return 0
 
+
+class _ForkServerLoop:
+    """The fork server's loop (see above): requests on stdin, replies on stdout."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self.supervisors: dict[int, tuple[int, Any]] = {}  # pid -> (runtime pid, request id)
+        # a supervisor reports its runtime's pid (or why it could not start it) on a pipe,
+        # read here without blocking so that the next fork need not wait: report fd ->
+        # (supervisor pid, request id, data so far); and the exit codes of supervisors reaped
+        # before their report
+        self.starting: dict[int, tuple[int, Any, bytes]] = {}
+        self.early: dict[int, int] = {}
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(signal.SIGINT, _raise_stop)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(0, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        self.pending = b""
+
+    def serve(self) -> None:
+        while True:
+            events = self.selector.select(timeout=0.5)
+            if os.getppid() != self.parent:
+                return
+            for key, _ in events:
+                if key.fd == self.wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self.wake_r, 4096):
+                            pass
+                elif key.fd in self.starting:
+                    self.read_report(key.fd)
+                else:
+                    self.read_requests()
+            self.reap()
+
+    def read_requests(self) -> None:
+        data = os.read(0, 65536)
+        if not data:
+            raise _Stop
+        self.pending += data
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            self.spawn(json.loads(line))
+
+    @staticmethod
     def reply(message: dict[str, Any]) -> None:
         data = json.dumps(message).encode() + b"\n"
         while data:
             data = data[os.write(1, data) :]
 
-    def spawn(request: dict[str, Any]) -> None:
+    def spawn(self, request: dict[str, Any]) -> None:
         try:
-            supervisor, report = _fork_supervisor(request, (wake_r, wake_w, *starting))
+            supervisor, report = _fork_supervisor(
+                request, (self.wake_r, self.wake_w, *self.starting)
+            )
         except OSError as exc:
-            reply({"id": request.get("id"), "error": f"fork failed: {exc}"})
+            self.reply({"id": request.get("id"), "error": f"fork failed: {exc}"})
             return
-        starting[report] = (supervisor, request.get("id"), b"")
-        selector.register(report, selectors.EVENT_READ)
+        self.starting[report] = (supervisor, request.get("id"), b"")
+        self.selector.register(report, selectors.EVENT_READ)
 
-    def read_report(fd: int) -> None:
-        supervisor, ident, data = starting[fd]
+    def read_report(self, fd: int) -> None:
+        supervisor, ident, data = self.starting[fd]
         chunk = os.read(fd, 65536)
         if chunk:
-            starting[fd] = (supervisor, ident, data + chunk)
+            self.starting[fd] = (supervisor, ident, data + chunk)
             return
-        del starting[fd]
-        selector.unregister(fd)
+        del self.starting[fd]
+        self.selector.unregister(fd)
         os.close(fd)
         started = json.loads(data) if data else {"error": "the sandbox supervisor exited early"}
-        reply({"id": ident, **started})
+        self.reply({"id": ident, **started})
         if "pid" not in started:
-            early.pop(supervisor, None)
-        elif supervisor in early:  # the runtime has already ended, and its supervisor too
-            reply({"exited": started["pid"], "id": ident, "status": early.pop(supervisor)})
+            self.early.pop(supervisor, None)
+        elif supervisor in self.early:  # the runtime has already ended, and its supervisor too
+            status = self.early.pop(supervisor)
+            self.reply({"exited": started["pid"], "id": ident, "status": status})
         else:
-            supervisors[supervisor] = (int(started["pid"]), ident)
+            self.supervisors[supervisor] = (int(started["pid"]), ident)
 
-    def reap() -> None:
+    def reap(self) -> None:
         orphans = False
-        reporting = {entry[0] for entry in starting.values()}
+        reporting = {entry[0] for entry in self.starting.values()}
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -588,42 +631,19 @@ def fork_server() -> int:
             if pid == 0:
                 break
             code = os.waitstatus_to_exitcode(status)
-            runtime = supervisors.pop(pid, None)
+            runtime = self.supervisors.pop(pid, None)
             if runtime is not None:
-                reply({"exited": runtime[0], "id": runtime[1], "status": code})
+                self.reply({"exited": runtime[0], "id": runtime[1], "status": code})
             elif pid in reporting:
-                early[pid] = code
+                self.early[pid] = code
             # not a supervisor (an orphan), or a supervisor killed before it could clean up
             orphans = orphans or (runtime is None and pid not in reporting) or code < 0
         if orphans:  # only a dead supervisor's processes come to us: kill them all
-            _kill_children(keep={*supervisors, *reporting})
+            _kill_children(keep={*self.supervisors, *reporting})
 
-    try:
-        while True:
-            events = selector.select(timeout=0.5)
-            if os.getppid() != parent:
-                break
-            for key, _ in events:
-                if key.fd == wake_r:
-                    with contextlib.suppress(BlockingIOError):
-                        while os.read(wake_r, 4096):
-                            pass
-                elif key.fd in starting:
-                    read_report(key.fd)
-                else:
-                    data = os.read(0, 65536)
-                    if not data:
-                        raise _Stop
-                    pending += data
-                    while b"\n" in pending:
-                        line, pending = pending.split(b"\n", 1)
-                        spawn(json.loads(line))
-            reap()
-    except (_Stop, BrokenPipeError):
-        pass
-    finally:
+    def stop_all(self) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        alive = {*supervisors, *(entry[0] for entry in starting.values())}
+        alive = {*self.supervisors, *(entry[0] for entry in self.starting.values())}
         for pid in alive:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)  # each stops its runtime and kills what is left
@@ -636,7 +656,6 @@ def fork_server() -> int:
                     continue
             time.sleep(0.01)
         _kill_children()
-    return 0
 
 
 def _fork_supervisor(request: dict[str, Any], close_fds: tuple[int, ...]) -> tuple[int, int]:
