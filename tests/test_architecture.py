@@ -20,7 +20,7 @@ MAX_FUNCTION_LINES = 60
 CREDENTIALS = {"credentials", "hookspecs"}
 """The credential framework: the ``credentials`` package and the hook specifications (at the top
 level, where plugin authors import them)."""
-SHARED = {"_driver", "_upstream", "_version"}
+SHARED = {"_driver", "_upstream", "_urls", "_version"}
 """What both halves may use: the one driver, the upstream boundary, the version."""
 LOCAL_STACK = {"broker", "testing"}
 """The local broker stack (the broker, its runtime and backends; LocalBroker, the test kits)."""
@@ -167,7 +167,10 @@ def test_credentials_never_import_the_client() -> None:
 
 def test_core_never_imports_testing() -> None:
     graph = _graph(_core_modules())
-    allowed = {"cli._local"}  # the dev/demo commands (the pytest fixture is in testing/)
+    allowed = {
+        "cli._local",  # the dev/demo commands (the pytest fixture is in testing/)
+        "cli._broker",  # broker check/serve: the broker's configuration and server
+    }
     importers = {
         name for name, deps in graph.items() if any(in_group(d, LOCAL_STACK) for d in deps)
     }
@@ -186,7 +189,12 @@ LAYERS: dict[str, set[str]] = {
     "broker.runtime": set(),
     "broker.identity": {"shared"},
     "broker.backends": {"shared", "broker.runtime"},
-    "broker": {"shared", "broker.runtime", "broker.identity", "broker.backends"},
+    "broker.config": {"shared", "broker.identity"},  # the scopes' names
+    "broker.server": {"shared", "broker.config"},
+    "broker": {
+        *("shared", "broker.runtime", "broker.identity", "broker.backends"),
+        *("broker.config", "broker.server"),
+    },
     "testing": {
         *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
         *("client", "broker.runtime", "broker.identity", "broker.backends", "broker"),
@@ -194,6 +202,7 @@ LAYERS: dict[str, set[str]] = {
     "cli": {
         *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
         *("client", "testing"),  # testing: the dev/demo commands run the local broker
+        *("broker.config", "broker.server", "broker"),  # broker check/serve
     },
     "api": {"shared"},  # the top-level __init__: its other names are imported on first use
 }
