@@ -65,7 +65,7 @@ def test_a_missing_cwd_under_a_root_names_the_sandbox_path_only(
     assert refused.status_code == 400, refused.text
     detail = refused.json()["detail"]
     assert "/workspace/no/such/dir" in detail, detail
-    handle = broker._require_app().sandboxes[sandbox["name"]].handle
+    handle = broker._require_store().sandboxes[sandbox["name"]].handle
     assert handle is not None
     host_root = str(Path(handle.base_dir).parent)  # the sandbox's folder on this host
     assert host_root not in detail, detail

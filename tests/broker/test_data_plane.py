@@ -287,7 +287,7 @@ def test_request_target_cannot_redirect_the_forward(
     marker = "tenant-b-secret-" + os.urandom(8).hex()
     written = bob.run(theirs, f"python3 -c \"open('secret.txt', 'w').write('{marker}')\"")
     assert written.json()["exit_code"] == 0, written.text
-    handle = broker._require_app().sandboxes[theirs["name"]].handle
+    handle = broker._require_store().sandboxes[theirs["name"]].handle
     assert handle is not None
     headers = {"Authorization": f"Bearer {alice.token}", **alice.data_headers(mine)}
     for port in (handle.port, canary.getsockname()[1]):

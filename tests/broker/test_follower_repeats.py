@@ -2,7 +2,7 @@
 a raw client that read every stream to its end and asked for ``after=0`` again pinned the live
 window at 0, and backpressure then stopped the command for as long as it did so).
 
-The runtime's follower bookkeeping (``_managed.Command.follow``/``unfollow``), in this process:
+The runtime's follower bookkeeping (``_command.Command.follow``/``unfollow``), in this process:
 a reader may come back with the cursor its previous stream continued from (that stream's
 events were lost on the way) twice in a row and still hold the command; the next such request
 does not hold (it neither makes the command wait nor pins the window beyond its bound: what it
@@ -13,13 +13,13 @@ tests/broker/test_managed_commands.py (overlapping followers lose nothing).
 
 from __future__ import annotations
 
-from k8s_agent_sandbox_awx.broker.runtime import _managed
+from k8s_agent_sandbox_awx.broker.runtime import _command as _cmd
 
-GRACE = _managed.FOLLOWER_GRACE_SECONDS
+GRACE = _cmd.FOLLOWER_GRACE_SECONDS
 
 
-def _command() -> _managed.Command:
-    return _managed.Command(
+def _command() -> _cmd.Command:
+    return _cmd.Command(
         command_id="c1",
         request_id=None,
         request={},
@@ -31,7 +31,7 @@ def _command() -> _managed.Command:
     )
 
 
-def _streams(command: _managed.Command, ranges: list[tuple[int, int]]) -> list[bool]:
+def _streams(command: _cmd.Command, ranges: list[tuple[int, int]]) -> list[bool]:
     """Whether each stream holds, for streams continuing from ``after`` that were sent up to
     ``sent`` (one after the other: each ends before the next request)."""
     holds = []
@@ -45,7 +45,7 @@ def _streams(command: _managed.Command, ranges: list[tuple[int, int]]) -> list[b
 
 
 def test_a_reader_that_never_moves_its_cursor_stops_holding() -> None:
-    assert _managed.REPEATS_THAT_HOLD == 2
+    assert _cmd.REPEATS_THAT_HOLD == 2
     assert _streams(_command(), [(0, 10)] * 5) == [True, True, True, False, False]
 
 
@@ -61,7 +61,7 @@ def test_a_stream_that_sent_nothing_is_no_repeat() -> None:
 
 
 def test_a_follower_that_does_not_hold_never_makes_the_command_wait() -> None:
-    limits = _managed.Limits(output_bytes=10, window_bytes=100, unacked_bytes=1000)
+    limits = _cmd.Limits(output_bytes=10, window_bytes=100, unacked_bytes=1000)
     command = _command()
     _streams(command, [(0, 1)] * 3)
     with command.cond:

@@ -47,7 +47,7 @@ def _options(broker: Any, **extra: str) -> dict[str, Any]:
 def test_a_trickling_control_plane_never_holds_the_call(
     files_broker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = files_broker._require_app()
+    app = files_broker._require_app().v1
     extend = app._extend
 
     async def trickle(*args: Any) -> Any:
@@ -210,7 +210,7 @@ def test_a_start_lost_after_it_was_sent_is_found_and_killed(
         monkeypatch.delenv(name)
     monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
     with Sandbox.create(template="lossy", timeout=60, **_options(lossy_broker)) as sb:
-        record = lossy_broker._require_app().sandboxes[sb.name]
+        record = lossy_broker._require_store().sandboxes[sb.name]
         assert record.handle is not None
         with pytest.raises(BrokerError) as lost:
             sb.commands.run("sleep 60", background=background, timeout=60)

@@ -146,7 +146,7 @@ class Script:
             return value
         elif isinstance(step, cf.Emit):
             self.emitted.append(step.event)
-        elif isinstance(step, cf.Pause):
+        elif isinstance(step, cf.Sleep):
             self.pauses.append(step.seconds)
         else:
             raise AssertionError(step)

@@ -51,7 +51,7 @@ def _deadline(broker: Any, name: str) -> float:
 def test_an_async_call_waits_for_a_trickling_extension_two_seconds_at_most(
     files_broker: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    app = files_broker._require_app()
+    app = files_broker._require_app().v1
     extend = app._extend
 
     async def main() -> float:
@@ -73,7 +73,7 @@ def test_an_async_call_waits_for_a_trickling_extension_two_seconds_at_most(
 def test_after_a_trickled_extension_the_next_opportunity_extends(
     files_broker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = files_broker._require_app()
+    app = files_broker._require_app().v1
     extend = app._extend
     with Sandbox.create(timeout=30, keepalive=100, **_options(files_broker)) as sb:
         monkeypatch.setattr(app, "_extend", _trickling(extend))

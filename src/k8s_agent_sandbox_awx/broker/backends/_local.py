@@ -1,9 +1,9 @@
 """The local backend: each sandbox's runtime is a host process.
 
-:class:`LocalProcessBackend` (a :class:`~._interface.SandboxBackend`) starts one process per
+:class:`LocalProcessBackend` (a :class:`~._runtimes.SandboxBackend`) starts one process per
 sandbox from a command line template, so any server that speaks the legacy python-runtime
 protocol can be plugged in, under a supervisor that kills every process the sandbox started when
-the runtime ends (see ``_runtime.fork_server``).
+the runtime ends (see ``runtime._forkserver``).
 
 NO ISOLATION: local runtimes and the commands they run are ordinary host processes.
 """
@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 
 from ..runtime import _tree
-from ..runtime._runtime import PARENT_PID_ENV
-from ._interface import RuntimeHandle, RuntimeStartError, SandboxSpec
+from ..runtime._process import PARENT_PID_ENV
+from ._runtimes import RuntimeHandle, RuntimeStartError, SandboxSpec
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 
@@ -166,7 +166,7 @@ def _free_port(host: str) -> int:
 
 
 class _ForkServer:
-    """Client side of the runtime's fork server (see ``_runtime.fork_server``).
+    """Client side of the runtime's fork server (see ``runtime._forkserver``).
 
     A runtime is known by the id of the request that started it (``spawn``'s first value),
     never by its pid: the fork server reports an exit with that id, and a pid can be used again
@@ -317,7 +317,7 @@ class LocalProcessBackend:
 
     Every runtime runs under a supervisor of its sandbox (Linux: a child subreaper) that kills
     every process the sandbox started when the runtime exits, is killed or is stopped, and the
-    supervisors run under a fork server (see ``_runtime.fork_server``).
+    supervisors run under a fork server (see ``runtime._forkserver``).
 
     ``fork_server``: ``True`` (default where the platform can fork): one warm fork server for all
     sandboxes; the built-in runtime (the default command) is forked from it instead of starting
@@ -427,7 +427,7 @@ class LocalProcessBackend:
         port: int,
         port_file: str | None,
     ) -> dict[str, Any]:
-        """What the fork server is asked to start for ``spec`` (see ``_runtime.fork_server``)."""
+        """What the fork server is asked to start for ``spec`` (see ``runtime._forkserver``)."""
         base_dir = os.path.join(root, "work")
         env = {
             **_inherited_environment(),

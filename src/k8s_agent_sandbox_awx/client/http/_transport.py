@@ -16,28 +16,30 @@ from typing import Any, TypeVar
 
 import httpx
 
-from ..._driver import Steps, drive
+from ..._driver import drive
 from ...credentials._auth import CredentialSource
 from ...errors import BrokerError, SandboxFailedError
 from ..core._retry import RetryPolicy
+from ..core._steps import Op
 from ..wire import _protocol as proto
 from ..wire._dataplane import DownloadMeter
-from ..wire._dialect import Dialect
+from ..wire._dialects import BrokerDialect
 from ._config import BrokerConnectionConfig
 from ._exchange import (
     CHUNK_SIZE,
     CappedBody,
     Close,
+    ExchangeStep,
     GetCredential,
     Read,
     ReadError,
     Send,
     Sleep,
-    Step,
     TransportBase,
     UploadBody,
     Within,
     client_settings,
+    only_call,
 )
 
 __all__ = ["BrokerTransport", "UploadStream"]
@@ -93,14 +95,14 @@ class BrokerTransport(TransportBase):
         self,
         config: BrokerConnectionConfig,
         auth: CredentialSource,
-        dialect: Dialect,
+        speaking: BrokerDialect,
         *,
         http_transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
         retry: RetryPolicy | None = None,
     ) -> None:
         client = httpx.Client(transport=http_transport, **client_settings(config))
-        super().__init__(config, auth, dialect, client, retry)
+        super().__init__(config, auth, speaking, client, retry)
         self._http = client
         self._sleep = sleep
         self._within = threading.Lock()  # held while a Within's helper thread runs
@@ -108,7 +110,7 @@ class BrokerTransport(TransportBase):
     def close(self) -> None:
         self._http.close()
 
-    def perform(self, step: Step) -> Any:
+    def perform(self, step: ExchangeStep) -> Any:
         """Perform one I/O step of an exchange."""
         match step:
             case Send(request):
@@ -152,7 +154,7 @@ class BrokerTransport(TransportBase):
         except concurrent.futures.TimeoutError:
             raise step.late() from None
 
-    def _perform_by(self, step: Step, deadline: float) -> Any:
+    def _perform_by(self, step: ExchangeStep, deadline: float) -> Any:
         """:meth:`perform`, reading an answer's body no longer than until ``deadline``."""
         if isinstance(step, Read | ReadError):
             step.response.stream = _UntilDeadline(step.response.stream, deadline)
@@ -188,12 +190,12 @@ class BrokerTransport(TransportBase):
         result: T = drive(self.call_steps(call, sent), self.perform)
         return result
 
-    def run(self, op: Steps[proto.Call[Any], T]) -> T:
-        """Run an operation of ``_flow`` (a generator of calls) to its result; an error it
-        builds from an answer never shows a token its requests carried."""
+    def run(self, op: Op[T]) -> T:
+        """Run an operation whose steps are calls (``_flow``, ``_fsapi``) to its result; an
+        error it builds from an answer never shows a token its requests carried."""
         sent: list[str] = []
         try:
-            return drive(op, lambda call: self.call(call, sent))
+            return drive(op, lambda step: self.call(only_call(step), sent))
         except (BrokerError, SandboxFailedError) as exc:
             proto.redact_sent(exc, sent)
             raise

@@ -239,16 +239,6 @@ def parse_whoami(reply: Reply, spec: RequestSpec) -> dict[str, Any]:
     return result
 
 
-def created_name(body: bytes) -> str | None:
-    """The sandbox name in a create answer that did not parse as a Sandbox object, if any."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    name = obj.get("name") if isinstance(obj, dict) else None
-    return name if isinstance(name, str) and name else None
-
-
 # --------------------------------------------------------------------------------------------
 # Error mapping
 
@@ -488,9 +478,6 @@ class V1Dialect(Dialect):
 
     def parse_created(self, reply: Reply, spec: RequestSpec) -> SandboxInfo:
         return parse_sandbox(parse_json(reply.content, spec.what), spec.what)
-
-    def created_name(self, body: bytes) -> str | None:
-        return created_name(body)
 
     def get(self, name: str) -> Call[SandboxInfo]:
         return _sandbox_of(get(name))
