@@ -72,7 +72,7 @@ class BrokerApp:
         self.claims = Claims(backend, policies)
         self.v1 = V1(self.claims, self.gate)
         self.rpc = Rpc(self.claims, self.gate)
-        self.forward = Forward(backend, self.gate)
+        self.forward = Forward(backend, self.gate, policies)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

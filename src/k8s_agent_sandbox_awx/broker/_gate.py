@@ -21,7 +21,7 @@ from starlette.types import Scope
 from ._errors import ApiError
 from ._metadata import DNS_LABEL
 from ._target import CODE as TARGET_CODE
-from ._target import NonNormalTarget, Target, checked_target
+from ._target import NonNormalTarget, Target, checked_target, port_target
 from .backends._interface import RUNTIME_PORT
 from .identity._policy import Caller
 from .identity._rejection import TokenRejected
@@ -71,11 +71,19 @@ class DataRequest:
     timeout: float
     target: Target
 
+    @property
+    def port_request(self) -> bool:
+        """A request to a port of the user's own (not the runtime's: docs/broker-api.md,
+        "Ports"): its target is forwarded as sent (:func:`._target.port_target`)."""
+        return self.port != RUNTIME_PORT
+
 
 def data_request(request: Request) -> DataRequest:
     """The router headers (X-Sandbox-ID, -Namespace, -Port, -Timeout) and the target of a
     data-plane request, checked (400 naming the header or the rule); its method too
-    (:func:`_check_method`)."""
+    (:func:`_check_method`). The target of a request to the runtime's port is in normal form
+    (:func:`._target.checked_target`); a port request's is forwarded as sent
+    (:func:`._target.port_target`)."""
     _check_method(request)
     sandbox_id, namespace, port, timeout = _router_headers(request)
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in request.url.path):
@@ -84,7 +92,8 @@ def data_request(request: Request) -> DataRequest:
         )
     # The one target every decision is made on, and the bytes that are forwarded.
     try:
-        target = checked_target(origin_form(request.scope))
+        check = port_target if port != RUNTIME_PORT else checked_target
+        target = check(origin_form(request.scope))
     except NonNormalTarget as exc:
         raise ApiError(400, TARGET_CODE, exc.detail) from None
     return DataRequest(sandbox_id, namespace, port, timeout, target)

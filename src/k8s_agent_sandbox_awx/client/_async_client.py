@@ -36,6 +36,7 @@ from ._base import (
     make_client,
     timeout_seconds,
 )
+from ._ports import AsyncPorts
 from .core import _flow as flow
 from .core import _options as opts
 from .http._async_transport import AsyncBrokerTransport
@@ -247,6 +248,14 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         parts = self._commands_class(transport, target), AsyncFiles(transport, target)
         super().__init__(client, info, target, *parts, owns_client)
+
+    @property
+    def ports(self) -> AsyncPorts:
+        """The sandbox's own servers on its ports, through the broker: ``client(port)``,
+        ``url(port, path)``, ``forward(port)`` and ``get_host(port)`` (docs/client.md,
+        "Ports")."""
+        self._check_active()
+        return AsyncPorts(self)
 
     async def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""

@@ -27,6 +27,7 @@ from ._base import (
 )
 from ._commands import CommandHandle, Commands
 from ._files import Files
+from ._ports import Ports
 from .core import _flow as flow
 from .core import _options as opts
 from .http._config import BrokerConnectionConfig
@@ -268,6 +269,14 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         commands, files = self._commands_class(transport, target), Files(transport, target)
         super().__init__(client, info, target, commands, files, owns_client)
+
+    @property
+    def ports(self) -> Ports:
+        """The sandbox's own servers on its ports, through the broker: ``client(port)``,
+        ``url(port, path)``, ``forward(port)`` and ``get_host(port)`` (docs/client.md,
+        "Ports")."""
+        self._check_active()
+        return Ports(self)
 
     def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""
