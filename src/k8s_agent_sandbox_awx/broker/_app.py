@@ -24,6 +24,7 @@ from ._forward import Forward
 from ._gate import Gate, origin_form
 from ._rpc import Rpc
 from ._v1 import V1
+from ._websocket import WebSocketForward
 from .backends._interface import Backend
 from .identity._issuer import PublishedIssuer
 from .identity._rules import PolicySource
@@ -73,8 +74,12 @@ class BrokerApp:
         self.v1 = V1(self.claims, self.gate)
         self.rpc = Rpc(self.claims, self.gate)
         self.forward = Forward(backend, self.gate, policies)
+        self.websocket = WebSocketForward(self.forward)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             return
         request = Request(scope, receive)
@@ -97,6 +102,14 @@ class BrokerApp:
         except ClientDisconnect:
             return
         await response(scope, receive, send)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket handshake: proxied to a sandbox's port if it is a data-plane one
+        (:mod:`._websocket`), else refused (no control-plane route takes WebSockets)."""
+        if plane_of(scope, self.protocols) == "data":
+            await self.websocket.handle(scope, receive, send)
+            return
+        await send({"type": "websocket.close", "code": 1008})
 
     def _no_route(self, method: str, path: str) -> ApiError:
         served = " and ".join(

@@ -15,12 +15,17 @@ from typing import Any
 
 import httpx
 from starlette.datastructures import Headers
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.types import Send
 
 from ._errors import ApiError
 from ._gate import BODYLESS, DataRequest, Gate, data_request
-from ._ports import check_port_allowed, log_port_request, not_listening
+from ._ports import (
+    check_port_allowed,
+    log_port_request,
+    not_listening,
+    refuse_unsupported_upgrade,
+)
 from ._relay import HOP_BY_HOP, Deleting, Relay, answer_headers
 from ._target import CODE as TARGET_CODE
 from .backends._interface import READY, Backend, ClaimGone, ClaimState, Route, Unroutable
@@ -68,6 +73,7 @@ class Forward:
 
     async def handle(self, request: Request, send: Send) -> None:
         """Forward one data-plane request (it carries X-Sandbox-ID) and relay the answer."""
+        refuse_unsupported_upgrade(request.headers)
         data = data_request(request)
         caller = await self.gate.authenticate(request)
         state = await self._ready_sandbox(request, caller, data)
@@ -80,7 +86,7 @@ class Forward:
         await self._forward(request, send, state, route, data)
 
     async def _ready_sandbox(
-        self, request: Request, caller: Caller, data: DataRequest
+        self, request: HTTPConnection, caller: Caller, data: DataRequest
     ) -> ClaimState:
         """The Ready sandbox ``data`` names, if it is the caller's and may serve the request."""
         sandbox_id = data.sandbox_id
@@ -130,13 +136,7 @@ class Forward:
                 f"the request path {target.path!r} is not in normal form: the router would "
                 "send it changed",
             )
-        headers = [
-            (k, v)
-            for k, v in request.headers.raw
-            if k.decode("latin-1").lower() not in HOP_BY_HOP
-            and k.lower() not in _NOT_FORWARDED
-            and not k.lower().startswith(b"x-sandbox-")
-        ]
+        headers = forwarded_headers(request.headers.raw)
         headers.extend(route.headers)
         content = _forwarded_body(request, headers)
         upstream = route.client.build_request(
@@ -167,6 +167,18 @@ class Forward:
             return state is None or state.ending
 
         return deleting
+
+
+def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The caller's headers the router forwards: none of one hop, none of
+    :data:`_NOT_FORWARDED` (the caller's credentials among them), no router header."""
+    return [
+        (k, v)
+        for k, v in raw
+        if k.decode("latin-1").lower() not in HOP_BY_HOP
+        and k.lower() not in _NOT_FORWARDED
+        and not k.lower().startswith(b"x-sandbox-")
+    ]
 
 
 def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) -> Any:

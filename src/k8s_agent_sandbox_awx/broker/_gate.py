@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.types import Scope
 
 from ._errors import ApiError
@@ -123,7 +123,7 @@ def _check_method(request: Request) -> None:
         )
 
 
-def _router_headers(request: Request) -> tuple[str, str, int, float]:
+def _router_headers(request: HTTPConnection) -> tuple[str, str, int, float]:
     headers = request.headers
     sandbox_id = headers.get("x-sandbox-id", "")
     if len(sandbox_id) > 63 or not DNS_LABEL.match(sandbox_id):
@@ -169,7 +169,7 @@ class Gate:
     def __init__(self, verifier: TokenVerifier[Any]) -> None:
         self.verifier = verifier
 
-    async def authenticate(self, request: Request) -> Caller:
+    async def authenticate(self, request: HTTPConnection) -> Caller:
         """The caller of ``request``, as its token proves it; 401 otherwise."""
         try:
             caller, _ = await self.verifier.verify(request.headers.get("authorization"))

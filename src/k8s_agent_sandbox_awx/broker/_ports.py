@@ -15,7 +15,10 @@ owner, claim binding, Ready), and besides:
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+
+from starlette.datastructures import Headers
 
 from ._errors import ApiError
 from .backends._interface import ClaimState
@@ -69,3 +72,19 @@ def log_port_request(name: str, port: int, method: str, path: str) -> None:
     """One line per port request (never a header: no token can reach the log)."""
     shown = path if len(path) <= 120 else path[:117] + "..."
     log.info("sandbox %s: port %d request %s %s", name, port, method, shown)
+
+
+def ws_protocol() -> str:
+    """uvicorn's ``ws=`` setting: WebSockets when ``websockets`` is installed, else none."""
+    return "websockets-sansio" if importlib.util.find_spec("websockets") else "none"
+
+
+def refuse_unsupported_upgrade(headers: Headers) -> None:
+    """A WebSocket handshake the server passed on as a plain request (no ``websockets``)."""
+    if "websocket" in headers.get("upgrade", "").lower():
+        raise ApiError(
+            501,
+            "websocket_unsupported",
+            "this broker cannot accept WebSocket upgrades: its server lacks the 'websockets' "
+            "library (install the broker with its [broker] extra)",
+        )

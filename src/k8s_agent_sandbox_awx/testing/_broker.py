@@ -27,6 +27,7 @@ import trustme
 import uvicorn
 
 from ..broker._app import PROTOCOLS, BrokerApp
+from ..broker._ports import ws_protocol
 from ..broker._relay import install_log_filter
 from ..broker._rpc import DEFAULT_WARM_POOL
 from ..broker._v1 import sandbox_json
@@ -196,7 +197,7 @@ class LocalBroker:
             access_log=False,
             lifespan="off",
             http="h11",
-            ws="none",
+            ws=ws_protocol(),
             loop="asyncio",
             server_header=False,
             timeout_graceful_shutdown=2,

@@ -25,6 +25,7 @@ from typing import Any, Final
 
 import uvicorn
 
+from .._ports import ws_protocol
 from ..config import ServerSettings
 from ._probes import ASGIApp, ReadinessCheck, with_probes
 from ._tls import ReloadingCertificate
@@ -158,7 +159,7 @@ def _uvicorn_config(app: ASGIApp, settings: ServerSettings) -> uvicorn.Config:
         access_log=settings.access_log,  # uvicorn's access log (issue 22: JSON lines)
         lifespan="auto",
         http="h11",
-        ws="none",
+        ws=ws_protocol(),
         loop="asyncio",
         server_header=False,
         proxy_headers=False,  # the client address is the peer's: no forwarded header trusted
