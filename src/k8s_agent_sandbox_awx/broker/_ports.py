@@ -15,7 +15,6 @@ owner, claim binding, Ready), and besides:
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 from starlette.datastructures import Headers
@@ -24,6 +23,16 @@ from ._errors import ApiError
 from .backends._interface import ClaimState
 from .identity._policy import Caller
 from .identity._rules import PolicyDenied, PolicySource
+from .server._ws import ws_protocol
+
+__all__ = [
+    "PORT_SCOPE",
+    "check_port_allowed",
+    "log_port_request",
+    "not_listening",
+    "refuse_unsupported_upgrade",
+    "ws_protocol",
+]
 
 PORT_SCOPE = "commands"
 """The scope a port request needs (see the module docstring)."""
@@ -72,11 +81,6 @@ def log_port_request(name: str, port: int, method: str, path: str) -> None:
     """One line per port request (never a header: no token can reach the log)."""
     shown = path if len(path) <= 120 else path[:117] + "..."
     log.info("sandbox %s: port %d request %s %s", name, port, method, shown)
-
-
-def ws_protocol() -> str:
-    """uvicorn's ``ws=`` setting: WebSockets when ``websockets`` is installed, else none."""
-    return "websockets-sansio" if importlib.util.find_spec("websockets") else "none"
 
 
 def refuse_unsupported_upgrade(headers: Headers) -> None:

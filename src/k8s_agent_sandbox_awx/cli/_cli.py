@@ -20,6 +20,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _port_forward
+
 if TYPE_CHECKING:
     from ..client._client import BrokerSandboxClient
 
@@ -132,6 +134,7 @@ def _subcommands(sub: Any) -> None:
     p.add_argument("seconds", type=_seconds(positive=True), metavar="SECONDS")
     _files_subcommands(sub.add_parser("files", help="the files of a sandbox: ls, get, put, rm"))
     _broker_subcommands(sub.add_parser("broker", help="the broker server: check, serve"))
+    _port_forward.add_parser(sub)
     for name, text in (
         ("dev", "run a local broker (needs the [local] extra)"),
         ("demo", "run a demo against a local broker (needs the [local] extra)"),
@@ -294,6 +297,10 @@ def _cmd_extend(args: argparse.Namespace) -> int:
         capped = " (cut at the policy's cap)" if lifetime.capped else ""
         print(f"{info.name}: expires at {info.expires_at} (in {_left(info)}){capped}")
     return 0
+
+
+def _cmd_port_forward(args: argparse.Namespace) -> int:
+    return _port_forward.run(args, _client)
 
 
 def _cmd_files(args: argparse.Namespace) -> int:
@@ -638,6 +645,7 @@ def _main(argv: Sequence[str] | None) -> int:
             "extend": _cmd_extend,
             "files": _cmd_files,
             "broker": _cmd_broker,
+            "port-forward": _cmd_port_forward,
         }[args.command]
     try:
         if handler is None:

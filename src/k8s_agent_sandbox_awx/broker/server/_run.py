@@ -25,10 +25,10 @@ from typing import Any, Final
 
 import uvicorn
 
-from .._ports import ws_protocol
 from ..config import ServerSettings
 from ._probes import ASGIApp, ReadinessCheck, with_probes
 from ._tls import ReloadingCertificate
+from ._ws import ws_protocol
 
 __all__ = ["ListenError", "ServedApp", "bind", "run_server", "serve"]
 
