@@ -58,7 +58,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             return None
         headers = [[k, v] for k, v in self.headers.items()]
-        return self._json(200, {"method": "GET", "path": self.path, "headers": headers})
+        answer = {"method": "GET", "path": self.path, "headers": headers}
+        return self._json(200, {**answer, "peer": list(self.client_address)})
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))

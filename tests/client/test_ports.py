@@ -81,6 +81,17 @@ def test_client_reaches_the_server_without_the_token(sandbox: Any, app_port: int
     assert answer.json()["path"] == "/headers"
 
 
+def test_each_request_reaches_the_server_on_a_connection_of_its_own(
+    sandbox: Any, app_port: int
+) -> None:
+    """No kept-alive connection to a user's server: a restarted server fails no request, and
+    one that answers in several writes without TCP_NODELAY (this one, like ``python -m
+    http.server``) does not stall 40 ms per request (Nagle against delayed ACKs)."""
+    with sandbox.ports.client(app_port) as client:
+        peers = [tuple(client.get("/headers").json()["peer"]) for _ in range(3)]
+    assert len(set(peers)) == 3
+
+
 def test_client_streams_a_chunked_answer(sandbox: Any, app_port: int) -> None:
     arrived: list[float] = []
     with (

@@ -482,7 +482,11 @@ class LocalBackend:
                 follow_redirects=False,
                 trust_env=False,
                 timeout=httpx.Timeout(connect=5.0, read=DATA_PLANE_TIMEOUT, write=300.0, pool=10.0),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+                # a connection per request: a user's server is not ours to keep connections
+                # to (restarted, it would fail the next request), and one that answers in
+                # several writes without TCP_NODELAY (python -m http.server) stalls 40 ms per
+                # request on a kept-alive connection (Nagle against delayed ACKs)
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
                 cookies=NoCookies(),
             )
         return Route("127.0.0.1", port, record.ports_http)
