@@ -14,10 +14,19 @@ from typing import Any
 
 import pytest
 
-from tests._support import brokers, echoes, memory, programs, servers
+from tests._support import brokers, echoes, memory, programs, servers, workers
 from tests._support.echoes import TokenEcho
 from tests._support.programs import LoggingServer, LongStream
 from tests._support.servers import RecordingProxy, RecordingServer
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers.use_private_tmpdir()  # under xdist: each worker its own TMPDIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    workers.remove_private_tmpdir()
+
 
 # ------------------------------------------------------------------------------ local brokers
 
