@@ -28,6 +28,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     workers.remove_private_tmpdir()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return workers.make_scheduler(config, log)  # --dist loadgroup: tests/kube on one worker
+
+
 # ------------------------------------------------------------------------------ local brokers
 
 

@@ -8,7 +8,6 @@ it): then every test that needs the server errors, naming what is missing.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -21,17 +20,6 @@ from tests._support.kube import (
     find_kube_tools,
     kube_required,
 )
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist (``--dist loadgroup``) every test that needs the API server runs on one
-    worker: one server per worker would cost ~4.5 s to start and ~380 MB each."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    here = Path(__file__).parent
-    for item in items:
-        if "kube" in getattr(item, "fixturenames", ()) and here in item.path.parents:
-            item.add_marker(pytest.mark.xdist_group("kube"))
 
 
 @pytest.fixture(scope="session")
