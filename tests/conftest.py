@@ -28,6 +28,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     workers.remove_private_tmpdir()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    workers.slow_first(items)  # under xdist: the slow tests are handed out first
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return workers.make_scheduler(config, log)  # --dist loadgroup: tests/kube on one worker

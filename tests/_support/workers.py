@@ -16,11 +16,18 @@ import shutil
 import tempfile
 from typing import Any
 
-ONE_WORKER = ("tests/kube/",)
-"""Test paths whose tests all run on one worker under ``--dist loadgroup``: the Kubernetes
-tests share ONE API server per process (~4.5 s to start and ~380 MB each)."""
+GROUPS = {
+    "tests/kube/": "kube",
+    "tests/client/test_large_files.py": "large-files",
+    "tests/client/test_async_large_files.py": "large-files",
+}
+"""Test path -> group: under ``--dist loadgroup`` a group's tests run on one worker, one after
+the other. The Kubernetes tests share ONE API server per process (~4.5 s to start and ~380 MB
+each); the 2 GiB round trips each keep a core busy, and three at once only slow each other
+(and every other worker) down."""
 
 _ENV = "AGENT_SANDBOX_TEST_WORKER_TMPDIR"
+_MADE: list[str] = []  # the directory this process made (a child pytest inherits only _ENV)
 
 
 def worker_name() -> str | None:
@@ -37,28 +44,40 @@ def use_private_tmpdir() -> None:
     path = tempfile.mkdtemp(prefix=f"awx-tests-{worker}-")
     os.environ["TMPDIR"] = os.environ[_ENV] = path
     tempfile.tempdir = path
+    _MADE.append(path)
 
 
 def remove_private_tmpdir() -> None:
-    """Remove the worker's directory (what its tests left: they check their own clean-up)."""
-    path = os.environ.pop(_ENV, None)
-    if path is not None:
+    """Remove the worker's directory (what its tests left: they check their own clean-up), in
+    the process that made it only: a pytest that a test runs inherits the variables, not it."""
+    while _MADE:
         with contextlib.suppress(Exception):  # a tree too deep for rmtree is left to the OS
-            shutil.rmtree(path)
+            shutil.rmtree(_MADE.pop())
 
 
 def make_scheduler(config: Any, log: Any) -> Any:
-    """Under ``--dist loadgroup``: xdist's load scheduling, with every test under
-    ``ONE_WORKER`` in one work unit (one worker), the biggest unit first, so the Kubernetes
-    tests start early. Other modes: None (xdist's own). xdist's loadgroup itself reads its
-    groups from a suffix it appends to node ids, which pytest 9.2 no longer lets a plugin
-    change (xdist 3.8 then splits every group): the group here is by path instead."""
+    """Under ``--dist loadgroup``: xdist's load scheduling, with each group of ``GROUPS`` one
+    work unit (one worker), the biggest units first (the Kubernetes tests start early), then
+    every other test in collection order (``slow_first``). Other modes: None (xdist's own).
+    xdist's loadgroup itself reads its groups from a suffix it appends to node ids, which
+    pytest 9.2 no longer lets a plugin change (xdist 3.8 then splits every group): the group
+    here is by path instead."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class PathGroups(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return "one-worker" if nodeid.startswith(ONE_WORKER) else nodeid
+            for prefix, group in GROUPS.items():
+                if nodeid.startswith(prefix):
+                    return group
+            return nodeid
 
     return PathGroups(config, log)
+
+
+def slow_first(items: list[Any]) -> None:
+    """In an xdist worker: the tests marked ``slow`` first (in place, otherwise in order), so
+    the longest tests do not start last and hold the end of the run."""
+    if worker_name() is not None:
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -209,6 +209,7 @@ CHATTY = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     reason="adversary: a follower that reads everything but always continues from after=0 pins "

@@ -44,6 +44,7 @@ def _options(broker: Any, **extra: str) -> dict[str, Any]:
 # -- item 10: the keepalive never delays a call by more than one short attempt --------------------
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     reason="adversary: KEEPALIVE_TIMEOUT is httpx's per-read timeout: an extension answered a "

@@ -160,6 +160,7 @@ def test_cancelling_a_foreground_run_kills_the_process_group(
     run(main())
 
 
+@pytest.mark.slow
 def test_a_run_whose_kill_cannot_be_delivered_says_the_command_may_still_run(
     broker: Any,
 ) -> None:
@@ -330,6 +331,7 @@ class StreamRequests:
             raise
 
 
+@pytest.mark.slow
 def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeats_nothing(
     broker: Any, long_stream: Any, mid_line_drops: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

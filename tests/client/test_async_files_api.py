@@ -157,5 +157,6 @@ async def _lifetime(broker: Any, dialect: str) -> None:
         await idle.kill()
 
 
+@pytest.mark.slow
 def test_lifetime_set_timeout_and_keepalive(files_broker: Any, dialect: str) -> None:
     asyncio.run(_lifetime(files_broker, dialect))

@@ -217,6 +217,7 @@ def test_an_interrupted_foreground_run_kills_the_process_group(
     assert process_gone(pids[0])  # the background child of the shell too: the whole group
 
 
+@pytest.mark.slow
 def test_a_run_whose_kill_cannot_be_delivered_says_the_command_may_still_run(
     broker: Any, sandbox: Sandbox
 ) -> None:
@@ -459,6 +460,7 @@ class StreamRequests:
             raise
 
 
+@pytest.mark.slow
 def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeats_nothing(
     broker: Any,
     sandbox: Sandbox,

@@ -215,6 +215,7 @@ def test_watch_dir_closes_cleanly_and_ends_at_its_timeout(files_broker: Any) -> 
             sb.files.watch_dir("quiet", timeout=0)
 
 
+@pytest.mark.slow
 def test_watch_dir_reconnects_and_loses_no_change(
     files_broker: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
