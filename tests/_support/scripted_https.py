@@ -32,13 +32,15 @@ class Seen:
 class Reply:
     """``status`` and a JSON ``body``; ``mode``: ``"answer"``, ``"drop"`` (close the
     connection without answering), ``"stall"`` (send the status line and headers of a chunked
-    answer, then ``chunks``, then nothing until the client leaves)."""
+    answer, then ``chunks``, then nothing until the client leaves); ``delay``: seconds to wait
+    (without blocking the loop) before any of it."""
 
     status: int = 200
     body: Any = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     mode: str = "answer"
     chunks: tuple[bytes, ...] = ()
+    delay: float = 0.0
 
 
 def status(code: int, reason: str, message: str = "") -> Reply:
@@ -84,6 +86,8 @@ class ScriptedHTTPS:
             while (seen := await self._read(reader)) is not None:
                 self.requests.append(seen)
                 reply = self.answer(seen)
+                if reply.delay:
+                    await asyncio.sleep(reply.delay)
                 if reply.mode == "drop":
                     return
                 if reply.mode == "stall":

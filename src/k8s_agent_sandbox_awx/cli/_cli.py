@@ -1,5 +1,5 @@
-"""``agent-sandbox-awx``: whoami, doctor, run, ls, kill, extend, files (and dev/demo from the
-[local] extra).
+"""``agent-sandbox-awx``: whoami, doctor, run, ls, kill, extend, files, broker (check, serve)
+(and dev/demo from the [local] extra).
 
 Imports are deferred to the subcommand that needs them, so ``--help`` and ``--version`` are
 fast and never fail for a missing optional dependency. Errors print ``agent-sandbox-awx: error:``
@@ -131,12 +131,23 @@ def _subcommands(sub: Any) -> None:
     p.add_argument("name", metavar="NAME")
     p.add_argument("seconds", type=_seconds(positive=True), metavar="SECONDS")
     _files_subcommands(sub.add_parser("files", help="the files of a sandbox: ls, get, put, rm"))
+    _broker_subcommands(sub.add_parser("broker", help="the broker server: check, serve"))
     for name, text in (
         ("dev", "run a local broker (needs the [local] extra)"),
         ("demo", "run a demo against a local broker (needs the [local] extra)"),
     ):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def _broker_subcommands(broker: argparse.ArgumentParser) -> None:
+    sub = broker.add_subparsers(dest="broker_command", metavar="ACTION", required=True)
+    for name, text in (
+        ("check", "validate a configuration file; print the effective configuration"),
+        ("serve", "run the broker with a configuration file (needs the [broker] extra)"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", required=True, metavar="FILE", help="the TOML file")
 
 
 def _files_subcommands(files: argparse.ArgumentParser) -> None:
@@ -559,6 +570,12 @@ def _cmd_local(name: str, argv: list[str]) -> int:
     return int(function(argv))
 
 
+def _cmd_broker(args: argparse.Namespace) -> int:
+    from ._broker import broker_main
+
+    return broker_main(args.broker_command, args.config)
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from ..client.http._config import BrokerConnectionConfig
     from ._doctor import run_doctor
@@ -620,6 +637,7 @@ def _main(argv: Sequence[str] | None) -> int:
             "kill": _cmd_kill,
             "extend": _cmd_extend,
             "files": _cmd_files,
+            "broker": _cmd_broker,
         }[args.command]
     try:
         if handler is None:

@@ -31,8 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit
 
+from .. import _urls
 from ._credential import Credential
 from ._credential_errors import (
     AudienceMismatchError,
@@ -77,7 +77,6 @@ caller's stack depth and nothing that shows the claims can exceed Python's recur
 
 _B64URL = re.compile(r"[A-Za-z0-9_-]*")
 _JWT_LIKE = re.compile(r"eyJ[A-Za-z0-9_=+/-]*\.[A-Za-z0-9_=+/-]*\.[A-Za-z0-9_=+/-]*")
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,35 +110,10 @@ def normalise_url(url: str) -> str:
 
     A trailing slash is ignored (``https://b.example/`` equals ``https://b.example``); the path is
     otherwise compared exactly and a query or fragment is kept. A string that is not an absolute
-    URL is only stripped of surrounding whitespace and one trailing slash.
+    URL is only stripped of surrounding whitespace and one trailing slash. (The one URL rule,
+    shared with the broker: ``k8s_agent_sandbox_awx._urls``.)
     """
-    return _normalise_url(url)
-
-
-@functools.lru_cache(maxsize=256)
-def _normalise_url(url: str) -> str:
-    text = url.strip()
-    try:
-        parts = urlsplit(text)
-        port = parts.port
-    except ValueError:
-        return text.rstrip("/")
-    if not parts.scheme or not parts.netloc or parts.hostname is None:
-        return text.rstrip("/")
-    scheme = parts.scheme.lower()
-    host = parts.hostname.lower()
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    netloc = host if port is None or port == _DEFAULT_PORTS.get(scheme) else f"{host}:{port}"
-    if parts.username is not None:
-        netloc = f"{parts.username}@{netloc}"
-    path = parts.path.rstrip("/")
-    result = f"{scheme}://{netloc}{path}"
-    if parts.query:
-        result += f"?{parts.query}"
-    if parts.fragment:
-        result += f"#{parts.fragment}"
-    return result
+    return _urls.normalise_url(url)
 
 
 def _b64_json(segment: str, what: str) -> dict[str, Any]:
@@ -217,7 +191,7 @@ def _decode_cached(token: str) -> DecodedToken:
         exp=exp,
         iat=iat,
         audiences=audiences,
-        normalised_audiences=frozenset(_normalise_url(a) for a in audiences),
+        normalised_audiences=frozenset(normalise_url(a) for a in audiences),
     )
 
 
@@ -313,7 +287,7 @@ def check_credential(credential: Credential, audience: str, now: float) -> Decod
             provider=provider,
             source=source,
         )
-    if _normalise_url(audience) not in decoded.normalised_audiences:
+    if normalise_url(audience) not in decoded.normalised_audiences:
         found = ", ".join(repr(a) for a in decoded.audiences) or "no 'aud' claim"
         raise AudienceMismatchError(
             f"The token from {_origin(provider, source)} is for {found}, not for the broker "

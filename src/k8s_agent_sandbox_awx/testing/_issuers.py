@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
@@ -12,6 +13,17 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from ..broker.identity._policy import Policy
+from ..broker.identity._providers import GITLAB_ATTRIBUTES, kubernetes_attributes
+from ..broker.identity._settings import ALLOWED_ALGORITHMS, IssuerSettings
+
+__all__ = [
+    "GITLAB_ATTRIBUTES",
+    "SUPPORTED_ALGORITHMS",
+    "AttributesRule",
+    "ClaimsRule",
+    "Issuer",
+    "kubernetes_attributes",
+]
 
 SUPPORTED_ALGORITHMS = ("RS256", "ES256")
 _REGISTERED = frozenset({"iss", "sub", "aud", "exp", "nbf", "iat", "jti"})
@@ -77,6 +89,19 @@ class Issuer:
 
     def __repr__(self) -> str:
         return f"Issuer(name={self.name!r}, url={self.url!r}, provider={self.provider!r})"
+
+    @functools.cached_property
+    def settings(self) -> IssuerSettings:
+        """How the broker verifies its tokens: discovery at its URL, the broker's audience
+        and skew, RS256/384/512, PS256/384/512 and ES256/384 (the local broker's allow-list),
+        an unknown kid refetched every time (tests rotate keys on purpose)."""
+        return IssuerSettings(
+            name=self.name,
+            url=self.url,
+            provider=self.provider,
+            algorithms=tuple(sorted(ALLOWED_ALGORITHMS - {"ES512", "EdDSA"})),  # as ever
+            jwks_min_refetch_seconds=0.0,
+        )
 
     # -- documents -------------------------------------------------------------------------
     @property
@@ -178,31 +203,3 @@ class Issuer:
             for name, value in claims.items()
             if name not in _REGISTERED and isinstance(value, str | int | float | bool)
         }
-
-
-def kubernetes_attributes(claims: Mapping[str, Any]) -> dict[str, Any]:
-    info = claims.get("kubernetes.io")
-    info = info if isinstance(info, dict) else {}
-    attributes: dict[str, Any] = {}
-    if isinstance(info.get("namespace"), str):
-        attributes["namespace"] = info["namespace"]
-    sa = info.get("serviceaccount")
-    if isinstance(sa, dict) and isinstance(sa.get("name"), str):
-        attributes["service_account"] = sa["name"]
-    pod = info.get("pod")
-    if isinstance(pod, dict) and isinstance(pod.get("name"), str):
-        attributes["pod"] = pod["name"]
-    return attributes
-
-
-GITLAB_ATTRIBUTES = (
-    "project_path",
-    "project_id",
-    "namespace_path",
-    "ref",
-    "ref_type",
-    "ref_protected",
-    "pipeline_id",
-    "job_id",
-    "user_login",
-)

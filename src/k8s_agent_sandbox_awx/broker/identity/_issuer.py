@@ -10,12 +10,13 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ._policy import Policy
+from ._settings import IssuerSettings
 
-__all__ = ["PublishedIssuer", "TrustedIssuer"]
+__all__ = ["PublishedIssuer", "TrustedIssuer", "VerifiableIssuer"]
 
 
-class TrustedIssuer(Protocol):
-    """An issuer whose tokens the broker accepts."""
+class VerifiableIssuer(Protocol):
+    """What the verifier needs of an issuer whose tokens the broker accepts."""
 
     @property
     def url(self) -> str:
@@ -28,12 +29,23 @@ class TrustedIssuer(Protocol):
         ...
 
     @property
-    def policy(self) -> Policy:
-        """The policy applied to its callers."""
+    def settings(self) -> IssuerSettings:
+        """How its tokens are verified (audiences, algorithms, skew, keys; see
+        ``IssuerSettings``)."""
         ...
 
     def attributes_from(self, claims: Mapping[str, Any]) -> dict[str, Any]:
         """The provider's key attributes of a verified token (stamped and shown by whoami)."""
+        ...
+
+
+class TrustedIssuer(VerifiableIssuer, Protocol):
+    """An issuer whose tokens the broker accepts, with the policy of its callers (the local
+    broker's; a configured broker finds the policy with ``PolicySet.policy_for``)."""
+
+    @property
+    def policy(self) -> Policy:
+        """The policy applied to its callers."""
         ...
 
 

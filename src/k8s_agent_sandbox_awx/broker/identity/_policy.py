@@ -45,6 +45,8 @@ class Caller:
     audience: str
     expires_at: int
     attributes: Mapping[str, Any] = field(default_factory=dict)
+    claims: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The verified token's claims (what policy rules match on; never shown or stamped)."""
 
     @property
     def key(self) -> tuple[str, str]:

@@ -1,8 +1,13 @@
-"""Token verification for the local broker: every rejection has a precise code and reason."""
+"""Token verification: every rejection has a precise code and reason.
+
+The same verifier serves the local broker (its issuers from ``testing``) and a configured
+broker (``ConfiguredIssuer``s from ``IssuerSettings``): each issuer's signature check or
+TokenReview is an ``IssuerTrust`` (``_trust``); the token's shape, the issuer, the claim rules
+and the verified-token memo are here.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hashlib
@@ -14,29 +19,16 @@ from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 import httpx
-import jwt
 
-from ._issuer import TrustedIssuer
+from ._issuer import VerifiableIssuer
 from ._policy import Caller
+from ._rejection import TokenRejected
+from ._rejection import short as _short
+from ._settings import ALLOWED_ALGORITHMS, IssuerSettings
+from ._tokenreview import TokenReviewer
+from ._trust import IssuerTrust
 
-ALLOWED_ALGORITHMS = frozenset(
-    {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384"}
-)
-
-
-class TokenRejected(Exception):
-    """A 401: ``code`` is one of the broker API's 401 codes; ``detail`` never holds the token."""
-
-    def __init__(self, code: str, detail: str) -> None:
-        super().__init__(f"{code}: {detail}")
-        self.code = code
-        self.detail = detail
-
-
-def _short(value: object, limit: int = 120) -> str:
-    """``repr(value)`` cut to ``limit`` characters (claims echoed in a reason stay readable)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+__all__ = ["ALLOWED_ALGORITHMS", "TokenRejected", "TokenVerifier", "VerifiedTokens"]
 
 
 def token_fingerprint(token: str) -> str:
@@ -57,6 +49,7 @@ def _b64json(segment: str, what: str) -> dict[str, Any]:
 
 
 T = TypeVar("T")
+I = TypeVar("I", bound=VerifiableIssuer)  # noqa: E741
 
 
 class VerifiedTokens(Generic[T]):
@@ -129,78 +122,93 @@ class VerifiedTokens(Generic[T]):
                 del self._entries[key]
 
 
-class TokenVerifier:
-    """Verifies bearer tokens against the trusted issuers' JWKS (fetched over HTTPS, cached)."""
+class TokenVerifier(Generic[I]):
+    """Verifies bearer tokens of the trusted issuers: each issuer's ``IssuerTrust`` (its JWKS,
+    fetched over HTTPS and cached, or TokenReview) and the claim rules with its settings.
+
+    ``audience`` (the broker's URL) and ``skew_seconds`` apply to an issuer whose settings give
+    none; ``http`` is a client factory every issuer's key fetches share (the local broker's),
+    else each issuer makes its own from its settings (``ca_file``, ``timeout_seconds``);
+    ``reviewer`` (the Kubernetes API client) serves ``tokenreview`` issuers."""
 
     def __init__(
         self,
         *,
         audience: str,
-        issuers: Callable[[], Mapping[str, TrustedIssuer]],
-        http: Callable[[], httpx.AsyncClient],
+        issuers: Callable[[], Mapping[str, I]],
+        http: Callable[[], httpx.AsyncClient] | None = None,
         skew_seconds: int = 30,
         max_token_bytes: int = 16 * 1024,
         is_revoked: Callable[[Mapping[str, Any], str], bool] | None = None,
         jwks_cache_seconds: float = 300.0,
+        reviewer: TokenReviewer | None = None,
     ) -> None:
         self.audience = audience
         self._issuers = issuers
         self._http = http
+        self._reviewer = reviewer
         self.skew = skew_seconds
         self.max_token_bytes = max_token_bytes
         self._is_revoked = is_revoked
-        self._cache_seconds = jwks_cache_seconds
-        self._jwks: dict[str, tuple[float, dict[str, jwt.PyJWK]]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self.jwks_fetches = 0
-        self.verified: VerifiedTokens[tuple[dict[str, Any], TrustedIssuer]] = VerifiedTokens(
+        self._trust: dict[str, tuple[I, IssuerTrust]] = {}
+        self._fetches_before = 0  # of the key sets replaced since (an issuer object changed)
+        self.verified: VerifiedTokens[tuple[dict[str, Any], I]] = VerifiedTokens(
             max_age=jwks_cache_seconds
         )
         self._forgotten = 0  # bumped by forget(): a verification begun before is not cached
 
+    @property
+    def jwks_fetches(self) -> int:
+        """Successful key fetches, over all issuers."""
+        return self._fetches_before + sum(
+            t.keys.refreshes for _, t in self._trust.values() if t.keys is not None
+        )
+
+    def trust_for(self, issuer: I) -> IssuerTrust:
+        """The run-time verification of ``issuer`` (made on first use)."""
+        entry = self._trust.get(issuer.url)
+        if entry is not None and entry[0] is issuer:
+            return entry[1]
+        if entry is not None and entry[1].keys is not None:
+            self._fetches_before += entry[1].keys.refreshes
+        settings = issuer.settings
+        trust = IssuerTrust(
+            settings,
+            audiences=settings.audiences or (self.audience,),
+            http=self._http,
+            reviewer=self._reviewer,
+            on_keys_removed=self.forget_tokens,
+        )
+        self._trust[issuer.url] = (issuer, trust)
+        return trust
+
+    def forget_tokens(self, issuer_url: str) -> None:
+        """Drop the tokens verified with ``issuer_url``'s keys (a key left its JWKS)."""
+        self._forgotten += 1
+        self.verified.forget_issuer(issuer_url)
+
     def forget(self, issuer_url: str) -> None:
         """Drop the cached JWKS of ``issuer_url`` and the tokens verified with it (called when
         an issuer retires a key)."""
-        self._forgotten += 1
-        self._jwks.pop(issuer_url, None)
-        self.verified.forget_issuer(issuer_url)
+        self.forget_tokens(issuer_url)
+        entry = self._trust.get(issuer_url)
+        if entry is not None and entry[1].keys is not None:
+            entry[1].keys.forget()
 
-    async def _fetch_jwks(self, issuer: TrustedIssuer) -> dict[str, jwt.PyJWK]:
-        client = self._http()
-        try:
-            disco = await client.get(f"{issuer.url}/.well-known/openid-configuration")
-            disco.raise_for_status()
-            jwks_uri = disco.json()["jwks_uri"]
-            resp = await client.get(jwks_uri)
-            resp.raise_for_status()
-            raw_keys = resp.json()["keys"]
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            raise TokenRejected(
-                "bad_signature",
-                f"cannot fetch the JWKS of issuer {issuer.url!r} to verify the signature: "
-                f"{type(exc).__name__}",
-            ) from exc
-        self.jwks_fetches += 1
-        keys: dict[str, jwt.PyJWK] = {}
-        for raw in raw_keys:
-            try:
-                keys[str(raw.get("kid", ""))] = jwt.PyJWK(raw)
-            except jwt.PyJWKError:
-                continue
-        self._jwks[issuer.url] = (time.monotonic(), keys)
-        return keys
+    async def load(self) -> dict[str, bool]:
+        """Fetch every issuer's keys (or probe the API server) now, e.g. before serving; by
+        issuer name, whether it worked (failures are logged and retried on use)."""
+        return {i.settings.name: await self.trust_for(i).load() for i in self._issuers().values()}
 
-    async def _key_for(self, issuer: TrustedIssuer, kid: str) -> jwt.PyJWK | None:
-        lock = self._locks.setdefault(issuer.url, asyncio.Lock())
-        async with lock:
-            cached = self._jwks.get(issuer.url)
-            fresh = cached is not None and time.monotonic() - cached[0] < self._cache_seconds
-            if cached is not None and fresh and kid in cached[1]:
-                return cached[1][kid]
-            keys = await self._fetch_jwks(issuer)  # unknown kid: refetch once
-            return keys.get(kid)
+    def readiness(self) -> dict[str, dict[str, Any]]:
+        """By issuer name, its status (``ready``: keys loaded, or the API server answered)."""
+        return {i.settings.name: self.trust_for(i).status() for i in self._issuers().values()}
 
-    async def verify(self, authorization: str | None) -> tuple[Caller, TrustedIssuer]:
+    async def aclose(self) -> None:
+        for _, trust in self._trust.values():
+            await trust.aclose()
+
+    async def verify(self, authorization: str | None) -> tuple[Caller, I]:
         if not authorization:
             raise TokenRejected(
                 "token_missing",
@@ -247,60 +255,40 @@ class TokenVerifier:
                 f"issuer {_short(iss)} is not trusted by this broker; use a token from a trusted "
                 "issuer",
             )
-        kid = header.get("kid")
-        if not isinstance(kid, str):
-            raise TokenRejected("bad_signature", "the token header has no 'kid' to select a key")
-        key = await self._key_for(issuer, kid)
-        if key is None:
-            raise TokenRejected(
-                "bad_signature",
-                f"issuer {iss!r} publishes no key with kid {_short(kid, 60)} "
-                "(rotated away or forged)",
-            )
-        if key.algorithm_name != alg:
-            raise TokenRejected(
-                "algorithm_not_allowed",
-                f"the token's algorithm {alg!r} does not match key {kid!r} ({key.algorithm_name})",
-            )
-        try:
-            claims: dict[str, Any] = jwt.decode(
-                token,
-                key=key.key,
-                algorithms=[alg],
-                options={
-                    "verify_signature": True,
-                    "verify_aud": False,
-                    "verify_exp": False,
-                    "verify_nbf": False,
-                    "verify_iat": False,
-                    "verify_iss": False,
-                    "require": [],
-                },
-            )
-        except jwt.InvalidSignatureError as exc:
-            raise TokenRejected(
-                "bad_signature", f"the signature does not verify with issuer {iss!r}'s key {kid!r}"
-            ) from exc
-        except jwt.PyJWTError as exc:
-            raise TokenRejected(
-                "token_malformed", f"the token cannot be decoded: {type(exc).__name__}"
-            ) from exc
+        trust = self.trust_for(issuer)
+        if not trust.memoizable:  # the claim rules first: no review of an expired token
+            self._check_claims(unverified, issuer, token)
+        claims = await trust.verified_claims(token, header, unverified)
         caller = self._check_claims(claims, issuer, token)
-        if forgotten == self._forgotten:  # no key retired while the JWKS was being fetched
-            self.verified.put(token, (claims, issuer), issuer_url=issuer.url, exp=caller.expires_at)
+        if trust.memoizable and forgotten == self._forgotten:  # no key retired meanwhile
+            until = min(caller.expires_at, time.time() + issuer.settings.jwks_cache_seconds)
+            self.verified.put(token, (claims, issuer), issuer_url=issuer.url, exp=until)
         return caller, issuer
 
-    def _check_claims(self, claims: Mapping[str, Any], issuer: TrustedIssuer, token: str) -> Caller:
+    def _audience(self, claims: Mapping[str, Any], settings: IssuerSettings) -> str:
+        """The first accepted audience the token's ``aud`` holds (the issuer's audiences, or
+        the broker's URL)."""
+        accepted = settings.audiences or (self.audience,)
         aud = claims.get("aud")
         if aud is None:
             raise TokenRejected("missing_claim", "the token has no 'aud' (audience) claim")
         audiences = [aud] if isinstance(aud, str) else aud
-        if not isinstance(audiences, list) or self.audience not in audiences:
+        matched = [a for a in accepted if isinstance(audiences, list) and a in audiences]
+        if not matched:
+            wanted = f"this broker's URL {self.audience!r}" if not settings.audiences else (
+                f"any audience issuer {settings.name!r} is accepted for: {list(accepted)}"
+            )  # fmt: skip
             raise TokenRejected(
                 "audience_mismatch",
-                f"the token's audience {_short(aud)} does not contain this broker's URL "
-                f"{self.audience!r}; request a token with that audience",
+                f"the token's audience {_short(aud)} does not contain {wanted}; request a "
+                "token with that audience",
             )
+        return matched[0]
+
+    def _check_claims(self, claims: Mapping[str, Any], issuer: I, token: str) -> Caller:
+        settings = issuer.settings
+        audience = self._audience(claims, settings)
+        skew = self.skew if settings.clock_skew_seconds is None else settings.clock_skew_seconds
         now = time.time()
         times: dict[str, float] = {}
         for name in ("exp", "nbf", "iat"):
@@ -312,23 +300,23 @@ class TokenVerifier:
             times[name] = float(value)
         if "exp" not in times:
             raise TokenRejected("missing_claim", "the token has no 'exp' (expiry) claim")
-        if now > times["exp"] + self.skew:
+        if now > times["exp"] + skew:
             raise TokenRejected(
                 "token_expired",
-                f"the token expired {int(now - times['exp'])} s ago (allowed skew {self.skew} s); "
+                f"the token expired {int(now - times['exp'])} s ago (allowed skew {skew:g} s); "
                 "get a fresh token",
             )
-        if "nbf" in times and now + self.skew < times["nbf"]:
+        if "nbf" in times and now + skew < times["nbf"]:
             raise TokenRejected(
                 "token_not_yet_valid",
                 f"the token is not valid for another {int(times['nbf'] - now)} s (nbf; allowed "
-                f"skew {self.skew} s); check the clocks",
+                f"skew {skew:g} s); check the clocks",
             )
-        if "iat" in times and now + self.skew < times["iat"]:
+        if "iat" in times and now + skew < times["iat"]:
             raise TokenRejected(
                 "token_not_yet_valid",
                 f"the token was issued {int(times['iat'] - now)} s in the future (iat; allowed "
-                f"skew {self.skew} s); check the clocks",
+                f"skew {skew:g} s); check the clocks",
             )
         sub = claims.get("sub")
         if not isinstance(sub, str) or not sub:
@@ -339,7 +327,8 @@ class TokenVerifier:
             provider=issuer.provider,
             issuer=issuer.url,
             subject=sub,
-            audience=self.audience,
+            audience=audience,
             expires_at=int(times["exp"]),
             attributes=issuer.attributes_from(claims),
+            claims=dict(claims),
         )

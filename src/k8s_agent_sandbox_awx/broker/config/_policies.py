@@ -1,0 +1,97 @@
+"""``[[policies]]``: which identities (issuer, subject glob, claims) get what."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..identity._policy import SCOPES
+from . import _checks
+from ._reader import REQUIRED, Table, show, type_name
+from ._schema import CALLER_NAMESPACE, PolicyConfig
+
+_PLACEHOLDER = re.compile(r"\{[^{}]*\}")
+
+
+def policy(table: Table) -> PolicyConfig:
+    name = _checks.name(table, "name", example='"team-a"')
+    table.context = f'policy "{name}"' if name else ""
+    config = PolicyConfig(
+        name=name,
+        issuer=table.string("issuer", example='"cluster" (the name of an [[issuers]] table)'),
+        subject=_subject(table),
+        claims=_claims(table),
+        warm_pools=table.strings(
+            "warm_pools",
+            REQUIRED,
+            example='["python-sandbox-warmpool"]',
+            item=_checks.dns_subdomain,
+        ),
+        namespace=_namespace(table),
+        max_sandboxes=table.number("max_sandboxes", 5, integer=True),
+        max_lifetime_seconds=table.number("max_lifetime_seconds", 3600, integer=True, above=True),
+        scopes=table.strings(
+            "scopes",
+            SCOPES,
+            example=f"[{', '.join(map(repr, SCOPES))}]".replace("'", '"'),
+            item=lambda v: None if v in SCOPES else f"is not a scope ({', '.join(SCOPES)})",
+        ),
+    )
+    table.finish()
+    return config
+
+
+def _subject(table: Table) -> str:
+    value: str = table.string("subject", "*", example='"system:serviceaccount:team-a:*"')
+    if table.given("subject") and table.ok("subject") and not value:
+        table.problem("subject", "is empty", 'use subject = "*" for any subject, or a glob')
+    return value
+
+
+def _namespace(table: Table) -> str:
+    example = f'"team-a", or "{CALLER_NAMESPACE}" (the caller\'s own namespace)'
+    value: str = table.string("namespace", example=example)
+    if not value or value == CALLER_NAMESPACE:
+        return value
+    if _PLACEHOLDER.search(value):
+        table.problem(
+            "namespace",
+            f"{show(value)} has a placeholder other than {CALLER_NAMESPACE}, the only one",
+            f"write namespace = {example}",
+        )
+        return ""
+    why = _checks.dns_label(value)
+    if why:
+        table.problem("namespace", f"{show(value)} {why}", f"write namespace = {example}")
+        return ""
+    return value
+
+
+def _claims(table: Table) -> dict[str, tuple[str, ...]]:
+    """``claims``: claim name -> a string or a list of strings (fnmatch globs)."""
+    example = '{ project_path = "group/project", ref = ["main", "release-*"] }'
+    raw: dict[str, Any] = table.mapping("claims", {}, example=example)
+    claims: dict[str, tuple[str, ...]] = {}
+    for claim, value in raw.items():
+        key = f"claims.{_checks.dotted(claim)}"
+        values = [value] if isinstance(value, str) else value
+        if not claim.strip():
+            table.problem(key, "is not a claim name (empty)", "name the claim to match")
+        elif isinstance(value, bool | int | float):
+            table.problem(
+                key,
+                f"is {type_name(value)}: claim values are matched as text (a non-string claim "
+                "by its JSON text)",
+                f'write it as a string: {_checks.dotted(claim)} = "{str(value).lower()}"'
+                if isinstance(value, bool)
+                else f'write it as a string: {_checks.dotted(claim)} = "{value}"',
+            )
+        elif not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            table.problem(
+                key, f"must be a string or an array of strings, not {type_name(value)}", example
+            )
+        elif not values:
+            table.problem(key, "is an empty array (it would match nothing)", "list the values")
+        else:
+            claims[claim] = tuple(values)
+    return claims

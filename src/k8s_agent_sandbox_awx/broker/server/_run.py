@@ -1,0 +1,223 @@
+"""Run an ASGI app with uvicorn under the ``[server]`` settings.
+
+- TLS from the certificate and key files, re-loaded when they change (``_tls``).
+- SIGTERM or SIGINT: stop accepting (the listening socket is closed), let in-flight requests
+  and streams finish for up to ``shutdown_grace_seconds`` (uvicorn's graceful shutdown: it waits
+  for every connection, a streaming response included, then cancels what is left), then return,
+  so that the process exits 0. A second signal closes what is left at once.
+- ``/healthz`` and ``/readyz`` in front of the app (``_probes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Final
+
+import uvicorn
+
+from ..config import ServerSettings
+from ._probes import ASGIApp, ReadinessCheck, with_probes
+from ._tls import ReloadingCertificate
+
+__all__ = ["ListenError", "ServedApp", "bind", "run_server", "serve"]
+
+log = logging.getLogger("k8s_agent_sandbox_awx.broker.server")
+
+_TRACE = 5  # uvicorn's "trace" level
+
+
+@dataclass(frozen=True)
+class ServedApp:
+    """What ``broker serve`` runs: the ASGI app and its readiness check (``None``: ready)."""
+
+    app: ASGIApp
+    ready: ReadinessCheck | None = None
+
+
+class ListenError(OSError):
+    """The listen address cannot be bound (the message names it and why)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``::``: IPv6 and, where the system allows,
+    IPv4 too)."""
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {shown} (server.listen): {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or str(exc)
+        raise ListenError(f"cannot listen on {shown} (server.listen): {why}") from None
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with the broker's signal handling and a started callback."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own re-raises the signal after the shutdown (the process then dies of
+        # SIGTERM); the broker returns, and exits 0
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in signals}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.should_exit:
+            log.warning("%s again: closing the remaining connections now", name)
+            self.force_exit = True
+            return
+        grace = self.config.timeout_graceful_shutdown
+        log.info("%s: no new connections; in-flight requests get up to %ss", name, grace)
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        reaper = asyncio.create_task(_close_finished(self.server_state.connections))
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._on_started is not None:
+            self._on_started()
+
+
+CLOSE_WAIT: Final = 1.0
+"""Seconds a connection with nothing left to send may wait for its peer's TLS close during
+the shutdown before it is dropped."""
+
+
+def _nothing_to_send(transport: Any) -> bool:
+    """Whether a closing transport has sent everything (TLS layer, and the TCP transport under
+    it where asyncio exposes it); the kernel still delivers what it holds after a drop."""
+    inner = getattr(getattr(transport, "_ssl_protocol", None), "_transport", None)
+    return bool(transport.get_write_buffer_size() == 0) and (
+        inner is None or inner.get_write_buffer_size() == 0
+    )
+
+
+async def _close_finished(connections: set[Any]) -> None:
+    """During the shutdown: drop the connections that finished their last response and only
+    wait for the peer's TLS close_notify (an idle keep-alive client holds that forever), so
+    that they do not hold the process for the whole grace. Connections still answering are
+    left to finish."""
+    closing_since: dict[int, float] = {}
+    while True:
+        await asyncio.sleep(0.1)
+        now = asyncio.get_running_loop().time()
+        for connection in list(connections):
+            transport = getattr(connection, "transport", None)
+            if transport is None or not transport.is_closing():
+                continue
+            since = closing_since.setdefault(id(connection), now)
+            if now - since >= CLOSE_WAIT and _nothing_to_send(transport):
+                transport.abort()
+
+
+def _uvicorn_config(app: ASGIApp, settings: ServerSettings) -> uvicorn.Config:
+    config = uvicorn.Config(
+        app,
+        log_level=_TRACE if settings.log_level == "trace" else settings.log_level,
+        access_log=settings.access_log,  # uvicorn's access log (issue 22: JSON lines)
+        lifespan="auto",
+        http="h11",
+        ws="none",
+        loop="asyncio",
+        server_header=False,
+        proxy_headers=False,  # the client address is the peer's: no forwarded header trusted
+        timeout_keep_alive=math.ceil(settings.keep_alive_seconds),
+    )
+    # a float works (asyncio.wait_for); uvicorn's annotation says int
+    config.timeout_graceful_shutdown = settings.shutdown_grace_seconds  # type: ignore[assignment]
+    return config
+
+
+async def run_server(
+    served: ServedApp,
+    settings: ServerSettings,
+    *,
+    on_started: Callable[[str], None] | None = None,
+    sock: socket.socket | None = None,
+) -> None:
+    """Serve ``served`` until a signal stops it (see the module's docstring).
+
+    ``on_started(url)``: called once the server accepts connections, with the address it
+    listens on (``https://127.0.0.1:8443``). ``sock``: a listening socket to use instead of
+    binding ``settings.host:port``. Raises ``TLSFilesError`` or :class:`ListenError` before
+    serving when the certificate pair or the address cannot be used."""
+    certificate = ReloadingCertificate(settings.tls_cert_file, settings.tls_key_file)
+    listener = sock or bind(settings.host, settings.port)
+    config = _uvicorn_config(with_probes(served.app, served.ready), settings)
+    config.load()
+    config.ssl = certificate.context  # the ONE context; the watcher re-loads the pair into it
+    host, port = listener.getsockname()[:2]
+    url = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+    server = _Server(config, (lambda: on_started(url)) if on_started else None)
+    watcher = asyncio.create_task(certificate.watch(settings.tls_reload_seconds))
+    try:
+        await server.serve(sockets=[listener])
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        listener.close()
+
+
+def _configure_logging(level: str) -> None:
+    """The broker's own messages on standard error, at ``level`` (uvicorn configures its own
+    loggers the same way)."""
+    logger = logging.getLogger("k8s_agent_sandbox_awx")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(_TRACE if level == "trace" else level.upper())
+
+
+def serve(
+    served: ServedApp,
+    settings: ServerSettings,
+    *,
+    on_started: Callable[[str], None] | None = None,
+) -> None:
+    """Run the server in this thread until SIGTERM or SIGINT (then it returns): see
+    :func:`run_server`."""
+    _configure_logging(settings.log_level)
+    asyncio.run(run_server(served, settings, on_started=on_started))

@@ -1,0 +1,75 @@
+"""``agent-sandbox-awx broker check`` and ``broker serve`` (dispatched here by the CLI).
+
+``check`` needs nothing beyond the core (the standard library reads TOML); ``serve`` needs the
+``[broker]`` extra, imported only then. Exit codes: 0 (checked / stopped by a signal), 2 (the
+configuration or its TLS files cannot be used), 1 (anything else, e.g. the address is taken).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..broker.config import BrokerConfig
+
+PROG = "agent-sandbox-awx"
+BROKER_EXTRA = (
+    'python3 -m pip install -e ".[broker]" in a clone of the k8s-agent-sandbox-awx repository'
+)
+
+
+def _error(message: str) -> None:
+    first, *rest = message.splitlines() or [""]
+    print(f"{PROG}: error: {first}", file=sys.stderr)
+    for line in rest:
+        print(line, file=sys.stderr)  # already indented: one problem per line
+
+
+def broker_main(command: str, config_path: str) -> int:
+    """Run ``broker check`` or ``broker serve`` with the configuration file ``config_path``."""
+    from ..broker.config import BrokerConfigError, load_config, render_config
+
+    try:
+        config = load_config(config_path)
+    except BrokerConfigError as exc:
+        _error(str(exc))
+        return 2
+    if command == "check":
+        sys.stdout.write(render_config(config))
+        print(f"# {config.path}: OK", file=sys.stderr)
+        return 0
+    return _serve(config)
+
+
+def _serve(config: BrokerConfig) -> int:
+    try:
+        from ..broker._app_factory import app_factory
+        from ..broker.server import ListenError, TLSFilesError, serve
+    except ImportError as exc:
+        _error(
+            f"`{PROG} broker serve` needs the [broker] extra ({exc.name or exc} could not be "
+            f"imported): install it: {BROKER_EXTRA}"
+        )
+        return 1
+    settings = config.server
+
+    def started(url: str) -> None:
+        print(
+            f"{PROG} broker: serving {url} ({settings.public_url}) for "
+            f"{len(config.issuers)} issuer(s), {len(config.policies)} polic"
+            f"{'y' if len(config.policies) == 1 else 'ies'}, backend {config.backend.kind}; "
+            "SIGTERM or Ctrl-C stops it",
+            flush=True,
+        )
+
+    try:
+        serve(app_factory(config), settings, on_started=started)
+    except TLSFilesError as exc:
+        _error(f"{config.path}: server.tls_cert_file, server.tls_key_file: {exc}")
+        return 2
+    except ListenError as exc:
+        _error(f"{config.path}: {exc}")
+        return 1
+    print(f"{PROG} broker: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,269 @@
+"""The broker's server runtime, as real subprocesses over real HTTPS on loopback: the
+certificate re-loaded when its files change, SIGTERM's grace, ``/healthz`` and ``/readyz``."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests._support.broker_server import (
+    CLI,
+    STREAMING_APP,
+    Pki,
+    Served,
+    peer_serial,
+    write_config,
+)
+
+pytest.importorskip("uvicorn", reason="needs the [broker] extra")
+
+MARGIN = 3.0
+"""Seconds a stop may take beyond the grace (the interpreter's exit, a loaded machine)."""
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    pki = Pki(tmp_path)
+    pki.write(pki.issue())
+    return pki
+
+
+@pytest.fixture
+def started() -> Iterator[list[Served]]:
+    servers: list[Served] = []
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def _serve(started: list[Served], config: Path, *, app: bool = False, **env: str) -> Served:
+    argv = (
+        [sys.executable, str(STREAMING_APP), str(config)]
+        if app
+        else [*CLI, "broker", "serve", "--config", str(config)]
+    )
+    server = Served.start(argv, env=env)
+    started.append(server)
+    server.wait_started()
+    return server
+
+
+def _connect(pki: Pki, server: Served, timeout: float = 10.0) -> http.client.HTTPSConnection:
+    conn = http.client.HTTPSConnection(
+        "127.0.0.1", server.port, context=pki.context(), timeout=timeout
+    )
+    conn.connect()
+    return conn
+
+
+def _get(conn: http.client.HTTPSConnection, path: str, method: str = "GET") -> tuple[int, bytes]:
+    conn.request(method, path)
+    response = conn.getresponse()
+    return response.status, response.read()
+
+
+def _serial_of_a_new_connection(pki: Pki, server: Served) -> int:
+    conn = _connect(pki, server)
+    try:
+        assert conn.sock is not None
+        return peer_serial(conn.sock)  # type: ignore[arg-type]
+    finally:
+        conn.close()
+
+
+def _until(condition: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if callable(condition) and condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+# ------------------------------------------------------------------------- certificate reload
+
+
+def test_a_rotated_certificate_is_served_to_new_connections_old_ones_keep_theirs(
+    pki: Pki, tmp_path: Path, started: list[Served]
+) -> None:
+    first = pki.write(pki.issue())
+    server = _serve(started, write_config(tmp_path, pki))
+    old = _connect(pki, server)  # a keep-alive connection, open across the rotation
+    assert old.sock is not None and peer_serial(old.sock) == first  # type: ignore[arg-type]
+    assert _get(old, "/healthz")[0] == 200
+    second = pki.write(pki.issue())
+    assert second != first
+    _until(lambda: _serial_of_a_new_connection(pki, server) == second)
+    assert _get(old, "/healthz") == (200, b'{"status": "alive"}')  # the same connection
+    assert peer_serial(old.sock) == first  # type: ignore[arg-type]
+    old.close()
+    assert "re-loaded: new connections get the new certificate" in server.output()
+
+
+def test_a_broken_rotation_keeps_the_old_certificate_and_logs_one_error(
+    pki: Pki, tmp_path: Path, started: list[Served]
+) -> None:
+    first = pki.write(pki.issue())
+    server = _serve(started, write_config(tmp_path, pki))
+    stranger = pki.issue()
+    broken = pki.issue()
+    pki.write(broken, key=stranger)  # a key that does not belong to the certificate
+    _until(lambda: "does not belong to the certificate" in server.output())
+    time.sleep(1.0)  # five more checks of the same broken pair
+    errors = [line for line in server.stderr if "cannot be used" in line]
+    assert len(errors) == 1, server.output()
+    assert str(pki.cert_file) in errors[0] and str(pki.key_file) in errors[0]
+    assert "still serving the previous certificate" in errors[0]
+    assert "PRIVATE KEY" not in server.output()  # paths, never contents
+    assert _serial_of_a_new_connection(pki, server) == first
+    pki.key_file.write_bytes(b"not a key")  # another broken state: logged once more
+    _until(lambda: "holds no PEM private key" in server.output())
+    assert _serial_of_a_new_connection(pki, server) == first
+    fixed = pki.write(broken)  # the pair made whole: taken at the next check
+    _until(lambda: _serial_of_a_new_connection(pki, server) == fixed)
+
+
+def test_a_pair_that_cannot_be_used_at_start_is_a_configuration_error(
+    pki: Pki, tmp_path: Path
+) -> None:
+    import subprocess
+
+    pki.write(pki.issue(), key=pki.issue())
+    config = write_config(tmp_path, pki)
+    run = subprocess.run(
+        [*CLI, "broker", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "the private key does not belong to the certificate" in run.stderr
+    assert str(pki.cert_file) in run.stderr and str(pki.key_file) in run.stderr
+    assert "server.tls_cert_file, server.tls_key_file" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+# ---------------------------------------------------------------------------------- SIGTERM
+
+
+def test_sigterm_lets_an_in_flight_stream_finish_and_refuses_new_connections(
+    pki: Pki, tmp_path: Path, started: list[Served]
+) -> None:
+    grace = 8.0
+    config = write_config(tmp_path, pki, shutdown_grace_seconds=grace)
+    server = _serve(started, config, app=True, READY_FLAG=str(tmp_path / "flag"))
+    conn = _connect(pki, server)
+    conn.request("GET", "/stream?chunks=8&interval=0.25")
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline() == b"chunk 0\n"
+    sent = server.terminate()
+    time.sleep(0.5)
+    assert server.process.poll() is None  # still finishing the stream
+    with pytest.raises(ConnectionRefusedError):  # but no longer accepting
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+    rest = response.read()
+    assert rest.splitlines()[-1] == b"done" and b"chunk 7\n" in rest
+    assert server.wait(grace + MARGIN) == 0
+    assert time.monotonic() - sent < grace  # it did not wait out the grace
+    assert "streaming app: stopped" in server.output()
+
+
+def test_sigterm_cuts_what_is_left_after_the_grace_and_exits_0(
+    pki: Pki, tmp_path: Path, started: list[Served]
+) -> None:
+    grace = 1.0
+    config = write_config(tmp_path, pki, shutdown_grace_seconds=grace)
+    server = _serve(started, config, app=True, READY_FLAG=str(tmp_path / "flag"))
+    conn = _connect(pki, server, timeout=30)
+    conn.request("GET", "/stream?chunks=200&interval=0.1")  # 20 s: longer than the grace
+    response = conn.getresponse()
+    assert response.readline() == b"chunk 0\n"
+    sent = server.terminate()
+    assert server.wait(grace + MARGIN) == 0
+    assert time.monotonic() - sent >= grace - 0.2  # it waited for the stream first
+    with pytest.raises(http.client.IncompleteRead):
+        response.read()
+    assert "timeout graceful shutdown exceeded" in server.output()
+
+
+def test_sigterm_with_only_idle_connections_stops_at_once(
+    pki: Pki, tmp_path: Path, started: list[Served]
+) -> None:
+    config = write_config(tmp_path, pki, shutdown_grace_seconds=30)
+    server = _serve(started, config)
+    idle = _connect(pki, server)
+    assert _get(idle, "/healthz")[0] == 200  # then kept alive, idle
+    sent = server.terminate()
+    assert server.wait(MARGIN) == 0
+    assert time.monotonic() - sent < MARGIN
+    with pytest.raises((http.client.HTTPException, OSError)):
+        _get(idle, "/healthz")  # the server closed it
+    assert "agent-sandbox-awx broker: stopped" in server.output()
+
+
+# ---------------------------------------------------------------------------------- probes
+
+
+def test_healthz_and_readyz_follow_the_apps_readiness_check(
+    pki: Pki, tmp_path: Path, started: list[Served]
+) -> None:
+    flag = tmp_path / "flag"
+    server = _serve(started, write_config(tmp_path, pki), app=True, READY_FLAG=str(flag))
+    conn = _connect(pki, server)
+    assert _get(conn, "/healthz") == (200, b'{"status": "alive"}')
+    status, body = _get(conn, "/readyz")
+    assert status == 503
+    assert json.loads(body) == {
+        "status": "not ready",
+        "not_ready": {"flag": f"{flag} does not exist yet"},
+    }
+    flag.write_text("")
+    assert _get(conn, "/readyz") == (200, b'{"status": "ready"}')
+    assert _get(conn, "/readyz", "HEAD") == (200, b"")
+    status, body = _get(conn, "/healthz", "POST")
+    assert status == 405 and json.loads(body)["code"] == "method_not_allowed"
+    assert _get(conn, "/other") == (200, b"hello")  # every other path is the app's
+
+
+def test_broker_serve_runs_the_placeholder_app_until_the_broker_app_is_wired(
+    pki: Pki, tmp_path: Path, started: list[Served]
+) -> None:
+    server = _serve(started, write_config(tmp_path, pki))
+    conn = _connect(pki, server)
+    assert _get(conn, "/healthz")[0] == 200
+    status, body = _get(conn, "/readyz")
+    assert status == 503 and json.loads(body)["not_ready"] == {
+        "backend": "not wired yet (placeholder app)"
+    }
+    conn.request("POST", "/v1/sandboxes")
+    response = conn.getresponse()
+    answer = json.loads(response.read())
+    assert response.status == 503 and answer["code"] == "unavailable"
+    assert "not wired yet" in answer["detail"]
+    assert response.getheader("Agent-Sandbox-Broker-Error") == "unavailable"
+    assert "for 1 issuer(s), 1 policy, backend local" in server.output()
+    server.terminate()
+    assert server.wait(MARGIN + 30) == 0
+
+
+def test_an_ipv6_listen_address(pki: Pki, tmp_path: Path, started: list[Served]) -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    server = _serve(started, write_config(tmp_path, pki, listen="[::1]:0"))
+    assert server.url.startswith("https://[::1]:")
+    with socket.create_connection(("::1", server.port), timeout=10) as raw:
+        with pki.context().wrap_socket(raw, server_hostname="localhost") as tls:
+            tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert tls.recv(100).startswith(b"HTTP/1.1 200")
