@@ -42,7 +42,7 @@ def bench_run(broker: LocalBroker, env: dict[str, str], runs: int) -> None:
             t = time.perf_counter()
             sandbox.commands.run("true")
             through.append(time.perf_counter() - t)
-        record = broker._require_app().sandboxes[sandbox.name]
+        record = broker._require_store().sandboxes[sandbox.name]
         assert record.handle is not None
         runtime = f"http://{record.handle.host}:{record.handle.port}"
         direct: list[float] = []
@@ -67,7 +67,7 @@ def bench_create(broker: LocalBroker, env: dict[str, str], creates: int) -> None
         t0 = time.perf_counter()
         sandbox = Sandbox.create(environ=env)
         elapsed = time.perf_counter() - t0
-        record = broker._require_app().sandboxes[sandbox.name]
+        record = broker._require_store().sandboxes[sandbox.name]
         broker_ready = record.transition_at - record.created_at
         client_times.append(elapsed)
         overheads.append(elapsed - broker_ready)

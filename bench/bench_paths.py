@@ -98,7 +98,7 @@ def main() -> None:
             token = fh.read().strip()
         with Sandbox.create(environ=env) as ours:
             name, namespace = ours.name, ours.info.router.namespace
-            record = broker._require_app().sandboxes[name]
+            record = broker._require_store().sandboxes[name]
             assert record.handle is not None
             runtime = f"http://{record.handle.host}:{record.handle.port}"
 

@@ -9,31 +9,25 @@ the legacy file endpoints work. Started by a local broker from its template comm
 from __future__ import annotations
 
 import sys
-import urllib.parse
-from collections.abc import Callable
 from typing import Any
 
-from k8s_agent_sandbox_awx.broker.runtime import _fs, _runtime
+from k8s_agent_sandbox_awx.broker.runtime import _http, _main, _server
 
 
-def _without_commands(method: str) -> None:
-    original: Callable[[Any], None] = getattr(_runtime._Handler, method)
-
-    def handle(self: Any) -> None:
-        path = urllib.parse.urlsplit(self.path).path
-        if path == "/commands" or path.startswith("/commands/"):
-            if self.command == "POST":
-                self._drain()
-            self._error(404, "Not Found")  # FastAPI's answer for a route it does not have
-            return
-        original(self)
-
-    setattr(_runtime._Handler, method, handle)
+def _not_found(handler: Any) -> None:
+    if handler.command == "POST":
+        _http.drain(handler)
+    _http.send_json(handler, 404, {"detail": "Not Found"})  # FastAPI's answer for a route it
+    # does not have
 
 
 if __name__ == "__main__":
-    _fs.GET_ROUTES = frozenset()
-    _fs.POST_ROUTES = frozenset()
-    _without_commands("do_GET")
-    _without_commands("do_POST")
-    sys.exit(_runtime.main(sys.argv[1:]))
+    for key in [k for k in _server.EXACT if k[1].startswith("/fs/")]:
+        del _server.EXACT[key]  # no file API: "no route for GET /fs/..."
+    for method in ("GET", "POST"):
+        _server.EXACT[(method, "/commands")] = _not_found
+    _server.PREFIXES[:] = [
+        (method, prefix, _not_found if prefix == "/commands/" else endpoint)
+        for method, prefix, endpoint in _server.PREFIXES
+    ]
+    sys.exit(_main.main(sys.argv[1:]))

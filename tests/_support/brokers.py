@@ -44,13 +44,11 @@ def forget_detected_dialects(
     broker URL for the life of the process). Scripted brokers speak v1 and serve no
     ``/v1/healthz``: unless the test uses one of ``DETECTING``, a broker whose dialect is not
     pinned is taken to speak v1 (no probe)."""
-    from k8s_agent_sandbox_awx.client import _base
     from k8s_agent_sandbox_awx.client.wire import _dialects
 
     _dialects.forget_detected()
     if DETECTING.isdisjoint(request.fixturenames):
         v1 = _dialects.get_dialect("v1")
-        monkeypatch.setattr(_base, "detected", lambda _url: v1)
         monkeypatch.setattr(_dialects, "detected", lambda _url: v1)
     yield
     _dialects.forget_detected()

@@ -229,7 +229,7 @@ def test_router_connections_to_a_runtime_close_with_its_sandbox(
     left in CLOSE_WAIT once the runtime exited)."""
     sandbox = alice.ready(lifetime_seconds=2) if how == "expired" else alice.ready()
     assert alice.run(sandbox, "echo hi").json()["stdout"] == "hi\n"
-    handle = broker._require_app().sandboxes[sandbox["name"]].handle
+    handle = broker._require_store().sandboxes[sandbox["name"]].handle
     assert handle is not None
     assert _sockets_to_port(handle.port)  # the router kept its connection alive
     pid = broker.runtime_pid(sandbox["name"])

@@ -68,7 +68,7 @@ def _deep(api: Any, sandbox: dict[str, Any], depth: int, where: str = ".") -> No
 
 
 def _handle(broker: LocalBroker, sandbox: dict[str, Any]) -> Any:
-    handle = broker._require_app().sandboxes[sandbox["name"]].handle
+    handle = broker._require_store().sandboxes[sandbox["name"]].handle
     assert handle is not None and handle.root is not None
     return handle
 
@@ -534,10 +534,10 @@ def test_move_without_overwrite_never_replaces_a_destination_made_meanwhile(
 # -- in-process: the walk, and a move where the platform has no no-replace rename ---------------
 @pytest.fixture
 def roots(tmp_path: Path) -> Iterator[Any]:
-    from k8s_agent_sandbox_awx.broker.runtime import _fs
+    from k8s_agent_sandbox_awx.broker.runtime import _paths
 
     (tmp_path / "app").mkdir()
-    made = _fs.Roots(str(tmp_path / "app"), str(tmp_path / "workspace"))
+    made = _paths.Roots(str(tmp_path / "app"), str(tmp_path / "workspace"))
     yield made
     made.close()
 
@@ -627,13 +627,13 @@ def test_remove_tree_removes_a_link_never_its_target(tmp_path: Path) -> None:
 
 
 def _no_replace_unavailable(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    from k8s_agent_sandbox_awx.broker.runtime import _fs
+    from k8s_agent_sandbox_awx.broker.runtime import _files
 
     def unsupported(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
         raise OSError(22, "Invalid argument")  # a file system without RENAME_NOREPLACE
 
     monkeypatch.setattr(
-        _fs, "_platform_no_replace", lambda: None if how == "no renameat2" else unsupported
+        _files, "_platform_no_replace", lambda: None if how == "no renameat2" else unsupported
     )
 
 
@@ -643,34 +643,34 @@ def test_move_without_a_no_replace_rename(
 ) -> None:
     """Files: a hard link, then the old name removed (never replaces); directories: a clear
     error, unless overwrite."""
-    from k8s_agent_sandbox_awx.broker.runtime import _fs
+    from k8s_agent_sandbox_awx.broker.runtime import _files, _paths
 
     _no_replace_unavailable(monkeypatch, how)
     app = Path(roots.paths["/app"])
     (app / "a").write_text("A")
     (app / "b").write_text("B")
-    with pytest.raises(_fs.FsError) as refused:
-        _fs.move(_fs.check_path("a", roots), _fs.check_path("b", roots), False)
+    with pytest.raises(_paths.FsError) as refused:
+        _files.move(_paths.check_path("a", roots), _paths.check_path("b", roots), False)
     assert refused.value.code == "path_exists"
     assert ((app / "a").read_text(), (app / "b").read_text()) == ("A", "B")
-    info = _fs.move(_fs.check_path("a", roots), _fs.check_path("c", roots), False)
+    info = _files.move(_paths.check_path("a", roots), _paths.check_path("c", roots), False)
     assert (info["path"], (app / "c").read_text(), (app / "a").exists()) == ("/app/c", "A", False)
     (app / "d").mkdir()
-    with pytest.raises(_fs.FsError) as refused:
-        _fs.move(_fs.check_path("d", roots), _fs.check_path("e", roots), False)
+    with pytest.raises(_paths.FsError) as refused:
+        _files.move(_paths.check_path("d", roots), _paths.check_path("e", roots), False)
     assert (refused.value.code, refused.value.status) == ("not_supported", 400)
     assert "this platform cannot move a directory" in refused.value.detail
     assert "overwrite=true" in refused.value.detail
     assert (app / "d").is_dir() and not (app / "e").exists()
-    assert _fs.move(_fs.check_path("d", roots), _fs.check_path("e", roots), True)["type"] == (
-        "directory"
-    )
+    assert _files.move(_paths.check_path("d", roots), _paths.check_path("e", roots), True)[
+        "type"
+    ] == ("directory")
 
 
 def test_the_hard_link_move_never_replaces_a_destination_made_meanwhile(
     roots: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from k8s_agent_sandbox_awx.broker.runtime import _fs
+    from k8s_agent_sandbox_awx.broker.runtime import _files, _paths
 
     _no_replace_unavailable(monkeypatch, "no renameat2")
     app = roots.paths["/app"]
@@ -685,8 +685,8 @@ def test_the_hard_link_move_never_replaces_a_destination_made_meanwhile(
         for _ in range(3000):
             Path(app, "src").write_bytes(b"mine")
             try:
-                _fs.move(_fs.check_path("src", roots), _fs.check_path("dst", roots), False)
-            except _fs.FsError as exc:
+                _files.move(_paths.check_path("src", roots), _paths.check_path("dst", roots), False)
+            except _paths.FsError as exc:
                 assert exc.code == "path_exists", exc.detail
                 os.unlink(os.path.join(app, "src"))
                 continue

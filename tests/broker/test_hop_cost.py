@@ -75,7 +75,7 @@ def test_the_forward_reuses_one_connection(broker: LocalBroker, alice: Any) -> N
     sandbox = alice.ready()
     for _ in range(5):
         assert alice.run(sandbox, "true").status_code == 200
-    record = broker._require_app().sandboxes[sandbox["name"]]
+    record = broker._require_store().sandboxes[sandbox["name"]]
     assert record.router_http is not None
     pool = record.router_http._transport._pool  # type: ignore[attr-defined]
     assert len(pool.connections) == 1

@@ -646,9 +646,9 @@ def test_a_failing_output_reader_still_ends_the_command(
 ) -> None:
     """In process (the runtime's module is standard library only): a bug in the reader thread
     kills the command's group and ends it visibly instead of leaving it 'running' forever."""
-    from k8s_agent_sandbox_awx.broker.runtime import _managed
+    from k8s_agent_sandbox_awx.broker.runtime import _command, _commands
 
-    manager = _managed.CommandManager(str(tmp_path), _managed.Limits())
+    manager = _commands.CommandManager(str(tmp_path), _command.Limits())
 
     def broken(*_: Any) -> bool:
         raise RuntimeError("injected reader failure")
@@ -884,17 +884,17 @@ def local_runtime(
     """The runtime's HTTP server in this process (its module is standard library only), with a
     ``CommandManager`` of these ``Limits`` (``sndbuf``: the send buffer of its connections, so
     that a reader that stops reading blocks its sends soon)."""
-    from k8s_agent_sandbox_awx.broker.runtime import _managed, _runtime
+    from k8s_agent_sandbox_awx.broker.runtime import _command, _commands, _server
 
-    manager = _managed.CommandManager(str(tmp_path), _managed.Limits(**limits))
+    manager = _commands.CommandManager(str(tmp_path), _command.Limits(**limits))
 
     def setup(self: Any) -> None:
         if sndbuf is not None:
             self.request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-        _runtime._Handler.setup(self)
+        _server.Handler.setup(self)
 
     attributes = {"base_dir": str(tmp_path), "commands": manager, "setup": setup}
-    handler = type("Handler", (_runtime._Handler,), attributes)
+    handler = type("Handler", (_server.Handler,), attributes)
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1})

@@ -38,7 +38,7 @@ def test_error_codes_match_the_prose_contract() -> None:
 
 
 def test_file_error_codes_match_the_runtime_and_the_prose() -> None:
-    from k8s_agent_sandbox_awx.broker.runtime._fs import ERROR_CODES
+    from k8s_agent_sandbox_awx.broker.runtime._paths import ERROR_CODES
 
     doc = load_openapi()
     fs_codes = doc["components"]["schemas"]["FsError"]["properties"]["code"]["enum"]

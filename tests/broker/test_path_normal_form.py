@@ -122,7 +122,7 @@ def _rpc_tenant(broker: LocalBroker, scope: str) -> Tenant:
 
 
 def _tenant(broker: LocalBroker, token: str, name: str, headers: dict[str, str]) -> Tenant:
-    record = broker._require_app().sandboxes[name]
+    record = broker._require_store().sandboxes[name]
     assert record.handle is not None
     return Tenant(broker, token, name, headers, Path(record.handle.base_dir))
 

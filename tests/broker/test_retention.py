@@ -66,7 +66,7 @@ def test_deleted_records_beyond_the_count_are_pruned_oldest_first() -> None:
         for name in names[3:]:
             _delete(broker, http, name)
         assert _deleted_names(broker) == [live, *names[3:]]
-        assert len(broker._require_app().history) == 4
+        assert len(broker._require_store().history) == 4
         with pytest.raises(KeyError, match=names[0]):
             broker.execution_count(names[0])
         assert broker.execution_count(names[-1]) == 0
@@ -84,7 +84,7 @@ def test_deleted_records_older_than_the_age_are_pruned() -> None:
         assert broker.execution_count(name) == 0
         time.sleep(2.3)
         assert _deleted_names(broker) == []
-        assert broker._require_app().history == []
+        assert broker._require_store().history == []
         with pytest.raises(KeyError, match=name):
             broker.execution_count(name)
 
@@ -94,14 +94,14 @@ def test_replaying_a_create_whose_sandbox_was_pruned_allocates_nothing() -> None
         key = {"Idempotency-Key": "create-once"}
         name = _crashed(broker, http, **key)
         _delete(broker, http, name)
-        assert broker._require_app().history == []
+        assert broker._require_store().history == []
         replay = http.post("/v1/sandboxes", json={}, headers=key)
         assert replay.status_code == 404, replay.text
         assert replay.json()["code"] == "not_found"
         assert name in replay.json()["detail"]
         assert "Idempotency-Key" in replay.json()["detail"]
         assert broker.sandboxes() == []
-        assert broker._require_app().history == []
+        assert broker._require_store().history == []
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("uvicorn", reason="needs the [local] extra")
 
 from k8s_agent_sandbox_awx.broker.backends import _local
-from k8s_agent_sandbox_awx.broker.backends._interface import RuntimeHandle, SandboxSpec
 from k8s_agent_sandbox_awx.broker.backends._local import LocalProcessBackend
+from k8s_agent_sandbox_awx.broker.backends._runtimes import RuntimeHandle, SandboxSpec
 
 
 async def _start(backend: LocalProcessBackend, *names: str) -> list[RuntimeHandle]:

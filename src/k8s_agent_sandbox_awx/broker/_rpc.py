@@ -1,15 +1,15 @@
 """The ``/rpc`` control-plane dialect, as the identity brokers deployed today speak it.
 
 ``POST {broker}/rpc`` with a JSON body ``{"op": ..., ...}``: ``create``, ``status``, ``delete``
-and ``extend`` (see docs/local-broker.md). Behind it are the same records, owner checks,
-attribution stamps and policy as behind ``/v1`` (``BrokerApp._admit``); only the wire shapes
+and ``extend`` (see docs/local-broker.md). Behind it are the same claims, owner checks,
+attribution stamps and policy as behind ``/v1`` (:class:`._claims.Claims`); only the wire shapes
 differ: broker-generated claim names (``broker-…``), a pinned namespace returned by create,
 claim conditions instead of phases, ``204`` for any delete, and errors as a short plain-text
 body instead of ``{"detail", "code"}``.
 
-Data-plane requests to a sandbox created here carry ``X-Sandbox-Claim-Name``; the broker checks
-that the claim is bound to the ``X-Sandbox-ID`` sandbox on every request
-(:meth:`RpcEndpoint.check_data_request`).
+Data-plane requests to a sandbox created here carry ``X-Sandbox-Claim-Name``; the data-plane
+forward checks that the claim is bound to the ``X-Sandbox-ID`` sandbox on every request
+(:func:`._forward.check_claim_binding`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ import secrets
 import string
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ._app import ApiError, BrokerApp, SandboxRecord, _rfc3339, check_metadata
-from .identity._issuer import TrustedIssuer
-from .identity._policy import RESERVED_PREFIX, Caller
+from ._claims import Claims
+from ._errors import ApiError
+from ._gate import Gate
+from ._metadata import check_metadata
+from .backends._interface import PENDING, READY, TERMINATING, ClaimNameTaken, ClaimState, rfc3339
+from .identity._policy import RESERVED_PREFIX, Caller, Policy
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 
@@ -77,25 +79,6 @@ _ALPHABET = string.ascii_lowercase + string.digits
 _PLAIN_TEXT = "text/plain; charset=utf-8"
 
 
-@dataclass(frozen=True)
-class RpcClaim:
-    """What ``/rpc`` adds to a sandbox record: the claim's name, warm pool, pod metadata and
-    the scopes granted at create."""
-
-    claim_name: str
-    warm_pool: str
-    scopes: frozenset[str]
-    pod_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
-    backend: str = "kubernetes"
-
-    def stamps(self) -> dict[str, str]:
-        """Attribution stamps added to the claim (visible under ``/v1`` too)."""
-        return {
-            RESERVED_PREFIX + "rpc-claim": self.claim_name,
-            RESERVED_PREFIX + "scopes": ",".join(sorted(self.scopes)),
-        }
-
-
 def plain_error(status: int, text: str, headers: Mapping[str, str] | None = None) -> Response:
     """An ``/rpc`` error: a short plain-text body (never a token: details name no secret)."""
     if len(text) > MAX_ERROR_CHARS:
@@ -107,12 +90,12 @@ def _bad(detail: str) -> ApiError:
     return ApiError(400, "invalid_request", detail)
 
 
-class RpcEndpoint:
-    """The ``/rpc`` handler of one :class:`BrokerApp` (runs on the broker's event loop)."""
+class Rpc:
+    """The ``/rpc`` front-end of one broker (runs on the broker's event loop)."""
 
-    def __init__(self, app: BrokerApp, warm_pools: Mapping[str, str]) -> None:
-        self.app = app
-        self.warm_pools = dict(warm_pools)
+    def __init__(self, claims: Claims, gate: Gate) -> None:
+        self.claims = claims
+        self.gate = gate
 
     async def handle(self, request: Request) -> Response:
         if request.method != "POST":
@@ -121,24 +104,22 @@ class RpcEndpoint:
                 'use POST /rpc with a JSON body {"op": ...}; ops: ' + ", ".join(OPS),
                 {"Allow": "POST"},
             )
-        app = self.app
         try:
-            app._check_unavailable("control", "/rpc")
-            caller, issuer = await app._authenticate(request)
-            body = await app._json_body(request)
+            caller = await self.gate.authenticate(request)
+            body = await self.gate.json_body(request)
             if not isinstance(body, dict) or not isinstance(body.get("op"), str):
                 raise _bad(
                     'the body must be a JSON object with an "op" string: one of ' + ", ".join(OPS)
                 )
             op = body["op"]
             if op == "create":
-                return self._create(body, caller, issuer)
+                return await self._create(body, caller)
             if op == "status":
-                return self._status(body, caller)
+                return await self._status(body, caller)
             if op == "delete":
-                return self._delete(body, caller)
+                return await self._delete(body, caller)
             if op == "extend":
-                return self._extend(body, caller, issuer)
+                return await self._extend(body, caller)
             if op in _UNSUPPORTED_OPS:
                 raise _bad(f"op {op!r} is not served by the local broker (GKE snapshots only)")
             raise _bad(f"unknown op {op[:40]!r}; this broker serves " + ", ".join(OPS))
@@ -146,111 +127,98 @@ class RpcEndpoint:
             return plain_error(exc.status, exc.detail, exc.headers)
 
     # -- ops -----------------------------------------------------------------------------------
-    def _create(self, body: dict[str, Any], caller: Caller, issuer: TrustedIssuer) -> Response:
+    async def _create(self, body: dict[str, Any], caller: Caller) -> Response:
         unknown = sorted(set(body) - _CREATE_FIELDS)
         if unknown:
             raise _bad(f"unknown create field(s) {unknown}; allowed: {sorted(_CREATE_FIELDS)}")
-        policy = issuer.policy
+        policy = self.claims.policy(caller)
         labels, annotations = check_metadata(body)
         pod_labels, pod_annotations = check_metadata(body, "pod_labels", "pod_annotations")
         backend = body.get("backend", "kubernetes")
         if backend != "kubernetes":
             raise _bad(f"backend {backend!r} is not available here; the only one is 'kubernetes'")
-        lifetime = float(policy.max_lifetime_seconds)
-        if body.get("lifecycle") is not None:
-            deadline = _shutdown_time(body["lifecycle"])
-            lifetime = deadline - time.time()
-            if lifetime <= 0:
-                raise _bad("lifecycle.shutdownTime is in the past; give a time in the future")
-            if lifetime > policy.max_lifetime_seconds + LIFETIME_TOLERANCE_SECONDS:
-                raise _bad(
-                    f"lifecycle.shutdownTime is {math.ceil(lifetime)} s away, over the policy "
-                    f"maximum lifetime of {policy.max_lifetime_seconds} s"
-                )
-            lifetime = min(lifetime, float(policy.max_lifetime_seconds))
+        lifetime = _lifetime(body.get("lifecycle"), policy)
         scopes = _granted_scopes(body.get("scopes"), policy.scopes)
-        pool = body.get("warmpool")
-        failure: tuple[str, str] | None = None
-        if pool is None:
-            template = policy.effective_default_template
-            pool = template
-        elif not isinstance(pool, str) or not _CLAIM_NAME.match(pool) or len(pool) > 253:
-            raise _bad("'warmpool' must be a warm pool name (a DNS-1123 name)")
-        elif pool not in self.warm_pools:
-            template = pool
-            failure = (
-                "WarmPoolNotFound",
-                f"warm pool {pool!r} does not exist; known: {sorted(self.warm_pools)}",
-            )
-        else:
-            template = self.warm_pools[pool]
-            if template not in self.app.templates:  # checked first, as under /v1
-                failure = (
-                    "TemplateNotFound",
-                    f"warm pool {pool!r} refers to template {template!r}, which does not exist",
-                )
-            elif template not in policy.templates:
-                raise ApiError(
-                    403,
-                    "template_not_allowed",
-                    f"provider {caller.provider!r} may not use warm pool {pool!r} (template "
-                    f"{template!r}); allowed templates: {list(policy.templates)}",
-                )
+        pool, template, failure = await self._warm_pool(body.get("warmpool"), caller, policy)
         pod_metadata = {
             key: value
             for key, value in (("labels", pod_labels), ("annotations", pod_annotations))
             if value
         }
-        claim = RpcClaim(self._new_claim_name(), pool, scopes, pod_metadata, backend)
-        record = self.app._admit(
-            caller,
-            policy,
-            template=template,
-            labels=labels,
-            annotations=annotations,
-            env={},
-            lifetime=lifetime,
-            rpc=claim,
-            failure=failure,
-        )
+        while True:
+            claim_name = _new_claim_name()
+            try:
+                state = await self.claims.admit(
+                    caller,
+                    policy,
+                    template=template,
+                    labels=labels,
+                    annotations=annotations,
+                    env={},
+                    lifetime=lifetime,
+                    scopes=scopes,
+                    extra_stamps={
+                        RESERVED_PREFIX + "rpc-claim": claim_name,
+                        RESERVED_PREFIX + "scopes": ",".join(sorted(scopes)),
+                    },
+                    claim_name=claim_name,
+                    warm_pool=pool,
+                    pod_metadata=pod_metadata,
+                    failure=failure,
+                )
+            except ClaimNameTaken:
+                continue
+            break
         log.info(
             "rpc: created claim %s (sandbox %s) for %s (%s)",
-            claim.claim_name,
-            record.name,
+            claim_name,
+            state.name,
             caller.subject,
             caller.provider,
         )
-        return JSONResponse({"claim_name": claim.claim_name, "namespace": record.namespace})
+        return JSONResponse({"claim_name": claim_name, "namespace": state.namespace})
 
-    def _status(self, body: dict[str, Any], caller: Caller) -> Response:
-        record = self._claim(body, caller)
-        self.app._check_alive(record)
+    async def _warm_pool(
+        self, pool: Any, caller: Caller, policy: Policy
+    ) -> tuple[str, str, tuple[str, str] | None]:
+        """A create's ``warmpool``: ``(pool, template, failure)`` (``None``: the policy's
+        default template, its own pool)."""
+        if pool is None:
+            template = policy.effective_default_template
+            return template, template, None
+        if not isinstance(pool, str) or not _CLAIM_NAME.match(pool) or len(pool) > 253:
+            raise _bad("'warmpool' must be a warm pool name (a DNS-1123 name)")
+        resolved = await self.claims.resolve_pool(caller, policy, pool)
+        return pool, resolved.template, resolved.failure
+
+    async def _status(self, body: dict[str, Any], caller: Caller) -> Response:
+        state = await self._claim(body, caller)
         return JSONResponse(
             {
-                "sandbox_name": record.name if record.handle is not None else None,
-                "namespace": record.namespace,
-                "ready": record.phase == "Ready",
-                "conditions": [_condition(record)],
+                "sandbox_name": state.name if state.bound else None,
+                "namespace": state.namespace,
+                "ready": state.phase == READY,
+                "conditions": [_condition(state)],
             }
         )
 
-    def _delete(self, body: dict[str, Any], caller: Caller) -> Response:
+    async def _delete(self, body: dict[str, Any], caller: Caller) -> Response:
         purpose = body.get("request_purpose")
         if purpose is not None and (not isinstance(purpose, str) or len(purpose) > 64):
             raise _bad("'request_purpose' must be a string of at most 64 characters")
-        record = self._lookup(self._name(body), caller)
-        if record is not None:
-            self.app.begin_delete(record)
+        state = await self._lookup(_name(body), caller)
+        if state is not None:
+            await self.claims.delete(state)
             log.info(
                 "rpc: deleting claim %s (sandbox %s)%s",
-                self._name(body),
-                record.name,
+                _name(body),
+                state.name,
                 f" for {purpose}" if purpose else "",
             )
         return Response(status_code=204)
 
-    def _extend(self, body: dict[str, Any], caller: Caller, issuer: TrustedIssuer) -> Response:
-        record = self._claim(body, caller)
+    async def _extend(self, body: dict[str, Any], caller: Caller) -> Response:
+        state = await self._claim(body, caller)
         if body.get("lifecycle") is None:
             raise _bad("op 'extend' needs 'lifecycle': {\"shutdownTime\": RFC 3339 time}")
         requested = _shutdown_time(body["lifecycle"])
@@ -259,82 +227,64 @@ class RpcEndpoint:
                 "lifecycle.shutdownTime is not in the future; to end the sandbox now use op "
                 "'delete'"
             )
-        cap = record.created_at + issuer.policy.max_lifetime_seconds
-        record.expires_at = min(requested, cap)
-        self.app.schedule_expiry(record)
+        cap = state.created_at + self.claims.policy(caller).max_lifetime_seconds
+        state = await self.claims.set_expiry(state, min(requested, cap))
         return JSONResponse(
             {
-                "claim_name": self._name(body),
-                "namespace": record.namespace,
-                "shutdown_time": _rfc3339(record.expires_at),
+                "claim_name": _name(body),
+                "namespace": state.namespace,
+                "shutdown_time": rfc3339(state.expires_at),
                 "capped": requested > cap,
             }
         )
 
     # -- claims --------------------------------------------------------------------------------
-    def _name(self, body: Mapping[str, Any]) -> str:
-        name = body.get("claim_name")
-        if not isinstance(name, str) or len(name) > 63 or not _CLAIM_NAME.match(name):
-            raise _bad("'claim_name' must be the claim name that create returned")
-        return name
-
-    def _claim(self, body: Mapping[str, Any], caller: Caller) -> SandboxRecord:
-        name = self._name(body)
-        record = self._lookup(name, caller)
-        if record is None:
+    async def _claim(self, body: Mapping[str, Any], caller: Caller) -> ClaimState:
+        name = _name(body)
+        state = await self._lookup(name, caller)
+        if state is None:
             raise ApiError(404, "not_found", f"claim {name!r} does not exist")
-        return record
+        return state
 
-    def _lookup(self, name: str, caller: Caller) -> SandboxRecord | None:
+    async def _lookup(self, name: str, caller: Caller) -> ClaimState | None:
         """The live claim ``name`` (``None``: absent or being deleted); 403 if not the owner's."""
-        with self.app.lock:
-            record = next(
-                (
-                    r
-                    for r in self.app.sandboxes.values()
-                    if r.rpc is not None and r.rpc.claim_name == name
-                ),
-                None,
-            )
-        if record is None or record.phase == "Terminating":
+        state = await self.claims.backend.find_claim(name)
+        if state is None or state.phase == TERMINATING:
             return None
-        if record.owner.key != caller.key:
+        if state.owner.key != caller.key:
             raise ApiError(
                 403, "not_owner", f"claim {name!r} belongs to another identity; only its owner"
             )
-        return record
+        return state
 
-    def _new_claim_name(self) -> str:
-        with self.app.lock:
-            taken = {r.rpc.claim_name for r in self.app.history if r.rpc is not None}
-        while True:
-            name = "broker-" + "".join(secrets.choice(_ALPHABET) for _ in range(10))
-            if name not in taken:
-                return name
 
-    # -- data plane ----------------------------------------------------------------------------
-    def check_data_request(self, request: Request, record: SandboxRecord) -> None:
-        """The claim <-> sandbox binding check, on every data-plane request (after the owner
-        check): a sandbox created through ``/rpc`` needs ``X-Sandbox-Claim-Name`` naming its
-        claim; a ``/v1`` sandbox's claim has the sandbox's own name."""
-        header = request.headers.get("x-sandbox-claim-name")
-        bound = record.rpc.claim_name if record.rpc is not None else record.name
-        if header is None:
-            if record.rpc is None:
-                return
-            raise ApiError(
-                403,
-                "claim_required",
-                f"sandbox {record.name!r} was created through /rpc: send X-Sandbox-Claim-Name "
-                "with the claim name that create returned",
-            )
-        if header != bound:
-            raise ApiError(
-                403,
-                "claim_mismatch",
-                f"claim {header[:63]!r} is not bound to sandbox {record.name!r}; send the claim "
-                "name that create returned, and the sandbox name its status reported",
-            )
+def _name(body: Mapping[str, Any]) -> str:
+    name = body.get("claim_name")
+    if not isinstance(name, str) or len(name) > 63 or not _CLAIM_NAME.match(name):
+        raise _bad("'claim_name' must be the claim name that create returned")
+    return name
+
+
+def _new_claim_name() -> str:
+    """A new claim name as the deployed brokers make them (the backend refuses one taken)."""
+    return "broker-" + "".join(secrets.choice(_ALPHABET) for _ in range(10))
+
+
+def _lifetime(lifecycle: Any, policy: Policy) -> float:
+    """A create's lifetime: its ``lifecycle.shutdownTime`` from now (clamped to the policy's
+    cap within :data:`LIFETIME_TOLERANCE_SECONDS`), else the cap."""
+    lifetime = float(policy.max_lifetime_seconds)
+    if lifecycle is None:
+        return lifetime
+    lifetime = _shutdown_time(lifecycle) - time.time()
+    if lifetime <= 0:
+        raise _bad("lifecycle.shutdownTime is in the past; give a time in the future")
+    if lifetime > policy.max_lifetime_seconds + LIFETIME_TOLERANCE_SECONDS:
+        raise _bad(
+            f"lifecycle.shutdownTime is {math.ceil(lifetime)} s away, over the policy "
+            f"maximum lifetime of {policy.max_lifetime_seconds} s"
+        )
+    return min(lifetime, float(policy.max_lifetime_seconds))
 
 
 def _shutdown_time(lifecycle: Any) -> float:
@@ -381,12 +331,12 @@ def _granted_scopes(requested: Any, allowed: tuple[str, ...]) -> frozenset[str]:
     return granted
 
 
-def _condition(record: SandboxRecord) -> dict[str, str]:
+def _condition(record: ClaimState) -> dict[str, str]:
     """The claim's ``Ready`` condition as the deployed brokers report it."""
-    if record.phase == "Ready":
+    if record.phase == READY:
         return _ready("True", "SandboxReady", record.message or "the sandbox is ready")
-    if record.phase == "Pending":
-        bound = record.handle is not None
+    if record.phase == PENDING:
+        bound = record.bound
         return _ready(
             "False",
             "SandboxNotReady",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shlex
 import signal
@@ -12,6 +11,7 @@ import tempfile
 import threading
 from types import FrameType
 
+from ..credentials._cache import clear_credential_cache
 from ..testing import EXTRA_HINT, NO_ISOLATION_WARNING
 
 DEMO_CODE = """\
@@ -138,7 +138,7 @@ def demo_main(argv: list[str]) -> int:
             os.environ.update(broker.environ("kubernetes"))
             for name in ("AGENT_SANDBOX_TOKEN", "AGENT_SANDBOX_TEMPLATE"):
                 os.environ.pop(name, None)
-            _clear_cache()
+            clear_credential_cache()
             print("# running:")
             print(
                 "\n".join(("#   " + line).rstrip() for line in DEMO_CODE.splitlines()), flush=True
@@ -151,15 +151,5 @@ def demo_main(argv: list[str]) -> int:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        _clear_cache()
+        clear_credential_cache()
     return 0
-
-
-def _clear_cache() -> None:
-    try:
-        module = importlib.import_module("k8s_agent_sandbox_awx.credentials._cache")
-    except ImportError:
-        return
-    clear = getattr(module, "clear_credential_cache", None)
-    if callable(clear):
-        clear()

@@ -24,14 +24,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-NO_ISOLATION_WARNING = (
-    "local sandboxes are host processes with NO isolation: commands run as your user on this "
-    "machine. Use the local broker for development and tests only, never for untrusted code."
-)
-EXTRA_HINT = (
-    'the local broker needs the [local] extra: python3 -m pip install -e ".[local]" in a clone of '
-    "the k8s-agent-sandbox-awx repository"
-)
+from ._messages import EXTRA_HINT, NO_ISOLATION_WARNING
 
 _EXPORTS: dict[str, str] = {
     "LocalBroker": "._broker",
@@ -39,10 +32,10 @@ _EXPORTS: dict[str, str] = {
     "Policy": "..broker.identity._policy",
     "Caller": "..broker.identity._policy",
     "caller_namespace": "..broker.identity._policy",
-    "SandboxBackend": "..broker.backends._interface",
-    "SandboxSpec": "..broker.backends._interface",
-    "RuntimeHandle": "..broker.backends._interface",
-    "RuntimeStartError": "..broker.backends._interface",
+    "SandboxBackend": "..broker.backends._runtimes",
+    "SandboxSpec": "..broker.backends._runtimes",
+    "RuntimeHandle": "..broker.backends._runtimes",
+    "RuntimeStartError": "..broker.backends._runtimes",
     "LocalProcessBackend": "..broker.backends._local",
     "DEFAULT_RUNTIME_COMMAND": "..broker.backends._local",
     "RESERVED_PREFIX": "..broker.identity._policy",
@@ -104,12 +97,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..broker.backends._interface import RuntimeHandle as RuntimeHandle
-    from ..broker.backends._interface import RuntimeStartError as RuntimeStartError
-    from ..broker.backends._interface import SandboxBackend as SandboxBackend
-    from ..broker.backends._interface import SandboxSpec as SandboxSpec
     from ..broker.backends._local import DEFAULT_RUNTIME_COMMAND as DEFAULT_RUNTIME_COMMAND
     from ..broker.backends._local import LocalProcessBackend as LocalProcessBackend
+    from ..broker.backends._runtimes import RuntimeHandle as RuntimeHandle
+    from ..broker.backends._runtimes import RuntimeStartError as RuntimeStartError
+    from ..broker.backends._runtimes import SandboxBackend as SandboxBackend
+    from ..broker.backends._runtimes import SandboxSpec as SandboxSpec
     from ..broker.identity._policy import RESERVED_PREFIX as RESERVED_PREFIX
     from ..broker.identity._policy import Caller as Caller
     from ..broker.identity._policy import Policy as Policy

@@ -12,6 +12,7 @@ import re
 import secrets
 import shutil
 import socket
+import ssl
 import tempfile
 import threading
 import time
@@ -21,30 +22,33 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, TypeVar
 
+import httpx
 import trustme
 import uvicorn
 
-from ..broker._app import (
-    DEFAULT_KEEP_DELETED,
-    DEFAULT_KEEP_DELETED_SECONDS,
-    BrokerApp,
-    Faults,
-    _UnavailableRule,
-    install_log_filter,
-)
-from ..broker._rpc import DEFAULT_WARM_POOL, RpcEndpoint
-from ..broker._stream_faults import CutRule, DropRule
-from ..broker.backends._interface import SandboxBackend
+from ..broker._app import PROTOCOLS, BrokerApp
+from ..broker._relay import install_log_filter
+from ..broker._rpc import DEFAULT_WARM_POOL
+from ..broker._v1 import sandbox_json
 from ..broker.backends._local import (
     RUNTIMES_DIR_PREFIX,
     LocalProcessBackend,
     owned_temp_dir,
+    release_owned_dir,
     sweep_dead_owners,
 )
+from ..broker.backends._local_claims import (
+    DEFAULT_KEEP_DELETED,
+    DEFAULT_KEEP_DELETED_SECONDS,
+    LocalBackend,
+)
+from ..broker.backends._runtimes import SandboxBackend
 from ..broker.identity._policy import Policy, caller_namespace
-from ..broker.identity._verify import token_fingerprint
+from ..broker.identity._revocations import Revocations
+from ..broker.identity._rules import IssuerPolicies
+from ..broker.identity._verify import TokenVerifier
 from ..broker.runtime._tree import remove_quietly
-from . import NO_ISOLATION_WARNING
+from ._faults import CutRule, DropRule, FaultLayer, Faults, FaultyRuntimes, UnavailableRule
 from ._issuers import (
     GITLAB_ATTRIBUTES,
     AttributesRule,
@@ -52,6 +56,7 @@ from ._issuers import (
     Issuer,
     kubernetes_attributes,
 )
+from ._messages import NO_ISOLATION_WARNING
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 T = TypeVar("T")
@@ -60,8 +65,6 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DEFAULT_KUBERNETES_POLICY = Policy(
     templates=("python",), namespace=caller_namespace, max_sandboxes=5, max_lifetime_seconds=3600
 )
-PROTOCOLS = ("v1", "rpc")
-"""The control-plane dialects the local broker can serve (see docs/local-broker.md)."""
 
 DEFAULT_GITLAB_POLICY = Policy(
     templates=("python",), namespace="gitlab-ci", max_sandboxes=5, max_lifetime_seconds=3600
@@ -153,6 +156,9 @@ class LocalBroker:
         self._thread: threading.Thread | None = None
         self._server: uvicorn.Server | None = None
         self._app: BrokerApp | None = None
+        self._store: LocalBackend | None = None
+        self._jwks: _JwksClient | None = None
+        self._revocations = Revocations()
         self.startup_seconds: float | None = None
 
     def __repr__(self) -> str:
@@ -183,7 +189,7 @@ class LocalBroker:
         self._app = self._make_app(self._tmp)
         install_log_filter()
         config = uvicorn.Config(
-            self._app,
+            FaultLayer(self._app, self._faults, self._protocols),  # faults around the broker
             ssl_certfile=server_pem,
             log_config=None,
             log_level="warning",
@@ -246,6 +252,7 @@ class LocalBroker:
     def _make_app(self, tmp: str) -> BrokerApp:
         """The built-in issuers, the backend and the ASGI application with both dialects."""
         assert self._url is not None and self._ca_bundle is not None
+        self._jwks = _JwksClient(self._ca_bundle)
         self._add_issuer(
             "kubernetes",
             provider="kubernetes",
@@ -256,26 +263,32 @@ class LocalBroker:
         self._add_issuer(
             "gitlab", provider="gitlab", policy=self._gitlab_policy, attributes=GITLAB_ATTRIBUTES
         )
-        backend = self._backend or LocalProcessBackend(
+        runtimes = self._backend or LocalProcessBackend(
             self._runtime_command, root_dir=os.path.join(tmp, "sandboxes")
         )
-        self._backend = backend
-        app = BrokerApp(
-            url=self._url,
-            issuers=self._issuer_snapshot,
-            issuer_by_name=self._issuer_named,
+        self._backend = runtimes
+        self._store = LocalBackend(
+            FaultyRuntimes(runtimes, self._faults),  # crashes and slow readiness, injected
             templates=self._templates,
-            backend=backend,
-            ca_bundle=self._ca_bundle,
-            faults=self._faults,
-            skew_seconds=self._skew,
-            max_token_bytes=self._max_token_bytes,
-            protocols=self._protocols,
+            warm_pools=self._warm_pools,
             keep_deleted=self._keep_deleted,
             keep_deleted_seconds=self._keep_deleted_seconds,
         )
-        app.rpc = RpcEndpoint(app, self._warm_pools)
-        return app
+        verifier = TokenVerifier(
+            audience=self._url,
+            issuers=self._issuer_snapshot,
+            http=self._jwks.client,  # the local issuers' documents: this broker's own URL
+            skew_seconds=self._skew,
+            max_token_bytes=self._max_token_bytes,
+            is_revoked=self._revocations.is_revoked,
+        )
+        return BrokerApp(
+            verifier=verifier,
+            policies=IssuerPolicies(self._issuer_snapshot),
+            backend=self._store,
+            protocols=self._protocols,
+            issuer_by_name=self._issuer_named,
+        )
 
     def stop(self) -> None:
         """Delete every sandbox, stop the runtimes and the server, remove the temp files."""
@@ -285,7 +298,7 @@ class LocalBroker:
         loop, thread, server, app = self._loop, self._thread, self._server, self._app
         if loop is not None and thread is not None and thread.is_alive() and app is not None:
             try:
-                asyncio.run_coroutine_threadsafe(app.shutdown(), loop).result(30)
+                asyncio.run_coroutine_threadsafe(self._shutdown(app), loop).result(30)
             except Exception:
                 log.exception("LocalBroker: clean shutdown failed; killing the runtimes")
                 if self._backend is not None:
@@ -303,6 +316,11 @@ class LocalBroker:
             atexit.unregister(self._atexit)
         self._cleanup_files()
 
+    async def _shutdown(self, app: BrokerApp) -> None:
+        await app.shutdown()
+        if self._jwks is not None:
+            await self._jwks.aclose()
+
     def _atexit(self) -> None:
         if self._backend is not None:
             self._backend.kill_all_now()
@@ -311,6 +329,7 @@ class LocalBroker:
     def _cleanup_files(self) -> None:
         if self._tmp is not None:  # never raises: a failure is logged (any depth is removed)
             remove_quietly(self._tmp, "the local broker's temporary directory")
+            release_owned_dir(self._tmp)  # what could not be removed is a later start's
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         if self._loop is None or self._app is None:
@@ -322,6 +341,12 @@ class LocalBroker:
         if self._app is None or self._url is None:
             raise RuntimeError("the LocalBroker is not running: use 'with LocalBroker() as b:'")
         return self._app
+
+    def _require_store(self) -> LocalBackend:
+        """The local backend: the sandboxes' records (``sandboxes``, ``history``)."""
+        if self._store is None or self._url is None:
+            raise RuntimeError("the LocalBroker is not running: use 'with LocalBroker() as b:'")
+        return self._store
 
     # -- basic properties ----------------------------------------------------------------------
     @property
@@ -544,15 +569,8 @@ class LocalBroker:
 
     def revoke_token(self, token: str) -> None:
         """Reject ``token`` from now on (``401 token_revoked``), by ``jti`` and by digest."""
-        app = self._require_app()
-        import jwt
-
-        with app.lock:
-            app.revoked.add("sha256:" + token_fingerprint(token))
-            with contextlib.suppress(jwt.PyJWTError, RecursionError):  # revoked by digest
-                jti = jwt.decode(token, options={"verify_signature": False}).get("jti")
-                if isinstance(jti, str):
-                    app.revoked.add(f"jti:{jti}")
+        self._require_app()
+        self._revocations.revoke(token)
 
     # -- token files and environment -----------------------------------------------------------
     def write_projected_token(
@@ -631,40 +649,37 @@ class LocalBroker:
     # -- state and faults ----------------------------------------------------------------------
     def claims(self, *, include_deleted: bool = False) -> list[dict[str, Any]]:
         """The SandboxClaim manifests the broker created (live ones; all with include_deleted)."""
-        app = self._require_app()
-        with app.lock:
-            app.prune_deleted()
-            records = list(app.history) if include_deleted else list(app.sandboxes.values())
+        store = self._require_store()
+        with store.lock:
+            store.prune_deleted()
+            records = list(store.history) if include_deleted else list(store.sandboxes.values())
         return [r.manifest() for r in records]
 
     def sandboxes(self) -> list[dict[str, Any]]:
         """Every live sandbox as the API returns it (all owners)."""
-        app = self._require_app()
-        with app.lock:
-            return [r.api() for r in app.sandboxes.values()]
+        store = self._require_store()
+        with store.lock:
+            return [sandbox_json(r.state()) for r in store.sandboxes.values()]
 
     def sandbox_name(self, name: str) -> str:
         """The sandbox ``name`` names: under ``/rpc`` the client's ``Sandbox.name`` is the
         claim name create returned (``broker-…``), which this maps to the sandbox bound to it;
         any other name is returned as it is. Every method here that takes a sandbox name (or
         ``sandbox=``) accepts either."""
-        app = self._require_app()
-        with app.lock:
-            app.prune_deleted()
-            bound = next(
-                (r.name for r in app.history if r.rpc is not None and r.rpc.claim_name == name),
-                None,
-            )
+        store = self._require_store()
+        with store.lock:
+            store.prune_deleted()
+            bound = next((r.name for r in store.history if r.claim_name == name), None)
         return bound or name
 
     def execution_count(self, name: str) -> int:
         """How many ``POST /execute`` requests the broker forwarded to sandbox ``name``."""
-        app = self._require_app()
+        store = self._require_store()
         name = self.sandbox_name(name)
-        with app.lock:
-            app.prune_deleted()
-            record = app.sandboxes.get(name) or next(
-                (r for r in app.history if r.name == name), None
+        with store.lock:
+            store.prune_deleted()
+            record = store.sandboxes.get(name) or next(
+                (r for r in store.history if r.name == name), None
             )
         if record is None:
             raise KeyError(f"no sandbox named {name!r}")
@@ -672,10 +687,10 @@ class LocalBroker:
 
     def runtime_pid(self, name: str) -> int | None:
         """The pid of sandbox ``name``'s runtime process (``None`` before it started)."""
-        app = self._require_app()
+        store = self._require_store()
         name = self.sandbox_name(name)
-        with app.lock:
-            record = app.sandboxes.get(name)
+        with store.lock:
+            record = store.sandboxes.get(name)
         return record.handle.pid if record is not None and record.handle is not None else None
 
     def _sandbox_or_none(self, name: str | None) -> str | None:
@@ -683,8 +698,7 @@ class LocalBroker:
 
     def delete_all(self) -> None:
         """Delete every sandbox now (all owners) and wait until their runtimes are gone."""
-        app = self._require_app()
-        self._call(app.delete_all())
+        self._call(self._require_store().delete_all())
 
     def reset(self) -> None:
         """Delete every sandbox and clear every injected fault (the fixture calls it per test)."""
@@ -715,7 +729,7 @@ class LocalBroker:
         sandbox = self._sandbox_or_none(sandbox)
         with self._faults.lock:
             self._faults.unavailable.append(
-                _UnavailableRule(count, retry_after, scope, path, sandbox)
+                UnavailableRule(count, retry_after, scope, path, sandbox)
             )
 
     def drop_connection_after_execute(self, count: int = 1, *, sandbox: str | None = None) -> None:
@@ -776,6 +790,30 @@ class LocalBroker:
 
 
 _TMP_PREFIX = "agent-sandbox-broker-"
+
+
+class _JwksClient:
+    """The one HTTPS client the broker fetches its local issuers' keys with (they are served
+    by the broker itself, under the CA made at start); made on first use, on the loop."""
+
+    def __init__(self, ca_bundle: str) -> None:
+        self.ca_bundle = ca_bundle
+        self._http: httpx.AsyncClient | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                verify=ssl.create_default_context(cafile=self.ca_bundle),
+                timeout=httpx.Timeout(5.0),
+                follow_redirects=False,
+                trust_env=False,
+            )
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
 
 def _check_retention(keep_deleted: object, keep_deleted_seconds: object) -> None:

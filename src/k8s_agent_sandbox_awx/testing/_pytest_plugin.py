@@ -8,7 +8,6 @@ is missing; a run that does not use the fixture is never affected.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,16 +18,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from . import LocalBroker
 
 _ENV_CLEARED = ("AGENT_SANDBOX_TOKEN", "AGENT_SANDBOX_TEMPLATE")
-
-
-def _clear_credential_cache() -> None:
-    try:
-        module = importlib.import_module("k8s_agent_sandbox_awx.credentials._cache")
-    except ImportError:
-        return
-    clear = getattr(module, "clear_credential_cache", None)
-    if callable(clear):
-        clear()
 
 
 @pytest.fixture(scope="session")
@@ -65,9 +54,11 @@ def sandbox_broker(
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    _clear_credential_cache()
+    from ..credentials._cache import clear_credential_cache  # here: the plugin stays cheap
+
+    clear_credential_cache()
     try:
         yield broker
     finally:
         broker.reset()
-        _clear_credential_cache()
+        clear_credential_cache()

@@ -1,71 +1,320 @@
-"""What the broker needs from a backend: where a sandbox's runtime runs.
+"""What the broker needs from a backend: the sandboxes' claims, their state, and where their data
+plane goes. This is the contract a second backend implements.
 
-A backend turns a :class:`SandboxSpec` into a running runtime server that speaks the legacy
-python-runtime protocol and returns a :class:`RuntimeHandle` (host and port) once the runtime
-answers ``GET /``. The local one (``_local.LocalProcessBackend``) starts host processes.
+The broker's parts above the backend (the v1 and ``/rpc`` front-ends, the shared claims logic,
+the data-plane forward) talk to it only through :class:`Backend`; what a caller may do (policy,
+quotas' values, lifetimes' caps, scopes, attribution) is decided there, and the backend keeps
+and enforces the result. Two backends: the local one (:class:`._local_claims.LocalBackend`:
+records in memory, runtimes as host processes, expiry timers) and Kubernetes (claims in the API
+server, Ready from a watch, stateless replicas).
+
+The rules every backend holds:
+
+- **State lives in the backend.** A :class:`ClaimState` is what the backend knew when it
+  answered (a snapshot: read it again with :meth:`Backend.get`); no fact may live only in the
+  broker's memory. A backend with several replicas keeps every fact (owner, idempotency key and
+  request digest, lifetime, phase) where every replica sees it.
+- **Atomic:** :meth:`Backend.create` checks the owner's quota (``ClaimRequest.max_live``) and
+  makes the claim as one step, so that concurrent creates never leave the owner with more live
+  claims than the maximum (across replicas: for example create, then count, then delete the
+  surplus claim and raise :class:`QuotaExceeded`); a create with an :class:`Idempotency` makes at
+  most one claim per owner and key (for example a claim name derived from them), and a repeat
+  finds that claim (:meth:`Backend.replay`, or ``Created.replayed``).
+- **Eventually consistent:** :meth:`Backend.list_owned` and the phase a claim shows may lag
+  behind the last change (a watch, an informer cache); :meth:`Backend.get` and
+  :meth:`Backend.wait_ready` reflect what the backend knows now, and a get may notice a runtime
+  that died (Ready -> Failed ``RuntimeExited``).
+- **Live, Terminating, gone.** A claim is live while Pending or Ready (it counts toward the
+  quota), Failed once it failed (it no longer counts, and stays until deleted or expired),
+  Terminating once deleted or expired until its runtime is stopped, then gone. Lookups
+  (:meth:`Backend.get`, :meth:`Backend.find_claim`, :meth:`Backend.list_owned`) answer live,
+  Failed and Terminating claims and ``None`` (or leave them out) for gone ones; deleting a gone
+  claim is ``None``, not an error ("already gone is gone"). A claim expires at ``expires_at``:
+  the backend deletes it then (Terminating, reason ``Expired``).
+- **Errors** are the exceptions below (the broker turns them into its API's answers); anything
+  else is a backend failure. Secrets never appear in a state, a route's repr or an error.
+- Every method runs on the broker's event loop and never blocks it; times are epoch seconds.
 """
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Protocol
 
-__all__ = ["RuntimeHandle", "RuntimeStartError", "SandboxBackend", "SandboxSpec"]
+import httpx
+
+__all__ = [
+    "IDEMPOTENCY_SECONDS",
+    "RUNTIME_PORT",
+    "Backend",
+    "ClaimForgotten",
+    "ClaimGone",
+    "ClaimNameTaken",
+    "ClaimRequest",
+    "ClaimState",
+    "Created",
+    "Idempotency",
+    "IdempotencyConflict",
+    "Owner",
+    "QuotaExceeded",
+    "Route",
+    "Unroutable",
+    "WarmPool",
+    "rfc3339",
+]
+
+RUNTIME_PORT = 8888
+"""The port a sandbox's runtime serves (upstream's python runtime), the data plane's default."""
+IDEMPOTENCY_SECONDS = 86400
+"""How long a backend remembers a create's Idempotency-Key at least."""
+PENDING, READY, FAILED, TERMINATING = "Pending", "Ready", "Failed", "Terminating"
+"""The phases of a claim (see the module docstring)."""
+
+
+def rfc3339(ts: float) -> str:
+    """``ts`` as the Kubernetes API writes times (RFC 3339, UTC, whole seconds)."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
-class SandboxSpec:
-    """What to start: the claim's name, namespace, template and environment."""
+class Owner:
+    """The identity that owns a claim, as the broker verified it: ``(issuer, subject)`` is the
+    owner; ``provider`` is shown with it."""
 
-    name: str
+    issuer: str
+    subject: str
+    provider: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.issuer, self.subject)
+
+
+@dataclass(frozen=True)
+class Idempotency:
+    """A create's Idempotency-Key and the digest of its request: a repeat with the same key and
+    digest is the same create; with another digest it is :class:`IdempotencyConflict`."""
+
+    key: str
+    digest: str
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """A claim to make, as the broker decided it (the policy applied, the stamps made)."""
+
+    owner: Owner
     namespace: str
     template: str
-    env: Mapping[str, str] = field(default_factory=dict)
-    command: str | Sequence[str] | None = None
-    """Runtime command line for this template (``None``: the backend's default)."""
+    """The template (the warm pool, for Kubernetes) the sandbox is made from."""
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    stamps: Mapping[str, str]
+    """The broker's attribution stamps (annotations under the reserved prefix): who made it."""
+    env: Mapping[str, str]
+    created_at: float
+    lifetime_seconds: float
+    """The claim expires ``lifetime_seconds`` after ``created_at``."""
+    scopes: frozenset[str]
+    """The data-plane action scopes granted (``required_scope`` of each request's path)."""
+    max_live: int
+    """The owner's quota: ``create`` raises QuotaExceeded when the owner already holds this many
+    live claims."""
+    claim_name: str | None = None
+    """The name of the claim when the sandbox is named apart from it (an ``/rpc`` claim: its
+    data-plane requests must name it); ``None``: the backend names the claim."""
+    warm_pool: str | None = None
+    """The warm pool the claim refers to (``None``: the template's own)."""
+    pod_metadata: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Labels and annotations for the sandbox's pod (``{"labels": ..., "annotations": ...}``)."""
+    failure: tuple[str, str] | None = None
+    """``(reason, message)``: the claim is made Failed at once, nothing starts (a warm pool the
+    backend resolved as missing: :meth:`Backend.resolve_warm_pool`)."""
+    idempotency: Idempotency | None = None
 
 
-@dataclass
-class RuntimeHandle:
-    """A running runtime: where the broker's router reaches it."""
+@dataclass(frozen=True)
+class ClaimState:
+    """A claim as the backend knows it (a snapshot)."""
 
     name: str
+    """The sandbox's name in the broker's API (v1's name, the data plane's X-Sandbox-ID)."""
+    namespace: str
+    template: str
+    owner: Owner
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    stamps: Mapping[str, str]
+    env: Mapping[str, str]
+    created_at: float
+    expires_at: float
+    phase: str
+    """Pending, Ready, Failed or Terminating (see the module docstring)."""
+    reason: str | None
+    message: str | None
+    transition_at: float
+    """When the phase last changed."""
+    started_at: float | None
+    """When the sandbox became Ready (``None``: not yet)."""
+    bound: bool
+    """A runtime is bound to the claim (it has an address; Ready may still come later)."""
+    scopes: frozenset[str]
+    uid: str
+    claim_name: str | None = None
+    """See ``ClaimRequest.claim_name``."""
+    warm_pool: str | None = None
+    pod_metadata: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    deleted: bool = False
+    """Gone: deleted and its runtime stopped (only a replay still shows such a claim)."""
+
+    @property
+    def live(self) -> bool:
+        return self.phase in (PENDING, READY)
+
+    @property
+    def ending(self) -> bool:
+        """Deleted or expired (Terminating), or gone."""
+        return self.deleted or self.phase == TERMINATING
+
+
+@dataclass(frozen=True)
+class Created:
+    """What :meth:`Backend.create` made, or found (``replayed``: a repeat of an idempotent
+    create that raced with the first and lost)."""
+
+    state: ClaimState
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class WarmPool:
+    """What a warm pool named in a create resolves to: its template, or why a claim on it fails
+    (``(reason, message)``, e.g. ``WarmPoolNotFound``)."""
+
+    template: str
+    failure: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one data-plane request to a Ready sandbox goes: ``http(s)://host:port`` plus the
+    request's own target, over ``client`` (the backend's connections: it closes them when they
+    lead nowhere any more), with ``headers`` added (a router's: the sandbox's name, its namespace,
+    the broker's own credential; never the caller's token)."""
+
     host: str
     port: int
-    base_dir: str
-    pid: int | None = None
-    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    root: str | None = field(default=None, repr=False)
+    client: httpx.AsyncClient = field(repr=False)
+    scheme: str = "http"
+    headers: Sequence[tuple[bytes, bytes]] = field(default=(), repr=False)
+    count_command: Callable[[int], None] | None = field(default=None, repr=False)
+    """Called with ``1`` before a command-running request (``POST /execute``, ``POST
+    /commands``) is sent, and with ``-1`` when it provably never reached the sandbox (the
+    connection failed): the local backend counts them per sandbox; ``None``: not counted."""
 
 
-class RuntimeStartError(Exception):
-    """The runtime did not come up: ``reason`` is a CamelCase reason, ``message`` says why."""
+class QuotaExceeded(Exception):
+    """The owner already holds ``held`` live claims, the maximum (``ClaimRequest.max_live``)."""
 
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
+    def __init__(self, held: int, maximum: int) -> None:
+        super().__init__(f"{held} live claims held, the maximum is {maximum}")
+        self.held = held
+        self.maximum = maximum
 
 
-class SandboxBackend(Protocol):
-    """What the broker needs from a backend (all methods run on the broker's event loop)."""
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used by the owner with another request (another digest)."""
 
-    async def start(self, spec: SandboxSpec) -> RuntimeHandle:
-        """Start the runtime and return once it answers ``GET /``; raise RuntimeStartError."""
+
+class ClaimForgotten(Exception):
+    """The Idempotency-Key made claim ``name``, which was deleted and is no longer remembered."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+class ClaimNameTaken(Exception):
+    """``ClaimRequest.claim_name`` names a claim that exists (or existed): choose another."""
+
+
+class ClaimGone(Exception):
+    """The claim was deleted since it was looked up (a data-plane route to it is no more)."""
+
+
+class Unroutable(Exception):
+    """The data plane cannot reach the sandbox as asked (``detail`` says why, e.g. a port it
+    does not serve)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class Backend(Protocol):
+    """Where the broker's sandboxes live (see the module docstring for the rules)."""
+
+    async def templates(self) -> Sequence[str]:
+        """The templates a v1 create may name (a template not among them is ``404``)."""
         ...
 
-    async def stop(self, handle: RuntimeHandle) -> None:
-        """Stop the runtime and remove everything it left behind."""
+    async def resolve_warm_pool(self, pool: str) -> WarmPool:
+        """The template of the warm pool an ``/rpc`` create names, or the failure of a claim
+        on it (the claim is still made, Failed: ``ClaimRequest.failure``)."""
         ...
 
-    def is_alive(self, handle: RuntimeHandle) -> bool: ...
+    async def replay(self, owner: Owner, idempotency: Idempotency) -> ClaimState | None:
+        """The claim an earlier create of ``owner`` with this key made (``None``: the key is
+        new, or older than :data:`IDEMPOTENCY_SECONDS`); IdempotencyConflict for another
+        digest; ClaimForgotten when that claim is gone and no longer known."""
+        ...
+
+    async def create(self, request: ClaimRequest) -> Created:
+        """Make the claim (Pending; its sandbox starts) or, with ``request.failure``, a Failed
+        one (nothing starts); QuotaExceeded, ClaimNameTaken. Atomic (see the module docstring);
+        with ``request.idempotency`` a create that finds the key taken by a create that won a
+        race answers that claim (``replayed``) or raises IdempotencyConflict."""
+        ...
+
+    async def get(self, name: str) -> ClaimState | None:
+        """The claim ``name`` (``ClaimState.name``) unless it is gone; its phase as known now
+        (a dead runtime: Failed)."""
+        ...
+
+    async def find_claim(self, claim_name: str) -> ClaimState | None:
+        """The claim whose ``claim_name`` is ``claim_name`` (an ``/rpc`` claim) unless it is
+        gone, as :meth:`get`."""
+        ...
+
+    async def list_owned(self, owner: Owner) -> list[ClaimState]:
+        """The owner's claims that are not gone, in any order (may lag: see the docstring)."""
+        ...
+
+    async def delete(self, name: str) -> ClaimState | None:
+        """Begin deleting claim ``name``: it is Terminating (reason ``Deleted``) until its
+        runtime is stopped, then gone; the state as Terminating, or ``None`` when it is gone
+        already. The broker checked the owner before."""
+        ...
+
+    async def set_expiry(self, name: str, expires_at: float) -> ClaimState | None:
+        """Move claim ``name``'s expiry to ``expires_at`` (the broker checked the cap); the new
+        state, or ``None`` when it is gone."""
+        ...
+
+    async def wait_ready(self, name: str, within: float) -> ClaimState | None:
+        """Wait until claim ``name`` is no longer Pending, at most ``within`` seconds (without
+        polling where the backend can watch); its state then (``None``: gone and no longer
+        known)."""
+        ...
+
+    async def route(self, state: ClaimState, port: int) -> Route:
+        """Where a data-plane request to the Ready sandbox of ``state`` on ``port`` goes;
+        ClaimGone when it was deleted meanwhile, Unroutable when it cannot be reached so."""
+        ...
 
     async def close(self) -> None:
-        """Stop every runtime this backend started."""
-        ...
-
-    def kill_all_now(self) -> None:
-        """Synchronous last-resort cleanup (no event loop): kill and remove everything."""
+        """Stop: what the broker owns locally ends (the local backend deletes its sandboxes and
+        stops their runtimes; a cluster's claims stay)."""
         ...

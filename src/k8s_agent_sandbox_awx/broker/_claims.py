@@ -1,0 +1,204 @@
+"""The control-plane logic both dialects share: a caller's claims, from admission to deletion.
+
+The v1 and ``/rpc`` front-ends parse their wire shapes and call :class:`Claims`, which applies
+the caller's policy (its namespace, templates, quota, lifetime cap), stamps the attribution
+(who made the claim, under the reserved prefix) and keeps the answers' rules (owner-only
+lookups, idempotent creates), over the :class:`.backends._interface.Backend` that keeps the
+state. Errors are :class:`._errors.ApiError`; each front-end writes them in its own shape.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import ApiError
+from .backends._interface import (
+    Backend,
+    ClaimForgotten,
+    ClaimRequest,
+    ClaimState,
+    Idempotency,
+    IdempotencyConflict,
+    Owner,
+    QuotaExceeded,
+    WarmPool,
+    rfc3339,
+)
+from .identity._policy import RESERVED_PREFIX, Caller, Policy
+from .identity._rules import PolicyDenied, PolicySource
+
+
+def owner_of(caller: Caller) -> Owner:
+    return Owner(caller.issuer, caller.subject, caller.provider)
+
+
+def stamps(caller: Caller, now: float, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The attribution stamps of a sandbox ``caller`` creates ``now`` (and ``extra``)."""
+    made = {
+        RESERVED_PREFIX + "issuer": caller.issuer,
+        RESERVED_PREFIX + "subject": caller.subject,
+        RESERVED_PREFIX + "provider": caller.provider,
+        RESERVED_PREFIX + "created-at": rfc3339(now),
+    }
+    for attr, value in caller.attributes.items():
+        made[RESERVED_PREFIX + "attr." + attr] = (
+            json.dumps(value) if not isinstance(value, str) else value
+        )
+    made.update(extra or {})
+    return made
+
+
+class Claims:
+    """A caller's claims over ``backend``, with the broker's rules; ``policies`` gives each
+    verified caller its policy (the local broker's issuers' own, or a configuration's rules)."""
+
+    def __init__(self, backend: Backend, policies: PolicySource) -> None:
+        self.backend = backend
+        self.policies = policies
+
+    # -- policy --------------------------------------------------------------------------------
+    def policy(self, caller: Caller) -> Policy:
+        """The policy of ``caller``; 403 when none admits it."""
+        try:
+            return self.policies.policy_for(caller)
+        except PolicyDenied as exc:
+            raise ApiError(403, exc.code, exc.detail) from None
+
+    @staticmethod
+    def describe(caller: Caller, policy: Policy) -> dict[str, Any]:
+        """The policy as ``whoami`` shows it; 403 when it has no place for the caller."""
+        try:
+            return policy.describe(caller)
+        except (ValueError, KeyError) as exc:
+            raise ApiError(
+                403, "policy_denied", f"no policy applies to this caller: {exc}"
+            ) from None
+
+    async def check_template(self, caller: Caller, policy: Policy, template: str) -> None:
+        """A v1 create's template exists (404) and the caller's policy allows it (403)."""
+        known = await self.backend.templates()
+        if template not in known:
+            raise ApiError(
+                404,
+                "template_not_found",
+                f"template {template!r} does not exist; known: {sorted(known)}",
+            )
+        if template not in policy.templates:
+            raise ApiError(
+                403,
+                "template_not_allowed",
+                f"provider {caller.provider!r} may not use template {template!r}; allowed: "
+                f"{list(policy.templates)}",
+            )
+
+    async def resolve_pool(self, caller: Caller, policy: Policy, pool: str) -> WarmPool:
+        """An ``/rpc`` create's warm pool: its template, or why a claim on it fails (the claim
+        is still made, Failed); 403 when the caller's policy does not allow its template."""
+        resolved = await self.backend.resolve_warm_pool(pool)
+        if resolved.failure is None and resolved.template not in policy.templates:
+            raise ApiError(
+                403,
+                "template_not_allowed",
+                f"provider {caller.provider!r} may not use warm pool {pool!r} (template "
+                f"{resolved.template!r}); allowed templates: {list(policy.templates)}",
+            )
+        return resolved
+
+    # -- create --------------------------------------------------------------------------------
+    async def replay(self, caller: Caller, key: str, digest: str) -> ClaimState | None:
+        """The claim an earlier create of ``caller`` with Idempotency-Key ``key`` made
+        (``None``: a new key); 409 for another body, 404 once that claim is forgotten."""
+        try:
+            return await self.backend.replay(owner_of(caller), Idempotency(key, digest))
+        except IdempotencyConflict:
+            raise ApiError(
+                409,
+                "idempotency_conflict",
+                "this Idempotency-Key was used with a different body; use a new key "
+                "for a different create",
+            ) from None
+        except ClaimForgotten as exc:
+            raise ApiError(
+                404,
+                "not_found",
+                f"sandbox {exc.name!r}, which this Idempotency-Key created, was deleted "
+                "and is no longer remembered; use a new Idempotency-Key to create another "
+                "sandbox",
+            ) from None
+
+    async def admit(
+        self,
+        caller: Caller,
+        policy: Policy,
+        *,
+        template: str,
+        labels: Mapping[str, str],
+        annotations: Mapping[str, str],
+        env: Mapping[str, str],
+        lifetime: float,
+        scopes: frozenset[str],
+        extra_stamps: Mapping[str, str] | None = None,
+        **claim: Any,
+    ) -> ClaimState:
+        """Admit one sandbox for ``caller`` (both dialects): its namespace (403), the
+        attribution stamps, the quota (429), the claim (``claim``: the other fields of
+        :class:`.backends._interface.ClaimRequest`)."""
+        try:
+            namespace = policy.namespace_for(caller)
+        except (ValueError, KeyError) as exc:
+            raise ApiError(403, "policy_denied", f"no namespace for this caller: {exc}") from None
+        now = time.time()
+        request = ClaimRequest(
+            owner=owner_of(caller),
+            namespace=namespace,
+            template=template,
+            labels=labels,
+            annotations=annotations,
+            stamps=stamps(caller, now, extra_stamps),
+            env=env,
+            created_at=now,
+            lifetime_seconds=lifetime,
+            scopes=scopes,
+            max_live=policy.max_sandboxes,
+            **claim,
+        )
+        try:
+            return (await self.backend.create(request)).state
+        except QuotaExceeded as exc:
+            raise ApiError(
+                429,
+                "quota_exceeded",
+                f"caller {caller.subject!r} holds {exc.held} sandboxes, the maximum of its "
+                f"policy ({exc.maximum}); delete one first",
+            ) from None
+
+    # -- the caller's claims -------------------------------------------------------------------
+    async def owned(self, caller: Caller, name: str) -> ClaimState:
+        """The caller's claim ``name``; 404 for a claim that is not the caller's, as for one
+        that does not exist (nothing about another identity's claim is disclosed)."""
+        state = await self.backend.get(name)
+        if state is None or state.owner.key != (caller.issuer, caller.subject):
+            raise ApiError(404, "not_found", f"sandbox {name!r} does not exist for this caller")
+        return state
+
+    async def mine(self, caller: Caller) -> list[ClaimState]:
+        return await self.backend.list_owned(owner_of(caller))
+
+    async def delete(self, state: ClaimState) -> ClaimState:
+        """Begin deleting the claim of ``state`` (Terminating; gone once its runtime stopped)."""
+        return await self.backend.delete(state.name) or state
+
+    async def set_expiry(self, state: ClaimState, expires_at: float) -> ClaimState:
+        """Move the expiry of the claim of ``state`` (the caller's cap checked before); 409 when
+        it went meanwhile."""
+        moved = await self.backend.set_expiry(state.name, expires_at)
+        if moved is None:
+            raise ApiError(409, "terminating", f"sandbox {state.name!r} is being deleted")
+        return moved
+
+    async def wait_ready(self, state: ClaimState, within: float) -> ClaimState:
+        """The claim of ``state`` once it is no longer Pending, or after ``within`` s."""
+        return await self.backend.wait_ready(state.name, within) or state

@@ -1,0 +1,142 @@
+"""The relay: a runtime's answer streamed to the client as it comes, and what happens when a peer
+goes away mid-stream.
+
+A broken answer must reach the client broken, never complete: the broker then drops the
+client's connection (:class:`DroppedConnection`, raised after the answer started; the server
+closes the connection, and :func:`install_log_filter` keeps that expected event out of the
+error log as a traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+from starlette.types import Message, Receive, Send
+
+from ._errors import BROKER_ERROR_HEADER_RAW
+
+log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+
+Deleting = Callable[[], Awaitable[bool]]
+"""Whether the sandbox whose answer is relayed is being deleted now (asked when it breaks off)."""
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "expect",
+    }
+)
+"""Headers of one hop, never forwarded (either way)."""
+
+
+class DroppedConnection(Exception):
+    """Raised after the response started, so that the server drops the connection."""
+
+
+class _DropFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, DroppedConnection)
+
+
+def install_log_filter() -> None:
+    """Keep the server's "Exception in ASGI application" for a dropped connection out of its
+    error log (the relay logs such an event itself, as one line)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _DropFilter) for f in logger.filters):
+        logger.addFilter(_DropFilter())
+
+
+def answer_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    """The headers of a runtime's answer as the client gets them: no hop-by-hop header, no
+    ``Date``/``Server``, and never the mark of the broker's own answers."""
+    return [
+        (k.lower(), v)
+        for k, v in response.headers.raw
+        if k.decode("latin-1").lower() not in HOP_BY_HOP
+        and k.lower() not in (b"date", b"server", BROKER_ERROR_HEADER_RAW)
+    ]
+
+
+async def _client_gone(receive: Receive) -> None:
+    """Return when the client disconnects (the request body has been read by then)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Relay:
+    """One runtime answer on its way to the client (``what``: its method and path;
+    ``sandbox``: the sandbox's name; ``deleting()``: whether it is being deleted now).
+
+    A peer that goes away mid-stream is an expected event, logged as one line without a
+    traceback: the client going away (it closed a ``watch_dir`` or an event stream early) stops
+    the relay at once (INFO) and the broker stops reading from the runtime; the runtime breaking
+    off its answer (killed, or silent past the read timeout) drops the client's connection, so
+    that the client sees a broken answer, never a complete one (WARNING; INFO when the sandbox
+    is being deleted)."""
+
+    def __init__(
+        self, receive: Receive, send: Send, sandbox: str, what: str, deleting: Deleting
+    ) -> None:
+        self.receive = receive
+        self.send = send
+        self.sandbox = sandbox
+        self.what = what
+        self.deleting = deleting
+
+    async def pump(self, chunks: AsyncIterator[bytes]) -> None:
+        """Send ``chunks`` as the body, then end it, unless a peer goes away first."""
+        loop = asyncio.get_running_loop()
+        gone = loop.create_task(_client_gone(self.receive))
+        copy = loop.create_task(self._copy(chunks))
+        try:
+            await asyncio.wait({gone, copy}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            copy.cancel()  # no-op once done; else the client went away (or the broker stops)
+        await asyncio.wait({copy})
+        if not copy.cancelled():
+            await self._raise_for(copy.exception())
+            return
+        log.info(
+            "sandbox %s: the client went away during %s; stopped relaying the runtime's answer",
+            self.sandbox,
+            self.what,
+        )
+
+    async def _copy(self, chunks: AsyncIterator[bytes]) -> None:
+        async for chunk in chunks:
+            if chunk:
+                message: Message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                await self.send(message)
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _raise_for(self, exc: BaseException | None) -> None:
+        if exc is None:
+            return
+        if isinstance(exc, httpx.HTTPError):
+            deleting = await self.deleting()
+            log.log(
+                logging.INFO if deleting else logging.WARNING,
+                "sandbox %s: the runtime's answer to %s broke off mid-stream (%s: %s)%s; "
+                "dropped the client's connection",
+                self.sandbox,
+                self.what,
+                type(exc).__name__,
+                str(exc)[:200],
+                " as the sandbox is being deleted" if deleting else "",
+            )
+            raise DroppedConnection(f"the runtime's answer broke off: {exc}") from None
+        raise exc

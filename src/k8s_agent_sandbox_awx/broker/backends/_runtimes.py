@@ -1,0 +1,89 @@
+"""What the local backend needs to run a sandbox's runtime: a :class:`SandboxBackend`.
+
+The local backend (:class:`._local_claims.LocalBackend`, the broker's :class:`._interface.Backend`
+for host processes) keeps the claims itself and has each sandbox's runtime started by a
+``SandboxBackend``: it turns a :class:`SandboxSpec` into a running runtime server that speaks the
+legacy python-runtime protocol and returns a :class:`RuntimeHandle` (host and port) once the
+runtime answers ``GET /``. The default one (``_local.LocalProcessBackend``) starts host
+processes; ``LocalBroker(backend=...)`` takes another (docs/local-broker.md).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["RuntimeHandle", "RuntimeStartError", "SandboxBackend", "SandboxSpec"]
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What to start: the claim's name, namespace, template and environment."""
+
+    name: str
+    namespace: str
+    template: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    command: str | Sequence[str] | None = None
+    """Runtime command line for this template (``None``: the backend's default)."""
+
+
+@dataclass
+class RuntimeHandle:
+    """A running runtime: where the broker's router reaches it."""
+
+    name: str
+    host: str
+    port: int
+    base_dir: str
+    pid: int | None = None
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    root: str | None = field(default=None, repr=False)
+    runtime_id: int | None = field(default=None, repr=False)
+    """The backend's own name for this runtime, never used again (unlike ``pid``: the local
+    backend's fork-server request, by which its exit is reported)."""
+
+
+class RuntimeStartError(Exception):
+    """The runtime did not come up: ``reason`` is a CamelCase reason, ``message`` says why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+class SandboxBackend(Protocol):
+    """What the local backend needs to run runtimes (all methods run on the broker's event
+    loop).
+
+    A sandbox is bound (its runtime has an address: ``/rpc`` status shows its name) when
+    :meth:`start` returns, and Ready after that; a backend that also has an ``async def
+    ready(handle)`` is awaited in between (see :data:`READY_METHOD`)."""
+
+    async def start(self, spec: SandboxSpec) -> RuntimeHandle:
+        """Start the runtime and return once it answers ``GET /``; raise RuntimeStartError."""
+        ...
+
+    async def stop(self, handle: RuntimeHandle) -> None:
+        """Stop the runtime and remove everything it left behind."""
+        ...
+
+    def is_alive(self, handle: RuntimeHandle) -> bool: ...
+
+    async def close(self) -> None:
+        """Stop every runtime this backend started."""
+        ...
+
+    def kill_all_now(self) -> None:
+        """Synchronous last-resort cleanup (no event loop): kill and remove everything."""
+        ...
+
+
+READY_METHOD = "ready"
+"""The optional method of a :class:`SandboxBackend` the local backend awaits between binding a
+started runtime and calling its sandbox Ready: ``async def ready(self, handle: RuntimeHandle)
+-> None`` (raise RuntimeStartError: the sandbox fails). A backend without it is Ready as soon
+as :meth:`SandboxBackend.start` returns."""

@@ -1,0 +1,145 @@
+"""The runtime's one HTTP server: its request handler, the route table and ``serve``.
+
+One runtime serves one sandbox (``python -m k8s_agent_sandbox_awx.broker.runtime``, see
+:mod:`._main`), speaking the protocol of upstream's python runtime plus the deployed runtimes'
+extensions: ``GET /`` (health), the legacy endpoints (:mod:`._legacy`), the file API
+(:mod:`._file_api`) and managed commands (:mod:`._commands`). ``ThreadingHTTPServer``: one
+thread per connection, HTTP/1.1 keep-alive.
+
+NO ISOLATION: commands run as host processes with the user's privileges. Development and tests
+only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import urllib.parse
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from . import _commands, _file_api, _legacy, _process
+from ._command import Limits
+from ._http import Exchange, drain, send_json
+from ._paths import Roots
+
+Endpoint = Callable[["Handler"], None]
+
+_process.at_exit(_legacy.kill_running)  # what runs dies with the runtime
+_process.at_exit(_commands.kill_all)
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One connection's requests (an :class:`._http.Exchange` for the endpoints)."""
+
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # small replies are not held back by Nagle + delayed ACK
+    server_version = "agent-sandbox-local-runtime"
+    sys_version = ""
+    base_dir: str = "/"
+    exec_timeout: float = _legacy.DEFAULT_EXEC_TIMEOUT
+    commands: _commands.CommandManager
+    fs_roots: Roots
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return  # quiet: the broker logs requests
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        path = urllib.parse.urlsplit(self.path).path
+        endpoint = route(method, path)
+        if endpoint is None:
+            if method == "POST":
+                drain(self)
+            send_json(self, 404, {"detail": f"no route for {method} {path}"})
+            return
+        endpoint(self)
+
+
+def _health(exchange: Exchange) -> None:
+    send_json(exchange, 200, {"status": "ok", "message": "local sandbox runtime"})
+
+
+def _commands_get(handler: Handler) -> None:
+    handler.commands.handle(handler, "GET")
+
+
+def _commands_post(handler: Handler) -> None:
+    handler.commands.handle(handler, "POST")
+
+
+EXACT: dict[tuple[str, str], Endpoint] = {
+    ("GET", "/"): _health,
+    ("GET", "/list"): _legacy.list_endpoint,
+    ("GET", "/commands"): _commands_get,
+    ("POST", "/execute"): _legacy.execute,
+    ("POST", "/upload"): _legacy.upload_endpoint,
+    ("POST", "/commands"): _commands_post,
+    **{("GET", path): _file_api.handle for path in _file_api.GET_ROUTES},
+    **{("POST", path): _file_api.handle for path in _file_api.POST_ROUTES},
+}
+"""The routes by method and exact path."""
+PREFIXES: list[tuple[str, str, Endpoint]] = [
+    ("GET", "/download/", _legacy.download_endpoint),
+    ("GET", "/list/", _legacy.list_endpoint),
+    ("GET", "/exists/", _legacy.exists_endpoint),
+    ("GET", "/commands/", _commands_get),
+    ("POST", "/commands/", _commands_post),
+]
+"""The routes by method and the start of the path (its rest is the endpoint's argument)."""
+
+
+def route(method: str, path: str) -> Endpoint | None:
+    """The endpoint of ``method path`` (``None``: no route, a ``404``)."""
+    endpoint = EXACT.get((method, path))
+    if endpoint is not None:
+        return endpoint
+    for route_method, prefix, candidate in PREFIXES:
+        if method == route_method and path.startswith(prefix):
+            return candidate
+    return None
+
+
+def serve(host: str, port: int, base_dir: str, port_file: str | None = None) -> None:
+    """Serve the protocol on ``host:port`` for ``base_dir`` until killed. ``port`` 0: a port the
+    system picks, written (once the socket listens) to ``port_file``, which the broker reads:
+    no other process can take it between the choice and the bind."""
+    signal.signal(signal.SIGTERM, _process.exit_now)
+    base_dir = os.path.realpath(base_dir)
+    os.makedirs(base_dir, exist_ok=True)
+    exec_timeout = float(
+        os.environ.get("SANDBOX_EXEC_TIMEOUT_SECONDS") or _legacy.DEFAULT_EXEC_TIMEOUT
+    )
+    commands = _commands.CommandManager(base_dir, Limits.from_environ(os.environ, exec_timeout))
+    handler = type(
+        "Handler",
+        (Handler,),
+        {
+            "base_dir": base_dir,
+            "exec_timeout": exec_timeout,
+            "commands": commands,
+            "fs_roots": Roots.of(base_dir),  # the file API's roots, as they are at start
+        },
+    )
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    if port_file:
+        report_port(port_file, int(server.server_address[1]))
+    try:
+        server.serve_forever(poll_interval=0.5)
+    finally:
+        _process.run_cleanups()
+
+
+def report_port(path: str, port: int) -> None:
+    """Write ``port`` to ``path`` atomically: a reader sees no file or the whole number."""
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="ascii") as fh:
+        fh.write(f"{port}\n")
+    os.replace(partial, path)
