@@ -12,7 +12,6 @@ import httpx
 
 from k8s_agent_sandbox_awx.client.wire._dataplane import KeptAlive
 from k8s_agent_sandbox_awx.client.wire._protocol import RequestSpec
-
 from tests._support.scripted_broker import sandbox_obj
 
 

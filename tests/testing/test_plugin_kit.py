@@ -319,7 +319,7 @@ class AcmeProvider:
 
 @pytest.fixture
 def acme(endpoint: ScriptedEndpoint) -> Iterator[DefaultCredentials]:
-    """The provider in a discovery chain; the endpoint mints a new 4-second token (exp is in whole seconds) per request."""
+    """The provider in a discovery chain; the endpoint mints a new 4-second token per request."""
 
     def mint(seen: RecordedRequest) -> Reply:
         [audience] = seen.query["audience"]
