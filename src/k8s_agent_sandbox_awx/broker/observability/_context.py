@@ -67,12 +67,13 @@ class Exchange:
     """What the claims logic decided and on what (namespace, pool, lifetime, quota...)."""
 
 
-_JWT_SHAPE = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
+_JWT_SHAPE = re.compile(r"eyJ[A-Za-z0-9_-]*\.eyJ[A-Za-z0-9_-]*\.[A-Za-z0-9_-]{16,}")
 
 
 def fingerprint(authorization: str | None) -> str | None:
     """``sha256:<hex>`` of the bearer token in ``authorization`` when it has a JWT's shape
-    (three base64url segments), the form the broker's revocation list keys tokens by.
+    (three base64url segments, the first two JSON objects, a signature of 16 characters or
+    more), the form the broker's revocation list keys tokens by.
 
     Safe to log: a JWT carries a signature's entropy, so its digest can neither be reversed
     nor replayed as a credential; it only lets an operator who holds a token find its lines.

@@ -92,7 +92,7 @@ def data_route(path: str) -> str:
 def issuer_route(path: str) -> str:
     """The template of a local issuer's document."""
     for doc in ("jwks", ".well-known/openid-configuration"):
-        if path.endswith("/" + doc) and path.count("/") == 2 + doc.count("/"):
+        if path.endswith("/" + doc) and path.count("/") == 3 + doc.count("/"):
             return "/issuers/{name}/" + doc
     return "/issuers " + UNMATCHED
 

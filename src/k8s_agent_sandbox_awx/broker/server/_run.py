@@ -182,6 +182,7 @@ def _uvicorn_config(
         # JSON: the broker's handler on uvicorn's loggers (_configure_logging), not uvicorn's
         log_config=None if log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         lifespan="auto",
+        interface="asgi3",
         http="h11",
         ws="none",
         loop="asyncio",
@@ -234,7 +235,7 @@ async def run_server(
     watcher = asyncio.create_task(certificate.watch(settings.tls_reload_seconds))
     side = None
     if metrics_listener is not None and served.metrics is not None:
-        side = await _start_metrics(served.metrics, settings, metrics_listener, log_format)
+        side = await _start_metrics(served.metrics, metrics_listener)
         if on_metrics_started is not None:
             on_metrics_started(_url("http", metrics_listener))
     try:
@@ -248,10 +249,22 @@ async def run_server(
 
 
 async def _start_metrics(
-    app: ASGIApp, settings: ServerSettings, listener: socket.socket, log_format: str
+    app: ASGIApp, listener: socket.socket
 ) -> tuple[_MetricsServer, asyncio.Task[None]]:
-    config = _uvicorn_config(app, settings, log_format)
-    config.timeout_graceful_shutdown = 1
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # the broker's server configured uvicorn's loggers already
+        log_level=None,
+        access_log=False,
+        lifespan="off",
+        interface="asgi3",
+        http="h11",
+        ws="none",
+        loop="asyncio",
+        server_header=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=1,
+    )
     server = _MetricsServer(config)
     task = asyncio.create_task(server.serve(sockets=[listener]))
     up = asyncio.create_task(server.up.wait())
