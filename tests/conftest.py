@@ -50,13 +50,11 @@ def _forget_detected_dialects(
     ``/v1/healthz``: unless a test runs per dialect (``dialect``, ``dialect_broker``) or uses
     ``rpc_broker`` or ``real_detection``, a broker whose dialect is not pinned is taken to
     speak v1 (no probe)."""
-    from k8s_agent_sandbox_awx.client import _base
     from k8s_agent_sandbox_awx.client.wire import _dialects
 
     _dialects.forget_detected()
     if _DETECTING.isdisjoint(request.fixturenames):
         v1 = _dialects.get_dialect("v1")
-        monkeypatch.setattr(_base, "detected", lambda _url: v1)
         monkeypatch.setattr(_dialects, "detected", lambda _url: v1)
     yield
     _dialects.forget_detected()

@@ -20,8 +20,9 @@ MAX_FUNCTION_LINES = 60
 CREDENTIALS = {"credentials", "hookspecs"}
 """The credential framework: the ``credentials`` package and the hook specifications (at the top
 level, where plugin authors import them)."""
-SHARED = {"_driver", "_upstream", "_urls", "_version"}
-"""What both halves may use: the one driver, the upstream boundary, the version."""
+SHARED = {"_cookies", "_driver", "_upstream", "_urls", "_version"}
+"""What both halves may use: the cookie jar that keeps nothing, the one driver, the upstream
+boundary, the one URL rule, the version."""
 LOCAL_STACK = {"broker", "testing"}
 """The local broker stack (the broker, its runtime and backends; LocalBroker, the test kits)."""
 

@@ -169,7 +169,7 @@ def test_lifetime_settings_from_the_environment_and_arguments() -> None:
 
 
 def test_keepalive_is_due_once_per_half_window_and_only_when_it_extends() -> None:
-    from k8s_agent_sandbox_awx.client.wire._protocol import Keepalive
+    from k8s_agent_sandbox_awx.client.wire._dataplane import Keepalive
 
     now = [1000.0]
     keepalive = Keepalive("sbx", 60, deadline=1300.0, clock=lambda: now[0])
