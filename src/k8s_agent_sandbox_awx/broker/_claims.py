@@ -18,6 +18,7 @@ from ._errors import ApiError
 from .backends._interface import (
     Backend,
     ClaimForgotten,
+    ClaimInvalid,
     ClaimRequest,
     ClaimState,
     Created,
@@ -176,6 +177,8 @@ class Claims:
             return await self.backend.create(request)
         except IdempotencyConflict:
             raise _idempotency_conflict() from None
+        except ClaimInvalid as exc:
+            raise ApiError(400, "invalid_request", exc.detail) from None
         except QuotaExceeded as exc:
             raise ApiError(
                 429,

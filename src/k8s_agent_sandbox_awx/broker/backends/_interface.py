@@ -58,6 +58,7 @@ __all__ = [
     "BackendUnavailable",
     "ClaimForgotten",
     "ClaimGone",
+    "ClaimInvalid",
     "ClaimNameTaken",
     "ClaimRequest",
     "ClaimState",
@@ -271,6 +272,15 @@ class BackendUnavailable(Exception):
         self.detail = detail
 
 
+class ClaimInvalid(Exception):
+    """The backend refused the claim as the request made it (``detail``: which field and why,
+    e.g. the API server's validation): the broker answers ``400 invalid_request``."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
 class Unroutable(Exception):
     """The data plane cannot reach the sandbox as asked (``detail`` says why, e.g. a port it
     does not serve)."""
@@ -303,9 +313,10 @@ class Backend(Protocol):
 
     async def create(self, request: ClaimRequest) -> Created:
         """Make the claim (Pending; its sandbox starts) or, with ``request.failure``, a Failed
-        one (nothing starts); QuotaExceeded, ClaimNameTaken. Atomic (see the module docstring);
-        with ``request.idempotency`` a create that finds the key taken by a create that won a
-        race answers that claim (``replayed``) or raises IdempotencyConflict."""
+        one (nothing starts); QuotaExceeded, ClaimNameTaken, ClaimInvalid. Atomic (see the
+        module docstring); with ``request.idempotency`` a create that finds the key taken by a
+        create that won a race answers that claim (``replayed``) or raises
+        IdempotencyConflict."""
         ...
 
     async def get(
