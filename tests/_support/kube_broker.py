@@ -246,6 +246,11 @@ class Replica:
         if not self._loop.is_closed():  # what a killed replica left: closed here, after it
             with contextlib.suppress(Exception):
                 self._loop.run_until_complete(asyncio.wait_for(self.broker.shutdown(), 10))
+            left = asyncio.all_tasks(self._loop)  # a killed replica's requests and lifespan
+            for task in left:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             self._loop.close()
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
-from tests._support._api import CLAIM, path
+from tests._support._api import CLAIM, collection, path
 from tests._support.controller import StandInController
 from tests._support.kube import KubeAPIServer, KubeError
 from tests._support.kube_broker import BROKER_SA, Replica, sdk_environ
@@ -140,5 +140,5 @@ def test_the_broker_is_the_claims_creator_not_the_caller(
     kube.create_service_account(namespace, "nobody")
     token = kube.token_request(namespace, "nobody")
     with kube.client(token) as client:
-        assert client.get(path(CLAIM, namespace, None)).status_code == 403
+        assert client.get(collection(CLAIM, namespace)).status_code == 403
     assert BROKER_SA == "sandbox-broker"
