@@ -160,7 +160,8 @@ def test_a_create_whose_replica_died_is_adopted_by_the_retry_on_the_other(
     """Replica one makes the claim, then dies before it answers; the caller's retry with the
     same Idempotency-Key and body goes to replica two, which finds the claim (its name is the
     caller's and the key's), sees its owner and request digest match and replays it: one
-    sandbox, usable; the same key with another body is a conflict."""
+    sandbox, usable (also when the retry's lookup missed the claim and its POST is told
+    AlreadyExists); the same key with another body is a conflict."""
     one, other = pair
     token = token_for(kube, namespace, one, other)
     reached = threading.Event()
@@ -189,6 +190,14 @@ def test_a_create_whose_replica_died_is_adopted_by_the_retry_on_the_other(
         assert again.status_code == 200, again.text
         assert again.headers["Idempotency-Replayed"] == "true"
         assert again.json()["name"] == claim["metadata"]["name"]
+
+        async def saw_nothing(*_: Any, **__: Any) -> None:
+            return None  # as when the other replica's POST lands just after this lookup
+
+        other.backend.replay = saw_nothing  # type: ignore[method-assign]
+        raced = client.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": key})
+        assert raced.status_code == 200, raced.text  # the POST met AlreadyExists: replayed
+        assert raced.json()["name"] == claim["metadata"]["name"]
         changed = {**body, "labels": {"run": "2"}}
         conflict = client.post("/v1/sandboxes", json=changed, headers={"Idempotency-Key": key})
         assert conflict.status_code == 409 and conflict.json()["code"] == "idempotency_conflict"
