@@ -24,7 +24,7 @@ import json
 import ssl
 import threading
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -105,11 +105,14 @@ def write_config(
     router: tuple[str, Path] | None = None,
     jwks_min_refetch_seconds: float = 30.0,
     extra_audiences: Sequence[str] = (),
+    namespace: str | None = None,
 ) -> Path:
     """A configuration of one replica on 127.0.0.1:``port`` (its ``public_url``, the tokens'
     audience, with ``extra_audiences``); ``router``: (router URL, router token file) for the
-    router data plane, else the pod data plane."""
+    router data plane, else the pod data plane. The policy admits the ServiceAccounts of the
+    identity's namespace and puts their claims in ``namespace`` (default: that one too)."""
     ns, url = identity.namespace, f"https://127.0.0.1:{port}"
+    claims_in = namespace or ns
     audiences = ", ".join(json.dumps(a) for a in (url, *extra_audiences))
     backend = (
         f'data_plane = "router"\nrouter_url = "{router[0]}"\nrouter_token_file = "{router[1]}"\n'
@@ -140,7 +143,7 @@ issuer = "cluster"
 subject = "system:serviceaccount:{ns}:*"
 claims = {{ "kubernetes.io.namespace" = "{ns}" }}
 warm_pools = {json.dumps(list(pools))}
-namespace = "{ns}"
+namespace = "{claims_in}"
 max_sandboxes = {max_sandboxes}
 max_lifetime_seconds = {max_lifetime_seconds}
 
@@ -219,6 +222,14 @@ class Replica:
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         """Run ``coro`` on the replica's event loop (its backend's objects live there)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def on_loop(self, function: Callable[[], T], timeout: float = 30.0) -> T:
+        """Call ``function`` on the replica's event loop."""
+
+        async def run() -> T:
+            return function()
+
+        return self.call(run(), timeout)
 
     def kill(self) -> None:
         """Die: every connection dropped without an answer, no shutdown (claims stay)."""
@@ -299,7 +310,7 @@ class StandInRouter:
     def __enter__(self) -> StandInRouter:
         config = uvicorn.Config(self._asgi, host="127.0.0.1", port=self.port, lifespan="off",
                                 log_level="warning", access_log=False, http="h11",
-                                ws="none", loop="asyncio")  # fmt: skip
+                                ws="none", loop="asyncio", interface="asgi3")  # fmt: skip
         server = self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=lambda: self._loop.run_until_complete(server.serve()), daemon=True
