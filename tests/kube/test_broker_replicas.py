@@ -137,7 +137,7 @@ def test_concurrent_creates_on_both_replicas_never_exceed_the_maximum(
     for answer in refused:
         assert answer.status_code == 429, answer.text
         body = answer.json()
-        assert body["code"] == "quota_exceeded" and "maximum of its policy (2)" in body["detail"]
+        assert body["code"] == "quota_exceeded" and "(max_sandboxes = 2)" in body["detail"]
     live = {c["metadata"]["name"] for c in claims(kube, namespace)}
     assert live == {a.json()["name"] for a in made}
     statuses = []

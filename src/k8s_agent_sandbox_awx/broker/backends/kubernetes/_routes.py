@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ...._cookies import NoCookies
 from .._interface import RUNTIME_PORT, BackendUnavailable, ClaimGone, Route, Unroutable
-from .._local_claims import _NoCookies
 from ._claims import KubeClaimState
 
 __all__ = ["RouteSettings", "Routes"]
@@ -82,7 +82,7 @@ def _client(verify: ssl.SSLContext) -> httpx.AsyncClient:
         limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=100, keepalive_expiry=15.0
         ),
-        cookies=_NoCookies(),
+        cookies=NoCookies(),
     )
 
 
