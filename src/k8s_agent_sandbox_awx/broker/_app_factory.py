@@ -120,10 +120,6 @@ class ConfiguredBroker:
             backend = self.kube = kubernetes_backend(config, client, identity)
             verifier, policies = identity_from_config(config, reviewer=client)
         else:
-            log.warning(
-                "the local backend runs sandboxes as host processes with NO isolation "
-                "(development and tests only)"
-            )
             backend = local_backend(config.backend.local or LocalBackendConfig())
             verifier, policies = identity_from_config(config)
         self.verifier = verifier
@@ -159,6 +155,11 @@ class ConfiguredBroker:
         backend."""
         if self.kube is not None:
             self.kube.start()
+        else:  # (logged once serving: the server's log handlers are in place by then)
+            log.warning(
+                "the local backend runs sandboxes as host processes with NO isolation "
+                "(development and tests only)"
+            )
         self._keys = asyncio.get_running_loop().create_task(self._load_keys())
 
     async def _load_keys(self) -> None:
