@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from k8s_agent_sandbox_awx.broker.config import BrokerConfigError, load_config
-from k8s_agent_sandbox_awx.broker.observability._routes import (
+from k8s_agent_sandbox_awx.broker._route_names import (
     data_route,
     issuer_route,
     rpc_route,
     v1_route,
 )
+from k8s_agent_sandbox_awx.broker.config import BrokerConfigError, load_config
 from tests._support.broker_server import CLI, Pki, Served, write_config
 
 pytest.importorskip("uvicorn", reason="needs the [broker] extra")

@@ -22,13 +22,13 @@ from ._claims import Claims
 from ._errors import ApiError
 from ._forward import Forward
 from ._gate import Gate, origin_form
+from ._observed import note_error
 from ._rpc import BACKEND_RETRY_AFTER, Rpc
 from ._v1 import V1
 from .backends._interface import Backend, BackendUnavailable
 from .identity._issuer import PublishedIssuer
 from .identity._rules import PolicySource
 from .identity._verify import TokenVerifier
-from .observability._context import note_error
 
 PROTOCOLS = ("v1", "rpc")
 """The control-plane dialects a broker can serve."""

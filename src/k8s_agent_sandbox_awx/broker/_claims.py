@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._errors import ApiError
+from ._observed import current, note_decision, note_sandbox
 from .backends._interface import (
     Backend,
     ClaimForgotten,
@@ -31,7 +32,6 @@ from .backends._interface import (
 )
 from .identity._policy import RESERVED_PREFIX, Caller, Policy
 from .identity._rules import PolicyDenied, PolicySource
-from .observability._context import current, note_decision, note_sandbox
 
 
 def owner_of(caller: Caller) -> Owner:

@@ -31,6 +31,8 @@ from ._claims import Claims
 from ._errors import ApiError
 from ._gate import Gate
 from ._metadata import check_metadata
+from ._observed import note_error, note_route, note_sandbox
+from ._route_names import rpc_route
 from .backends._interface import (
     PENDING,
     READY,
@@ -41,8 +43,6 @@ from .backends._interface import (
     rfc3339,
 )
 from .identity._policy import RESERVED_PREFIX, Caller, Policy
-from .observability._context import note_error, note_route, note_sandbox
-from .observability._routes import rpc_route
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 
