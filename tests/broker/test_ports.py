@@ -219,3 +219,52 @@ def test_websocket_handshakes_are_checked_first(
     missing.sock.close()
     assert missing.head.startswith(b"HTTP/1.1 200")  # the server's own answer, relayed
     assert b"agent-sandbox-broker-error" not in missing.head.lower()
+
+
+# -- the Kubernetes backend's routes ------------------------------------------------------------
+def _kube_state(**fields: Any) -> Any:
+    from k8s_agent_sandbox_awx.broker.backends._interface import READY, Owner
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._claims import KubeClaimState
+
+    base: dict[str, Any] = dict(
+        name="claim-1", namespace="team-a", template="python", owner=Owner("i", "s", "p"),
+        labels={}, annotations={}, stamps={}, env={}, created_at=0.0, expires_at=1.0,
+        phase=READY, reason=None, message=None, transition_at=0.0, started_at=0.0, bound=True,
+        scopes=frozenset({"commands"}), uid="u", sandbox_name="sbx-1", pod_ips=("10.0.0.7",),
+    )  # fmt: skip
+    return KubeClaimState(**{**base, **fields})
+
+
+async def _routes(settings: Any) -> Any:
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._routes import Routes
+
+    return Routes(settings)
+
+
+def test_kubernetes_routes_a_port_request_to_that_port() -> None:
+    import asyncio
+
+    from k8s_agent_sandbox_awx.broker.backends._interface import Unroutable
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._routes import RouteSettings
+
+    state = _kube_state()
+
+    async def main() -> None:
+        router = await _routes(RouteSettings(router_url="http://router:8080", runtime_port=9999))
+        pods = await _routes(RouteSettings(data_plane="pod", runtime_port=9999))
+        try:
+            headers = dict(router.route(state, 3000).headers)
+            assert headers[b"x-sandbox-port"] == b"3000"  # the router takes it to the port
+            assert dict(router.route(state, 8888).headers)[b"x-sandbox-port"] == b"9999"
+            assert (pods.route(state, 3000).host, pods.route(state, 3000).port) == (
+                "10.0.0.7",
+                3000,
+            )
+            assert pods.route(state, 8888).port == 9999  # the runtime API
+            with pytest.raises(Unroutable, match="runtime's own port"):
+                pods.route(state, 9999)  # the runtime's real port is no user port either
+        finally:
+            await router.close()
+            await pods.close()
+
+    asyncio.run(main())
