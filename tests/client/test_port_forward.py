@@ -175,3 +175,25 @@ def test_async_forward(dialect_broker: Any) -> None:
             await handle.kill()
 
     asyncio.run(main())
+
+
+def test_a_credential_failure_is_a_plain_502_to_the_local_client(
+    sandbox: Any, app_port: int
+) -> None:
+    class Failing:
+        def get_credential(self, audience: str) -> Any:
+            raise RuntimeError("the token file is unreadable")
+
+        def invalidate(self, audience: str) -> None:
+            return None
+
+    transport = sandbox.client._transport
+    kept, transport.auth = transport.auth, Failing()
+    try:
+        with sandbox.ports.forward(app_port) as forward:
+            answer = httpx.get(forward.url + "/headers", timeout=10)
+    finally:
+        transport.auth = kept
+    assert answer.status_code == 502
+    assert "RuntimeError: the token file is unreadable" in answer.text
+    assert "agent-sandbox-broker-error" not in answer.headers  # the forwarder's own answer

@@ -257,14 +257,21 @@ class PortForward:
         """The broker connection for ``conn``, its rewritten head sent; ``None``: refused."""
         try:
             head, rest = _read_head(conn)
+        except _Refusal as refusal:
+            _refuse(conn, refusal.status, refusal.text)
+            return None
+        except OSError:  # the local client went away, or sent no head in time
+            return None
+        try:
             rewritten, _ = rewrite_head(head, self._target, self._target.token())
             upstream = _connect(self._target.config)
         except _Refusal as refusal:
             _refuse(conn, refusal.status, refusal.text)
             return None
-        except (OSError, ValueError) as exc:
-            logger.info("port forward %s: %s", self.url, type(exc).__name__)
-            _refuse(conn, "502 Bad Gateway", f"cannot reach the broker ({type(exc).__name__})")
+        except Exception as exc:  # no token (its error never holds one), no broker
+            what = f"{type(exc).__name__}: {str(exc)[:300]}"
+            logger.warning("port forward %s: cannot forward a connection (%s)", self.url, what)
+            _refuse(conn, "502 Bad Gateway", f"cannot reach the broker ({what})")
             return None
         with self._lock:
             closed = self._closed
@@ -275,8 +282,11 @@ class PortForward:
             return None
         for sock in (conn, upstream):
             _send_timeout(sock)
-        upstream.sendall(rewritten + rest)
-        return upstream
+        try:
+            upstream.sendall(rewritten + rest)
+        except OSError:
+            _refuse(conn, "502 Bad Gateway", "the connection to the broker broke")
+        return upstream  # closed by the caller either way
 
     def close(self) -> None:
         """Stop listening, end every forwarded connection and join every thread."""
