@@ -113,7 +113,8 @@ def test_strings_run_through_sh_in_a_sandbox_without_bash(
         ("true", {"timeout": 0}, ValueError, "greater than 0"),
         ("true", {"on_stdout": "print"}, TypeError, "callable"),
         ("true", {"background": True, "on_stdout": print}, ValueError, "wait\\(on_stdout"),
-        ("true", {"env": {"A": "b"}}, TypeError, "did you mean 'envs'"),
+        # env= is accepted now (upstream's spelling of envs=, issue 23): a misspelling is not
+        ("true", {"evns": {"A": "b"}}, TypeError, "did you mean 'envs'"),
     ],
 )
 def test_bad_commands_are_refused_before_anything_is_sent(

@@ -382,7 +382,6 @@ class AsyncUpstreamCommands(AsyncCommands):
         command_timeout: float | None = None,
         *,
         background: Literal[True],
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> AsyncCommandHandle: ...
 
@@ -394,7 +393,6 @@ class AsyncUpstreamCommands(AsyncCommands):
         command_timeout: float | None = None,
         *,
         background: Literal[False] = False,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
@@ -406,7 +404,6 @@ class AsyncUpstreamCommands(AsyncCommands):
         command_timeout: float | None = None,
         *,
         background: bool,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle: ...
 
@@ -417,11 +414,9 @@ class AsyncUpstreamCommands(AsyncCommands):
         command_timeout: float | None = None,
         *,
         background: bool = False,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle:
         limit = opts.upstream_timeout(timeout, command_timeout)
-        opts.upstream_envs(options, env)
         return await super().run(command, limit, background=background, **options)
 
 

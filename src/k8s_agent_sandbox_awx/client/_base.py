@@ -74,7 +74,7 @@ class SandboxCreateOptions(ConnectOptions, total=False):
     """Keyword arguments of ``Sandbox.create``."""
 
     annotations: Mapping[str, str] | None
-    env: Mapping[str, str] | None
+    envs: Mapping[str, str] | None
     timeout: int | None
     lifetime_seconds: int | None
     keepalive: int | None
@@ -85,6 +85,9 @@ class SandboxCreateOptions(ConnectOptions, total=False):
     pod_labels: Mapping[str, str] | None
     pod_annotations: Mapping[str, str] | None
     scopes: Sequence[str] | None
+    # Other spellings, renamed by ``sdk_spelling``: upstream's env= (envs=), E2B's metadata=
+    env: Mapping[str, str] | None
+    metadata: Mapping[str, str] | None
     # The original package's spellings (drop-in migration), renamed by ``sdk_spelling``:
     warmpool: str | None
     namespace: str | None

@@ -429,7 +429,6 @@ class UpstreamCommands(Commands):
         command_timeout: float | None = None,
         *,
         background: Literal[True],
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> CommandHandle: ...
 
@@ -441,7 +440,6 @@ class UpstreamCommands(Commands):
         command_timeout: float | None = None,
         *,
         background: Literal[False] = False,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
@@ -453,7 +451,6 @@ class UpstreamCommands(Commands):
         command_timeout: float | None = None,
         *,
         background: bool,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle: ...
 
@@ -464,11 +461,9 @@ class UpstreamCommands(Commands):
         command_timeout: float | None = None,
         *,
         background: bool = False,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle:
         limit = opts.upstream_timeout(timeout, command_timeout)
-        opts.upstream_envs(options, env)
         return super().run(command, limit, background=background, **options)
 
 

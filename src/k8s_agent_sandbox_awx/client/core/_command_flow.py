@@ -755,6 +755,7 @@ def plan_run(command: Any, timeout: float, background: bool, options: opts.RunOp
     """Check ``commands.run``'s arguments before anything is sent."""
     named = ("command", "timeout", "background")
     opts.check_options("commands.run()", options, opts.RunOptions, named, where=opts.RUN)
+    options = opts.run_spelling(options)  # upstream's env= is envs=
     background = bool(background)
     on_stdout, on_stderr = options.get("on_stdout"), options.get("on_stderr")
     for name, callback in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
