@@ -107,3 +107,49 @@ def test_the_async_create_takes_envs_and_metadata(broker: Any, dialect: str, liv
 
     arun(main())
     assert live(broker) == []
+
+
+# ------------------------------------------------------------------------- Sandbox.kill(name)
+
+
+def test_kill_on_the_class_deletes_by_name(broker: Any, dialect: str, live: Any) -> None:
+    """``Sandbox.kill(name)`` (E2B's class call) deletes a sandbox without a handle; it used to
+    be ``AttributeError: 'str' object has no attribute '_killed'``. ``True`` if it deleted it;
+    a name that does not exist is ``False`` under v1 (``/rpc``'s delete cannot tell)."""
+    environ = broker.environ("kubernetes")
+    sandbox = Sandbox.create(environ=environ)
+    try:
+        assert Sandbox.kill(sandbox.name, environ=environ) is True
+        assert live(broker) == []
+        assert Sandbox.kill("sbx-never-made", environ=environ) is (dialect != "v1")
+        sandbox.kill()  # the handle's own kill of a sandbox deleted meanwhile: fine
+        assert sandbox.kill() is False  # this handle killed it: nothing sent
+    finally:
+        sandbox.close_connection()
+    other = Sandbox.create(environ=environ)
+    assert Sandbox.kill(other) is True  # the unbound call with a handle
+    assert not other.is_active and live(broker) == []
+    with pytest.raises(TypeError, match=r"sandbox's name .*Sandbox.kill\(sandbox.name\)"):
+        Sandbox.kill(42, environ=environ)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="did you mean"):
+        Sandbox.kill("x", environs=environ)  # type: ignore[call-arg]
+
+
+def test_the_async_kill_on_the_class_deletes_by_name(broker: Any, dialect: str, live: Any) -> None:
+    async def main() -> None:
+        environ = broker.environ("kubernetes")
+        sandbox = await AsyncSandbox.create(environ=environ)
+        try:
+            assert await AsyncSandbox.kill(sandbox.name, environ=environ) is True
+            assert live(broker) == []
+            gone = await AsyncSandbox.kill("sbx-never-made", environ=environ)
+            assert gone is (dialect != "v1")
+        finally:
+            await sandbox.close_connection()
+        other = await AsyncSandbox.create(environ=environ)
+        assert await other.kill() is True and await other.kill() is False
+        with pytest.raises(TypeError, match="sandbox's name"):
+            await AsyncSandbox.kill(None, environ=environ)  # type: ignore[arg-type]
+
+    arun(main())
+    assert live(broker) == []

@@ -14,6 +14,7 @@ import httpx
 from .._upstream import ExecutionResult, SandboxNotFoundError
 from ..credentials._auth import CredentialSource
 from ._base import (
+    ClassOrInstanceMethod,
     ClientBase,
     ConnectOptions,
     ExcType,
@@ -22,6 +23,7 @@ from ._base import (
     Traceback,
     create_spec,
     data_target,
+    kill_name,
     make_client,
     timeout_seconds,
 )
@@ -245,6 +247,20 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
             raise errors[0]
 
 
+def _kill_named(cls: type[Sandbox], name: str | Sandbox, **options: Unpack[ConnectOptions]) -> bool:
+    """``Sandbox.kill(name)``: delete sandbox ``name`` without a handle (E2B's class
+    call); ``True`` if it was deleted, ``False`` if it was already gone. A handle given
+    instead of a name is killed (``Sandbox.kill(sandbox)``, the unbound call)."""
+    if isinstance(name, Sandbox):
+        return name.kill()
+    target = kill_name(cls, name)
+    client = make_client(BrokerSandboxClient, options, what="kill()", named=("name",))
+    try:
+        return client.delete(target)
+    finally:
+        client.close()
+
+
 class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     """One sandbox behind the broker.
 
@@ -314,21 +330,27 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         if self._owns_client:
             self._client.close()
 
-    def kill(self) -> None:
-        """Delete the sandbox. Idempotent: a sandbox that is already gone is not an error."""
+    def _kill_handle(self) -> bool:
+        """Delete the sandbox. Idempotent: ``True`` if this call deleted it, ``False`` if it
+        was already gone (or this handle killed it before; under ``/rpc`` a delete cannot
+        tell). Called on the class, ``Sandbox.kill(name, **options)`` deletes sandbox ``name``
+        (E2B's spelling; the keyword options of :meth:`connect`)."""
         if self._killed:
-            return
+            return False
         if self._needs_own_client_to_kill():
             client = BrokerSandboxClient(self._client.connection_config, auth=self._client.auth)
             try:
-                client.delete(self.name)
+                deleted = client.delete(self.name)
             finally:
                 client.close()
         else:
-            self._client.delete(self.name)
+            deleted = self._client.delete(self.name)
         logger.info("killed sandbox %s", self.name)
         if self._killed_now():
             self._client.close()
+        return deleted
+
+    kill = ClassOrInstanceMethod(_kill_handle, _kill_named)
 
     def __enter__(self) -> Self:
         return self
