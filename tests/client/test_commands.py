@@ -112,7 +112,7 @@ def test_strings_run_through_sh_in_a_sandbox_without_bash(
         ("true", {"envs": {"A": 1}}, TypeError, "str to str"),
         ("true", {"timeout": 0}, ValueError, "greater than 0"),
         ("true", {"on_stdout": "print"}, TypeError, "callable"),
-        ("true", {"background": True, "on_stdout": print}, ValueError, "wait\\(on_stdout"),
+        # background=True with on_stdout is accepted now (issue 23: delivered while it runs)
         # env= is accepted now (upstream's spelling of envs=, issue 23): a misspelling is not
         ("true", {"evns": {"A": "b"}}, TypeError, "did you mean 'envs'"),
     ],

@@ -7,7 +7,9 @@ a ``cwd`` relative to the sandbox's working directory (docs/client.md, "Coming f
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import threading
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
@@ -15,7 +17,11 @@ import pytest
 from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
 from k8s_agent_sandbox_awx.client.wire._dialect import LIST, SANDBOX_ENV
 from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
-from k8s_agent_sandbox_awx.errors import ConfigurationError, UnsupportedOperationError
+from k8s_agent_sandbox_awx.errors import (
+    BrokerError,
+    ConfigurationError,
+    UnsupportedOperationError,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]  # once per dialect
 T = TypeVar("T")
@@ -153,3 +159,179 @@ def test_the_async_kill_on_the_class_deletes_by_name(broker: Any, dialect: str, 
 
     arun(main())
     assert live(broker) == []
+
+
+# ------------------------------------------- commands by id, background callbacks, connect
+
+
+def _output_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("agent-sandbox-output-")]
+
+
+def _until(condition: Callable[[], bool], within: float = 20.0) -> bool:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+SLOW_TICKS = ["sh", "-c", "while :; do echo tick; sleep 0.2; done"]
+
+
+def test_background_callbacks_are_delivered_while_the_command_runs(broker: Any) -> None:
+    """``run(..., background=True, on_stdout=...)`` (E2B's call; it used to be a ValueError
+    pointing at ``wait()``): a thread of the handle delivers the output while the command
+    runs — before it ends, here before its stdin is written — and ``wait()`` returns the
+    result; by id, ``commands.send_stdin`` writes to it."""
+    got: list[tuple[str, str]] = []
+
+    def out(text: str) -> None:
+        got.append(("out", text))
+        names.add(threading.current_thread().name)
+
+    names: set[str] = set()
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        handle = sandbox.commands.run(
+            ["sh", "-c", "echo first; echo warn >&2; read x; echo second $x"],
+            background=True,
+            stdin=True,
+            on_stdout=out,
+            on_stderr=lambda text: got.append(("err", text)),
+        )
+        assert _until(lambda: ("out", "first\n") in got and ("err", "warn\n") in got), got
+        assert handle.status().state == "running"  # delivered while it runs
+        sandbox.commands.send_stdin(handle.command_id, "x\n", eof=True)
+        result = handle.wait(timeout=30)
+        assert result.stdout == "first\nsecond x\n" and result.stderr == "warn\n"
+        assert "".join(t for k, t in got if k == "out") == result.stdout
+        assert names == {f"agent-sandbox-output-{handle.command_id}"}
+        assert handle.wait() == result  # again: the same result
+        assert _until(lambda: _output_threads() == [])
+
+
+def test_a_delivering_handle_stops_with_kill_close_and_the_sandbox(broker: Any) -> None:
+    """The thread never outlives what it follows: ``kill()`` (the last output delivered
+    first), ``close()`` (the command goes on), and the sandbox's ``kill()``; its one reader
+    refuses a second (``wait(on_stdout=)``, iteration) with the rule."""
+    ticks: list[str] = []
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        killed = sandbox.commands.run(SLOW_TICKS, background=True, on_stdout=ticks.append)
+        assert _until(lambda: len(ticks) >= 2)
+        with pytest.raises(ValueError, match="on_stdout/on_stderr given when it started"):
+            killed.wait(on_stdout=print)
+        with pytest.raises(ValueError, match="close\\(\\) the handle"):
+            next(iter(killed))
+        final = killed.kill()
+        assert final.state == "cancelled" and _output_threads() == []
+        closed = sandbox.commands.run(SLOW_TICKS, background=True, on_stdout=ticks.append)
+        assert _until(lambda: _output_threads() != [])
+        closed.close()
+        assert _output_threads() == []
+        seen = len(ticks)
+        time.sleep(0.5)
+        assert len(ticks) == seen and closed.status().state == "running"  # it goes on
+        assert any(e.type == "stdout" for e in _first(closed))  # readable again
+        assert sandbox.commands.kill(closed.command_id).state == "cancelled"  # by id
+        sandbox.commands.run(SLOW_TICKS, background=True, on_stderr=print)
+        assert _until(lambda: _output_threads() != [])
+    assert _output_threads() == []  # the sandbox's kill stopped it
+
+
+def _first(handle: Any) -> list[Any]:
+    events = []
+    for event in handle:
+        events.append(event)
+        break
+    return events
+
+
+def test_a_raising_background_callback_is_raised_by_wait(broker: Any) -> None:
+    def boom(text: str) -> None:
+        raise RuntimeError("callback failed: " + text.strip())
+
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        handle = sandbox.commands.run("echo one; sleep 0.3", background=True, on_stdout=boom)
+        with pytest.raises(RuntimeError, match="callback failed: one"):
+            handle.wait(timeout=30)
+        assert handle.wait(timeout=30).exit_code == 0  # then read to the end by wait itself
+
+
+def test_connect_kill_and_send_stdin_by_command_id(broker: Any) -> None:
+    """E2B's ``commands.connect(id, on_stdout=)`` (the retained output first, then live),
+    ``commands.send_stdin(id, data)`` and ``commands.kill(id)``, without a handle."""
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        started = sandbox.commands.run(["sh", "-c", "echo hello; cat"], background=True, stdin=True)
+        got: list[str] = []
+        handle = sandbox.commands.connect(started.command_id, on_stdout=got.append)
+        assert _until(lambda: "hello\n" in got), got
+        sandbox.commands.send_stdin(started.command_id, "echoed\n")
+        assert _until(lambda: "".join(got) == "hello\nechoed\n"), got
+        final = sandbox.commands.kill(started.command_id)
+        assert final.state == "cancelled" and final.stdout == "hello\necho" + "ed\n"
+        assert handle.wait(timeout=30).state == "cancelled"
+        assert sandbox.commands.kill(started.command_id).state == "cancelled"  # safe to repeat
+        with pytest.raises(TypeError, match="callable"):
+            sandbox.commands.connect(started.command_id, on_stdout="print")  # type: ignore[arg-type]
+        with pytest.raises(BrokerError, match="404"):
+            sandbox.commands.connect("no-such-command")
+
+
+def _output_tasks() -> list[str]:
+    names = [t.get_name() for t in asyncio.all_tasks() if not t.done()]
+    return [n for n in names if n.startswith("agent-sandbox-output-")]
+
+
+async def _auntil(condition: Callable[[], bool], within: float = 20.0) -> bool:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def test_async_background_callbacks_by_id_and_their_task(broker: Any) -> None:
+    """The async API: a task of the handle delivers the output (coroutine callbacks awaited)
+    while the command runs; ``commands.connect/send_stdin/kill`` by id; the task ends with
+    ``kill()``, ``close()`` and the sandbox's ``kill()``."""
+
+    async def main() -> None:
+        got: list[str] = []
+
+        async def out(text: str) -> None:
+            got.append(text)
+
+        async with await AsyncSandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+            handle = await sandbox.commands.run(
+                ["sh", "-c", "echo first; read x; echo second $x"],
+                background=True,
+                stdin=True,
+                on_stdout=out,
+            )
+            assert await _auntil(lambda: got == ["first\n"]), got
+            assert (await handle.status()).state == "running"
+            await sandbox.commands.send_stdin(handle.command_id, "x\n", eof=True)
+            result = await handle.wait(timeout=30)
+            assert result.stdout == "first\nsecond x\n" == "".join(got)
+            assert await _auntil(lambda: _output_tasks() == [])
+
+            ticks: list[str] = []
+            ticking = await sandbox.commands.run(SLOW_TICKS, background=True)
+            connected = await sandbox.commands.connect(ticking.command_id, on_stdout=ticks.append)
+            assert await _auntil(lambda: len(ticks) >= 2)
+            with pytest.raises(ValueError, match="given when it started"):
+                await connected.wait(on_stdout=print)
+            await connected.close()
+            assert _output_tasks() == [] and (await ticking.status()).state == "running"
+            assert (await sandbox.commands.kill(ticking.command_id)).state == "cancelled"
+
+            killed = await sandbox.commands.run(SLOW_TICKS, background=True, on_stdout=print)
+            assert await _auntil(lambda: _output_tasks() != [])
+            assert (await killed.kill()).state == "cancelled" and _output_tasks() == []
+            await sandbox.commands.run(SLOW_TICKS, background=True, on_stderr=out)
+            assert _output_tasks() != []
+        assert _output_tasks() == []  # the sandbox's kill cancelled it
+
+    arun(main())

@@ -91,6 +91,8 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
     async def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""
         self._mark_closed()
+        for handle in self._live_handles():
+            await handle._commands._stop_output()  # the tasks that follow output use them
         await self._transport.close()
 
     async def __aenter__(self) -> Self:
@@ -301,6 +303,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         """Stop using this handle; the sandbox keeps running (reattach with connect)."""
         if not self._closed:
             self._closed = True
+            await self._commands._stop_output()  # their commands go on; reattach with connect
             if self._owns_client:
                 await self._client.close()
 
@@ -311,6 +314,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         (E2B's spelling; see :meth:`Sandbox.kill`)."""
         if self._killed:
             return False
+        halted = self._commands._halt_output()  # no task follows output past the sandbox
         client = self._client
         if self._needs_own_client_to_kill():
             client = AsyncBrokerSandboxClient(client.connection_config, auth=client.auth)
@@ -319,6 +323,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         finally:
             if client is not self._client:
                 await client.close()
+        await self._commands._join_output(halted)
         logger.info("killed sandbox %s", self.name)
         if self._killed_now():
             await self._client.close()

@@ -196,6 +196,10 @@ class ClientBase(ABC, Generic[H, T]):
         with self._lock:
             return [] if self._closed else list(self._handles)
 
+    def _live_handles(self) -> list[H]:
+        with self._lock:
+            return list(self._handles.values())
+
     def _forget(self, name: str) -> None:
         with self._lock:
             self._handles.pop(name, None)

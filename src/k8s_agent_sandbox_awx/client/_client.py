@@ -103,6 +103,8 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
     def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""
         self._mark_closed()
+        for handle in self._live_handles():
+            handle._commands._stop_output()  # the threads that follow output use them
         self._transport.close()
 
     def __enter__(self) -> Self:
@@ -327,6 +329,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         if self._closed:
             return
         self._closed = True
+        self._commands._stop_output()  # their commands go on; reattach with connect
         if self._owns_client:
             self._client.close()
 
@@ -337,6 +340,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         (E2B's spelling; the keyword options of :meth:`connect`)."""
         if self._killed:
             return False
+        halted = self._commands._halt_output()  # no thread follows output past the sandbox
         if self._needs_own_client_to_kill():
             client = BrokerSandboxClient(self._client.connection_config, auth=self._client.auth)
             try:
@@ -345,6 +349,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
                 client.close()
         else:
             deleted = self._client.delete(self.name)
+        self._commands._join_output(halted)
         logger.info("killed sandbox %s", self.name)
         if self._killed_now():
             self._client.close()

@@ -44,6 +44,7 @@ __all__ = [
     "follow",
     "run",
     "start",
+    "wait_timed_out",
 ]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
@@ -351,13 +352,7 @@ def follow(
     while output.exit is None:
         remaining = dp.EVENTS_DURATION if deadline is None else deadline - clock()
         if remaining <= 0:
-            waited = f" after {timeout:g}s" if timeout is not None else ""
-            raise errors.CommandWaitTimeoutError(
-                f"Command {output.command_id!r} is still running{waited} (the wait timed out); "
-                "it goes on. Call wait() again, or kill() to stop it.",
-                command_id=output.command_id,
-                timeout=timeout if timeout is not None else 0.0,
-            )
+            raise wait_timed_out(output.command_id, timeout)
         duration = min(dp.EVENTS_DURATION, max(remaining, 0.05))
         position = output.cursor
         if not opened:
@@ -388,6 +383,17 @@ def follow(
             if output.ended or (deadline is not None and clock() >= deadline):
                 break
     return output.result()
+
+
+def wait_timed_out(command_id: str, timeout: float | None) -> errors.CommandWaitTimeoutError:
+    """The error of a ``wait(timeout=)`` that passed: the command goes on."""
+    waited = f" after {timeout:g}s" if timeout is not None else ""
+    return errors.CommandWaitTimeoutError(
+        f"Command {command_id!r} is still running{waited} (the wait timed out); it goes on. "
+        "Call wait() again, or kill() to stop it.",
+        command_id=command_id,
+        timeout=timeout if timeout is not None else 0.0,
+    )
 
 
 def _drain() -> Op[Any]:
@@ -758,14 +764,7 @@ def plan_run(command: Any, timeout: float, background: bool, options: opts.RunOp
     options = opts.run_spelling(options)  # upstream's env= is envs=
     background = bool(background)
     on_stdout, on_stderr = options.get("on_stdout"), options.get("on_stderr")
-    for name, callback in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
-        if callback is not None and not callable(callback):
-            raise TypeError(f"{name} must be callable, got {type(callback).__name__}.")
-        if callback is not None and background:
-            raise ValueError(
-                f"{name} is for a foreground run; with background=True pass it to the "
-                "handle's wait(on_stdout=..., on_stderr=...)."
-            )
+    check_callbacks(on_stdout, on_stderr)  # with background=True: followed while it runs
     plan = StartPlan.make(
         command,
         timeout,
@@ -778,6 +777,23 @@ def plan_run(command: Any, timeout: float, background: bool, options: opts.RunOp
     return RunPlan(plan, background, on_stdout, on_stderr, options.get("raise_on_timeout", True))
 
 
+def check_callbacks(on_stdout: Any, on_stderr: Any) -> None:
+    """``on_stdout``/``on_stderr`` are callables (or ``None``)."""
+    for name, callback in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
+        if callback is not None and not callable(callback):
+            raise TypeError(f"{name} must be callable, got {type(callback).__name__}.")
+
+
+def followed_elsewhere(command_id: str, what: str) -> ValueError:
+    """``what`` (a ``wait`` with callbacks, an iteration) on a handle whose output already goes
+    to the callbacks given at its start: one reader at a time."""
+    return ValueError(
+        f"{what}: the output of command {command_id!r} goes to the on_stdout/on_stderr given "
+        "when it started (read while it runs). Call wait() without callbacks for its result, or "
+        "close() the handle first to stop those callbacks."
+    )
+
+
 def output_callback(
     event: CommandEvent,
     on_stdout: Callable[[str], Any] | None,
@@ -787,15 +803,20 @@ def output_callback(
     return {"stdout": on_stdout, "stderr": on_stderr}.get(event.type)
 
 
+def wait_seconds(timeout: float) -> float:
+    """``wait(timeout=)`` checked: a number of seconds >= 0."""
+    limit = float(timeout)
+    if math.isnan(limit) or limit < 0:
+        raise ValueError(f"wait(timeout=) must be a number of seconds >= 0 or None, got {timeout}.")
+    return limit
+
+
 def wait_deadline(
     timeout: float | None, clock: Callable[[], float] = time.monotonic
 ) -> float | None:
     if timeout is None:
         return None
-    limit = float(timeout)
-    if math.isnan(limit) or limit < 0:
-        raise ValueError(f"wait(timeout=) must be a number of seconds >= 0 or None, got {timeout}.")
-    return clock() + limit
+    return clock() + wait_seconds(timeout)
 
 
 class HandleBase:
