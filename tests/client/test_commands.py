@@ -107,7 +107,8 @@ def test_strings_run_through_sh_in_a_sandbox_without_bash(
         ("echo a\0b", {}, ValueError, "NUL"),
         (["echo", "a\0"], {}, ValueError, "NUL"),
         (b"echo", {}, TypeError, "str"),
-        ("true", {"cwd": "relative"}, ValueError, "absolute path"),
+        # a relative cwd is relative to /app now (issue 23); one that climbs out is not
+        ("true", {"cwd": "../up"}, ValueError, "contains '..'"),
         ("true", {"envs": {"A=B": "x"}}, ValueError, "invalid variable"),
         ("true", {"envs": {"A": 1}}, TypeError, "str to str"),
         ("true", {"timeout": 0}, ValueError, "greater than 0"),

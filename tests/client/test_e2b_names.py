@@ -335,3 +335,59 @@ def test_async_background_callbacks_by_id_and_their_task(broker: Any) -> None:
         assert _output_tasks() == []  # the sandbox's kill cancelled it
 
     arun(main())
+
+
+# ------------------------------------------------------------- files.rename, a relative cwd
+
+
+def test_files_rename_is_move_under_e2b_name(broker: Any) -> None:
+    """``files.rename(old, new)`` (E2B's name; it used to be an AttributeError): the entry
+    moved, its FileInfo returned, an existing destination kept unless ``overwrite=True``."""
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        sandbox.files.write("old.txt", b"one")
+        sandbox.files.write("kept.txt", b"two")
+        info = sandbox.files.rename("old.txt", "new.txt")
+        assert info.path == "/app/new.txt" and info.size == 3
+        assert not sandbox.files.exists("old.txt")
+        assert sandbox.files.read("new.txt") == b"one"
+        with pytest.raises(Exception, match="exists"):
+            sandbox.files.rename("new.txt", "kept.txt")
+        assert sandbox.files.read("kept.txt") == b"two"
+        sandbox.files.rename("new.txt", "kept.txt", overwrite=True)
+        assert sandbox.files.read("kept.txt") == b"one"
+
+
+def test_a_relative_cwd_is_relative_to_the_sandbox_working_directory(broker: Any) -> None:
+    """``cwd="project"`` is ``/app/project``, as the file path ``"project/x"`` is
+    ``/app/project/x`` (it used to be a ValueError asking for an absolute path); a relative
+    ``..`` is refused before anything is sent, naming the rule."""
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        sandbox.files.write("project/sub/marker.txt", b"here")
+        for cwd in ("project", "project/sub", "./project/sub/", "workspace"):
+            result = sandbox.commands.run("ls; echo $PWD", cwd=cwd)
+            assert result.exit_code == 0, (cwd, result.stderr)
+        assert sandbox.commands.run("cat marker.txt", cwd="project/sub").stdout == "here"
+        handle = sandbox.commands.run("cat sub/marker.txt", cwd="project", background=True)
+        assert handle.wait(timeout=30).stdout == "here"
+        assert handle.status().cwd.endswith("/project")  # the local runtime: its host path
+        before = broker.execution_count(sandbox.name)
+        for bad in ("../etc", "project/../.."):
+            with pytest.raises(ValueError, match=r"relative to /app and contains '\.\.'"):
+                sandbox.commands.run("pwd", cwd=bad)
+        with pytest.raises(ValueError, match=r"absolute .* or relative to /app"):
+            sandbox.commands.run("pwd", cwd="")
+        assert broker.execution_count(sandbox.name) == before
+
+
+def test_async_rename_and_relative_cwd(broker: Any) -> None:
+    async def main() -> None:
+        async with await AsyncSandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+            await sandbox.files.write("a/one.txt", b"1")
+            info = await sandbox.files.rename("a/one.txt", "a/two.txt")
+            assert info.path == "/app/a/two.txt"
+            result = await sandbox.commands.run("cat two.txt", cwd="a")
+            assert result.stdout == "1"
+            with pytest.raises(ValueError, match=r"contains '\.\.'"):
+                await sandbox.commands.run("pwd", cwd="../a")
+
+    arun(main())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import posixpath
 import shlex
 import time
 import uuid
@@ -171,14 +172,30 @@ def _check_envs(envs: Mapping[str, str] | None) -> dict[str, str] | None:
     return out
 
 
+SANDBOX_WORKDIR = "/app"
+"""The sandbox's working directory: where commands run by default, what a relative file path
+and a relative ``cwd`` are relative to."""
+
+
 def _check_cwd(cwd: str | None) -> str | None:
+    """``cwd`` as the runtime takes it: an absolute path as given, a relative one resolved
+    against :data:`SANDBOX_WORKDIR` (``"project"`` -> ``/app/project``), like a file path."""
     if cwd is None:
         return None
-    if not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd:
+    if not isinstance(cwd, str) or not cwd.strip() or "\0" in cwd:
         raise ValueError(
-            f"cwd must be an absolute path inside the sandbox (e.g. '/app'), got {cwd!r}."
+            f"cwd must be a directory inside the sandbox, absolute ('/app/project', "
+            f"'/workspace') or relative to {SANDBOX_WORKDIR} ('project'), got {cwd!r}."
         )
-    return cwd
+    if cwd.startswith("/"):
+        return cwd
+    if any(part == ".." for part in cwd.split("/")):
+        raise ValueError(
+            f"cwd {cwd!r} is relative to {SANDBOX_WORKDIR} and contains '..'; a relative cwd "
+            f"stays inside {SANDBOX_WORKDIR} (as a file path does): give an absolute path "
+            "to go elsewhere."
+        )
+    return posixpath.normpath(f"{SANDBOX_WORKDIR}/{cwd}")
 
 
 def _check_timeout(timeout: float) -> float:
