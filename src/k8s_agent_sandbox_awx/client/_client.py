@@ -396,9 +396,10 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         ``AGENT_SANDBOX_CA_BUNDLE``, ``AGENT_SANDBOX_TEMPLATE`` and the credential chain
         (``AGENT_SANDBOX_TOKEN``, ``AGENT_SANDBOX_TOKEN_FILE``, the projected token, plugins).
         Keyword options (they beat the environment): ``auth``, ``broker_url``, ``ca_cert``,
-        ``config``, ``environ``, ``annotations``, ``env``, ``timeout``, ``keepalive``,
-        ``ready_timeout``, ``request_timeout``, ``allow_insecure_http``, ``idempotency_key``,
-        ``pod_labels``, ``pod_annotations``, ``scopes``; and the original package's
+        ``config``, ``environ``, ``annotations`` (E2B's ``metadata``), ``envs`` (upstream's
+        ``env``), ``timeout``, ``keepalive``, ``ready_timeout``, ``request_timeout``,
+        ``allow_insecure_http``, ``idempotency_key``, ``pod_labels``, ``pod_annotations``,
+        ``scopes``; and the original package's
         ``warmpool``, ``namespace``, ``shutdown_after_seconds``, ``sandbox_ready_timeout``,
         ``keepalive_ttl_seconds``, ``token``, ``token_path``, ``backend`` (docs/migrating.md).
 
