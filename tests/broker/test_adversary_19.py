@@ -189,6 +189,7 @@ CHATTY = [
 ]
 
 
+@pytest.mark.slow
 def test_a_reader_replaying_from_the_start_does_not_hold_the_command(
     broker: LocalBroker, alice: Any
 ) -> None:

@@ -44,6 +44,7 @@ def _options(broker: Any, **extra: str) -> dict[str, Any]:
 # -- item 10: the keepalive never delays a call by more than one short attempt --------------------
 
 
+@pytest.mark.slow
 def test_a_trickling_control_plane_never_holds_the_call(
     files_broker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,6 +26,7 @@ from .backends._interface import RUNTIME_PORT
 from .identity._policy import Caller
 from .identity._rejection import TokenRejected
 from .identity._verify import TokenVerifier
+from .observability._context import note_caller, note_rejection
 
 MAX_JSON_BODY = 1024 * 1024
 DEFAULT_DATA_PLANE_TIMEOUT = 300.0
@@ -161,13 +162,17 @@ class Gate:
         self.verifier = verifier
 
     async def authenticate(self, request: Request) -> Caller:
-        """The caller of ``request``, as its token proves it; 401 otherwise."""
+        """The caller of ``request``, as its token proves it; 401 otherwise (either is noted
+        for the access and audit logs: :mod:`.observability._context`)."""
+        authorization = request.headers.get("authorization")
         try:
-            caller, _ = await self.verifier.verify(request.headers.get("authorization"))
+            caller, _ = await self.verifier.verify(authorization)
         except TokenRejected as exc:
+            note_rejection(exc.code, exc.detail, exc.identity, authorization)
             raise ApiError(
                 401, exc.code, exc.detail, {"WWW-Authenticate": auth_header(exc.detail)}
             ) from None
+        note_caller(caller, authorization)
         return caller
 
     async def json_body(self, request: Request) -> Any:

@@ -22,7 +22,7 @@ import string
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -445,6 +445,11 @@ class LocalBackend:
                 await asyncio.wait_for(record.settled.wait(), within)
         self._check_alive(record)
         return record.state()  # deleted meanwhile: shown Terminating
+
+    def active_by_namespace(self) -> Mapping[str, int]:
+        with self.lock:
+            live = [r.namespace for r in self.sandboxes.values() if r.phase in (PENDING, READY)]
+        return dict(Counter(live))
 
     # -- the data plane ------------------------------------------------------------------------
     async def route(self, state: ClaimState, port: int) -> Route:
