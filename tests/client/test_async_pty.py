@@ -130,3 +130,19 @@ def test_a_runtime_without_terminals_is_unsupported(broker: Any) -> None:
             assert info.value.options == ("pty",)
 
     run(main())
+
+
+def test_closing_the_sandbox_under_a_reading_terminal_logs_no_warning(
+    broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        screen = Screen()
+        async with await create(broker) as sandbox:
+            term = await sandbox.pty.create(command="echo up; sleep 100", on_data=screen)
+            await screen.aexpect(rb"up\r\n")
+        assert term._reader is not None
+        await asyncio.wait([term._reader], timeout=10)
+        assert term._reader.done()
+
+    run(main())
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "terminal" in r.message]

@@ -174,3 +174,14 @@ def test_a_runtime_without_terminals_is_unsupported_and_nothing_runs(
     with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as legacy:
         with pytest.raises(UnsupportedByRuntimeError, match="no managed commands"):
             legacy.pty.create()
+
+
+def test_closing_the_sandbox_under_a_reading_terminal_logs_no_warning(
+    broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    screen = Screen()
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        term = sandbox.pty.create(command="echo up; sleep 100", on_data=screen)
+        screen.expect(rb"up\r\n")
+    assert term._reader is not None and term._reader.done.wait(10)  # it ended
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "terminal" in r.message]

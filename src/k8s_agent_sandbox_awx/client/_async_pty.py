@@ -66,7 +66,10 @@ class AsyncPtyHandle(cf.HandleBase):
             self._reader.add_done_callback(self._read_ended)
 
     def _read_ended(self, task: asyncio.Task[ExecutionResult]) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
+        if task.cancelled():
+            return
+        exc = task.exception()  # retrieved: raised by wait()
+        if exc is not None and not self._transport.is_closed:  # closed: the reading ends
             logger.warning(
                 "the output of terminal %s is no longer read: %s: %s (wait() raises it)",
                 self.command_id,

@@ -73,6 +73,8 @@ class _Reader:
             pass
         except BaseException as exc:  # raised by wait(); logged, in case nobody waits
             self.error = exc
+            if self._handle._transport.is_closed:  # its sandbox was closed: the reading ends
+                return
             logger.warning(
                 "the output of terminal %s is no longer read: %s: %s (wait() raises it)",
                 self._handle.command_id,

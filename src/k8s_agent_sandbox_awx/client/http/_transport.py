@@ -86,6 +86,10 @@ class BrokerTransport(TransportBase):
         self._http = client
         self._sleep = sleep
 
+    @property
+    def is_closed(self) -> bool:
+        return self._http.is_closed
+
     def close(self) -> None:
         self._http.close()
 
