@@ -61,6 +61,7 @@ def test_an_errors_notes_are_printed(monkeypatch: pytest.MonkeyPatch, capsys: An
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.usefixtures("dialect")  # once per dialect
 def test_run_exit_code_becomes_the_process_exit_code(live: Any, broker: Any) -> None:

@@ -9,6 +9,8 @@ import pytest
 from k8s_agent_sandbox_awx import BrokerConnectionConfig, ConfigurationError
 from k8s_agent_sandbox_awx._upstream import SandboxDirectConnectionConfig, SandboxError
 
+pytestmark = pytest.mark.upstream  # an upstream SandboxDirectConnectionConfig
+
 
 def test_is_an_upstream_direct_connection_config() -> None:
     config = BrokerConnectionConfig(broker_url="https://Broker.Example/")

@@ -12,8 +12,7 @@ import httpx
 
 from k8s_agent_sandbox_awx.client.wire._dataplane import KeptAlive
 from k8s_agent_sandbox_awx.client.wire._protocol import RequestSpec
-
-from .conftest import sandbox_obj
+from tests._support.scripted_broker import sandbox_obj
 
 
 def test_the_data_target_owns_the_keepalive_and_its_transport_sends_it(

@@ -90,6 +90,7 @@ def test_set_timeout_shortening_makes_the_broker_delete_it_on_time(files_broker:
         sb.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("dialect")  # once per dialect
 def test_keepalive_keeps_a_busy_sandbox_and_lets_an_idle_one_expire(files_broker: Any) -> None:
     busy = Sandbox.create(timeout=3, keepalive=3, **_options(files_broker))

@@ -28,6 +28,8 @@ from k8s_agent_sandbox_awx.errors import (
     BrokerUnavailableError,
 )
 
+pytestmark = pytest.mark.upstream  # answers mapped to upstream's exceptions
+
 ROUTER = proto.RouterTarget("sbx-1", "team-a", 8888)
 
 

@@ -34,6 +34,7 @@ from ..broker.backends._local import (
     RUNTIMES_DIR_PREFIX,
     LocalProcessBackend,
     owned_temp_dir,
+    release_owned_dir,
     sweep_dead_owners,
 )
 from ..broker.backends._local_claims import (
@@ -328,6 +329,7 @@ class LocalBroker:
     def _cleanup_files(self) -> None:
         if self._tmp is not None:  # never raises: a failure is logged (any depth is removed)
             remove_quietly(self._tmp, "the local broker's temporary directory")
+            release_owned_dir(self._tmp)  # what could not be removed is a later start's
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         if self._loop is None or self._app is None:

@@ -41,6 +41,9 @@ class RuntimeHandle:
     pid: int | None = None
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     root: str | None = field(default=None, repr=False)
+    runtime_id: int | None = field(default=None, repr=False)
+    """The backend's own name for this runtime, never used again (unlike ``pid``: the local
+    backend's fork-server request, by which its exit is reported)."""
 
 
 class RuntimeStartError(Exception):

@@ -109,6 +109,7 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
     if isinstance(command, str):
         if "\0" in command:
             raise ValueError("The command contains a NUL byte (\\0); remove it.")
+        check_text("The command", command)
         if not command.strip():
             raise ValueError("The command is empty; pass the command to run, e.g. 'echo hi'.")
         if shell is False:
@@ -130,9 +131,24 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
             raise TypeError(f"Argument {index} of the command is {type(arg).__name__}, not str.")
         if "\0" in arg:
             raise ValueError(f"Argument {index} of the command contains a NUL byte; remove it.")
+        check_text(f"Argument {index} of the command", arg)
     if not argv or not argv[0]:
         raise ValueError("The command is empty; pass the program and its arguments, e.g. ['ls'].")
     return argv
+
+
+def check_text(what: str, text: str) -> None:
+    """Refuse text that UTF-8, and so the wire, an argv, an environment or a stdin, cannot
+    carry: a lone surrogate (``os.fsdecode`` of bytes that are not UTF-8, ``"\\ud800"``),
+    before anything is sent. ``what`` names the argument."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} holds a lone surrogate ({text[exc.start : exc.end]!r} at index "
+            f"{exc.start}), which UTF-8 cannot carry, so the sandbox could not receive it; pass "
+            "valid text (decode bytes with errors='replace', or send them as base64)."
+        ) from None
 
 
 def _split(command: str) -> list[str]:
@@ -166,6 +182,8 @@ def _check_envs(envs: Mapping[str, str] | None) -> dict[str, str] | None:
                 f"envs has an invalid variable {key!r}: names are non-empty without '=' or NUL, "
                 "values without NUL."
             )
+        check_text(f"The name of the envs variable {key!r}", key)
+        check_text(f"The value of the envs variable {key!r}", value)
         out[key] = value
     return out
 
@@ -177,6 +195,7 @@ def _check_cwd(cwd: str | None) -> str | None:
         raise ValueError(
             f"cwd must be an absolute path inside the sandbox (e.g. '/app'), got {cwd!r}."
         )
+    check_text("cwd", cwd)
     return cwd
 
 
@@ -451,12 +470,21 @@ def _start(target: dp.DataTarget, plan: StartPlan, *, stream: bool) -> Op[str | 
     return command_id
 
 
+_LOST_CODES = frozenset({"sandbox_answer_lost", "sandbox_timeout"})
+"""The broker's codes of a 502/504 that may have reached the runtime (sent, then the connection
+to the sandbox broke or stalled); its ``sandbox_unreachable`` says nothing was sent."""
+
+
 def _unanswered(exc: BaseException) -> bool:
     """Whether a start may have reached the runtime without its answer being read: an
-    interruption (Ctrl-C, a cancelled task) or a connection that broke or stalled after the
-    request was sent. Not an answer (the runtime, or the broker, refused it: nothing ran),
-    nor a request that was never sent, nor an error of the caller's own (a callback's)."""
+    interruption (Ctrl-C, a cancelled task), a connection that broke or stalled after the
+    request was sent, or the broker's 502/504 saying that its own connection to the runtime
+    did (a code of :data:`_LOST_CODES`, or no code: a deployed ``/rpc`` broker or a proxy,
+    which cannot tell). Not a refusal (the runtime or the broker refused it: nothing ran), nor
+    a request that was never sent, nor an error of the caller's own (a callback's)."""
     if isinstance(exc, errors.BrokerError):
+        if exc.status_code in (502, 504):
+            return exc.code is None or exc.code in _LOST_CODES
         return exc.status_code is None and exc.request_sent
     return not isinstance(exc, Exception | GeneratorExit)
 
@@ -726,6 +754,7 @@ def send_stdin(target: dp.DataTarget, command_id: str, data: str | bytes, eof: b
             ) from exc
     if not isinstance(data, str):
         raise TypeError(f"stdin data must be str or bytes, got {type(data).__name__}.")
+    check_text("The stdin data (send_stdin's data)", data)
     spec = dp.command_stdin(target, command_id, data, eof)  # refuses a body over the limit
     return Call(spec, _ignore, fail=dp.stdin_refusal(spec))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -196,7 +197,13 @@ def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> int | None:
     """A whole number of seconds for ``name=`` (``None`` stays ``None``)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}= must be a whole number of seconds, e.g. 300; got {value!r}.")
+    if not math.isfinite(value):  # before int(): NaN and infinity have no int
+        raise ValueError(
+            f"{name}= must be a finite whole number of seconds, e.g. 300; got {value!r}."
+        )
+    if value != int(value):
         raise TypeError(f"{name}= must be a whole number of seconds, e.g. 300; got {value!r}.")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name}= must be a positive number of seconds, got {value!r}.")

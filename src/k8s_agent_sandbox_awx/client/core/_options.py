@@ -203,7 +203,8 @@ def sdk_spelling(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, st
     names: dict[str, str] = {}
     for sdk, values in spelt.items():
         values.sort(key=lambda item: item[0] != sdk)  # the SDK's own name first
-        if any(value != values[0][1] for _, value in values):
+        first = values[0][1]
+        if any(value is not first and value != first for _, value in values):  # NaN is itself
             raise _conflict(sdk, values)
         out[sdk] = values[0][1]
         if values[0][0] != sdk:

@@ -110,6 +110,11 @@ class AsyncBrokerTransport(ex.TransportBase):
                 return await response.aclose()
             case ex.Sleep(seconds):
                 return await self._sleep(seconds)
+            case ex.Within(steps, seconds):  # cancelled at the deadline
+                try:
+                    return await asyncio.wait_for(adrive(steps, self.perform), seconds)
+                except TimeoutError:
+                    raise step.late() from None
 
     @staticmethod
     async def _error_body(response: httpx.Response) -> bytes:

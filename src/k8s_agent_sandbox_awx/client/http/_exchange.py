@@ -6,7 +6,8 @@ broker's origin; after the broker's 401 the credential is re-read and the reques
 more if its body can be), lets the one :class:`RetryPolicy` decide retries, applies the named
 timeouts and maps failures to typed errors through the dialect. It is a generator of I/O
 steps (:class:`Send`, :class:`GetCredential`, :class:`Sleep`, :class:`Read`,
-:class:`ReadError`, :class:`Close`) run by ``_driver``; ``_transport`` and ``_async_transport``
+:class:`ReadError`, :class:`Close`, and :class:`Within` for a bounded side request) run by
+``_driver``; ``_transport`` and ``_async_transport``
 perform them with ``httpx.Client`` / ``httpx.AsyncClient``. Also here: the client settings
 (TLS, redirects, headers) and the bookkeeping of streamed bodies (upload framing, download
 limits, capped error bodies).
@@ -59,6 +60,7 @@ __all__ = [
     "Send",
     "Sleep",
     "UploadBody",
+    "Within",
     "client_settings",
     "only_call",
     "retry_policy",
@@ -68,8 +70,9 @@ logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
 MAX_ERROR_BODY = 64 * 1024
 KEEPALIVE_TIMEOUT = 2.0
-"""Seconds the activity keepalive's extension may take (one attempt, ``request_timeout`` if
-that is shorter): it never delays the data-plane request it rides on by more."""
+"""Seconds the activity keepalive's extension may take in all (one attempt, ``request_timeout``
+if that is shorter; :class:`Within`): it never delays the data-plane request it rides on by
+more, however slowly the control plane answers."""
 PRIMED_SECONDS = 30.0
 """How long a credential fetched before the dialect probe may be used by the first request."""
 _BUSY = frozenset({408, 429})
@@ -234,8 +237,23 @@ class Close:
     response: httpx.Response
 
 
-ExchangeStep = GetCredential | Send | Read | ReadError | Close | Sleep
-"""What an exchange asks for (``Sleep``, before the next attempt, is the operations' step)."""
+@dataclass(frozen=True, slots=True)
+class Within:
+    """Perform ``steps`` (a whole exchange) to its result within ``seconds`` in all, not per
+    read; past them raise ``TimeoutError`` (:meth:`late`) and give it up: the async transport
+    cancels it, the sync one leaves it to end on its own (in a helper thread, reading no answer
+    past the same deadline)."""
+
+    steps: Steps[ExchangeStep, Any]
+    seconds: float
+
+    def late(self) -> TimeoutError:
+        return TimeoutError(f"no answer within {self.seconds:g} s in all")
+
+
+ExchangeStep = GetCredential | Send | Read | ReadError | Close | Sleep | Within
+"""What an exchange asks for (``Sleep``, before the next attempt, is the operations' step;
+``Within``, a side request bounded in all: the keepalive's extension)."""
 
 
 def only_call(step: Step) -> proto.Call[Any]:
@@ -641,9 +659,10 @@ class TransportBase:
 
     def _extend(self, keepalive: Keepalive, call: proto.Call[Any]) -> Steps[ExchangeStep, None]:
         """Extend the sandbox's lifetime before a data-plane request, best effort: one attempt
-        within :data:`KEEPALIVE_TIMEOUT`, never retried (it must not delay the request it rides
-        on); a failure is logged, never fails the request, and the next request tries again
-        (an interruption still propagates)."""
+        within :data:`KEEPALIVE_TIMEOUT` in all (:class:`Within`), never retried (it must not
+        delay the request it rides on); a failure is logged, never fails the request, and the
+        next request tries again (an interruption still propagates)."""
+        budget = min(KEEPALIVE_TIMEOUT, self.config.request_timeout)
         try:
             extend = Exchange(
                 self._client,
@@ -652,9 +671,9 @@ class TransportBase:
                 self.dialect,
                 call.spec,
                 invalidate=self.auth.invalidate,
-                timeout=min(KEEPALIVE_TIMEOUT, self.config.request_timeout),
+                timeout=budget,
             )
-            keepalive.extended(call.parse((yield from extend.steps())).expires_at)
+            keepalive.extended(call.parse((yield Within(extend.steps(), budget))).expires_at)
         except Exception as exc:
             keepalive.failed()
             logger.warning(

@@ -696,10 +696,15 @@ FILE_API_REQUIREMENT = (
 )
 
 
+COMMAND_ERRORS = frozenset({"invalid_text"})
+"""The refusal codes of the runtime's managed commands (``invalid_text``: an argv, envs, cwd or
+stdin data that UTF-8 cannot carry); they share no value with the broker's own codes."""
+
+
 def is_runtime_answer(status: int, code: str | None) -> bool:
     """Whether an error answer on the data plane is the sandbox runtime's own (passed through
-    by the broker): no ``code`` (a 4xx), or one of the file API's codes."""
-    return (code is None and 400 <= status < 500) or code in FILE_ERRORS
+    by the broker): no ``code`` (a 4xx), or one of the file API's or managed commands' codes."""
+    return (code is None and 400 <= status < 500) or code in FILE_ERRORS or code in COMMAND_ERRORS
 
 
 def _refused_path(body: bytes) -> str | None:
