@@ -147,6 +147,22 @@ def test_an_error_mid_session_restores_the_terminal(broker: Any, tty: Any) -> No
         assert b"error" in term.screen.data
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_cli_restores_the_terminal_and_kills_the_remote_one(
+    broker: Any, tty: Any, signum: int
+) -> None:
+    with Sandbox.create(environ=broker.environ("kubernetes")) as sandbox:
+        term = tty(sandbox.name)
+        term.type(b"echo sta''rted\r")
+        term.screen.expect(rb"\rstarted\r\n")
+        term.proc.send_signal(signum)
+        assert term.exit_code() == 128 + signum
+        assert termios.tcgetattr(term.slave) == term.before
+        [remote] = sandbox.commands.list()
+        assert remote.pty is not None and remote.state == "cancelled"
+        assert sandbox.is_running()  # shell NAME leaves the sandbox
+
+
 def test_shell_refuses_without_a_terminal_and_before_making_a_sandbox(broker: Any) -> None:
     env = {
         **os.environ,

@@ -6,8 +6,8 @@ discipline, not this process), keys are sent as they are typed (what piles up wh
 is in flight goes in the next one), the output is written to standard output as bytes from a
 reader thread, and a local window resize (``SIGWINCH``) resizes the remote terminal. The CLI
 exits when the remote program does, with its exit code; the local terminal's attributes are
-restored on every exit path, and a remote terminal left running (an error, a local signal) is
-killed.
+restored on every exit path, and a remote terminal left running (an error, ``SIGTERM`` or
+``SIGHUP``: then the exit code is ``128 + signal``) is killed.
 """
 
 from __future__ import annotations
@@ -118,13 +118,20 @@ class _Session:
             os.close(self.wake_w)
 
 
+def _exit(signum: int, frame: Any) -> None:
+    """``SIGTERM``/``SIGHUP``: exit ``128 + signum`` the way every other exit goes (the local
+    terminal restored, the remote terminal killed, a ``--new`` sandbox deleted)."""
+    raise SystemExit(128 + signum)
+
+
 def interactive_shell(sandbox: Any, fd_in: int, fd_out: int, command: Any = None) -> int:
     """Open a terminal of the local one's size in ``sandbox`` running ``command`` (default:
     the sandbox's login shell), attach the local terminal to it until it ends; its exit code."""
     saved = termios.tcgetattr(fd_in)
     term = sandbox.pty.create(*_size(fd_in), command=command)
     session = _Session(term, fd_in, fd_out)
-    previous = signal.signal(signal.SIGWINCH, session.on_winch)
+    handlers = {signal.SIGWINCH: session.on_winch, signal.SIGTERM: _exit, signal.SIGHUP: _exit}
+    previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
     try:
         try:
             tty.setraw(fd_in, termios.TCSANOW)
@@ -132,11 +139,12 @@ def interactive_shell(sandbox: Any, fd_in: int, fd_out: int, command: Any = None
             session.pump()
         finally:
             termios.tcsetattr(fd_in, termios.TCSAFLUSH, saved)
-            signal.signal(signal.SIGWINCH, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         if session.error is not None:
             raise session.error
-        if not session.ended.is_set():
-            raise ShellUsageError("the local terminal was closed; the remote terminal is killed.")
+        if not session.ended.is_set():  # the local terminal hung up: as at SIGHUP
+            raise SystemExit(128 + signal.SIGHUP)
         return int(term.wait().exit_code)
     except BaseException:
         with contextlib.suppress(Exception):  # the error in hand says more than this
