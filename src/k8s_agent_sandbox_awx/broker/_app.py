@@ -22,9 +22,10 @@ from ._claims import Claims
 from ._errors import ApiError
 from ._forward import Forward
 from ._gate import Gate, origin_form
-from ._rpc import Rpc
+from ._observed import note_error
+from ._rpc import BACKEND_RETRY_AFTER, Rpc
 from ._v1 import V1
-from .backends._interface import Backend
+from .backends._interface import Backend, BackendUnavailable
 from .identity._issuer import PublishedIssuer
 from .identity._rules import PolicySource
 from .identity._verify import TokenVerifier
@@ -93,7 +94,15 @@ class BrokerApp:
             else:
                 raise self._no_route(request.method, scope["path"])
         except ApiError as exc:
+            note_error(exc.code, exc.detail)
             response = exc.response()
+        except BackendUnavailable as exc:
+            response = ApiError(
+                503,
+                "backend_unavailable",
+                exc.detail,
+                {"Retry-After": str(BACKEND_RETRY_AFTER)},
+            ).response()
         except ClientDisconnect:
             return
         await response(scope, receive, send)

@@ -20,6 +20,7 @@ from starlette.types import Scope
 
 from ._errors import ApiError
 from ._metadata import DNS_LABEL
+from ._observed import note_caller, note_rejection
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, Target, checked_target
 from .backends._interface import RUNTIME_PORT
@@ -161,13 +162,17 @@ class Gate:
         self.verifier = verifier
 
     async def authenticate(self, request: Request) -> Caller:
-        """The caller of ``request``, as its token proves it; 401 otherwise."""
+        """The caller of ``request``, as its token proves it; 401 otherwise (either is noted
+        for the access and audit logs: :mod:`._observed`)."""
+        authorization = request.headers.get("authorization")
         try:
-            caller, _ = await self.verifier.verify(request.headers.get("authorization"))
+            caller, _ = await self.verifier.verify(authorization)
         except TokenRejected as exc:
+            note_rejection(exc.code, exc.detail, exc.identity, authorization)
             raise ApiError(
                 401, exc.code, exc.detail, {"WWW-Authenticate": auth_header(exc.detail)}
             ) from None
+        note_caller(caller, authorization)
         return caller
 
     async def json_body(self, request: Request) -> Any:

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import trustme
@@ -57,6 +57,9 @@ from ._issuers import (
     kubernetes_attributes,
 )
 from ._messages import NO_ISOLATION_WARNING
+
+if TYPE_CHECKING:
+    from ..broker.observability._observer import Observer
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 T = TypeVar("T")
@@ -98,6 +101,9 @@ class LocalBroker:
       (for ``claims(include_deleted=True)``, ``execution_count`` and create replays): the newest
       ``keep_deleted`` (default 1000), each for at most ``keep_deleted_seconds`` (default 3600)
       after its deletion; older ones are forgotten, so a long-running broker does not grow.
+    - ``observer``: an :class:`~k8s_agent_sandbox_awx.broker.observability._observer.Observer`
+      around the broker (its access log, audit log and metrics, as ``broker serve`` has them:
+      docs/broker/operate.md); default none: the local broker stays quiet.
 
     WARNING: local sandboxes are host processes with NO isolation (development and tests only).
     """
@@ -119,6 +125,7 @@ class LocalBroker:
         warm_pools: Mapping[str, str] | None = None,
         keep_deleted: int = DEFAULT_KEEP_DELETED,
         keep_deleted_seconds: float = DEFAULT_KEEP_DELETED_SECONDS,
+        observer: Observer | None = None,
     ) -> None:
         _check_retention(keep_deleted, keep_deleted_seconds)
         if isinstance(protocols, str) or not protocols or not set(protocols) <= set(PROTOCOLS):
@@ -159,6 +166,7 @@ class LocalBroker:
         self._store: LocalBackend | None = None
         self._jwks: _JwksClient | None = None
         self._revocations = Revocations()
+        self._observer = observer
         self.startup_seconds: float | None = None
 
     def __repr__(self) -> str:
@@ -188,8 +196,11 @@ class LocalBroker:
         sock, server_pem = self._listen_with_tls(self._tmp)
         self._app = self._make_app(self._tmp)
         install_log_filter()
+        served: Any = FaultLayer(self._app, self._faults, self._protocols)  # faults around it
+        if self._observer is not None:  # and the observer around both: it sees what clients see
+            served = self._observer.wrap_broker(self._app, served)
         config = uvicorn.Config(
-            FaultLayer(self._app, self._faults, self._protocols),  # faults around the broker
+            served,
             ssl_certfile=server_pem,
             log_config=None,
             log_level="warning",

@@ -22,7 +22,7 @@ import string
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,7 +173,8 @@ class SandboxRecord:
 
 
 class LocalBackend:
-    """The claims of one local broker, in memory; runtimes started by ``runtimes``.
+    """The claims of one local broker, in memory; runtimes started by ``runtimes``. Every
+    claim is in one place: the methods' ``namespace`` is not needed (and ignored).
 
     ``templates``: template name -> runtime command line (``None``: the runtimes' default);
     ``warm_pools``: ``/rpc`` warm pool -> template. ``keep_deleted`` / ``keep_deleted_seconds``:
@@ -225,7 +226,9 @@ class LocalBackend:
         return WarmPool(template)
 
     # -- create --------------------------------------------------------------------------------
-    async def replay(self, owner: Owner, idempotency: Idempotency) -> ClaimState | None:
+    async def replay(
+        self, owner: Owner, idempotency: Idempotency, *, namespace: str | None = None
+    ) -> ClaimState | None:
         remembered = self.idempotency.get((owner.issuer, owner.subject, idempotency.key))
         if remembered is None or time.time() - remembered[2] >= IDEMPOTENCY_SECONDS:
             return None
@@ -399,14 +402,18 @@ class LocalBackend:
         with self.lock:
             return self.sandboxes.get(name)
 
-    async def get(self, name: str) -> ClaimState | None:
+    async def get(
+        self, name: str, *, namespace: str | None = None, cached: bool = False
+    ) -> ClaimState | None:
         record = self._live(name)
         if record is None:
             return None
         self._check_alive(record)
         return record.state()
 
-    async def find_claim(self, claim_name: str) -> ClaimState | None:
+    async def find_claim(
+        self, claim_name: str, *, namespace: str | None = None
+    ) -> ClaimState | None:
         with self.lock:
             record = next((r for r in self.sandboxes.values() if r.claim_name == claim_name), None)
         if record is None:
@@ -414,12 +421,12 @@ class LocalBackend:
         self._check_alive(record)
         return record.state()
 
-    async def list_owned(self, owner: Owner) -> list[ClaimState]:
+    async def list_owned(self, owner: Owner, *, namespace: str | None = None) -> list[ClaimState]:
         with self.lock:
             mine = [r for r in self.sandboxes.values() if r.owner.key == owner.key]
         return [r.state() for r in mine]
 
-    async def delete(self, name: str) -> ClaimState | None:
+    async def delete(self, name: str, *, namespace: str | None = None) -> ClaimState | None:
         record = self._live(name)
         if record is None:
             return None
@@ -428,7 +435,9 @@ class LocalBackend:
             self._spawn(self._terminate(record, "Deleted"))
         return record.state()
 
-    async def set_expiry(self, name: str, expires_at: float) -> ClaimState | None:
+    async def set_expiry(
+        self, name: str, expires_at: float, *, namespace: str | None = None
+    ) -> ClaimState | None:
         record = self._live(name)
         if record is None:
             return None
@@ -436,7 +445,9 @@ class LocalBackend:
         self.schedule_expiry(record)
         return record.state()
 
-    async def wait_ready(self, name: str, within: float) -> ClaimState | None:
+    async def wait_ready(
+        self, name: str, within: float, *, namespace: str | None = None
+    ) -> ClaimState | None:
         record = self._live(name)
         if record is None:
             return None
@@ -445,6 +456,11 @@ class LocalBackend:
                 await asyncio.wait_for(record.settled.wait(), within)
         self._check_alive(record)
         return record.state()  # deleted meanwhile: shown Terminating
+
+    def active_by_namespace(self) -> Mapping[str, int]:
+        with self.lock:
+            live = [r.namespace for r in self.sandboxes.values() if r.phase in (PENDING, READY)]
+        return dict(Counter(live))
 
     # -- the data plane ------------------------------------------------------------------------
     async def route(self, state: ClaimState, port: int) -> Route:
