@@ -1,4 +1,4 @@
-"""``agent-sandbox-awx``: whoami, doctor, run, ls, kill, extend, files, broker (check, serve)
+"""``agent-sandbox-awx``: whoami, doctor, run, shell, ls, kill, extend, files, broker (check, serve)
 (and dev/demo from the [local] extra).
 
 Imports are deferred to the subcommand that needs them, so ``--help`` and ``--version`` are
@@ -141,6 +141,7 @@ def _subcommands(sub: Any) -> None:
         metavar="SECONDS",
         help="its new lifetime, from now (at most the policy's cap from its creation)",
     )
+    _shell_subcommand(sub.add_parser("shell", help="an interactive terminal in a sandbox"))
     _files_subcommands(sub.add_parser("files", help="the files of a sandbox: ls, get, put, rm"))
     _broker_subcommands(sub.add_parser("broker", help="the broker server: check, serve"))
     _local_subcommands(sub)
@@ -193,6 +194,22 @@ def _files_subcommands(files: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="PATH", help=_PATH_HELP)
     p.add_argument("-r", "--recursive", action="store_true", help="a directory and its contents")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _shell_subcommand(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", metavar="NAME", help="the sandbox (or --new)")
+    p.add_argument("--new", action="store_true", help="create a sandbox for the session")
+    p.add_argument("--keep", action="store_true", help="with --new: keep it after the session")
+    p.add_argument("--template", help="with --new: its template (as for run)")
+    p.add_argument(
+        "--ready-timeout",
+        type=_seconds(positive=False),
+        default=None,
+        help="with --new: seconds to wait for the sandbox to become ready",
+    )
+    p.usage = "%(prog)s [-h] [NAME | --new [--keep] [--template T]] [-- COMMAND [ARG...]]"
+    p.epilog = "-- COMMAND [ARG...]: what the terminal runs (default: the sandbox's login shell)"
+    p.set_defaults(cmd=[])  # the words after `--`: split off before parsing (see _split_command)
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -383,6 +400,35 @@ _FILES: dict[str, Callable[[argparse.Namespace, Any], int]] = {
     "put": _files_put,
     "rm": _files_rm,
 }
+
+
+def _cmd_shell(args: argparse.Namespace) -> int:
+    from ..client._client import Sandbox
+    from ._shell import ShellUsageError, interactive_shell, terminal_fds
+
+    command = list(args.cmd) or None
+    if args.new == (args.name is not None):
+        raise _CliError(f"shell: give a sandbox NAME or --new (`{PROG} shell --new`).", 2)
+    if not args.new and (args.keep or args.template or args.ready_timeout is not None):
+        raise _CliError("shell: --keep, --template and --ready-timeout go with --new.", 2)
+    try:
+        fds = terminal_fds()  # before a sandbox is made for nothing
+        client = _client(args)
+        try:
+            if not args.new:
+                return interactive_shell(Sandbox(client, client.get_info(args.name)), *fds, command)
+            sandbox = client.create_sandbox(
+                template=args.template, sandbox_ready_timeout=args.ready_timeout
+            )
+            if args.keep:
+                print(f"{PROG}: sandbox {sandbox.name} (kept)", file=sys.stderr)
+                return interactive_shell(sandbox, *fds, command)
+            with sandbox:  # deleted at the end of the session
+                return interactive_shell(sandbox, *fds, command)
+        finally:
+            client.close()
+    except ShellUsageError as exc:
+        raise _CliError(str(exc), 2) from None
 
 
 def _cmd_kill(args: argparse.Namespace) -> int:
@@ -681,7 +727,10 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return exc.code
     parser = _parser()
+    arguments, command = _split_command(arguments)
     args = parser.parse_args(arguments)
+    if command is not None:
+        args.cmd = command
     if args.command is None:
         parser.print_help()
         return 2
@@ -697,6 +746,7 @@ def _main(argv: Sequence[str] | None) -> int:
             "kill": _cmd_kill,
             "extend": _cmd_extend,
             "files": _cmd_files,
+            "shell": _cmd_shell,
             "broker": _cmd_broker,
         }[args.command]
     try:
@@ -720,6 +770,18 @@ def _main(argv: Sequence[str] | None) -> int:
         for line in more:  # indented: no line of a message can pass for a line of its own
             print(f"  {line}", file=sys.stderr)
         return 1
+
+
+def _split_command(arguments: list[str]) -> tuple[list[str], list[str] | None]:
+    """``shell``'s arguments without the command after its ``--`` (argparse would take that
+    command's first word for the optional NAME), and that command (``None``: none given)."""
+    at = 0  # the subcommand: the first word after the global options (and their values)
+    while at < len(arguments) and arguments[at].startswith("-") and arguments[at] != "--":
+        at += 2 if arguments[at] in ("--broker-url", "--ca-bundle") else 1
+    if arguments[at : at + 1] != ["shell"] or "--" not in arguments[at:]:
+        return arguments, None
+    end = arguments.index("--", at)
+    return arguments[:end], arguments[end + 1 :]
 
 
 def _lines(message: str) -> list[str]:

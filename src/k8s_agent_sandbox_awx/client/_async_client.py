@@ -24,6 +24,7 @@ import httpx
 from .._upstream import ExecutionResult, SandboxNotFoundError
 from ._async_commands import AsyncCommandHandle, AsyncCommands
 from ._async_files import AsyncFiles
+from ._async_pty import AsyncPty
 from ._base import (
     ClassOrInstanceMethod,
     ClientBase,
@@ -266,6 +267,14 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         parts = self._commands_class(transport, target), AsyncFiles(transport, target)
         super().__init__(client, info, target, *parts, owns_client)
+        self._pty = AsyncPty(transport, target)
+
+    @property
+    def pty(self) -> AsyncPty:
+        """Terminals in the sandbox: ``await sandbox.pty.create(cols, rows)`` → an
+        ``AsyncPtyHandle``."""
+        self._check_active()
+        return self._pty
 
     async def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""

@@ -29,6 +29,7 @@ from ._base import (
 )
 from ._commands import CommandHandle, Commands
 from ._files import Files
+from ._pty import Pty
 from .core import _flow as flow
 from .core import _options as opts
 from .http._config import BrokerConnectionConfig
@@ -286,6 +287,13 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         commands, files = self._commands_class(transport, target), Files(transport, target)
         super().__init__(client, info, target, commands, files, owns_client)
+        self._pty = Pty(transport, target)
+
+    @property
+    def pty(self) -> Pty:
+        """Terminals in the sandbox: ``sandbox.pty.create(cols, rows)`` → a ``PtyHandle``."""
+        self._check_active()
+        return self._pty
 
     def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""
