@@ -23,7 +23,7 @@ from tests._support.kube_broker import BrokerIdentity, write_config
 
 pytest.importorskip("prometheus_client", reason="needs the [broker] extra")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
