@@ -257,8 +257,17 @@ class KubernetesBackend:
         self, owner: Owner, idempotency: Idempotency, *, namespace: str | None = None
     ) -> ClaimState | None:
         """The claim named after the owner and the key, if it exists (a deleted claim leaves
-        nothing behind: its key is new again)."""
-        state = await self._fresh(keyed_name(owner, idempotency.key), namespace)
+        nothing behind: its key is new again).
+
+        Read fresh only when the claim cache has a claim of that name: a new key (every SDK
+        create) then costs no API round trip before its POST. A claim the cache has not seen
+        yet (another replica's, made an instant ago) is not lost: the keyed create's POST is
+        answered ``AlreadyExists`` and replays it (:meth:`_create_keyed`)."""
+        name = keyed_name(owner, idempotency.key)
+        where = self._where(name, namespace)
+        if where is None or self.cache.get(where, name) is None:
+            return None
+        state = await self._fresh(name, where)
         if state is None:
             return None
         return _replayed(state, owner, idempotency)
