@@ -78,7 +78,7 @@ def _install() -> None:
     probes = _run.with_probes
     _api.KubeClient._request = timed_request  # type: ignore[method-assign]
     _informer.ClaimCache._put = timed_put  # type: ignore[method-assign]
-    _run.with_probes = lambda app, ready: probes(_timed_app(app), ready)  # type: ignore[assignment]
+    _run.with_probes = lambda app, *checks: probes(_timed_app(app), *checks)  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ def _phases(events: list[list[Any]], name: str, t0: float, t1: float,
         "broker, from the LIST to its 201": post[4] - api_list[4],
         "client, from the 201 to its GET ?wait=ready reaching the broker": get[3] - post[4],
         "broker, GET ?wait=ready arrival -> waiting on the cache (its API GETs)": sum(
-            e[4] - e[3] for e in api if e[1] == "get"
+            e[4] - e[3] for e in api if e[1] == "get" and e[3] >= get[3]
         ),
         "# API calls of the broker (POST, LIST, GET)": len(api),
         "? the GET ?wait=ready was waiting before the Ready event": float(get[3] < ready),
