@@ -12,7 +12,9 @@ derived (the claim cache, :mod:`._informer`) and rebuilt at start. The rules
   — a claim created in the same second counts as earlier, so that two replicas that create
   at once never both keep theirs (a tie broken by name could). A keyed create's name is
   derived from the caller and the key: ``AlreadyExists`` from another replica's (or a killed
-  replica's) create is read and replayed when owner and request digest match;
+  replica's) create is read and replayed when owner and request digest match (so the look-up
+  of a key before the create, :meth:`KubernetesBackend.replay`, asks the API server only when
+  the claim cache knows that name: a new key's create is the POST and the LIST, no more);
 - **ready**: a wait follows the claim cache's events for that claim (its watch resumes after
   a ``410`` or an API server restart without losing the wait), never polls;
 - **extend**: a merge patch of ``spec.lifecycle.shutdownTime`` with a resourceVersion
