@@ -192,8 +192,9 @@ class V1:
                 403,
                 "lifetime_exceeds_policy",
                 f"sandbox {name!r} cannot live {seconds} s more: its policy caps a sandbox's "
-                f"lifetime at {cap} s from its creation ({rfc3339(state.created_at + cap)}); "
-                f"at most {left} s are left",
+                f"lifetime at {cap} s from its creation (created {rfc3339(state.created_at)}), so "
+                f"it ends at the latest at {rfc3339(state.created_at + cap)}; at most {left} s "
+                "are left",
             )
         state = await self.claims.set_expiry(state, now + seconds)
         log.info("sandbox %s now expires in %d s", name, seconds)
