@@ -182,7 +182,7 @@ class Replica:
         served = app_factory(self.config)
         assert isinstance(served.app, ConfiguredBroker)
         self.broker: ConfiguredBroker = served.app
-        self._app = with_probes(served.app, served.ready)
+        self._app = with_probes(served.app, served.ready, served.degraded)
         self.url = f"https://127.0.0.1:{self.config.server.port}"
         self._loop = asyncio.new_event_loop()
         self._server: uvicorn.Server | None = None

@@ -468,3 +468,21 @@ def test_several_observed_brokers_keep_their_counts_apart(obs: Observed) -> None
             families["agent_sandbox_broker_requests"], "agent_sandbox_broker_requests_total"
         )
         assert total == 1
+
+
+def test_the_audit_lifetime_is_whole_seconds_in_both_dialects(obs: Observed, alice: Client) -> None:
+    """v1 writes the caller's integer; /rpc wrote the lifetime it computed as a float (600.0,
+    or 499.73 from a shutdownTime): both are whole seconds, an int, now."""
+    rid, created = alice.send("POST", "/rpc", json={"op": "create"})
+    lifetime = obs.audit_for(rid)["lifetime_seconds"]
+    assert (type(lifetime), lifetime) == (int, 600)
+    alice.send("POST", "/rpc", json={"op": "delete", "claim_name": created.json()["claim_name"]})
+    shutdown = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 500))
+    body = {"op": "create", "lifecycle": {"shutdownTime": shutdown}}
+    rid, created = alice.send("POST", "/rpc", json=body)
+    lifetime = obs.audit_for(rid)["lifetime_seconds"]
+    assert type(lifetime) is int and 495 <= lifetime <= 500
+    alice.send("POST", "/rpc", json={"op": "delete", "claim_name": created.json()["claim_name"]})
+    rid, created = alice.send("POST", "/v1/sandboxes", json={"lifetime_seconds": 300})
+    lifetime = obs.audit_for(rid)["lifetime_seconds"]
+    assert (type(lifetime), lifetime) == (int, 300)

@@ -24,7 +24,7 @@ from ._metadata import check_env, check_metadata, check_name, check_qualified_ke
 from .backends._interface import PENDING, RUNTIME_PORT, ClaimState, Idempotency, rfc3339
 from .identity._policy import Caller
 
-log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+log = logging.getLogger("k8s_agent_sandbox_awx.broker")
 
 API_VERSION = "v1"
 _CREATE_FIELDS = frozenset({"template", "labels", "annotations", "lifetime_seconds", "env"})
