@@ -106,13 +106,20 @@ def write_config(
     jwks_min_refetch_seconds: float = 30.0,
     extra_audiences: Sequence[str] = (),
     namespace: str | None = None,
+    callers: Sequence[str] = (),
 ) -> Path:
     """A configuration of one replica on 127.0.0.1:``port`` (its ``public_url``, the tokens'
     audience, with ``extra_audiences``); ``router``: (router URL, router token file) for the
     router data plane, else the pod data plane. The policy admits the ServiceAccounts of the
-    identity's namespace and puts their claims in ``namespace`` (default: that one too)."""
+    identity's namespace and puts their claims in ``namespace`` (default: that one too);
+    ``callers``: more namespaces, each admitted by a policy of its own (the same warm pools,
+    quota and lifetime cap) that puts its ServiceAccounts' claims in that namespace."""
     ns, url = identity.namespace, f"https://127.0.0.1:{port}"
     claims_in = namespace or ns
+    more = "".join(
+        _policy(f"callers-{caller}", caller, caller, pools, max_sandboxes, max_lifetime_seconds)
+        for caller in callers
+    )
     audiences = ", ".join(json.dumps(a) for a in (url, *extra_audiences))
     backend = (
         f'data_plane = "router"\nrouter_url = "{router[0]}"\nrouter_token_file = "{router[1]}"\n'
@@ -137,16 +144,7 @@ ca_file = "{identity.kube.ca_file}"
 token_file = "{identity.token_file}"
 jwks_min_refetch_seconds = {jwks_min_refetch_seconds}
 
-[[policies]]
-name = "namespace"
-issuer = "cluster"
-subject = "system:serviceaccount:{ns}:*"
-claims = {{ "kubernetes.io.namespace" = "{ns}" }}
-warm_pools = {json.dumps(list(pools))}
-namespace = "{claims_in}"
-max_sandboxes = {max_sandboxes}
-max_lifetime_seconds = {max_lifetime_seconds}
-
+{_policy("namespace", ns, claims_in, pools, max_sandboxes, max_lifetime_seconds)}{more}
 [backend]
 kind = "kubernetes"
 
@@ -158,6 +156,24 @@ ready_timeout_seconds = 60
     return path
 
 
+def _policy(
+    name: str, caller: str, claims_in: str, pools: Sequence[str], most: int, lifetime: int
+) -> str:
+    """A ``[[policies]]`` table admitting the ServiceAccounts of namespace ``caller``."""
+    return f"""\
+[[policies]]
+name = "{name}"
+issuer = "cluster"
+subject = "system:serviceaccount:{caller}:*"
+claims = {{ "kubernetes.io.namespace" = "{caller}" }}
+warm_pools = {json.dumps(list(pools))}
+namespace = "{claims_in}"
+max_sandboxes = {most}
+max_lifetime_seconds = {lifetime}
+
+"""
+
+
 class Replica:
     """One broker replica in this process (see the module); ``url`` once started."""
 
@@ -166,7 +182,7 @@ class Replica:
         served = app_factory(self.config)
         assert isinstance(served.app, ConfiguredBroker)
         self.broker: ConfiguredBroker = served.app
-        self._app = with_probes(served.app, served.ready)
+        self._app = with_probes(served.app, served.ready, served.degraded)
         self.url = f"https://127.0.0.1:{self.config.server.port}"
         self._loop = asyncio.new_event_loop()
         self._server: uvicorn.Server | None = None

@@ -693,3 +693,34 @@ def test_the_renderer_round_trips_every_table(conf: Path) -> None:
     again = load_config(write(conf, render_config(config), name="rendered.toml"))
     assert dataclasses.replace(again, path=config.path, defaulted=config.defaulted) == config
     assert tomllib.loads(render_config(config))["server"]["listen"] == "[::]:0"
+
+
+def test_how_long_stale_keys_are_kept_is_configurable(conf: Path) -> None:
+    """operate.md told operators to keep jwks_max_stale_seconds long enough to ride out an
+    issuer's outage, but no [[issuers]] key set it (an unknown key, refused)."""
+    from k8s_agent_sandbox_awx.broker._identity_config import issuer_settings
+
+    default = load(conf, SERVER, ISSUER, POLICY, BACKEND).issuers[0]
+    assert default.jwks_max_stale_seconds is None
+    assert issuer_settings(default).keep_stale_seconds == 12 * 300
+    longer = ISSUER + "jwks_max_stale_seconds = 86400\n"
+    issuer = load(conf, SERVER, longer, POLICY, BACKEND).issuers[0]
+    assert issuer.jwks_max_stale_seconds == 86400
+    assert issuer_settings(issuer).keep_stale_seconds == 86400
+    assert "jwks_max_stale_seconds = 86400" in render_config(
+        load(conf, SERVER, longer, POLICY, BACKEND)
+    )
+    short = ISSUER + "jwks_cache_seconds = 600\njwks_max_stale_seconds = 60\n"
+    one(
+        problems(conf, SERVER, short, POLICY, BACKEND),
+        "issuers[0].jwks_max_stale_seconds",
+        "shorter than jwks_cache_seconds (600)",
+        "at least jwks_cache_seconds",
+    )
+    review = ISSUER.replace('ca_file = "ca.crt"\ntoken_file = "sa-token"\n', "")
+    review += 'verification = "tokenreview"\njwks_max_stale_seconds = 7200\n'
+    one(
+        problems(conf, SERVER, review, POLICY, BACKEND),
+        "issuers[0].jwks_max_stale_seconds",
+        'not used with verification = "tokenreview"',
+    )

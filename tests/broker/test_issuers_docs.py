@@ -61,13 +61,20 @@ def _load(example: str, directory: Path) -> Any:
     return load_config(path)
 
 
-def test_the_doc_has_the_three_issuers() -> None:
-    assert len(TOML) == 3 and len(YAML) == 3
+def test_the_doc_has_the_four_issuers() -> None:
+    # the cluster, GitLab CI and GitHub Actions with a YAML half each; Google's callers use
+    # the plugin or a shell command (issue 22 added Google: three became four)
+    assert len(TOML) == 4 and len(YAML) == 3
 
 
 @pytest.mark.parametrize(
     ("index", "provider", "policy"),
-    [(0, "kubernetes", "team-a"), (1, "gitlab", "ci-platform"), (2, "github-actions", None)],
+    [
+        (0, "kubernetes", "team-a"),
+        (1, "gitlab", "ci-platform"),
+        (2, "github-actions", None),
+        (3, "google", "batch-jobs"),
+    ],
 )
 def test_each_issuers_configuration_loads(
     index: int, provider: str, policy: str | None, tmp_path: Path
@@ -114,3 +121,14 @@ def test_the_github_workflow_grants_the_permission_the_plugin_needs() -> None:
     for name in (plugin.ACTIONS_VAR, plugin.REQUEST_URL_VAR, plugin.REQUEST_TOKEN_VAR):
         assert f"`{name}`" in text
     assert "plugins/github-actions" in workflow
+
+
+def test_every_google_policy_pins_the_account() -> None:
+    """Any Google account can get a token with the broker's audience: the doc's policy must
+    name the account (by sub or by email), never admit the issuer as a whole."""
+    config = TOML[3]
+    assert re.search(r'^subject = "\d+"', config, flags=re.M)
+    assert 'email_verified = "true"' in config
+    text = _section("Google")
+    assert "--include-email" in text and "format=full" in text
+    assert "plugins/google-cloud" in text and "OIDCTokenAuth.from_env" in text

@@ -24,7 +24,7 @@ import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker
 
-LOGGERS = ("uvicorn", "k8s_agent_sandbox_awx.testing")
+LOGGERS = ("uvicorn", "k8s_agent_sandbox_awx.broker", "k8s_agent_sandbox_awx.testing")
 
 
 def _records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

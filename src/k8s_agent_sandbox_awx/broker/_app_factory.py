@@ -13,9 +13,11 @@ backend ``[backend] kind`` chooses, with the configuration's issuers and policie
   issuers.
 
 At start (the ASGI lifespan) every issuer's keys are loaded (again every few seconds for one
-that failed) and the backend started (Kubernetes: the RBAC check, then the claim cache);
-``/readyz`` is ready once every issuer has keys (or its API server answered) and the backend
-is (Kubernetes: the API server answered, the RBAC holds, the claims are listed). At the end
+that failed, then every ``jwks_cache_seconds``) and the backend started (Kubernetes: the RBAC
+check, then the claim cache); ``/readyz`` is ready once every issuer has had keys (or its API
+server answered) since start and the backend is ready (Kubernetes: the API server answered, the
+RBAC holds, the claims are listed). An issuer that loses its keys later is ``degraded`` (named
+in ``/readyz``'s body; its tokens ``503 issuer_unavailable``), not unready. At the end
 everything is closed (the local backend deletes its sandboxes; a cluster's claims stay).
 """
 
@@ -52,7 +54,7 @@ KEYS_RETRY_SECONDS: Final = 5.0
 def app_factory(config: BrokerConfig) -> ServedApp:
     """The app ``broker serve`` runs for ``config``, and its readiness check."""
     broker = ConfiguredBroker(config)
-    return ServedApp(broker, broker.readiness)
+    return ServedApp(broker, broker.readiness, degraded=broker.degraded)
 
 
 def kube_config(settings: KubernetesBackendConfig) -> tuple[KubeConfig, str]:
@@ -163,13 +165,17 @@ class ConfiguredBroker:
         self._keys = asyncio.get_running_loop().create_task(self._load_keys())
 
     async def _load_keys(self) -> None:
+        """Load every issuer's keys, again every few seconds while one fails, then refresh
+        them every ``jwks_cache_seconds`` (the shortest), so that an idle broker's keys never
+        age past ``jwks_max_stale_seconds`` while their issuer is up (a token also refreshes
+        them when they are older)."""
+        every = min((i.jwks_cache_seconds for i in self.config.issuers), default=300.0)
         while True:
             loaded = await self.verifier.load()
             failed = sorted(name for name, ok in loaded.items() if not ok)
-            if not failed:
-                return
-            log.warning("no keys yet for issuer(s) %s; again in %gs", failed, KEYS_RETRY_SECONDS)
-            await asyncio.sleep(KEYS_RETRY_SECONDS)
+            if failed:
+                log.warning("no keys for issuer(s) %s; again in %gs", failed, KEYS_RETRY_SECONDS)
+            await asyncio.sleep(min(every, KEYS_RETRY_SECONDS) if failed else every)
 
     async def shutdown(self) -> None:
         """Close everything this broker holds (the local backend deletes its sandboxes)."""
@@ -180,14 +186,32 @@ class ConfiguredBroker:
         await self.app.shutdown()
 
     def readiness(self) -> dict[str, str]:
-        """What is not ready: ``{"issuer NAME": why, "kubernetes": why}`` (``{}``: ready)."""
-        not_ready: dict[str, str] = {}
-        for name, status in self.verifier.readiness().items():
-            if not status.get("ready"):
-                not_ready[f"issuer {name}"] = str(status.get("last_error") or _NO_KEYS)
+        """What is not ready: ``{"issuer NAME": why, "kubernetes": why}`` (``{}``: ready): the
+        backend, and each issuer that has not had keys (or an API server's answer) since
+        start. One that had them and lost them is :meth:`degraded`, not unready: every replica
+        sees the same outage, so leaving the Service could not help its callers and would
+        refuse every other issuer's."""
+        had_keys = self.verifier.had_keys()
+        down = self._issuers_down()
+        not_ready = {f"issuer {name}": why for name, why in down.items() if not had_keys[name]}
         if self.kube is not None:
             not_ready.update(self.kube.readiness())
         return not_ready
+
+    def degraded(self) -> dict[str, str]:
+        """The issuers that had keys since start and cannot have them now (their tokens are
+        refused ``503 issuer_unavailable``; the others' callers go on)."""
+        had_keys = self.verifier.had_keys()
+        down = self._issuers_down()
+        return {f"issuer {name}": why for name, why in down.items() if had_keys[name]}
+
+    def _issuers_down(self) -> dict[str, str]:
+        """``{NAME: why}`` of each issuer whose keys are not loaded now."""
+        return {
+            name: str(status.get("last_error") or _NO_KEYS)
+            for name, status in self.verifier.readiness().items()
+            if not status.get("ready")
+        }
 
 
 _NO_KEYS: Final = "no keys loaded yet"

@@ -196,7 +196,7 @@ class Claims:
             namespace=namespace,
             template=template,
             pool=claim.get("warm_pool") or template,
-            lifetime_seconds=round(lifetime, 3),
+            lifetime_seconds=round(lifetime),  # whole seconds (an int) in both dialects
         )
         try:
             made = await self.backend.create(request)

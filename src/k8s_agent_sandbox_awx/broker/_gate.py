@@ -25,7 +25,7 @@ from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, Target, checked_target, port_target
 from .backends._interface import RUNTIME_PORT
 from .identity._policy import Caller
-from .identity._rejection import TokenRejected
+from .identity._rejection import IssuerUnavailable, TokenRejected
 from .identity._verify import TokenVerifier
 
 MAX_JSON_BODY = 1024 * 1024
@@ -180,6 +180,11 @@ class Gate:
             note_rejection(exc.code, exc.detail, exc.identity, authorization)
             raise ApiError(
                 401, exc.code, exc.detail, {"WWW-Authenticate": auth_header(exc.detail)}
+            ) from None
+        except IssuerUnavailable as exc:  # that issuer's outage: retryable, not a bad token
+            note_rejection(exc.code, exc.detail, None, authorization)
+            raise ApiError(
+                503, exc.code, exc.detail, {"Retry-After": str(exc.retry_after)}
             ) from None
         note_caller(caller, authorization)
         return caller

@@ -31,6 +31,7 @@ def issuer_settings(config: IssuerConfig) -> IssuerSettings:
         jwks_url=config.jwks_url,
         jwks_cache_seconds=config.jwks_cache_seconds,
         jwks_min_refetch_seconds=config.jwks_min_refetch_seconds,
+        jwks_max_stale_seconds=config.jwks_max_stale_seconds,
         ca_file=None if config.ca_file is None else str(config.ca_file),
         token_file=None if config.token_file is None else str(config.token_file),
         verification=config.verification,

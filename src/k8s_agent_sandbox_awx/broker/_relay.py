@@ -18,7 +18,7 @@ from starlette.types import Message, Receive, Send
 
 from ._errors import BROKER_ERROR_HEADER_RAW
 
-log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+log = logging.getLogger("k8s_agent_sandbox_awx.broker")
 
 Deleting = Callable[[], Awaitable[bool]]
 """Whether the sandbox whose answer is relayed is being deleted now (asked when it breaks off)."""

@@ -44,7 +44,7 @@ from .backends._interface import (
 )
 from .identity._policy import RESERVED_PREFIX, Caller, Policy
 
-log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+log = logging.getLogger("k8s_agent_sandbox_awx.broker")
 
 OPS = ("create", "status", "delete", "extend")
 """The ops the local broker serves under ``/rpc``."""

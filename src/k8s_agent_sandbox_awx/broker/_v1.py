@@ -24,7 +24,7 @@ from ._metadata import check_env, check_metadata, check_name, check_qualified_ke
 from .backends._interface import PENDING, RUNTIME_PORT, ClaimState, Idempotency, rfc3339
 from .identity._policy import Caller
 
-log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+log = logging.getLogger("k8s_agent_sandbox_awx.broker")
 
 API_VERSION = "v1"
 _CREATE_FIELDS = frozenset({"template", "labels", "annotations", "lifetime_seconds", "env"})
@@ -192,8 +192,9 @@ class V1:
                 403,
                 "lifetime_exceeds_policy",
                 f"sandbox {name!r} cannot live {seconds} s more: its policy caps a sandbox's "
-                f"lifetime at {cap} s from its creation ({rfc3339(state.created_at + cap)}); "
-                f"at most {left} s are left",
+                f"lifetime at {cap} s from its creation (created {rfc3339(state.created_at)}), so "
+                f"it ends at the latest at {rfc3339(state.created_at + cap)}; at most {left} s "
+                "are left",
             )
         state = await self.claims.set_expiry(state, now + seconds)
         log.info("sandbox %s now expires in %d s", name, seconds)

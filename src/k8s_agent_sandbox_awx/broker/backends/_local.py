@@ -33,7 +33,7 @@ from ..runtime import _tree
 from ..runtime._process import PARENT_PID_ENV
 from ._runtimes import RuntimeHandle, RuntimeStartError, SandboxSpec
 
-log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+log = logging.getLogger("k8s_agent_sandbox_awx.broker")
 
 DEFAULT_RUNTIME_COMMAND = (
     "{python} -m k8s_agent_sandbox_awx.broker.runtime "

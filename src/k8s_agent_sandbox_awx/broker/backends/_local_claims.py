@@ -54,7 +54,7 @@ from ._interface import (
 )
 from ._runtimes import READY_METHOD, RuntimeHandle, RuntimeStartError, SandboxBackend, SandboxSpec
 
-log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+log = logging.getLogger("k8s_agent_sandbox_awx.broker")
 
 DEFAULT_KEEP_DELETED = 1000
 """Deleted sandboxes whose records the backend keeps (the newest; see ``prune_deleted``)."""

@@ -67,6 +67,7 @@ def issuer(table: Table, public_url: str) -> IssuerConfig:
         ),
         jwks_cache_seconds=table.number("jwks_cache_seconds", 300.0, above=True),
         jwks_min_refetch_seconds=table.number("jwks_min_refetch_seconds", 30.0),
+        jwks_max_stale_seconds=table.number("jwks_max_stale_seconds", None),
         ca_file=table.path("ca_file", what="CA bundle (PEM)"),
         token_file=table.path("token_file", what="token file"),
         verification=table.string(
@@ -99,7 +100,7 @@ def _key_source(table: Table, config: IssuerConfig) -> IssuerConfig:
                 f'"tokenreview" needs provider = "kubernetes" (this issuer is {config.provider!r})',
                 'set verification = "jwks" for this issuer',
             )
-        for key in ("jwks_url", "discovery", "ca_file", "token_file"):
+        for key in ("jwks_url", "discovery", "ca_file", "token_file", "jwks_max_stale_seconds"):
             if table.given(key):
                 table.problem(
                     key,
@@ -126,6 +127,14 @@ def _key_source(table: Table, config: IssuerConfig) -> IssuerConfig:
             f"({config.jwks_min_refetch_seconds:g}) is longer than jwks_cache_seconds "
             f"({config.jwks_cache_seconds:g})",
             "make it at most jwks_cache_seconds",
+        )
+    stale = config.jwks_max_stale_seconds
+    if stale is not None and stale < config.jwks_cache_seconds:
+        table.problem(
+            "jwks_max_stale_seconds",
+            f"({stale:g}) is shorter than jwks_cache_seconds ({config.jwks_cache_seconds:g}): "
+            "the keys would be dropped before their first refresh",
+            "make it at least jwks_cache_seconds (default: 12 x jwks_cache_seconds)",
         )
     if config.jwks_url:
         return dataclasses.replace(config, discovery=False)

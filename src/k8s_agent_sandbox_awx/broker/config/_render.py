@@ -17,6 +17,7 @@ __all__ = ["render_config"]
 _NOT_SET = {
     "attributes": "the provider's default",
     "jwks_url": "not set (keys found by discovery)",
+    "jwks_max_stale_seconds": "not set (12 x jwks_cache_seconds)",
     "kubeconfig_file": "not set",
 }
 

@@ -86,6 +86,9 @@ class IssuerConfig:
     jwks_url: str | None = None
     jwks_cache_seconds: float = 300.0
     jwks_min_refetch_seconds: float = 30.0
+    jwks_max_stale_seconds: float | None = None
+    """How long the last good keys are kept while refreshes fail; ``None``: 12 x
+    ``jwks_cache_seconds``."""
     ca_file: Path | None = None
     token_file: Path | None = None
     verification: Literal["jwks", "tokenreview"] = "jwks"

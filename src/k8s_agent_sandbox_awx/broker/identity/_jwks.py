@@ -145,6 +145,9 @@ class KeySet:
         self._clock = clock
         self._on_keys_removed = on_keys_removed
         self._loaded: _Loaded | None = None
+        self.loaded_once = False
+        """Whether keys were ever fetched (a later failure is then an outage, not a
+        misconfiguration)."""
         self._inflight: asyncio.Task[bool] | None = None
         self._retry_at = float("-inf")
         self._backoff = 0.0
@@ -164,6 +167,11 @@ class KeySet:
         """Keys are loaded (fresh, or last good ones still within the stale bound)."""
         loaded = self._loaded
         return loaded is not None and self._clock() - loaded.at < self.settings.keep_stale_seconds
+
+    @property
+    def retry_in(self) -> float:
+        """Seconds until the next fetch may be tried (0: now)."""
+        return max(0.0, self._retry_at - self._clock())
 
     @property
     def backoff_seconds(self) -> float:
@@ -270,6 +278,7 @@ class KeySet:
             return False
         previous = self._loaded
         self._loaded = _Loaded(keys, self._clock(), ignored)
+        self.loaded_once = True
         self.refreshes += 1
         if self.last_error is not None:
             log.info("issuer %r: its keys are fetched again", self.settings.name)

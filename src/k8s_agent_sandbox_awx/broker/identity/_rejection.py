@@ -1,8 +1,9 @@
-"""The one error a token verification raises: a ``401`` with a code and a reason."""
+"""The errors a token verification raises: a ``401`` with a code and a reason, or (an issuer
+whose keys the broker had and has lost) a ``503``."""
 
 from __future__ import annotations
 
-__all__ = ["TokenRejected", "short"]
+__all__ = ["IssuerUnavailable", "TokenRejected", "short"]
 
 
 class TokenRejected(Exception):
@@ -17,6 +18,20 @@ class TokenRejected(Exception):
         self.code = code
         self.detail = detail
         self.identity: tuple[str, str] | None = None
+
+
+class IssuerUnavailable(Exception):
+    """A 503 ``issuer_unavailable``: the token's issuer had keys since the broker started, but
+    its last good keys are past ``jwks_max_stale_seconds`` and cannot be fetched again (an
+    outage of that issuer, not a bad token). ``retry_after``: seconds until the next fetch may
+    be tried. ``detail`` never holds the token."""
+
+    code = "issuer_unavailable"
+
+    def __init__(self, detail: str, retry_after: int) -> None:
+        super().__init__(f"{self.code}: {detail}")
+        self.detail = detail
+        self.retry_after = retry_after
 
 
 def short(value: object, limit: int = 120) -> str:

@@ -105,6 +105,8 @@ class TokenReviews:
         self._cache: OrderedDict[bytes, tuple[float, Review]] = OrderedDict()
         self._inflight: dict[bytes, asyncio.Task[Review]] = {}
         self.ready = False
+        self.answered_once = False
+        """Whether the API server ever gave a verdict (see ``KeySet.loaded_once``)."""
         self.last_error: str | None = None
         self.reviews = 0
         self.failures = 0
@@ -172,7 +174,7 @@ class TokenReviews:
                 f"the Kubernetes API server did not review the token of issuer "
                 f"{self.settings.name!r}: {self.last_error}"
             ) from exc
-        self.ready, self.last_error = True, None
+        self.ready, self.answered_once, self.last_error = True, True, None
         verdict = Review.from_status(status)
         if token in verdict.error:  # no server echoes it; never let one through
             verdict = dataclasses.replace(verdict, error=verdict.error.replace(token, "<token>"))

@@ -18,7 +18,7 @@ import httpx
 import jwt
 
 from ._jwks import KeySet, KeysUnavailable
-from ._rejection import TokenRejected, short
+from ._rejection import IssuerUnavailable, TokenRejected, short
 from ._settings import IssuerSettings, SettingsError
 from ._tokenreview import (
     ReviewUnavailable,
@@ -84,6 +84,14 @@ class IssuerTrust:
         assert part is not None
         return {**part.status(), "verification": self.settings.verification}
 
+    @property
+    def had_keys(self) -> bool:
+        """Whether this issuer's keys were loaded (or its API server answered) since start."""
+        if self.keys is not None:
+            return self.keys.loaded_once
+        assert self.reviews is not None
+        return self.reviews.answered_once
+
     async def load(self) -> bool:
         """Fetch the keys (or probe the API server) now; whether it worked (a failure is
         logged, and retried on use)."""
@@ -142,6 +150,9 @@ class IssuerTrust:
         try:
             key = await self.keys.key_for(kid, alg)
         except KeysUnavailable as exc:
+            if self.keys.loaded_once:  # an outage of the issuer: the token may well be good
+                detail = f"{exc}; its tokens cannot be checked until then: retry later"
+                raise IssuerUnavailable(detail, max(1, round(self.keys.retry_in))) from None
             detail = f"{exc}; the signature cannot be checked"
             raise TokenRejected("bad_signature", detail) from None
         if key is None:

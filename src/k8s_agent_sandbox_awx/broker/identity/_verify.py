@@ -201,6 +201,11 @@ class TokenVerifier(Generic[I]):
         issuer name, whether it worked (failures are logged and retried on use)."""
         return {i.settings.name: await self.trust_for(i).load() for i in self._issuers().values()}
 
+    def had_keys(self) -> dict[str, bool]:
+        """By issuer name, whether its keys were loaded (or its API server answered) once
+        since start."""
+        return {i.settings.name: self.trust_for(i).had_keys for i in self._issuers().values()}
+
     def readiness(self) -> dict[str, dict[str, Any]]:
         """By issuer name, its status (``ready``: keys loaded, or the API server answered)."""
         return {i.settings.name: self.trust_for(i).status() for i in self._issuers().values()}

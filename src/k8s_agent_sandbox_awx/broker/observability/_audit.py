@@ -77,8 +77,8 @@ def audit_record(exchange: Exchange, counts: Counts) -> dict[str, Any] | None:
     action = action_of(exchange.method, exchange.route)
     code: str | None
     reason: str | None
-    if exchange.rejection is not None:
-        action, outcome = "authenticate", "refused"
+    if exchange.rejection is not None:  # refused; failed: its issuer is down (503)
+        action, outcome = "authenticate", "failed" if status >= 500 else "refused"
         code, reason = exchange.rejection.code, exchange.rejection.detail
     elif action is not None:
         outcome = outcome_of(action, exchange, status)

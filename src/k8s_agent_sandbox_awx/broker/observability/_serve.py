@@ -52,4 +52,4 @@ def observed(served: ServedApp, config: BrokerConfig) -> ServedApp:
     else:  # e.g. a placeholder app: its requests are still logged
         wrapped = observer.wrap(app, protocols=config.server.protocols)
     metrics = observer.metrics.app if observer.metrics is not None else None
-    return ServedApp(wrapped, served.ready, metrics=metrics)
+    return ServedApp(wrapped, served.ready, metrics=metrics, degraded=served.degraded)

@@ -21,7 +21,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-log = logging.getLogger("k8s_agent_sandbox_awx.testing")
+log = logging.getLogger("k8s_agent_sandbox_awx.broker")
 
 KEEP_OPEN = 64
 """Directory descriptors a walk keeps open (the top ones); deeper directories are re-entered

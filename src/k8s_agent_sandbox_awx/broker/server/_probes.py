@@ -2,9 +2,12 @@
 
 ``/healthz`` is 200 while the process serves. ``/readyz`` asks the app's readiness check: a
 callable returning what is not ready (a mapping ``{component: why}``; empty: ready), plain or
-awaitable; 200 when it is empty, else 503 with that mapping as JSON. A check that fails or does
-not answer within :data:`READINESS_TIMEOUT` seconds counts as not ready (and is logged). Both
-answer GET and HEAD without authentication; every other path goes to the app.
+awaitable; 200 when it is empty, else 503 with that mapping as JSON. An optional second check
+returns what is degraded but does not make the app unready (one issuer's outage: every replica
+sees it, so failing readiness could not help): named in the 200's body as ``degraded``. A
+check that fails or does not answer within :data:`READINESS_TIMEOUT` seconds counts as not
+ready (and is logged). Both answer GET and HEAD without authentication; every other path goes
+to the app.
 """
 
 from __future__ import annotations
@@ -64,9 +67,12 @@ async def _answer(
     await send({"type": "http.response.body", "body": b"" if head else data})
 
 
-def with_probes(app: ASGIApp, ready: ReadinessCheck | None = None) -> ASGIApp:
+def with_probes(
+    app: ASGIApp, ready: ReadinessCheck | None = None, degraded: ReadinessCheck | None = None
+) -> ASGIApp:
     """``app`` with ``/healthz`` and ``/readyz`` answered in front of it (``ready``: the app's
-    readiness check; ``None``: always ready)."""
+    readiness check; ``None``: always ready; ``degraded``: what is degraded, shown while
+    ready)."""
 
     async def probes(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("path") not in PROBES:
@@ -81,6 +87,8 @@ def with_probes(app: ASGIApp, ready: ReadinessCheck | None = None) -> ASGIApp:
             await _answer(send, 200, {"status": "alive"}, head)
         elif not_ready := await _not_ready(ready):
             await _answer(send, 503, {"status": "not ready", "not_ready": not_ready}, head)
+        elif degraded is not None and (worse := await _not_ready(degraded)):
+            await _answer(send, 200, {"status": "ready", "degraded": worse}, head)
         else:
             await _answer(send, 200, {"status": "ready"}, head)
 

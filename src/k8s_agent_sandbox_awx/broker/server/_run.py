@@ -42,11 +42,13 @@ _TRACE = 5  # uvicorn's "trace" level
 class ServedApp:
     """What ``broker serve`` runs: the ASGI app and its readiness check (``None``: ready);
     ``metrics``: the app that answers ``GET /metrics`` on ``[metrics] listen`` (``None``: no
-    metrics listener)."""
+    metrics listener); ``degraded``: what is degraded without making it unready (``/readyz``'s
+    ``degraded``)."""
 
     app: ASGIApp
     ready: ReadinessCheck | None = None
     metrics: ASGIApp | None = None
+    degraded: ReadinessCheck | None = None
 
 
 class ListenError(OSError):
@@ -228,7 +230,8 @@ async def run_server(
         except ListenError:
             listener.close()
             raise
-    config = _uvicorn_config(with_probes(served.app, served.ready), settings, log_format)
+    probed = with_probes(served.app, served.ready, served.degraded)
+    config = _uvicorn_config(probed, settings, log_format)
     config.load()
     config.ssl = certificate.context  # the ONE context; the watcher re-loads the pair into it
     url = _url("https", listener)

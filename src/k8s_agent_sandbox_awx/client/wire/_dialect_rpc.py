@@ -275,7 +275,7 @@ class RpcDialect(Dialect):
     def create(self, request: CreateRequest) -> RequestSpec:
         if request.env:  # no SANDBOX_ENV feature
             raise self.unsupported(
-                "env=",
+                "envs= (env=)",
                 "Give the variables to each command instead: commands.run(..., envs={...}).",
             )
         return create(request)

@@ -297,6 +297,8 @@ _HINTS: dict[str, str] = {
     "sandbox_answer_lost": "The request may have reached the sandbox (a command may run): it is "
     "retried only if it is idempotent; check the sandbox's state (commands.list()).",
     "unavailable": "The broker or the sandbox is temporarily unavailable; retry later.",
+    "issuer_unavailable": "The broker cannot check tokens of your issuer right now (it cannot "
+    "fetch the issuer's keys): an outage of the issuer, not a bad token; retry later.",
     "sandbox_timeout": "The sandbox runtime did not answer in time; retry, or allow more time.",
 }
 

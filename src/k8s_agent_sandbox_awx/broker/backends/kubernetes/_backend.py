@@ -12,7 +12,9 @@ derived (the claim cache, :mod:`._informer`) and rebuilt at start. The rules
   — a claim created in the same second counts as earlier, so that two replicas that create
   at once never both keep theirs (a tie broken by name could). A keyed create's name is
   derived from the caller and the key: ``AlreadyExists`` from another replica's (or a killed
-  replica's) create is read and replayed when owner and request digest match;
+  replica's) create is read and replayed when owner and request digest match (so the look-up
+  of a key before the create, :meth:`KubernetesBackend.replay`, asks the API server only when
+  the claim cache knows that name: a new key's create is the POST and the LIST, no more);
 - **ready**: a wait follows the claim cache's events for that claim (its watch resumes after
   a ``410`` or an API server restart without losing the wait), never polls;
 - **extend**: a merge patch of ``spec.lifecycle.shutdownTime`` with a resourceVersion
@@ -257,8 +259,17 @@ class KubernetesBackend:
         self, owner: Owner, idempotency: Idempotency, *, namespace: str | None = None
     ) -> ClaimState | None:
         """The claim named after the owner and the key, if it exists (a deleted claim leaves
-        nothing behind: its key is new again)."""
-        state = await self._fresh(keyed_name(owner, idempotency.key), namespace)
+        nothing behind: its key is new again).
+
+        Read fresh only when the claim cache has a claim of that name: a new key (every SDK
+        create) then costs no API round trip before its POST. A claim the cache has not seen
+        yet (another replica's, made an instant ago) is not lost: the keyed create's POST is
+        answered ``AlreadyExists`` and replays it (:meth:`_create_keyed`)."""
+        name = keyed_name(owner, idempotency.key)
+        where = self._where(name, namespace)
+        if where is None or self.cache.get(where, name) is None:
+            return None
+        state = await self._fresh(name, where)
         if state is None:
             return None
         return _replayed(state, owner, idempotency)
