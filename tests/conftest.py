@@ -32,6 +32,28 @@ from k8s_agent_sandbox_awx.testing import SDK_VARIABLES
 
 # ------------------------------------------------------------------------------ local broker
 
+TEST_ISOLATION_ENV = "AGENT_SANDBOX_TEST_ISOLATION"
+"""The isolation of the session's local sandboxes: ``none`` (default: host processes, the
+fastest) or ``bwrap`` (every local broker and backend a test makes without ``isolation=``
+runs its sandboxes in bubblewrap; CI runs a subset so, see docs/local-broker.md). It becomes
+the library's ``AGENT_SANDBOX_LOCAL_ISOLATION`` for this process and what it starts."""
+
+
+def _select_isolation() -> str:
+    mode = os.environ.get(TEST_ISOLATION_ENV) or "none"
+    if mode not in ("none", "bwrap", "auto"):
+        raise pytest.UsageError(f"{TEST_ISOLATION_ENV}={mode!r}: give none, bwrap or auto")
+    os.environ["AGENT_SANDBOX_LOCAL_ISOLATION"] = mode
+    return mode
+
+
+TEST_ISOLATION = _select_isolation()
+
+
+def pytest_report_header() -> str:
+    return f"local sandboxes' isolation: {TEST_ISOLATION} (${TEST_ISOLATION_ENV})"
+
+
 
 _DETECTING = frozenset({"dialect", "dialect_broker", "rpc_broker", "real_detection"})
 

@@ -30,6 +30,7 @@ from ..broker._app import PROTOCOLS, BrokerApp
 from ..broker._relay import install_log_filter
 from ..broker._rpc import DEFAULT_WARM_POOL
 from ..broker._v1 import sandbox_json
+from ..broker.backends._isolation import ISOLATIONS, Isolation
 from ..broker.backends._local import (
     RUNTIMES_DIR_PREFIX,
     LocalProcessBackend,
@@ -55,7 +56,7 @@ from ._issuers import (
     Issuer,
     kubernetes_attributes,
 )
-from ._messages import NO_ISOLATION_WARNING
+from ._messages import isolation_warning
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 T = TypeVar("T")
@@ -85,7 +86,10 @@ class LocalBroker:
     - ``kubernetes_policy`` / ``gitlab_policy``: the built-in providers' policies.
     - ``readiness_delay``: seconds a new sandbox stays ``Pending`` after its runtime is up.
     - ``skew_seconds``: clock skew allowed on ``exp``/``nbf``/``iat``; ``max_token_bytes``.
-    - ``warn``: log the no-isolation warning at start.
+    - ``warn``: log the isolation warning at start (what a sandbox is and is not kept from).
+    - ``isolation``: the default backend's, ``"auto"`` (bubblewrap when it works here, else
+      none), ``"bwrap"`` or ``"none"``; default ``$AGENT_SANDBOX_LOCAL_ISOLATION``, else
+      ``"auto"`` (see :class:`LocalProcessBackend`; ``isolation_info`` says which is in force).
     - ``protocols``: the control-plane dialects served on the one URL, ``("v1", "rpc")`` by
       default; ``("rpc",)`` makes every ``/v1/...`` answer 404 and ``("v1",)`` makes ``/rpc``
       answer 404, so that each dialect can be tested alone. The data plane serves both.
@@ -98,7 +102,8 @@ class LocalBroker:
       ``keep_deleted`` (default 1000), each for at most ``keep_deleted_seconds`` (default 3600)
       after its deletion; older ones are forgotten, so a long-running broker does not grow.
 
-    WARNING: local sandboxes are host processes with NO isolation (development and tests only).
+    WARNING: local sandboxes are host processes with NO isolation, or, with bubblewrap, processes
+    in namespaces of their own, which are not a virtual machine (development and tests only).
     """
 
     def __init__(
@@ -118,8 +123,10 @@ class LocalBroker:
         warm_pools: Mapping[str, str] | None = None,
         keep_deleted: int = DEFAULT_KEEP_DELETED,
         keep_deleted_seconds: float = DEFAULT_KEEP_DELETED_SECONDS,
+        isolation: str | None = None,
     ) -> None:
         _check_retention(keep_deleted, keep_deleted_seconds)
+        _check_isolation(isolation, backend)
         if isinstance(protocols, str) or not protocols or not set(protocols) <= set(PROTOCOLS):
             raise ValueError(
                 f"protocols={protocols!r}: give a non-empty sequence of {list(PROTOCOLS)}, "
@@ -128,6 +135,7 @@ class LocalBroker:
         self._templates: dict[str, str | list[str] | None] = dict(templates or {"python": None})
         self._runtime_command = runtime_command
         self._backend = backend
+        self._isolation = isolation
         self._kubernetes_policy = kubernetes_policy or DEFAULT_KUBERNETES_POLICY
         self._gitlab_policy = gitlab_policy or DEFAULT_GITLAB_POLICY
         self._faults = Faults(readiness_delay)
@@ -180,12 +188,22 @@ class LocalBroker:
         if self._thread is not None:
             raise RuntimeError("this LocalBroker is already started")
         started = time.perf_counter()
-        if self._warn:
-            log.warning("LocalBroker: %s", NO_ISOLATION_WARNING)
         sweep_dead_owners(_TMP_PREFIX, RUNTIMES_DIR_PREFIX)  # of brokers whose process died
         self._tmp = owned_temp_dir(_TMP_PREFIX)
         sock, server_pem = self._listen_with_tls(self._tmp)
-        self._app = self._make_app(self._tmp)
+        try:
+            self._app = self._make_app(self._tmp)
+        except BaseException:  # isolation="bwrap" without a working bwrap, for one
+            sock.close()
+            self._cleanup_files()
+            raise
+        if self._warn:
+            info = self.isolation_info
+            log.warning(
+                "LocalBroker: isolation %s. %s",
+                info.describe() if info else "of the custom backend",
+                isolation_warning(info.mode if info else None),
+            )
         install_log_filter()
         config = uvicorn.Config(
             FaultLayer(self._app, self._faults, self._protocols),  # faults around the broker
@@ -263,7 +281,9 @@ class LocalBroker:
             "gitlab", provider="gitlab", policy=self._gitlab_policy, attributes=GITLAB_ATTRIBUTES
         )
         runtimes = self._backend or LocalProcessBackend(
-            self._runtime_command, root_dir=os.path.join(tmp, "sandboxes")
+            self._runtime_command,
+            root_dir=os.path.join(tmp, "sandboxes"),
+            isolation=self._isolation,
         )
         self._backend = runtimes
         self._store = LocalBackend(
@@ -347,6 +367,19 @@ class LocalBroker:
         return self._store
 
     # -- basic properties ----------------------------------------------------------------------
+    @property
+    def isolation_info(self) -> Isolation | None:
+        """The sandboxes' isolation (``mode`` ``"bwrap"`` or ``"none"``, and why; ``describe()``
+        for people), once started; ``None`` for a custom backend that does not say."""
+        info = getattr(self._backend, "isolation_info", None)
+        return info if isinstance(info, Isolation) else None
+
+    @property
+    def isolation(self) -> str | None:
+        """``"bwrap"`` or ``"none"`` (see :attr:`isolation_info`)."""
+        info = self.isolation_info
+        return info.mode if info is not None else None
+
     @property
     def url(self) -> str:
         """The broker URL (``https://127.0.0.1:PORT``, no trailing slash); also the audience."""
@@ -812,6 +845,21 @@ class _JwksClient:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+
+def _check_isolation(isolation: object, backend: object) -> None:
+    if isolation is None:
+        return
+    if isolation not in ISOLATIONS:
+        raise ValueError(
+            f"isolation={isolation!r}: give 'auto' (bubblewrap when it works here, else none), "
+            "'bwrap' or 'none'"
+        )
+    if backend is not None:
+        raise ValueError(
+            "isolation= is the default backend's: with backend=..., give the backend its own "
+            "(LocalProcessBackend(isolation=...))"
+        )
 
 
 def _check_retention(keep_deleted: object, keep_deleted_seconds: object) -> None:
