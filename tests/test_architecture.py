@@ -1,181 +1,185 @@
-"""The architecture (docs/architecture.md) as checks: the folders are layers and every import
-goes down (``LAYERS``: the broker never imports the client, the client never the broker or the
-CLI), no import cycle and no function over 60 lines outside the local stack (``broker/``,
-``testing/``), the I/O-free layers never reaching httpx, the sandbox runtime on the standard
-library, and sync/async shells that differ only by their I/O."""
+"""The architecture (docs/architecture.md) as checks, for ALL of src/ (broker/ and testing/
+included): no import cycle between modules or between folders, no function over 60 lines, the
+walls between the pieces (the credential framework below the client; the broker beside the
+client, meeting it only through the protocol; testing/ may import anything), the folders as
+layers (every import goes down), the I/O-free core never reaching httpx, the sandbox runtime on
+the standard library alone, sync/async shells that differ only by their I/O, and plugins that
+use public names only.
+
+Imports are read from the source (``tests/_support/architecture.py``): function-level imports
+count, imports only type checkers see (``if TYPE_CHECKING:``) do not. Each checker has a
+self-test below that makes it fail on a small package written for it.
+"""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
+import pytest
+
 import k8s_agent_sandbox_awx
+from tests._support.architecture import (
+    Package,
+    folder_cycles,
+    in_group,
+    long_functions,
+    module_cycles,
+    private_uses,
+    reached,
+    reached_imports,
+    wall_breaches,
+)
 
 SRC = Path(k8s_agent_sandbox_awx.__file__).resolve().parent
+PLUGINS = SRC.parents[1] / "plugins"
 PACKAGE = "k8s_agent_sandbox_awx"
 MAX_FUNCTION_LINES = 60
-
-CREDENTIALS = {"credentials", "hookspecs"}
-"""The credential framework: the ``credentials`` package and the hook specifications (at the top
-level, where plugin authors import them)."""
-SHARED = {"_driver", "_upstream", "_urls", "_version"}
-"""What both halves may use: the one driver, the upstream boundary, the version."""
-LOCAL_STACK = {"broker", "testing"}
-"""The local broker stack (the broker, its runtime and backends; LocalBroker, the test kits)."""
+PKG = Package(SRC, PACKAGE)
 
 
-def _module_names() -> dict[str, Path]:
-    """Every module of the package by its dotted name below the package (``client.wire._protocol``;
-    a package by its own name, ``client.wire``; the top-level ``__init__`` as ``""``)."""
-    names: dict[str, Path] = {}
-    for path in SRC.rglob("*.py"):
-        parts = list(path.relative_to(SRC).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        names[".".join(parts)] = path
-    return names
+def _none(found: list[str], rule: str) -> None:
+    """Assert that ``found`` is empty; the message names the rule and every offender."""
+    assert found == [], f"{rule}: {len(found)} offender(s)\n  " + "\n  ".join(found)
 
 
-def _core_modules() -> dict[str, Path]:
-    """Every module outside the local stack (what the cycle check covers today)."""
-    return {name: path for name, path in _module_names().items() if _group(name) not in LOCAL_STACK}
+def _package(tmp_path: Path, files: dict[str, str], name: str = "pkg") -> Package:
+    """A package ``name`` in ``tmp_path`` made of ``files`` (path below it -> source)."""
+    root = tmp_path / name
+    for relative, source in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(textwrap.dedent(source))
+    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        (folder / "__init__.py").touch()
+    return Package(root, name)
 
 
-def _group(name: str) -> str:
-    """The top-level piece a module belongs to (``client``, ``credentials``, ``errors``, ...)."""
-    return name.split(".")[0]
+# ------------------------------------------------------------------------------ cycles
 
 
-def in_group(name: str, groups: set[str]) -> bool:
-    return any(name == g or name.startswith(g + ".") for g in groups)
+def test_no_import_cycle_between_modules() -> None:
+    _none(module_cycles(PKG), "import cycles between modules (function-level imports count)")
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+def test_no_import_cycle_between_folders() -> None:
+    _none(
+        folder_cycles(PKG),
+        "import cycles between folders (a folder's modules import a folder that imports them back)",
     )
 
 
-def _imported_modules(path: Path, name: str, modules: set[str]) -> set[str]:
-    """The package modules the module ``name`` (at ``path``) imports anywhere (also inside
-    functions), relative or absolute, by their dotted names; imports only type checkers see are
-    left out. ``from package import x`` counts as importing ``package.x`` when that is a module,
-    else ``package``."""
-    found: set[str] = set()
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-
-    def add(dotted: str, names: list[str]) -> None:
-        for alias in names:
-            sub = f"{dotted}.{alias}" if dotted else alias
-            found.add(sub if sub in modules else dotted)
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith(PACKAGE + "."):
-                    found.add(alias.name[len(PACKAGE) + 1 :])
-        elif isinstance(node, ast.ImportFrom):
-            names = [alias.name for alias in node.names]
-            if node.level == 0 and node.module and node.module.split(".")[0] == PACKAGE:
-                add(node.module[len(PACKAGE) + 1 :], names)
-            elif node.level > 0:
-                parts = package.split(".") if package else []
-                base = parts[: len(parts) - (node.level - 1)]
-                if node.module:
-                    base.append(node.module)
-                add(".".join(base), names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
-    return found - {name}
+def test_the_cycle_checks_see_relative_lazy_and_folder_cycles(tmp_path: Path) -> None:
+    pkg = _package(
+        tmp_path,
+        {
+            "_a.py": "from . import _b\n",
+            "_b.py": "def f():\n    from ._a import x\n    return x\n",
+            "sub/_c.py": "def f():\n    from .._d import y\n    return y\n",
+            "_d.py": "y = 1\n",
+            "one/_x.py": "from ..two import _y\n",
+            "two/_y.py": "X = 1\n",
+            "two/_z.py": "from pkg.one._x import X\n",
+            "_typed.py": "import typing\nif typing.TYPE_CHECKING:\n    from . import _u\n",
+            "_u.py": "from . import _typed\n",
+        },
+    )
+    assert module_cycles(pkg) == [
+        "_a -> _b (_a.py:1) -> _a (_b.py:2, in a function)"
+    ]  # _typed <-> _u is no cycle: the import back is for type checkers only
+    assert pkg.graph()["sub._c"] == {"_d"}  # a relative import two levels up
+    assert folder_cycles(pkg) == [
+        "_a -> _b (_a.py:1) -> _a (_b.py:2, in a function)",  # a top-level module: its own node
+        "one -> two (one/_x.py:1) -> one (two/_z.py:1)",  # no module cycle: _x -> _y, _z -> _x
+    ]
 
 
-def _graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
-    modules = _module_names() if modules is None else modules
-    names = set(_module_names())
-    return {name: _imported_modules(path, name, names) for name, path in modules.items()}
+# ------------------------------------------------------------------------------ long functions
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt) :], nxt]
-            if nxt not in state and (found := visit(nxt)) is not None:
-                return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)) is not None:
-            return found
-    return None
+def test_no_function_over_60_lines() -> None:
+    _none(long_functions(PKG, MAX_FUNCTION_LINES), f"functions over {MAX_FUNCTION_LINES} lines")
 
 
-def test_no_import_cycle_among_core_modules() -> None:
-    core = _core_modules()
-    graph = {name: deps & set(core) for name, deps in _graph(core).items()}
-    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+def test_the_length_check_sees_methods_and_nested_functions(tmp_path: Path) -> None:
+    source = """\
+        class C:
+            def m(self):
+                x = 1
+                x = 2
+                return x
 
 
-def test_the_cycle_check_sees_relative_and_function_level_imports(tmp_path: Path) -> None:
-    (tmp_path / "_a.py").write_text("from . import _b\n")
-    (tmp_path / "_b.py").write_text("def f():\n    from ._a import x\n    return x\n")
-    names = {"_a", "_b"}
-    graph = {p.stem: _imported_modules(p, p.stem, names) for p in tmp_path.glob("*.py")}
-    assert _cycle(graph) in (["_a", "_b", "_a"], ["_b", "_a", "_b"])
-    # a relative import from a sub-package, two levels up
-    (tmp_path / "_c.py").write_text("def f():\n    from .._d import y\n    return y\n")
-    deps = _imported_modules(tmp_path / "_c.py", "pkg.sub._c", {"pkg.sub._c", "pkg._d"})
-    assert deps == {"pkg._d"}
+        def outer():
+            async def inner():
+                x = 1
+                return x
+
+            return inner
+        """
+    pkg = _package(tmp_path, {"_long.py": source})
+    assert long_functions(pkg, 3) == [
+        "_long.py:2 C.m: 4 lines",
+        "_long.py:8 outer: 6 lines",
+    ]
+    assert long_functions(pkg, 2) == [
+        "_long.py:2 C.m: 4 lines",
+        "_long.py:8 outer: 6 lines",
+        "_long.py:9 outer.<locals>.inner: 3 lines",
+    ]
+    assert long_functions(pkg, 6) == []
 
 
-def test_no_function_over_60_lines_outside_testing() -> None:
-    # outside the local stack: broker/ and testing/ (all of the former testing/)
-    long: list[str] = []
-    for name, path in sorted(_core_modules().items()):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
-                    long.append(f"{name}:{node.name} ({lines} lines)")
-    assert long == []
+# ------------------------------------------------------------------------------ walls
+
+WALLS: dict[str, set[str]] = {
+    "credentials": {"client", "broker", "cli", "testing"},
+    "hookspecs": {"client", "broker", "cli", "testing"},  # the framework's, at the top level
+    "client": {"broker", "testing", "cli"},
+    "broker": {"client", "cli", "testing"},  # it meets clients only through the protocol
+}
+"""Group -> the groups it never imports (``testing/`` may import anything)."""
 
 
-def test_credentials_never_import_the_client() -> None:
-    graph = _graph()
-    framework = [name for name in graph if in_group(name, CREDENTIALS)]
-    assert len(framework) > len(CREDENTIALS)
-    for name in framework:
-        outside = {d for d in graph[name] if not in_group(d, CREDENTIALS | SHARED)}
-        assert outside == set(), (name, outside)
+@pytest.mark.parametrize("group", sorted(WALLS))
+def test_the_walls_between_the_pieces(group: str) -> None:
+    assert any(in_group(m, {group}) for m in PKG.paths), f"no module in {group}"
+    _none(wall_breaches(PKG, group, WALLS[group]), f"{group} imports {sorted(WALLS[group])}")
+
+
+def test_the_wall_check_sees_a_wall_broken(tmp_path: Path) -> None:
+    pkg = _package(
+        tmp_path,
+        {
+            "broker/backends/_x.py": "def f():\n    from ...client import _client\n",
+            "client/_client.py": "from ..broker import backends\n",
+        },
+    )
+    assert wall_breaches(pkg, "broker", {"client"}) == [
+        "broker.backends._x imports client._client (broker/backends/_x.py:2, in a function)"
+    ]
+    assert wall_breaches(pkg, "client", {"broker"}) == [
+        "client._client imports broker.backends (client/_client.py:1)"
+    ]
 
 
 def test_core_never_imports_testing() -> None:
-    graph = _graph(_core_modules())
     allowed = {
         "cli._local",  # the dev/demo commands (the pytest fixture is in testing/)
         "cli._broker",  # broker check/serve: the broker's configuration and server
     }
-    importers = {
-        name for name, deps in graph.items() if any(in_group(d, LOCAL_STACK) for d in deps)
-    }
-    assert sorted(importers) == sorted(allowed & importers)
+    found = [
+        breach
+        for group in sorted({m.split(".")[0] for m in PKG.paths} - {"testing", "broker"})
+        for breach in wall_breaches(PKG, group, {"testing", "broker"})
+        if breach.split()[0] not in allowed
+    ]
+    _none(found, f"outside the local stack, only {sorted(allowed)} import testing/ or broker/")
 
+
+# ------------------------------------------------------------------------------ layers
 
 LAYERS: dict[str, set[str]] = {
     # layer: the layers below it that it may import (its own is always allowed)
@@ -208,61 +212,132 @@ LAYERS: dict[str, set[str]] = {
 }
 """The folders as layers, bottom to top: the credential framework below the client (wire, core,
 http, then the sync and async shells), the broker beside it (runtime, identity, backends, then
-the app), never importing it; testing above both, the CLI on top."""
+the app), never importing it; testing above both, the CLI on top. ``shared``: the top-level
+private modules (``_driver``, ``_upstream``, ``_version``, ...) both halves may use."""
 
 
 def _layer(name: str) -> str:
-    if name in SHARED:
+    if name == "":
+        return "api"
+    if "." not in name and name.startswith("_"):
         return "shared"
     if name == "hookspecs":  # at the top level for plugin authors; part of the framework
         return "credentials"
-    if name in ("errors", ""):
-        return "errors" if name else "api"
     deepest = [layer for layer in LAYERS if in_group(name, {layer})]
     assert deepest, f"{name}: in no layer of LAYERS (add its folder there, and to the docs)"
     return max(deepest, key=len)
 
 
-def test_every_module_imports_only_its_layer_or_below() -> None:
-    wrong = [
-        f"{name} ({_layer(name)}) imports {dep} ({_layer(dep)})"
-        for name, deps in sorted(_graph().items())
-        for dep in sorted(deps)
-        if _layer(dep) != _layer(name) and _layer(dep) not in LAYERS[_layer(name)]
+def _layer_breaches(pkg: Package) -> list[str]:
+    return [
+        f"{imp.source} ({_layer(imp.source)}) imports {imp.target} ({_layer(imp.target)}) "
+        f"({pkg.where(imp)})"
+        for module in sorted(pkg.paths)
+        for imp in pkg.internal(module)
+        if _layer(imp.target) != _layer(module) and _layer(imp.target) not in LAYERS[_layer(module)]
     ]
-    assert wrong == []
 
 
-def test_the_layer_check_sees_a_wall_broken(tmp_path: Path) -> None:
-    (tmp_path / "_x.py").write_text("from ...client import _client\n")
-    deps = _imported_modules(tmp_path / "_x.py", "broker.backends._x", set(_module_names()))
-    assert deps == {"client._client"}
-    assert _layer("client._client") not in LAYERS[_layer("broker.backends._x")]
+def test_every_module_imports_only_its_layer_or_below() -> None:
+    _none(_layer_breaches(PKG), "imports up or across the layers (LAYERS)")
+
+
+def test_the_layer_check_sees_an_import_up(tmp_path: Path) -> None:
+    pkg = _package(
+        tmp_path,
+        {
+            "client/wire/_x.py": "from .. import _client\n",
+            "client/_client.py": "",
+            "_shared.py": "",
+        },
+    )
+    assert _layer_breaches(pkg) == [
+        "client.wire._x (client.wire) imports client._client (client) (client/wire/_x.py:1)"
+    ]
+
+
+# ------------------------------------------------------------------------------ what is reached
+
+IO_FREE = {"client._base", "_driver"}
+"""Beside every module of client/wire and client/core: what the sync and the async shells
+share, decisions only, no I/O, no httpx."""
+IO = {"httpx", "httpcore", "socket", "ssl", "requests", "urllib3"}
+
+
+def test_the_io_free_core_never_reaches_httpx_even_transitively() -> None:
+    core = sorted(m for m in PKG.paths if in_group(m, {"client.wire", "client.core"}))
+    assert len(core) > 5, core
+    found = [
+        hit
+        for module in [*core, *sorted(IO_FREE)]
+        for hit in reached_imports(PKG, module, names=IO)
+    ]
+    for module in core:  # client/wire and client/core never reach client/http at all
+        found += [f"{module} reaches {m}" for m in _reach(module) if in_group(m, {"client.http"})]
+    for module in [*core, *sorted(IO_FREE)]:
+        found += [
+            f"{module} imports asyncio ({PKG.where(imp)})"
+            for imp in PKG.external(module)
+            if imp.target == "asyncio"
+        ]
+    _none(found, "the I/O-free core (client/wire, client/core, client._base, _driver) does I/O")
+
+
+def _reach(module: str) -> list[str]:
+    return sorted(reached(PKG, module))
+
+
+def test_the_reach_check_follows_imports_through_other_modules(tmp_path: Path) -> None:
+    pkg = _package(
+        tmp_path,
+        {
+            "core/_a.py": "from .. import errors\n",
+            "errors.py": "def f():\n    from . import _net\n",
+            "_net.py": "import httpx\nimport json\n",
+        },
+    )
+    assert reached_imports(pkg, "core._a", names={"httpx"}) == [
+        "core._a -> errors -> _net imports httpx (_net.py:1)"
+    ]
+    assert reached_imports(pkg, "_net", names=set()) == ["_net imports httpx (_net.py:1)"]
+
+
+RUNTIME_EXTERNALS = {"python_multipart"}
+"""What the runtime may import beyond the standard library: the one streaming multipart parser
+(its image, deploy/runtime/Containerfile, installs exactly the package and this)."""
 
 
 def test_the_runtime_uses_the_standard_library_only() -> None:
-    """It is forked per sandbox and will run in a container image of its own."""
-    lazily = {"python_multipart"}  # imported on the first upload; phase B: one multipart reader
-    for name, path in _module_names().items():
-        if in_group(name, {"broker.runtime"}):
-            outside = _third_party(path) - set(sys.stdlib_module_names) - {PACKAGE}
-            assert outside <= lazily, (name, outside - lazily)
+    """It is forked per sandbox and runs in a container image of its own: everything a
+    runtime module reaches (the package ``__init__`` files above it included: a fresh
+    interpreter runs them) imports the standard library only, lazily or not, besides
+    :data:`RUNTIME_EXTERNALS`."""
+    runtime = sorted(m for m in PKG.paths if in_group(m, {"broker.runtime"}))
+    assert "broker.runtime.__main__" in runtime
+    found = reached_imports(PKG, *runtime, names=set(), parents=True)
+    found = [f for f in found if f.split(" imports ")[1].split(" ")[0] not in RUNTIME_EXTERNALS]
+    _none(found, "broker/runtime reaches a module that is not of the standard library")
 
 
-IO_FREE = {
-    "client._base",
-    "client.wire._dataplane",
-    "client.wire._dialect",
-    "client.wire._dialect_v1",
-    "client.wire._dialects",
-    "_driver",
-    "client.core._flow",
-    "client.core._fsapi",
-    "client.wire._protocol",
-    "client.core._upload",
-    "client.core._retry",
-}
-"""What the sync and the async shells share: decisions only, no I/O, no httpx."""
+def test_the_stdlib_check_sees_a_parent_package_and_a_lazy_import(tmp_path: Path) -> None:
+    pkg = _package(
+        tmp_path,
+        {
+            "__init__.py": "import json\n",
+            "run/_x.py": "def f():\n    import python_multipart\n",
+            "run/_y.py": "import os\n",
+        },
+    )
+    (pkg.root / "run" / "__init__.py").write_text("import starlette\n")
+    pkg = Package(pkg.root, "pkg")
+    assert reached_imports(pkg, "run._x", names=set(), parents=True) == [
+        "run._x -> run imports starlette (run/__init__.py:1)",
+        "run._x imports python_multipart (run/_x.py:2, in a function)",
+    ]
+    assert reached_imports(pkg, "run._y", names=set()) == []
+
+
+# ------------------------------------------------------------------------------ shells
 
 
 def _third_party(path: Path) -> set[str]:
@@ -273,31 +348,6 @@ def _third_party(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module.split(".")[0])
     return found
-
-
-def test_the_shared_layers_do_no_io_even_through_what_they_import() -> None:
-    graph, modules = _graph(), _module_names()
-    layers = {name for name in modules if in_group(name, {"client.wire", "client.core"})}
-    assert IO_FREE - {"client._base", "_driver"} <= layers
-    for name in IO_FREE | layers:
-        reached, todo = set(), [name]
-        while todo:
-            current = todo.pop()
-            if current not in reached:
-                reached.add(current)
-                todo.extend(graph.get(current, ()))
-        performers = {
-            "client.http._exchange",
-            "client.http._transport",
-            "client.http._async_transport",
-        }
-        assert reached.isdisjoint(performers), name
-        if name in layers:  # client/wire and client/core never reach client/http at all
-            assert not any(in_group(m, {"client.http"}) for m in reached), name
-        for module in reached:
-            io = {"httpx", "httpcore", "socket", "ssl", "requests", "urllib3"}
-            assert not io & _third_party(modules[module]), (name, module)
-        assert "asyncio" not in _third_party(modules[name]), name
 
 
 def test_exchange_performs_nothing() -> None:
@@ -343,11 +393,56 @@ def test_sandbox_use_does_not_load_the_local_stack() -> None:
 
 
 def test_abstract_methods_of_the_shared_bases_are_enforced() -> None:
-    import pytest
-
     from k8s_agent_sandbox_awx.client._base import ClientBase
     from k8s_agent_sandbox_awx.client.wire._dialect import Dialect
 
     for base in (ClientBase, Dialect):
         with pytest.raises(TypeError, match="abstract"):
             base()  # type: ignore[abstract]
+
+
+# ------------------------------------------------------------------------------ plugins
+
+
+def _public_names() -> dict[str, set[str]]:
+    """The package's public modules (dotted below it) -> the names each exports: the package
+    (``__all__``, the error names it keeps for compatibility, its public modules), ``testing``,
+    ``hookspecs`` (where plugin authors import it) and ``errors``."""
+    from k8s_agent_sandbox_awx import errors, hookspecs, testing
+
+    top = {*k8s_agent_sandbox_awx.__all__, *errors.__all__, "errors", "hookspecs", "testing"}
+    return {
+        "": top,
+        "testing": set(testing.__all__),
+        "hookspecs": set(hookspecs.__all__),
+        "errors": set(errors.__all__),
+    }
+
+
+def test_plugins_use_public_names_only() -> None:
+    files = sorted(PLUGINS.glob("*/**/*.py"))
+    assert len(files) > 4, files
+    found = [hit for path in files for hit in private_uses(path, PACKAGE, _public_names())]
+    _none(
+        [hit.replace(str(PLUGINS.parent) + "/", "") for hit in found],
+        "plugins/ use names the package and k8s_agent_sandbox_awx.testing do not export",
+    )
+
+
+def test_the_public_names_check_sees_private_imports(tmp_path: Path) -> None:
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(
+        "import pkg.client._x\n"
+        "from pkg import Sandbox, _secret\n"
+        "from pkg.testing import LocalBroker\n"
+        "from pkg.client import _y\n"
+        "import pkg\n"
+        "pkg._cache.clear()\n"
+    )
+    public = {"": {"Sandbox"}, "testing": {"LocalBroker"}}
+    assert [hit.replace(f"{tmp_path}/", "") for hit in private_uses(plugin, "pkg", public)] == [
+        "plugin.py:1 imports pkg.client._x",
+        "plugin.py:2 imports _secret from pkg",
+        "plugin.py:4 imports from pkg.client",
+        "plugin.py:6 uses pkg..._cache",
+    ]

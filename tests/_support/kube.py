@@ -126,6 +126,16 @@ def find_kube_tools(*, wait: float | None = None) -> KubeTools:
     return _tools_from({k: values.get(k) for k in named}, source=str(env_file))
 
 
+def build_wait() -> float:
+    """How long ``find_kube_tools`` will wait for a ``.ci/kube-tools --background`` that is
+    still building now (``AGENT_SANDBOX_KUBE_WAIT``, default 900 s), else 0."""
+    if os.environ.get(ENV_ETCD) or os.environ.get(ENV_APISERVER):
+        return 0.0
+    status_file = cache_root() / "kube-tools.status"
+    status = status_file.read_text().strip() if status_file.is_file() else ""
+    return float(os.environ.get(ENV_WAIT, "900")) if status.startswith("running") else 0.0
+
+
 def _tools_from(named: Mapping[str, str | None], *, source: str) -> KubeTools:
     for variable, value in named.items():
         if not value or not os.access(value, os.X_OK):

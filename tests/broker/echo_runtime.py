@@ -1,13 +1,15 @@
 """A stand-in runtime for tests: answers GET / and echoes every other request's headers.
 
 Started by the local broker from a configurable command line (the "echo" template), it shows
-what the broker forwards to a sandbox (for example that Authorization is stripped).
+what the broker forwards to a sandbox (for example that Authorization is stripped). A request
+with ``X-Test-Drop`` is read and then its connection dropped without an answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -21,6 +23,10 @@ class Handler(BaseHTTPRequestHandler):
     def _reply(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
+        if self.headers.get("X-Test-Drop"):  # got the request, then loses the connection
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
         payload = {
             "status": "ok",
             "method": self.command,

@@ -78,11 +78,6 @@ def _raw(
 # -- item 1: what is counted is what is forwarded -------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: a lowercase method runs the command (httpx forwards POST) but "
-    "execution_count, which compares request.method == 'POST', does not count it",
-)
 @pytest.mark.parametrize("path", ["/execute", "/commands"])
 def test_a_lowercase_method_is_counted_or_refused(
     broker: LocalBroker, alice: Any, path: str
@@ -117,11 +112,6 @@ FRAMINGS = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: the broker forwards the client's Content-Length with a body it frames "
-    "itself; h11's LocalProtocolError escapes _send_upstream: 500 and an ASGI traceback",
-)
 @pytest.mark.parametrize("framing", list(FRAMINGS))
 def test_a_body_framed_differently_is_no_500_and_no_traceback(
     broker: LocalBroker, alice: Any, framing: str, caplog: pytest.LogCaptureFixture
@@ -139,11 +129,6 @@ def test_a_body_framed_differently_is_no_500_and_no_traceback(
 # -- a lone surrogate: a refusal, not a broken runtime answer and a ghost command -----------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: a lone surrogate in argv/envs raises UnicodeEncodeError in Popen after "
-    "the command is registered: 502, and a 'running' command without a process forever",
-)
 @pytest.mark.parametrize("where", ["argv", "envs"])
 def test_a_lone_surrogate_is_refused_and_leaves_no_ghost_command(alice: Any, where: str) -> None:
     """JSON can carry ``"\\ud800"``; the runtime must refuse it (400, like a NUL byte), not die
@@ -167,11 +152,6 @@ def test_a_lone_surrogate_is_refused_and_leaves_no_ghost_command(alice: Any, whe
 # -- item 5: a command's cwd under a replaced root ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: _managed._host_cwd joins the root's start-time path: cwd='/workspace' "
-    "follows a /workspace replaced by a link (the file API refuses it: root_replaced)",
-)
 def test_a_command_cwd_never_follows_a_replaced_root(alice: Any, tmp_path: Path) -> None:
     sandbox = alice.ready()
     outside = tmp_path / "outside"
@@ -209,12 +189,7 @@ CHATTY = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: a follower that reads everything but always continues from after=0 pins "
-    "the window at 0 while it holds; backpressure then stops the command for as long as it "
-    "keeps doing so",
-)
+@pytest.mark.slow
 def test_a_reader_replaying_from_the_start_does_not_hold_the_command(
     broker: LocalBroker, alice: Any
 ) -> None:
@@ -335,12 +310,6 @@ PID_REUSE = """
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: _ForkServer.exited keeps every exit status by pid forever; a pid used "
-    "again is taken as already exited: the new sandbox is Failed (RuntimeExited) and its "
-    "runtime is never stopped",
-)
 @pytest.mark.usefixtures("pid_namespace")
 def test_a_pid_used_again_is_a_new_runtime(tmp_path: Path) -> None:
     """With ``pid_max`` 32768 (this machine, many containers) a long-running ``dev`` broker
@@ -359,12 +328,6 @@ SWEEPER = """
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: sweep_dead_owners decides 'dead' by os.kill(pid, 0) on the pid in "
-    "broker.pid, meaningless in another PID namespace: a broker started in a container that "
-    "shares /tmp removes every live broker's directory",
-)
 @pytest.mark.usefixtures("pid_namespace")
 def test_a_broker_in_another_pid_namespace_leaves_live_brokers_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

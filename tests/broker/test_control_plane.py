@@ -338,3 +338,17 @@ def test_kubernetes_token_without_namespace_is_policy_denied(broker: LocalBroker
     for resp in (client.http.get("/v1/whoami"), client.create()):
         assert resp.status_code == 403
         assert resp.json()["code"] == "policy_denied"
+
+
+def test_a_refused_create_names_the_quota_its_value_and_the_count_in_both_dialects(
+    broker: LocalBroker, alice: Any
+) -> None:
+    for _ in range(3):  # the session broker's kubernetes policy: max_sandboxes = 3
+        assert alice.create().status_code == 201
+    v1 = alice.create()
+    rpc = alice.http.post("/rpc", json={"op": "create"})
+    assert v1.status_code == rpc.status_code == 429
+    for text in (v1.json()["detail"], rpc.text):
+        assert "quota max_sandboxes exceeded" in text, text  # which quota
+        assert "holds 3 live sandboxes" in text, text  # how many the caller holds
+        assert "max_sandboxes = 3" in text and "policy 'kubernetes'" in text, text  # its value

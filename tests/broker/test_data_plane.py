@@ -147,6 +147,21 @@ def test_sandbox_timeout_honours_header(alice: Any) -> None:
     assert time.monotonic() - started < 4
 
 
+def test_a_request_the_runtime_got_then_lost_is_answer_lost_and_counted(
+    broker: LocalBroker, alice: Any
+) -> None:
+    """The runtime read the request, then its connection broke: the broker's 502 says the
+    request may have reached the sandbox (``sandbox_answer_lost``, never the
+    ``sandbox_unreachable`` of a request that was not sent), and the execution counts."""
+    sandbox = alice.ready(template="echo")
+    headers = alice.data_headers(sandbox, **{"X-Test-Drop": "1"})
+    resp = alice.http.post("/execute", json={"command": "true"}, headers=headers)
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["code"] == "sandbox_answer_lost", resp.text
+    assert "may have reached the sandbox" in resp.json()["detail"]
+    assert broker.execution_count(sandbox["name"]) == 1
+
+
 def test_dead_runtime_is_unreachable(broker: LocalBroker, alice: Any) -> None:
     sandbox = alice.ready()
     pid = broker.runtime_pid(sandbox["name"])

@@ -365,6 +365,7 @@ def _file_or_link(base: str, outside: Path) -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 def test_legacy_download_never_serves_a_file_outside(
     broker: LocalBroker, alice: Any, sandbox: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -403,6 +404,7 @@ def _dir_or_link(base: str, outside: Path) -> Iterator[None]:
             os.rename(d, name)
 
 
+@pytest.mark.slow
 def test_legacy_upload_never_writes_outside(
     broker: LocalBroker, alice: Any, sandbox: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -490,6 +492,7 @@ a process of its own, until its stdin closes; then print how many times its crea
 longer there when it came to remove it (someone replaced it), and how many it made."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "directory"])
 def test_move_without_overwrite_never_replaces_a_destination_made_meanwhile(
     broker: LocalBroker, alice: Any, sandbox: dict[str, Any], kind: str

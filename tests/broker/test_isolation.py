@@ -170,7 +170,7 @@ def test_tmp_and_the_brokers_files_are_private(on: Any, isolated: LocalBroker) -
     assert _sh(on, first, f"echo mine > /tmp/{marker}")["exit_code"] == 0
     assert _sh(on, first, f"cat /tmp/{marker}")["stdout"] == "mine\n"
     assert _sh(on, second, f"cat /tmp/{marker}")["exit_code"] != 0  # not another sandbox's
-    assert not os.path.exists(os.path.join("/tmp", marker))  # noqa: S108 - nor the host's
+    assert not os.path.exists(os.path.join("/tmp", marker))  # nor the host's
     # neither the broker's key and CA nor another sandbox's directory can be read
     broker_dir = os.path.dirname(isolated.ca_bundle)
     store = isolated._require_store()
@@ -427,5 +427,5 @@ def test_network_off_without_isolation_fails_the_sandbox(api: Callable[..., Any]
 
 
 def test_policy_network_must_be_a_bool() -> None:
-    with pytest.raises(ValueError, match="Policy.network must be True or False"):
+    with pytest.raises(ValueError, match=r"Policy\.network must be True or False"):
         Policy(network="off")  # type: ignore[arg-type]

@@ -97,7 +97,9 @@ def test_a_revoked_cached_token_is_refused(
 def test_the_cache_never_outlives_exp(broker: LocalBroker, api: Any, rsa_checks: _Counter) -> None:
     # the broker allows 30 s of clock skew after exp: past exp the token is still accepted, but
     # only after a full verification again
-    token = broker.issue_kubernetes_token("team-a", "alice", ttl=1)
+    # 3 s, not 1: exp is in whole seconds, and on a busy machine (xdist workers) the two
+    # requests before it could otherwise straddle it
+    token = broker.issue_kubernetes_token("team-a", "alice", ttl=3)
     exp = jwt.decode(token, options={"verify_signature": False})["exp"]
     client = api(token)
     assert client.http.get("/v1/whoami").status_code == 200

@@ -61,6 +61,7 @@ def test_an_errors_notes_are_printed(monkeypatch: pytest.MonkeyPatch, capsys: An
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.usefixtures("dialect")  # once per dialect
 def test_run_exit_code_becomes_the_process_exit_code(live: Any, broker: Any) -> None:
@@ -568,3 +569,34 @@ def test_ls_time_left_extend_and_files(
         assert "did not exist" in capsys.readouterr().out
     finally:
         sandbox.kill()
+
+
+@pytest.mark.e2e
+def test_ls_shows_each_sandboxs_lifetime_created_expires_and_left(
+    broker: Any, use_env: Any, capsys: Any
+) -> None:
+    use_env(broker.environ("kubernetes", namespace="team-a", service_account="agent"))
+    from k8s_agent_sandbox_awx import Sandbox
+
+    with Sandbox.create(timeout=120) as sandbox:
+        info = sandbox.get_info()
+        assert main(["ls"]) == 0
+        header, row = capsys.readouterr().out.splitlines()
+        assert header.split() == [
+            "NAME",
+            "PHASE",
+            "TEMPLATE",
+            "NAMESPACE",
+            "CREATED",
+            "EXPIRES",
+            "LEFT",
+        ]
+        cells = row.split()
+        assert cells[0] == sandbox.name
+        created, expires = cells[4], cells[5]
+        assert created.endswith("Z") and expires.endswith("Z") and created < expires
+        assert created == info.created_at and expires == info.expires_at
+        assert main(["ls", "--json"]) == 0
+        [item] = json.loads(capsys.readouterr().out)
+        assert item["created_at"] == created and item["expires_at"] == expires
+        assert 0 < item["seconds_left"] <= 120

@@ -44,11 +44,7 @@ def _options(broker: Any, **extra: str) -> dict[str, Any]:
 # -- item 10: the keepalive never delays a call by more than one short attempt --------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: KEEPALIVE_TIMEOUT is httpx's per-read timeout: an extension answered a "
-    "byte per second holds the data-plane call for the whole answer (10 s here)",
-)
+@pytest.mark.slow
 def test_a_trickling_control_plane_never_holds_the_call(
     files_broker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -79,11 +75,6 @@ def test_a_trickling_control_plane_never_holds_the_call(
 # -- items 11/12: text a sandbox cannot carry is refused before sending ---------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: a lone surrogate is JSON-escaped and sent; the runtime's encode fails in "
-    "its answer: BrokerUnavailableError (502 sandbox_unreachable, 'create a new sandbox')",
-)
 @pytest.mark.parametrize("where", ["argv", "envs", "stdin"])
 def test_a_lone_surrogate_is_refused_before_sending(broker: Any, where: str) -> None:
     """A ``str`` can hold a lone surrogate (``os.fsdecode`` of odd bytes, ``errors=
@@ -105,11 +96,6 @@ def test_a_lone_surrogate_is_refused_before_sending(broker: Any, where: str) -> 
         assert "surrogate" in str(refused.value) or "UTF-8" in str(refused.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: _flow._seconds compares value != int(value) first: NaN and infinity "
-    "raise Python's own ValueError/OverflowError ('cannot convert float NaN to integer')",
-)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("option", ["timeout", "keepalive"])
 def test_a_non_finite_number_of_seconds_names_the_option(option: str, value: float) -> None:
@@ -217,12 +203,6 @@ def _alive(pid: int) -> bool:
         return fh.read().split(") ", 1)[1][0] != "Z"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adversary: the broker answers a start whose runtime connection broke after it was "
-    "sent '502 sandbox_unreachable'; _unanswered() takes every answer with a status for a "
-    "refusal, so the command is neither looked up by its request_id nor killed, and no note",
-)
 @pytest.mark.parametrize("background", [False, True])
 def test_a_start_lost_after_it_was_sent_is_found_and_killed(
     lossy_broker: LocalBroker, monkeypatch: pytest.MonkeyPatch, background: bool

@@ -22,7 +22,11 @@ from k8s_agent_sandbox_awx.errors import (
     UnsupportedByRuntimeError,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]  # once per dialect
+# Data-plane behaviour is the same under both dialects: one dialect (v1) for most tests, and
+# a small rpc data-plane smoke set (``RPC_SMOKE``: once per dialect) so that the /rpc data path
+# stays covered. Tests whose behaviour depends on the dialect request ``dialect`` themselves.
+pytestmark = pytest.mark.e2e
+RPC_SMOKE = pytest.mark.usefixtures("dialect")  # once per dialect
 T = TypeVar("T")
 
 
@@ -100,6 +104,7 @@ def test_strings_run_through_sh_in_a_sandbox_without_bash(
     run(main())
 
 
+@RPC_SMOKE
 def test_coroutine_callbacks_get_live_output_and_the_result_is_collected(broker: Any) -> None:
     async def main() -> None:
         async with await create(broker) as sandbox:
@@ -155,6 +160,7 @@ def test_cancelling_a_foreground_run_kills_the_process_group(
     run(main())
 
 
+@pytest.mark.slow
 def test_a_run_whose_kill_cannot_be_delivered_says_the_command_may_still_run(
     broker: Any,
 ) -> None:
@@ -249,6 +255,7 @@ def test_a_start_cancelled_before_its_command_id_is_found_and_killed(
     run(main())
 
 
+@RPC_SMOKE
 def test_background_wait_kill_stdin_iteration_and_reattach(broker: Any) -> None:
     async def main() -> None:
         async with await create(broker) as sandbox:
@@ -324,6 +331,7 @@ class StreamRequests:
             raise
 
 
+@pytest.mark.slow
 def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeats_nothing(
     broker: Any, long_stream: Any, mid_line_drops: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -373,6 +373,7 @@ def test_kill_after_close_connection_still_deletes(live: Any, dialect_broker: An
 
 @pytest.mark.usefixtures("dialect")  # once per dialect
 @pytest.mark.dialect_feature(LIST, reason="upstream's list_active_sandboxes and the like")
+@pytest.mark.upstream  # upstream usage, end to end
 def test_code_written_for_the_upstream_async_client(live: Any, broker: Any) -> None:
     from k8s_agent_sandbox_awx import AsyncBrokerSandboxClient as AsyncSandboxClient
 

@@ -24,7 +24,11 @@ from k8s_agent_sandbox_awx.errors import (
     SandboxPathError,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]  # once per dialect
+# Data-plane behaviour is the same under both dialects: one dialect (v1) for most tests, and
+# a small rpc data-plane smoke set (``RPC_SMOKE``: once per dialect) so that the /rpc data path
+# stays covered. Tests whose behaviour depends on the dialect request ``dialect`` themselves.
+pytestmark = pytest.mark.e2e
+RPC_SMOKE = pytest.mark.usefixtures("dialect")  # once per dialect
 
 
 def _options(broker: Any, **extra: str) -> dict[str, Any]:
@@ -75,6 +79,7 @@ async def _every_operation(broker: Any) -> None:
             await files.make_dir("a\rb")
 
 
+@RPC_SMOKE
 def test_every_file_operation(files_broker: Any) -> None:
     asyncio.run(_every_operation(files_broker))
 
@@ -152,5 +157,6 @@ async def _lifetime(broker: Any, dialect: str) -> None:
         await idle.kill()
 
 
+@pytest.mark.slow
 def test_lifetime_set_timeout_and_keepalive(files_broker: Any, dialect: str) -> None:
     asyncio.run(_lifetime(files_broker, dialect))

@@ -88,6 +88,7 @@ def _settle(check: Any, timeout: float = 15.0) -> Any:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_100_sandboxes_concurrently(roomy_broker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     broker = roomy_broker
     monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")

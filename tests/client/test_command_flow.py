@@ -38,6 +38,25 @@ def test_argv_rules() -> None:
         cf.command_argv(["ls", 1], None)  # type: ignore[list-item]
 
 
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda: cf.StartPlan.make("echo \ud800", 5), "The command"),
+        (lambda: cf.StartPlan.make("echo \udcff", 5, shell=False), "The command"),
+        (lambda: cf.StartPlan.make(["echo", "\udc80"], 5), "Argument 1"),
+        (lambda: cf.StartPlan.make("true", 5, envs={"\ud800": "v"}), "The name of the envs"),
+        (lambda: cf.StartPlan.make("true", 5, envs={"A": "\ud800"}), "The value of the envs"),
+        (lambda: cf.StartPlan.make("true", 5, cwd="/app/\ud800"), "cwd"),
+        (lambda: cf.send_stdin(TARGET, "c1", "\ud800", False), "The stdin data"),
+    ],
+)
+def test_text_utf8_cannot_carry_is_refused_before_sending(make: Any, named: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        make()
+    assert str(refused.value).startswith(named), refused.value
+    assert "lone surrogate" in str(refused.value) and "UTF-8" in str(refused.value)
+
+
 def test_the_start_body_has_a_fresh_request_id_and_is_never_retried() -> None:
     one = cf.StartPlan.make("true", 5, envs={"A": "b"}, cwd="/tmp")
     two = cf.StartPlan.make("true", 5)
@@ -127,7 +146,7 @@ class Script:
             return value
         elif isinstance(step, cf.Emit):
             self.emitted.append(step.event)
-        elif isinstance(step, cf.Pause):
+        elif isinstance(step, cf.Sleep):
             self.pauses.append(step.seconds)
         else:
             raise AssertionError(step)
@@ -323,6 +342,47 @@ def test_a_start_that_was_answered_or_never_sent_is_not_looked_up(refusal: Excep
     with pytest.raises(type(refusal)):
         drive(cf.run(TARGET, plan, cf.RuntimeFeatures()), perform)
     assert sent == ["POST /commands"]
+
+
+def _start_failing_with(error: Exception) -> list[str]:
+    """What a foreground run sends when its start fails with ``error`` (no command listed)."""
+    sent: list[str] = []
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, (cf.Call, cf.OpenEvents)):
+            sent.append(f"{step.spec.method} {step.spec.path}")
+        if isinstance(step, cf.Call) and step.spec.method == "GET":
+            return []
+        if isinstance(step, cf.NextEvent):
+            raise error
+        return None
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    with pytest.raises(type(error)):
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures()), perform)
+    return sent
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        BrokerUnavailableError("lost", status_code=502, code="sandbox_answer_lost"),
+        BrokerUnavailableError("stalled", status_code=504, code="sandbox_timeout"),
+        BrokerUnavailableError("a deployed /rpc broker's plain-text 502", status_code=502),
+        BrokerUnavailableError("a proxy's 504", status_code=504),
+    ],
+    ids=["broker: answer lost", "broker: timeout", "502 without a code", "504 without a code"],
+)
+def test_a_start_the_broker_lost_after_sending_it_is_looked_up(lost: Exception) -> None:
+    """The broker's 502/504 saying its connection to the runtime broke or stalled after the
+    start was sent (or a 502/504 without a code, which cannot tell): the command may run, so
+    it is looked up by its request id, as after a connection of the client's own broke."""
+    assert _start_failing_with(lost) == ["POST /commands", "GET /commands"]
+
+
+def test_a_start_the_broker_could_not_send_is_not_looked_up() -> None:
+    unreachable = BrokerUnavailableError("no", status_code=502, code="sandbox_unreachable")
+    assert _start_failing_with(unreachable) == ["POST /commands"]
 
 
 @pytest.mark.parametrize(

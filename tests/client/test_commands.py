@@ -31,13 +31,20 @@ from k8s_agent_sandbox_awx.errors import (
     CommandWaitTimeoutError,
     UnsupportedByRuntimeError,
 )
+from tests._support.brokers import dialect_of
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]  # once per dialect
+# Data-plane behaviour is the same under both dialects: one dialect (v1) for most tests, and
+# a small rpc data-plane smoke set (``RPC_SMOKE``: once per dialect) so that the /rpc data path
+# stays covered. Tests whose behaviour depends on the dialect request ``dialect`` themselves.
+pytestmark = pytest.mark.e2e
+RPC_SMOKE = pytest.mark.usefixtures("dialect")  # once per dialect
 
 
 @pytest.fixture
-def sandbox(broker: Any, dialect: str) -> Iterator[Sandbox]:
-    env = {"BASE_VAR": "base"} if SANDBOX_ENV in get_dialect(dialect).features else {}
+def sandbox(broker: Any, request: pytest.FixtureRequest) -> Iterator[Sandbox]:
+    """A sandbox of ``broker`` (the test's dialect: see ``RPC_SMOKE``)."""
+    features = get_dialect(dialect_of(request)).features
+    env = {"BASE_VAR": "base"} if SANDBOX_ENV in features else {}
     with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sb:
         yield sb
 
@@ -45,6 +52,7 @@ def sandbox(broker: Any, dialect: str) -> Iterator[Sandbox]:
 # ------------------------------------------------------------------------------- shell rules
 
 
+@RPC_SMOKE
 def test_a_string_runs_through_bash_and_a_list_is_an_argv(sandbox: Sandbox) -> None:
     assert sandbox.commands.run("echo a | tr a b").stdout == "b\n"
     assert sandbox.commands.run("cd /tmp && pwd").stdout == "/tmp\n"
@@ -138,6 +146,7 @@ def test_envs_merge_over_the_sandbox_environment_and_cwd_applies(sandbox: Sandbo
 # ----------------------------------------------------------------------- results and callbacks
 
 
+@pytest.mark.upstream  # upstream's ExecutionResult
 def test_result_carries_the_command_id_state_and_a_non_zero_exit(sandbox: Sandbox) -> None:
     result = sandbox.commands.run("echo out; echo err >&2; exit 3")
     assert isinstance(result, ExecutionResult)
@@ -146,6 +155,7 @@ def test_result_carries_the_command_id_state_and_a_non_zero_exit(sandbox: Sandbo
     assert result.command_id and sandbox.commands.get(result.command_id).status().exit_code == 3
 
 
+@RPC_SMOKE
 def test_callbacks_get_the_output_while_the_command_runs(sandbox: Sandbox) -> None:
     seen: list[tuple[str, str, str]] = []
 
@@ -207,6 +217,7 @@ def test_an_interrupted_foreground_run_kills_the_process_group(
     assert process_gone(pids[0])  # the background child of the shell too: the whole group
 
 
+@pytest.mark.slow
 def test_a_run_whose_kill_cannot_be_delivered_says_the_command_may_still_run(
     broker: Any, sandbox: Sandbox
 ) -> None:
@@ -287,6 +298,7 @@ def test_a_start_whose_answer_is_lost_is_found_and_killed(
 # ------------------------------------------------------------------------------- background
 
 
+@RPC_SMOKE
 def test_a_background_server_is_waited_on_and_killed(sandbox: Sandbox) -> None:
     handle = sandbox.commands.run("echo ready; exec sleep 60", background=True)
     assert isinstance(handle, CommandHandle) and handle.command_id
@@ -378,6 +390,7 @@ def test_a_background_server_keeps_serving_while_its_iterator_is_held_unread(
             handle.kill()
 
 
+@RPC_SMOKE
 def test_wait_callbacks_and_reattach_replays_the_output(broker: Any, sandbox: Sandbox) -> None:
     handle = sandbox.commands.run("echo one; sleep 0.3; echo two", background=True)
     got: list[str] = []
@@ -447,6 +460,7 @@ class StreamRequests:
             raise
 
 
+@pytest.mark.slow
 def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeats_nothing(
     broker: Any,
     sandbox: Sandbox,
@@ -535,6 +549,7 @@ def test_the_streamed_start_delivers_the_output_live_in_one_request(
 
 
 @pytest.mark.parametrize("lines", [1, 6])
+@RPC_SMOKE
 def test_a_streamed_start_dropped_after_the_command_id_resumes_without_loss(
     broker: Any,
     sandbox: Sandbox,
@@ -585,6 +600,7 @@ def test_a_runtime_without_the_streamed_start_answers_json_and_events_follow(
 # ----------------------------------------------------------------------- legacy runtimes
 
 
+@RPC_SMOKE
 def test_a_runtime_without_managed_commands_falls_back_to_execute(legacy_broker: Any) -> None:
     with Sandbox.create(environ=legacy_broker.environ("kubernetes")) as sandbox:
         result = sandbox.commands.run("echo a | tr a b; cd /tmp && pwd")

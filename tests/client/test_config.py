@@ -9,6 +9,8 @@ import pytest
 from k8s_agent_sandbox_awx import BrokerConnectionConfig, ConfigurationError
 from k8s_agent_sandbox_awx._upstream import SandboxDirectConnectionConfig, SandboxError
 
+pytestmark = pytest.mark.upstream  # an upstream SandboxDirectConnectionConfig
+
 
 def test_is_an_upstream_direct_connection_config() -> None:
     config = BrokerConnectionConfig(broker_url="https://Broker.Example/")
@@ -180,7 +182,7 @@ def test_an_invalid_setting_is_a_typed_error_naming_it(
     """pydantic's ``ValidationError`` escaped from every way of building a config (the model,
     ``model_validate``, a client's settings, ``Sandbox.create``'s, a config plus overrides)."""
     from k8s_agent_sandbox_awx import BrokerSandboxClient
-    from k8s_agent_sandbox_awx.client.core._flow import client_overrides
+    from k8s_agent_sandbox_awx.client._base import client_overrides
     from k8s_agent_sandbox_awx.errors import InvalidSettingError
 
     base = BrokerConnectionConfig(broker_url="https://b.example")

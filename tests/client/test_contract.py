@@ -13,7 +13,7 @@ from k8s_agent_sandbox_awx import BrokerConnectionConfig, BrokerSandboxClient
 from k8s_agent_sandbox_awx._upstream import SandboxNotFoundError
 from k8s_agent_sandbox_awx.errors import LifetimeExceedsPolicyError, SandboxFileError
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.upstream]  # the contract, with upstream's errors
 
 
 class Recording(httpx.HTTPTransport):

@@ -316,6 +316,7 @@ def test_seekable_upload_sends_exactly_the_declared_size(
 
 @pytest.mark.usefixtures("dialect")  # once per dialect
 @pytest.mark.dialect_feature(LIST, reason="upstream's list_active_sandboxes and the like")
+@pytest.mark.upstream  # upstream SandboxClient usage, end to end
 def test_code_written_for_the_upstream_client(live: Any, broker: Any) -> None:
     """Upstream SandboxClient usage, with only the import and the config changed."""
     from k8s_agent_sandbox_awx import BrokerSandboxClient as SandboxClient

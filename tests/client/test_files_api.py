@@ -26,7 +26,11 @@ from k8s_agent_sandbox_awx.errors import (
     SandboxPathError,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]  # once per dialect
+# Data-plane behaviour is the same under both dialects: one dialect (v1) for most tests, and
+# a small rpc data-plane smoke set (``RPC_SMOKE``: once per dialect) so that the /rpc data path
+# stays covered. Tests whose behaviour depends on the dialect request ``dialect`` themselves.
+pytestmark = pytest.mark.e2e
+RPC_SMOKE = pytest.mark.usefixtures("dialect")  # once per dialect
 
 
 @contextlib.contextmanager
@@ -37,6 +41,7 @@ def _sandbox(broker: Any, template: str = "python", **options: Any) -> Iterator[
         yield sb
 
 
+@RPC_SMOKE
 def test_every_file_operation(files_broker: Any, tmp_path: Path) -> None:
     with _sandbox(files_broker) as sb:
         files = sb.files
@@ -126,6 +131,7 @@ def test_a_file_over_the_read_limit_is_read_through_download(files_broker: Any) 
             sb.files.read("/workspace/big.bin")
 
 
+@RPC_SMOKE
 def test_a_runtime_without_the_file_api(files_broker: Any) -> None:
     with _sandbox(files_broker, template="legacy") as sb:
         files = sb.files
@@ -147,6 +153,7 @@ def test_a_runtime_without_the_file_api(files_broker: Any) -> None:
                 operation()
 
 
+@RPC_SMOKE
 def test_watch_dir_sees_a_file_created_by_a_command(files_broker: Any) -> None:
     with _sandbox(files_broker) as sb:
         sb.files.make_dir("w")
@@ -208,6 +215,7 @@ def test_watch_dir_closes_cleanly_and_ends_at_its_timeout(files_broker: Any) -> 
             sb.files.watch_dir("quiet", timeout=0)
 
 
+@pytest.mark.slow
 def test_watch_dir_reconnects_and_loses_no_change(
     files_broker: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -511,6 +511,7 @@ def test_a_retry_after_that_is_not_ascii_digits_is_ignored(value: bytes) -> None
         client.whoami()  # no usable Retry-After: a 429 is not retried
 
 
+@pytest.mark.upstream  # upstream's command_timeout
 def test_a_command_timeout_over_the_brokers_limit_is_refused_before_sending(
     broker: Any,
 ) -> None:

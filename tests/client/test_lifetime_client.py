@@ -90,6 +90,7 @@ def test_set_timeout_shortening_makes_the_broker_delete_it_on_time(files_broker:
         sb.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("dialect")  # once per dialect
 def test_keepalive_keeps_a_busy_sandbox_and_lets_an_idle_one_expire(files_broker: Any) -> None:
     busy = Sandbox.create(timeout=3, keepalive=3, **_options(files_broker))
@@ -169,7 +170,7 @@ def test_lifetime_settings_from_the_environment_and_arguments() -> None:
 
 
 def test_keepalive_is_due_once_per_half_window_and_only_when_it_extends() -> None:
-    from k8s_agent_sandbox_awx.client.wire._protocol import Keepalive
+    from k8s_agent_sandbox_awx.client.wire._dataplane import Keepalive
 
     now = [1000.0]
     keepalive = Keepalive("sbx", 60, deadline=1300.0, clock=lambda: now[0])

@@ -27,7 +27,7 @@ from k8s_agent_sandbox_awx.errors import ConfigurationError, UnsupportedOperatio
 
 PYPI = "https://pypi.org/project/k8s-agent-sandbox-awx/"
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.upstream]  # end to end: upstream result types and errors
 
 
 def _readme_env(broker: Any, tmp_path: Path) -> dict[str, str]:

@@ -28,6 +28,8 @@ from k8s_agent_sandbox_awx.errors import (
     BrokerUnavailableError,
 )
 
+pytestmark = pytest.mark.upstream  # answers mapped to upstream's exceptions
+
 ROUTER = proto.RouterTarget("sbx-1", "team-a", 8888)
 
 
@@ -246,3 +248,60 @@ def test_parse_output_truncated() -> None:
     assert dp.parse_execution_result(base).output_truncated is False
     assert dp.parse_execution_result({**base, "output_truncated": True}).output_truncated
     assert not dp.parse_execution_result({**base, "output_truncated": "no"}).output_truncated
+
+
+@pytest.mark.parametrize(("dialect", "field"), [("v1", "name"), ("rpc", "claim_name")])
+def test_each_dialect_names_the_sandbox_of_an_unusable_create_answer(
+    dialect: str, field: str
+) -> None:
+    """A create answer that does not parse still names the sandbox it made (to delete it):
+    the dialect's field, a non-empty string in a JSON object; anything else names none."""
+    from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
+
+    named = get_dialect(dialect)
+    assert named.created_name(json.dumps({field: "sbx-1", "phase": 5}).encode()) == "sbx-1"
+    for body in (b"not json", b"[]", json.dumps({field: ""}).encode(), b'{"other": "x"}'):
+        assert named.created_name(body) is None, body
+
+
+def test_scopes_are_checked_by_one_rule_before_the_dialect_and_by_it() -> None:
+    """``scopes=`` is checked once, by one rule, before anything is sent (a str or an empty
+    name refused, naming it); what passes is kept as the names given, also from an iterator
+    (the check used to consume it and the create then asked for no scopes)."""
+    from k8s_agent_sandbox_awx.client.core._flow import spec_from_create
+    from k8s_agent_sandbox_awx.client.wire._dialect import CreateRequest
+    from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
+
+    assert spec_from_create(None, None, {"scopes": iter(["commands"])}).scopes == ("commands",)
+    for bad in ("commands", ["commands", ""], [1]):
+        with pytest.raises(TypeError, match=r"scopes= must be a list of scope names"):
+            spec_from_create(None, None, {"scopes": bad})  # type: ignore[typeddict-item]
+        with pytest.raises(TypeError, match=r"scopes= must be a list of scope names"):
+            get_dialect("rpc").create(CreateRequest("k", scopes=bad))  # type: ignore[arg-type]
+    spec = get_dialect("rpc").create(CreateRequest("k", scopes=("commands",)))
+    assert json.loads(spec.content or b"")["scopes"] == ["commands"]
+
+
+def test_one_multipart_framing_and_one_length_rule_for_both_upload_endpoints() -> None:
+    """``/fs/write`` (the ``path`` field, then the file) and the legacy ``/upload`` (the file
+    named by its destination) are framed by one builder, and their headers (the type, the
+    length of a sized body, chunked for one of unknown size) come from one place."""
+    fs = dp.multipart_framing("file", boundary="b0", fields={"path": "d/a.txt"})
+    assert fs.prefix == (
+        b'--b0\r\nContent-Disposition: form-data; name="path"\r\n\r\nd/a.txt\r\n'
+        b'--b0\r\nContent-Disposition: form-data; name="file"; filename="file"\r\n'
+        b"Content-Type: application/octet-stream\r\n\r\n"
+    )
+    legacy = dp.multipart_framing("d/a.txt", boundary="b1")
+    assert (
+        legacy.prefix.count(b"Content-Disposition") == 1 and b'filename="d/a.txt"' in legacy.prefix
+    )
+    for framing in (fs, legacy):
+        assert framing.headers(3) == {
+            "Content-Type": framing.content_type,
+            "Content-Length": str(len(framing.prefix) + 3 + len(framing.suffix)),
+        }
+        assert framing.headers(None) == {
+            "Content-Type": framing.content_type,
+            "Transfer-Encoding": "chunked",
+        }

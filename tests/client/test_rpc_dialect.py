@@ -116,6 +116,7 @@ def test_create_sends_what_the_original_package_sent(rpc_broker: Any) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.upstream  # upstream's exception classes
 def test_terminal_conditions_are_typed_and_the_claim_is_deleted(
     rpc_broker: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -26,6 +26,8 @@ from k8s_agent_sandbox_awx._upstream import (
 )
 from k8s_agent_sandbox_awx.client.core._command_flow import SHELL
 
+pytestmark = pytest.mark.upstream  # upstream-named API (claim_name, terminate, ...)
+
 
 def test_create_waits_with_the_long_poll(make_client: Any, fake: Any) -> None:
     fake.ready_after_polls = 3

@@ -17,9 +17,23 @@ from tests._support.kube import (
     KubeAPIServer,
     KubeTools,
     KubeToolsMissing,
+    build_wait,
     find_kube_tools,
     kube_required,
 )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """While ``.ci/kube-tools --background`` is still building (a new machine: minutes), the
+    time limit of each test that needs the binaries includes the wait for them: the first such
+    test waits in its setup, and pytest-timeout's limit (300 s) must not cut that short."""
+    wait = build_wait()
+    if not wait or not config.pluginmanager.hasplugin("timeout"):
+        return
+    limit = wait + float(config.getini("timeout") or 300)
+    for item in items:
+        if "kube_tools" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(limit))
 
 
 @pytest.fixture(scope="session")

@@ -319,12 +319,12 @@ class AcmeProvider:
 
 @pytest.fixture
 def acme(endpoint: ScriptedEndpoint) -> Iterator[DefaultCredentials]:
-    """The provider in a discovery chain; the endpoint mints a new 2-second token per request."""
+    """The provider in a discovery chain; the endpoint mints a new 4-second token per request."""
 
     def mint(seen: RecordedRequest) -> Reply:
         [audience] = seen.query["audience"]
         claims = {"aud": audience, "sub": "job-1", "jti": f"n{len(endpoint.requests)}"}
-        return endpoint.reply(json.dumps({"token": unsigned_jwt(claims, ttl=2)}))
+        return endpoint.reply(json.dumps({"token": unsigned_jwt(claims, ttl=4)}))
 
     endpoint.responder = mint
     env = {

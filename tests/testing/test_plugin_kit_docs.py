@@ -24,6 +24,7 @@ def _python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
+@pytest.mark.slow
 def test_the_testing_section_examples_pass(tmp_path: Path) -> None:
     text = DOCS.read_text()
     [provider] = [

@@ -28,6 +28,7 @@ from .backends._interface import Backend
 from .identity._issuer import PublishedIssuer
 from .identity._rules import PolicySource
 from .identity._verify import TokenVerifier
+from .observability._context import note_error
 
 PROTOCOLS = ("v1", "rpc")
 """The control-plane dialects a broker can serve."""
@@ -93,6 +94,7 @@ class BrokerApp:
             else:
                 raise self._no_route(request.method, scope["path"])
         except ApiError as exc:
+            note_error(exc.code, exc.detail)
             response = exc.response()
         except ClientDisconnect:
             return

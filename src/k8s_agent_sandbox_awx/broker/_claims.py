@@ -29,6 +29,7 @@ from .backends._interface import (
 )
 from .identity._policy import RESERVED_PREFIX, Caller, Policy
 from .identity._rules import PolicyDenied, PolicySource
+from .observability._context import current, note_decision, note_sandbox
 
 
 def owner_of(caller: Caller) -> Owner:
@@ -63,9 +64,23 @@ class Claims:
     def policy(self, caller: Caller) -> Policy:
         """The policy of ``caller``; 403 when none admits it."""
         try:
-            return self.policies.policy_for(caller)
+            policy = self.policies.policy_for(caller)
         except PolicyDenied as exc:
             raise ApiError(403, exc.code, exc.detail) from None
+        if current() is not None:  # the audit log names the rule that admitted the caller
+            note_decision(policy=self.policy_name(caller))
+        return policy
+
+    def policy_name(self, caller: Caller) -> str | None:
+        """The name of the rule that gives ``caller`` its policy (``None``: unnamed)."""
+        rule_for = getattr(self.policies, "rule_for", None)
+        if rule_for is None:
+            return None
+        try:
+            name: str = rule_for(caller).name
+        except PolicyDenied:
+            return None
+        return name
 
     @staticmethod
     def describe(caller: Caller, policy: Policy) -> dict[str, Any]:
@@ -112,7 +127,7 @@ class Claims:
         """The claim an earlier create of ``caller`` with Idempotency-Key ``key`` made
         (``None``: a new key); 409 for another body, 404 once that claim is forgotten."""
         try:
-            return await self.backend.replay(owner_of(caller), Idempotency(key, digest))
+            found = await self.backend.replay(owner_of(caller), Idempotency(key, digest))
         except IdempotencyConflict:
             raise ApiError(
                 409,
@@ -128,6 +143,10 @@ class Claims:
                 "and is no longer remembered; use a new Idempotency-Key to create another "
                 "sandbox",
             ) from None
+        if found is not None:
+            note_sandbox(found.name, claim=found.claim_name)
+            note_decision(replayed=True, namespace=found.namespace)
+        return found
 
     async def admit(
         self,
@@ -166,15 +185,33 @@ class Claims:
             network=policy.network,
             **claim,
         )
+        note_decision(
+            namespace=namespace,
+            template=template,
+            pool=claim.get("warm_pool") or template,
+            lifetime_seconds=round(lifetime, 3),
+        )
         try:
-            return (await self.backend.create(request)).state
+            state = (await self.backend.create(request)).state
         except QuotaExceeded as exc:
-            raise ApiError(
-                429,
-                "quota_exceeded",
-                f"caller {caller.subject!r} holds {exc.held} sandboxes, the maximum of its "
-                f"policy ({exc.maximum}); delete one first",
-            ) from None
+            raise self._quota_exceeded(caller, exc) from None
+        note_sandbox(state.name, claim=state.claim_name)
+        note_decision(expires_at=rfc3339(state.expires_at))
+        return state
+
+    def _quota_exceeded(self, caller: Caller, exc: QuotaExceeded) -> ApiError:
+        """The 429 of a create over the caller's quota: which quota, its value, how many the
+        caller holds (the same words under both dialects; noted for the audit log)."""
+        note_decision(quota={"name": "max_sandboxes", "limit": exc.maximum, "held": exc.held})
+        name = self.policy_name(caller)
+        policy = f"policy {name!r}" if name else "its policy"
+        return ApiError(
+            429,
+            "quota_exceeded",
+            f"quota max_sandboxes exceeded: caller {caller.subject!r} holds {exc.held} live "
+            f"sandboxes, the maximum of {policy} (max_sandboxes = {exc.maximum}); delete one "
+            "first",
+        )
 
     # -- the caller's claims -------------------------------------------------------------------
     async def owned(self, caller: Caller, name: str) -> ClaimState:
@@ -190,11 +227,19 @@ class Claims:
 
     async def delete(self, state: ClaimState) -> ClaimState:
         """Begin deleting the claim of ``state`` (Terminating; gone once its runtime stopped)."""
+        note_sandbox(state.name, claim=state.claim_name)
+        note_decision(namespace=state.namespace)
         return await self.backend.delete(state.name) or state
 
     async def set_expiry(self, state: ClaimState, expires_at: float) -> ClaimState:
         """Move the expiry of the claim of ``state`` (the caller's cap checked before); 409 when
         it went meanwhile."""
+        note_sandbox(state.name, claim=state.claim_name)
+        note_decision(
+            namespace=state.namespace,
+            expires_at=rfc3339(expires_at),
+            previous_expires_at=rfc3339(state.expires_at),
+        )
         moved = await self.backend.set_expiry(state.name, expires_at)
         if moved is None:
             raise ApiError(409, "terminating", f"sandbox {state.name!r} is being deleted")

@@ -11,6 +11,7 @@ cookies or the router's own headers; the answer streams back as it comes (:mod:`
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from starlette.datastructures import Headers
@@ -18,14 +19,15 @@ from starlette.requests import Request
 from starlette.types import Send
 
 from ._errors import ApiError
-from ._gate import DataRequest, Gate, data_request
+from ._gate import BODYLESS, DataRequest, Gate, data_request
 from ._relay import HOP_BY_HOP, Deleting, Relay, answer_headers
 from ._target import CODE as TARGET_CODE
 from .backends._interface import READY, Backend, ClaimGone, ClaimState, Route, Unroutable
 from .identity._policy import Caller, required_scope
 
-_NOT_FORWARDED = (b"authorization", b"host", b"cookie")
-_NO_BODY = ("GET", "HEAD", "DELETE", "OPTIONS")
+_NOT_FORWARDED = (b"authorization", b"host", b"cookie", b"content-length")
+"""Never forwarded (besides the hop-by-hop ones): the caller's credentials, the router's own
+host, and the caller's framing (the router frames the body: :func:`_forwarded_body`)."""
 _COMMAND_PATHS = ("/execute", "/commands")
 
 
@@ -130,17 +132,12 @@ class Forward:
             and not k.lower().startswith(b"x-sandbox-")
         ]
         headers.extend(route.headers)
-
-        async def body() -> AsyncIterator[bytes]:
-            async for chunk in request.stream():
-                if chunk:
-                    yield chunk
-
+        content = _forwarded_body(request, headers)
         upstream = route.client.build_request(
             request.method,
             url,
             headers=headers,
-            content=body() if request.method not in _NO_BODY else None,
+            content=content,
             timeout=httpx.Timeout(connect=5.0, read=data.timeout, write=300.0, pool=10.0),
         )
         command = request.method == "POST" and target.path in _COMMAND_PATHS
@@ -162,29 +159,58 @@ class Forward:
         return deleting
 
 
+def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) -> Any:
+    """The body the router forwards, framed by the router, never by the client's own framing
+    headers (``headers``: the forwarded ones, without them): none for a method without a body;
+    a client's chunked body is sent chunked; a body the client sent with a ``Content-Length``
+    (which the server read it by) with that length; no framing at all: empty."""
+    if request.method in BODYLESS:
+        return None
+    if "transfer-encoding" not in request.headers:
+        length = request.headers.get("content-length")
+        if length is None:
+            return b""
+        headers.append((b"content-length", str(int(length)).encode()))
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in request.stream():
+            if chunk:
+                yield chunk
+
+    return body()
+
+
 async def _send_upstream(
     route: Route, upstream: httpx.Request, name: str, command: bool, read_timeout: float
 ) -> httpx.Response:
     """Send ``upstream`` (counted if it runs a ``command``); its answer streams. A failure
-    before the answer starts is the broker's 502 or 504."""
+    before the answer starts is the broker's 502 or 504, whose code says whether the request
+    may have reached the sandbox: ``sandbox_unreachable`` (no connection: nothing was sent,
+    nothing counted), ``sandbox_answer_lost`` (the connection broke after the request was
+    sent) or ``sandbox_timeout`` (sent, no answer in time)."""
     count = route.count_command if command else None
     if count is not None:
         count(1)
     try:
         return await route.client.send(upstream, stream=True)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
         if count is not None:
             count(-1)
-        raise ApiError(502, "sandbox_unreachable", f"cannot connect to sandbox {name!r}") from None
+        how = "" if isinstance(exc, httpx.ConnectError) else " (timed out)"
+        raise ApiError(
+            502, "sandbox_unreachable", f"cannot connect to sandbox {name!r}{how}"
+        ) from None
     except httpx.TimeoutException:
         raise ApiError(
             504,
             "sandbox_timeout",
-            f"sandbox {name!r} did not answer within {read_timeout:g} s (X-Sandbox-Timeout)",
+            f"sandbox {name!r} did not answer within {read_timeout:g} s (X-Sandbox-Timeout); "
+            "the request may have reached it",
         ) from None
     except httpx.HTTPError as exc:
         raise ApiError(
             502,
-            "sandbox_unreachable",
-            f"the connection to sandbox {name!r} failed: {type(exc).__name__}",
+            "sandbox_answer_lost",
+            f"the connection to sandbox {name!r} broke after the request was sent "
+            f"({type(exc).__name__}): the request may have reached the sandbox",
         ) from None

@@ -1,7 +1,8 @@
 """The request gate: what every request passes before the broker acts on it.
 
 - the request target: origin-form only (:func:`origin_form`), and for the data plane in normal
-  form (:func:`data_request`, see :mod:`._target`), with the router's headers checked;
+  form (:func:`data_request`, see :mod:`._target`), with the router's headers and the method
+  checked (upper case; no body on a method without one);
 - the caller: a bearer token verified against the trusted issuers (:class:`Gate`:
   ``authenticate``, over :class:`.identity._verify.TokenVerifier`; a refusal is ``401`` with a
   ``WWW-Authenticate`` challenge);
@@ -25,11 +26,14 @@ from .backends._interface import RUNTIME_PORT
 from .identity._policy import Caller
 from .identity._rejection import TokenRejected
 from .identity._verify import TokenVerifier
+from .observability._context import note_caller, note_rejection
 
 MAX_JSON_BODY = 1024 * 1024
 DEFAULT_DATA_PLANE_TIMEOUT = 300.0
 """Seconds the router waits for a sandbox's answer when the request names no
 X-Sandbox-Timeout."""
+BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+"""Data-plane methods without a request body (one sent with them is refused)."""
 
 
 def origin_form(scope: Scope) -> bytes:
@@ -71,7 +75,9 @@ class DataRequest:
 
 def data_request(request: Request) -> DataRequest:
     """The router headers (X-Sandbox-ID, -Namespace, -Port, -Timeout) and the target of a
-    data-plane request, checked (400 naming the header or the rule)."""
+    data-plane request, checked (400 naming the header or the rule); its method too
+    (:func:`_check_method`)."""
+    _check_method(request)
     sandbox_id, namespace, port, timeout = _router_headers(request)
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in request.url.path):
         raise ApiError(
@@ -83,6 +89,30 @@ def data_request(request: Request) -> DataRequest:
     except NonNormalTarget as exc:
         raise ApiError(400, TARGET_CODE, exc.detail) from None
     return DataRequest(sandbox_id, namespace, port, timeout, target)
+
+
+def _check_method(request: Request) -> None:
+    """What the router forwards is what was checked: the method is in upper case (HTTP
+    methods are case-sensitive, RFC 9110 section 9.1, and the router's HTTP client sends
+    ``post`` as ``POST``, which would run as a method other than the one checked and counted),
+    and a method without a body (:data:`BODYLESS`) carries none."""
+    method = request.method
+    shown = method if len(method) <= 20 else method[:17] + "..."
+    if method != method.upper():
+        raise ApiError(
+            400,
+            "invalid_method",
+            f"the request method {shown!r} is not in upper case: HTTP methods are "
+            f"case-sensitive (RFC 9110, section 9.1); send {shown.upper()!r}",
+        )
+    length = request.headers.get("content-length", "0").strip()
+    if method in BODYLESS and ("transfer-encoding" in request.headers or length != "0"):
+        raise ApiError(
+            400,
+            "invalid_request",
+            f"a {method} request to a sandbox carries no body (it would not be forwarded); "
+            "send it without one (no Content-Length other than 0, no Transfer-Encoding)",
+        )
 
 
 def _router_headers(request: Request) -> tuple[str, str, int, float]:
@@ -132,13 +162,17 @@ class Gate:
         self.verifier = verifier
 
     async def authenticate(self, request: Request) -> Caller:
-        """The caller of ``request``, as its token proves it; 401 otherwise."""
+        """The caller of ``request``, as its token proves it; 401 otherwise (either is noted
+        for the access and audit logs: :mod:`.observability._context`)."""
+        authorization = request.headers.get("authorization")
         try:
-            caller, _ = await self.verifier.verify(request.headers.get("authorization"))
+            caller, _ = await self.verifier.verify(authorization)
         except TokenRejected as exc:
+            note_rejection(exc.code, exc.detail, exc.identity, authorization)
             raise ApiError(
                 401, exc.code, exc.detail, {"WWW-Authenticate": auth_header(exc.detail)}
             ) from None
+        note_caller(caller, authorization)
         return caller
 
     async def json_body(self, request: Request) -> Any:

@@ -33,6 +33,8 @@ from ._gate import Gate
 from ._metadata import check_metadata
 from .backends._interface import PENDING, READY, TERMINATING, ClaimNameTaken, ClaimState, rfc3339
 from .identity._policy import RESERVED_PREFIX, Caller, Policy
+from .observability._context import note_error, note_route, note_sandbox
+from .observability._routes import rpc_route
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 
@@ -112,6 +114,7 @@ class Rpc:
                     'the body must be a JSON object with an "op" string: one of ' + ", ".join(OPS)
                 )
             op = body["op"]
+            note_route(rpc_route(op, OPS))
             if op == "create":
                 return await self._create(body, caller)
             if op == "status":
@@ -124,6 +127,7 @@ class Rpc:
                 raise _bad(f"op {op!r} is not served by the local broker (GKE snapshots only)")
             raise _bad(f"unknown op {op[:40]!r}; this broker serves " + ", ".join(OPS))
         except ApiError as exc:
+            note_error(exc.code, exc.detail)
             return plain_error(exc.status, exc.detail, exc.headers)
 
     # -- ops -----------------------------------------------------------------------------------
@@ -262,6 +266,7 @@ def _name(body: Mapping[str, Any]) -> str:
     name = body.get("claim_name")
     if not isinstance(name, str) or len(name) > 63 or not _CLAIM_NAME.match(name):
         raise _bad("'claim_name' must be the claim name that create returned")
+    note_sandbox(claim=name)
     return name
 
 

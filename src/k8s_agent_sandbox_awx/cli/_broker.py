@@ -45,6 +45,7 @@ def broker_main(command: str, config_path: str) -> int:
 def _serve(config: BrokerConfig) -> int:
     try:
         from ..broker._app_factory import app_factory
+        from ..broker.observability._serve import observed
         from ..broker.server import ListenError, TLSFilesError, serve
     except ImportError as exc:
         _error(
@@ -63,8 +64,23 @@ def _serve(config: BrokerConfig) -> int:
             flush=True,
         )
 
+    def metrics_started(url: str) -> None:
+        print(f"{PROG} broker: metrics at {url}/metrics (plain HTTP)", flush=True)
+
     try:
-        serve(app_factory(config), settings, on_started=started)
+        served = observed(app_factory(config), config)
+    except OSError as exc:  # the audit file
+        _error(f"{config.path}: audit.destination: cannot open it: {exc.strerror or exc}")
+        return 2
+    try:
+        serve(
+            served,
+            settings,
+            on_started=started,
+            metrics=config.metrics,
+            on_metrics_started=metrics_started,
+            log_format=config.logging.format,
+        )
     except TLSFilesError as exc:
         _error(f"{config.path}: server.tls_cert_file, server.tls_key_file: {exc}")
         return 2

@@ -253,9 +253,17 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if not items:
         print("no sandboxes")
         return 0
-    rows = [("NAME", "PHASE", "TEMPLATE", "NAMESPACE", "EXPIRES", "LEFT")]
+    rows = [("NAME", "PHASE", "TEMPLATE", "NAMESPACE", "CREATED", "EXPIRES", "LEFT")]
     rows += [
-        (i.name, i.phase, i.template or "-", i.namespace, i.expires_at or "-", _left(i))
+        (
+            i.name,
+            i.phase,
+            i.template or "-",
+            i.namespace,
+            i.created_at or "-",
+            i.expires_at or "-",
+            _left(i),
+        )
         for i in items
     ]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import weakref
 from collections.abc import (
     Awaitable,
     Callable,
@@ -27,14 +26,18 @@ from ._async_commands import AsyncCommandHandle, AsyncCommands
 from ._async_files import AsyncFiles
 from ._base import (
     ClientBase,
+    ConnectOptions,
     ExcType,
     SandboxBase,
+    SandboxCreateOptions,
     Traceback,
+    create_spec,
     data_target,
     make_client,
     timeout_seconds,
 )
 from .core import _flow as flow
+from .core import _options as opts
 from .http._async_transport import AsyncBrokerTransport
 from .wire import _dialects as dialects
 from .wire import _protocol as proto
@@ -51,17 +54,6 @@ __all__ = [
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
-_PROBE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _probe_lock(broker_url: str) -> asyncio.Lock:
-    """The lock a task holds while it probes ``broker_url`` (per event loop: one probe per
-    broker at a time; see ``_dialects``)."""
-    locks = _PROBE_LOCKS.setdefault(asyncio.get_running_loop(), {})
-    return locks.setdefault(broker_url, asyncio.Lock())
-
 
 class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport]):
     """The async counterpart of :class:`BrokerSandboxClient` (upstream ``AsyncSandboxClient``'s
@@ -77,22 +69,22 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
         self, http_transport: httpx.AsyncBaseTransport | None
     ) -> AsyncBrokerTransport:
         return AsyncBrokerTransport(
-            self.connection_config, self.auth, self.dialect, http_transport=http_transport
+            self.connection_config, self.auth, self._speaking, http_transport=http_transport
         )
 
     async def _use_dialect(self, *, authenticated: bool = True) -> Dialect:
         """The dialect, found out from the broker first if it is not known yet; an
         ``authenticated`` operation fetches its credential first (see the sync client)."""
-        if self._dialect is not None:
-            return self._dialect
+        if self._speaking.known is not None:
+            return self._speaking.known
         if authenticated:
             audience = self.connection_config.audience
             self._transport.prime(await self.auth.aget_credential(audience))
         url = self.broker_url
         seen = dialects.probes_answered(url)
-        async with _probe_lock(url):  # other tasks wait, then take its answer
-            op = flow.resolve_dialect(dialects.answered_since(url, seen), url)
-            return self._dialect_probed(await self._transport.run(op))
+        lock = dialects.probe_lock(url, asyncio.get_running_loop(), asyncio.Lock)
+        async with lock:  # other tasks of this loop wait, then take its answer
+            return await self._transport.run(self._speaking.resolve(seen))
 
     async def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""
@@ -162,11 +154,11 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
         namespace: str | None = None,
         sandbox_ready_timeout: float | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.UpstreamCreateOptions],
+        **options: Unpack[opts.UpstreamCreateOptions],
     ) -> AsyncSandbox:
         """``BrokerSandboxClient.create_sandbox``, awaited: a cancelled create deletes the
         claim it made before ``CancelledError`` propagates."""
-        spec = self._upstream_spec(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        spec = flow.spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
         return await self._create(spec, upstream=True)
 
     def _handle(
@@ -177,7 +169,7 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
     async def _create(self, spec: flow.SandboxSpec, *, upstream: bool) -> AsyncSandbox:
         """``create_sandbox``'s I/O: a failed or cancelled create deletes the claim it made
         before the error (or ``CancelledError``) propagates."""
-        plan = self._plan(await self._use_dialect(), spec)
+        plan = flow.plan_create(self.connection_config, await self._use_dialect(), spec)
         info = await self._transport.run(flow.create(plan))
         return self._register(self._handle(info, upstream=upstream, keepalive=plan.keepalive))
 
@@ -251,9 +243,10 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         owns_client: bool = False,
         keepalive: int | None = None,
     ) -> None:
-        transport, target = client._transport, data_target(client, info, keepalive)
+        target = data_target(client, info, keepalive)
+        transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         parts = self._commands_class(transport, target), AsyncFiles(transport, target)
-        super().__init__(client, info, *parts, owns_client)
+        super().__init__(client, info, target, *parts, owns_client)
 
     async def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""
@@ -341,17 +334,17 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         cls,
         template: str | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.SandboxCreateOptions],
+        **options: Unpack[SandboxCreateOptions],
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.create`: the same options, environment and guarantees; a
         cancelled create deletes the claim it made, then re-raises ``CancelledError``."""
-        spec = flow.spec_from_create(template, labels, options)
+        spec = create_spec(template, labels, options)
         client = make_client(AsyncBrokerSandboxClient, options, creating=True)
         return await cls._owning(client, lambda: client._create(spec, upstream=False))
 
     @classmethod
     async def connect(
-        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[flow.ConnectOptions]
+        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[ConnectOptions]
     ) -> AsyncSandbox:
         """Async :meth:`Sandbox.connect`."""
         client = make_client(AsyncBrokerSandboxClient, options)
@@ -363,7 +356,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
     async def list(
         cls,
         label_selector: Mapping[str, str] | str | None = None,
-        **options: Unpack[flow.ConnectOptions],
+        **options: Unpack[ConnectOptions],
     ) -> builtins.list[proto.SandboxInfo]:
         """Async :meth:`Sandbox.list`."""
         client = make_client(AsyncBrokerSandboxClient, options)
@@ -390,7 +383,7 @@ class AsyncUpstreamCommands(AsyncCommands):
         *,
         background: Literal[True],
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> AsyncCommandHandle: ...
 
     @overload
@@ -402,7 +395,7 @@ class AsyncUpstreamCommands(AsyncCommands):
         *,
         background: Literal[False] = False,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
     @overload
@@ -414,7 +407,7 @@ class AsyncUpstreamCommands(AsyncCommands):
         *,
         background: bool,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle: ...
 
     async def run(
@@ -425,10 +418,10 @@ class AsyncUpstreamCommands(AsyncCommands):
         *,
         background: bool = False,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle:
-        limit = flow.upstream_timeout(timeout, command_timeout)
-        flow.upstream_envs(options, env)
+        limit = opts.upstream_timeout(timeout, command_timeout)
+        opts.upstream_envs(options, env)
         return await super().run(command, limit, background=background, **options)
 
 

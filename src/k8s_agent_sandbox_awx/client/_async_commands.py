@@ -13,8 +13,10 @@ from .._driver import adrive, aiterate
 from .._upstream import ExecutionResult
 from ._base import SandboxPart
 from .core import _command_flow as cf
-from .core import _flow as flow
+from .core import _options as opts
+from .core._steps import Op
 from .http._async_transport import AsyncBrokerTransport
+from .http._exchange import only_call
 from .wire._dataplane import CommandInfo, DataTarget
 
 __all__ = ["AsyncCommandHandle", "AsyncCommands"]
@@ -43,17 +45,17 @@ class _AsyncPerformer:
                 await self.close()
                 self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
-            case cf.Pause(seconds):
+            case cf.Sleep(seconds):
                 return await asyncio.sleep(seconds)
             case _:
-                return await self._transport.call(step)
+                return await self._transport.call(only_call(step))
 
     async def close(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
             await stream.aclose()
 
-    async def drive(self, op: cf.Op) -> Any:
+    async def drive(self, op: Op[Any]) -> Any:
         try:
             return await adrive(op, self)
         finally:
@@ -117,7 +119,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         timeout: float = 60,  # noqa: ASYNC109
         *,
         background: Literal[True],
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> AsyncCommandHandle: ...
 
     @overload
@@ -127,7 +129,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         timeout: float = 60,  # noqa: ASYNC109
         *,
         background: Literal[False] = False,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
     @overload
@@ -137,7 +139,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         timeout: float = 60,  # noqa: ASYNC109
         *,
         background: bool,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle: ...
 
     async def run(
@@ -146,7 +148,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         timeout: float = 60,  # noqa: ASYNC109
         *,
         background: bool = False,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle:
         """Async ``Sandbox.commands.run`` (the same rules, results and errors). Cancelling the
         task of a foreground run kills the command; callbacks may be coroutine functions."""

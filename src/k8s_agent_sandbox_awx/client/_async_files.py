@@ -16,6 +16,7 @@ from ._base import FilesBase
 from ._files import partial_file, writer_or_path
 from .core import _fsapi as fsapi
 from .core._fsapi import FileInfo, WatchEvent
+from .core._steps import Op
 from .http._async_transport import AsyncBrokerTransport
 from .wire._dataplane import DownloadMeter
 
@@ -77,7 +78,7 @@ class AsyncFiles(FilesBase[AsyncBrokerTransport, AsyncGenerator[bytes, None]]):
         return fsapi.decoded(await self._transport.run(op), fmt)
 
     async def _stream(
-        self, op: fsapi.Op[fsapi.Opened], src: str, max_bytes: int | None
+        self, op: Op[fsapi.Opened], src: str, max_bytes: int | None
     ) -> AsyncGenerator[bytes, None]:
         spec, response = await self._transport.run(op)
         meter = DownloadMeter(spec, src, max_bytes)

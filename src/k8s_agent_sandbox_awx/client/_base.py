@@ -10,42 +10,43 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypedDict, TypeVar
 
 from .._upstream import SandboxNotFoundError
 from ..credentials._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
 from ..credentials._chain import DefaultCredentials
 from ..errors import ConfigurationError, UnsupportedOperationError
 from .core import _fsapi as fsapi
-from .core._flow import (
-    ConnectOptions,
-    CreatePlan,
-    SandboxCreateOptions,
-    SandboxSpec,
-    UpstreamCreateOptions,
+from .core._flow import SandboxSpec, spec_from_create
+from .core._options import (
+    ATTACH,
+    CREATE,
     check_options,
-    client_overrides,
-    plan_create,
-    spec_from_upstream,
     unexpected_keywords,
 )
+from .core._steps import Op
 from .http._config import BrokerConnectionConfig
 from .wire import _protocol as proto
-from .wire._dataplane import DataTarget, KeptAlive, check_max_bytes
+from .wire._dataplane import DataTarget, Keepalive, KeptAlive, check_max_bytes
 from .wire._dialect import Dialect, Lifetime
-from .wire._dialects import detected, get_dialect
+from .wire._dialects import BrokerDialect
 
 __all__ = [
     "ClientBase",
+    "ConnectOptions",
     "ExcType",
     "FilesBase",
     "SandboxBase",
+    "SandboxCreateOptions",
     "SandboxPart",
     "Traceback",
+    "client_overrides",
+    "create_spec",
     "data_target",
     "make_client",
     "timeout_seconds",
@@ -53,6 +54,44 @@ __all__ = [
 
 ExcType = type[BaseException] | None
 Traceback = TracebackType | None
+
+
+class ConnectOptions(TypedDict, total=False):
+    """Where the broker is and who I am, for ``Sandbox.create/connect/list``."""
+
+    auth: CredentialSource | None
+    broker_url: str | None
+    ca_cert: str | os.PathLike[str] | None
+    config: BrokerConnectionConfig | None
+    environ: Mapping[str, str] | None
+    token: str | None
+    """The original package's spelling of ``auth=OIDCTokenAuth(token)``."""
+    token_path: str | None
+    """The original package's spelling of ``auth=KubernetesAuth(token_path)``."""
+
+
+class SandboxCreateOptions(ConnectOptions, total=False):
+    """Keyword arguments of ``Sandbox.create``."""
+
+    annotations: Mapping[str, str] | None
+    env: Mapping[str, str] | None
+    timeout: int | None
+    lifetime_seconds: int | None
+    keepalive: int | None
+    ready_timeout: float | None
+    request_timeout: float | None
+    allow_insecure_http: bool | None
+    idempotency_key: str | None
+    pod_labels: Mapping[str, str] | None
+    pod_annotations: Mapping[str, str] | None
+    scopes: Sequence[str] | None
+    # The original package's spellings (drop-in migration), renamed by ``sdk_spelling``:
+    warmpool: str | None
+    namespace: str | None
+    shutdown_after_seconds: int | None
+    sandbox_ready_timeout: float | None
+    keepalive_ttl_seconds: int | None
+    backend: str | None
 
 
 H = TypeVar("H", bound="SandboxBase[Any, Any, Any]")
@@ -64,9 +103,9 @@ T = TypeVar("T")
 
 
 class ClientBase(ABC, Generic[H, T]):
-    """Configuration, credentials, the transport (``T``) and the handles a client created or
-    attached to, and the checks of ``create_sandbox`` (:meth:`_upstream_spec`); the sync and
-    the async client add the methods that do I/O.
+    """Configuration, credentials, the dialect spoken, the transport (``T``) and the handles a
+    client created or attached to; the sync and the async client add the methods that do
+    I/O.
 
     ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
     ``config_overrides`` such as ``broker_url=``/``ca_cert=`` winning); ``auth`` defaults to
@@ -105,10 +144,9 @@ class ClientBase(ABC, Generic[H, T]):
             environ, **config_overrides
         )
         self.auth = auth if auth is not None else config_auth(self.connection_config, environ)
-        pinned = self.connection_config.broker_protocol
-        self._dialect: Dialect | None = (
-            get_dialect(pinned) if pinned else detected(self.connection_config.broker_url)
-        )
+        config = self.connection_config
+        self._speaking = BrokerDialect(config.broker_url, config.broker_protocol)
+        """The dialect spoken: the one owner of it (the transport shares it)."""
         self._lock = threading.RLock()
         self._handles: dict[str, H] = {}
         self._closed = False
@@ -121,36 +159,7 @@ class ClientBase(ABC, Generic[H, T]):
     def dialect(self) -> Dialect:
         """The broker dialect spoken: pinned (``broker_protocol``), or found out from the
         broker on the first request (until then: the default, ``v1``)."""
-        return self._dialect or get_dialect()
-
-    def _dialect_found(self, dialect: Dialect) -> Dialect:
-        """Record the dialect the broker speaks (the transport maps errors with it)."""
-        self._dialect = dialect
-        transport: Any = self._transport
-        transport.dialect = dialect
-        return dialect
-
-    def _dialect_probed(self, dialect: Dialect) -> Dialect:
-        """Record the dialect a probe found (this client's, or the one it waited for); if that
-        was a guess, the transport's first control-plane answer of it confirms it."""
-        transport: Any = self._transport
-        transport.unconfirmed = detected(self.broker_url) is None
-        return self._dialect_found(dialect)
-
-    def _plan(self, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
-        return plan_create(self.connection_config, self._dialect_found(dialect), spec)
-
-    def _upstream_spec(
-        self,
-        warmpool: str | None,
-        namespace: str | None,
-        sandbox_ready_timeout: float | None,
-        labels: Mapping[str, str] | None,
-        options: UpstreamCreateOptions,
-    ) -> SandboxSpec:
-        """``create_sandbox``'s arguments (upstream's spellings) as what to create (checked;
-        the dialect's request is built once the dialect is known)."""
-        return spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        return self._speaking.current
 
     @property
     def broker_url(self) -> str:
@@ -213,7 +222,7 @@ class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
         self._api = fsapi.FileAPI(target)
 
     @abstractmethod
-    def _stream(self, op: fsapi.Op[fsapi.Opened], src: str, max_bytes: int | None) -> S:
+    def _stream(self, op: Op[fsapi.Opened], src: str, max_bytes: int | None) -> S:
         """The chunks of the file ``op`` opens (the request is sent on first iteration)."""
 
     def iter_bytes(
@@ -233,7 +242,7 @@ class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
 
     def _write_op(
         self, path: Any, data: Any, timeout: float | None, allow_unsafe: bool, allow_async: bool
-    ) -> fsapi.Op[Any]:
+    ) -> Op[Any]:
         if isinstance(path, list | tuple) and data is None:
             return fsapi.write_many(self._api, path, timeout, allow_async=allow_async)
         if data is None:
@@ -247,13 +256,15 @@ class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
 
 def data_target(client: Any, info: proto.SandboxInfo, keepalive: int | None) -> DataTarget:
     """Where sandbox ``info``'s data plane goes, with its activity keepalive (``keepalive``
-    seconds, else the config's ``sandbox_keepalive``; 0: none)."""
-    target: DataTarget = client.dialect.data_target(info)
+    seconds, else the config's ``sandbox_keepalive``; 0: none): a :class:`KeptAlive` target
+    owns it, and extends through the client's dialect."""
+    dialect: Dialect = client.dialect
+    target = dialect.data_target(info)
     seconds = keepalive if keepalive is not None else client.connection_config.sandbox_keepalive
     if not seconds:
         return target
     deadline = proto.rfc3339_seconds(info.expires_at)
-    return KeptAlive(target, proto.Keepalive(info.name, seconds, deadline))
+    return KeptAlive(target, Keepalive(info.name, seconds, deadline), dialect.extend)
 
 
 def timeout_seconds(seconds: Any) -> int:
@@ -277,10 +288,18 @@ class SandboxBase(Generic[C, Cmd, F]):
     """A sandbox's state as the broker reported it, and whether the handle may be used."""
 
     def __init__(
-        self, client: C, info: proto.SandboxInfo, commands: Cmd, files: F, owns_client: bool
+        self,
+        client: C,
+        info: proto.SandboxInfo,
+        target: DataTarget,
+        commands: Cmd,
+        files: F,
+        owns_client: bool,
     ) -> None:
         self._client = client
         self._info = info
+        self._target = target
+        """Where its data plane goes (with its keepalive, if any)."""
         self._owns_client = owns_client
         self._killed = False
         self._closed = False
@@ -378,9 +397,8 @@ class SandboxBase(Generic[C, Cmd, F]):
         dialect whose answer carries only the deadline updates the known state with it."""
         info = lifetime.info or dataclasses.replace(self._info, expires_at=lifetime.expires_at)
         self._info = info
-        keepalive = getattr(getattr(self._files, "_target", None), "keepalive", None)
-        if keepalive is not None:
-            keepalive.extended(info.expires_at)
+        if isinstance(self._target, KeptAlive):
+            self._target.keepalive.extended(info.expires_at)
         return info
 
     @staticmethod
@@ -428,11 +446,6 @@ def config_auth(config: BrokerConnectionConfig, environ: Mapping[str, str] | Non
     token, path = getattr(config, "token", None), getattr(config, "token_path", None)
     if token is not None and path is not None:
         raise ConfigurationError("Pass token= or token_path=, not both.")
-    if getattr(config, "keepalive_ttl_seconds", None):
-        raise NotImplementedError(
-            "keepalive_ttl_seconds (the activity keepalive) is not available in this version "
-            "of the SDK; leave it out and give the sandbox a long enough lifetime."
-        )
     if getattr(config, "backend", None) not in (None, "kubernetes"):
         raise ConfigurationError("backend= must be 'kubernetes' (or left out).")
     if token is not None:
@@ -467,10 +480,40 @@ def make_client(
     """A client for ``Sandbox.create/connect/list`` from their keyword options (``what`` and
     ``named``: the calling method and its named parameters, for the unknown-keyword error)."""
     if not creating:
-        check_options(what, options, ConnectOptions, named)
+        check_options(what, options, ConnectOptions, named, where=ATTACH)
     config, overrides = client_overrides(options)
     factory: Any = cls
     client: CL = factory(
         config, auth=options_auth(options), environ=options.get("environ"), **overrides
     )
     return client
+
+
+def client_overrides(
+    options: ConnectOptions | SandboxCreateOptions,
+) -> tuple[BrokerConnectionConfig | None, dict[str, Any]]:
+    """The explicit config and the settings that override it (or the environment)."""
+    ca = options.get("ca_cert")
+    settings: dict[str, Any] = {
+        "broker_url": options.get("broker_url"),
+        "ca_cert": os.fspath(ca) if ca is not None else None,
+        "request_timeout": options.get("request_timeout"),
+        "allow_insecure_http": options.get("allow_insecure_http"),
+    }
+    overrides = {k: v for k, v in settings.items() if v is not None}
+    config = options.get("config")
+    if config is not None and overrides:
+        data = config.model_dump()
+        data.update(overrides)
+        if "broker_url" in overrides:
+            data.pop("api_url", None)
+        return type(config).model_validate(data), {}
+    return config, overrides
+
+
+def create_spec(
+    template: str | None, labels: Mapping[str, str] | None, options: SandboxCreateOptions
+) -> SandboxSpec:
+    """``Sandbox.create``'s arguments, its keywords checked against its signature first."""
+    check_options("create()", options, SandboxCreateOptions, ("template", "labels"), where=CREATE)
+    return spec_from_create(template, labels, options)

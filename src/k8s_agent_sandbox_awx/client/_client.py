@@ -15,9 +15,12 @@ from .._upstream import ExecutionResult, SandboxNotFoundError
 from ..credentials._auth import CredentialSource
 from ._base import (
     ClientBase,
+    ConnectOptions,
     ExcType,
     SandboxBase,
+    SandboxCreateOptions,
     Traceback,
+    create_spec,
     data_target,
     make_client,
     timeout_seconds,
@@ -25,11 +28,12 @@ from ._base import (
 from ._commands import CommandHandle, Commands
 from ._files import Files
 from .core import _flow as flow
+from .core import _options as opts
 from .http._config import BrokerConnectionConfig
 from .http._transport import BrokerTransport
 from .wire import _protocol as proto
 from .wire._dialect import Dialect, Lifetime
-from .wire._dialects import answered_since, probe_lock, probes_answered
+from .wire._dialects import probe_lock, probes_answered
 
 __all__ = ["BrokerSandbox", "BrokerSandboxClient", "Sandbox", "SandboxInfo", "UpstreamSandbox"]
 
@@ -75,7 +79,7 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
 
     def _new_transport(self, http_transport: httpx.BaseTransport | None) -> BrokerTransport:
         return BrokerTransport(
-            self.connection_config, self.auth, self.dialect, http_transport=http_transport
+            self.connection_config, self.auth, self._speaking, http_transport=http_transport
         )
 
     def _use_dialect(self, *, authenticated: bool = True) -> Dialect:
@@ -83,16 +87,14 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         ``authenticated`` operation fetches its credential before the probe (the credential
         chain and the token's checks need no network): a credential problem is the first error
         a user meets, never hidden behind an unreachable broker; the request then sends it."""
-        if self._dialect is not None:
-            return self._dialect
+        if self._speaking.known is not None:
+            return self._speaking.known
         if authenticated:
             audience = self.connection_config.audience
             self._transport.prime(self.auth.get_credential(audience))
-        url = self.broker_url
-        seen = probes_answered(url)
-        with probe_lock(url):  # other threads wait, then take its answer
-            op = flow.resolve_dialect(answered_since(url, seen), url)
-            return self._dialect_probed(self._transport.run(op))
+        seen = probes_answered(self.broker_url)
+        with probe_lock(self.broker_url):  # other threads wait, then take its answer
+            return self._transport.run(self._speaking.resolve(seen))
 
     # ---------------------------------------------------------------------------- lifecycle
 
@@ -169,7 +171,7 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         namespace: str | None = None,
         sandbox_ready_timeout: float | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.UpstreamCreateOptions],
+        **options: Unpack[opts.UpstreamCreateOptions],
     ) -> Sandbox:
         """Create a sandbox, wait until it is Ready and return its handle.
 
@@ -181,7 +183,7 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         was created (ready timeout, Failed phase, Ctrl-C, a cancelled task), the claim is
         deleted before raising.
         """
-        spec = self._upstream_spec(warmpool, namespace, sandbox_ready_timeout, labels, options)
+        spec = flow.spec_from_upstream(warmpool, namespace, sandbox_ready_timeout, labels, options)
         return self._create(spec, upstream=True)
 
     def _handle(
@@ -190,7 +192,7 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
         return (UpstreamSandbox if upstream else Sandbox)(self, info, keepalive=keepalive)
 
     def _create(self, spec: flow.SandboxSpec, *, upstream: bool) -> Sandbox:
-        plan = self._plan(self._use_dialect(), spec)
+        plan = flow.plan_create(self.connection_config, self._use_dialect(), spec)
         info = self._transport.run(flow.create(plan))
         return self._register(self._handle(info, upstream=upstream, keepalive=plan.keepalive))
 
@@ -262,9 +264,10 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         owns_client: bool = False,
         keepalive: int | None = None,
     ) -> None:
-        transport, target = client._transport, data_target(client, info, keepalive)
+        target = data_target(client, info, keepalive)
+        transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         commands, files = self._commands_class(transport, target), Files(transport, target)
-        super().__init__(client, info, commands, files, owns_client)
+        super().__init__(client, info, target, commands, files, owns_client)
 
     def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""
@@ -358,7 +361,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         cls,
         template: str | None = None,
         labels: Mapping[str, str] | None = None,
-        **options: Unpack[flow.SandboxCreateOptions],
+        **options: Unpack[SandboxCreateOptions],
     ) -> Sandbox:
         """Create a sandbox through the broker and wait until it is Ready.
 
@@ -382,13 +385,13 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         The handle owns its HTTP connections; :meth:`kill` (or leaving the ``with`` block)
         deletes the sandbox and closes them.
         """
-        spec = flow.spec_from_create(template, labels, options)
+        spec = create_spec(template, labels, options)
         client = make_client(BrokerSandboxClient, options, creating=True)
         return cls._owning(client, lambda: client._create(spec, upstream=False))
 
     @classmethod
     def connect(
-        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[flow.ConnectOptions]
+        cls, name: str, *, ready_timeout: float = 30, **options: Unpack[ConnectOptions]
     ) -> Sandbox:
         """Reattach to one of my sandboxes by name (waits up to ``ready_timeout`` for Ready).
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
@@ -399,7 +402,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     def list(
         cls,
         label_selector: Mapping[str, str] | str | None = None,
-        **options: Unpack[flow.ConnectOptions],
+        **options: Unpack[ConnectOptions],
     ) -> builtins.list[proto.SandboxInfo]:
         """My sandboxes as the broker reports them (``SandboxInfo``), newest first.
         Keyword options: ``auth``, ``broker_url``, ``ca_cert``, ``config``, ``environ``."""
@@ -416,7 +419,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
 
 class UpstreamCommands(Commands):
     """``commands`` of a handle from ``BrokerSandboxClient``: upstream's ``command_timeout``
-    (it wins over ``timeout``; see ``flow.upstream_timeout``) and ``env`` (``envs``) too."""
+    (it wins over ``timeout``; see ``opts.upstream_timeout``) and ``env`` (``envs``) too."""
 
     @overload
     def run(
@@ -427,7 +430,7 @@ class UpstreamCommands(Commands):
         *,
         background: Literal[True],
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> CommandHandle: ...
 
     @overload
@@ -439,7 +442,7 @@ class UpstreamCommands(Commands):
         *,
         background: Literal[False] = False,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
     @overload
@@ -451,7 +454,7 @@ class UpstreamCommands(Commands):
         *,
         background: bool,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle: ...
 
     def run(
@@ -462,10 +465,10 @@ class UpstreamCommands(Commands):
         *,
         background: bool = False,
         env: Mapping[str, str] | None = None,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle:
-        limit = flow.upstream_timeout(timeout, command_timeout)
-        flow.upstream_envs(options, env)
+        limit = opts.upstream_timeout(timeout, command_timeout)
+        opts.upstream_envs(options, env)
         return super().run(command, limit, background=background, **options)
 
 

@@ -12,7 +12,9 @@ from .._driver import drive, iterate
 from .._upstream import ExecutionResult
 from ._base import SandboxPart
 from .core import _command_flow as cf
-from .core import _flow as flow
+from .core import _options as opts
+from .core._steps import Op
+from .http._exchange import only_call
 from .http._transport import BrokerTransport
 from .wire._dataplane import CommandInfo, DataTarget
 
@@ -41,17 +43,17 @@ class _Performer:
                 self.close()
                 self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
-            case cf.Pause(seconds):
+            case cf.Sleep(seconds):
                 return time.sleep(seconds)
             case _:
-                return self._transport.call(step)
+                return self._transport.call(only_call(step))
 
     def close(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
 
-    def drive(self, op: cf.Op) -> Any:
+    def drive(self, op: Op[Any]) -> Any:
         try:
             return drive(op, self)
         finally:
@@ -121,7 +123,7 @@ class Commands(SandboxPart[BrokerTransport]):
         timeout: float = 60,
         *,
         background: Literal[True],
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> CommandHandle: ...
 
     @overload
@@ -131,7 +133,7 @@ class Commands(SandboxPart[BrokerTransport]):
         timeout: float = 60,
         *,
         background: Literal[False] = False,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
     @overload
@@ -141,7 +143,7 @@ class Commands(SandboxPart[BrokerTransport]):
         timeout: float = 60,
         *,
         background: bool,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle: ...
 
     def run(
@@ -150,7 +152,7 @@ class Commands(SandboxPart[BrokerTransport]):
         timeout: float = 60,
         *,
         background: bool = False,
-        **options: Unpack[flow.RunOptions],
+        **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle:
         """Run ``command`` and return its :class:`ExecutionResult` (a non-zero exit code is a
         result, not an exception), or with ``background=True`` its :class:`CommandHandle`.

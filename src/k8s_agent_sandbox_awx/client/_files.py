@@ -14,6 +14,7 @@ from ..errors import BrokerError
 from ._base import FilesBase
 from .core import _fsapi as fsapi
 from .core._fsapi import FileInfo, WatchEvent
+from .core._steps import Op
 from .http._transport import BrokerTransport
 from .wire._dataplane import DownloadMeter
 
@@ -131,7 +132,7 @@ class Files(FilesBase[BrokerTransport, Generator[bytes, None, None]]):
         return fsapi.decoded(self._transport.run(op), fmt)
 
     def _stream(
-        self, op: fsapi.Op[fsapi.Opened], src: str, max_bytes: int | None
+        self, op: Op[fsapi.Opened], src: str, max_bytes: int | None
     ) -> Generator[bytes, None, None]:
         spec, response = self._transport.run(op)
         yield from self._transport.chunks(response, DownloadMeter(spec, src, max_bytes))  # type: ignore[arg-type]

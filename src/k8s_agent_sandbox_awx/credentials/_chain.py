@@ -29,11 +29,11 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from .._driver import adrive, drive
+from .._driver import Steps, adrive, drive
 from . import _cache
 from ._auth import CredentialSource, ProviderGuard, accept_credential, plain_answer
 from ._bridge import aresult, in_thread
@@ -66,8 +66,9 @@ Status = Literal["selected", "not here", "shadowed", "error", "failed to load", 
 
 T = TypeVar("T")
 Step = tuple[ProviderEntry, CredentialRequest]
-Steps = Generator[Step, object, T]
-"""An I/O-free computation that yields the provider calls it needs and receives their results."""
+Discovery = Steps[Step, T]
+"""An I/O-free computation that yields the provider calls it needs and receives their results
+(the one step-generator type, ``_driver.Steps``)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class _RequestPlan:
     ``store`` is off (the single flight of a discovery stores nothing itself)."""
 
     key: _cache.CacheKey | None
-    steps: Callable[[], Steps[_cache.Fetched]]
+    steps: Callable[[], Discovery[_cache.Fetched]]
     store: bool
 
 
@@ -145,12 +146,12 @@ async def _aperform(step: Step) -> object:
     guard.reraise()
 
 
-def _run(steps: Steps[T]) -> T:
+def _run(steps: Discovery[T]) -> T:
     """Drive ``steps`` with sync provider calls."""
     return drive(steps, _perform)
 
 
-async def _arun(steps: Steps[T]) -> T:
+async def _arun(steps: Discovery[T]) -> T:
     """Drive ``steps`` with awaited provider calls."""
     return await adrive(steps, _aperform)
 
@@ -247,7 +248,7 @@ class DefaultCredentials:
         fetch = lambda: self._arun_loaded(plan.steps)  # noqa: E731
         return await _cache.aget_or_fetch(plan.key, fetch, store=plan.store)
 
-    async def _arun_loaded(self, steps: Callable[[], Steps[T]]) -> T:
+    async def _arun_loaded(self, steps: Callable[[], Discovery[T]]) -> T:
         if self._registry is None:
             await aresult(in_thread(self.registry))
         return await _arun(steps())
@@ -290,7 +291,7 @@ class DefaultCredentials:
     def _request(self, audience: str) -> CredentialRequest:
         return CredentialRequest(audience, self.environ, self._timeout)
 
-    def _fetch(self, provider: ProviderEntry, audience: str) -> Steps[_cache.Fetched]:
+    def _fetch(self, provider: ProviderEntry, audience: str) -> Discovery[_cache.Fetched]:
         request = self._request(audience)
         result = yield provider, request
         if isinstance(result, TimedOut):
@@ -317,7 +318,7 @@ class DefaultCredentials:
 
     # -- discovery --------------------------------------------------------------------------
 
-    def _discover(self, audience: str) -> Steps[_cache.Fetched]:
+    def _discover(self, audience: str) -> Discovery[_cache.Fetched]:
         """Consult the providers in order; remember and return the first credential."""
         selection = self._selected.get(audience)
         if selection is not None:  # selected by another caller just before this flight began
@@ -346,7 +347,7 @@ class DefaultCredentials:
 
     def _consult(
         self, audience: str, record: _Record | None
-    ) -> Steps[tuple[ProviderEntry, Credential, _cache.CacheKey] | None]:
+    ) -> Discovery[tuple[ProviderEntry, Credential, _cache.CacheKey] | None]:
         """Consult the providers in order: the one discovery.
 
         Without ``record`` (a request): the first credential wins (served from the cache if it

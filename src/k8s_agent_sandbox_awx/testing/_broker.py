@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import trustme
@@ -35,6 +35,7 @@ from ..broker.backends._local import (
     RUNTIMES_DIR_PREFIX,
     LocalProcessBackend,
     owned_temp_dir,
+    release_owned_dir,
     sweep_dead_owners,
 )
 from ..broker.backends._local_claims import (
@@ -57,6 +58,9 @@ from ._issuers import (
     kubernetes_attributes,
 )
 from ._messages import isolation_warning
+
+if TYPE_CHECKING:
+    from ..broker.observability._observer import Observer
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 T = TypeVar("T")
@@ -101,6 +105,9 @@ class LocalBroker:
       (for ``claims(include_deleted=True)``, ``execution_count`` and create replays): the newest
       ``keep_deleted`` (default 1000), each for at most ``keep_deleted_seconds`` (default 3600)
       after its deletion; older ones are forgotten, so a long-running broker does not grow.
+    - ``observer``: an :class:`~k8s_agent_sandbox_awx.broker.observability._observer.Observer`
+      around the broker (its access log, audit log and metrics, as ``broker serve`` has them:
+      docs/broker/operate.md); default none: the local broker stays quiet.
 
     WARNING: local sandboxes are host processes with NO isolation, or, with bubblewrap, processes
     in namespaces of their own, which are not a virtual machine (development and tests only).
@@ -124,14 +131,11 @@ class LocalBroker:
         keep_deleted: int = DEFAULT_KEEP_DELETED,
         keep_deleted_seconds: float = DEFAULT_KEEP_DELETED_SECONDS,
         isolation: str | None = None,
+        observer: Observer | None = None,
     ) -> None:
         _check_retention(keep_deleted, keep_deleted_seconds)
         _check_isolation(isolation, backend)
-        if isinstance(protocols, str) or not protocols or not set(protocols) <= set(PROTOCOLS):
-            raise ValueError(
-                f"protocols={protocols!r}: give a non-empty sequence of {list(PROTOCOLS)}, "
-                'e.g. protocols=("rpc",)'
-            )
+        _check_protocols(protocols)
         self._templates: dict[str, str | list[str] | None] = dict(templates or {"python": None})
         self._runtime_command = runtime_command
         self._backend = backend
@@ -166,6 +170,7 @@ class LocalBroker:
         self._store: LocalBackend | None = None
         self._jwks: _JwksClient | None = None
         self._revocations = Revocations()
+        self._observer = observer
         self.startup_seconds: float | None = None
 
     def __repr__(self) -> str:
@@ -198,28 +203,12 @@ class LocalBroker:
             self._cleanup_files()
             raise
         if self._warn:
-            info = self.isolation_info
-            log.warning(
-                "LocalBroker: isolation %s. %s",
-                info.describe() if info else "of the custom backend",
-                isolation_warning(info.mode if info else None),
-            )
+            self._log_isolation()
         install_log_filter()
-        config = uvicorn.Config(
-            FaultLayer(self._app, self._faults, self._protocols),  # faults around the broker
-            ssl_certfile=server_pem,
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            http="h11",
-            ws="none",
-            loop="asyncio",
-            server_header=False,
-            timeout_graceful_shutdown=2,
-            timeout_keep_alive=30,
-        )
-        self._server = uvicorn.Server(config)
+        served: Any = FaultLayer(self._app, self._faults, self._protocols)  # faults around it
+        if self._observer is not None:  # and the observer around both: it sees what clients see
+            served = self._observer.wrap_broker(self._app, served)
+        self._server = uvicorn.Server(_uvicorn_config(served, server_pem))
         loop = asyncio.new_event_loop()
         self._loop = loop
         server = self._server
@@ -246,6 +235,15 @@ class LocalBroker:
         self.startup_seconds = time.perf_counter() - started
         log.info("LocalBroker at %s started in %.3f s", self._url, self.startup_seconds)
         return self
+
+    def _log_isolation(self) -> None:
+        """The warning at start: which isolation is in force, and what it does not protect."""
+        info = self.isolation_info
+        log.warning(
+            "LocalBroker: isolation %s. %s",
+            info.describe() if info else "of the custom backend",
+            isolation_warning(info.mode if info else None),
+        )
 
     def _listen_with_tls(self, tmp: str) -> tuple[socket.socket, str]:
         """The listening socket (sets ``url``) and the server's certificate chain file, from a
@@ -348,6 +346,7 @@ class LocalBroker:
     def _cleanup_files(self) -> None:
         if self._tmp is not None:  # never raises: a failure is logged (any depth is removed)
             remove_quietly(self._tmp, "the local broker's temporary directory")
+            release_owned_dir(self._tmp)  # what could not be removed is a later start's
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         if self._loop is None or self._app is None:
@@ -845,6 +844,32 @@ class _JwksClient:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+
+def _check_protocols(protocols: Sequence[str]) -> None:
+    if isinstance(protocols, str) or not protocols or not set(protocols) <= set(PROTOCOLS):
+        raise ValueError(
+            f"protocols={protocols!r}: give a non-empty sequence of {list(PROTOCOLS)}, "
+            'e.g. protocols=("rpc",)'
+        )
+
+
+def _uvicorn_config(app: Any, server_pem: str) -> uvicorn.Config:
+    """The local broker's server: HTTPS with ``server_pem``, quiet (its own log filter)."""
+    return uvicorn.Config(
+        app,
+        ssl_certfile=server_pem,
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        http="h11",
+        ws="none",
+        loop="asyncio",
+        server_header=False,
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=30,
+    )
 
 
 def _check_isolation(isolation: object, backend: object) -> None:

@@ -313,6 +313,13 @@ class Backend(Protocol):
         known)."""
         ...
 
+    def active_by_namespace(self) -> Mapping[str, int]:
+        """How many live claims (Pending or Ready) each namespace holds now, all owners: the
+        ``agent_sandbox_broker_active_sandboxes`` gauge, read at every metrics scrape. From
+        what the backend holds in memory (the local records, the Kubernetes informer cache):
+        never I/O, never blocking (may lag like :meth:`list_owned`)."""
+        ...
+
     async def route(self, state: ClaimState, port: int) -> Route:
         """Where a data-plane request to the Ready sandbox of ``state`` on ``port`` goes;
         ClaimGone when it was deleted meanwhile, Unroutable when it cannot be reached so."""

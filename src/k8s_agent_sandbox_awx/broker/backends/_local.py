@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import json
 import logging
@@ -73,14 +74,37 @@ package (from the directory this broker imported it from, whatever its working d
 RUNTIMES_DIR_PREFIX = "agent-sandbox-runtimes-"
 OWNER_FILE = "broker.pid"
 
+_OWNER_LOCKS: dict[str, int] = {}
+"""Owned directory -> the open file descriptor of its :data:`OWNER_FILE`, on which this process
+holds an exclusive ``flock`` for as long as it owns the directory (the kernel lets go of it when
+the process dies, however it dies)."""
+
 
 def owned_temp_dir(prefix: str) -> str:
-    """A new private temporary directory that names its owner process (see
-    :func:`sweep_dead_owners`)."""
+    """A new private temporary directory owned by this process until
+    :func:`release_owned_dir`: its :data:`OWNER_FILE` (this pid, for people) is locked
+    (``flock``) for the owner's whole life, so :func:`sweep_dead_owners` of any process, in any
+    PID namespace, leaves it alone."""
     path = tempfile.mkdtemp(prefix=prefix)
-    with open(os.path.join(path, OWNER_FILE), "w") as fh:
-        fh.write(str(os.getpid()))
+    staged = os.path.join(path, f".{OWNER_FILE}")
+    fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
+        os.write(fd, str(os.getpid()).encode())
+        os.rename(staged, os.path.join(path, OWNER_FILE))  # it appears locked: no window
+    except BaseException:
+        os.close(fd)
+        raise
+    _OWNER_LOCKS[path] = fd
     return path
+
+
+def release_owned_dir(path: str) -> None:
+    """Let go of ``path`` (from :func:`owned_temp_dir`) once it is removed, or left for a sweep
+    (idempotent)."""
+    fd = _OWNER_LOCKS.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def sweep_dead_owners(*prefixes: str) -> None:
@@ -99,28 +123,43 @@ def sweep_dead_owners(*prefixes: str) -> None:
             continue
         path = os.path.join(root, entry)
         try:
-            if _owner_is_gone(path):
-                _tree.remove_quietly(path, "a dead broker's leftover directory")
+            _sweep_if_dead(path)
         except Exception:  # a sweep never stops a broker from starting
             log.warning("could not sweep %s", path, exc_info=True)
 
 
-def _owner_is_gone(path: str) -> bool:
-    """Whether ``path`` is this user's and names an owner process that no longer exists."""
+def _sweep_if_dead(path: str) -> None:
+    """Remove ``path`` if it is this user's and its owner is gone: nobody holds the lock on its
+    :data:`OWNER_FILE` (the lock is held here while it is removed, so two sweeps never race)
+    and, for a directory of an earlier version, which held no lock, the pid it names is not a
+    process here. A directory without an owner file (one being made) is never removed."""
     try:
-        with open(os.path.join(path, OWNER_FILE)) as fh:
-            pid = int(fh.read().strip())
-        if os.stat(path).st_uid != os.getuid():
-            return False
-    except (OSError, ValueError):
-        return False
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
     try:
-        os.kill(pid, 0)
+        if os.fstat(fd).st_uid != os.getuid() or os.stat(path).st_uid != os.getuid():
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # its owner lives (in this PID namespace or another)
+        if _pid_lives(os.read(fd, 64)):
+            return
+        _tree.remove_quietly(path, "a dead broker's leftover directory")
+    finally:
+        os.close(fd)
+
+
+def _pid_lives(recorded: bytes) -> bool:
+    """Whether ``recorded`` names a process visible here (unreadable: taken as alive)."""
+    try:
+        os.kill(int(recorded.strip()), 0)
     except ProcessLookupError:
-        return True
-    except PermissionError:
         return False
-    return False
+    except (PermissionError, ValueError, OverflowError):
+        return True
+    return True
 
 
 def _inherited_environment() -> dict[str, str]:
@@ -138,12 +177,16 @@ def _free_port(host: str) -> int:
 
 
 class _ForkServer:
-    """Client side of the runtime's fork server (see ``runtime._forkserver``)."""
+    """Client side of the runtime's fork server (see ``runtime._forkserver``).
+
+    A runtime is known by the id of the request that started it (``spawn``'s first value),
+    never by its pid: the fork server reports an exit with that id, and a pid can be used again
+    by the next runtime, also before the previous one's exit is reported."""
 
     def __init__(self, log_path: str) -> None:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
-        self.exited: dict[int, int] = {}
+        self.exited: dict[int, int] = {}  # request id -> exit status (until forgotten)
         self._exit_events: dict[int, asyncio.Event] = {}
         self._waiting: dict[int, asyncio.Future[int]] = {}
         self._ids = itertools.count(1)
@@ -177,9 +220,9 @@ class _ForkServer:
             line, self._buffer = self._buffer.split(b"\n", 1)
             message = json.loads(line)
             if "exited" in message:
-                pid = int(message["exited"])
-                self.exited[pid] = int(message["status"])
-                event = self._exit_events.pop(pid, None)
+                ident = int(message["id"])
+                self.exited[ident] = int(message["status"])
+                event = self._exit_events.pop(ident, None)
                 if event is not None:
                     event.set()
                 continue
@@ -202,7 +245,8 @@ class _ForkServer:
         for event in self._exit_events.values():
             event.set()
 
-    async def spawn(self, request: dict[str, Any]) -> int:
+    async def spawn(self, request: dict[str, Any]) -> tuple[int, int]:
+        """Start a runtime: ``(its request id, its pid)``."""
         await self.ensure_started()
         if self.dead or self.proc is None or self.proc.stdin is None:
             raise RuntimeStartError("RuntimeStartFailed", "the runtime fork server is not running")
@@ -218,20 +262,26 @@ class _ForkServer:
             raise RuntimeStartError(
                 "RuntimeStartFailed", f"cannot reach the runtime fork server: {exc}"
             ) from exc
-        return await asyncio.wait_for(future, 10.0)
+        return ident, await asyncio.wait_for(future, 10.0)
 
-    def status(self, pid: int) -> int | None:
-        if pid in self.exited:
-            return self.exited[pid]
+    def status(self, ident: int) -> int | None:
+        """The exit status of the runtime of request ``ident`` (``None``: still running)."""
+        if ident in self.exited:
+            return self.exited[ident]
         return -1 if self.dead else None
 
-    async def wait_exit(self, pid: int, within: float) -> bool:
-        if self.status(pid) is not None:
+    async def wait_exit(self, ident: int, within: float) -> bool:
+        if self.status(ident) is not None:
             return True
-        event = self._exit_events.setdefault(pid, asyncio.Event())
+        event = self._exit_events.setdefault(ident, asyncio.Event())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), within)
-        return self.status(pid) is not None
+        return self.status(ident) is not None
+
+    def forget(self, ident: int) -> None:
+        """Drop what is known of a stopped runtime (a long-lived broker keeps no exit forever)."""
+        self.exited.pop(ident, None)
+        self._exit_events.pop(ident, None)
 
     async def close(self) -> None:
         proc = self.proc
@@ -417,10 +467,12 @@ class LocalProcessBackend:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(stale)
         port = 0 if plan.port_file or plan.uds else _free_port(self.host)
-        pid = await fork.spawn(self._spawn_request(spec, plan, port))
+        ident, pid = await fork.spawn(self._spawn_request(spec, plan, port))
         host = "localhost" if plan.uds else self.host
         port = RUNTIME_PORT if plan.uds else port
-        handle = RuntimeHandle(spec.name, host, port, plan.base_dir, pid, root=plan.root)
+        handle = RuntimeHandle(
+            spec.name, host, port, plan.base_dir, pid, root=plan.root, runtime_id=ident
+        )
         handle.uds = plan.uds
         self._handles[spec.name] = handle
         return handle
@@ -485,9 +537,13 @@ class LocalProcessBackend:
 
     def _exit_status(self, handle: RuntimeHandle) -> int | None:
         fork = self._fork_server_of(handle.name)
-        if handle.pid is None or fork is None:
+        if handle.runtime_id is None or fork is None:
             return -1
-        return fork.status(handle.pid)
+        return fork.status(handle.runtime_id)
+
+    def _exit_reported(self, handle: RuntimeHandle) -> bool:
+        fork = self._fork_server_of(handle.name)
+        return fork is not None and handle.runtime_id in fork.exited
 
     async def _wait_ready(
         self, handle: RuntimeHandle, log_path: str, port_file: str | None = None
@@ -537,13 +593,17 @@ class LocalProcessBackend:
         """SIGTERM the runtime's group, SIGKILL it after 2 s; return once its supervisor has
         killed everything the sandbox started (the fork server's exit report)."""
         fork = self._fork_server_of(handle.name)
-        if fork is not None and handle.pid is not None and fork.status(handle.pid) is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(handle.pid, signal.SIGTERM)
-            if not await fork.wait_exit(handle.pid, 2.0):
+        ident, pid = handle.runtime_id, handle.pid
+        if fork is not None and ident is not None and pid is not None:
+            if fork.status(ident) is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(handle.pid, signal.SIGKILL)
-                await fork.wait_exit(handle.pid, 3.0)
+                    os.killpg(pid, signal.SIGTERM)
+                if not await fork.wait_exit(ident, 2.0):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+                    await fork.wait_exit(ident, 3.0)
+            if fork.status(ident) is not None:
+                fork.forget(ident)
         if remove:
             self._handles.pop(handle.name, None)
             await self._close_own_fork(handle.name)
@@ -568,12 +628,13 @@ class LocalProcessBackend:
             self._http = None
         if self._own_root:
             _tree.remove_quietly(self.root_dir, "the runtimes directory")
+            release_owned_dir(self.root_dir)
 
     def kill_all_now(self) -> None:
         for handle in list(self._handles.values()):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                if handle.pid is not None:
-                    os.killpg(handle.pid, signal.SIGKILL)
+                if handle.pid is not None and not self._exit_reported(handle):
+                    os.killpg(handle.pid, signal.SIGKILL)  # never a pid used again
         self._handles.clear()
         forks = [*self._own_forks.values(), *([self._fork] if self._fork is not None else [])]
         self._own_forks.clear()
@@ -583,6 +644,7 @@ class LocalProcessBackend:
             fork.kill_now()
         if self._own_root:
             _tree.remove_quietly(self.root_dir, "the runtimes directory")
+            release_owned_dir(self.root_dir)
 
 
 def _names(command: str | Sequence[str], placeholder: str) -> bool:

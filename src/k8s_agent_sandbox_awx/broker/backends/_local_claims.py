@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.cookiejar
 import logging
 import secrets
 import ssl
@@ -23,13 +22,14 @@ import string
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from ..._cookies import NoCookies
 from ._interface import (
     FAILED,
     IDEMPOTENCY_SECONDS,
@@ -64,17 +64,6 @@ CLAIM_API_VERSION = "extensions.agents.x-k8s.io/v1beta1"
 DATA_PLANE_TIMEOUT = 300.0
 """The read timeout of the router's connections (a request's X-Sandbox-Timeout overrides it)."""
 _NAME_ALPHABET = string.ascii_lowercase + string.digits
-
-
-class _NoCookies(http.cookiejar.CookieJar):
-    """The router is stateless (like upstream's): it never stores a sandbox's cookies to
-    replay them on later requests."""
-
-    def extract_cookies(self, response: Any, request: Any) -> None:
-        return None
-
-    def add_cookie_header(self, request: Any) -> None:
-        return None
 
 
 @dataclass
@@ -461,6 +450,11 @@ class LocalBackend:
         self._check_alive(record)
         return record.state()  # deleted meanwhile: shown Terminating
 
+    def active_by_namespace(self) -> Mapping[str, int]:
+        with self.lock:
+            live = [r.namespace for r in self.sandboxes.values() if r.phase in (PENDING, READY)]
+        return dict(Counter(live))
+
     # -- the data plane ------------------------------------------------------------------------
     async def route(self, state: ClaimState, port: int) -> Route:
         if port != RUNTIME_PORT:
@@ -486,7 +480,7 @@ class LocalBackend:
                 verify=self._router_tls,  # one context for all: runtimes speak plain http
                 timeout=httpx.Timeout(connect=5.0, read=DATA_PLANE_TIMEOUT, write=300.0, pool=10.0),
                 limits=limits,
-                cookies=_NoCookies(),
+                cookies=NoCookies(),  # stateless, like upstream's router
                 # an isolated sandbox's runtime listens on a Unix socket (docs/local-broker.md)
                 transport=None
                 if uds is None

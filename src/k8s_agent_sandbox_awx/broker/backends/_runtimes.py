@@ -46,6 +46,9 @@ class RuntimeHandle:
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     root: str | None = field(default=None, repr=False)
     uds: str | None = None
+    runtime_id: int | None = field(default=None, repr=False)
+    """The backend's own name for this runtime, never used again (unlike ``pid``: the local
+    backend's fork-server request, by which its exit is reported)."""
 
 
 class RuntimeStartError(Exception):

@@ -95,10 +95,11 @@ def url(
     return value
 
 
-def listen(table: Table) -> tuple[str, int]:
+def listen(table: Table, default: str = "0.0.0.0:8443") -> tuple[str, int]:
     """``listen``: ``host:port`` or ``[ipv6]:port`` (port 0: any free port)."""
-    example = '"0.0.0.0:8443" (IPv4), "[::]:8443" (IPv6) or "127.0.0.1:8443"'
-    value: str = table.string("listen", "0.0.0.0:8443", example=example)
+    port_text = default.rpartition(":")[2]
+    example = f'"0.0.0.0:{port_text}" (IPv4), "[::]:{port_text}" (IPv6) or "127.0.0.1:{port_text}"'
+    value: str = table.string("listen", default, example=example)
     if not value:
         return "", 0
     match = _LISTEN.fullmatch(value)

@@ -11,6 +11,9 @@ from typing import Any
 from ._backend import backend as _backend
 from ._errors import BrokerConfigError, Problem
 from ._issuers import issuer as _issuer
+from ._observability import audit as _audit
+from ._observability import logging as _logging
+from ._observability import metrics as _metrics
 from ._policies import policy as _policy
 from ._reader import Context, Table
 from ._schema import (
@@ -42,6 +45,9 @@ def load_config(path: str | os.PathLike[str], *, check_files: bool = True) -> Br
     policies = [_policy(t) for t in root.tables("policies")]
     backend_table = _required_table(root, "backend", '[backend] with kind = "kubernetes"')
     backend = _backend(backend_table) if backend_table else None
+    logging = _logging(root.table("logging", title="[logging]"), root)
+    audit = _audit(root.table("audit", title="[audit]"), root)
+    metrics = _metrics(root.table("metrics", title="[metrics]"), server.port if server else None)
     root.finish()
     _cross_rules(root, issuers, policies, backend)
     if ctx.problems or server is None or backend is None:
@@ -52,6 +58,9 @@ def load_config(path: str | os.PathLike[str], *, check_files: bool = True) -> Br
         issuers=tuple(issuers),
         policies=tuple(policies),
         backend=backend,
+        logging=logging,
+        audit=audit,
+        metrics=metrics,
         defaulted=frozenset(ctx.defaulted),
     )
 

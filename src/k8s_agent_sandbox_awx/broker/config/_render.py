@@ -44,6 +44,12 @@ def render_config(config: BrokerConfig) -> str:
                 "  # default" if f"backend.{name}" in config.defaulted else ""
             )
             lines += ["", title, *_pairs(config, f"backend.{name}", _fields(table))]
+    lines += ["", "[logging]", *_pairs(config, "logging", _fields(config.logging))]
+    lines += ["", "[audit]", *_pairs(config, "audit", _fields(config.audit))]
+    if config.metrics is None:
+        lines += ["", "# [metrics]: not set (no metrics listener)"]
+    else:
+        lines += ["", "[metrics]", *_pairs(config, "metrics", [("listen", config.metrics.listen)])]
     return "\n".join(lines) + "\n"
 
 

@@ -28,6 +28,12 @@ PROTOCOLS: Final = ("v1", "rpc")
 
 LOG_LEVELS: Final = ("critical", "error", "warning", "info", "debug", "trace")
 
+LOG_FORMATS: Final = ("json", "text")
+"""``[logging] format``: the access, audit and diagnostic lines as JSON objects or as text."""
+
+AUDIT_STREAMS: Final = ("stdout", "stderr")
+"""``[audit] destination``: one of these streams, or a file's path."""
+
 CALLER_NAMESPACE: Final = "{caller.namespace}"
 """The one placeholder of a policy's ``namespace``: the caller's own namespace (its
 ``namespace`` attribute: a Kubernetes ServiceAccount's namespace)."""
@@ -143,6 +149,35 @@ class BackendConfig:
 
 
 @dataclass(frozen=True)
+class LoggingSettings:
+    """``[logging]``: how the broker's lines are written (docs/broker/operate.md)."""
+
+    format: Literal["json", "text"] = "json"
+
+
+@dataclass(frozen=True)
+class AuditSettings:
+    """``[audit]``: where the audit lines go: ``"stdout"`` or ``"stderr"`` (each line has
+    ``"log": "audit"``), or a file (absolute; appended to, re-opened when rotated)."""
+
+    destination: str | Path = "stdout"
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """``[metrics]``: the Prometheus metrics, served over plain HTTP at ``GET /metrics`` on
+    their own listen address (never on the broker's port, which every caller reaches)."""
+
+    host: str
+    port: int
+
+    @property
+    def listen(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
 class BrokerConfig:
     """The whole configuration file, checked."""
 
@@ -152,6 +187,10 @@ class BrokerConfig:
     issuers: tuple[IssuerConfig, ...]
     policies: tuple[PolicyConfig, ...]
     backend: BackendConfig
+    logging: LoggingSettings = LoggingSettings()
+    audit: AuditSettings = AuditSettings()
+    metrics: MetricsSettings | None = None
+    """``None``: no ``[metrics]`` table, no metrics listener."""
     defaulted: frozenset[str] = frozenset()
     """The dotted keys the file left out, whose defaults were filled in (shown by
     ``broker check``)."""

@@ -222,8 +222,14 @@ class IssuerPolicies:
         self._issuers = issuers
 
     def policy_for(self, caller: Caller) -> Policy:
+        return self._single(caller).policy_for(caller)
+
+    def rule_for(self, caller: Caller) -> PolicyRule:
+        """The one rule of the caller's issuer (named after the issuer)."""
+        return self._single(caller).rule_for(caller)
+
+    def _single(self, caller: Caller) -> PolicySet:
         issuer = self._issuers().get(caller.issuer)
         if issuer is None:
             raise PolicyDenied(f"no policy admits issuer {caller.issuer!r}: it is not trusted")
-        single = PolicySet.single(issuer.url, issuer.policy, name=issuer.settings.name)
-        return single.policy_for(caller)
+        return PolicySet.single(issuer.url, issuer.policy, name=issuer.settings.name)

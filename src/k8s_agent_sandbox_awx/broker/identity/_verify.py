@@ -228,7 +228,7 @@ class TokenVerifier(Generic[I]):
             )
         seen = self.verified.get(token)
         if seen is not None and self._issuers().get(seen[1].url) is seen[1]:  # still trusted
-            return self._check_claims(seen[0], seen[1], token), seen[1]
+            return self._proven(seen[0], seen[1], token), seen[1]
         forgotten = self._forgotten
         parts = token.split(".")
         if len(parts) != 3:
@@ -259,11 +259,37 @@ class TokenVerifier(Generic[I]):
         if not trust.memoizable:  # the claim rules first: no review of an expired token
             self._check_claims(unverified, issuer, token)
         claims = await trust.verified_claims(token, header, unverified)
-        caller = self._check_claims(claims, issuer, token)
+        caller = self._proven(claims, issuer, token)
         if trust.memoizable and forgotten == self._forgotten:  # no key retired meanwhile
             until = min(caller.expires_at, time.time() + issuer.settings.jwks_cache_seconds)
             self.verified.put(token, (claims, issuer), issuer_url=issuer.url, exp=until)
         return caller, issuer
+
+    def _proven(self, claims: Mapping[str, Any], issuer: I, token: str) -> Caller:
+        """The claim rules on claims whose signature verified: a refusal names the identity
+        they prove (``TokenRejected.identity``, for the audit log)."""
+        try:
+            return self._check_claims(claims, issuer, token)
+        except TokenRejected as exc:
+            sub = claims.get("sub")
+            exc.identity = (issuer.url, sub) if isinstance(sub, str) and sub else None
+            raise
+
+    def counters(self) -> dict[str, dict[str, Any]]:
+        """By issuer name, for metrics: ``verification``, ``ready`` and the counters of its key
+        set (``refreshes``, ``failures``, ``kid_refetches``, ``rate_limited``) or of its
+        TokenReviews (``reviews``, ``failures``, ``hits``); never a key or a token."""
+        found: dict[str, dict[str, Any]] = {}
+        for issuer in self._issuers().values():
+            trust = self.trust_for(issuer)
+            part: Any = trust.keys if trust.keys is not None else trust.reviews
+            names = ("refreshes", "failures", "kid_refetches", "rate_limited", "reviews", "hits")
+            found[issuer.settings.name] = {
+                "verification": issuer.settings.verification,
+                "ready": trust.ready,
+                **{name: getattr(part, name) for name in names if hasattr(part, name)},
+            }
+        return found
 
     def _audience(self, claims: Mapping[str, Any], settings: IssuerSettings) -> str:
         """The first accepted audience the token's ``aud`` holds (the issuer's audiences, or

@@ -36,6 +36,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 FOLLOWER_GRACE_SECONDS = 5.0
+REPEATS_THAT_HOLD = 2
+"""How many times in a row a reader may come back with the cursor its previous stream continued
+from although that stream sent it more (its events were lost on the way: a broken connection)
+and still hold the command; the next such request, from a reader that reads but never moves
+its cursor (one that replays from ``after=0`` again and again), no longer does."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,8 @@ class _Follower:
     cursor: int
     ended_at: float | None = None
     holds: bool = True
+    repeats: int = 0
+    """How many requests in a row came back with this ``acked`` after a stream sent more."""
     sending_since: float | None = None
     """While a chunk is being sent: when the send started or last made progress."""
     serial: int = field(default_factory=lambda: next(_SERIALS))
@@ -310,14 +317,20 @@ class Command:
         ``after`` was lost on the way). When it is the only follower whose range holds
         ``after`` and it ended, it is this reader's: it is replaced (its pin moves up to
         ``after``). When several do (two readers whose ranges overlap), the continuation may be
-        any one's: those that ended keep their pins for their grace time, without holding."""
+        any one's: those that ended keep their pins for their grace time, without holding.
+        A request from the very cursor an ended stream continued from, after it sent more, does
+        not move the pin: past :data:`REPEATS_THAT_HOLD` such requests in a row, the follower
+        does not hold (a reader that never moves its cursor cannot hold the command)."""
         containing = [f for f in self.followers if f.acked <= after <= f.cursor]
+        repeats = 0
         for ended in (f for f in containing if f.ended_at is not None):
+            if ended.acked == after < ended.cursor:
+                repeats = max(repeats, ended.repeats + 1)
             if len(containing) == 1:
                 self.followers.remove(ended)
             else:
                 ended.holds = False
-        follower = _Follower(after, after)
+        follower = _Follower(after, after, repeats=repeats, holds=repeats <= REPEATS_THAT_HOLD)
         self.followers.append(follower)
         self.cond.notify_all()  # acknowledged: the reader may go on
         return follower

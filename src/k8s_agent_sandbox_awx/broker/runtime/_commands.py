@@ -58,6 +58,8 @@ STDIN_WRITE_SECONDS = 30.0
 KILL_WAIT_SECONDS = 10.0
 DRAIN_SECONDS = 2.0
 _ENV_NAME = re.compile(r"^[^=\x00]+$")
+INVALID_TEXT = "invalid_text"
+"""The code of a refusal of text UTF-8 cannot carry (argv, envs, cwd, stdin data)."""
 _REQUEST_FIELDS = frozenset({"command", "timeout", "request_id", "stdin", "envs", "cwd"})
 _STDIN_FIELDS = frozenset({"data", "eof"})
 
@@ -72,8 +74,10 @@ def _host_cwd(cwd: str, base_dir: str) -> str:
         return cwd
     try:
         target = _paths.check_path(cwd, base_dir, "cwd")
-    except _paths.FsError as exc:
-        raise CommandError(400, f"field 'cwd': {exc.detail}") from None
+        # a root replaced (by a link, another directory) is refused, as the file API does
+        target.roots.check(target.root, cwd)
+    except _paths.FsError as exc:  # its detail names sandbox paths only, never host ones
+        raise CommandError(exc.status, f"field 'cwd': {exc.detail}", code=exc.code) from None
     return os.path.join(target.root_dir, *target.parts)
 
 
@@ -100,7 +104,10 @@ def _argv(argv: Any) -> list[str]:
         )
     if any("\x00" in a for a in argv):
         raise CommandError(400, "field 'command' contains a NUL byte, which argv cannot carry")
-    return argv
+    checked: list[str] = argv
+    for arg in checked:
+        _check_text("command", arg)
+    return checked
 
 
 def _timeout(timeout: Any, limits: Limits) -> float:
@@ -132,7 +139,25 @@ def _envs(envs: Any) -> dict[str, str]:
                 f"field 'envs': {key!r} is not a valid variable (a name is non-empty, without "
                 "'=' or NUL; a value without NUL)",
             )
+        _check_text("envs", key)
+        _check_text("envs", value)
     return envs
+
+
+def _check_text(name: str, text: str) -> None:
+    """Refuse text UTF-8 cannot carry (a lone surrogate: JSON can escape one, ``"\\ud800"``),
+    before anything is registered or started: ``400`` with code ``invalid_text``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise CommandError(
+            400,
+            f"field {name!r} holds text that is not valid Unicode (a lone surrogate, "
+            f"{bad!r}), which UTF-8, and so an argv, an environment or a stdin, cannot carry; "
+            "send valid text (decode bytes with errors='replace', or send them as base64)",
+            code=INVALID_TEXT,
+        ) from None
 
 
 def _cwd(cwd: Any, base_dir: str) -> str:
@@ -140,9 +165,10 @@ def _cwd(cwd: Any, base_dir: str) -> str:
         return base_dir
     if not isinstance(cwd, str) or not cwd.startswith("/") or "\x00" in cwd:
         raise CommandError(400, f"field 'cwd' must be an absolute path, not {cwd!r}")
+    _check_text("cwd", cwd)
     host = _host_cwd(cwd, base_dir)
-    if not os.path.isdir(host):
-        raise CommandError(400, f"field 'cwd': {host!r} is not an existing directory")
+    if not os.path.isdir(host):  # named as sent: a sandbox path, never the host's
+        raise CommandError(400, f"field 'cwd': {cwd!r} is not an existing directory")
     return host
 
 
@@ -284,10 +310,14 @@ class CommandManager:
                 stderr=subprocess.PIPE,
                 start_new_session=True,
             )
-        except OSError as exc:  # not found / not executable: a result, as a shell reports it
+        except (OSError, ValueError) as exc:
+            # not found / not executable (126, 127: a result, as a shell reports it), or what
+            # _parse did not foresee (1): never a command left running without a process
             code = 126 if isinstance(exc, PermissionError) else 127
+            code = 1 if isinstance(exc, ValueError) else code
             with command.cond:
-                reason = f"cannot start {command.argv[0]!r}: {exc.strerror or exc}\n"
+                why = (exc.strerror if isinstance(exc, OSError) else None) or exc
+                reason = f"cannot start {command.argv[0]!r}: {why}\n"
                 command.append("stderr", reason, len(reason.encode()), self.limits)
                 self._finish(command, code, "exited")
             return
@@ -481,6 +511,7 @@ class CommandManager:
         eof = body.get("eof", False)
         if not isinstance(data, str) or not isinstance(eof, bool):
             raise CommandError(400, "field 'data' must be a string and 'eof' true or false")
+        _check_text("data", data)
         if not command.stdin_requested:
             raise CommandError(
                 409, 'the command was started without stdin; start it with "stdin": true'

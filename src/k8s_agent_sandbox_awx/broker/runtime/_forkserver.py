@@ -6,7 +6,9 @@ starts one fork server and sends it one JSON line per sandbox:
   {"id": N, "host": ..., "port": ..., "base_dir": ..., "env": {...}, "log": path,
    "port_file": path or null, "argv": [...] or null}
 and reads back {"id": N, "pid": PID} or {"id": N, "error": "..."}, and {"exited": PID,
-"status": CODE} whenever a runtime has ended and everything it started is gone.
+"id": N, "status": CODE} whenever the runtime of request N has ended and everything it started
+is gone. An exit names its request: a PID can be used again (by the next sandbox's runtime)
+before the exit of the runtime that had it is reported.
 
 Process tree (Linux): fork server -> one supervisor per sandbox -> the runtime (its own process
 group; the built-in one is forked, ``argv`` is exec'd) -> commands. The supervisor is a session
@@ -111,7 +113,7 @@ class _ForkServer:
 
     def __init__(self, parent: int) -> None:
         self.parent = parent
-        self.supervisors: dict[int, int] = {}  # supervisor pid -> runtime pid
+        self.supervisors: dict[int, tuple[int, Any]] = {}  # pid -> (runtime pid, request id)
         # a supervisor reports its runtime's pid (or why it could not start it) on a pipe,
         # read here without blocking so that the next fork need not wait: report fd ->
         # (supervisor pid, request id, data so far); and the exit codes of supervisors reaped
@@ -186,9 +188,10 @@ class _ForkServer:
         if "pid" not in started:
             self.early.pop(supervisor, None)
         elif supervisor in self.early:  # the runtime has already ended, and its supervisor too
-            self._reply({"exited": started["pid"], "status": self.early.pop(supervisor)})
+            code = self.early.pop(supervisor)
+            self._reply({"exited": started["pid"], "id": ident, "status": code})
         else:
-            self.supervisors[supervisor] = int(started["pid"])
+            self.supervisors[supervisor] = (int(started["pid"]), ident)
 
     def _reap(self) -> None:
         orphans = False
@@ -203,7 +206,7 @@ class _ForkServer:
             code = os.waitstatus_to_exitcode(status)
             runtime = self.supervisors.pop(pid, None)
             if runtime is not None:
-                self._reply({"exited": runtime, "status": code})
+                self._reply({"exited": runtime[0], "id": runtime[1], "status": code})
             elif pid in reporting:
                 self.early[pid] = code
             # not a supervisor (an orphan), or a supervisor killed before it could clean up

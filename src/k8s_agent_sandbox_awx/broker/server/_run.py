@@ -25,7 +25,8 @@ from typing import Any, Final
 
 import uvicorn
 
-from ..config import ServerSettings
+from ..config import MetricsSettings, ServerSettings
+from ._logs import JsonFormatter
 from ._probes import ASGIApp, ReadinessCheck, with_probes
 from ._tls import ReloadingCertificate
 
@@ -38,19 +39,22 @@ _TRACE = 5  # uvicorn's "trace" level
 
 @dataclass(frozen=True)
 class ServedApp:
-    """What ``broker serve`` runs: the ASGI app and its readiness check (``None``: ready)."""
+    """What ``broker serve`` runs: the ASGI app and its readiness check (``None``: ready);
+    ``metrics``: the app that answers ``GET /metrics`` on ``[metrics] listen`` (``None``: no
+    metrics listener)."""
 
     app: ASGIApp
     ready: ReadinessCheck | None = None
+    metrics: ASGIApp | None = None
 
 
 class ListenError(OSError):
     """The listen address cannot be bound (the message names it and why)."""
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, key: str = "server.listen") -> socket.socket:
     """A listening TCP socket on ``host:port`` (``::``: IPv6 and, where the system allows,
-    IPv4 too)."""
+    IPv4 too); ``key``: the configuration key an error names."""
     shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
@@ -58,7 +62,7 @@ def bind(host: str, port: int) -> socket.socket:
         )[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
-        raise ListenError(f"cannot listen on {shown} (server.listen): {exc}") from None
+        raise ListenError(f"cannot listen on {shown} ({key}): {exc}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6 and host == "::":
@@ -68,7 +72,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         why = exc.strerror or str(exc)
-        raise ListenError(f"cannot listen on {shown} (server.listen): {why}") from None
+        raise ListenError(f"cannot listen on {shown} ({key}): {why}") from None
     return sock
 
 
@@ -151,12 +155,34 @@ async def _close_finished(connections: set[Any]) -> None:
                 transport.abort()
 
 
-def _uvicorn_config(app: ASGIApp, settings: ServerSettings) -> uvicorn.Config:
+class _MetricsServer(uvicorn.Server):
+    """The metrics listener: plain HTTP, stopped with the broker (it handles no signal)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.up = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self.up.set()
+
+
+def _uvicorn_config(
+    app: ASGIApp, settings: ServerSettings, log_format: str = "text"
+) -> uvicorn.Config:
     config = uvicorn.Config(
         app,
         log_level=_TRACE if settings.log_level == "trace" else settings.log_level,
-        access_log=settings.access_log,  # uvicorn's access log (issue 22: JSON lines)
+        # the broker writes its own access log (broker.observability; access_log toggles it)
+        access_log=False,
+        # JSON: the broker's handler on uvicorn's loggers (_configure_logging), not uvicorn's
+        log_config=None if log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         lifespan="auto",
+        interface="asgi3",
         http="h11",
         ws="none",
         loop="asyncio",
@@ -169,28 +195,49 @@ def _uvicorn_config(app: ASGIApp, settings: ServerSettings) -> uvicorn.Config:
     return config
 
 
+def _url(scheme: str, listener: socket.socket) -> str:
+    host, port = listener.getsockname()[:2]
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
 async def run_server(
     served: ServedApp,
     settings: ServerSettings,
     *,
     on_started: Callable[[str], None] | None = None,
     sock: socket.socket | None = None,
+    metrics: MetricsSettings | None = None,
+    on_metrics_started: Callable[[str], None] | None = None,
+    log_format: str = "text",
 ) -> None:
     """Serve ``served`` until a signal stops it (see the module's docstring).
 
     ``on_started(url)``: called once the server accepts connections, with the address it
     listens on (``https://127.0.0.1:8443``). ``sock``: a listening socket to use instead of
-    binding ``settings.host:port``. Raises ``TLSFilesError`` or :class:`ListenError` before
-    serving when the certificate pair or the address cannot be used."""
+    binding ``settings.host:port``. ``metrics``: where ``served.metrics`` listens (plain HTTP;
+    ``on_metrics_started(url)`` once it does), stopped with the broker. Raises
+    ``TLSFilesError`` or :class:`ListenError` before serving when the certificate pair or an
+    address cannot be used."""
     certificate = ReloadingCertificate(settings.tls_cert_file, settings.tls_key_file)
     listener = sock or bind(settings.host, settings.port)
-    config = _uvicorn_config(with_probes(served.app, served.ready), settings)
+    metrics_listener = None
+    if metrics is not None and served.metrics is not None:
+        try:
+            metrics_listener = bind(metrics.host, metrics.port, "metrics.listen")
+        except ListenError:
+            listener.close()
+            raise
+    config = _uvicorn_config(with_probes(served.app, served.ready), settings, log_format)
     config.load()
     config.ssl = certificate.context  # the ONE context; the watcher re-loads the pair into it
-    host, port = listener.getsockname()[:2]
-    url = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+    url = _url("https", listener)
     server = _Server(config, (lambda: on_started(url)) if on_started else None)
     watcher = asyncio.create_task(certificate.watch(settings.tls_reload_seconds))
+    side = None
+    if metrics_listener is not None and served.metrics is not None:
+        side = await _start_metrics(served.metrics, metrics_listener)
+        if on_metrics_started is not None:
+            on_metrics_started(_url("http", metrics_listener))
     try:
         await server.serve(sockets=[listener])
     finally:
@@ -198,17 +245,68 @@ async def run_server(
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         listener.close()
+        await _stop_metrics(side, metrics_listener)
 
 
-def _configure_logging(level: str) -> None:
-    """The broker's own messages on standard error, at ``level`` (uvicorn configures its own
-    loggers the same way)."""
-    logger = logging.getLogger("k8s_agent_sandbox_awx")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(_TRACE if level == "trace" else level.upper())
+async def _start_metrics(
+    app: ASGIApp, listener: socket.socket
+) -> tuple[_MetricsServer, asyncio.Task[None]]:
+    config = uvicorn.Config(
+        app,
+        log_config=None,  # the broker's server configured uvicorn's loggers already
+        log_level=None,
+        access_log=False,
+        lifespan="off",
+        interface="asgi3",
+        http="h11",
+        ws="none",
+        loop="asyncio",
+        server_header=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=1,
+    )
+    server = _MetricsServer(config)
+    task = asyncio.create_task(server.serve(sockets=[listener]))
+    up = asyncio.create_task(server.up.wait())
+    await asyncio.wait({task, up}, return_when=asyncio.FIRST_COMPLETED)
+    up.cancel()
+    if task.done():
+        task.result()  # its failure, raised here
+    return server, task
+
+
+async def _stop_metrics(
+    side: tuple[_MetricsServer, asyncio.Task[None]] | None, listener: socket.socket | None
+) -> None:
+    if side is not None:
+        server, task = side
+        server.should_exit = True
+        await task
+    if listener is not None:
+        listener.close()
+
+
+def _configure_logging(level: str, log_format: str = "text") -> None:
+    """The broker's own messages on standard error, at ``level``: text (uvicorn configures
+    its own loggers the same way), or JSON lines (``"log": "broker"``) for the broker's and
+    uvicorn's loggers alike."""
+    numeric = _TRACE if level == "trace" else level.upper()
+    names = (
+        ("k8s_agent_sandbox_awx", "uvicorn") if log_format == "json" else ("k8s_agent_sandbox_awx",)
+    )
+    for name in names:
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(
+                JsonFormatter()
+                if log_format == "json"
+                else logging.Formatter("%(levelname)s:     %(message)s")
+            )
+            logger.addHandler(handler)
+        logger.setLevel(numeric)
+        if log_format == "json":
+            logger.propagate = False
 
 
 def serve(
@@ -216,8 +314,20 @@ def serve(
     settings: ServerSettings,
     *,
     on_started: Callable[[str], None] | None = None,
+    metrics: MetricsSettings | None = None,
+    on_metrics_started: Callable[[str], None] | None = None,
+    log_format: str = "text",
 ) -> None:
     """Run the server in this thread until SIGTERM or SIGINT (then it returns): see
-    :func:`run_server`."""
-    _configure_logging(settings.log_level)
-    asyncio.run(run_server(served, settings, on_started=on_started))
+    :func:`run_server`; ``log_format``: ``[logging] format``."""
+    _configure_logging(settings.log_level, log_format)
+    asyncio.run(
+        run_server(
+            served,
+            settings,
+            on_started=on_started,
+            metrics=metrics,
+            on_metrics_started=on_metrics_started,
+            log_format=log_format,
+        )
+    )

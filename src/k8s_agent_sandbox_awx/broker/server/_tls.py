@@ -80,7 +80,7 @@ def _why(cert: bytes, key: bytes, exc: Exception) -> str:
         return str(exc)
     if b"-----BEGIN CERTIFICATE-----" not in cert:
         return "the certificate file holds no PEM certificate"
-    if b"PRIVATE KEY-----" not in key:
+    if b"PRIVATE KEY" not in key:
         return "the key file holds no PEM private key"
     if isinstance(exc, ssl.SSLError) and exc.reason == "KEY_VALUES_MISMATCH":
         return "the private key does not belong to the certificate"

@@ -5,16 +5,11 @@
 ``docs/broker-api.md#managed-commands``). Everything they decide is here: how a command becomes
 an argv, the start body, the checks before anything is sent, the cursor and the contiguity of the
 event stream (:class:`CommandOutput`), when to re-request the stream, and when a command is
-killed. The operations are generators of steps (:data:`Step`), run by the one driver
-(``_driver``) in the sync shell (``_commands``) and the async one (``_async_commands``):
-
-- a :class:`~._protocol.Call` (start, status, kill, stdin, the legacy ``/execute``): one request;
-- :class:`OpenEvents`: open the event stream of ``spec`` (closing the one before); the request is
-  sent when the first event is asked for (a foreground run's start is one: the streamed start);
-- :class:`NextEvent`: the next NDJSON value of the open stream, ``None`` when it ended cleanly; a
-  dropped or stalled connection is raised (and thrown back into the operation);
-- :class:`Emit`: hand one output event to the caller (a callback, or an iterator's consumer);
-- :class:`Pause`: sleep before re-requesting a stream that failed.
+killed. The operations are generators of the client's steps (``_steps``: calls, the event
+stream's ``OpenEvents``/``NextEvent``, ``Emit`` per output event, ``Sleep`` before re-requesting
+a stream that failed), run by the one driver (``_driver``) in the sync shell (``_commands``) and
+the async one (``_async_commands``). A foreground run's start opens a stream itself (the
+streamed start); a dropped or stalled stream is raised, and thrown back into the operation.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import math
 import shlex
 import time
 import uuid
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +27,8 @@ from ... import errors
 from ..._upstream import ExecutionResult
 from ..wire import _dataplane as dp
 from ..wire import _protocol as proto
-from ..wire._protocol import Call
-from . import _flow as flow
+from . import _options as opts
+from ._steps import Call, Emit, Learned, NextEvent, Op, OpenEvents, Sleep, Step, learning
 
 __all__ = [
     "SHELL",
@@ -42,8 +37,8 @@ __all__ = [
     "Emit",
     "NextEvent",
     "OpenEvents",
-    "Pause",
     "RuntimeFeatures",
+    "Sleep",
     "Step",
     "command_argv",
     "follow",
@@ -68,19 +63,6 @@ MAX_STREAM_FAILURES = 5
 
 
 @dataclass(frozen=True)
-class OpenEvents:
-    spec: proto.RequestSpec
-    json_answer: bool = False
-    """An answer not labelled ``application/x-ndjson`` is one value (a runtime that does not
-    stream it)."""
-
-
-@dataclass(frozen=True)
-class NextEvent:
-    pass
-
-
-@dataclass(frozen=True)
 class CommandEvent:
     """One event of a command's output: ``type`` is ``stdout``, ``stderr`` or ``exit``; ``data``
     the text (empty for ``exit``); ``seq`` its sequence number; ``exit_code`` and ``state`` are
@@ -93,29 +75,26 @@ class CommandEvent:
     state: str | None = None
 
 
-@dataclass(frozen=True)
-class Emit:
-    event: CommandEvent
-
-
-@dataclass(frozen=True)
-class Pause:
-    seconds: float
-
-
-Step = Call[Any] | OpenEvents | NextEvent | Emit | Pause
-Op = Generator[Step, Any, Any]
-
 _NEXT = NextEvent()
+
+
+MANAGED_COMMANDS = "managed_commands"
+"""The feature ``POST /commands`` is (a :class:`~._steps.Learned` step names it)."""
 
 
 @dataclass
 class RuntimeFeatures:
-    """What one sandbox's runtime was found to lack (remembered by its ``commands``)."""
+    """What one sandbox's runtime was found to have or lack, kept by its ``commands``: the
+    operations yield what they find out (:class:`~._steps.Learned`), and :meth:`record` keeps
+    it (:func:`start` and :func:`run` hand it over)."""
 
     managed: bool | None = None
     """``False`` once ``POST /commands`` answered the legacy runtime's 404 (no code, its
-    ``{"detail": "Not Found"}``)."""
+    ``{"detail": "Not Found"}``); ``True`` once it started a command."""
+
+    def record(self, learned: Learned) -> None:
+        if learned.feature == MANAGED_COMMANDS:
+            self.managed = learned.present
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,6 +109,7 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
     if isinstance(command, str):
         if "\0" in command:
             raise ValueError("The command contains a NUL byte (\\0); remove it.")
+        check_text("The command", command)
         if not command.strip():
             raise ValueError("The command is empty; pass the command to run, e.g. 'echo hi'.")
         if shell is False:
@@ -151,9 +131,24 @@ def command_argv(command: str | Sequence[str], shell: bool | None) -> list[str]:
             raise TypeError(f"Argument {index} of the command is {type(arg).__name__}, not str.")
         if "\0" in arg:
             raise ValueError(f"Argument {index} of the command contains a NUL byte; remove it.")
+        check_text(f"Argument {index} of the command", arg)
     if not argv or not argv[0]:
         raise ValueError("The command is empty; pass the program and its arguments, e.g. ['ls'].")
     return argv
+
+
+def check_text(what: str, text: str) -> None:
+    """Refuse text that UTF-8, and so the wire, an argv, an environment or a stdin, cannot
+    carry: a lone surrogate (``os.fsdecode`` of bytes that are not UTF-8, ``"\\ud800"``),
+    before anything is sent. ``what`` names the argument."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} holds a lone surrogate ({text[exc.start : exc.end]!r} at index "
+            f"{exc.start}), which UTF-8 cannot carry, so the sandbox could not receive it; pass "
+            "valid text (decode bytes with errors='replace', or send them as base64)."
+        ) from None
 
 
 def _split(command: str) -> list[str]:
@@ -187,6 +182,8 @@ def _check_envs(envs: Mapping[str, str] | None) -> dict[str, str] | None:
                 f"envs has an invalid variable {key!r}: names are non-empty without '=' or NUL, "
                 "values without NUL."
             )
+        check_text(f"The name of the envs variable {key!r}", key)
+        check_text(f"The value of the envs variable {key!r}", value)
         out[key] = value
     return out
 
@@ -198,6 +195,7 @@ def _check_cwd(cwd: str | None) -> str | None:
         raise ValueError(
             f"cwd must be an absolute path inside the sandbox (e.g. '/app'), got {cwd!r}."
         )
+    check_text("cwd", cwd)
     return cwd
 
 
@@ -360,7 +358,7 @@ def follow(
     timeout: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     opened: bool = False,
-) -> Op:
+) -> Op[Any]:
     """Follow ``output``'s command from its cursor to its exit event, yielding each output event
     (:class:`Emit`); returns its :class:`ExecutionResult`. The stream is re-requested with the
     cursor when it ends (every 20 s) or drops (a fresh token each time); a ``410`` goes on after
@@ -394,7 +392,7 @@ def follow(
                 failures += 1
                 if failures > MAX_STREAM_FAILURES:
                     raise
-                yield Pause(min(0.1 * 2**failures, 2.0))
+                yield Sleep(min(0.1 * 2**failures, 2.0))
                 break
             if value is None or output.cursor != position:
                 break  # the stream ended, or another reader of this handle went on: resume
@@ -411,7 +409,7 @@ def follow(
     return output.result()
 
 
-def _drain() -> Op:
+def _drain() -> Op[Any]:
     """Read the stream to its end (the runtime ends it after the exit event), so that its
     connection goes back to the pool instead of being closed (a new TLS handshake per command
     otherwise). The result is complete: a failure here changes nothing and is not raised."""
@@ -426,23 +424,34 @@ def _drain() -> Op:
 # Operations
 
 
-def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> flow.Op[str]:
+def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op[str]:
     """``POST /commands`` of a background command (never retried); returns the command id. A
     runtime without the endpoint is :class:`UnsupportedByRuntimeError` (the 404 means the
-    command did not start; known from an earlier answer: nothing is sent)."""
-    command_id = None if features.managed is False else (yield from _start(target, plan, features))
+    command did not start; known from an earlier answer: nothing is sent). What the answer
+    tells of the runtime is kept in ``features``."""
+    return learning(_background(target, plan, features.managed), features.record)
+
+
+def _background(target: dp.DataTarget, plan: StartPlan, managed: bool | None) -> Op[str]:
+    command_id = None if managed is False else (yield from _start(target, plan, stream=False))
     if command_id is None:
         raise _unsupported(target, plan.managed_only(True))
     return command_id
 
 
-def _start(
-    target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures
-) -> flow.Op[str | None]:
-    """``POST /commands``; ``None`` when the runtime has no such endpoint (remembered). Its
-    answer lost (interrupted, the connection broke): see :func:`_kill_unanswered`."""
+def _start(target: dp.DataTarget, plan: StartPlan, *, stream: bool) -> Op[str | None]:
+    """``POST /commands`` (never retried): the command id, or ``None`` when the runtime has no
+    such endpoint (learned, like its having one). ``stream``: the streamed start, whose answer
+    is an event stream, its first value the command id, then the command's events (left open
+    for :func:`follow`; a runtime without the extension answers that first value alone). Sent
+    once: its answer lost before the command id (interrupted, the connection broke or
+    stalled), the command is found by its request id and killed (:func:`_kill_unanswered`)."""
     try:
-        command_id: str = yield Call(dp.start_command(target, plan.body()), _command_id)
+        if stream:
+            yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
+            command_id: str = dp.parse_command_id((yield _NEXT))
+        else:
+            command_id = yield Call(dp.start_command(target, plan.body()), _command_id)
     except errors.BrokerProtocolError as exc:
         _may_run(exc)
         raise
@@ -450,53 +459,37 @@ def _start(
         if _unanswered(exc):
             yield from _kill_unanswered(target, plan, exc)
             raise
-        _without_commands(features, exc)
+        _without_commands(exc)
+        yield Learned(MANAGED_COMMANDS, False)
         return None
     except BaseException as exc:
         if _unanswered(exc):
             yield from _kill_unanswered(target, plan, exc)
         raise
-    features.managed = True
+    yield Learned(MANAGED_COMMANDS, True)
     return command_id
 
 
-def _start_streamed(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> Op:
-    """The streamed start: ``POST /commands`` whose answer is an event stream, its first value
-    the command id, then the command's events (left open for :func:`follow`); a runtime
-    without the extension answers that first value alone. ``None`` as :func:`_start`. Sent
-    once: a drop before the command id is raised, never retried (the command is found by its
-    request id and killed: :func:`_kill_unanswered`)."""
-    try:
-        yield OpenEvents(dp.start_command(target, plan.body(), stream=True), json_answer=True)
-        command_id = dp.parse_command_id((yield _NEXT))
-    except errors.BrokerProtocolError as exc:
-        _may_run(exc)
-        raise
-    except errors.BrokerError as exc:
-        if _unanswered(exc):
-            yield from _kill_unanswered(target, plan, exc)
-            raise
-        _without_commands(features, exc)
-        return None
-    except BaseException as exc:
-        if _unanswered(exc):
-            yield from _kill_unanswered(target, plan, exc)
-        raise
-    features.managed = True
-    return command_id
+_LOST_CODES = frozenset({"sandbox_answer_lost", "sandbox_timeout"})
+"""The broker's codes of a 502/504 that may have reached the runtime (sent, then the connection
+to the sandbox broke or stalled); its ``sandbox_unreachable`` says nothing was sent."""
 
 
 def _unanswered(exc: BaseException) -> bool:
     """Whether a start may have reached the runtime without its answer being read: an
-    interruption (Ctrl-C, a cancelled task) or a connection that broke or stalled after the
-    request was sent. Not an answer (the runtime, or the broker, refused it: nothing ran),
-    nor a request that was never sent, nor an error of the caller's own (a callback's)."""
+    interruption (Ctrl-C, a cancelled task), a connection that broke or stalled after the
+    request was sent, or the broker's 502/504 saying that its own connection to the runtime
+    did (a code of :data:`_LOST_CODES`, or no code: a deployed ``/rpc`` broker or a proxy,
+    which cannot tell). Not a refusal (the runtime or the broker refused it: nothing ran), nor
+    a request that was never sent, nor an error of the caller's own (a callback's)."""
     if isinstance(exc, errors.BrokerError):
+        if exc.status_code in (502, 504):
+            return exc.code is None or exc.code in _LOST_CODES
         return exc.status_code is None and exc.request_sent
     return not isinstance(exc, Exception | GeneratorExit)
 
 
-def _kill_unanswered(target: dp.DataTarget, plan: StartPlan, exc: BaseException) -> flow.Op[None]:
+def _kill_unanswered(target: dp.DataTarget, plan: StartPlan, exc: BaseException) -> Op[None]:
     """A start was sent but its command id never arrived: nobody could kill the command
     without it. Find it by the start's ``request_id`` (``GET /commands?request_id=``) and
     kill it, one short attempt each (the cleanup of an interrupted start); only a command
@@ -548,9 +541,9 @@ def _may_run(exc: errors.BrokerProtocolError) -> None:
     )
 
 
-def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> None:
-    """A start's error: re-raised, unless the runtime has no ``/commands`` (remembered). Any
-    other 404 without a code (a proxy's, the runtime's own) is an error of this call only."""
+def _without_commands(exc: errors.BrokerError) -> None:
+    """A start's error: re-raised, unless the runtime has no ``/commands`` (then it returns).
+    Any other 404 without a code (a proxy's, the runtime's own) is an error of this call only."""
     if not _lacks_commands(exc):
         if exc.status_code == 404 and exc.code is None:
             exc.add_note(
@@ -560,7 +553,6 @@ def _without_commands(features: RuntimeFeatures, exc: errors.BrokerError) -> Non
                 "Retry; if it persists, check the sandbox's template and the path to it."
             )
         raise exc
-    features.managed = False
 
 
 def _command_id(reply: proto.Reply) -> str:
@@ -594,7 +586,21 @@ def run(
     raise_on_timeout: bool = True,
     live: tuple[str, ...] = (),
     clock: Callable[[], float] = time.monotonic,
-) -> Op:
+) -> Op[Any]:
+    """A foreground ``commands.run`` (:func:`_run`); what its answers tell of the runtime is
+    kept in ``features``."""
+    op = _run(target, plan, features.managed, raise_on_timeout, live, clock)
+    return learning(op, features.record)
+
+
+def _run(
+    target: dp.DataTarget,
+    plan: StartPlan,
+    managed: bool | None,
+    raise_on_timeout: bool,
+    live: tuple[str, ...],
+    clock: Callable[[], float],
+) -> Op[Any]:
     """A foreground ``commands.run``: start, follow to the exit (emitting the output), and kill
     the command if the wait fails or is interrupted (Ctrl-C, a cancelled task, no exit in
     time). On a legacy runtime (``POST /commands`` answered 404: the command did not start) a
@@ -602,8 +608,8 @@ def run(
     (``live``: the names of the output callbacks given) is :class:`UnsupportedByRuntimeError`,
     and nothing runs. The start asks for the streamed start: its answer goes on with the
     command's events, read before any ``GET events``."""
-    managed = features.managed is not False
-    command_id = (yield from _start_streamed(target, plan, features)) if managed else None
+    known_legacy = managed is False
+    command_id = None if known_legacy else (yield from _start(target, plan, stream=True))
     if command_id is None:
         managed_only = (*live, *plan.managed_only(False))
         if managed_only:
@@ -628,7 +634,7 @@ def run(
     return _checked(result, plan.timeout, raise_on_timeout)
 
 
-def _kill_quietly(target: dp.DataTarget, command_id: str) -> flow.Op[Exception | None]:
+def _kill_quietly(target: dp.DataTarget, command_id: str) -> Op[Exception | None]:
     """Kill after a failed or interrupted wait; a kill that fails is logged and returned, not
     raised (the wait's own error is what the caller sees, with a note: ``_note_unkilled``)."""
     try:
@@ -684,7 +690,7 @@ def _checked(result: ExecutionResult, limit: float, raise_on_timeout: bool) -> E
     return result
 
 
-def _legacy(target: dp.DataTarget, plan: StartPlan, raise_on_timeout: bool) -> Op:
+def _legacy(target: dp.DataTarget, plan: StartPlan, raise_on_timeout: bool) -> Op[Any]:
     """The legacy ``POST /execute``: the argv quoted so that the runtime's shell-like split
     rebuilds it (a string keeps its shell)."""
     spec = dp.execute(target, shlex.join(plan.argv), command_timeout=plan.timeout)
@@ -748,6 +754,7 @@ def send_stdin(target: dp.DataTarget, command_id: str, data: str | bytes, eof: b
             ) from exc
     if not isinstance(data, str):
         raise TypeError(f"stdin data must be str or bytes, got {type(data).__name__}.")
+    check_text("The stdin data (send_stdin's data)", data)
     spec = dp.command_stdin(target, command_id, data, eof)  # refuses a body over the limit
     return Call(spec, _ignore, fail=dp.stdin_refusal(spec))
 
@@ -773,10 +780,10 @@ class RunPlan:
         return tuple(name for name, callback in given if callback is not None)
 
 
-def plan_run(command: Any, timeout: float, background: bool, options: flow.RunOptions) -> RunPlan:
+def plan_run(command: Any, timeout: float, background: bool, options: opts.RunOptions) -> RunPlan:
     """Check ``commands.run``'s arguments before anything is sent."""
     named = ("command", "timeout", "background")
-    flow.check_options("commands.run()", options, flow.RunOptions, named)
+    opts.check_options("commands.run()", options, opts.RunOptions, named, where=opts.RUN)
     background = bool(background)
     on_stdout, on_stderr = options.get("on_stdout"), options.get("on_stderr")
     for name, callback in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
@@ -834,5 +841,5 @@ class HandleBase:
         state = f"{end.state}, exit {end.exit_code}" if end is not None else "not seen ended"
         return f"{type(self).__name__}(command_id={self.command_id!r}, {state})"
 
-    def _follow(self, timeout: float | None) -> Op:
+    def _follow(self, timeout: float | None) -> Op[Any]:
         return follow(self._target, self._output, wait_deadline(timeout), timeout=timeout)

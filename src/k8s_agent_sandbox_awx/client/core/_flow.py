@@ -6,39 +6,35 @@ driver (``_driver``): ``transport.run(op)``. An exception raised while a call is
 broker error, Ctrl-C, an ``asyncio`` cancellation) is thrown back into the generator, so the
 cleanup decisions live here; a cleanup call is marked ``cleanup=True`` so that the async
 transport completes it even while the task is being cancelled. An operation of one request is
-just a :class:`Call` (``transport.call(...)``): the dialect's for the control plane, the ones
-below for the data plane. Also here: the keyword options of the public signatures.
+just a :class:`Call` (``transport.call(...)``): the dialect's. Also here: what to create
+(:class:`SandboxSpec`), from the keyword options in any of their spellings (``_options``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
-import os
+import math
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ... import errors
-from ..wire import _dialects as dialects
 from ..wire import _protocol as proto
 from ..wire._dialect import REPLAY_CREATE, CreateRequest, Dialect
-from ..wire._protocol import Call
-
-if TYPE_CHECKING:
-    from ...credentials._auth import CredentialSource
-    from ..http._config import BrokerConnectionConfig
+from ._options import (
+    CREATE,
+    Given,
+    UpstreamCreateOptions,
+    check_options,
+    sdk_spelling,
+)
+from ._steps import Call, Op
 
 __all__ = [
     "Call",
-    "ConnectOptions",
-    "Op",
-    "RunOptions",
-    "SandboxCreateOptions",
     "SandboxSpec",
-    "UpstreamCreateOptions",
     "create",
     "wait_ready",
 ]
@@ -46,130 +42,6 @@ __all__ = [
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 
 T = TypeVar("T")
-
-Op = Generator[Call[Any], Any, T]
-"""An operation with steps: yields calls, receives their parsed answers, returns ``T``."""
-
-
-# --------------------------------------------------------------------------------------------
-# Options shared by the sync and async signatures
-
-
-class UpstreamCreateOptions(TypedDict, total=False):
-    """Keyword arguments of ``create_sandbox`` after the upstream positional ones (upstream's
-    spellings; mapped by :func:`spec_from_upstream`)."""
-
-    template: str | None
-    annotations: Mapping[str, str] | None
-    shutdown_after_seconds: int | None
-    env: Mapping[str, str] | None
-    idempotency_key: str | None
-    claim_name: str | None
-    adopt_existing: bool
-    volume_claim_templates: Any
-    pod_labels: Mapping[str, str] | None
-    pod_annotations: Mapping[str, str] | None
-    scopes: Sequence[str] | None
-    keepalive_ttl_seconds: int | None
-    backend: str | None
-
-
-class ConnectOptions(TypedDict, total=False):
-    """Where the broker is and who I am, for ``Sandbox.create/connect/list``."""
-
-    auth: CredentialSource | None
-    broker_url: str | None
-    ca_cert: str | os.PathLike[str] | None
-    config: BrokerConnectionConfig | None
-    environ: Mapping[str, str] | None
-    token: str | None
-    """The original package's spelling of ``auth=OIDCTokenAuth(token)``."""
-    token_path: str | None
-    """The original package's spelling of ``auth=KubernetesAuth(token_path)``."""
-
-
-class SandboxCreateOptions(ConnectOptions, total=False):
-    """Keyword arguments of ``Sandbox.create``."""
-
-    annotations: Mapping[str, str] | None
-    env: Mapping[str, str] | None
-    timeout: int | None
-    lifetime_seconds: int | None
-    keepalive: int | None
-    ready_timeout: float | None
-    request_timeout: float | None
-    allow_insecure_http: bool | None
-    idempotency_key: str | None
-    pod_labels: Mapping[str, str] | None
-    pod_annotations: Mapping[str, str] | None
-    scopes: Sequence[str] | None
-    # The original package's spellings (drop-in migration), mapped by ``sdk_spelling``:
-    warmpool: str | None
-    namespace: str | None
-    shutdown_after_seconds: int | None
-    sandbox_ready_timeout: float | None
-    keepalive_ttl_seconds: int | None
-    backend: str | None
-
-
-OutputCallback = Callable[[str], Any]
-"""``on_stdout``/``on_stderr``: called with each chunk of text as it is produced (an async
-sandbox also awaits what a callback returns, so a coroutine function works)."""
-
-
-class RunOptions(TypedDict, total=False):
-    """Keyword arguments of ``commands.run`` after ``timeout`` (and ``background``)."""
-
-    shell: bool | None
-    envs: Mapping[str, str] | None
-    cwd: str | None
-    stdin: bool
-    on_stdout: OutputCallback | None
-    on_stderr: OutputCallback | None
-    raise_on_timeout: bool
-
-
-def check_options(
-    what: str, options: Mapping[str, Any], kind: Any, named: tuple[str, ...] = ()
-) -> None:
-    """Refuse keyword arguments ``kind`` (a TypedDict) does not declare, as Python would for
-    an explicit signature; ``named``: the function's named parameters (accepted too, so they
-    are listed and suggested)."""
-    known = kind.__required_keys__ | kind.__optional_keys__
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise unexpected_keywords(what, unknown, {*known, *named})
-
-
-UPSTREAM_SPELLINGS = {
-    "warmpool": "template",
-    "sandbox_ready_timeout": "ready_timeout",
-    "resolve_timeout": "ready_timeout",
-    "shutdown_after_seconds": "timeout",
-    "command_timeout": "timeout",
-    "env": "envs",
-    "claim_name": "name",
-}
-"""Upstream ``SandboxClient``'s spellings and the SDK's name for each: they are accepted only
-by ``BrokerSandboxClient`` (and the handles it returns); elsewhere an error suggests the SDK's."""
-
-
-def unexpected_keywords(what: str, unknown: Iterable[str], known: Iterable[str]) -> TypeError:
-    """The TypeError for misspelt keyword arguments: each with the closest accepted name
-    (``templte`` -> did you mean 'template'?), then every accepted name."""
-    accepted = sorted(known)
-    names = []
-    for name in unknown:
-        sdk_name = UPSTREAM_SPELLINGS.get(name)
-        close = (
-            [sdk_name] if sdk_name in accepted else difflib.get_close_matches(name, accepted, n=1)
-        )
-        names.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
-    plural = "s" if len(names) > 1 else ""
-    return TypeError(
-        f"{what} got unexpected keyword argument{plural} {', '.join(names)}; "
-        f"it accepts {', '.join(accepted)}."
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,6 +110,21 @@ def wait_ready(
     return info
 
 
+class CreateDefaults(Protocol):
+    """What a create takes from the client's configuration (``BrokerConnectionConfig``)."""
+
+    @property
+    def template(self) -> str | None: ...
+    @property
+    def ready_timeout(self) -> float: ...
+    @property
+    def request_timeout(self) -> float: ...
+    @property
+    def poll_interval(self) -> float: ...
+    @property
+    def sandbox_timeout(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class CreatePlan:
     dialect: Dialect
@@ -266,73 +153,25 @@ class SandboxSpec:
     scopes: Sequence[str] | None = None
 
 
-ORIGINAL_SPELLINGS = {
-    "warmpool": "template",
-    "sandbox_ready_timeout": "ready_timeout",
-    "shutdown_after_seconds": "lifetime_seconds",
-    "keepalive_ttl_seconds": "keepalive",
-}
-"""The spellings of upstream ``SandboxClient.create_sandbox`` and of the original package's
-``Sandbox.create`` that both create paths accept, and the SDK's name for each (the one mapping:
-:func:`sdk_spelling`)."""
-
-
-def sdk_spelling(given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` with the original/upstream spellings renamed to the SDK's (``None`` values
-    dropped); the same option given in both spellings with different values is an error."""
-    out = {k: v for k, v in given.items() if k not in ORIGINAL_SPELLINGS and v is not None}
-    for old, new in ORIGINAL_SPELLINGS.items():
-        value = given.get(old)
-        if value is None:
-            continue
-        if new == "keepalive" and new not in SandboxCreateOptions.__optional_keys__:
-            if value:  # 0 is "off" in the original package
-                raise NotImplementedError(
-                    f"{old}={value!r} asks for the activity keepalive (extend the sandbox's "
-                    "lifetime on every use), which this version of the SDK does not have yet; "
-                    "leave it out and pass lifetime_seconds= (shutdown_after_seconds=) long "
-                    "enough, or extend with client.extend(name, seconds)."
-                )
-            continue
-        if out.get(new) is not None and out[new] != value:
-            raise errors.ConfigurationError(
-                f"{new}={out[new]!r} and {old}={value!r} differ; pass only {new}=."
-            )
-        out[new] = value
-    backend = out.pop("backend", "kubernetes")
-    if backend != "kubernetes":
-        raise errors.ConfigurationError(
-            f"backend={backend!r} is not supported: this SDK creates sandboxes on the broker's "
-            "Kubernetes backend only; leave backend= out."
-        )
-    namespace = out.pop("namespace", None)
-    if namespace is not None:
-        logger.debug("namespace=%r: the broker's policy decides the namespace", namespace)
-    return out
-
-
-def _sandbox_spec(options: Mapping[str, Any]) -> SandboxSpec:
-    """The spec, checked as far as it can be before the broker's dialect is known (before
-    anything is sent, also a detection probe)."""
+def _sandbox_spec(options: Mapping[str, Any], given: Given) -> SandboxSpec:
+    """The spec from options in the SDK's names (``given``: the keywords they were given as),
+    checked as far as it can be before the broker's dialect is known (before anything is
+    sent, also a detection probe)."""
     options = {**options}
-    options["lifetime_seconds"] = _lifetime(
-        options.pop("timeout", None), options.get("lifetime_seconds")
-    )
-    options["keepalive"] = _seconds("keepalive", options.get("keepalive"), allow_zero=True)
+    lifetime = options.pop("timeout", None)
+    options["lifetime_seconds"] = _seconds(given.get("timeout", "timeout"), lifetime)
+    keepalive = options.get("keepalive")
+    options["keepalive"] = _seconds(given.get("keepalive", "keepalive"), keepalive, allow_zero=True)
     names = [f.name for f in dataclasses.fields(SandboxSpec)]
     spec = SandboxSpec(**{name: options.get(name) for name in names})
     for name in ("labels", "annotations", "env", "pod_labels", "pod_annotations"):
         proto.str_mapping(name, getattr(spec, name))
-    scopes = spec.scopes
-    if scopes is not None and (
-        isinstance(scopes, str) or not all(isinstance(s, str) and s for s in scopes)
-    ):
-        raise TypeError("scopes= must be a list of scope names, e.g. ['commands', 'files'].")
+    spec = dataclasses.replace(spec, scopes=proto.scope_names(spec.scopes))
     ready_timeout(spec, None)
     return spec
 
 
-def ready_timeout(spec: SandboxSpec, config: BrokerConnectionConfig | None) -> float:
+def ready_timeout(spec: SandboxSpec, config: CreateDefaults | None) -> float:
     """The ready timeout: the spec's, else the config's (checked: a number >= 0)."""
     given = spec.ready_timeout
     if given is None:
@@ -347,36 +186,31 @@ def ready_timeout(spec: SandboxSpec, config: BrokerConnectionConfig | None) -> f
 
 
 def spec_from_create(
-    template: str | None, labels: Mapping[str, str] | None, options: SandboxCreateOptions
+    template: str | None, labels: Mapping[str, str] | None, options: Mapping[str, Any]
 ) -> SandboxSpec:
-    """``Sandbox.create``'s arguments (the original package's spellings too)."""
-    check_options("create()", options, SandboxCreateOptions, ("template", "labels"))
-    return _sandbox_spec(sdk_spelling({"template": template, "labels": labels, **options}))
+    """``Sandbox.create``'s arguments (the original package's spellings too; its keywords
+    checked by the shell against its signature)."""
+    return _sandbox_spec(*sdk_spelling({"template": template, "labels": labels, **options}))
 
 
 def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> int | None:
     """A whole number of seconds for ``name=`` (``None`` stays ``None``)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}= must be a whole number of seconds, e.g. 300; got {value!r}.")
+    if not math.isfinite(value):  # before int(): NaN and infinity have no int
+        raise ValueError(
+            f"{name}= must be a finite whole number of seconds, e.g. 300; got {value!r}."
+        )
+    if value != int(value):
         raise TypeError(f"{name}= must be a whole number of seconds, e.g. 300; got {value!r}.")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name}= must be a positive number of seconds, got {value!r}.")
     return int(value)
 
 
-def _lifetime(timeout: Any, lifetime_seconds: Any) -> int | None:
-    """``timeout=`` (the SDK's name) or ``lifetime_seconds=`` (its name in 0.5.0)."""
-    if timeout is not None and lifetime_seconds is not None and timeout != lifetime_seconds:
-        raise errors.ConfigurationError(
-            f"timeout={timeout!r} and lifetime_seconds={lifetime_seconds!r} differ; pass only "
-            "timeout= (lifetime_seconds= is its 0.5.0 name)."
-        )
-    given = timeout if timeout is not None else lifetime_seconds
-    return _seconds("timeout", given)
-
-
-def sandbox_timeout(spec_seconds: int | None, config: BrokerConnectionConfig) -> int | None:
+def sandbox_timeout(spec_seconds: int | None, config: CreateDefaults) -> int | None:
     """The lifetime a create asks for: ``timeout=``, else ``AGENT_SANDBOX_TTL_SECONDS`` (or the
     original package's ``SANDBOX_TTL_SECONDS``; 300 s by default; 0: none, the policy's
     maximum)."""
@@ -400,6 +234,7 @@ def spec_from_upstream(
         options,
         UpstreamCreateOptions,
         ("warmpool", "namespace", "sandbox_ready_timeout", "labels"),
+        where=CREATE,
     )
     unsupported = ("claim_name", "adopt_existing", "volume_claim_templates")
     given = sorted(k for k in unsupported if options.get(k))
@@ -410,10 +245,10 @@ def spec_from_upstream(
         )
     positional: dict[str, Any] = {"warmpool": warmpool, "namespace": namespace, "labels": labels}
     positional["sandbox_ready_timeout"] = sandbox_ready_timeout
-    return _sandbox_spec(sdk_spelling({**positional, **options}))
+    return _sandbox_spec(*sdk_spelling({**positional, **options}))
 
 
-def plan_create(config: BrokerConnectionConfig, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
+def plan_create(config: CreateDefaults, dialect: Dialect, spec: SandboxSpec) -> CreatePlan:
     """Check what to create and build its request (before anything is sent but a detection
     probe)."""
     request = CreateRequest(
@@ -435,20 +270,6 @@ def plan_create(config: BrokerConnectionConfig, dialect: Dialect, spec: SandboxS
         spec.keepalive,
         config.poll_interval,
     )
-
-
-def resolve_dialect(known: Dialect | None, broker_url: str) -> Op[Dialect]:
-    """The dialect to speak: ``known`` (pinned, found out before, or the answer of the probe
-    this caller waited for), else the one remembered for ``broker_url``, else one probe of the
-    broker (remembered only if its answer identifies the dialect; see ``_dialects``)."""
-    if known is None:
-        known = dialects.detected(broker_url)
-    if known is None:
-        verdict = yield dialects.probe()
-        known = dialects.record(broker_url, verdict)
-        how = "" if verdict.certain else " (a guess until a control-plane answer confirms it)"
-        logger.info("the broker %s speaks the %r dialect%s", broker_url, known.name, how)
-    return known
 
 
 def _outcome_unknown(exc: BaseException) -> bool:
@@ -540,44 +361,3 @@ def _rollback(dialect: Dialect, name: str, exc: BaseException) -> Op[None]:
 def cleanup(call: Call[T]) -> Call[T]:
     """``call`` marked as a cleanup: it completes even while the caller is cancelled."""
     return dataclasses.replace(call, cleanup=True)
-
-
-def client_overrides(
-    options: ConnectOptions | SandboxCreateOptions,
-) -> tuple[BrokerConnectionConfig | None, dict[str, Any]]:
-    """The explicit config and the settings that override it (or the environment)."""
-    ca = options.get("ca_cert")
-    settings: dict[str, Any] = {
-        "broker_url": options.get("broker_url"),
-        "ca_cert": os.fspath(ca) if ca is not None else None,
-        "request_timeout": options.get("request_timeout"),
-        "allow_insecure_http": options.get("allow_insecure_http"),
-    }
-    overrides = {k: v for k, v in settings.items() if v is not None}
-    config = options.get("config")
-    if config is not None and overrides:
-        data = config.model_dump()
-        data.update(overrides)
-        if "broker_url" in overrides:
-            data.pop("api_url", None)
-        return type(config).model_validate(data), {}
-    return config, overrides
-
-
-# --------------------------------------------------------------------------------------------
-# Data plane: one call each
-
-
-def upstream_envs(options: RunOptions, env: Mapping[str, str] | None) -> None:
-    """Upstream ``commands.run``'s ``env=`` is the SDK's ``envs=`` (both given: refused)."""
-    if env is None:
-        return
-    if options.get("envs") is not None:
-        raise TypeError("commands.run() got both env= and envs=; pass only envs=.")
-    options["envs"] = env
-
-
-def upstream_timeout(timeout: float, command_timeout: float | None) -> float:
-    """Upstream ``commands.run``'s two limits as the SDK's one: ``command_timeout`` (the
-    command's limit) wins if given."""
-    return timeout if command_timeout is None else command_timeout

@@ -2,7 +2,7 @@
 "Files") with the legacy endpoints (``/upload``, ``/download``, ``/list``, ``/exists``) as the
 fallback when a runtime lacks it, written once for the sync and the async ``files``.
 
-Each operation is a generator of :class:`Call`s (``_flow``'s ``Op``), run by the transports'
+Each operation is a generator of :class:`Call`s (an ``Op``, ``_steps``), run by the transports'
 ``run``. A runtime without the file API answers its paths with ``404`` and no ``code``
 (:class:`FileAPIUnsupportedError`): the operation is sent again to the legacy endpoint if it
 has one, and the sandbox's :class:`FileAPI` remembers it, so later operations go there at once;
@@ -15,13 +15,14 @@ state of a watch across reconnections.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import posixpath
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, cast
 
 from ...errors import (
     BrokerUnavailableError,
@@ -32,8 +33,8 @@ from ...errors import (
 )
 from ..wire import _dataplane as dp
 from ..wire import _protocol as proto
-from ..wire._protocol import Call
 from . import _upload as up
+from ._steps import Call, Learned, Op, learning
 
 __all__ = [
     "FileAPI",
@@ -52,7 +53,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-Op = Generator[Call[Any], Any, T]
 ReadFormat = Literal["bytes", "text", "stream"]
 MAX_WATCH_SEGMENT = 20.0
 """The longest single ``GET /fs/watch`` (the runtime's limit); a watch reconnects after it."""
@@ -143,13 +143,37 @@ class WatchEvent:
     entry: FileInfo | None
 
 
+FILE_API = "file_api"
+"""The feature ``/fs/*`` is (a :class:`~._steps.Learned` step names it)."""
+
+
 class FileAPI:
     """One sandbox's file endpoints: its data target and whether its runtime has the file API
-    (``None`` until an answer tells)."""
+    (``None`` until an answer tells). The operations yield what they find out
+    (:class:`~._steps.Learned`); :meth:`record` keeps it, the one place it changes (each
+    operation below hands it over: :func:`_learns`)."""
 
     def __init__(self, target: dp.DataTarget) -> None:
         self.target = target
         self.has_fs: bool | None = None
+
+    def record(self, learned: Learned) -> None:
+        if learned.feature == FILE_API:
+            self.has_fs = learned.present
+
+
+P = ParamSpec("P")
+
+
+def _learns(
+    operation: Callable[Concatenate[FileAPI, P], Op[T]],
+) -> Callable[Concatenate[FileAPI, P], Op[T]]:
+    """``operation`` with what it learns about the runtime kept by its :class:`FileAPI`."""
+
+    def kept(api: FileAPI, *args: P.args, **kwargs: P.kwargs) -> Op[T]:
+        return learning(operation(api, *args, **kwargs), api.record)
+
+    return cast(Callable[Concatenate[FileAPI, P], Op[T]], functools.wraps(operation)(kept))
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,17 +260,20 @@ def _unsupported(what: str, path: str) -> FileAPIUnsupportedError:
 # Operations
 
 
-def _either(api: FileAPI, call: Call[T], legacy: Callable[[], Call[T]] | None, path: str) -> Op[T]:
-    """``call`` on the file API, else (a runtime without it) ``legacy()``, if there is one."""
-    if api.has_fs is not False:
+def _either(
+    has_fs: bool | None, call: Call[T], legacy: Callable[[], Call[T]] | None, path: str
+) -> Op[T]:
+    """``call`` on the file API, else (a runtime without it: ``has_fs`` is ``False``, or the
+    answer says so) ``legacy()``, if there is one; what the answer tells is learned."""
+    if has_fs is not False:
         try:
             result: T = yield call
         except FileAPIUnsupportedError:
-            api.has_fs = False
+            yield Learned(FILE_API, False)
             if legacy is None:
                 raise
         else:
-            api.has_fs = True
+            yield Learned(FILE_API, True)
             return result
     if legacy is None:
         raise _unsupported(call.spec.what, path)
@@ -262,6 +289,7 @@ def _opened(spec: proto.RequestSpec, stream: bool) -> Call[Opened]:
     return Call(spec, lambda reply: (spec, reply), stream=stream)
 
 
+@_learns
 def read(
     api: FileAPI, path: str, timeout: float | None, allow_unsafe: bool, *, stream: bool
 ) -> Op[Opened]:
@@ -274,7 +302,7 @@ def read(
         return _opened(_timed(dp.download(api.target, src), timeout), stream)
 
     try:
-        return (yield from _either(api, call, legacy, path))
+        return (yield from _either(api.has_fs, call, legacy, path))
     except SandboxFileLimitError as exc:
         if exc.code != "file_too_large":
             raise
@@ -309,6 +337,7 @@ def _legacy_written(path: str) -> Callable[[proto.Reply], FileInfo]:
     return parse
 
 
+@_learns
 def write(
     api: FileAPI,
     path: str,
@@ -322,29 +351,31 @@ def write(
     stream is sent once: while it is unknown whether the runtime has the file API, it is asked
     first (``GET /fs/exists``)."""
     what = f"write {fs_path(path)!r}"
-    body = up.plan_body(up.fs_write_framing(path), content, allow_async=allow_async)
-    if api.has_fs is None and not body.replayable:
+    framing = dp.multipart_framing("file", fields={"path": path})
+    body = up.plan_body(framing, content, allow_async=allow_async)
+    has_fs = api.has_fs
+    if has_fs is None and not body.replayable:
         try:
             yield Call(_get(api, "/fs/exists", what, "."), proto.raw)
-            api.has_fs = True
+            has_fs = True
         except FileAPIUnsupportedError:
-            api.has_fs = False
+            has_fs = False
+        yield Learned(FILE_API, has_fs)
     spec = up.finish_spec(
         dp.data_request("POST", "/fs/write", what, api.target, path), body, timeout
     )
 
     def legacy() -> Call[FileInfo]:
         dest = legacy_path(path, allow_unsafe=allow_unsafe)
-        framing = dp.multipart_framing(dest)
-        legacy_body = dataclasses.replace(body, framing=framing)
-        sized = dp.upload(api.target, dest, framing, size=body.size, replayable=body.replayable)
-        legacy_spec = up.finish_spec(sized, legacy_body, timeout)
+        legacy_body = dataclasses.replace(body, framing=dp.multipart_framing(dest))
+        legacy_spec = up.finish_spec(dp.upload(api.target, dest), legacy_body, timeout)
         return Call(legacy_spec, _legacy_written(dest), body=legacy_body)
 
     parse = _json(lambda obj, w: parse_info(obj, w), what)
-    return (yield from _either(api, Call(spec, parse, body=body), legacy, path))
+    return (yield from _either(has_fs, Call(spec, parse, body=body), legacy, path))
 
 
+@_learns
 def write_many(
     api: FileAPI, items: Iterable[Any], timeout: float | None, *, allow_async: bool = False
 ) -> Op[list[FileInfo]]:
@@ -360,6 +391,7 @@ def write_many(
     return results
 
 
+@_learns
 def list_dir(api: FileAPI, path: str, timeout: float | None) -> Op[list[FileInfo]]:
     """``GET /fs/list`` (sorted by name), else ``GET /list/...``."""
     what = f"list {fs_path(path)!r}"
@@ -369,9 +401,10 @@ def list_dir(api: FileAPI, path: str, timeout: float | None) -> Op[list[FileInfo
         src = legacy_path(path, allow_root=True)
         return Call(_timed(dp.list_files(api.target, src), timeout), _json(_info_list(path), what))
 
-    return (yield from _either(api, call, legacy, path))
+    return (yield from _either(api.has_fs, call, legacy, path))
 
 
+@_learns
 def exists(api: FileAPI, path: str, timeout: float | None) -> Op[bool]:
     """``GET /fs/exists``, else ``GET /exists/...``."""
     what = f"check whether {fs_path(path)!r} exists"
@@ -382,37 +415,41 @@ def exists(api: FileAPI, path: str, timeout: float | None) -> Op[bool]:
         src = legacy_path(path, allow_root=True)
         return Call(_timed(dp.exists(api.target, src), timeout), parse)
 
-    return (yield from _either(api, call, legacy, path))
+    return (yield from _either(api.has_fs, call, legacy, path))
 
 
+@_learns
 def get_info(api: FileAPI, path: str, timeout: float | None) -> Op[FileInfo]:
     what = f"get information about {fs_path(path)!r}"
     call = Call(_timed(_get(api, "/fs/info", what, path), timeout), _json(parse_info, what))
-    return (yield from _either(api, call, None, path))
+    return (yield from _either(api.has_fs, call, None, path))
 
 
+@_learns
 def make_dir(api: FileAPI, path: str, timeout: float | None) -> Op[bool]:
     what = f"make the directory {fs_path(path)!r}"
     # retryable: creating an existing directory again answers false
     spec = _timed(_post(api, "/fs/mkdir", what, path, {"path": path}, retryable=True), timeout)
-    return (yield from _either(api, Call(spec, _json(_flag("created"), what)), None, path))
+    return (yield from _either(api.has_fs, Call(spec, _json(_flag("created"), what)), None, path))
 
 
+@_learns
 def move(
     api: FileAPI, source: str, destination: str, overwrite: bool, timeout: float | None
 ) -> Op[FileInfo]:
     what = f"move {fs_path(source)!r} to {fs_path(destination)!r}"
     body = {"source": source, "destination": destination, "overwrite": bool(overwrite)}
     spec = _timed(_post(api, "/fs/move", what, source, body), timeout)  # never retried
-    return (yield from _either(api, Call(spec, _json(parse_info, what)), None, source))
+    return (yield from _either(api.has_fs, Call(spec, _json(parse_info, what)), None, source))
 
 
+@_learns
 def remove(api: FileAPI, path: str, recursive: bool, timeout: float | None) -> Op[bool]:
     what = f"remove {fs_path(path)!r}"
     body = {"path": path, "recursive": recursive}
     # retryable: a replayed remove answers false
     spec = _timed(_post(api, "/fs/remove", what, path, body, retryable=True), timeout)
-    return (yield from _either(api, Call(spec, _json(_flag("removed"), what)), None, path))
+    return (yield from _either(api.has_fs, Call(spec, _json(_flag("removed"), what)), None, path))
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,7 +497,7 @@ class Watch:
     def feed(self, value: Any) -> list[WatchEvent]:
         """The events of one NDJSON value of the stream."""
         self.failures = 0
-        self.api.has_fs = True
+        self.api.record(Learned(FILE_API, True))
         what = f"watch {self.path!r}"
         kind = value.get("type") if isinstance(value, dict) else None
         if kind == "snapshot":
@@ -506,7 +543,7 @@ class Watch:
     def failed(self, exc: BaseException) -> None:
         """A segment broke with ``exc``: return to reconnect, else raise it."""
         if isinstance(exc, FileAPIUnsupportedError):
-            self.api.has_fs = False
+            self.api.record(Learned(FILE_API, False))
         reconnect = isinstance(exc, BrokerUnavailableError | RequestTimeoutError)
         if not reconnect or self.failures >= WATCH_RECONNECTS:
             raise exc

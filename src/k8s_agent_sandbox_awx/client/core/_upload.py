@@ -1,18 +1,18 @@
 """Streamed upload bodies, without I/O: what ``files.write`` sends and whether it can be sent
 again.
 
-A body is multipart framing (``_dataplane.Multipart``: the legacy ``/upload``'s single ``file``
-part, or ``/fs/write``'s ``path`` field then ``file`` part) around the content, which is bytes,
-a binary reader (``read(n)``), an iterator of bytes or (async client only) an async iterable of
-bytes. The transports turn an :class:`UploadBody` into their httpx stream, chunk by chunk (flat
-memory); only bytes and seekable files are replayable, so only they are retried.
+A body is multipart framing (``_dataplane.multipart_framing``, the one framing: the legacy
+``/upload``'s single ``file`` part, or ``/fs/write``'s ``path`` field then ``file`` part) around
+the content, which is bytes, a binary reader (``read(n)``), an iterator of bytes or (async
+client only) an async iterable of bytes. The transports turn an :class:`UploadBody` into their
+httpx stream, chunk by chunk (flat memory); only bytes and seekable files are replayable, so
+only they are retried.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import secrets
 from collections.abc import AsyncIterable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,7 +25,6 @@ __all__ = [
     "CHUNK_SIZE",
     "UploadBody",
     "finish_spec",
-    "fs_write_framing",
     "plan_body",
 ]
 
@@ -152,35 +151,12 @@ def plan_body(framing: Multipart, content: Any, *, allow_async: bool = False) ->
 def finish_spec(
     spec: proto.RequestSpec, body: UploadBody, timeout: float | None
 ) -> proto.RequestSpec:
-    """``spec`` with the body's length (or chunked), retryable only if replayable."""
-    length = (
-        {"Content-Length": str(body.framing.length(body.size))}
-        if body.size is not None
-        else {"Transfer-Encoding": "chunked"}
-    )
-    headers = {**spec.headers, "Content-Type": body.framing.content_type, **length}
+    """``spec`` with the body's headers (its type and length, or chunked: the framing's
+    :meth:`~.Multipart.headers`, the one place they are decided), retryable only if the body
+    is replayable."""
     return dataclasses.replace(
         spec,
-        headers=headers,
+        headers={**spec.headers, **body.framing.headers(body.size)},
         read_timeout=spec.read_timeout if timeout is None else float(timeout),
         retryable=body.replayable,
     )
-
-
-def fs_write_framing(path: str, boundary: str | None = None) -> Multipart:
-    """``POST /fs/write``'s framing: the ``path`` field first, then the ``file`` part."""
-    encoded = path.encode("utf-8")
-    boundary = boundary or secrets.token_hex(16)
-    while boundary.encode() in encoded:  # pragma: no cover - 128 random bits in a path
-        boundary = secrets.token_hex(16)
-    prefix = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="path"\r\n\r\n'.encode()
-        + encoded
-        + (
-            f"\r\n--{boundary}\r\n"
-            'Content-Disposition: form-data; name="file"; filename="file"\r\n'
-            "Content-Type: application/octet-stream\r\n\r\n"
-        ).encode()
-    )
-    suffix = f"\r\n--{boundary}--\r\n".encode()
-    return Multipart(prefix, suffix, f"multipart/form-data; boundary={boundary}")

@@ -17,13 +17,14 @@ from typing import Any, TypeVar
 
 import httpx
 
-from ..._driver import Steps, adrive
+from ..._driver import adrive
 from ...credentials._auth import CredentialSource
 from ...errors import BrokerError, SandboxFailedError
 from ..core._retry import RetryPolicy
+from ..core._steps import Op
 from ..wire import _protocol as proto
 from ..wire._dataplane import DownloadMeter
-from ..wire._dialect import Dialect
+from ..wire._dialects import BrokerDialect
 from . import _exchange as ex
 from ._config import BrokerConnectionConfig
 
@@ -69,14 +70,14 @@ class AsyncBrokerTransport(ex.TransportBase):
         self,
         config: BrokerConnectionConfig,
         auth: CredentialSource,
-        dialect: Dialect,
+        speaking: BrokerDialect,
         *,
         http_transport: httpx.AsyncBaseTransport | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         retry: RetryPolicy | None = None,
     ) -> None:
         client = httpx.AsyncClient(transport=http_transport, **ex.client_settings(config))
-        super().__init__(config, auth, dialect, client, retry)
+        super().__init__(config, auth, speaking, client, retry)
         self._http = client
         self._sleep = sleep
         self._cleanups: set[asyncio.Task[Any]] = set()
@@ -91,7 +92,7 @@ class AsyncBrokerTransport(ex.TransportBase):
             await asyncio.gather(*self._cleanups, return_exceptions=True)
         await self._http.aclose()
 
-    async def perform(self, step: ex.Step) -> Any:
+    async def perform(self, step: ex.ExchangeStep) -> Any:
         """Perform one I/O step of an exchange."""
         match step:
             case ex.Send(request):
@@ -109,6 +110,11 @@ class AsyncBrokerTransport(ex.TransportBase):
                 return await response.aclose()
             case ex.Sleep(seconds):
                 return await self._sleep(seconds)
+            case ex.Within(steps, seconds):  # cancelled at the deadline
+                try:
+                    return await asyncio.wait_for(adrive(steps, self.perform), seconds)
+                except TimeoutError:
+                    raise step.late() from None
 
     @staticmethod
     async def _error_body(response: httpx.Response) -> bytes:
@@ -143,12 +149,12 @@ class AsyncBrokerTransport(ex.TransportBase):
         result: T = await adrive(steps, self.perform)
         return result
 
-    async def run(self, op: Steps[proto.Call[Any], T]) -> T:
-        """Run an operation of ``_flow`` (a generator of calls) to its result (see
+    async def run(self, op: Op[T]) -> T:
+        """Run an operation whose steps are calls to its result (see
         ``BrokerTransport.run``)."""
         sent: list[str] = []
         try:
-            return await adrive(op, lambda call: self.call(call, sent))
+            return await adrive(op, lambda step: self.call(ex.only_call(step), sent))
         except (BrokerError, SandboxFailedError) as exc:
             proto.redact_sent(exc, sent)
             raise

@@ -349,12 +349,39 @@ class SandboxBrokerConnectionConfig(BrokerConnectionConfig):
     """The original package's name for :class:`BrokerConnectionConfig`, with its extra fields:
     ``token`` / ``token_path`` (the credential: the client uses ``OIDCTokenAuth(token)`` or
     ``KubernetesAuth(token_path)`` when no ``auth=`` is given), ``keepalive_ttl_seconds``
-    (not available yet: only ``0``/``None``) and ``backend`` (only ``"kubernetes"``)."""
+    (the original's name of :attr:`sandbox_keepalive`: the activity keepalive of the handles
+    the client makes, ``0``: off) and ``backend`` (only ``"kubernetes"``)."""
 
     token: SecretStr | None = Field(default=None, repr=False)
     token_path: str | None = None
     keepalive_ttl_seconds: int | None = None
     backend: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keepalive_spelling(cls, data: Any) -> Any:
+        """``keepalive_ttl_seconds`` is ``sandbox_keepalive`` (both given: the same value)."""
+        if not isinstance(data, dict) or data.get("keepalive_ttl_seconds") is None:
+            return data
+        original, ours = data["keepalive_ttl_seconds"], data.get("sandbox_keepalive")
+        if ours is not None and ours != original:
+            raise ConfigurationError(
+                f"keepalive_ttl_seconds={original!r} and sandbox_keepalive={ours!r} differ; "
+                "pass only sandbox_keepalive= (keepalive_ttl_seconds= is the original "
+                "package's name for it)."
+            )
+        return {**data, "sandbox_keepalive": original}
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> BrokerConnectionConfig:
+        """:meth:`BrokerConnectionConfig.from_env`; ``keepalive_ttl_seconds=`` wins over
+        ``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS`` as ``sandbox_keepalive=`` does."""
+        original = overrides.get("keepalive_ttl_seconds")
+        if original is not None and overrides.get("sandbox_keepalive") is None:
+            overrides["sandbox_keepalive"] = original
+        return super().from_env(environ, **overrides)
 
 
 def _check_tls_needs_https(data: Mapping[str, Any], url: str) -> None:

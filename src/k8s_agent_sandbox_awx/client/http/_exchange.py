@@ -6,7 +6,8 @@ broker's origin; after the broker's 401 the credential is re-read and the reques
 more if its body can be), lets the one :class:`RetryPolicy` decide retries, applies the named
 timeouts and maps failures to typed errors through the dialect. It is a generator of I/O
 steps (:class:`Send`, :class:`GetCredential`, :class:`Sleep`, :class:`Read`,
-:class:`ReadError`, :class:`Close`) run by ``_driver``; ``_transport`` and ``_async_transport``
+:class:`ReadError`, :class:`Close`, and :class:`Within` for a bounded side request) run by
+``_driver``; ``_transport`` and ``_async_transport``
 perform them with ``httpx.Client`` / ``httpx.AsyncClient``. Also here: the client settings
 (TLS, redirects, headers) and the bookkeeping of streamed bodies (upload framing, download
 limits, capped error bodies).
@@ -14,19 +15,21 @@ limits, capped error bodies).
 
 from __future__ import annotations
 
-import http.cookiejar
+import copy
 import importlib.util
 import logging
 import os
 import ssl
 import time
 import urllib.request
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
+from ..._cookies import NoCookies
+from ..._driver import Steps
 from ..._version import __version__
 from ...credentials._credential import Credential
 from ...errors import (
@@ -38,10 +41,12 @@ from ...errors import (
 )
 from ...errors import RequestTimeoutError as _RequestTimeoutError
 from ..core._retry import RetryPolicy, SingleAttempt
+from ..core._steps import Sleep, Step
 from ..core._upload import CHUNK_SIZE, UploadBody
-from ..wire import _dialects as dialects
 from ..wire import _protocol as proto
+from ..wire._dataplane import DataTarget, Keepalive, KeptAlive
 from ..wire._dialect import Dialect
+from ..wire._dialects import BrokerDialect
 from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 
 __all__ = [
@@ -55,7 +60,9 @@ __all__ = [
     "Send",
     "Sleep",
     "UploadBody",
+    "Within",
     "client_settings",
+    "only_call",
     "retry_policy",
 ]
 
@@ -63,8 +70,9 @@ logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
 
 MAX_ERROR_BODY = 64 * 1024
 KEEPALIVE_TIMEOUT = 2.0
-"""Seconds the activity keepalive's extension may take (one attempt, ``request_timeout`` if
-that is shorter): it never delays the data-plane request it rides on by more."""
+"""Seconds the activity keepalive's extension may take in all (one attempt, ``request_timeout``
+if that is shorter; :class:`Within`): it never delays the data-plane request it rides on by
+more, however slowly the control plane answers."""
 PRIMED_SECONDS = 30.0
 """How long a credential fetched before the dialect probe may be used by the first request."""
 _BUSY = frozenset({408, 429})
@@ -177,20 +185,8 @@ def client_settings(config: BrokerConnectionConfig) -> dict[str, Any]:
             max_keepalive_connections=config.max_keepalive_connections,
         ),
         "headers": {"User-Agent": f"k8s-agent-sandbox-awx/{__version__}", **config.extra_headers},
-        "cookies": _NoCookies(),
+        "cookies": NoCookies(),
     }
-
-
-class _NoCookies(http.cookiejar.CookieJar):
-    """The client keeps no cookies: a sandbox's ``Set-Cookie`` (passed through the broker) is
-    never stored and sent back on later requests, and no answer is parsed for cookies (about
-    50 µs per call; docs/performance.md)."""
-
-    def extract_cookies(self, response: Any, request: Any) -> None:
-        return None
-
-    def add_cookie_header(self, request: Any) -> None:
-        return None
 
 
 def retry_policy(config: BrokerConnectionConfig) -> RetryPolicy:
@@ -242,13 +238,33 @@ class Close:
 
 
 @dataclass(frozen=True, slots=True)
-class Sleep:
-    """Wait ``seconds`` before the next attempt."""
+class Within:
+    """Perform ``steps`` (a whole exchange) to its result within ``seconds`` in all, not per
+    read; past them raise ``TimeoutError`` (:meth:`late`) and give it up: the async transport
+    cancels it, the sync one leaves it to end on its own (in a helper thread, reading no answer
+    past the same deadline)."""
 
+    steps: Steps[ExchangeStep, Any]
     seconds: float
 
+    def late(self) -> TimeoutError:
+        return TimeoutError(f"no answer within {self.seconds:g} s in all")
 
-Step = GetCredential | Send | Read | ReadError | Close | Sleep
+
+ExchangeStep = GetCredential | Send | Read | ReadError | Close | Sleep | Within
+"""What an exchange asks for (``Sleep``, before the next attempt, is the operations' step;
+``Within``, a side request bounded in all: the keepalive's extension)."""
+
+
+def only_call(step: Step) -> proto.Call[Any]:
+    """``step``, a call: what ``transport.run`` performs (the commands shells perform the
+    event-stream steps)."""
+    if not isinstance(step, proto.Call):
+        raise TypeError(
+            f"transport.run() performs calls only, not {type(step).__name__}: run a command's "
+            "operation with the commands shell's performer."
+        )
+    return step
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,14 +311,11 @@ class Exchange:
         """Whether the body can be sent again (bytes, or a rewindable upload)."""
         return self.body is None or bool(getattr(self.body, "replayable", False))
 
-    def steps(self, *, stream: bool = False) -> Generator[Step, Any, httpx.Response]:
+    def steps(self, *, stream: bool = False) -> Steps[ExchangeStep, httpx.Response]:
         """The exchange: a 2xx response (or a 404 when ``spec.not_found_ok``), read unless
         ``stream`` (then the caller closes it); errors raised as typed ``BrokerError``s."""
         if self.spec.delay > 0:
             yield Sleep(self.spec.delay)
-        keepalive = self.spec.keepalive
-        if keepalive is not None and self.authenticate and keepalive.claim():
-            yield from self._keep_alive(keepalive)
         while True:
             request = self.next_request()
             try:
@@ -327,34 +340,7 @@ class Exchange:
                 raise self.read_error(exc) from exc
         return response
 
-    def _keep_alive(self, keepalive: proto.Keepalive) -> Generator[Step, Any, None]:
-        """Extend the sandbox's lifetime before this data-plane request, best effort: one
-        attempt within :data:`KEEPALIVE_TIMEOUT`, never retried (it must not delay the request
-        it rides on); a failure is logged, never fails the request, and the next request tries
-        again (an interruption still propagates)."""
-        try:
-            call = self.dialect.extend(keepalive.name, keepalive.seconds)
-            extend = Exchange(
-                self._client,
-                self.config,
-                SingleAttempt(),
-                self.dialect,
-                call.spec,
-                invalidate=self._invalidate,
-                timeout=min(KEEPALIVE_TIMEOUT, self.config.request_timeout),
-            )
-            keepalive.extended(call.parse((yield from extend.steps())).expires_at)
-        except Exception as exc:
-            keepalive.failed()
-            logger.warning(
-                "keepalive of sandbox %s failed (ignored): %s (tried again at the next request)",
-                keepalive.name,
-                exc,
-            )
-        else:
-            logger.debug("keepalive: sandbox %s extended by %ss", keepalive.name, keepalive.seconds)
-
-    def _send(self, request: httpx.Request) -> Generator[Step, Any, httpx.Response]:
+    def _send(self, request: httpx.Request) -> Steps[ExchangeStep, httpx.Response]:
         """One attempt, with the token; after the broker's 401, once more with a re-read one."""
         if self.authenticate:
             self._check_origin(request)
@@ -471,8 +457,7 @@ class Exchange:
 
     def _sent_token(self) -> tuple[str, ...]:
         """The token the last attempt carried: redacted from messages about its outcome."""
-        header = self.request.headers.get("Authorization", "") if self.request else ""
-        token = header.partition(" ")[2].strip()
+        token = proto.sent_token(self.request.headers) if self.request else ""
         return (token,) if token else ()
 
     def _reason(self, exc: httpx.TransportError) -> str:
@@ -593,19 +578,23 @@ class TransportBase:
         self,
         config: BrokerConnectionConfig,
         auth: Any,
-        dialect: Dialect,
+        speaking: BrokerDialect,
         client: httpx.Client | httpx.AsyncClient,
         retry: RetryPolicy | None,
     ) -> None:
         self.config = config
         self.auth = auth
-        self.dialect = dialect
+        self.speaking = speaking
+        """The dialect spoken (the client's: one owner), which maps the answers."""
         self.retry = retry or retry_policy(config)
         self._client = client
-        self.unconfirmed = False
-        """The dialect is a guess from the probe: the first control-plane answer of it that
-        parses confirms it (remembered for the broker URL, ``_dialects``)."""
         self._primed: tuple[Credential, float] | None = None
+        self._kept: KeptAlive | None = None
+        """The kept-alive sandbox whose data plane this twin serves (:meth:`to`)."""
+
+    @property
+    def dialect(self) -> Dialect:
+        return self.speaking.current
 
     @property
     def broker_url(self) -> str:
@@ -624,23 +613,6 @@ class TransportBase:
             return None
         return primed[0]
 
-    def _confirm(self, spec: proto.RequestSpec, status: int) -> None:
-        """A control-plane answer of the guessed dialect parsed: the broker speaks it."""
-        if self.unconfirmed and status < 300 and not (spec.probe or spec.data_plane):
-            self.unconfirmed = False
-            dialects.remember(self.broker_url, self.dialect.name)
-
-    def _unconfirmed_note(self, spec: proto.RequestSpec, exc: Exception) -> None:
-        """A ``404``/``405`` under a guessed dialect: the guess may be wrong; say how to pin."""
-        status = getattr(exc, "status_code", None)
-        if self.unconfirmed and status in (404, 405) and not (spec.probe or spec.data_plane):
-            exc.add_note(
-                f"The broker's dialect ({self.dialect.name!r}) was guessed from its answer to GET "
-                "/v1/healthz, which was not the v1 broker's health answer; if the broker speaks "
-                "the other dialect (v1 or rpc), set AGENT_SANDBOX_BROKER_PROTOCOL (or "
-                "broker_protocol=) to it."
-            )
-
     def exchange(
         self,
         spec: proto.RequestSpec,
@@ -648,8 +620,9 @@ class TransportBase:
         stream: bool = False,
         body: Any = None,
         authenticate: bool = True,
-    ) -> Generator[Step, Any, httpx.Response]:
-        """The steps of sending ``spec`` (see :meth:`Exchange.steps`)."""
+    ) -> Steps[ExchangeStep, httpx.Response]:
+        """The steps of sending ``spec`` (see :meth:`Exchange.steps`); a data-plane request
+        of a kept-alive sandbox (:meth:`to`) extends its lifetime first when that is due."""
         exchange = Exchange(
             self._client,
             self.config,
@@ -660,7 +633,56 @@ class TransportBase:
             body=body,
             authenticate=authenticate,
         )
-        return exchange.steps(stream=stream)
+        steps = exchange.steps(stream=stream)
+        if self._kept is None or not (spec.data_plane and exchange.authenticate):
+            return steps
+        return self._kept_alive(self._kept, steps)
+
+    def to(self, target: DataTarget) -> Self:
+        """This transport for the data plane of one sandbox (``target``): itself, or for a
+        kept-alive target (:class:`KeptAlive`) a twin that shares everything (the connections,
+        the credential source, the retry policy, the dialect) and extends the sandbox's
+        lifetime before a data-plane request when the target says it is due."""
+        if not isinstance(target, KeptAlive):
+            return self
+        twin = copy.copy(self)
+        twin._kept, twin._primed = target, None
+        return twin
+
+    def _kept_alive(
+        self, kept: KeptAlive, steps: Steps[ExchangeStep, httpx.Response]
+    ) -> Steps[ExchangeStep, httpx.Response]:
+        extension = kept.due()
+        if extension is not None:
+            yield from self._extend(kept.keepalive, extension)
+        return (yield from steps)
+
+    def _extend(self, keepalive: Keepalive, call: proto.Call[Any]) -> Steps[ExchangeStep, None]:
+        """Extend the sandbox's lifetime before a data-plane request, best effort: one attempt
+        within :data:`KEEPALIVE_TIMEOUT` in all (:class:`Within`), never retried (it must not
+        delay the request it rides on); a failure is logged, never fails the request, and the
+        next request tries again (an interruption still propagates)."""
+        budget = min(KEEPALIVE_TIMEOUT, self.config.request_timeout)
+        try:
+            extend = Exchange(
+                self._client,
+                self.config,
+                SingleAttempt(),
+                self.dialect,
+                call.spec,
+                invalidate=self.auth.invalidate,
+                timeout=budget,
+            )
+            keepalive.extended(call.parse((yield Within(extend.steps(), budget))).expires_at)
+        except Exception as exc:
+            keepalive.failed()
+            logger.warning(
+                "keepalive of sandbox %s failed (ignored): %s (tried again at the next request)",
+                keepalive.name,
+                exc,
+            )
+        else:
+            logger.debug("keepalive: sandbox %s extended by %ss", keepalive.name, keepalive.seconds)
 
     def upload_stream(self, body: UploadBody) -> Any:
         """``body`` as this transport's httpx stream."""
@@ -668,14 +690,14 @@ class TransportBase:
 
     def call_steps(
         self, call: proto.Call[Any], sent: list[str] | None = None
-    ) -> Generator[Step, Any, Any]:
+    ) -> Steps[ExchangeStep, Any]:
         """The steps of one :class:`Call`: send, then parse (or map the failure). The token the
         request carried is added to ``sent`` and never shows in an error about the answer."""
         body = None if call.body is None else self.upload_stream(call.body)
         try:
             response = yield from self.exchange(call.spec, stream=call.stream, body=body)
         except Exception as exc:
-            self._unconfirmed_note(call.spec, exc)
+            self.speaking.note(call.spec, exc)
             mapped = call.fail(exc) if call.fail is not None else None
             if mapped is None:
                 raise
@@ -688,5 +710,5 @@ class TransportBase:
         except (BrokerError, SandboxFailedError) as exc:
             proto.redact_sent(exc, (token,))
             raise
-        self._confirm(call.spec, response.status_code)
+        self.speaking.confirm(call.spec, response.status_code)
         return result

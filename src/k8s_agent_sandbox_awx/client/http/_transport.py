@@ -6,35 +6,40 @@ the dialect; this module only performs the steps: sends, reads, credential fetch
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 import httpx
 
-from ..._driver import Steps, drive
+from ..._driver import drive
 from ...credentials._auth import CredentialSource
 from ...errors import BrokerError, SandboxFailedError
 from ..core._retry import RetryPolicy
+from ..core._steps import Op
 from ..wire import _protocol as proto
 from ..wire._dataplane import DownloadMeter
-from ..wire._dialect import Dialect
+from ..wire._dialects import BrokerDialect
 from ._config import BrokerConnectionConfig
 from ._exchange import (
     CHUNK_SIZE,
     CappedBody,
     Close,
+    ExchangeStep,
     GetCredential,
     Read,
     ReadError,
     Send,
     Sleep,
-    Step,
     TransportBase,
     UploadBody,
+    Within,
     client_settings,
+    only_call,
 )
 
 __all__ = ["BrokerTransport", "UploadStream"]
@@ -66,6 +71,23 @@ class UploadStream(httpx.SyncByteStream):
         yield body.framing.suffix
 
 
+class _UntilDeadline(httpx.SyncByteStream):
+    """An answer's body that stops arriving at ``deadline`` (``TimeoutError``)."""
+
+    def __init__(self, stream: Any, deadline: float) -> None:
+        self._stream = stream
+        self._deadline = deadline
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._stream:
+            if time.monotonic() > self._deadline:
+                raise TimeoutError("its answer was still arriving at the deadline")
+            yield chunk
+
+    def close(self) -> None:
+        self._stream.close()
+
+
 class BrokerTransport(TransportBase):
     """Sends requests to the broker: performs the steps of ``_exchange`` with ``httpx.Client``."""
 
@@ -73,21 +95,22 @@ class BrokerTransport(TransportBase):
         self,
         config: BrokerConnectionConfig,
         auth: CredentialSource,
-        dialect: Dialect,
+        speaking: BrokerDialect,
         *,
         http_transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] = time.sleep,
         retry: RetryPolicy | None = None,
     ) -> None:
         client = httpx.Client(transport=http_transport, **client_settings(config))
-        super().__init__(config, auth, dialect, client, retry)
+        super().__init__(config, auth, speaking, client, retry)
         self._http = client
         self._sleep = sleep
+        self._within = threading.Lock()  # held while a Within's helper thread runs
 
     def close(self) -> None:
         self._http.close()
 
-    def perform(self, step: Step) -> Any:
+    def perform(self, step: ExchangeStep) -> Any:
         """Perform one I/O step of an exchange."""
         match step:
             case Send(request):
@@ -105,6 +128,37 @@ class BrokerTransport(TransportBase):
                 return response.close()
             case Sleep(seconds):
                 return self._sleep(seconds)
+            case Within():
+                return self._bounded(step)
+
+    def _bounded(self, step: Within) -> Any:
+        """Perform ``step.steps`` in a helper thread, waiting for it at most ``step.seconds``;
+        a late one runs on to its end alone (reading no answer past the deadline) and only one
+        runs at a time: while it does, the next is refused at once."""
+        if not self._within.acquire(blocking=False):
+            raise TimeoutError("the previous one has not ended yet")
+        deadline = time.monotonic() + step.seconds
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(drive(step.steps, lambda s: self._perform_by(s, deadline)))
+            except BaseException as exc:  # handed to the waiter, if it still waits
+                done.set_exception(exc)
+            finally:
+                self._within.release()
+
+        threading.Thread(target=run, name="agent-sandbox-bounded", daemon=True).start()
+        try:
+            return done.result(timeout=step.seconds)
+        except concurrent.futures.TimeoutError:
+            raise step.late() from None
+
+    def _perform_by(self, step: ExchangeStep, deadline: float) -> Any:
+        """:meth:`perform`, reading an answer's body no longer than until ``deadline``."""
+        if isinstance(step, Read | ReadError):
+            step.response.stream = _UntilDeadline(step.response.stream, deadline)
+        return self.perform(step)
 
     @staticmethod
     def _error_body(response: httpx.Response) -> bytes:
@@ -136,12 +190,12 @@ class BrokerTransport(TransportBase):
         result: T = drive(self.call_steps(call, sent), self.perform)
         return result
 
-    def run(self, op: Steps[proto.Call[Any], T]) -> T:
-        """Run an operation of ``_flow`` (a generator of calls) to its result; an error it
-        builds from an answer never shows a token its requests carried."""
+    def run(self, op: Op[T]) -> T:
+        """Run an operation whose steps are calls (``_flow``, ``_fsapi``) to its result; an
+        error it builds from an answer never shows a token its requests carried."""
         sent: list[str] = []
         try:
-            return drive(op, lambda call: self.call(call, sent))
+            return drive(op, lambda step: self.call(only_call(step), sent))
         except (BrokerError, SandboxFailedError) as exc:
             proto.redact_sent(exc, sent)
             raise

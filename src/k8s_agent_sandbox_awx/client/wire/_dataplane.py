@@ -14,6 +14,8 @@ import math
 import posixpath
 import re
 import secrets
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,7 +35,15 @@ from ...errors import (
     SandboxPathError,
     StdinTooLargeError,
 )
-from ._protocol import Keepalive, RequestSpec, json_body, protocol_error, redact_answer, seconds
+from ._protocol import (
+    Call,
+    RequestSpec,
+    json_body,
+    protocol_error,
+    redact_answer,
+    rfc3339_seconds,
+    seconds,
+)
 
 __all__ = [
     "COMMAND_TIMEOUT_MARGIN",
@@ -46,6 +56,7 @@ __all__ = [
     "CommandInfo",
     "DataTarget",
     "DownloadMeter",
+    "Keepalive",
     "KeptAlive",
     "Multipart",
     "check_command_timeout",
@@ -129,13 +140,67 @@ def refuse_control_characters(path: str) -> str:
     return path
 
 
+class Keepalive:
+    """One sandbox's opt-in activity keepalive (``keepalive=`` seconds): data-plane activity
+    moves the sandbox's deadline to now + ``seconds``, when that is later than the deadline
+    it knows, and at most once per half window. Thread-safe; owned by the sandbox's data
+    target (:class:`KeptAlive`). The extension itself is sent by the transport of the
+    sandbox's data plane, best effort: one short attempt, a failure is logged (never raised)
+    and the extension tried again by the next request (:meth:`failed`)."""
+
+    def __init__(
+        self,
+        name: str,
+        seconds: int,
+        deadline: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.seconds = seconds
+        self.deadline = deadline
+        """The sandbox's deadline as last reported (epoch seconds), ``None``: unknown."""
+        self._clock = clock
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def claim(self) -> bool:
+        """Whether this request should extend the lifetime now (then it counts as done)."""
+        with self._lock:
+            now = self._clock()
+            if self._last is not None and now - self._last < self.seconds / 2:
+                return False
+            if self.deadline is not None and now + self.seconds <= self.deadline:
+                return False
+            self._last = now
+            return True
+
+    def extended(self, expires_at: str | None) -> None:
+        """Record the deadline an extension's answer reports."""
+        self.deadline = rfc3339_seconds(expires_at)
+
+    def failed(self) -> None:
+        """The extension :meth:`claim` asked for failed: the next request tries it again."""
+        with self._lock:
+            self._last = None
+
+
 @dataclass(frozen=True)
 class KeptAlive:
-    """A sandbox's data target with its activity keepalive: every data-plane request built
-    for it carries the keepalive (``RequestSpec.keepalive``)."""
+    """A sandbox's data target with its activity keepalive, the one owner of it: the
+    transport of the sandbox's data plane (``transport.to(target)``) asks :meth:`due` before
+    each data-plane request, and sends the extension it returns; ``extend`` is the dialect's
+    (``Dialect.extend``)."""
 
     target: DataTarget
     keepalive: Keepalive
+    extend: Callable[[str, int], Call[Any]]
+
+    def due(self) -> Call[Any] | None:
+        """The extension to send before a data-plane request now, if one is due (it then
+        counts as sent: report its outcome to :attr:`keepalive`)."""
+        if not self.keepalive.claim():
+            return None
+        return self.extend(self.keepalive.name, self.keepalive.seconds)
 
     @property
     def sandbox_id(self) -> str:
@@ -189,7 +254,7 @@ def data_request(
     params: Mapping[str, str] | None = None,
 ) -> RequestSpec:
     """A data-plane request to ``target`` (``GET``s are retryable unless ``retryable`` says;
-    ``subject``: the sandbox path it is about; it carries the target's keepalive, if any)."""
+    ``subject``: the sandbox path it is about)."""
     return RequestSpec(
         method,
         endpoint,
@@ -200,7 +265,6 @@ def data_request(
         read_timeout=read_timeout,
         data_plane=True,
         subject=subject,
-        keepalive=getattr(target, "keepalive", None),
     )
 
 
@@ -380,31 +444,11 @@ def stdin_refusal(spec: RequestSpec) -> Callable[[Exception], Exception | None]:
     return fail
 
 
-def upload(
-    target: DataTarget,
-    path: str,
-    multipart: Multipart,
-    *,
-    size: int | None,
-    replayable: bool,
-    read_timeout: float | None = None,
-) -> RequestSpec:
-    """``POST /upload``; the body (``multipart.prefix``, ``size`` content bytes or a chunked
-    stream, ``.suffix``) is added by the I/O layer; retried only if it is ``replayable``."""
-    length = (
-        {"Content-Length": str(multipart.length(size))}
-        if size is not None
-        else {"Transfer-Encoding": "chunked"}
-    )
-    return _data(
-        "POST",
-        "/upload",
-        f"write {path!r}",
-        target,
-        headers={"Content-Type": multipart.content_type, **length},
-        read_timeout=read_timeout,
-        retryable=replayable,
-    )
+def upload(target: DataTarget, path: str) -> RequestSpec:
+    """``POST /upload``, without its body: the upload (``_upload.finish_spec``) adds the
+    multipart framing's headers (:meth:`Multipart.headers`), and the retry rule (only a
+    replayable body is retried) and read timeout of that body."""
+    return _data("POST", "/upload", f"write {path!r}", target)
 
 
 def download(target: DataTarget, path: str) -> RequestSpec:
@@ -422,28 +466,56 @@ def exists(target: DataTarget, path: str) -> RequestSpec:
 
 @dataclass(frozen=True)
 class Multipart:
-    """Framing of a single-file ``multipart/form-data`` body (field ``file``)."""
+    """The framing of a ``multipart/form-data`` body whose last part is one file (field
+    ``file``): ``prefix``, the file's bytes, ``suffix``."""
 
     prefix: bytes
     suffix: bytes
     content_type: str
 
     def length(self, content_length: int) -> int:
+        """The body's length around ``content_length`` bytes of file."""
         return len(self.prefix) + content_length + len(self.suffix)
 
+    def headers(self, content_length: int | None) -> dict[str, str]:
+        """The body's headers: its type, and its ``Content-Length`` around
+        ``content_length`` bytes of file (``None``: unknown, the body is chunked)."""
+        if content_length is None:
+            return {"Content-Type": self.content_type, "Transfer-Encoding": "chunked"}
+        return {
+            "Content-Type": self.content_type,
+            "Content-Length": str(self.length(content_length)),
+        }
 
-def multipart_framing(path: str, boundary: str | None = None) -> Multipart:
+
+def multipart_framing(
+    filename: str, boundary: str | None = None, *, fields: Mapping[str, str] | None = None
+) -> Multipart:
+    """The one multipart framing of an upload: the text ``fields`` first (``/fs/write``'s
+    ``path``), then the ``file`` part named ``filename`` (the legacy ``/upload``: the
+    destination path). The filename is a quoted-string: ``\\`` and ``"`` are escaped with a
+    backslash, which multipart parsers undo (a ``%22`` would be kept: another file's name). A
+    random boundary is drawn again while a field holds it."""
+    values = [(name, value.encode("utf-8")) for name, value in (fields or {}).items()]
     boundary = boundary or secrets.token_hex(16)
-    # The filename is the destination path, a quoted-string: '\\' and '"' are escaped with a
-    # backslash, which multipart parsers undo (a "%22" would be kept: another file's name).
-    filename = path.replace("\\", "\\\\").replace('"', '\\"')
-    prefix = (
+    while any(boundary.encode() in value for _, value in values):  # pragma: no cover
+        boundary = secrets.token_hex(16)  # 128 random bits in a field
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+        + value
+        + b"\r\n"
+        for name, value in values
+    ]
+    quoted = filename.replace("\\", "\\\\").replace('"', '\\"')
+    file_part = (
         f"--{boundary}\r\n"
-        f'Content-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+        f'Content-Disposition: form-data; name="file"; filename="{quoted}"\r\n'
         "Content-Type: application/octet-stream\r\n\r\n"
     ).encode()
     suffix = f"\r\n--{boundary}--\r\n".encode()
-    return Multipart(prefix, suffix, f"multipart/form-data; boundary={boundary}")
+    return Multipart(
+        b"".join(parts) + file_part, suffix, f"multipart/form-data; boundary={boundary}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -596,10 +668,15 @@ FILE_API_REQUIREMENT = (
 )
 
 
+COMMAND_ERRORS = frozenset({"invalid_text"})
+"""The refusal codes of the runtime's managed commands (``invalid_text``: an argv, envs, cwd or
+stdin data that UTF-8 cannot carry); they share no value with the broker's own codes."""
+
+
 def is_runtime_answer(status: int, code: str | None) -> bool:
     """Whether an error answer on the data plane is the sandbox runtime's own (passed through
-    by the broker): no ``code`` (a 4xx), or one of the file API's codes."""
-    return (code is None and 400 <= status < 500) or code in FILE_ERRORS
+    by the broker): no ``code`` (a 4xx), or one of the file API's or managed commands' codes."""
+    return (code is None and 400 <= status < 500) or code in FILE_ERRORS or code in COMMAND_ERRORS
 
 
 def _refused_path(body: bytes) -> str | None:

@@ -12,6 +12,7 @@ dialect, before anything is sent.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ class Dialect(ABC):
     name: ClassVar[str]
     features: ClassVar[frozenset[str]] = FEATURES
     """The optional operations (:data:`FEATURES`) this dialect has."""
+    created_name_field: ClassVar[str] = "name"
+    """The field of a create answer that names the sandbox (:meth:`created_name`)."""
 
     def require(self, feature: str, what: str) -> None:
         """Refuse ``what`` before anything is sent if this dialect lacks ``feature``."""
@@ -118,9 +121,15 @@ class Dialect(ABC):
     def parse_created(self, reply: Reply, spec: RequestSpec) -> SandboxInfo:
         """The sandbox a create answer describes."""
 
-    @abstractmethod
     def created_name(self, body: bytes) -> str | None:
-        """The sandbox a create answer names even if it is otherwise unusable (to delete it)."""
+        """The sandbox a create answer names even if it is otherwise unusable (to delete it):
+        the non-empty string under :attr:`created_name_field` of a JSON object, if any."""
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        name = obj.get(self.created_name_field) if isinstance(obj, dict) else None
+        return name if isinstance(name, str) and name else None
 
     @abstractmethod
     def get(self, name: str) -> Call[SandboxInfo]:

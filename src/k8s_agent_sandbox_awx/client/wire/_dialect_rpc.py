@@ -37,6 +37,7 @@ from ._protocol import (
     protocol_error,
     raw,
     redact_answer,
+    scope_names,
     str_mapping,
 )
 
@@ -100,16 +101,9 @@ def lifecycle(seconds: int, now: datetime | None = None) -> dict[str, str]:
     return {"shutdownTime": moment.strftime("%Y-%m-%dT%H:%M:%SZ"), "shutdownPolicy": "Delete"}
 
 
-def _scopes(scopes: Iterable[str] | None) -> list[str] | None:
-    if scopes is None:
-        return None
-    if isinstance(scopes, str) or not all(isinstance(s, str) and s for s in scopes):
-        raise TypeError("scopes= must be a list of scope names, e.g. ['commands', 'files'].")
-    return list(scopes)
-
-
 def create(request: CreateRequest) -> RequestSpec:
     labels = {CREATED_BY_LABEL: CREATED_BY, **str_mapping("labels", request.labels)}
+    scopes = scope_names(request.scopes)
     fields = {
         "warmpool": request.template,
         "labels": labels,
@@ -119,7 +113,7 @@ def create(request: CreateRequest) -> RequestSpec:
         "lifecycle": (
             lifecycle(request.lifetime_seconds) if request.lifetime_seconds is not None else None
         ),
-        "scopes": _scopes(request.scopes),
+        "scopes": None if scopes is None else list(scopes),
     }
     # No idempotency key: sending the create again would make a second sandbox.
     return _op("create", "create a sandbox", fields, retryable=False)
@@ -289,6 +283,7 @@ class RpcDialect(Dialect):
 
     name = "rpc"
     features = frozenset({LIFETIME})  # no list, no whoami, no replay, no sandbox env
+    created_name_field = "claim_name"
 
     def healthz(self) -> Call[Reply]:
         # No health op: any answer of the endpoint (405 to a GET) shows the broker is there.
@@ -311,14 +306,6 @@ class RpcDialect(Dialect):
 
     def parse_created(self, reply: Reply, spec: RequestSpec) -> SandboxInfo:
         return parse_created(reply, spec)
-
-    def created_name(self, body: bytes) -> str | None:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        name = obj.get("claim_name") if isinstance(obj, dict) else None
-        return name if isinstance(name, str) and name else None
 
     def get(self, name: str) -> Call[SandboxInfo]:
         spec = status(name)

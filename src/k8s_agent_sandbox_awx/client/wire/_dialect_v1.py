@@ -239,16 +239,6 @@ def parse_whoami(reply: Reply, spec: RequestSpec) -> dict[str, Any]:
     return result
 
 
-def created_name(body: bytes) -> str | None:
-    """The sandbox name in a create answer that did not parse as a Sandbox object, if any."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    name = obj.get("name") if isinstance(obj, dict) else None
-    return name if isinstance(name, str) and name else None
-
-
 # --------------------------------------------------------------------------------------------
 # Error mapping
 
@@ -260,6 +250,7 @@ _HINTS: dict[str, str] = {
     "invalid_path": "Use a path relative to the sandbox root.",
     "path_not_normalized": "Send the request path resolved (no '.', '..' or empty segments, "
     "no '\\' or ';', percent-encoding only in a file path or the query), as the SDK builds it.",
+    "invalid_method": "Send the HTTP method in upper case (POST, not post), as the SDK does.",
     "token_missing": "No token reached the broker; run `agent-sandbox-awx doctor`.",
     "token_malformed": "The token is not a valid JWT; check the token source with "
     "`agent-sandbox-awx doctor`.",
@@ -302,6 +293,8 @@ _HINTS: dict[str, str] = {
     "rate_limited": "Too many requests; retry later.",
     "sandbox_unreachable": "The broker could not reach the sandbox runtime; retry later or "
     "create a new sandbox.",
+    "sandbox_answer_lost": "The request may have reached the sandbox (a command may run): it is "
+    "retried only if it is idempotent; check the sandbox's state (commands.list()).",
     "unavailable": "The broker or the sandbox is temporarily unavailable; retry later.",
     "sandbox_timeout": "The sandbox runtime did not answer in time; retry, or allow more time.",
 }
@@ -485,9 +478,6 @@ class V1Dialect(Dialect):
 
     def parse_created(self, reply: Reply, spec: RequestSpec) -> SandboxInfo:
         return parse_sandbox(parse_json(reply.content, spec.what), spec.what)
-
-    def created_name(self, body: bytes) -> str | None:
-        return created_name(body)
 
     def get(self, name: str) -> Call[SandboxInfo]:
         return _sandbox_of(get(name))

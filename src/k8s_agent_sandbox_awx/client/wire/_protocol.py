@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -25,7 +24,6 @@ from ...errors import BrokerProtocolError, BrokerUnavailableError
 
 __all__ = [
     "Call",
-    "Keepalive",
     "NdjsonDecoder",
     "Reply",
     "RequestSpec",
@@ -39,6 +37,8 @@ __all__ = [
     "redact_answer",
     "redact_sent",
     "redact_url",
+    "rfc3339_seconds",
+    "scope_names",
     "selector_text",
     "str_mapping",
 ]
@@ -114,49 +114,6 @@ class SandboxInfo:
         }
 
 
-class Keepalive:
-    """One sandbox's opt-in activity keepalive (``keepalive=`` seconds): data-plane activity
-    moves the sandbox's deadline to now + ``seconds``, when that is later than the deadline
-    it knows, and at most once per half window. Thread-safe; the extension itself is sent by
-    the exchange, best effort: one short attempt, a failure is logged (never raised) and the
-    extension tried again by the next request (:meth:`failed`)."""
-
-    def __init__(
-        self,
-        name: str,
-        seconds: int,
-        deadline: float | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.name = name
-        self.seconds = seconds
-        self.deadline = deadline
-        """The sandbox's deadline as last reported (epoch seconds), ``None``: unknown."""
-        self._clock = clock
-        self._last: float | None = None
-        self._lock = threading.Lock()
-
-    def claim(self) -> bool:
-        """Whether this request should extend the lifetime now (then it counts as done)."""
-        with self._lock:
-            now = self._clock()
-            if self._last is not None and now - self._last < self.seconds / 2:
-                return False
-            if self.deadline is not None and now + self.seconds <= self.deadline:
-                return False
-            self._last = now
-            return True
-
-    def extended(self, expires_at: str | None) -> None:
-        """Record the deadline an extension's answer reports."""
-        self.deadline = rfc3339_seconds(expires_at)
-
-    def failed(self) -> None:
-        """The extension :meth:`claim` asked for failed: the next request tries it again."""
-        with self._lock:
-            self._last = None
-
-
 def rfc3339_seconds(value: str | None) -> float | None:
     """An RFC 3339 time as epoch seconds (``None`` if absent or unreadable)."""
     if not value:
@@ -192,8 +149,6 @@ class RequestSpec:
     """A 404 is an answer, not an error (delete: already gone)."""
     subject: str | None = None
     """The sandbox path a data-plane request is about (named by its errors)."""
-    keepalive: Keepalive | None = None
-    """The sandbox's activity keepalive: a data-plane request extends its lifetime when due."""
     delay: float = 0.0
     """Seconds to wait before the first attempt (the interval of a status poll)."""
     probe: bool = False
@@ -284,6 +239,17 @@ def str_mapping(argument: str, value: Mapping[str, str] | None) -> dict[str, str
     return dict(value)
 
 
+def scope_names(scopes: Iterable[str] | None) -> tuple[str, ...] | None:
+    """``scopes=`` as the scope names to ask for (``None``: the policy's), else a TypeError
+    naming it: a list of non-empty str (one str is refused, never split into letters)."""
+    if scopes is None:
+        return None
+    names = None if isinstance(scopes, str) else tuple(scopes)
+    if names is None or not all(isinstance(s, str) and s for s in names):
+        raise TypeError("scopes= must be a list of scope names, e.g. ['commands', 'files'].")
+    return names
+
+
 def selector_text(label_selector: Mapping[str, str] | str | None) -> str | None:
     """A label selector as sent: ``'team=ml'`` as is, ``{'team': 'ml'}`` joined; checked."""
     if not label_selector:
@@ -338,7 +304,8 @@ def redact_sent(exc: BaseException, tokens: Iterable[str]) -> None:
 
 
 def sent_token(request_headers: Mapping[str, str]) -> str:
-    """The bearer token a request carried (``""`` if none)."""
+    """The bearer token a request carried (``""`` if none): the one reading of it, for the
+    exchange's messages about an attempt and the transports' redaction of answers."""
     return str(request_headers.get("Authorization", "")).partition(" ")[2].strip()
 
 

@@ -1,0 +1,220 @@
+"""The observing layer: one broker request followed from its first byte to its last.
+
+:class:`Observed` wraps the broker's ASGI app. For each HTTP request it opens an
+:class:`._context.Exchange` (the parts below note who, what and which sandbox into it), takes
+the client's ``X-Request-Id`` when it is a sane token (else makes one) and echoes it in the
+answer, counts the body bytes each way, and once the answer ended (a stream: at its last byte,
+or when a peer went away) hands the record to its sinks: the access log (:func:`access_record`),
+the audit log (:mod:`._audit`) and the metrics (:mod:`._metrics`).
+
+How an answer ended (``end``): ``complete``; ``client_gone`` (the client went away first);
+``upstream_broke`` (the sandbox's answer broke off mid-stream: the broker dropped the client's
+connection); ``error`` (the app failed: the server answers 500); ``incomplete`` (the app
+returned without finishing the answer).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from starlette.datastructures import Headers
+
+from .._app import plane_of
+from .._metadata import DNS_LABEL
+from .._relay import DroppedConnection
+from ._context import Exchange, close_exchange, open_exchange
+from ._lines import LineWriter, timestamp
+from ._routes import UNMATCHED, data_route, issuer_route, v1_route
+
+__all__ = ["REQUEST_ID_HEADER", "Counts", "Observed", "access_record"]
+
+log = logging.getLogger("k8s_agent_sandbox_awx.broker.observability")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+REQUEST_ID_HEADER: Final = "X-Request-Id"
+_REQUEST_ID_RAW: Final = b"x-request-id"
+_SANE_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+"""A client's request id is kept when it is 1-64 of these characters (a UUID, a trace id);
+anything else (longer, spaces, quotes, non-ASCII) is replaced by one the broker makes."""
+
+
+@dataclass
+class Counts:
+    """What passed through one request: its status, body bytes each way, how it ended."""
+
+    status: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    completed: bool = False
+    client_gone: bool = False
+    end: str = ""
+
+    def ending(self) -> str:
+        if self.end:
+            return self.end
+        if self.completed:
+            return "complete"
+        return "client_gone" if self.client_gone else "incomplete"
+
+
+class Sink(Protocol):
+    """What the layer hands each finished request to (the audit log, the metrics)."""
+
+    def record(self, exchange: Exchange, counts: Counts, duration: float) -> None: ...
+
+
+def request_id(scope: Scope) -> str:
+    """The client's ``X-Request-Id`` if it is sane, else a new one (32 hex digits)."""
+    for name, value in scope.get("headers") or ():
+        if name == _REQUEST_ID_RAW:
+            try:
+                text: str = bytes(value).decode("ascii")
+            except UnicodeDecodeError:
+                break
+            if _SANE_REQUEST_ID.fullmatch(text):
+                return text
+            break
+    return uuid.uuid4().hex
+
+
+def _name_or_none(value: str | None) -> str | None:
+    return value if value and len(value) <= 63 and DNS_LABEL.match(value) else None
+
+
+def classify(exchange: Exchange, scope: Scope, protocols: tuple[str, ...]) -> None:
+    """The plane, the route template and the sandbox a request names, from its path and
+    headers (the ``/rpc`` op is noted by the front-end once it read the body)."""
+    path: str = scope["path"]
+    plane = plane_of(scope, protocols)
+    exchange.plane = plane
+    if plane == "data":
+        exchange.route = data_route(path)
+        exchange.sandbox = _name_or_none(Headers(scope=scope).get("x-sandbox-id"))
+    elif plane == "v1":
+        exchange.route = v1_route(path)
+        if "{name}" in exchange.route:
+            exchange.sandbox = _name_or_none(path.split("/")[3])
+    elif plane == "rpc":
+        exchange.route = "/rpc"
+    elif plane == "issuer":
+        exchange.route = issuer_route(path)
+    else:
+        exchange.route = UNMATCHED
+
+
+def access_record(exchange: Exchange, counts: Counts, duration: float) -> dict[str, Any]:
+    """The access log's line for one request (``"log": "access"``): never a token, a header
+    value, a query or a raw path."""
+    caller = exchange.caller
+    return {
+        "time": timestamp(),
+        "log": "access",
+        "request_id": exchange.request_id,
+        "method": exchange.method,
+        "route": exchange.route,
+        "plane": exchange.plane or None,
+        "status": counts.status,
+        "duration_ms": round(duration * 1000, 3),
+        "end": counts.ending(),
+        "issuer": caller.issuer if caller else None,
+        "subject": caller.subject if caller else None,
+        "provider": caller.provider if caller else None,
+        "sandbox": exchange.sandbox,
+        "claim": exchange.claim,
+        "bytes_in": counts.bytes_in,
+        "bytes_out": counts.bytes_out,
+        "error": exchange.error[0] if exchange.error else None,
+    }
+
+
+class Observed:
+    """``app`` observed: each HTTP request's record goes to ``access`` (a line per request;
+    ``None``: no access log) and to every one of ``sinks``; ``protocols``: the dialects the app
+    serves (for its routes)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        access: LineWriter | None,
+        sinks: tuple[Sink, ...] = (),
+        protocols: tuple[str, ...] = ("v1", "rpc"),
+    ) -> None:
+        self.app = app
+        self.access = access
+        self.sinks = sinks
+        self.protocols = protocols
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        exchange = Exchange(request_id=request_id(scope), method=scope["method"])
+        classify(exchange, scope, self.protocols)
+        counts = Counts()
+        token = open_exchange(exchange)
+        try:
+            await self.app(
+                scope, _counted_receive(receive, counts), _counted_send(send, counts, exchange)
+            )
+        except DroppedConnection:
+            counts.end = "upstream_broke"
+            raise
+        except BaseException:
+            counts.end = "client_gone" if counts.client_gone else "error"
+            counts.status = counts.status or 500
+            raise
+        finally:
+            close_exchange(token)
+            self._finish(exchange, counts, time.perf_counter() - exchange.started)
+
+    def _finish(self, exchange: Exchange, counts: Counts, duration: float) -> None:
+        try:
+            if self.access is not None:
+                self.access.write(access_record(exchange, counts, duration))
+            for sink in self.sinks:
+                sink.record(exchange, counts, duration)
+        except Exception:  # observing must never fail the request; the bug is logged
+            log.exception("could not record request %s", exchange.request_id)
+
+
+def _counted_receive(receive: Receive, counts: Counts) -> Receive:
+    async def counted() -> Message:
+        message = await receive()
+        if message["type"] == "http.request":
+            counts.bytes_in += len(message.get("body", b""))
+        elif message["type"] == "http.disconnect" and not counts.completed:
+            counts.client_gone = True
+        return message
+
+    return counted
+
+
+def _counted_send(send: Send, counts: Counts, exchange: Exchange) -> Send:
+    rid = exchange.request_id.encode("ascii")
+
+    async def counted(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            counts.status = int(message["status"])
+            headers = [
+                (k, v) for k, v in message.get("headers", ()) if k.lower() != _REQUEST_ID_RAW
+            ]
+            message = {**message, "headers": [*headers, (_REQUEST_ID_RAW, rid)]}
+        elif message["type"] == "http.response.body":
+            counts.bytes_out += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                counts.completed = True
+        await send(message)
+
+    return counted
