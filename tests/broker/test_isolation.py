@@ -33,17 +33,7 @@ from k8s_agent_sandbox_awx.testing import (
     Policy,
     caller_namespace,
 )
-
-REQUIRED = os.environ.get("AGENT_SANDBOX_REQUIRE_BWRAP") == "1"
-
-
-def _need_bwrap() -> None:
-    probe = _isolation.probe_bwrap()
-    if probe.works:
-        return
-    if REQUIRED:
-        pytest.fail(f"AGENT_SANDBOX_REQUIRE_BWRAP=1, but {probe.detail}", pytrace=False)
-    pytest.skip(f"bubblewrap cannot run here: {probe.detail}")
+from tests._support.isolation import REQUIRED, need_bwrap
 
 
 def test_bubblewrap_works_where_it_is_required() -> None:
@@ -66,7 +56,7 @@ ISOLATED_TEMPLATES: dict[str, str | list[str] | None] = {
 def isolated() -> Iterator[LocalBroker]:
     """A broker whose sandboxes run in bubblewrap: Kubernetes callers' with the network on,
     GitLab callers' with it off."""
-    _need_bwrap()
+    need_bwrap()
     templates = tuple(ISOLATED_TEMPLATES)
     with LocalBroker(
         isolation="bwrap",
@@ -297,6 +287,32 @@ def test_the_file_api_and_managed_commands_work_unchanged(on: Any) -> None:
         on, sandbox, ["sh", "-c", "echo $X; pwd"], envs={"X": "y"}, cwd="/workspace/d"
     )
     assert (status["exit_code"], status["stdout"]) == (0, "y\n/workspace/d\n")
+
+
+def test_the_sandbox_roots_cannot_be_replaced(on: Any) -> None:
+    """In the host-process layout a command can remove /app or /workspace and put a link or
+    another directory there (the runtime then refuses: root_replaced); isolated, each is a
+    mount point: removing, moving or replacing it fails, and the file API keeps working."""
+    sandbox = on.ready()
+    headers = on.data_headers(sandbox)
+    assert _sh(on, sandbox, "echo kept > /workspace/f && echo kept > /app/f")["exit_code"] == 0
+    for attempt in (
+        "rm -rf /workspace",
+        "cd / && mv /app /app.old",
+        "cd / && mv /workspace /workspace.old",
+        "rmdir /app",
+        "cd /tmp && ln -s /etc link && mv -T link /workspace",
+        "mkdir /tmp/other && mv -T /tmp/other /app",
+    ):
+        result = _sh(on, sandbox, attempt)
+        assert result["exit_code"] != 0, (attempt, result)
+    # rm -rf emptied /workspace but could not remove it; /app is untouched
+    listed = on.http.get("/fs/list", params={"path": "/workspace"}, headers=headers)
+    assert listed.status_code == 200, listed.text
+    assert listed.json() == []
+    read = on.http.get("/fs/read", params={"path": "/app/f"}, headers=headers)
+    assert (read.status_code, read.content) == (200, b"kept\n")
+    assert _sh(on, sandbox, "pwd")["stdout"] == "/app\n"
 
 
 # -- cleanup ------------------------------------------------------------------------------------

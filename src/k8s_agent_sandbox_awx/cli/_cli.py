@@ -584,11 +584,19 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     return broker_main(args.broker_command, args.config)
 
 
+def _local_isolation() -> dict[str, str | None]:
+    """What local sandboxes get here (doctor's line on them)."""
+    from ._local import local_isolation_report
+
+    return local_isolation_report()
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from ..client.http._config import BrokerConnectionConfig
     from ._doctor import run_doctor
 
     report = run_doctor(lambda: BrokerConnectionConfig.from_env(**_settings(args)))
+    report.local_isolation = _local_isolation()
     if args.json:
         _print_json(report.to_dict())
     else:

@@ -41,6 +41,9 @@ _EXPORTS: dict[str, str] = {
     "LocalProcessBackend": "..broker.backends._local",
     "DEFAULT_RUNTIME_COMMAND": "..broker.backends._local",
     "IsolationUnavailable": "..broker.backends._isolation",
+    "Isolation": "..broker.backends._isolation",
+    "local_isolation": "._messages",
+    "isolation_warning": "._messages",
     "BWRAP_ISOLATION_WARNING": "._messages",
     "RESERVED_PREFIX": "..broker.identity._policy",
     # for plugin authors' tests (standard library only: no [local] extra needed)
@@ -65,6 +68,7 @@ __all__ = [
     "RESERVED_PREFIX",
     "SDK_VARIABLES",
     "Caller",
+    "Isolation",
     "IsolationUnavailable",
     "Issuer",
     "LocalBroker",
@@ -81,6 +85,8 @@ __all__ = [
     "caller_namespace",
     "check_cached_then_refreshed",
     "check_entry_point",
+    "isolation_warning",
+    "local_isolation",
     "unsigned_jwt",
     "unverified_claims",
 ]
@@ -103,6 +109,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..broker.backends._isolation import Isolation as Isolation
     from ..broker.backends._isolation import IsolationUnavailable as IsolationUnavailable
     from ..broker.backends._local import DEFAULT_RUNTIME_COMMAND as DEFAULT_RUNTIME_COMMAND
     from ..broker.backends._local import LocalProcessBackend as LocalProcessBackend
@@ -120,6 +127,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._endpoint import ScriptedEndpoint as ScriptedEndpoint
     from ._issuers import Issuer as Issuer
     from ._messages import BWRAP_ISOLATION_WARNING as BWRAP_ISOLATION_WARNING
+    from ._messages import isolation_warning as isolation_warning
+    from ._messages import local_isolation as local_isolation
     from ._plugin_kit import SDK_VARIABLES as SDK_VARIABLES
     from ._plugin_kit import call_concurrently as call_concurrently
     from ._plugin_kit import check_cached_then_refreshed as check_cached_then_refreshed

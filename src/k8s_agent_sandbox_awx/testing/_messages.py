@@ -6,6 +6,11 @@ in namespaces of their own (bubblewrap), which are not a virtual machine."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..broker.backends._isolation import Isolation
+
 NO_ISOLATION_WARNING = (
     "local sandboxes are host processes with NO isolation: commands run as your user on this "
     "machine. Use the local broker for development and tests only, never for untrusted code."
@@ -29,3 +34,14 @@ EXTRA_HINT = (
 def isolation_warning(mode: str | None) -> str:
     """The warning for sandboxes isolated as ``mode`` (``"bwrap"``, else no isolation)."""
     return BWRAP_ISOLATION_WARNING if mode == "bwrap" else NO_ISOLATION_WARNING
+
+
+def local_isolation(isolation: str | None = None) -> Isolation:
+    """The isolation local sandboxes get here for ``isolation`` (``"auto"``, ``"bwrap"``,
+    ``"none"``; ``None``: ``$AGENT_SANDBOX_LOCAL_ISOLATION``, else ``"auto"``), as a
+    :class:`LocalBroker` made now would have it; ValueError for another value,
+    IsolationUnavailable for ``"bwrap"`` without a working bwrap (``bwrap`` probed once per
+    process)."""
+    from ..broker.backends._isolation import choose
+
+    return choose(isolation)
