@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -41,6 +42,23 @@ def test_bubblewrap_works_where_it_is_required() -> None:
         pytest.skip("bubblewrap is required only with AGENT_SANDBOX_REQUIRE_BWRAP=1 (CI sets it)")
     probe = _isolation.probe_bwrap()
     assert probe.works, probe.detail
+
+
+def test_the_requirement_fails_the_run_where_bwrap_is_missing(tmp_path: Path) -> None:
+    """The CI gate itself: with AGENT_SANDBOX_REQUIRE_BWRAP=1 and no bwrap on PATH, the test
+    above fails (a pytest of its own, whose PATH has no bwrap); without the variable it skips."""
+    (tmp_path / "bin").mkdir()
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
+    argv += [__file__, "-k", "test_bubblewrap_works_where_it_is_required"]
+    env = {**os.environ, "PATH": str(tmp_path / "bin"), "AGENT_SANDBOX_REQUIRE_BWRAP": "1"}
+    root = Path(__file__).resolve().parents[2]
+    required = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert required.returncode == 1, required.stdout[-2000:]
+    assert "1 failed" in required.stdout and "bwrap is not installed" in required.stdout
+    del env["AGENT_SANDBOX_REQUIRE_BWRAP"]
+    optional = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert optional.returncode == 0, optional.stdout[-2000:]
+    assert "1 skipped" in optional.stdout
 
 
 ISOLATED_TEMPLATES: dict[str, str | list[str] | None] = {

@@ -13,17 +13,20 @@ if TYPE_CHECKING:
 
 NO_ISOLATION_WARNING = (
     "local sandboxes are host processes with NO isolation: commands run as your user on this "
-    "machine. Use the local broker for development and tests only, never for untrusted code."
+    "machine, with your files, your processes and your network (install bubblewrap for "
+    "sandboxes in namespaces of their own). Use the local broker for development and tests "
+    "only, never for untrusted code."
 )
 BWRAP_ISOLATION_WARNING = (
     "local sandboxes run in Linux namespaces of their own (bubblewrap), which are not a virtual "
     "machine. A sandbox sees no other process and cannot change the host's files: it writes "
-    "only its /app, /workspace and a private /tmp and /run. But it reads every host file your "
-    "user can read (your home directory's keys and tokens included), shares the host's kernel "
-    "(a kernel bug is an escape), runs with your user id (root in a sandbox is root on the host, "
-    "without capabilities), has no CPU, memory or disk limits, and shares the host's network, "
-    "loopback services included, unless its policy turns the network off. Use the local broker "
-    "for development and tests only, never for untrusted code."
+    "only its /app, /workspace and a private /tmp, /run and /dev. But it reads the host files "
+    "your user can read (your home directory's keys and tokens included; not the broker's "
+    "temporary directory), shares the host's kernel (a kernel bug is an escape), runs with your "
+    "user id (root in a sandbox is root on the host, without capabilities), has no CPU, memory "
+    "or disk limits, and shares the host's network, loopback services included, unless its "
+    "policy turns the network off. Use the local broker for development and tests only, never "
+    "for untrusted code."
 )
 EXTRA_HINT = (
     'the local broker needs the [local] extra: python3 -m pip install -e ".[local]" in a clone of '
