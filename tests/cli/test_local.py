@@ -11,10 +11,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from k8s_agent_sandbox_awx.cli import _local
 from k8s_agent_sandbox_awx.cli._local import demo_main, dev_main
 from k8s_agent_sandbox_awx.testing import BWRAP_ISOLATION_WARNING, NO_ISOLATION_WARNING
 from tests._support.isolation import fake_bwrap, need_bwrap
@@ -193,3 +195,36 @@ def test_dev_and_demo_refuse_bwrap_without_it_naming_the_package(
         dev_main(["--isolation", "vm"])
     assert refused.value.code == 2
     assert "--isolation: invalid choice: 'vm'" in capsys.readouterr().err
+
+
+class _InterruptedBroker:
+    """A local broker whose start is over and whose announcement meets a Ctrl-C (as a Ctrl-C
+    right after dev printed its exports): deterministic, where a real one is a race."""
+
+    isolation_info = None
+    stopped = False
+
+    def __init__(self, **options: Any) -> None:
+        pass
+
+    def __enter__(self) -> _InterruptedBroker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _InterruptedBroker.stopped = True
+
+    def keep_projected_token_rotated(self, *args: Any) -> str:
+        raise KeyboardInterrupt
+
+
+def test_dev_stops_quietly_on_a_ctrl_c_right_after_it_is_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(_local, "_import_broker", lambda: _InterruptedBroker)
+    try:
+        code = dev_main(["--token-file", str(tmp_path / "token")])
+    except KeyboardInterrupt:
+        pytest.fail("dev let a Ctrl-C right after its exports out as a traceback")
+    assert code == 0
+    assert _InterruptedBroker.stopped
+    assert "# stopping the local broker" in capsys.readouterr().err

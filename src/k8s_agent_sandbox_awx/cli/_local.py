@@ -138,26 +138,30 @@ def _serve(
 ) -> None:
     """Run the broker until ``stop`` is set or Ctrl-C, keeping the token file rotated."""
     with local_broker(warn=False, protocols=protocols, isolation=args.isolation) as broker:
-        _warn(broker)
-        broker.keep_projected_token_rotated(
-            token_file, args.namespace, args.service_account, args.ttl
-        )
-        print(f"export AGENT_SANDBOX_BROKER_URL={shlex.quote(broker.url)}")
-        print(f"export AGENT_SANDBOX_CA_BUNDLE={shlex.quote(broker.ca_bundle)}")
-        print(f"export AGENT_SANDBOX_TOKEN_FILE={shlex.quote(os.path.abspath(token_file))}")
-        print(
-            f"# local broker up in {broker.startup_seconds:.3f} s as "
-            f"system:serviceaccount:{args.namespace}:{args.service_account}, serving "
-            f"{' and '.join(broker.protocols)}; sandboxes' {_isolation_line(broker)}; the "
-            "token file is rotated at 80% of its lifetime. Ctrl-C stops it.",
-            flush=True,
-        )
-        try:
+        try:  # from here on Ctrl-C stops the broker quietly (even right after the exports)
+            _announce(broker, args, token_file)
             while not stop.wait(0.5):
                 pass
         except KeyboardInterrupt:
             pass
         print("# stopping the local broker", file=sys.stderr, flush=True)
+
+
+def _announce(broker: Any, args: argparse.Namespace, token_file: str) -> None:
+    """The warning, the token file written (and kept rotated), the exports and the line that
+    says the broker is up."""
+    _warn(broker)
+    broker.keep_projected_token_rotated(token_file, args.namespace, args.service_account, args.ttl)
+    print(f"export AGENT_SANDBOX_BROKER_URL={shlex.quote(broker.url)}")
+    print(f"export AGENT_SANDBOX_CA_BUNDLE={shlex.quote(broker.ca_bundle)}")
+    print(f"export AGENT_SANDBOX_TOKEN_FILE={shlex.quote(os.path.abspath(token_file))}")
+    print(
+        f"# local broker up in {broker.startup_seconds:.3f} s as "
+        f"system:serviceaccount:{args.namespace}:{args.service_account}, serving "
+        f"{' and '.join(broker.protocols)}; sandboxes' {_isolation_line(broker)}; the "
+        "token file is rotated at 80% of its lifetime. Ctrl-C stops it.",
+        flush=True,
+    )
 
 
 def demo_main(argv: list[str]) -> int:
