@@ -99,3 +99,21 @@ def test_benchmark_figures_are_located_in_the_repository() -> None:
     assert pages, "link the pages that hold the figures"
     for page in pages:
         assert re.search(r"\d ms|µs", (ROOT / "docs" / page).read_text()), page
+
+
+def test_the_readme_lists_every_page_the_docs_index_lists() -> None:
+    """docs/index.md's pages (its links to other pages of docs/) are all in the README's list
+    (it lacked the broker, performance and migrating pages, issue 23)."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    pages = set(re.findall(r"\]\(([a-z][\w/-]*\.md)\)", index))
+    assert len(pages) >= 10, pages
+    missing = sorted(page for page in pages if f"](docs/{page}" not in readme)
+    assert missing == [], missing
+
+
+def test_the_fixture_docs_say_it_needs_pytest() -> None:
+    """No extra installs pytest: the page on the ``sandbox_broker`` fixture says so."""
+    text = (ROOT / "docs" / "local-broker.md").read_text()
+    section = text.split("## In tests: the `sandbox_broker` fixture", 1)[1].split("\n## ", 1)[0]
+    assert "It needs pytest" in section and "no extra installs" in section

@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "AsyncCommandHandle": ".client._async_commands",
     "CommandEvent": ".client.core._command_flow",
     "CommandInfo": ".client.wire._dataplane",
+    "PtyHandle": ".client._pty",
+    "AsyncPtyHandle": ".client._async_pty",
     # --- the original package's names (drop-in migration) ----------------------------------
     "SandboxBrokerConnectionConfig": ".client.http._config",
     "BrokerSandbox": ".client._client",
@@ -55,6 +57,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AsyncBrokerSandboxClient",
     "AsyncCommandHandle",
+    "AsyncPtyHandle",
     "AsyncSandbox",
     "BrokerConnectionConfig",
     "BrokerSandbox",
@@ -72,6 +75,7 @@ __all__ = [
     "OIDCTokenAuth",
     "ProviderDecision",
     "ProviderInfo",
+    "PtyHandle",
     "Sandbox",
     "SandboxBrokerConnectionConfig",
     "SandboxError",
@@ -109,8 +113,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from . import errors
     from .client._async_client import AsyncBrokerSandboxClient, AsyncSandbox
     from .client._async_commands import AsyncCommandHandle
+    from .client._async_pty import AsyncPtyHandle
     from .client._client import BrokerSandbox, BrokerSandboxClient, Sandbox, SandboxInfo
     from .client._commands import CommandHandle
+    from .client._pty import PtyHandle
     from .client.core._command_flow import CommandEvent
     from .client.core._fsapi import FileInfo, WatchEvent
     from .client.http._config import BrokerConnectionConfig, SandboxBrokerConnectionConfig

@@ -285,8 +285,6 @@ class _Pki:
 
 def _make_pki(folder: Path) -> _Pki:
     import trustme
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
 
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
@@ -297,22 +295,29 @@ def _make_pki(folder: Path) -> _Pki:
     ca.cert_pem.write_to_path(str(paths.ca_file))
     cert.cert_chain_pems[0].write_to_path(str(paths.cert_file))
     cert.private_key_pem.write_to_path(str(paths.key_file))
+    paths.key_file.chmod(0o600)
+    paths.sa_public_file.write_bytes(_new_signing_key(paths.sa_key_file))
+    return paths
+
+
+def _new_signing_key(key_file: Path) -> bytes:
+    """A new RSA service-account signing key written (mode 600) to ``key_file``; its public
+    key (PEM)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    paths.sa_key_file.write_bytes(
+    key_file.write_bytes(
         key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
     )
-    paths.sa_public_file.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
+    key_file.chmod(0o600)
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    for path in (paths.key_file, paths.sa_key_file):
-        path.chmod(0o600)
-    return paths
 
 
 class KubeAPIServer:
@@ -403,6 +408,19 @@ class KubeAPIServer:
         self._start_apiserver()
         self._wait_for_crds_served()
         return time.perf_counter() - started
+
+    def rotate_signing_key(self) -> float:
+        """A service-account key rotation: a new signing key (``--service-account-signing-key-
+        file``), the old public key still published beside the new one (both in
+        ``--service-account-key-file``: tokens of either verify, and the JWKS lists both), the
+        API server restarted (``restart()``) to take them; its seconds. Later tokens are signed
+        with the new key (another ``kid``). Nothing retires the old key."""
+        pki = self._pki
+        if pki is None:
+            raise RuntimeError("rotate_signing_key(): start() first")
+        public = pki.sa_public_file.read_bytes() + _new_signing_key(pki.sa_key_file)
+        pki.sa_public_file.write_bytes(public)
+        return self.restart()
 
     def _start_etcd(self) -> None:
         client, peer = self._etcd_ports

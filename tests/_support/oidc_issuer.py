@@ -137,3 +137,45 @@ class ScriptedIssuer:
 
     def token(self, sub: str = "user", *, key: SigningKey | None = None, **claims: Any) -> str:
         return self.sign(self.claims(sub, **claims), key=key)
+
+
+class BackgroundIssuer:
+    """A :class:`ScriptedIssuer` served from a thread of its own (its own event loop), for
+    tests whose broker is another process or whose test code is synchronous.
+
+    ``with BackgroundIssuer(tmp_path) as issuer:`` — ``issuer.url``, ``issuer.ca_file``,
+    ``issuer.token(sub, aud=...)`` as on :class:`ScriptedIssuer` (``issuer.scripted``)."""
+
+    def __init__(self, folder: Path, algorithm: str = "RS256") -> None:
+        import asyncio
+        import threading
+
+        self.scripted = ScriptedIssuer(folder, algorithm)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> BackgroundIssuer:
+        import asyncio
+
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.scripted.__aenter__(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.scripted.__aexit__(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    @property
+    def url(self) -> str:
+        return self.scripted.url
+
+    @property
+    def ca_file(self) -> Path:
+        return self.scripted.ca_file
+
+    def token(self, sub: str = "user", **claims: Any) -> str:
+        return self.scripted.token(sub, **claims)

@@ -499,6 +499,30 @@ def test_claims(conf: Path) -> None:
     one(found, 'policies[0].claims.""', "not a claim name")
 
 
+def test_a_kubernetes_claim_name_spelled_as_toml_reads_it_is_named_with_the_fix(
+    conf: Path,
+) -> None:
+    """The Kubernetes token's claim is ``kubernetes.io`` (a name with a dot), an object with
+    ``namespace``: a policy matches it as ``"kubernetes.io.namespace"``, quoted. Unquoted, TOML
+    reads nested tables; with a slash (a label's spelling) the key names no claim."""
+    bare = 'claims = { kubernetes.io.namespace = "team-a" }\n'
+    found = problems(conf, SERVER, ISSUER, POLICY + bare, BACKEND)
+    one(
+        found,
+        "policies[0].claims.kubernetes",
+        "TOML reads an unquoted dotted name as nested tables",
+        '"kubernetes.io.namespace" = ...',
+    )
+    slash = 'claims = { "kubernetes.io/namespace" = "team-a" }\n'
+    found = problems(conf, SERVER, ISSUER, POLICY + slash, BACKEND)
+    one(
+        found,
+        'policies[0].claims."kubernetes.io/namespace"',
+        "names no claim of a Kubernetes token",
+        '"kubernetes.io.namespace"',
+    )
+
+
 def test_a_policy_after_a_catch_all_can_never_match(conf: Path) -> None:
     narrow = POLICY.replace('"team-a"\nissuer', '"narrow"\nissuer') + 'subject = "x:*"\n'
     found = problems(conf, SERVER, ISSUER, POLICY, narrow, BACKEND)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from datetime import datetime
 from typing import Any
@@ -89,6 +90,17 @@ def test_the_cap_counts_from_creation(alice: Any) -> None:
     # the refusal changed nothing
     got = alice.http.get(f"/v1/sandboxes/{name}").json()
     assert _ts(got["expires_at"]) - _ts(got["created_at"]) <= POLICY_CAP
+
+
+def test_the_cap_refusal_labels_both_times(alice: Any) -> None:
+    """The refusal said "from its creation (<the cap's time>)", which read as the creation
+    time: it names the creation time and the cap's end, each labelled (issue 23)."""
+    created = alice.create(lifetime_seconds=60).json()
+    detail = _extend(alice, created["name"], {"seconds": POLICY_CAP}).json()["detail"]
+    match = re.search(r"\(created (\S+)\), so it ends at the latest at (\S+);", detail)
+    assert match, detail
+    assert _ts(match[1]) == pytest.approx(_ts(created["created_at"]), abs=1)
+    assert _ts(match[2]) == pytest.approx(_ts(created["created_at"]) + POLICY_CAP, abs=1)
 
 
 @pytest.mark.parametrize(

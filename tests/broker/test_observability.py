@@ -252,7 +252,7 @@ def test_a_verified_but_refused_token_is_attributed(obs: Observed) -> None:
 
 def test_a_stream_is_logged_at_its_end(obs: Observed, alice: Client) -> None:
     sandbox = alice.ready()
-    script = "for i in 1 2 3 4 5; do echo tick; sleep 0.1; done"
+    script = "echo tick; while [ ! -e go ]; do sleep 0.05; done; echo tock"
     _, started = alice.send(
         "POST",
         "/commands",
@@ -260,14 +260,25 @@ def test_a_stream_is_logged_at_its_end(obs: Observed, alice: Client) -> None:
         headers=data_headers(sandbox),
     )
     command = started.json()["command_id"]
-    rid, events = alice.send(
-        "GET", f"/commands/{command}/events?after=0&duration=20", headers=data_headers(sandbox)
-    )
-    assert events.status_code == 200 and b"tick" in events.content
+    rid = "stream-to-its-end"
+    headers = {"X-Request-Id": rid, **data_headers(sandbox)}
+    url = f"/commands/{command}/events?after=0&duration=20"
+    with alice.http.stream("GET", url, headers=headers) as events:
+        assert events.status_code == 200
+        chunks = events.iter_raw()
+        content = b""
+        while b"tick" not in content:  # the stream has begun: its first event is here
+            content += next(chunks)
+        time.sleep(0.4)  # the stream stays open: the command waits for "go"
+        _, go = alice.send("POST", "/commands", json={"command": ["touch", "go"]},
+                           headers=data_headers(sandbox))  # fmt: skip
+        assert go.status_code in (200, 201, 202), go.text
+        content += b"".join(chunks)
+    assert b"tock" in content
     line = obs.access_for(rid)
     assert line["route"] == "{data} /commands/{id}/events" and line["end"] == "complete"
-    assert line["duration_ms"] >= 350  # the whole stream, not its first byte
-    assert line["bytes_out"] == len(events.content)
+    assert line["duration_ms"] >= 400  # the whole stream, not its first byte
+    assert line["bytes_out"] == len(content)
     assert command not in obs.access.getvalue()
 
     rid = "client-leaves-early"

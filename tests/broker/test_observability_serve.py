@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from k8s_agent_sandbox_awx.broker.config import BrokerConfigError, load_config
-from k8s_agent_sandbox_awx.broker.observability._routes import (
+from k8s_agent_sandbox_awx.broker._route_names import (
     data_route,
     issuer_route,
     rpc_route,
     v1_route,
 )
+from k8s_agent_sandbox_awx.broker.config import BrokerConfigError, load_config
 from tests._support.broker_server import CLI, Pki, Served, write_config
 
 pytest.importorskip("uvicorn", reason="needs the [broker] extra")
@@ -138,6 +138,8 @@ def test_text_lines_and_no_access_log_when_asked(
 
     quiet = write_config(tmp_path, pki)
     quiet.write_text(quiet.read_text().replace("[server]\n", "[server]\naccess_log = false\n", 1))
+    with quiet.open("a") as extra_tables:  # the audit (always written) apart from stdout
+        extra_tables.write(f'\n[audit]\ndestination = "{tmp_path / "audit.jsonl"}"\n')
     server = Served.start([*CLI, "broker", "serve", "--config", str(quiet)])
     started.append(server)
     server.wait_started()
@@ -235,3 +237,26 @@ def test_a_line_that_cannot_be_written_is_counted_and_reported(
 
 if sys.platform != "linux":  # pragma: no cover
     pytestmark = pytest.mark.skip("the server tests run on Linux")
+
+
+@pytest.mark.asyncio
+async def test_broker_serves_metrics_read_its_issuers_and_backend(pki: Pki, tmp_path: Path) -> None:
+    """The app ``broker serve`` builds (``app_factory``, a ConfiguredBroker around the
+    BrokerApp) is observed as a broker: the metrics read its verifier and its backend at
+    scrape time (each issuer's readiness, the live sandboxes)."""
+    import httpx
+
+    from k8s_agent_sandbox_awx.broker._app_factory import app_factory
+    from k8s_agent_sandbox_awx.broker.observability._serve import observed
+
+    config = load_config(_config(tmp_path, pki, '\n[metrics]\nlisten = "127.0.0.1:0"\n'))
+    served = observed(app_factory(config), config)
+    assert served.metrics is not None
+    transport = httpx.ASGITransport(app=served.metrics)
+    async with httpx.AsyncClient(transport=transport, base_url="http://metrics") as client:
+        text = (await client.get("/metrics")).text
+    families = {f.name for f in text_string_to_metric_families(text)}
+    assert {
+        "agent_sandbox_broker_issuer_ready",
+        "agent_sandbox_broker_active_sandboxes",
+    } <= families

@@ -253,3 +253,65 @@ def test_managed_command_traffic_conforms(broker: LocalBroker) -> None:
         ("GET", "/commands", 200),
         ("GET", "/commands", 400),
     } <= codes
+
+
+def test_pty_traffic_conforms(broker: LocalBroker) -> None:
+    """The pty option, its events (data_base64), binary stdin and the resize route: the
+    requests as the document describes them, the answers as it promises."""
+    doc = load_openapi()
+    problems: list[str] = []
+    seen: set[tuple[str, str, int]] = set()
+    token = broker.issue_kubernetes_token("team-a", "openapi-pty")
+    with httpx.Client(
+        base_url=broker.url,
+        verify=ssl.create_default_context(cafile=broker.ca_bundle),
+        headers={"Authorization": f"Bearer {token}"},
+        event_hooks={"response": [_contract_hook(doc, problems, seen)]},
+        timeout=30,
+    ) as http:
+        name = http.post("/v1/sandboxes", json={}).json()["name"]
+        http.get(f"/v1/sandboxes/{name}", params={"wait": "ready", "timeout": 20})
+        headers = {"X-Sandbox-ID": name, "X-Sandbox-Namespace": "team-a"}
+
+        def post(path: str, schema: str, body: dict[str, Any], ok: bool = True) -> httpx.Response:
+            request_problems = validate(body, {"$ref": f"#/components/schemas/{schema}"}, doc)
+            assert bool(request_problems) != ok, (body, request_problems)
+            return http.post(path, json=body, headers=headers)
+
+        script = "printf '\\377ok\\n'; read line; stty size; echo $line"
+        start = {"command": ["/bin/bash", "-c", script], "pty": {"cols": 90, "rows": 20}}
+        command_id = post("/commands", "StartCommandRequest", start).json()["command_id"]
+        base = f"/commands/{command_id}"
+        assert post(f"{base}/resize", "CommandResizeRequest", {"cols": 91, "rows": 21}).is_success
+        post(f"{base}/resize", "CommandResizeRequest", {"cols": 0, "rows": 21}, ok=False)  # 400
+        assert post(f"{base}/stdin", "CommandStdinRequest", {"data_base64": "aGkK"}).is_success
+        post(f"{base}/stdin", "CommandStdinRequest", {"data": "x", "eof": True})  # 400
+        events = http.get(f"{base}/events", params={"after": 0}, headers=headers)
+        for line in events.text.splitlines():
+            problems += validate(
+                json.loads(line), {"$ref": "#/components/schemas/CommandEvent"}, doc
+            )
+        assert any("data_base64" in json.loads(line) for line in events.text.splitlines())
+        status = http.get(base, headers=headers).json()
+        assert (status["pty"], status["timeout"]) == ({"cols": 91, "rows": 21}, None)
+        http.get("/commands", headers=headers)
+        post(f"{base}/resize", "CommandResizeRequest", {"cols": 80, "rows": 24})  # 409: ended
+        plain = post("/commands", "StartCommandRequest", {"command": ["true"]}).json()
+        post(
+            f"/commands/{plain['command_id']}/resize",
+            "CommandResizeRequest",
+            {"cols": 9, "rows": 9},
+        )
+        post("/commands", "StartCommandRequest", {"command": ["true"], "pty": {"x": 1}}, ok=False)
+        post("/commands/missing/resize", "CommandResizeRequest", {"cols": 9, "rows": 9})  # 404
+        http.delete(f"/v1/sandboxes/{name}")
+    assert problems == []
+    codes = {(m, p.split("/")[-1], s) for m, p, s in seen if p.startswith("/commands/")}
+    assert {
+        ("POST", "resize", 200),
+        ("POST", "resize", 400),
+        ("POST", "resize", 404),
+        ("POST", "resize", 409),
+        ("POST", "stdin", 200),
+        ("POST", "stdin", 400),
+    } <= codes

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from k8s_agent_sandbox_awx._upstream import SandboxError
 from tests._support.broker_server import (
     CLI,
     STREAMING_APP,
@@ -21,6 +22,8 @@ from tests._support.broker_server import (
     peer_serial,
     write_config,
 )
+from tests._support.kube import free_ports
+from tests._support.oidc_issuer import BackgroundIssuer
 
 pytest.importorskip("uvicorn", reason="needs the [broker] extra")
 
@@ -233,25 +236,97 @@ def test_healthz_and_readyz_follow_the_apps_readiness_check(
     assert _get(conn, "/other") == (200, b"hello")  # every other path is the app's
 
 
-def test_broker_serve_runs_the_placeholder_app_until_the_broker_app_is_wired(
-    pki: Pki, tmp_path: Path, started: list[Served]
+def _local_broker_config(directory: Path, pki: Pki, issuer: BackgroundIssuer, port: int) -> Path:
+    """``broker serve`` over the local backend, trusting ``issuer`` (discovery over HTTPS
+    with its test-time CA), one policy for every subject, listening on ``port``."""
+    path = directory / "local-broker.toml"
+    path.write_text(
+        "[server]\n"
+        f'listen = "127.0.0.1:{port}"\n'
+        f'public_url = "https://127.0.0.1:{port}"\n'
+        f'tls_cert_file = "{pki.cert_file}"\n'
+        f'tls_key_file = "{pki.key_file}"\n'
+        "shutdown_grace_seconds = 10\n"
+        "\n[[issuers]]\n"
+        'name = "ci"\n'
+        f'url = "{issuer.url}"\n'
+        'provider = "gitlab"\n'
+        f'ca_file = "{issuer.ca_file}"\n'
+        "\n[[policies]]\n"
+        'name = "everyone"\n'
+        'issuer = "ci"\n'
+        'warm_pools = ["python"]\n'
+        'namespace = "ci-sandboxes"\n'
+        "max_sandboxes = 2\n"
+        "\n[backend]\n"
+        'kind = "local"\n'
+        "\n[backend.local]\n"
+        'templates = { python = "" }\n'
+    )
+    return path
+
+
+def _wait_ready(pki: Pki, server: Served, timeout: float = 20.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = _connect(pki, server)
+        status, body = _get(conn, "/readyz")
+        conn.close()
+        if status == 200:
+            return dict(json.loads(body))
+        assert time.monotonic() < deadline, body
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("protocol", ["v1", "rpc"])
+def test_broker_serve_runs_the_broker_over_the_local_backend_for_the_sdk(
+    pki: Pki, tmp_path: Path, started: list[Served], protocol: str
 ) -> None:
-    server = _serve(started, write_config(tmp_path, pki))
-    conn = _connect(pki, server)
-    assert _get(conn, "/healthz")[0] == 200
-    status, body = _get(conn, "/readyz")
-    assert status == 503 and json.loads(body)["not_ready"] == {
-        "backend": "not wired yet (placeholder app)"
-    }
-    conn.request("POST", "/v1/sandboxes")
-    response = conn.getresponse()
-    answer = json.loads(response.read())
-    assert response.status == 503 and answer["code"] == "unavailable"
-    assert "not wired yet" in answer["detail"]
-    assert response.getheader("Agent-Sandbox-Broker-Error") == "unavailable"
-    assert "for 1 issuer(s), 1 policy, backend local" in server.output()
-    server.terminate()
-    assert server.wait(MARGIN + 30) == 0
+    """The local half of "one broker, two backends": ``broker serve --config FILE`` as a real
+    process, the broker app over the local backend, a caller verified through its issuer's
+    OIDC discovery and JWKS over HTTPS, driven by the SDK (create, run, files, kill)."""
+    from k8s_agent_sandbox_awx import Sandbox
+
+    with BackgroundIssuer(tmp_path) as issuer:
+        [port] = free_ports(1)
+        config = _local_broker_config(tmp_path, pki, issuer, port)
+        server = _serve(started, config)
+        assert "for 1 issuer(s), 1 policy, backend local" in server.output()
+        assert _wait_ready(pki, server) == {"status": "ready"}
+        url = f"https://127.0.0.1:{port}"
+        environ = {
+            "AGENT_SANDBOX_BROKER_URL": url,
+            "AGENT_SANDBOX_CA_BUNDLE": str(pki.ca_file),
+            "AGENT_SANDBOX_TOKEN": issuer.token(
+                "project_path:g/p:ref_type:branch:ref:main", aud=url
+            ),
+            "AGENT_SANDBOX_BROKER_PROTOCOL": protocol,
+            "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
+        }
+        sandbox = Sandbox.create(environ=environ)
+        try:
+            result = sandbox.commands.run("echo served")
+            assert (result.stdout, result.exit_code) == ("served\n", 0)
+            sandbox.files.write("notes/a.txt", b"from the sdk")
+            assert sandbox.files.read("notes/a.txt") == b"from the sdk"
+            assert [e.name for e in sandbox.files.list("notes")] == ["a.txt"]
+        finally:
+            sandbox.kill()
+        assert not sandbox.is_running()
+        with pytest.raises(SandboxError):  # a token of an issuer the broker does not trust
+            Sandbox.create(environ={**environ, "AGENT_SANDBOX_TOKEN": _foreign_token(url)})
+        server.terminate()
+        assert server.wait(MARGIN + 10) == 0
+
+
+def _foreign_token(audience: str) -> str:
+    import jwt
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    now = int(time.time())
+    claims = {"iss": "https://elsewhere.test", "sub": "x", "aud": audience, "exp": now + 600}
+    return jwt.encode({**claims, "iat": now}, key, "RS256", headers={"kid": "k"})
 
 
 def test_an_ipv6_listen_address(pki: Pki, tmp_path: Path, started: list[Served]) -> None:

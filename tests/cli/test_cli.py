@@ -509,7 +509,7 @@ def test_docs_describe_every_json_output() -> None:
         for name, p in sub.choices.items()
         if any("--json" in a.option_strings for a in p._actions)
     )
-    assert with_json == ["doctor", "extend", "kill", "ls", "run", "whoami"]
+    assert with_json == ["create", "doctor", "extend", "kill", "ls", "run", "whoami"]
     for name in with_json:
         assert f"| `{name}` | " in docs, name
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx import (
+    BrokerTemplateNotFoundError,
+    BrokerWarmPoolNotFoundError,
     CommandTimeoutError,
     FileInfo,
     RequestTimeoutError,
@@ -61,6 +63,30 @@ def test_failed_phase_deletes_the_claim(make_client: Any, fake: Any) -> None:
     assert isinstance(info.value, SandboxClaimFailedError)
     assert info.value.reason == "ImagePull"
     assert fake.deleted == ["sbx-1"]
+
+
+@pytest.mark.parametrize("reason", ["WarmPoolNotFound", "TemplateNotFound"])
+def test_a_missing_pool_seen_while_waiting_is_the_typed_error(
+    make_client: Any, fake: Any, reason: str
+) -> None:
+    """A Kubernetes-backed v1 broker learns that a warm pool (or its template) is missing from
+    the controller, after the create: the wait's Failed phase with that reason is the same
+    typed error as under /rpc (and the claim is deleted)."""
+
+    @fake.route("GET", "/v1/sandboxes/sbx-1")
+    def failed(request: httpx.Request) -> httpx.Response:
+        message = f'{reason}: "python" not found'
+        fake.sandboxes["sbx-1"].update(phase="Failed", reason=reason, message=message)
+        return httpx.Response(200, json=fake.sandboxes["sbx-1"])
+
+    fake.route("DELETE", "/v1/sandboxes/sbx-1")(lambda r: httpx.Response(204))
+    expected = BrokerWarmPoolNotFoundError if reason == "WarmPoolNotFound" else (
+        BrokerTemplateNotFoundError
+    )  # fmt: skip
+    with pytest.raises(expected) as info:
+        make_client().create_sandbox("python")
+    assert "not found" in str(info.value)
+    assert fake.requests[-1].method == "DELETE"
 
 
 def test_interrupted_wait_deletes_the_claim(make_client: Any, fake: Any) -> None:

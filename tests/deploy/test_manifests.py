@@ -143,7 +143,7 @@ def test_the_probes_are_the_brokers_health_endpoints_over_https() -> None:
                                                    "scheme": "HTTPS"}  # fmt: skip
     assert broker["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "https",
                                                   "scheme": "HTTPS"}  # fmt: skip
-    [port] = broker["ports"]
+    port, _metrics = broker["ports"]
     assert port["name"] == "https"
     host, _, listen_port = config()["server"]["listen"].rpartition(":")
     assert (host, int(listen_port)) == ("0.0.0.0", port["containerPort"])
@@ -222,7 +222,10 @@ def test_the_image_runs_the_configuration_the_configmap_mounts() -> None:
 # The keys of the configuration file (design of issue 21, docs/broker/): a key outside these
 # is refused by the broker at start.
 SCHEMA: Final[dict[str, set[str]]] = {
-    "": {"server", "issuers", "policies", "backend"},
+    "": {"server", "issuers", "policies", "backend", "logging", "audit", "metrics"},
+    "logging": {"format"},
+    "audit": {"destination"},
+    "metrics": {"listen"},
     "server": {"listen", "public_url", "tls_cert_file", "tls_key_file", "tls_reload_seconds",
                "protocols", "shutdown_grace_seconds", "log_level"},
     "issuers": {"name", "url", "provider", "audiences", "algorithms", "clock_skew_seconds",
@@ -246,6 +249,8 @@ def test_the_configuration_uses_only_the_configurations_keys() -> None:
     for policy in settings["policies"]:
         assert set(policy) <= SCHEMA["policies"]
     assert set(settings["backend"]) <= SCHEMA["backend"]
+    for table in ("logging", "audit", "metrics"):
+        assert set(settings[table]) <= SCHEMA[table]
     assert set(settings["backend"]["kubernetes"]) <= SCHEMA["backend.kubernetes"]
     assert settings["backend"]["kind"] == "kubernetes"
     assert "allow_loopback_pod_ips" not in settings["backend"]["kubernetes"]  # tests only
@@ -328,9 +333,14 @@ def test_the_network_policy_admits_clients_and_reaches_router_dns_and_api() -> N
     policy = find(BASE, "NetworkPolicy", "sandbox-broker")["spec"]
     assert policy["podSelector"]["matchLabels"] == deployment()["spec"]["selector"]["matchLabels"]
     assert policy["policyTypes"] == ["Ingress", "Egress"]
-    [ingress] = policy["ingress"]
+    ingress, scrape = policy["ingress"]
     listen = int(config()["server"]["listen"].rpartition(":")[2])
     assert rule_ports(ingress) == {("TCP", listen)}
+    metrics = int(config()["metrics"]["listen"].rpartition(":")[2])
+    assert rule_ports(scrape) == {("TCP", metrics)}
+    assert scrape["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
     [clients] = ingress["from"]
     [expression] = clients["namespaceSelector"]["matchExpressions"]
     assert {p["namespace"] for p in config()["policies"]} <= set(expression["values"])
@@ -345,6 +355,20 @@ def test_the_network_policy_admits_clients_and_reaches_router_dns_and_api() -> N
     assert to_router["podSelector"]["matchLabels"] == {"app": "sandbox-router"}
     assert rule_ports(router) == {("TCP", url.port)}
     assert rule_ports(api) == {("TCP", 443), ("TCP", 6443)}
+
+
+def test_the_broker_is_observable_as_deployed() -> None:
+    """The ConfigMap turns on the JSON logs, the audit log and the metrics listener (operate.md);
+    the container declares the metrics port, which the broker's Service does not expose."""
+    assert config()["logging"] == {"format": "json"}
+    assert config()["audit"] == {"destination": "stdout"}
+    metrics = int(config()["metrics"]["listen"].rpartition(":")[2])
+    ports = {p["name"]: p["containerPort"] for p in container()["ports"]}
+    assert ports["metrics"] == metrics
+    assert ports["https"] != metrics
+    service = find(BASE, "Service", "sandbox-broker")["spec"]
+    assert metrics not in {p.get("targetPort") for p in service["ports"]}
+    assert "metrics" not in {p.get("targetPort") for p in service["ports"]}
 
 
 def test_the_pod_data_plane_component_opens_the_runtime_port_both_ways() -> None:

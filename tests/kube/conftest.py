@@ -7,10 +7,13 @@ it): then every test that needs the server errors, naming what is missing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests._support.broker_server import Pki
 from tests._support.controller import StandInController
 from tests._support.kube import (
     ENV_REQUIRE,
@@ -19,8 +22,10 @@ from tests._support.kube import (
     KubeToolsMissing,
     build_wait,
     find_kube_tools,
+    free_ports,
     kube_required,
 )
+from tests._support.kube_broker import BrokerIdentity, Replica, write_config
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -70,3 +75,55 @@ def controller(kube: KubeAPIServer, namespace: str) -> Iterator[StandInControlle
     the end of the test."""
     with StandInController(kube, [namespace]) as stand_in:
         yield stand_in
+
+
+# ------------------------------------------------------------------------------ the broker
+
+
+@pytest.fixture
+def broker_pki(tmp_path: Path) -> Pki:
+    """The broker's serving certificate (a CA made now; ``ca.pem`` beside it)."""
+    folder = tmp_path / "broker-pki"
+    folder.mkdir()
+    pki = Pki(folder)
+    pki.write(pki.issue())
+    return pki
+
+
+@pytest.fixture
+def identity(kube: KubeAPIServer, namespace: str, tmp_path: Path) -> BrokerIdentity:
+    """The broker's ServiceAccount in the test's namespace, bound to deploy/'s ClusterRole."""
+    return BrokerIdentity(kube, namespace, tmp_path)
+
+
+@pytest.fixture
+def python_pool(controller: StandInController, namespace: str) -> str:
+    """Template ``python`` and its warm pool ``python``, empty (claims start cold)."""
+    controller.create_template(namespace, "python")
+    controller.create_warm_pool(namespace, "python", "python", replicas=0)
+    return "python"
+
+
+@pytest.fixture
+def replica_factory(
+    identity: BrokerIdentity, broker_pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., Replica]]:
+    """``start(port=None, **config)``: a broker replica (``write_config``'s keywords), started
+    and ready; every one stopped at the end."""
+    from k8s_agent_sandbox_awx import clear_credential_cache
+
+    monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
+    started: list[Replica] = []
+
+    def start(port: int | None = None, *, ready: bool = True, **config: Any) -> Replica:
+        port = port or free_ports(1)[0]
+        path = write_config(tmp_path / f"broker-{port}.toml", identity, broker_pki, port, **config)
+        replica = Replica(path)
+        started.append(replica)
+        return replica.start(ready=ready)
+
+    clear_credential_cache()
+    yield start
+    for replica in started:
+        replica.stop()
+    clear_credential_cache()

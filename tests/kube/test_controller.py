@@ -389,7 +389,12 @@ def test_a_sandbox_expired_on_its_own_makes_the_claim_say_so(
     sandbox = kube.get(path(SANDBOX, namespace, name))
     assert ready(sandbox)["reason"] == "SandboxExpired"
     assert ready(sandbox)["message"] == "Sandbox has expired"
-    assert set(sandbox["status"]) == {"conditions"}
+    # the condition is written first, then the pod goes and the status is emptied (the claim
+    # can say so in between): the status ends with the conditions only
+    kube.wait_for(
+        lambda: set(kube.get(path(SANDBOX, namespace, name))["status"]) == {"conditions"},
+        what="the Sandbox's status emptied but for its conditions",
+    )
     kube.wait_for(lambda: get(kube, path(POD, namespace, name)) is None, what="the pod deleted")
     assert not answers(url)
 

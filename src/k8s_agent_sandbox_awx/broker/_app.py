@@ -22,13 +22,13 @@ from ._claims import Claims
 from ._errors import ApiError
 from ._forward import Forward
 from ._gate import Gate, origin_form
-from ._rpc import Rpc
+from ._observed import note_error
+from ._rpc import BACKEND_RETRY_AFTER, Rpc
 from ._v1 import V1
-from .backends._interface import Backend
+from .backends._interface import Backend, BackendUnavailable
 from .identity._issuer import PublishedIssuer
 from .identity._rules import PolicySource
 from .identity._verify import TokenVerifier
-from .observability._context import note_error
 
 PROTOCOLS = ("v1", "rpc")
 """The control-plane dialects a broker can serve."""
@@ -96,6 +96,13 @@ class BrokerApp:
         except ApiError as exc:
             note_error(exc.code, exc.detail)
             response = exc.response()
+        except BackendUnavailable as exc:
+            response = ApiError(
+                503,
+                "backend_unavailable",
+                exc.detail,
+                {"Retry-After": str(BACKEND_RETRY_AFTER)},
+            ).response()
         except ClientDisconnect:
             return
         await response(scope, receive, send)

@@ -15,11 +15,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._errors import ApiError
+from ._observed import current, note_decision, note_sandbox
 from .backends._interface import (
     Backend,
     ClaimForgotten,
+    ClaimInvalid,
     ClaimRequest,
     ClaimState,
+    Created,
     Idempotency,
     IdempotencyConflict,
     Owner,
@@ -29,7 +32,6 @@ from .backends._interface import (
 )
 from .identity._policy import RESERVED_PREFIX, Caller, Policy
 from .identity._rules import PolicyDenied, PolicySource
-from .observability._context import current, note_decision, note_sandbox
 
 
 def owner_of(caller: Caller) -> Owner:
@@ -61,6 +63,14 @@ class Claims:
         self.policies = policies
 
     # -- policy --------------------------------------------------------------------------------
+    def namespace_of(self, caller: Caller) -> str | None:
+        """Where the caller's claims go (its policy's namespace), as a lookup's hint; ``None``
+        when its policy gives none (the lookup then finds nothing the backend must search)."""
+        try:
+            return self.policies.policy_for(caller).namespace_for(caller)
+        except (PolicyDenied, ValueError, KeyError):
+            return None
+
     def policy(self, caller: Caller) -> Policy:
         """The policy of ``caller``; 403 when none admits it."""
         try:
@@ -127,14 +137,11 @@ class Claims:
         """The claim an earlier create of ``caller`` with Idempotency-Key ``key`` made
         (``None``: a new key); 409 for another body, 404 once that claim is forgotten."""
         try:
-            found = await self.backend.replay(owner_of(caller), Idempotency(key, digest))
+            found = await self.backend.replay(
+                owner_of(caller), Idempotency(key, digest), namespace=self.namespace_of(caller)
+            )
         except IdempotencyConflict:
-            raise ApiError(
-                409,
-                "idempotency_conflict",
-                "this Idempotency-Key was used with a different body; use a new key "
-                "for a different create",
-            ) from None
+            raise _idempotency_conflict() from None
         except ClaimForgotten as exc:
             raise ApiError(
                 404,
@@ -161,10 +168,11 @@ class Claims:
         scopes: frozenset[str],
         extra_stamps: Mapping[str, str] | None = None,
         **claim: Any,
-    ) -> ClaimState:
+    ) -> Created:
         """Admit one sandbox for ``caller`` (both dialects): its namespace (403), the
         attribution stamps, the quota (429), the claim (``claim``: the other fields of
-        :class:`.backends._interface.ClaimRequest`)."""
+        :class:`.backends._interface.ClaimRequest`). ``replayed``: an idempotent create found
+        the claim an earlier one made (on another replica)."""
         try:
             namespace = policy.namespace_for(caller)
         except (ValueError, KeyError) as exc:
@@ -192,12 +200,18 @@ class Claims:
             lifetime_seconds=round(lifetime, 3),
         )
         try:
-            state = (await self.backend.create(request)).state
+            made = await self.backend.create(request)
+        except IdempotencyConflict:
+            raise _idempotency_conflict() from None
+        except ClaimInvalid as exc:
+            raise ApiError(400, "invalid_request", exc.detail) from None
         except QuotaExceeded as exc:
             raise self._quota_exceeded(caller, exc) from None
-        note_sandbox(state.name, claim=state.claim_name)
-        note_decision(expires_at=rfc3339(state.expires_at))
-        return state
+        note_sandbox(made.state.name, claim=made.state.claim_name)
+        note_decision(expires_at=rfc3339(made.state.expires_at))
+        if made.replayed:
+            note_decision(replayed=True)
+        return made
 
     def _quota_exceeded(self, caller: Caller, exc: QuotaExceeded) -> ApiError:
         """The 429 of a create over the caller's quota: which quota, its value, how many the
@@ -217,19 +231,24 @@ class Claims:
     async def owned(self, caller: Caller, name: str) -> ClaimState:
         """The caller's claim ``name``; 404 for a claim that is not the caller's, as for one
         that does not exist (nothing about another identity's claim is disclosed)."""
-        state = await self.backend.get(name)
+        state = await self.backend.get(name, namespace=self.namespace_of(caller))
         if state is None or state.owner.key != (caller.issuer, caller.subject):
             raise ApiError(404, "not_found", f"sandbox {name!r} does not exist for this caller")
         return state
 
+    async def find(self, caller: Caller, claim_name: str) -> ClaimState | None:
+        """The ``/rpc`` claim ``claim_name`` (any owner's: the caller checks), where the
+        caller's claims go."""
+        return await self.backend.find_claim(claim_name, namespace=self.namespace_of(caller))
+
     async def mine(self, caller: Caller) -> list[ClaimState]:
-        return await self.backend.list_owned(owner_of(caller))
+        return await self.backend.list_owned(owner_of(caller), namespace=self.namespace_of(caller))
 
     async def delete(self, state: ClaimState) -> ClaimState:
         """Begin deleting the claim of ``state`` (Terminating; gone once its runtime stopped)."""
         note_sandbox(state.name, claim=state.claim_name)
         note_decision(namespace=state.namespace)
-        return await self.backend.delete(state.name) or state
+        return await self.backend.delete(state.name, namespace=state.namespace) or state
 
     async def set_expiry(self, state: ClaimState, expires_at: float) -> ClaimState:
         """Move the expiry of the claim of ``state`` (the caller's cap checked before); 409 when
@@ -240,11 +259,19 @@ class Claims:
             expires_at=rfc3339(expires_at),
             previous_expires_at=rfc3339(state.expires_at),
         )
-        moved = await self.backend.set_expiry(state.name, expires_at)
+        moved = await self.backend.set_expiry(state.name, expires_at, namespace=state.namespace)
         if moved is None:
             raise ApiError(409, "terminating", f"sandbox {state.name!r} is being deleted")
         return moved
 
     async def wait_ready(self, state: ClaimState, within: float) -> ClaimState:
         """The claim of ``state`` once it is no longer Pending, or after ``within`` s."""
-        return await self.backend.wait_ready(state.name, within) or state
+        return await self.backend.wait_ready(state.name, within, namespace=state.namespace) or state
+
+
+def _idempotency_conflict() -> ApiError:
+    return ApiError(
+        409,
+        "idempotency_conflict",
+        "this Idempotency-Key was used with a different body; use a new key for a different create",
+    )

@@ -20,6 +20,7 @@ from starlette.types import Send
 
 from ._errors import ApiError
 from ._gate import BODYLESS, DataRequest, Gate, data_request
+from ._metadata import DNS_LABEL
 from ._relay import HOP_BY_HOP, Deleting, Relay, answer_headers
 from ._target import CODE as TARGET_CODE
 from .backends._interface import READY, Backend, ClaimGone, ClaimState, Route, Unroutable
@@ -80,7 +81,7 @@ class Forward:
     ) -> ClaimState:
         """The Ready sandbox ``data`` names, if it is the caller's and may serve the request."""
         sandbox_id = data.sandbox_id
-        state = await self.backend.get(sandbox_id)
+        state = await self._lookup(request.headers, data)
         if state is None or state.namespace != data.namespace:
             raise ApiError(
                 404, "not_found", f"no sandbox {sandbox_id!r} in namespace {data.namespace!r}"
@@ -109,6 +110,19 @@ class Forward:
                 f"sandbox {sandbox_id!r} is {state.phase}, not Ready; wait for Ready first",
             )
         return state
+
+    async def _lookup(self, headers: Headers, data: DataRequest) -> ClaimState | None:
+        """The sandbox X-Sandbox-ID names (from the backend's cache where it keeps one). An
+        ``/rpc`` sandbox named apart from its claim (warm adoption) that the cache has not seen
+        yet is found through the claim X-Sandbox-Claim-Name names, if bound to that sandbox."""
+        state = await self.backend.get(data.sandbox_id, namespace=data.namespace, cached=True)
+        claim = headers.get("x-sandbox-claim-name")
+        if state is not None or claim is None or not DNS_LABEL.match(claim) or len(claim) > 63:
+            return state
+        found = await self.backend.find_claim(claim, namespace=data.namespace)
+        if found is None or not found.bound or found.data_plane_name != data.sandbox_id:
+            return None
+        return found
 
     async def _forward(
         self, request: Request, send: Send, state: ClaimState, route: Route, data: DataRequest
@@ -144,16 +158,17 @@ class Forward:
         response = await _send_upstream(route, upstream, state.name, command, data.timeout)
         try:
             what = f"{request.method} {target.path}"
-            relay = Relay(request.receive, send, state.name, what, self._deleting(state.name))
+            deleting = self._deleting(state.name, state.namespace)
+            relay = Relay(request.receive, send, state.name, what, deleting)
             start = {"status": response.status_code, "headers": answer_headers(response)}
             await send({"type": "http.response.start", **start})
             await relay.pump(response.aiter_raw())
         finally:
             await response.aclose()
 
-    def _deleting(self, name: str) -> Deleting:
+    def _deleting(self, name: str, namespace: str) -> Deleting:
         async def deleting() -> bool:
-            state = await self.backend.get(name)
+            state = await self.backend.get(name, namespace=namespace)
             return state is None or state.ending
 
         return deleting

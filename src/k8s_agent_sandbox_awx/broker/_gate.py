@@ -20,13 +20,13 @@ from starlette.types import Scope
 
 from ._errors import ApiError
 from ._metadata import DNS_LABEL
+from ._observed import note_caller, note_rejection
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, Target, checked_target
 from .backends._interface import RUNTIME_PORT
 from .identity._policy import Caller
 from .identity._rejection import TokenRejected
 from .identity._verify import TokenVerifier
-from .observability._context import note_caller, note_rejection
 
 MAX_JSON_BODY = 1024 * 1024
 DEFAULT_DATA_PLANE_TIMEOUT = 300.0
@@ -163,7 +163,7 @@ class Gate:
 
     async def authenticate(self, request: Request) -> Caller:
         """The caller of ``request``, as its token proves it; 401 otherwise (either is noted
-        for the access and audit logs: :mod:`.observability._context`)."""
+        for the access and audit logs: :mod:`._observed`)."""
         authorization = request.headers.get("authorization")
         try:
             caller, _ = await self.verifier.verify(authorization)

@@ -31,10 +31,18 @@ from ._claims import Claims
 from ._errors import ApiError
 from ._gate import Gate
 from ._metadata import check_metadata
-from .backends._interface import PENDING, READY, TERMINATING, ClaimNameTaken, ClaimState, rfc3339
+from ._observed import note_error, note_route, note_sandbox
+from ._route_names import rpc_route
+from .backends._interface import (
+    PENDING,
+    READY,
+    TERMINATING,
+    BackendUnavailable,
+    ClaimNameTaken,
+    ClaimState,
+    rfc3339,
+)
 from .identity._policy import RESERVED_PREFIX, Caller, Policy
-from .observability._context import note_error, note_route, note_sandbox
-from .observability._routes import rpc_route
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 
@@ -43,6 +51,9 @@ OPS = ("create", "status", "delete", "extend")
 
 DEFAULT_WARM_POOL = "python-sandbox-warmpool"
 """The original package's default warm pool: the local broker maps it to template ``python``."""
+
+BACKEND_RETRY_AFTER = 2
+"""Seconds a ``503 backend_unavailable`` asks the client to wait (``Retry-After``)."""
 
 MAX_ERROR_CHARS = 300
 """Plain-text error bodies are cut to this many characters (clients show the first 200)."""
@@ -76,6 +87,11 @@ _CREATE_FIELDS = frozenset(
         "backend",
     }
 )
+_REASONS_KEPT = frozenset(
+    {"WarmPoolNotFound", "TemplateNotFound", "InvalidMetadata", "VolumeClaimTemplatesError"}
+)
+"""Terminal reasons a Failed claim's condition keeps as upstream's controller writes them (the
+clients know them); any other is ``crashed``, the reason in the message."""
 _CLAIM_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ALPHABET = string.ascii_lowercase + string.digits
 _PLAIN_TEXT = "text/plain; charset=utf-8"
@@ -129,6 +145,8 @@ class Rpc:
         except ApiError as exc:
             note_error(exc.code, exc.detail)
             return plain_error(exc.status, exc.detail, exc.headers)
+        except BackendUnavailable as exc:
+            return plain_error(503, exc.detail, {"Retry-After": str(BACKEND_RETRY_AFTER)})
 
     # -- ops -----------------------------------------------------------------------------------
     async def _create(self, body: dict[str, Any], caller: Caller) -> Response:
@@ -152,7 +170,7 @@ class Rpc:
         while True:
             claim_name = _new_claim_name()
             try:
-                state = await self.claims.admit(
+                created = await self.claims.admit(
                     caller,
                     policy,
                     template=template,
@@ -173,6 +191,7 @@ class Rpc:
             except ClaimNameTaken:
                 continue
             break
+        state = created.state
         log.info(
             "rpc: created claim %s (sandbox %s) for %s (%s)",
             claim_name,
@@ -199,7 +218,7 @@ class Rpc:
         state = await self._claim(body, caller)
         return JSONResponse(
             {
-                "sandbox_name": state.name if state.bound else None,
+                "sandbox_name": state.data_plane_name if state.bound else None,
                 "namespace": state.namespace,
                 "ready": state.phase == READY,
                 "conditions": [_condition(state)],
@@ -252,7 +271,7 @@ class Rpc:
 
     async def _lookup(self, name: str, caller: Caller) -> ClaimState | None:
         """The live claim ``name`` (``None``: absent or being deleted); 403 if not the owner's."""
-        state = await self.claims.backend.find_claim(name)
+        state = await self.claims.find(caller, name)
         if state is None or state.phase == TERMINATING:
             return None
         if state.owner.key != caller.key:
@@ -348,7 +367,7 @@ def _condition(record: ClaimState) -> dict[str, str]:
             "the sandbox is starting" if bound else "waiting for a sandbox to bind",
         )
     if record.phase == "Failed":
-        if record.reason in ("WarmPoolNotFound", "TemplateNotFound"):
+        if record.reason in _REASONS_KEPT:
             return _ready("False", record.reason, record.message or "")
         return _ready("False", "crashed", f"{record.reason}: {record.message}")
     return _ready("False", record.reason or record.phase, record.message or "")

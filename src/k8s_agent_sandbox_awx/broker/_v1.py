@@ -123,7 +123,7 @@ class V1:
             return JSONResponse(sandbox_json(replay), 200, headers={"Idempotency-Replayed": "true"})
         template = fields.pop("template") or policy.effective_default_template
         await self.claims.check_template(caller, policy, template)
-        state = await self.claims.admit(
+        created = await self.claims.admit(
             caller,
             policy,
             template=template,
@@ -131,6 +131,9 @@ class V1:
             idempotency=Idempotency(key, digest) if key is not None else None,
             **fields,
         )
+        state = created.state
+        if created.replayed:  # the claim an earlier create with this key made (a replica's)
+            return JSONResponse(sandbox_json(state), 200, headers={"Idempotency-Replayed": "true"})
         log.info("created sandbox %s for %s (%s)", state.name, caller.subject, caller.provider)
         return JSONResponse(sandbox_json(state), 201)
 
@@ -189,8 +192,9 @@ class V1:
                 403,
                 "lifetime_exceeds_policy",
                 f"sandbox {name!r} cannot live {seconds} s more: its policy caps a sandbox's "
-                f"lifetime at {cap} s from its creation ({rfc3339(state.created_at + cap)}); "
-                f"at most {left} s are left",
+                f"lifetime at {cap} s from its creation (created {rfc3339(state.created_at)}), so "
+                f"it ends at the latest at {rfc3339(state.created_at + cap)}; at most {left} s "
+                "are left",
             )
         state = await self.claims.set_expiry(state, now + seconds)
         log.info("sandbox %s now expires in %d s", name, seconds)

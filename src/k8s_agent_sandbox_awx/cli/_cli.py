@@ -1,4 +1,4 @@
-"""``agent-sandbox-awx``: whoami, doctor, run, ls, kill, extend, files, broker (check, serve)
+"""``agent-sandbox-awx``: whoami, doctor, run, shell, ls, kill, extend, files, broker (check, serve)
 (and dev/demo from the [local] extra).
 
 Imports are deferred to the subcommand that needs them, so ``--help`` and ``--version`` are
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -20,12 +19,17 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _everyday
+from ._common import PROG
+from ._common import CliError as _CliError
+from ._common import print_json as _print_json
+from ._common import seconds as _seconds
+
 if TYPE_CHECKING:
     from ..client._client import BrokerSandboxClient
 
 __all__ = ["main"]
 
-PROG = "agent-sandbox-awx"
 # from a clone: the index has an unrelated package of this name until a release exists
 _LOCAL_EXTRA = (
     'python3 -m pip install -e ".[local]" in a clone of the k8s-agent-sandbox-awx repository'
@@ -41,31 +45,6 @@ cleanup hit :data:`CLEANUP_TIMEOUT` (not tried after a second Ctrl-C: the user w
 second Ctrl-C): a step that cannot finish is cut again, so the CLI always exits."""
 
 
-class _CliError(Exception):
-    """A failure already explained for the user (exit code attached)."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _seconds(*, positive: bool) -> Callable[[str], float]:
-    """An argparse type: a number of seconds, > 0 (``positive``) or >= 0."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not math.isfinite(value) or not (value > 0 if positive else value >= 0):
-            rule = "a number of seconds greater than 0" if positive else "a number of seconds >= 0"
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
-        return value
-
-    parse.__name__ = "seconds"
-    return parse
-
-
 def _parser() -> argparse.ArgumentParser:
     from .._version import __version__
 
@@ -74,23 +53,39 @@ def _parser() -> argparse.ArgumentParser:
         description="Kubernetes agent sandboxes through an OIDC identity broker.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    global_options(parser, None)
+    _subcommands(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    _everyday.finish_subcommands(parser, global_options)
+    return parser
+
+
+def global_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    """The options every command takes: before the command, and (``default``
+    ``argparse.SUPPRESS``: unset unless given) after it too."""
     parser.add_argument(
-        "--broker-url", help="the broker's https:// URL (default: $AGENT_SANDBOX_BROKER_URL)"
+        "--broker-url",
+        default=default,
+        help="the broker's https:// URL (default: $AGENT_SANDBOX_BROKER_URL)",
     )
     parser.add_argument(
         "--ca-bundle",
+        default=default,
         help="CA bundle for the broker (default: "
         "$AGENT_SANDBOX_CA_BUNDLE, else the system trust store)",
     )
     parser.add_argument(
         _INSECURE_FLAG,
         action="store_true",
+        default=default if default is not None else False,
         help="allow a plain http:// broker URL on this machine (127.0.0.1, ::1, localhost): "
         "local development only, the token travels unencrypted",
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    _subcommands(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    return parser
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=default if default is not None else False,
+        help="show tracebacks",
+    )
 
 
 def _subcommands(sub: Any) -> None:
@@ -98,7 +93,12 @@ def _subcommands(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("doctor", help="check configuration, credentials, TLS and the broker")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p = sub.add_parser("run", help="create a sandbox, run one command, print its output, kill it")
+    _everyday.create_subcommand(sub)
+    p = sub.add_parser(
+        "run",
+        help="create a sandbox, run one command, print its output, kill it "
+        "(--keep: keep it; --sandbox NAME: run in an existing one)",
+    )
     p.add_argument(
         "--template",
         help="sandbox template (default: $AGENT_SANDBOX_TEMPLATE, "
@@ -117,27 +117,44 @@ def _subcommands(sub: Any) -> None:
         help="seconds to wait for the sandbox to become ready",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]")
+    _everyday.run_options(p)
+    p.add_argument(
+        "cmd",
+        nargs=argparse.REMAINDER,
+        help="-- COMMAND [ARG...]: the program and its arguments, run without a shell "
+        "(for pipes, && and globs: -- sh -c 'a && b')",
+    )
     p = sub.add_parser("ls", help="list my sandboxes")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--selector", help="label selector k1=v1,k2=v2")
     p = sub.add_parser("kill", help="delete sandboxes by name (already gone is fine)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("names", nargs="+", metavar="NAME")
+    p.add_argument("names", nargs="+", metavar="NAME", help="a sandbox's name (from `ls`)")
     p = sub.add_parser(
         "extend", help="set a sandbox's lifetime: the broker deletes it SECONDS from now"
     )
     p.add_argument("--json", action="store_true", help="print the sandbox as JSON")
-    p.add_argument("name", metavar="NAME")
-    p.add_argument("seconds", type=_seconds(positive=True), metavar="SECONDS")
+    p.add_argument("name", metavar="NAME", help="the sandbox's name (from `ls`)")
+    p.add_argument(
+        "seconds",
+        type=_seconds(positive=True),
+        metavar="SECONDS",
+        help="its new lifetime, from now (at most the policy's cap from its creation)",
+    )
+    _shell_subcommand(sub.add_parser("shell", help="an interactive terminal in a sandbox"))
     _files_subcommands(sub.add_parser("files", help="the files of a sandbox: ls, get, put, rm"))
     _broker_subcommands(sub.add_parser("broker", help="the broker server: check, serve"))
+    _local_subcommands(sub)
+
+
+def _local_subcommands(sub: Any) -> None:
+    """``dev`` and ``demo``: their own parsers (cli/_local.py) take their arguments."""
     for name, text in (
         ("dev", "run a local broker (needs the [local] extra)"),
         ("demo", "run a demo against a local broker (needs the [local] extra)"),
     ):
         p = sub.add_parser(name, help=text, add_help=False)
-        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.add_argument("args", nargs=argparse.REMAINDER, help=f"see `{PROG} {name} --help`")
 
 
 def _broker_subcommands(broker: argparse.ArgumentParser) -> None:
@@ -150,27 +167,49 @@ def _broker_subcommands(broker: argparse.ArgumentParser) -> None:
         p.add_argument("--config", required=True, metavar="FILE", help="the TOML file")
 
 
+_NAME_HELP = "the sandbox's name (from `ls`, `create` or `run --keep`)"
+_PATH_HELP = "a path in the sandbox: relative to /app, or /app/... or /workspace/..."
+
+
 def _files_subcommands(files: argparse.ArgumentParser) -> None:
     sub = files.add_subparsers(dest="files_command", metavar="ACTION", required=True)
     p = sub.add_parser("ls", help="list a directory (default: the sandbox's base, /app)")
-    p.add_argument("name", metavar="NAME")
-    p.add_argument("path", nargs="?", default=".", metavar="PATH")
+    p.add_argument("name", metavar="NAME", help=_NAME_HELP)
+    p.add_argument(
+        "path", nargs="?", default=".", metavar="PATH", help="the directory (default: /app)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON (FileInfo objects)")
     p = sub.add_parser("get", help="download a file (DEST '-': standard output)")
-    p.add_argument("name", metavar="NAME")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("name", metavar="NAME", help=_NAME_HELP)
+    p.add_argument("path", metavar="PATH", help=_PATH_HELP)
     p.add_argument("dest", nargs="?", metavar="DEST", help="default: the file's name, here")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p = sub.add_parser("put", help="upload a local file (atomic replace, parents created)")
-    p.add_argument("name", metavar="NAME")
-    p.add_argument("local", metavar="LOCAL")
+    p.add_argument("name", metavar="NAME", help=_NAME_HELP)
+    p.add_argument("local", metavar="LOCAL", help="the local file to upload")
     p.add_argument("path", nargs="?", metavar="PATH", help="default: LOCAL's name, in /app")
     p.add_argument("--json", action="store_true", help="print the FileInfo as JSON")
     p = sub.add_parser("rm", help="remove a file or directory (a missing one is fine)")
-    p.add_argument("name", metavar="NAME")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("name", metavar="NAME", help=_NAME_HELP)
+    p.add_argument("path", metavar="PATH", help=_PATH_HELP)
     p.add_argument("-r", "--recursive", action="store_true", help="a directory and its contents")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _shell_subcommand(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", metavar="NAME", help="the sandbox (or --new)")
+    p.add_argument("--new", action="store_true", help="create a sandbox for the session")
+    p.add_argument("--keep", action="store_true", help="with --new: keep it after the session")
+    p.add_argument("--template", help="with --new: its template (as for run)")
+    p.add_argument(
+        "--ready-timeout",
+        type=_seconds(positive=False),
+        default=None,
+        help="with --new: seconds to wait for the sandbox to become ready",
+    )
+    p.usage = "%(prog)s [-h] [NAME | --new [--keep] [--template T]] [-- COMMAND [ARG...]]"
+    p.epilog = "-- COMMAND [ARG...]: what the terminal runs (default: the sandbox's login shell)"
+    p.set_defaults(cmd=[])  # the words after `--`: split off before parsing (see _split_command)
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -208,10 +247,6 @@ def _client(args: argparse.Namespace) -> BrokerSandboxClient:
 
     settings = {k: v for k, v in _settings(args).items() if v is not None}
     return BrokerSandboxClient(**settings)
-
-
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=True, default=str))
 
 
 # ------------------------------------------------------------------------------ subcommands
@@ -367,6 +402,35 @@ _FILES: dict[str, Callable[[argparse.Namespace, Any], int]] = {
 }
 
 
+def _cmd_shell(args: argparse.Namespace) -> int:
+    from ..client._client import Sandbox
+    from ._shell import ShellUsageError, interactive_shell, terminal_fds
+
+    command = list(args.cmd) or None
+    if args.new == (args.name is not None):
+        raise _CliError(f"shell: give a sandbox NAME or --new (`{PROG} shell --new`).", 2)
+    if not args.new and (args.keep or args.template or args.ready_timeout is not None):
+        raise _CliError("shell: --keep, --template and --ready-timeout go with --new.", 2)
+    try:
+        fds = terminal_fds()  # before a sandbox is made for nothing
+        client = _client(args)
+        try:
+            if not args.new:
+                return interactive_shell(Sandbox(client, client.get_info(args.name)), *fds, command)
+            sandbox = client.create_sandbox(
+                template=args.template, sandbox_ready_timeout=args.ready_timeout
+            )
+            if args.keep:
+                print(f"{PROG}: sandbox {sandbox.name} (kept)", file=sys.stderr)
+                return interactive_shell(sandbox, *fds, command)
+            with sandbox:  # deleted at the end of the session
+                return interactive_shell(sandbox, *fds, command)
+        finally:
+            client.close()
+    except ShellUsageError as exc:
+        raise _CliError(str(exc), 2) from None
+
+
 def _cmd_kill(args: argparse.Namespace) -> int:
     client = _client(args)
     done: list[dict[str, Any]] = []
@@ -376,6 +440,8 @@ def _cmd_kill(args: argparse.Namespace) -> int:
             done.append({"name": name, "deleted": existed})
             if not args.json:
                 print(f"{name}: {'deleted' if existed else 'already gone'}")
+            if not existed:
+                print(_everyday.kill_warning(name), file=sys.stderr)
     finally:
         client.close()
         if args.json:  # also after an error: the names handled so far
@@ -505,36 +571,62 @@ def _cut_message(why: str, made: list[str]) -> str:
 def _run_in_sandbox(
     args: argparse.Namespace, client: Any, cmd: list[str], streams: dict[str, Any], made: list[str]
 ) -> int:
-    """Create a sandbox (its name appended to ``made``), run ``cmd`` in it, delete it."""
-    from ..errors import CommandTimeoutError, UnsupportedByRuntimeError
-
+    """Create a sandbox (its name appended to ``made``), run ``cmd`` in it, delete it; with
+    ``--keep`` or ``--sandbox NAME`` the sandbox stays (and is not in ``made``)."""
+    if args.sandbox is not None or args.keep:
+        return _everyday.run_kept(
+            args,
+            client,
+            lambda sandbox: _run_done(
+                args, sandbox.name, cmd, _run_command(args, sandbox, cmd, streams)
+            ),
+        )
     with client.create_sandbox(
         template=args.template, sandbox_ready_timeout=args.ready_timeout
     ) as sandbox:
         made.append(sandbox.name)
-        try:  # an argv: no shell; Ctrl-C kills the command, then the sandbox
-            try:
-                result = sandbox.commands.run(cmd, timeout=args.timeout, **streams)
-            except UnsupportedByRuntimeError:
-                if not streams:
-                    raise
-                # an old runtime cannot stream (the command did not run): the output at
-                # the end instead
-                result = sandbox.commands.run(cmd, timeout=args.timeout)
-                _writer(sys.stdout)(result.stdout)
-                _writer(sys.stderr)(result.stderr)
-        except CommandTimeoutError as exc:
-            if exc.result is not None and args.json:
-                _print_result(args, sandbox.name, exc.result)
-            if not args.json and exc.result is not None:
-                sys.stderr.write("\n" if exc.result.stderr[-1:] not in ("", "\n") else "")
-            raise _CliError(
-                f"the command ran longer than --timeout {args.timeout:g}s and was killed; "
-                "pass a larger --timeout.",
-                124,
-            ) from exc
+        result = _run_command(args, sandbox, cmd, streams)
+    return _run_done(args, sandbox.name, cmd, result)
+
+
+def _run_command(
+    args: argparse.Namespace, sandbox: Any, cmd: list[str], streams: dict[str, Any]
+) -> Any:
+    """Run ``cmd`` in ``sandbox``, its output streamed (``streams``); its result."""
+    from ..errors import CommandTimeoutError, UnsupportedByRuntimeError
+
+    try:  # an argv: no shell; Ctrl-C kills the command (then the sandbox, unless it is kept)
+        try:
+            return sandbox.commands.run(cmd, timeout=args.timeout, **streams)
+        except UnsupportedByRuntimeError:
+            if not streams:
+                raise
+            # an old runtime cannot stream (the command did not run): the output at
+            # the end instead
+            result = sandbox.commands.run(cmd, timeout=args.timeout)
+            _writer(sys.stdout)(result.stdout)
+            _writer(sys.stderr)(result.stderr)
+            return result
+    except CommandTimeoutError as exc:
+        if exc.result is not None and args.json:
+            _print_result(args, sandbox.name, exc.result)
+        if not args.json and exc.result is not None:
+            sys.stderr.write("\n" if exc.result.stderr[-1:] not in ("", "\n") else "")
+        raise _CliError(
+            f"the command ran longer than --timeout {args.timeout:g}s and was killed; "
+            "pass a larger --timeout.",
+            124,
+        ) from exc
+
+
+def _run_done(args: argparse.Namespace, name: str, cmd: list[str], result: Any) -> int:
+    """The end of ``run``: the result as JSON (``--json``), a hint for a shell command given
+    as one word; the command's exit code."""
     if args.json:
-        _print_result(args, sandbox.name, result)
+        _print_result(args, name, result)
+    hint = _everyday.shell_hint(cmd, int(result.exit_code))
+    if hint:
+        print(hint, file=sys.stderr)
     return int(result.exit_code)
 
 
@@ -596,6 +688,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from ._doctor import run_doctor
 
     report = run_doctor(lambda: BrokerConnectionConfig.from_env(**_settings(args)))
+    report.checks = [  # an audience mismatch names where the URL came from: the flag
+        dataclasses.replace(c, detail=_everyday.name_the_flag(c.detail, args))
+        for c in report.checks
+    ]
+    report.notes = [_everyday.name_the_flag(note, args) for note in report.notes]
     report.local_isolation = _local_isolation()
     if args.json:
         _print_json(report.to_dict())
@@ -638,7 +735,10 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return exc.code
     parser = _parser()
+    arguments, command = _split_command(arguments)
     args = parser.parse_args(arguments)
+    if command is not None:
+        args.cmd = command
     if args.command is None:
         parser.print_help()
         return 2
@@ -648,11 +748,13 @@ def _main(argv: Sequence[str] | None) -> int:
         handler = {
             "whoami": _cmd_whoami,
             "doctor": _cmd_doctor,
+            "create": lambda a: _everyday.cmd_create(a, _client(a)),
             "run": _cmd_run,
             "ls": _cmd_ls,
             "kill": _cmd_kill,
             "extend": _cmd_extend,
             "files": _cmd_files,
+            "shell": _cmd_shell,
             "broker": _cmd_broker,
         }[args.command]
     try:
@@ -668,13 +770,26 @@ def _main(argv: Sequence[str] | None) -> int:
     except Exception as exc:
         if args.debug or os.environ.get("AGENT_SANDBOX_DEBUG"):
             raise
-        first, *more = _lines(str(exc)) or [type(exc).__name__]
+        first, *more = _lines(_everyday.name_the_flag(str(exc), args)) or [type(exc).__name__]
         for note in getattr(exc, "__notes__", ()):  # what else it says (a leftover to kill)
             more += _lines(str(note))
+        more += _everyday.error_hints(exc, args)
         print(f"{PROG}: error: {type(exc).__name__}: {first}", file=sys.stderr)
         for line in more:  # indented: no line of a message can pass for a line of its own
             print(f"  {line}", file=sys.stderr)
         return 1
+
+
+def _split_command(arguments: list[str]) -> tuple[list[str], list[str] | None]:
+    """``shell``'s arguments without the command after its ``--`` (argparse would take that
+    command's first word for the optional NAME), and that command (``None``: none given)."""
+    at = 0  # the subcommand: the first word after the global options (and their values)
+    while at < len(arguments) and arguments[at].startswith("-") and arguments[at] != "--":
+        at += 2 if arguments[at] in ("--broker-url", "--ca-bundle") else 1
+    if arguments[at : at + 1] != ["shell"] or "--" not in arguments[at:]:
+        return arguments, None
+    end = arguments.index("--", at)
+    return arguments[:end], arguments[end + 1 :]
 
 
 def _lines(message: str) -> list[str]:

@@ -24,7 +24,9 @@ import httpx
 from .._upstream import ExecutionResult, SandboxNotFoundError
 from ._async_commands import AsyncCommandHandle, AsyncCommands
 from ._async_files import AsyncFiles
+from ._async_pty import AsyncPty
 from ._base import (
+    ClassOrInstanceMethod,
     ClientBase,
     ConnectOptions,
     ExcType,
@@ -33,6 +35,7 @@ from ._base import (
     Traceback,
     create_spec,
     data_target,
+    kill_name,
     make_client,
     timeout_seconds,
 )
@@ -89,6 +92,8 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
     async def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""
         self._mark_closed()
+        for handle in self._live_handles():
+            await handle._commands._stop_output()  # the tasks that follow output use them
         await self._transport.close()
 
     async def __aenter__(self) -> Self:
@@ -223,6 +228,21 @@ class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport])
             raise failures[0][1]
 
 
+async def _kill_named(
+    cls: type[AsyncSandbox], name: str | AsyncSandbox, **options: Unpack[ConnectOptions]
+) -> bool:
+    """``await AsyncSandbox.kill(name)``: delete sandbox ``name`` without a handle (see
+    ``Sandbox.kill``)."""
+    if isinstance(name, AsyncSandbox):
+        return await name.kill()
+    target = kill_name(cls, name)
+    client = make_client(AsyncBrokerSandboxClient, options, what="kill()", named=("name",))
+    try:
+        return await client.delete(target)
+    finally:
+        await client.close()
+
+
 class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFiles]):
     """One sandbox behind the broker, for asyncio: the async counterpart of :class:`Sandbox`.
 
@@ -247,6 +267,14 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         parts = self._commands_class(transport, target), AsyncFiles(transport, target)
         super().__init__(client, info, target, *parts, owns_client)
+        self._pty = AsyncPty(transport, target)
+
+    @property
+    def pty(self) -> AsyncPty:
+        """Terminals in the sandbox: ``await sandbox.pty.create(cols, rows)`` → an
+        ``AsyncPtyHandle``."""
+        self._check_active()
+        return self._pty
 
     async def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""
@@ -284,25 +312,33 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         """Stop using this handle; the sandbox keeps running (reattach with connect)."""
         if not self._closed:
             self._closed = True
+            await self._commands._stop_output()  # their commands go on; reattach with connect
             if self._owns_client:
                 await self._client.close()
 
-    async def kill(self) -> None:
+    async def _kill_handle(self) -> bool:
         """Delete the sandbox (to the end, even if the task is cancelled meanwhile).
-        Idempotent: a sandbox that is already gone is not an error."""
+        Idempotent: ``True`` if this call deleted it, ``False`` if it was already gone. Called
+        on the class, ``await AsyncSandbox.kill(name, **options)`` deletes sandbox ``name``
+        (E2B's spelling; see :meth:`Sandbox.kill`)."""
         if self._killed:
-            return
+            return False
+        halted = self._commands._halt_output()  # no task follows output past the sandbox
         client = self._client
         if self._needs_own_client_to_kill():
             client = AsyncBrokerSandboxClient(client.connection_config, auth=client.auth)
         try:
-            await client.delete(self.name)
+            deleted = await client.delete(self.name)
         finally:
             if client is not self._client:
                 await client.close()
+        await self._commands._join_output(halted)
         logger.info("killed sandbox %s", self.name)
         if self._killed_now():
             await self._client.close()
+        return deleted
+
+    kill = ClassOrInstanceMethod(_kill_handle, _kill_named)
 
     async def __aenter__(self) -> Self:
         return self
@@ -382,7 +418,6 @@ class AsyncUpstreamCommands(AsyncCommands):
         command_timeout: float | None = None,
         *,
         background: Literal[True],
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> AsyncCommandHandle: ...
 
@@ -394,7 +429,6 @@ class AsyncUpstreamCommands(AsyncCommands):
         command_timeout: float | None = None,
         *,
         background: Literal[False] = False,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
@@ -406,7 +440,6 @@ class AsyncUpstreamCommands(AsyncCommands):
         command_timeout: float | None = None,
         *,
         background: bool,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle: ...
 
@@ -417,11 +450,9 @@ class AsyncUpstreamCommands(AsyncCommands):
         command_timeout: float | None = None,
         *,
         background: bool = False,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | AsyncCommandHandle:
         limit = opts.upstream_timeout(timeout, command_timeout)
-        opts.upstream_envs(options, env)
         return await super().run(command, limit, background=background, **options)
 
 

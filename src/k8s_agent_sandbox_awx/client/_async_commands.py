@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Unpack, overload
 
@@ -22,6 +24,11 @@ from .wire._dataplane import CommandInfo, DataTarget
 __all__ = ["AsyncCommandHandle", "AsyncCommands"]
 
 Callback = Callable[[str], Any] | None
+logger = logging.getLogger("k8s_agent_sandbox_awx.client")
+
+STOP_WAIT = 5.0
+"""Seconds a kill waits for the task that follows a command's output to deliver the last of
+it before the task is cancelled."""
 
 
 class _AsyncPerformer:
@@ -62,12 +69,58 @@ class _AsyncPerformer:
             await self.close()
 
 
+class _AsyncFollower:
+    """The task that follows a background command's output to the callbacks given at its
+    start (see ``_commands._Follower``): it ends with the command, or is cancelled (``kill``,
+    ``close``, the sandbox's end)."""
+
+    def __init__(
+        self, handle: AsyncCommandHandle, on_stdout: Callback, on_stderr: Callback
+    ) -> None:
+        self.result: ExecutionResult | None = None
+        self.error: BaseException | None = None
+        performer = _AsyncPerformer(handle._transport, on_stdout, on_stderr)
+        self.task = asyncio.get_running_loop().create_task(
+            self._follow(performer, handle), name=f"agent-sandbox-output-{handle.command_id}"
+        )
+
+    async def _follow(self, performer: _AsyncPerformer, handle: AsyncCommandHandle) -> None:
+        try:
+            self.result = await performer.drive(handle._follow(None))
+        except asyncio.CancelledError:
+            pass  # stopped: nothing to report
+        except Exception as exc:  # kept for wait(), which raises it
+            self.error = exc
+            logger.warning(
+                "stopped following the output of command %s: %s (wait() raises it)",
+                handle.command_id,
+                type(exc).__name__,
+            )
+
+    async def join(self, timeout: float | None) -> bool:  # noqa: ASYNC109
+        """Wait up to ``timeout`` seconds for the task to end (a cancelled wait leaves it
+        running); whether it ended."""
+        done, _ = await asyncio.wait({self.task}, timeout=timeout)
+        return bool(done)
+
+    async def cancel(self) -> None:
+        """Cancel the task and wait until it ended."""
+        self.task.cancel()
+        await asyncio.wait({self.task})
+
+
 class AsyncCommandHandle(cf.HandleBase):
     """A background command of an :class:`AsyncSandbox` (see ``CommandHandle``): ``await
-    wait()``, ``await kill()``, ``await status()``, ``await send_stdin()`` and ``async for``
-    over its output events."""
+    wait()``, ``await kill()``, ``await status()``, ``await send_stdin()``, ``await close()``
+    and ``async for`` over its output events. Started with ``on_stdout``/``on_stderr``, a task
+    delivers its output to them while it runs."""
 
     _transport: AsyncBrokerTransport
+    _follower: _AsyncFollower | None = None
+
+    def _deliver(self, on_stdout: Callback, on_stderr: Callback) -> None:
+        """Follow the output to the callbacks in a task of this handle, from now on."""
+        self._follower = _AsyncFollower(self, on_stdout, on_stderr)
 
     async def wait(
         self,
@@ -79,13 +132,37 @@ class AsyncCommandHandle(cf.HandleBase):
         """Wait until the command ends (see ``CommandHandle.wait``): a timeout raises
         :class:`CommandWaitTimeoutError` and leaves the command running; so does a cancelled
         wait."""
-        performer = _AsyncPerformer(self._transport, on_stdout, on_stderr)
-        result: ExecutionResult = await performer.drive(self._follow(timeout))
-        return result
+        follower = self._follower
+        if follower is None:
+            performer = _AsyncPerformer(self._transport, on_stdout, on_stderr)
+            result: ExecutionResult = await performer.drive(self._follow(timeout))
+            return result
+        if on_stdout is not None or on_stderr is not None:
+            raise cf.followed_elsewhere(self.command_id, "wait(on_stdout=..., on_stderr=...)")
+        if not await follower.join(None if timeout is None else cf.wait_seconds(timeout)):
+            raise cf.wait_timed_out(self.command_id, timeout)
+        if follower.error is not None or follower.result is None:
+            self._follower = None  # raised once; a later wait follows the output itself
+            if follower.error is not None:
+                raise follower.error
+            return await self.wait()
+        return follower.result
 
     async def kill(self) -> ExecutionResult:
-        """Kill the command's process group; its final result. Safe to repeat."""
-        return await self._transport.call(cf.kill(self._target, self.command_id))
+        """Kill the command's process group; its final result. Safe to repeat. The callbacks
+        given at its start get its last output first (for up to 5 s)."""
+        result = await self._transport.call(cf.kill(self._target, self.command_id))
+        follower = self._follower
+        if follower is not None and not await follower.join(STOP_WAIT):
+            await follower.cancel()
+        return result
+
+    async def close(self) -> None:
+        """Stop delivering the output to the callbacks given at its start (the command goes
+        on). Nothing to do for a handle without them."""
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            await follower.cancel()
 
     async def status(self) -> CommandInfo:
         return await self._transport.call(cf.status(self._target, self.command_id))
@@ -95,6 +172,8 @@ class AsyncCommandHandle(cf.HandleBase):
         await self._transport.call(cf.send_stdin(self._target, self.command_id, data, eof))
 
     async def __aiter__(self) -> AsyncIterator[cf.CommandEvent]:
+        if self._follower is not None:
+            raise cf.followed_elsewhere(self.command_id, "Iterating the handle")
         performer = _AsyncPerformer(self._transport, None, None)
         try:
             steps = aiterate(self._follow(None), performer, cf.Emit)
@@ -111,6 +190,8 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
     def __init__(self, transport: AsyncBrokerTransport, target: DataTarget) -> None:
         super().__init__(transport, target)
         self._features = cf.RuntimeFeatures()
+        self._delivering: weakref.WeakSet[AsyncCommandHandle] = weakref.WeakSet()
+        """Handles whose output a task delivers to callbacks (stopped with the sandbox)."""
 
     @overload
     async def run(
@@ -156,7 +237,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         if plan.background:
             start = cf.start(self._target, plan.start, self._features)
             command_id: str = await self._transport.run(start)
-            return AsyncCommandHandle(self._transport, self._target, command_id)
+            return self._handle(command_id, plan.on_stdout, plan.on_stderr)
         performer = _AsyncPerformer(self._transport, plan.on_stdout, plan.on_stderr)
         op = cf.run(
             self._target,
@@ -168,10 +249,55 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
         result: ExecutionResult = await performer.drive(op)
         return result
 
+    def _handle(
+        self, command_id: str, on_stdout: Callback, on_stderr: Callback
+    ) -> AsyncCommandHandle:
+        handle = AsyncCommandHandle(self._transport, self._target, command_id)
+        if on_stdout is not None or on_stderr is not None:
+            handle._deliver(on_stdout, on_stderr)
+            self._delivering.add(handle)
+        return handle
+
     async def get(self, command_id: str) -> AsyncCommandHandle:
         """Reattach to a command of this sandbox (see ``Commands.get``)."""
         await self._transport.call(cf.status(self._target, command_id))
         return AsyncCommandHandle(self._transport, self._target, command_id)
+
+    async def connect(
+        self, command_id: str, *, on_stdout: Callback = None, on_stderr: Callback = None
+    ) -> AsyncCommandHandle:
+        """E2B's name for :meth:`get` (see ``Commands.connect``): with callbacks, a task
+        delivers the command's output to them while it runs."""
+        cf.check_callbacks(on_stdout, on_stderr)
+        await self._transport.call(cf.status(self._target, command_id))
+        return self._handle(command_id, on_stdout, on_stderr)
+
+    async def kill(self, command_id: str) -> ExecutionResult:
+        """Kill command ``command_id`` (see ``Commands.kill``): its final result."""
+        return await self._transport.call(cf.kill(self._target, command_id))
+
+    async def send_stdin(self, command_id: str, data: str | bytes, *, eof: bool = False) -> None:
+        """Write ``data`` to command ``command_id``'s stdin (see ``Commands.send_stdin``)."""
+        await self._transport.call(cf.send_stdin(self._target, command_id, data, eof))
+
+    def _halt_output(self) -> list[_AsyncFollower]:
+        """Cancel every task that delivers a command's output to callbacks (the sandbox is
+        being killed, or its connection closed), without waiting."""
+        handles = list(self._delivering)
+        self._delivering.clear()
+        followers = [h._follower for h in handles if h._follower is not None]
+        for follower in followers:
+            follower.task.cancel()
+        return followers
+
+    @staticmethod
+    async def _join_output(followers: list[_AsyncFollower]) -> None:
+        """Wait up to :data:`STOP_WAIT` for the cancelled ``followers`` to end."""
+        if followers:
+            await asyncio.wait({f.task for f in followers}, timeout=STOP_WAIT)
+
+    async def _stop_output(self) -> None:
+        await self._join_output(self._halt_output())
 
     async def list(self) -> list[CommandInfo]:
         """The sandbox's commands, running and retained (oldest first)."""

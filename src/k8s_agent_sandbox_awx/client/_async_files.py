@@ -135,6 +135,17 @@ class AsyncFiles(FilesBase[AsyncBrokerTransport, AsyncGenerator[bytes, None]]):
         op = fsapi.move(self._api, source, destination, overwrite, timeout)
         return await self._transport.run(op)
 
+    async def rename(
+        self,
+        old_path: str,
+        new_path: str,
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> FileInfo:
+        """E2B's name for :meth:`move` (see ``Sandbox.files.rename``)."""
+        return await self.move(old_path, new_path, overwrite=overwrite, timeout=timeout)
+
     async def remove(
         self,
         path: str,

@@ -12,10 +12,11 @@ import dataclasses
 import math
 import os
 import threading
+import types
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Generic, NoReturn, TypedDict, TypeVar
+from typing import Any, Concatenate, Generic, NoReturn, ParamSpec, TypedDict, TypeVar, overload
 
 from .._upstream import SandboxNotFoundError
 from ..credentials._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
@@ -37,6 +38,7 @@ from .wire._dialect import Dialect, Lifetime
 from .wire._dialects import BrokerDialect
 
 __all__ = [
+    "ClassOrInstanceMethod",
     "ClientBase",
     "ConnectOptions",
     "ExcType",
@@ -48,6 +50,7 @@ __all__ = [
     "client_overrides",
     "create_spec",
     "data_target",
+    "kill_name",
     "make_client",
     "timeout_seconds",
 ]
@@ -74,7 +77,7 @@ class SandboxCreateOptions(ConnectOptions, total=False):
     """Keyword arguments of ``Sandbox.create``."""
 
     annotations: Mapping[str, str] | None
-    env: Mapping[str, str] | None
+    envs: Mapping[str, str] | None
     timeout: int | None
     lifetime_seconds: int | None
     keepalive: int | None
@@ -85,6 +88,9 @@ class SandboxCreateOptions(ConnectOptions, total=False):
     pod_labels: Mapping[str, str] | None
     pod_annotations: Mapping[str, str] | None
     scopes: Sequence[str] | None
+    # Other spellings, renamed by ``sdk_spelling``: upstream's env= (envs=), E2B's metadata=
+    env: Mapping[str, str] | None
+    metadata: Mapping[str, str] | None
     # The original package's spellings (drop-in migration), renamed by ``sdk_spelling``:
     warmpool: str | None
     namespace: str | None
@@ -190,6 +196,10 @@ class ClientBase(ABC, Generic[H, T]):
         with self._lock:
             return [] if self._closed else list(self._handles)
 
+    def _live_handles(self) -> list[H]:
+        with self._lock:
+            return list(self._handles.values())
+
     def _forget(self, name: str) -> None:
         with self._lock:
             self._handles.pop(name, None)
@@ -252,6 +262,51 @@ class FilesBase(SandboxPart[T], ABC, Generic[T, S]):
         return fsapi.write(
             self._api, path, data, timeout, allow_unsafe=allow_unsafe, allow_async=allow_async
         )
+
+
+Owner = TypeVar("Owner")
+P = ParamSpec("P")
+R = TypeVar("R")
+PC = ParamSpec("PC")
+RC = TypeVar("RC")
+
+
+class ClassOrInstanceMethod(Generic[Owner, P, R, PC, RC]):
+    """A method with a meaning on the instance and another on the class, as E2B's
+    ``Sandbox.kill``: ``sandbox.kill()`` is ``instance(sandbox)``, ``Sandbox.kill(name)`` is
+    ``on_class(Sandbox, name)``."""
+
+    def __init__(
+        self,
+        instance: Callable[Concatenate[Owner, P], R],
+        on_class: Callable[Concatenate[type[Owner], PC], RC],
+    ) -> None:
+        self._instance = instance
+        self._on_class = on_class
+        self.__doc__ = instance.__doc__
+        self.__name__ = instance.__name__
+
+    @overload
+    def __get__(self, obj: None, owner: type[Owner]) -> Callable[PC, RC]: ...
+    @overload
+    def __get__(self, obj: Owner, owner: type[Owner] | None = None) -> Callable[P, R]: ...
+    def __get__(self, obj: Owner | None, owner: type[Owner] | None = None) -> Callable[..., Any]:
+        if obj is None:
+            return types.MethodType(self._on_class, owner)
+        return types.MethodType(self._instance, obj)
+
+
+def kill_name(handle_type: type, name: Any) -> str:
+    """The sandbox name ``Sandbox.kill(name)`` on the class was given, checked (a TypeError
+    naming the rule and the fix otherwise)."""
+    if not isinstance(name, str) or not name:
+        kind = handle_type.__name__
+        raise TypeError(
+            f"{kind}.kill() on the class takes a sandbox's name (a non-empty str), e.g. "
+            f"{kind}.kill(sandbox.name), not {type(name).__name__}; on a handle call "
+            "sandbox.kill()."
+        )
+    return name
 
 
 def data_target(client: Any, info: proto.SandboxInfo, keepalive: int | None) -> DataTarget:

@@ -14,6 +14,7 @@ import httpx
 from .._upstream import ExecutionResult, SandboxNotFoundError
 from ..credentials._auth import CredentialSource
 from ._base import (
+    ClassOrInstanceMethod,
     ClientBase,
     ConnectOptions,
     ExcType,
@@ -22,11 +23,13 @@ from ._base import (
     Traceback,
     create_spec,
     data_target,
+    kill_name,
     make_client,
     timeout_seconds,
 )
 from ._commands import CommandHandle, Commands
 from ._files import Files
+from ._pty import Pty
 from .core import _flow as flow
 from .core import _options as opts
 from .http._config import BrokerConnectionConfig
@@ -101,6 +104,8 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
     def close(self) -> None:
         """Close the HTTP connections (sandboxes keep running)."""
         self._mark_closed()
+        for handle in self._live_handles():
+            handle._commands._stop_output()  # the threads that follow output use them
         self._transport.close()
 
     def __enter__(self) -> Self:
@@ -245,6 +250,20 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
             raise errors[0]
 
 
+def _kill_named(cls: type[Sandbox], name: str | Sandbox, **options: Unpack[ConnectOptions]) -> bool:
+    """``Sandbox.kill(name)``: delete sandbox ``name`` without a handle (E2B's class
+    call); ``True`` if it was deleted, ``False`` if it was already gone. A handle given
+    instead of a name is killed (``Sandbox.kill(sandbox)``, the unbound call)."""
+    if isinstance(name, Sandbox):
+        return name.kill()
+    target = kill_name(cls, name)
+    client = make_client(BrokerSandboxClient, options, what="kill()", named=("name",))
+    try:
+        return client.delete(target)
+    finally:
+        client.close()
+
+
 class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
     """One sandbox behind the broker.
 
@@ -268,6 +287,13 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         transport = client._transport.to(target)  # extends a kept-alive sandbox when due
         commands, files = self._commands_class(transport, target), Files(transport, target)
         super().__init__(client, info, target, commands, files, owns_client)
+        self._pty = Pty(transport, target)
+
+    @property
+    def pty(self) -> Pty:
+        """Terminals in the sandbox: ``sandbox.pty.create(cols, rows)`` → a ``PtyHandle``."""
+        self._check_active()
+        return self._pty
 
     def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""
@@ -311,24 +337,33 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         if self._closed:
             return
         self._closed = True
+        self._commands._stop_output()  # their commands go on; reattach with connect
         if self._owns_client:
             self._client.close()
 
-    def kill(self) -> None:
-        """Delete the sandbox. Idempotent: a sandbox that is already gone is not an error."""
+    def _kill_handle(self) -> bool:
+        """Delete the sandbox. Idempotent: ``True`` if this call deleted it, ``False`` if it
+        was already gone (or this handle killed it before; under ``/rpc`` a delete cannot
+        tell). Called on the class, ``Sandbox.kill(name, **options)`` deletes sandbox ``name``
+        (E2B's spelling; the keyword options of :meth:`connect`)."""
         if self._killed:
-            return
+            return False
+        halted = self._commands._halt_output()  # no thread follows output past the sandbox
         if self._needs_own_client_to_kill():
             client = BrokerSandboxClient(self._client.connection_config, auth=self._client.auth)
             try:
-                client.delete(self.name)
+                deleted = client.delete(self.name)
             finally:
                 client.close()
         else:
-            self._client.delete(self.name)
+            deleted = self._client.delete(self.name)
+        self._commands._join_output(halted)
         logger.info("killed sandbox %s", self.name)
         if self._killed_now():
             self._client.close()
+        return deleted
+
+    kill = ClassOrInstanceMethod(_kill_handle, _kill_named)
 
     def __enter__(self) -> Self:
         return self
@@ -369,9 +404,10 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         ``AGENT_SANDBOX_CA_BUNDLE``, ``AGENT_SANDBOX_TEMPLATE`` and the credential chain
         (``AGENT_SANDBOX_TOKEN``, ``AGENT_SANDBOX_TOKEN_FILE``, the projected token, plugins).
         Keyword options (they beat the environment): ``auth``, ``broker_url``, ``ca_cert``,
-        ``config``, ``environ``, ``annotations``, ``env``, ``timeout``, ``keepalive``,
-        ``ready_timeout``, ``request_timeout``, ``allow_insecure_http``, ``idempotency_key``,
-        ``pod_labels``, ``pod_annotations``, ``scopes``; and the original package's
+        ``config``, ``environ``, ``annotations`` (E2B's ``metadata``), ``envs`` (upstream's
+        ``env``), ``timeout``, ``keepalive``, ``ready_timeout``, ``request_timeout``,
+        ``allow_insecure_http``, ``idempotency_key``, ``pod_labels``, ``pod_annotations``,
+        ``scopes``; and the original package's
         ``warmpool``, ``namespace``, ``shutdown_after_seconds``, ``sandbox_ready_timeout``,
         ``keepalive_ttl_seconds``, ``token``, ``token_path``, ``backend`` (docs/migrating.md).
 
@@ -429,7 +465,6 @@ class UpstreamCommands(Commands):
         command_timeout: float | None = None,
         *,
         background: Literal[True],
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> CommandHandle: ...
 
@@ -441,7 +476,6 @@ class UpstreamCommands(Commands):
         command_timeout: float | None = None,
         *,
         background: Literal[False] = False,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult: ...
 
@@ -453,7 +487,6 @@ class UpstreamCommands(Commands):
         command_timeout: float | None = None,
         *,
         background: bool,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle: ...
 
@@ -464,11 +497,9 @@ class UpstreamCommands(Commands):
         command_timeout: float | None = None,
         *,
         background: bool = False,
-        env: Mapping[str, str] | None = None,
         **options: Unpack[opts.RunOptions],
     ) -> ExecutionResult | CommandHandle:
         limit = opts.upstream_timeout(timeout, command_timeout)
-        opts.upstream_envs(options, env)
         return super().run(command, limit, background=background, **options)
 
 

@@ -4,7 +4,10 @@ performs its steps with the sync transport."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Literal, Unpack, overload
 
@@ -21,17 +24,37 @@ from .wire._dataplane import CommandInfo, DataTarget
 __all__ = ["CommandHandle", "Commands"]
 
 Callback = Callable[[str], Any] | None
+logger = logging.getLogger("k8s_agent_sandbox_awx.client")
+
+STOP_WAIT = 5.0
+"""Seconds a kill or a close waits for the thread that follows a command's output to end (it
+notices a stop at its next event or heartbeat, every 2 s on the local runtime); it is a daemon
+thread that ends at its next event or heartbeat if it takes longer."""
+
+
+class _Stopped(Exception):
+    """Raised into a followed command's operation when its thread is told to stop."""
 
 
 class _Performer:
-    """Performs the steps of a command operation with the sync transport."""
+    """Performs the steps of a command operation with the sync transport (``stop``: set from
+    another thread to end the operation at its next step)."""
 
-    def __init__(self, transport: BrokerTransport, on_stdout: Callback, on_stderr: Callback):
+    def __init__(
+        self,
+        transport: BrokerTransport,
+        on_stdout: Callback,
+        on_stderr: Callback,
+        stop: threading.Event | None = None,
+    ):
         self._transport = transport
         self._callbacks = on_stdout, on_stderr
         self._stream: Generator[Any, None, None] | None = None
+        self._stop = stop
 
     def __call__(self, step: cf.Step) -> Any:
+        if self._stop is not None and self._stop.is_set():
+            raise _Stopped
         match step:
             case cf.NextEvent():
                 assert self._stream is not None
@@ -60,15 +83,64 @@ class _Performer:
             self.close()
 
 
+class _Follower:
+    """The thread that follows a background command's output to the callbacks given at its
+    start (``run(..., background=True, on_stdout=...)``, ``connect(id, on_stdout=...)``): it
+    ends with the command, or when told to stop (``kill``, ``close``, the sandbox's end)."""
+
+    def __init__(self, handle: CommandHandle, on_stdout: Callback, on_stderr: Callback) -> None:
+        self.stop = threading.Event()
+        self.result: ExecutionResult | None = None
+        self.error: BaseException | None = None
+        performer = _Performer(handle._transport, on_stdout, on_stderr, self.stop)
+        self._thread = threading.Thread(
+            target=self._follow,
+            args=(performer, handle),
+            name=f"agent-sandbox-output-{handle.command_id}",
+            daemon=True,  # never holds up the interpreter's exit
+        )
+        self._thread.start()
+
+    def _follow(self, performer: _Performer, handle: CommandHandle) -> None:
+        try:
+            self.result = performer.drive(handle._follow(None))
+        except _Stopped:
+            pass
+        except BaseException as exc:  # kept for wait(), which raises it
+            self.error = exc
+            logger.warning(
+                "stopped following the output of command %s: %s (wait() raises it)",
+                handle.command_id,
+                type(exc).__name__,
+            )
+
+    def join(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end; whether it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def halt(self) -> None:
+        """Tell the thread to stop at its next step (without waiting)."""
+        self.stop.set()
+
+
 class CommandHandle(cf.HandleBase):
     """A background command (``commands.run(..., background=True)`` or ``commands.get(id)``).
 
     ``wait()`` follows its output to the end, ``kill()`` stops its whole process group,
     ``status()`` asks the runtime, ``send_stdin()`` writes to it (started with ``stdin=True``),
     and iterating yields its output events (:class:`CommandEvent`) as they are produced, the last
-    one of type ``exit``. Reading (``wait``, iteration) continues where the last read stopped."""
+    one of type ``exit``. Reading (``wait``, iteration) continues where the last read stopped.
+    Started with ``on_stdout``/``on_stderr`` (or from ``commands.connect(id, on_stdout=...)``),
+    a thread of the handle delivers its output to them while it runs; ``close()`` stops that
+    (the command goes on)."""
 
     _transport: BrokerTransport
+    _follower: _Follower | None = None
+
+    def _deliver(self, on_stdout: Callback, on_stderr: Callback) -> None:
+        """Follow the output to the callbacks in a thread of this handle, from now on."""
+        self._follower = _Follower(self, on_stdout, on_stderr)
 
     def wait(
         self,
@@ -80,16 +152,48 @@ class CommandHandle(cf.HandleBase):
         """Wait until the command ends and return its result (the output read through this
         handle). ``timeout`` (seconds, ``None``: no limit): :class:`CommandWaitTimeoutError` is
         raised when it passes; the command keeps running. The callbacks get the output as it
-        is produced."""
-        result: ExecutionResult = _Performer(self._transport, on_stdout, on_stderr).drive(
-            self._follow(timeout)
-        )
-        return result
+        is produced (a handle whose output goes to the callbacks given at its start takes
+        none here)."""
+        follower = self._follower
+        if follower is None:
+            result: ExecutionResult = _Performer(self._transport, on_stdout, on_stderr).drive(
+                self._follow(timeout)
+            )
+            return result
+        if on_stdout is not None or on_stderr is not None:
+            raise cf.followed_elsewhere(self.command_id, "wait(on_stdout=..., on_stderr=...)")
+        if not follower.join(None if timeout is None else cf.wait_seconds(timeout)):
+            raise cf.wait_timed_out(self.command_id, timeout)
+        return self._followed(follower)
+
+    def _followed(self, follower: _Follower) -> ExecutionResult:
+        """The result the ended ``follower`` got, or its error (raised once: a later wait
+        follows the output itself, from where it stopped)."""
+        if follower.error is not None or follower.result is None:
+            self._follower = None
+            if follower.error is not None:
+                raise follower.error
+            return self.wait()
+        return follower.result
 
     def kill(self) -> ExecutionResult:
         """Kill the command's process group and return its final result (the output the runtime
-        retained). Safe to repeat; a command that already ended keeps its result."""
-        return self._transport.call(cf.kill(self._target, self.command_id))
+        retained). Safe to repeat; a command that already ended keeps its result. The callbacks
+        given at its start get its last output first (for up to 5 s)."""
+        result = self._transport.call(cf.kill(self._target, self.command_id))
+        follower = self._follower
+        if follower is not None and not follower.join(STOP_WAIT):
+            follower.halt()
+        return result
+
+    def close(self) -> None:
+        """Stop delivering the output to the callbacks given at its start (the command goes
+        on; ``wait()`` and iteration read it from where they stopped). Nothing to do for a
+        handle without them."""
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.halt()
+            follower.join(STOP_WAIT)
 
     def status(self) -> CommandInfo:
         """The command as the runtime reports it now (state, exit code, retained output)."""
@@ -101,6 +205,8 @@ class CommandHandle(cf.HandleBase):
         self._transport.call(cf.send_stdin(self._target, self.command_id, data, eof))
 
     def __iter__(self) -> Iterator[cf.CommandEvent]:
+        if self._follower is not None:
+            raise cf.followed_elsewhere(self.command_id, "Iterating the handle")
         performer = _Performer(self._transport, None, None)
         try:
             for step in iterate(self._follow(None), performer, cf.Emit):
@@ -115,6 +221,8 @@ class Commands(SandboxPart[BrokerTransport]):
     def __init__(self, transport: BrokerTransport, target: DataTarget) -> None:
         super().__init__(transport, target)
         self._features = cf.RuntimeFeatures()
+        self._delivering: weakref.WeakSet[CommandHandle] = weakref.WeakSet()
+        """Handles whose output a thread delivers to callbacks (stopped with the sandbox)."""
 
     @overload
     def run(
@@ -177,7 +285,7 @@ class Commands(SandboxPart[BrokerTransport]):
             command_id: str = self._transport.run(
                 cf.start(self._target, plan.start, self._features)
             )
-            return CommandHandle(self._transport, self._target, command_id)
+            return self._handle(command_id, plan.on_stdout, plan.on_stderr)
         performer = _Performer(self._transport, plan.on_stdout, plan.on_stderr)
         op = cf.run(
             self._target,
@@ -189,11 +297,60 @@ class Commands(SandboxPart[BrokerTransport]):
         result: ExecutionResult = performer.drive(op)
         return result
 
+    def _handle(self, command_id: str, on_stdout: Callback, on_stderr: Callback) -> CommandHandle:
+        """The handle of a started command; with callbacks, its output goes to them while it
+        runs (a thread of the handle)."""
+        handle = CommandHandle(self._transport, self._target, command_id)
+        if on_stdout is not None or on_stderr is not None:
+            handle._deliver(on_stdout, on_stderr)
+            self._delivering.add(handle)
+        return handle
+
     def get(self, command_id: str) -> CommandHandle:
         """Reattach to a command of this sandbox (started here or by another process of the
         same caller): its handle, checked to exist. Reading it replays the retained output."""
         self._transport.call(cf.status(self._target, command_id))
         return CommandHandle(self._transport, self._target, command_id)
+
+    def connect(
+        self, command_id: str, *, on_stdout: Callback = None, on_stderr: Callback = None
+    ) -> CommandHandle:
+        """E2B's name for :meth:`get`: the handle of a running or retained command, checked to
+        exist; with ``on_stdout``/``on_stderr`` its output (the retained output first) goes to
+        them while it runs, as for ``run(..., background=True, on_stdout=...)``."""
+        cf.check_callbacks(on_stdout, on_stderr)
+        self._transport.call(cf.status(self._target, command_id))
+        return self._handle(command_id, on_stdout, on_stderr)
+
+    def kill(self, command_id: str) -> ExecutionResult:
+        """Kill command ``command_id``'s process group (E2B's ``commands.kill``; the same as
+        ``get(command_id).kill()``): its final result. Safe to repeat."""
+        return self._transport.call(cf.kill(self._target, command_id))
+
+    def send_stdin(self, command_id: str, data: str | bytes, *, eof: bool = False) -> None:
+        """Write ``data`` to command ``command_id``'s stdin (E2B's ``commands.send_stdin``; the
+        same as ``get(command_id).send_stdin(data)``). Never retried."""
+        self._transport.call(cf.send_stdin(self._target, command_id, data, eof))
+
+    def _halt_output(self) -> list[_Follower]:
+        """Tell every thread that delivers a command's output to callbacks to stop (the sandbox
+        is being killed, or its connection closed); they end at their next step."""
+        handles = list(self._delivering)
+        self._delivering.clear()
+        followers = [h._follower for h in handles if h._follower is not None]
+        for follower in followers:
+            follower.halt()
+        return followers
+
+    @staticmethod
+    def _join_output(followers: list[_Follower]) -> None:
+        """Wait up to :data:`STOP_WAIT` in all for the halted ``followers`` to end."""
+        deadline = time.monotonic() + STOP_WAIT
+        for follower in followers:
+            follower.join(max(0.0, deadline - time.monotonic()))
+
+    def _stop_output(self) -> None:
+        self._join_output(self._halt_output())
 
     def list(self) -> list[CommandInfo]:
         """The sandbox's commands, running and retained (oldest first), without their output."""

@@ -188,6 +188,19 @@ class Files(FilesBase[BrokerTransport, Generator[bytes, None, None]]):
         entry's FileInfo; an existing destination is never replaced unless ``overwrite``."""
         return self._transport.run(fsapi.move(self._api, source, destination, overwrite, timeout))
 
+    def rename(
+        self,
+        old_path: str,
+        new_path: str,
+        *,
+        overwrite: bool = False,
+        timeout: float | None = None,
+    ) -> FileInfo:
+        """E2B's name for :meth:`move`: ``old_path`` renamed to ``new_path`` (within one root),
+        the renamed entry's FileInfo; an existing ``new_path`` is never replaced unless
+        ``overwrite``."""
+        return self.move(old_path, new_path, overwrite=overwrite, timeout=timeout)
+
     def remove(self, path: str, *, recursive: bool = False, timeout: float | None = None) -> bool:
         """Remove ``path`` (a non-empty directory needs ``recursive=True``); ``False`` if it
         did not exist."""

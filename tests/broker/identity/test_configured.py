@@ -164,6 +164,32 @@ async def test_audiences_and_skew_are_per_issuer(issuer: ScriptedIssuer, tmp_pat
 
 
 @pytest.mark.asyncio
+async def test_audiences_match_by_the_clients_url_rule(issuer: ScriptedIssuer) -> None:
+    """The client sends its broker URL as the audience in the normal form of ``_urls``
+    (``normalise_url``): a trailing slash, a default port or the case of the host does not
+    make it another audience, for the configured audiences and the broker's own URL alike."""
+    verifier = verifier_for(
+        issuer.settings(audiences=["https://Broker.example:443/"]),
+        issuer.settings(
+            name="own",
+            url=issuer.url + "/own",
+            audiences=[],
+            discovery=False,
+            jwks_url=issuer.url + JWKS,
+        ),
+    )
+    for aud in ("https://broker.example", "https://broker.example/", "HTTPS://BROKER.example:443"):
+        caller, _ = await verifier.verify(f"Bearer {issuer.token(aud=aud)}")
+        assert caller.audience == "https://Broker.example:443/"  # the configured spelling
+    own = issuer.sign(issuer.claims(iss=issuer.url + "/own", aud=AUDIENCE + ":443/"))
+    caller, _ = await verifier.verify(f"Bearer {own}")
+    assert caller.audience == AUDIENCE
+    for aud in ("https://broker.example:8443", "https://broker.example/x", "http://broker.example"):
+        assert (await rejected(verifier, issuer.token(aud=aud))).code == "audience_mismatch"
+    await verifier.aclose()
+
+
+@pytest.mark.asyncio
 async def test_a_verified_token_is_remembered_and_its_claims_still_checked(
     issuer: ScriptedIssuer,
 ) -> None:

@@ -126,6 +126,21 @@ def test_a_dotted_key_reads_a_nested_claim() -> None:
     assert matched([deep], k8s("team-a", "agent-7")) == "sa"
 
 
+def test_a_dotted_key_prefers_the_literal_key_with_dots() -> None:
+    """The Kubernetes claim is named ``kubernetes.io``: ``kubernetes.io.namespace`` reads
+    ``claims["kubernetes.io"]["namespace"]``, not ``claims["kubernetes"]["io"][...]``; a claim
+    named by the whole dotted key is read first."""
+    by_namespace = rule("ns", "cluster", claims={"kubernetes.io.namespace": "team-a"})
+    sub = "system:serviceaccount:team-b:agent"
+    nested = {"kubernetes": {"io": {"namespace": "team-a"}}}
+    decoy = caller(CLUSTER, sub, **{"kubernetes.io": {"namespace": "team-b"}}, **nested)
+    with pytest.raises(PolicyDenied):
+        matched([by_namespace], decoy)
+    info = {"namespace": "team-b"}
+    whole = caller(CLUSTER, sub, **{"kubernetes.io.namespace": "team-a", "kubernetes.io": info})
+    assert matched([by_namespace], whole) == "ns"
+
+
 def test_an_absent_claim_never_matches_not_even_star() -> None:
     needs_pod = rule("pod", "cluster", claims={"kubernetes.io.pod.name": "*"})
     with pytest.raises(PolicyDenied):

@@ -122,6 +122,18 @@ async def test_a_reviewed_token_becomes_a_caller(reviewer: Reviewer) -> None:
     }  # fmt: skip
 
 
+async def test_an_audience_spelled_otherwise_is_reviewed_as_the_token_spells_it(
+    reviewer: Reviewer,
+) -> None:
+    """The API server compares audiences exactly; the broker by the client's URL rule
+    (``normalise_url``): a token for ``AUDIENCE/`` is reviewed for that spelling too."""
+    value = token(aud=[AUDIENCE + ":443/"])
+    reviewer.admit(value, "system:serviceaccount:team-a:agent", audiences=[AUDIENCE + ":443/"])
+    caller, _ = await verifier_for(reviewer).verify(f"Bearer {value}")
+    assert caller.audience == AUDIENCE
+    assert reviewer.calls == [(value, [AUDIENCE, AUDIENCE + ":443/"])]
+
+
 async def test_the_shape_and_claims_are_checked_before_any_review(reviewer: Reviewer) -> None:
     verifier = verifier_for(reviewer)
     cases = {

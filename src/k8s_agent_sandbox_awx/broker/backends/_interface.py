@@ -31,8 +31,14 @@ The rules every backend holds:
   Failed and Terminating claims and ``None`` (or leave them out) for gone ones; deleting a gone
   claim is ``None``, not an error ("already gone is gone"). A claim expires at ``expires_at``:
   the backend deletes it then (Terminating, reason ``Expired``).
-- **Errors** are the exceptions below (the broker turns them into its API's answers); anything
-  else is a backend failure. Secrets never appear in a state, a route's repr or an error.
+- **Errors** are the exceptions below (the broker turns them into its API's answers):
+  :class:`BackendUnavailable` when the backend cannot answer now (its API server is
+  unreachable); anything else is a backend failure. Secrets never appear in a state, a
+  route's repr or an error.
+- **Where a claim is.** The name-keyed methods take ``namespace``: where the broker expects the
+  claim (the caller's policy namespace, a data-plane request's X-Sandbox-Namespace, a state's
+  own). A backend that keeps every claim in one place ignores it; one that reads namespaced
+  objects (Kubernetes) looks there first and may answer ``None`` for a claim elsewhere.
 - Every method runs on the broker's event loop and never blocks it; times are epoch seconds.
 """
 
@@ -49,8 +55,10 @@ __all__ = [
     "IDEMPOTENCY_SECONDS",
     "RUNTIME_PORT",
     "Backend",
+    "BackendUnavailable",
     "ClaimForgotten",
     "ClaimGone",
+    "ClaimInvalid",
     "ClaimNameTaken",
     "ClaimRequest",
     "ClaimState",
@@ -172,6 +180,16 @@ class ClaimState:
     pod_metadata: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     deleted: bool = False
     """Gone: deleted and its runtime stopped (only a replay still shows such a claim)."""
+    sandbox_name: str | None = None
+    """The runtime's own name when it is named apart from the claim (a Kubernetes Sandbox
+    adopted from a warm pool keeps its pool's name): what ``/rpc`` status reports as
+    ``sandbox_name`` and its data plane sends as X-Sandbox-ID; ``None``: ``name``."""
+
+    @property
+    def data_plane_name(self) -> str:
+        """The X-Sandbox-ID of the sandbox of an ``/rpc`` claim (``sandbox_name``, else
+        ``name``)."""
+        return self.sandbox_name or self.name
 
     @property
     def live(self) -> bool:
@@ -248,6 +266,25 @@ class ClaimGone(Exception):
     """The claim was deleted since it was looked up (a data-plane route to it is no more)."""
 
 
+class BackendUnavailable(Exception):
+    """The backend cannot answer now (``detail`` says why and names no secret, e.g. "the
+    Kubernetes API server did not answer"): the broker answers ``503 backend_unavailable``
+    and the caller may retry."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class ClaimInvalid(Exception):
+    """The backend refused the claim as the request made it (``detail``: which field and why,
+    e.g. the API server's validation): the broker answers ``400 invalid_request``."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
 class Unroutable(Exception):
     """The data plane cannot reach the sandbox as asked (``detail`` says why, e.g. a port it
     does not serve)."""
@@ -269,45 +306,59 @@ class Backend(Protocol):
         on it (the claim is still made, Failed: ``ClaimRequest.failure``)."""
         ...
 
-    async def replay(self, owner: Owner, idempotency: Idempotency) -> ClaimState | None:
+    async def replay(
+        self, owner: Owner, idempotency: Idempotency, *, namespace: str | None = None
+    ) -> ClaimState | None:
         """The claim an earlier create of ``owner`` with this key made (``None``: the key is
         new, or older than :data:`IDEMPOTENCY_SECONDS`); IdempotencyConflict for another
-        digest; ClaimForgotten when that claim is gone and no longer known."""
+        digest; ClaimForgotten when that claim is gone and no longer known (a backend that
+        keeps nothing of a deleted claim answers ``None``: the key is new again)."""
         ...
 
     async def create(self, request: ClaimRequest) -> Created:
         """Make the claim (Pending; its sandbox starts) or, with ``request.failure``, a Failed
-        one (nothing starts); QuotaExceeded, ClaimNameTaken. Atomic (see the module docstring);
-        with ``request.idempotency`` a create that finds the key taken by a create that won a
-        race answers that claim (``replayed``) or raises IdempotencyConflict."""
+        one (nothing starts); QuotaExceeded, ClaimNameTaken, ClaimInvalid. Atomic (see the
+        module docstring); with ``request.idempotency`` a create that finds the key taken by a
+        create that won a race answers that claim (``replayed``) or raises
+        IdempotencyConflict."""
         ...
 
-    async def get(self, name: str) -> ClaimState | None:
+    async def get(
+        self, name: str, *, namespace: str | None = None, cached: bool = False
+    ) -> ClaimState | None:
         """The claim ``name`` (``ClaimState.name``) unless it is gone; its phase as known now
-        (a dead runtime: Failed)."""
+        (a dead runtime: Failed). ``cached``: a data-plane lookup, which may be answered from
+        a cache that lags behind (an informer) when it shows the claim Ready; ``name`` may then
+        also be the ``sandbox_name`` of an ``/rpc`` claim."""
         ...
 
-    async def find_claim(self, claim_name: str) -> ClaimState | None:
+    async def find_claim(
+        self, claim_name: str, *, namespace: str | None = None
+    ) -> ClaimState | None:
         """The claim whose ``claim_name`` is ``claim_name`` (an ``/rpc`` claim) unless it is
         gone, as :meth:`get`."""
         ...
 
-    async def list_owned(self, owner: Owner) -> list[ClaimState]:
+    async def list_owned(self, owner: Owner, *, namespace: str | None = None) -> list[ClaimState]:
         """The owner's claims that are not gone, in any order (may lag: see the docstring)."""
         ...
 
-    async def delete(self, name: str) -> ClaimState | None:
+    async def delete(self, name: str, *, namespace: str | None = None) -> ClaimState | None:
         """Begin deleting claim ``name``: it is Terminating (reason ``Deleted``) until its
         runtime is stopped, then gone; the state as Terminating, or ``None`` when it is gone
         already. The broker checked the owner before."""
         ...
 
-    async def set_expiry(self, name: str, expires_at: float) -> ClaimState | None:
+    async def set_expiry(
+        self, name: str, expires_at: float, *, namespace: str | None = None
+    ) -> ClaimState | None:
         """Move claim ``name``'s expiry to ``expires_at`` (the broker checked the cap); the new
         state, or ``None`` when it is gone."""
         ...
 
-    async def wait_ready(self, name: str, within: float) -> ClaimState | None:
+    async def wait_ready(
+        self, name: str, within: float, *, namespace: str | None = None
+    ) -> ClaimState | None:
         """Wait until claim ``name`` is no longer Pending, at most ``within`` seconds (without
         polling where the backend can watch); its state then (``None``: gone and no longer
         known)."""

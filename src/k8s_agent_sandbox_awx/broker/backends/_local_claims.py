@@ -175,7 +175,8 @@ class SandboxRecord:
 
 
 class LocalBackend:
-    """The claims of one local broker, in memory; runtimes started by ``runtimes``.
+    """The claims of one local broker, in memory; runtimes started by ``runtimes``. Every
+    claim is in one place: the methods' ``namespace`` is not needed (and ignored).
 
     ``templates``: template name -> runtime command line (``None``: the runtimes' default);
     ``warm_pools``: ``/rpc`` warm pool -> template. ``keep_deleted`` / ``keep_deleted_seconds``:
@@ -227,7 +228,9 @@ class LocalBackend:
         return WarmPool(template)
 
     # -- create --------------------------------------------------------------------------------
-    async def replay(self, owner: Owner, idempotency: Idempotency) -> ClaimState | None:
+    async def replay(
+        self, owner: Owner, idempotency: Idempotency, *, namespace: str | None = None
+    ) -> ClaimState | None:
         remembered = self.idempotency.get((owner.issuer, owner.subject, idempotency.key))
         if remembered is None or time.time() - remembered[2] >= IDEMPOTENCY_SECONDS:
             return None
@@ -403,14 +406,18 @@ class LocalBackend:
         with self.lock:
             return self.sandboxes.get(name)
 
-    async def get(self, name: str) -> ClaimState | None:
+    async def get(
+        self, name: str, *, namespace: str | None = None, cached: bool = False
+    ) -> ClaimState | None:
         record = self._live(name)
         if record is None:
             return None
         self._check_alive(record)
         return record.state()
 
-    async def find_claim(self, claim_name: str) -> ClaimState | None:
+    async def find_claim(
+        self, claim_name: str, *, namespace: str | None = None
+    ) -> ClaimState | None:
         with self.lock:
             record = next((r for r in self.sandboxes.values() if r.claim_name == claim_name), None)
         if record is None:
@@ -418,12 +425,12 @@ class LocalBackend:
         self._check_alive(record)
         return record.state()
 
-    async def list_owned(self, owner: Owner) -> list[ClaimState]:
+    async def list_owned(self, owner: Owner, *, namespace: str | None = None) -> list[ClaimState]:
         with self.lock:
             mine = [r for r in self.sandboxes.values() if r.owner.key == owner.key]
         return [r.state() for r in mine]
 
-    async def delete(self, name: str) -> ClaimState | None:
+    async def delete(self, name: str, *, namespace: str | None = None) -> ClaimState | None:
         record = self._live(name)
         if record is None:
             return None
@@ -432,7 +439,9 @@ class LocalBackend:
             self._spawn(self._terminate(record, "Deleted"))
         return record.state()
 
-    async def set_expiry(self, name: str, expires_at: float) -> ClaimState | None:
+    async def set_expiry(
+        self, name: str, expires_at: float, *, namespace: str | None = None
+    ) -> ClaimState | None:
         record = self._live(name)
         if record is None:
             return None
@@ -440,7 +449,9 @@ class LocalBackend:
         self.schedule_expiry(record)
         return record.state()
 
-    async def wait_ready(self, name: str, within: float) -> ClaimState | None:
+    async def wait_ready(
+        self, name: str, within: float, *, namespace: str | None = None
+    ) -> ClaimState | None:
         record = self._live(name)
         if record is None:
             return None

@@ -77,6 +77,19 @@ def _claims(table: Table) -> dict[str, tuple[str, ...]]:
         values = [value] if isinstance(value, str) else value
         if not claim.strip():
             table.problem(key, "is not a claim name (empty)", "name the claim to match")
+        elif isinstance(value, dict):
+            table.problem(
+                key,
+                "is a table: TOML reads an unquoted dotted name as nested tables",
+                f'quote the claim name: "{_dotted_name(claim, value)}" = ...',
+            )
+        elif claim.startswith("kubernetes.io/"):
+            table.problem(
+                key,
+                "names no claim of a Kubernetes token: its claim kubernetes.io is an object "
+                "(namespace, serviceaccount.name, pod.name), read with a dotted name",
+                f'write "kubernetes.io.{claim.removeprefix("kubernetes.io/")}"',
+            )
         elif isinstance(value, bool | int | float):
             table.problem(
                 key,
@@ -95,3 +108,12 @@ def _claims(table: Table) -> dict[str, tuple[str, ...]]:
         else:
             claims[claim] = tuple(values)
     return claims
+
+
+def _dotted_name(claim: str, value: Any) -> str:
+    """The dotted name an unquoted ``a.b.c = ...`` in a TOML inline table stood for."""
+    parts = [claim]
+    while isinstance(value, dict) and len(value) == 1:
+        (key, value), *_ = value.items()
+        parts.append(str(key))
+    return ".".join(parts)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from ..._urls import normalise_url
 from ._providers import claim_at
 from ._rejection import TokenRejected, short
 from ._settings import IssuerSettings
@@ -120,8 +121,12 @@ class TokenReviews:
         :class:`ReviewUnavailable` when the API server gives no verdict."""
         await self._ask(PROBE_TOKEN)
 
-    async def review(self, token: str, *, exp: float) -> Review:
-        """The verdict on ``token`` (whose ``exp`` bounds a cached positive answer)."""
+    async def review(
+        self, token: str, *, exp: float, audiences: Sequence[str] | None = None
+    ) -> Review:
+        """The verdict on ``token`` (whose ``exp`` bounds a cached positive answer), reviewed
+        for ``audiences`` (default: the issuer's; :func:`spelled_audiences` adds the token's
+        own spelling of them)."""
         key = hashlib.sha256(token.encode()).digest()
         now = self._clock()
         cached = self._cache.get(key)
@@ -131,7 +136,7 @@ class TokenReviews:
             return cached[1]
         task = self._inflight.get(key)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._ask(token))
+            task = asyncio.get_running_loop().create_task(self._ask(token, audiences))
             self._inflight[key] = task
             task.add_done_callback(lambda _t: self._inflight.pop(key, None))
         verdict = await asyncio.shield(task)
@@ -154,10 +159,10 @@ class TokenReviews:
         while len(self._cache) > self._max_entries:
             self._cache.popitem(last=False)
 
-    async def _ask(self, token: str) -> Review:
+    async def _ask(self, token: str, audiences: Sequence[str] | None = None) -> Review:
         self.reviews += 1
         try:
-            status = await self._reviewer.token_review(token, list(self.audiences))
+            status = await self._reviewer.token_review(token, list(audiences or self.audiences))
         except Exception as exc:  # the client's typed errors; re-raised as one type
             self.failures += 1
             self.ready = False
@@ -174,6 +179,19 @@ class TokenReviews:
         return verdict
 
 
+def spelled_audiences(payload: Mapping[str, Any], accepted: Sequence[str]) -> list[str]:
+    """``accepted``, and after them each of the token's ``aud`` values that is one of them by
+    the client's URL rule (``normalise_url``) but spelled otherwise: the API server compares
+    audiences exactly, the broker as its clients do."""
+    aud = payload.get("aud")
+    given = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
+    wanted = {normalise_url(a) for a in accepted}
+    extra = [
+        a for a in given if isinstance(a, str) and a not in accepted and normalise_url(a) in wanted
+    ]
+    return [*accepted, *extra]
+
+
 def reviewed_claims(
     verdict: Review, payload: Mapping[str, Any], accepted: Sequence[str], issuer: str
 ) -> dict[str, Any]:
@@ -187,7 +205,7 @@ def reviewed_claims(
             f" ({short(verdict.error or 'no reason given', 200)})"
             + ("; its pod or secret is gone: get a fresh token" if invalidated else ""),
         )
-    if not set(verdict.audiences) & set(accepted):
+    if not {normalise_url(a) for a in verdict.audiences} & {normalise_url(a) for a in accepted}:
         raise TokenRejected(
             "audience_mismatch",
             f"the Kubernetes API server authenticated the token for audiences "

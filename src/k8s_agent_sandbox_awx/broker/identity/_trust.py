@@ -20,7 +20,13 @@ import jwt
 from ._jwks import KeySet, KeysUnavailable
 from ._rejection import TokenRejected, short
 from ._settings import IssuerSettings, SettingsError
-from ._tokenreview import ReviewUnavailable, TokenReviewer, TokenReviews, reviewed_claims
+from ._tokenreview import (
+    ReviewUnavailable,
+    TokenReviewer,
+    TokenReviews,
+    reviewed_claims,
+    spelled_audiences,
+)
 
 __all__ = ["IssuerTrust"]
 
@@ -118,7 +124,11 @@ class IssuerTrust:
         exp = payload.get("exp")
         bound = float(exp) if isinstance(exp, int | float) and not isinstance(exp, bool) else 0
         try:
-            verdict = await self.reviews.review(token, exp=bound or time.time())
+            verdict = await self.reviews.review(
+                token,
+                exp=bound or time.time(),
+                audiences=spelled_audiences(payload, self.audiences),
+            )
         except ReviewUnavailable as exc:
             raise TokenRejected("bad_signature", f"{exc}; retry later") from None
         return reviewed_claims(verdict, payload, self.audiences, self.settings.name)

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import httpx
 
+from ..._urls import normalise_url
 from ._issuer import VerifiableIssuer
 from ._policy import Caller
 from ._rejection import TokenRejected
@@ -299,7 +300,12 @@ class TokenVerifier(Generic[I]):
         if aud is None:
             raise TokenRejected("missing_claim", "the token has no 'aud' (audience) claim")
         audiences = [aud] if isinstance(aud, str) else aud
-        matched = [a for a in accepted if isinstance(audiences, list) and a in audiences]
+        given = (
+            {normalise_url(a) for a in audiences if isinstance(a, str)}
+            if isinstance(audiences, list)
+            else set()
+        )  # the client's rule: a trailing slash or a default port is the same URL
+        matched = [a for a in accepted if normalise_url(a) in given]
         if not matched:
             wanted = f"this broker's URL {self.audience!r}" if not settings.audiences else (
                 f"any audience issuer {settings.name!r} is accepted for: {list(accepted)}"

@@ -1,7 +1,7 @@
 """The observing layer: one broker request followed from its first byte to its last.
 
 :class:`Observed` wraps the broker's ASGI app. For each HTTP request it opens an
-:class:`._context.Exchange` (the parts below note who, what and which sandbox into it), takes
+:class:`.._observed.Exchange` (the parts below note who, what and which sandbox into it), takes
 the client's ``X-Request-Id`` when it is a sane token (else makes one) and echoes it in the
 answer, counts the body bytes each way, and once the answer ended (a stream: at its last byte,
 or when a peer went away) hands the record to its sinks: the access log (:func:`access_record`),
@@ -27,10 +27,10 @@ from starlette.datastructures import Headers
 
 from .._app import plane_of
 from .._metadata import DNS_LABEL
+from .._observed import Exchange, close_exchange, open_exchange
 from .._relay import DroppedConnection
-from ._context import Exchange, close_exchange, open_exchange
+from .._route_names import UNMATCHED, data_route, issuer_route, v1_route
 from ._lines import LineWriter, timestamp
-from ._routes import UNMATCHED, data_route, issuer_route, v1_route
 
 __all__ = ["REQUEST_ID_HEADER", "Counts", "Observed", "access_record"]
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from .._observed import Exchange
+from .._route_names import action_of
 from ._access import Counts
-from ._context import Exchange
 from ._lines import LineWriter, timestamp
-from ._routes import action_of
 
 __all__ = ["Audit", "audit_record", "outcome_of"]
 

@@ -19,11 +19,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from .._observed import Exchange
+from .._route_names import action_of, method_label
 from ._access import Counts, Receive, Scope, Send
 from ._audit import outcome_of
-from ._context import Exchange
 from ._lines import LineWriter
-from ._routes import action_of, method_label
 
 __all__ = ["PREFIX", "Metrics"]
 

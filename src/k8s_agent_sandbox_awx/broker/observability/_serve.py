@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .._app import BrokerApp
+from .._app_factory import ConfiguredBroker
 from ..config import BrokerConfig
 from ..server import ServedApp
 from ._lines import FileLines, LineWriter, StreamLines
@@ -40,12 +41,14 @@ def observer_for(config: BrokerConfig) -> Observer:
 
 def observed(served: ServedApp, config: BrokerConfig) -> ServedApp:
     """``served`` with the observability of ``config`` around its app (a
-    :class:`~.._app.BrokerApp`'s verifier and backend feed the metrics), and the metrics app
+    :class:`~.._app.BrokerApp`'s verifier and backend feed the metrics, also of the one a
+    :class:`~.._app_factory.ConfiguredBroker` holds), and the metrics app
     for ``[metrics] listen``."""
     observer = observer_for(config)
     app = served.app
-    if isinstance(app, BrokerApp):
-        wrapped = observer.wrap_broker(app)
+    broker = app.app if isinstance(app, ConfiguredBroker) else app  # (its lifespan around it)
+    if isinstance(broker, BrokerApp):
+        wrapped = observer.wrap_broker(broker, app)
     else:  # e.g. a placeholder app: its requests are still logged
         wrapped = observer.wrap(app, protocols=config.server.protocols)
     metrics = observer.metrics.app if observer.metrics is not None else None

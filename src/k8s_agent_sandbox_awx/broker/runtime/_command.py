@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import subprocess
 import threading
 import time
@@ -62,6 +63,8 @@ class Limits:
     follower_grace_seconds: float = FOLLOWER_GRACE_SECONDS
     stream_start: bool = True
     """Answer ``POST /commands`` with ``Accept: application/x-ndjson`` by a stream of events."""
+    pty: bool = True
+    """Run commands on a pseudo-terminal when their start asks (``"pty"``), and resize them."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], max_timeout: float) -> Limits:
@@ -97,6 +100,7 @@ class Limits:
             max_timeout=max_timeout,
             default_timeout=min(cls.default_timeout, max_timeout),
             stream_start=environ.get("SANDBOX_COMMAND_STREAM_START", "1") != "0",
+            pty=environ.get("SANDBOX_COMMAND_PTY", "1") != "0",
         )
         if limits.max_handles < limits.max_running:
             raise ValueError(
@@ -221,6 +225,11 @@ class Command:
     stdin_lock: threading.Lock = field(default_factory=threading.Lock)
     stdin_open: bool = False
     followers: list[_Follower] = field(default_factory=list)
+    pty: tuple[int, int] | None = None
+    """``(cols, rows)`` of a command run on a pseudo-terminal (``None``: pipes)."""
+    master_fd: int | None = None
+    """The pty's master while the command's output is read (under ``cond``; users ``os.dup``
+    it, so that its closing never hands its number to another file under them)."""
 
     # -- events (callers hold ``cond``) --------------------------------------------------------
     def append(self, kind: str, data: str, size: int, limits: Limits, **extra: Any) -> None:
@@ -379,12 +388,13 @@ class Command:
             "state": self.state,
             "exit_code": self.exit_code,
             "pid": self.proc.pid if self.proc is not None else None,
-            "timeout": self.timeout,
+            "timeout": self.timeout if math.isfinite(self.timeout) else None,
             "stdin": self.stdin_open,
             "last_seq": self.last_seq,
             "output_truncated": self.output_truncated,
             "started_at": _timestamp(self.started_at),
             "ended_at": _timestamp(self.ended_at),
+            "pty": None if self.pty is None else {"cols": self.pty[0], "rows": self.pty[1]},
         }
 
     def status(self) -> dict[str, Any]:

@@ -14,7 +14,8 @@ docs/broker-api.md and openapi.json):
 - ``GET /commands/{id}/events?after=SEQ&duration=S`` -> NDJSON lines
   ``{"type": "stdout"|"stderr"|"exit"|"heartbeat", "seq", "data"}``.
 - ``POST /commands/{id}/kill`` -> the final status; ``POST /commands/{id}/stdin``
-  ``{"data", "eof"}``.
+  ``{"data" | "data_base64", "eof"}``; ``POST /commands/{id}/resize`` ``{"cols", "rows"}`` (a
+  command started with ``"pty": {"cols", "rows"}``: :mod:`._pty`).
 
 Each command runs in its own process group (``start_new_session``); one thread per command reads
 its pipes as the bytes arrive (not line-buffered) and turns them into events with contiguous
@@ -26,9 +27,11 @@ The output events and their retention: :mod:`._command`.
 
 from __future__ import annotations
 
-import codecs
+import base64
+import binascii
 import contextlib
 import fcntl
+import math
 import os
 import re
 import selectors
@@ -40,9 +43,9 @@ import traceback
 import urllib.parse
 import uuid
 from collections.abc import Generator, Iterator
-from typing import Any
+from typing import Any, Protocol
 
-from . import _paths, _process
+from . import _paths, _process, _pty
 from ._command import Command, Limits, _Follower, _line
 from ._http import Exchange, read_json, send_json, start_ndjson
 
@@ -61,7 +64,8 @@ _ENV_NAME = re.compile(r"^[^=\x00]+$")
 INVALID_TEXT = "invalid_text"
 """The code of a refusal of text UTF-8 cannot carry (argv, envs, cwd, stdin data)."""
 _REQUEST_FIELDS = frozenset({"command", "timeout", "request_id", "stdin", "envs", "cwd"})
-_STDIN_FIELDS = frozenset({"data", "eof"})
+_PTY_FIELDS = _REQUEST_FIELDS | {"pty"}
+_STDIN_FIELDS = frozenset({"data", "data_base64", "eof"})
 
 
 def _host_cwd(cwd: str, base_dir: str) -> str:
@@ -222,6 +226,8 @@ class CommandManager:
                 send_json(handler, 200, self.kill(self.get(parts[0])))
             elif method == "POST" and len(parts) == 2 and parts[1] == "stdin":
                 send_json(handler, 200, self.write_stdin(self.get(parts[0]), body))
+            elif method == "POST" and parts[1:] == ["resize"] and self.limits.pty:
+                send_json(handler, 200, self.resize(self.get(parts[0]), body))
             else:
                 raise CommandError(404, f"no route for {method} {split.path}")
         except CommandError as exc:
@@ -231,19 +237,23 @@ class CommandManager:
     def _parse(self, body: dict[str, Any]) -> dict[str, Any]:
         """The start request ``body``, checked field by field (CommandError 400 naming the
         field and the rule)."""
-        unknown = sorted(set(body) - _REQUEST_FIELDS)
+        fields = _PTY_FIELDS if self.limits.pty else _REQUEST_FIELDS
+        unknown = sorted(set(body) - fields)
         if unknown:
-            raise CommandError(
-                400, f"unknown field(s) {unknown}: the fields are {sorted(_REQUEST_FIELDS)}"
-            )
+            raise CommandError(400, f"unknown field(s) {unknown}: the fields are {sorted(fields)}")
         argv = _argv(body.get("command"))
-        timeout = _timeout(body.get("timeout"), self.limits)
+        pty = _pty_option(body)
+        timeout = (
+            math.inf
+            if pty is not None and body.get("timeout") is None
+            else _timeout(body.get("timeout"), self.limits)
+        )
         request_id = body.get("request_id")
         if request_id is not None and (
             not isinstance(request_id, str) or not 0 < len(request_id) <= 255
         ):
             raise CommandError(400, "field 'request_id' must be a string of 1 to 255 characters")
-        stdin = body.get("stdin", False)
+        stdin = body.get("stdin", pty is not None)
         if not isinstance(stdin, bool):
             raise CommandError(400, "field 'stdin' must be true or false")
         return {
@@ -253,6 +263,7 @@ class CommandManager:
             "stdin": stdin,
             "envs": _envs(body.get("envs") or {}),
             "cwd": _cwd(body.get("cwd"), self.base_dir),
+            "pty": pty,
         }
 
     def start(self, body: dict[str, Any]) -> Command:
@@ -290,6 +301,7 @@ class CommandManager:
                 timeout=request["timeout"],
                 stdin_requested=request["stdin"],
                 started_at=time.time(),
+                pty=request["pty"],
             )
             # its caller is about to follow it: the window keeps its start for the grace time
             command.followers.append(_Follower(0, 0, ended_at=time.monotonic()))
@@ -301,15 +313,19 @@ class CommandManager:
 
     def _launch(self, command: Command, envs: dict[str, str]) -> None:
         try:
-            proc = subprocess.Popen(
-                command.argv,
-                cwd=command.cwd,
-                env={**os.environ, **envs},
-                stdin=subprocess.PIPE if command.stdin_requested else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
+            if command.pty is not None:
+                env = {**os.environ, "TERM": _pty.DEFAULT_TERM, **envs}
+                proc, command.master_fd = _pty.spawn(command.argv, command.cwd, env, command.pty)
+            else:
+                proc = subprocess.Popen(
+                    command.argv,
+                    cwd=command.cwd,
+                    env={**os.environ, **envs},
+                    stdin=subprocess.PIPE if command.stdin_requested else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
         except (OSError, ValueError) as exc:
             # not found / not executable (126, 127: a result, as a shell reports it), or what
             # _parse did not foresee (1): never a command left running without a process
@@ -321,7 +337,7 @@ class CommandManager:
                 command.append("stderr", reason, len(reason.encode()), self.limits)
                 self._finish(command, code, "exited")
             return
-        for pipe in (proc.stdout, proc.stderr):
+        for pipe in (proc.stdout, proc.stderr):  # None on a pty
             with contextlib.suppress(AttributeError, OSError):  # not Linux, or above the maximum
                 fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, self._read_size())  # type: ignore[union-attr]
         command.proc = proc
@@ -342,7 +358,7 @@ class CommandManager:
             traceback.print_exc()
         finally:
             if not command.done.is_set() and command.proc is not None:
-                _process.kill_group(command.proc.pid)
+                _kill_processes(command)
                 try:
                     rc = command.proc.wait(KILL_WAIT_SECONDS)
                 except subprocess.TimeoutExpired:
@@ -359,8 +375,8 @@ class CommandManager:
         for at most DRAIN_SECONDS), killing its group at the leader's exit or its timeout;
         then record the end."""
         proc = command.proc
-        assert proc is not None and proc.stdout is not None and proc.stderr is not None
-        pipes = _Pipes(proc, command.timeout)
+        assert proc is not None
+        pipes = _Pipes(command)
         try:
             while pipes.open or not pipes.leader_done:
                 if self._held_back(command, pipes):
@@ -411,19 +427,20 @@ class CommandManager:
                     return
                 command.cond.wait(self.limits.follower_grace_seconds)
 
-    def _read(
-        self, command: Command, fd: int, kind: str, decoder: codecs.IncrementalDecoder
-    ) -> bool:
-        """Read what the pipe holds now into events; ``False`` at its end."""
+    def _read(self, command: Command, fd: int, kind: str, decoder: _Decoder) -> bool:
+        """Read what the pipe (or pty) holds now into events; ``False`` at its end (a pty's
+        master reads ``EIO`` once every holder of its terminal closed it)."""
         try:
             data = os.read(fd, self._read_size())
+        except BlockingIOError:  # a pty's master is non-blocking (its writers share it)
+            return True
         except OSError:
             data = b""
-        text = decoder.decode(data, final=not data)  # a split character waits for its rest
+        text, extra = decoder.decode(data, not data)  # a split character waits for its rest
         if text:
             size = len(text) if text.isascii() else len(text.encode())
             with command.cond:
-                command.append(kind, text, size, self.limits)
+                command.append(kind, text, size, self.limits, **extra)
         return bool(data)
 
     def _read_size(self) -> int:
@@ -492,7 +509,7 @@ class CommandManager:
             if command.state == "running" and command.proc is not None:
                 if command.killed_by is None:
                     command.killed_by = "cancel"
-                _process.kill_group(command.proc.pid)
+                _kill_processes(command)
         command.done.wait(KILL_WAIT_SECONDS)
         return command.status()
 
@@ -501,43 +518,72 @@ class CommandManager:
             commands = list(self.commands.values())
         for command in commands:
             if command.state == "running" and command.proc is not None:
-                _process.kill_group(command.proc.pid)
+                _kill_processes(command)
 
     def write_stdin(self, command: Command, body: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(body) - _STDIN_FIELDS)
-        if unknown:
-            raise CommandError(400, f"unknown field(s) {unknown}: the fields are 'data' and 'eof'")
-        data = body.get("data", "")
-        eof = body.get("eof", False)
-        if not isinstance(data, str) or not isinstance(eof, bool):
-            raise CommandError(400, "field 'data' must be a string and 'eof' true or false")
-        _check_text("data", data)
+        payload, eof = _stdin_payload(body, command.pty is not None)
         if not command.stdin_requested:
             raise CommandError(
                 409, 'the command was started without stdin; start it with "stdin": true'
             )
         with command.stdin_lock:
             proc = command.proc
-            if command.state != "running" or proc is None or proc.stdin is None:
+            with command.cond:
+                running = command.state == "running" and proc is not None
+                fd = _dup(command.master_fd) if command.pty is not None else None
+            if fd is None and running and proc is not None and proc.stdin is not None:
+                fd = proc.stdin.fileno()
+            if not running or fd is None:
                 raise CommandError(409, f"the command is {command.state}: its stdin is closed")
-            if not command.stdin_open:
-                raise CommandError(409, "stdin was closed (eof was sent)")
-            payload = data.encode()
             try:
-                _write_all(proc.stdin.fileno(), payload)
-            except TimeoutError:
-                raise CommandError(
-                    409,
-                    f"the command did not read its stdin for {STDIN_WRITE_SECONDS:g} s",
-                ) from None
-            except OSError:
-                command.stdin_open = False
-                raise CommandError(409, "the command closed its stdin") from None
-            if eof:
+                self._write(command, fd, payload)
+            finally:
+                if command.pty is not None:
+                    _pty.close_quietly(fd)
+            if eof and proc is not None and proc.stdin is not None:
                 command.stdin_open = False
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
         return {"command_id": command.command_id, "written": len(payload), "stdin": not eof}
+
+    @staticmethod
+    def _write(command: Command, fd: int, payload: bytes) -> None:
+        """Write ``payload`` to the command's stdin (its pipe, or its pty's master)."""
+        if not command.stdin_open:
+            raise CommandError(409, "stdin was closed (eof was sent)")
+        try:
+            _write_all(fd, payload)
+        except TimeoutError:
+            raise CommandError(
+                409, f"the command did not read its stdin for {STDIN_WRITE_SECONDS:g} s"
+            ) from None
+        except OSError:
+            command.stdin_open = False
+            raise CommandError(409, "the command closed its stdin") from None
+
+    def resize(self, command: Command, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /commands/{id}/resize``: the pty's new size (``SIGWINCH`` to its foreground
+        process group)."""
+        try:
+            size = _pty.parse_size(body, "the body", defaults=False)
+        except ValueError as exc:
+            raise CommandError(400, str(exc)) from None
+        if command.pty is None:
+            raise CommandError(
+                409, 'the command was started without a pty; start it with "pty": {"cols", "rows"}'
+            )
+        with command.cond:
+            fd = _dup(command.master_fd) if command.state == "running" else None
+            if fd is None:
+                raise CommandError(409, f"the command is {command.state}: its terminal is closed")
+            try:
+                _pty.set_size(fd, size)
+            except OSError as exc:
+                raise CommandError(409, f"the terminal cannot be resized: {exc.strerror}") from None
+            finally:
+                _pty.close_quietly(fd)
+            command.pty = size
+        return {"command_id": command.command_id, "cols": size[0], "rows": size[1]}
 
     # -- the event stream ----------------------------------------------------------------------
     def stream(self, handler: Exchange, command: Command, query: dict[str, list[str]]) -> None:
@@ -656,24 +702,41 @@ class CommandManager:
                 last_sent = now
 
 
-class _Pipes:
-    """A running command's stdout and stderr (and its pidfd, readable when its leader exits,
-    where the platform has one) in one selector, and where their reading stands."""
+class _Decoder(Protocol):
+    def decode(self, data: bytes, final: bool) -> tuple[str, dict[str, str]]: ...
 
-    def __init__(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
-        assert proc.stdout is not None and proc.stderr is not None
+
+class _Pipes:
+    """A running command's stdout and stderr, or its pty's master (and its pidfd, readable when
+    its leader exits, where the platform has one) in one selector, and where their reading
+    stands."""
+
+    def __init__(self, command: Command) -> None:
+        proc = command.proc
+        assert proc is not None
+        self.command = command
         self.proc = proc
         self.selector = selectors.DefaultSelector()
-        self.decoders: dict[str, codecs.IncrementalDecoder] = {}
-        for stream, kind in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-            self.selector.register(stream.fileno(), selectors.EVENT_READ, kind)
-            self.decoders[kind] = codecs.getincrementaldecoder("utf-8")("replace")
+        self.decoders: dict[str, _Decoder] = {}
+        if command.master_fd is not None:  # one stream: the terminal, its bytes kept exact
+            streams: list[tuple[int, str, _Decoder]] = [
+                (command.master_fd, "stdout", _pty.ExactText())
+            ]
+        else:
+            assert proc.stdout is not None and proc.stderr is not None
+            streams = [
+                (proc.stdout.fileno(), "stdout", _pty.PlainText()),
+                (proc.stderr.fileno(), "stderr", _pty.PlainText()),
+            ]
+        for fd, kind, decoder in streams:
+            self.selector.register(fd, selectors.EVENT_READ, kind)
+            self.decoders[kind] = decoder
         self.pidfd = -1
         with contextlib.suppress(AttributeError, OSError):
             self.pidfd = os.pidfd_open(proc.pid)  # readable when the leader exits
             self.selector.register(self.pidfd, selectors.EVENT_READ, "exit")
-        self.deadline = time.monotonic() + timeout
-        self.open = 2
+        self.deadline = time.monotonic() + command.timeout  # inf: a pty without a time limit
+        self.open = len(streams)
         self.leader_done = False
         self.drain_until: float | None = None
 
@@ -682,7 +745,7 @@ class _Pipes:
         now = time.monotonic()
         waits = []
         if not self.leader_done:
-            if command.killed_by is None:
+            if command.killed_by is None and math.isfinite(self.deadline):
                 waits.append(self.deadline - now)
             if self.pidfd < 0:
                 waits.append(0.05)
@@ -691,27 +754,102 @@ class _Pipes:
         return max(0.0, min(waits)) if waits else None
 
     def after_select(self, command: Command) -> bool:
-        """Kill the group once the leader exited (what it left there ends with it) or at the
-        timeout; ``True`` when the pipes have been drained for DRAIN_SECONDS after the exit."""
-        pid = self.proc.pid
-        if not self.leader_done and _exited(pid):
+        """Kill the group (and a pty's session) once the leader exited (what it left there ends
+        with it) or at the timeout; ``True`` when the pipes have been drained for
+        DRAIN_SECONDS after the exit."""
+        if not self.leader_done and _exited(self.proc.pid):
             self.leader_done = True
-            _process.kill_group(pid)  # what the command left in its group ends with it
+            _kill_processes(command)  # what the command left in its group ends with it
             self.drain_until = time.monotonic() + DRAIN_SECONDS
         elif not self.leader_done and time.monotonic() >= self.deadline:
             with command.cond:
                 if command.killed_by is None:
                     command.killed_by = "timeout"
-            _process.kill_group(pid)
+            _kill_processes(command)
         return self.drain_until is not None and time.monotonic() >= self.drain_until
 
     def close(self) -> None:
         self.selector.close()
         if self.pidfd >= 0:
             os.close(self.pidfd)
+        command = self.command
+        with command.cond:  # its users hold duplicates: closing it never pulls one away
+            master, command.master_fd = command.master_fd, None
+        if master is not None:
+            _pty.close_quietly(master)
+            return
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self.proc.stdout.close()
         self.proc.stderr.close()
+
+
+def _kill_processes(command: Command) -> None:
+    """SIGKILL the command's process group, and for a pty its whole session (the jobs its
+    shell put in groups of their own)."""
+    assert command.proc is not None
+    _process.kill_group(command.proc.pid)
+    if command.pty is not None:
+        _pty.kill_session(command.proc.pid)
+
+
+def _dup(fd: int | None) -> int | None:
+    """A duplicate of ``fd`` (the caller closes it), ``None`` when there is none."""
+    if fd is None:
+        return None
+    try:
+        return os.dup(fd)
+    except OSError:
+        return None
+
+
+def _pty_option(body: dict[str, Any]) -> tuple[int, int] | None:
+    """The start's ``pty`` size, ``None`` for a command on pipes."""
+    if body.get("pty") is None:
+        return None
+    try:
+        size = _pty.parse_size(body["pty"], "pty", defaults=True)
+    except ValueError as exc:
+        raise CommandError(400, str(exc)) from None
+    if body.get("stdin") is False:
+        raise CommandError(
+            400,
+            "field 'stdin' cannot be false with 'pty': a terminal's input is always open "
+            "(POST /commands/{id}/stdin); leave 'stdin' out",
+        )
+    return size
+
+
+def _stdin_payload(body: dict[str, Any], pty: bool) -> tuple[bytes, bool]:
+    """The bytes a stdin write carries (``data``, UTF-8, or ``data_base64``) and its ``eof``."""
+    unknown = sorted(set(body) - _STDIN_FIELDS)
+    if unknown:
+        raise CommandError(
+            400, f"unknown field(s) {unknown}: the fields are 'data' or 'data_base64', and 'eof'"
+        )
+    eof = body.get("eof", False)
+    if not isinstance(eof, bool):
+        raise CommandError(400, "field 'eof' must be true or false")
+    if eof and pty:
+        raise CommandError(
+            400,
+            "field 'eof' cannot end a terminal's input: send Ctrl-D (\\u0004) to end what a "
+            "program reads from it, or kill the command",
+        )
+    if "data" in body and "data_base64" in body:
+        raise CommandError(400, "give 'data' (text) or 'data_base64' (bytes), not both")
+    if "data_base64" in body:
+        encoded = body["data_base64"]
+        try:
+            if not isinstance(encoded, str):
+                raise ValueError("not a string")
+            return base64.b64decode(encoded, validate=True), eof
+        except (ValueError, binascii.Error):
+            raise CommandError(400, "field 'data_base64' must be a base64 string") from None
+    data = body.get("data", "")
+    if not isinstance(data, str):
+        raise CommandError(400, "field 'data' must be a string")
+    _check_text("data", data)
+    return data.encode(), eof
 
 
 class _Sending:

@@ -11,6 +11,7 @@ table), :mod:`._http` (reading and answering a request), :mod:`._paths` (the roo
 path resolver), :mod:`._multipart` (the one multipart reader), :mod:`._files`,
 :mod:`._file_api` and :mod:`._watch` (the file API), :mod:`._legacy` (``/execute`` and the
 legacy file endpoints), :mod:`._command` and :mod:`._commands` (managed commands),
+:mod:`._pty` (managed commands on a pseudo-terminal),
 :mod:`._process` (dying with the parent), :mod:`._forkserver`, :mod:`._tree` (removing trees).
 
 The process dies with its parent: ``PR_SET_PDEATHSIG`` (Linux) plus a thread that watches the

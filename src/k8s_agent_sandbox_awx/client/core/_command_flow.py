@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import posixpath
 import shlex
 import time
 import uuid
@@ -44,6 +45,7 @@ __all__ = [
     "follow",
     "run",
     "start",
+    "wait_timed_out",
 ]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.client")
@@ -188,15 +190,31 @@ def _check_envs(envs: Mapping[str, str] | None) -> dict[str, str] | None:
     return out
 
 
+SANDBOX_WORKDIR = "/app"
+"""The sandbox's working directory: where commands run by default, what a relative file path
+and a relative ``cwd`` are relative to."""
+
+
 def _check_cwd(cwd: str | None) -> str | None:
+    """``cwd`` as the runtime takes it: an absolute path as given, a relative one resolved
+    against :data:`SANDBOX_WORKDIR` (``"project"`` -> ``/app/project``), like a file path."""
     if cwd is None:
         return None
-    if not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd:
+    if not isinstance(cwd, str) or not cwd.strip() or "\0" in cwd:
         raise ValueError(
-            f"cwd must be an absolute path inside the sandbox (e.g. '/app'), got {cwd!r}."
+            f"cwd must be a directory inside the sandbox, absolute ('/app/project', "
+            f"'/workspace') or relative to {SANDBOX_WORKDIR} ('project'), got {cwd!r}."
         )
     check_text("cwd", cwd)
-    return cwd
+    if cwd.startswith("/"):
+        return cwd
+    if any(part == ".." for part in cwd.split("/")):
+        raise ValueError(
+            f"cwd {cwd!r} is relative to {SANDBOX_WORKDIR} and contains '..'; a relative cwd "
+            f"stays inside {SANDBOX_WORKDIR} (as a file path does): give an absolute path "
+            "to go elsewhere."
+        )
+    return posixpath.normpath(f"{SANDBOX_WORKDIR}/{cwd}")
 
 
 def _check_timeout(timeout: float) -> float:
@@ -370,13 +388,7 @@ def follow(
     while output.exit is None:
         remaining = dp.EVENTS_DURATION if deadline is None else deadline - clock()
         if remaining <= 0:
-            waited = f" after {timeout:g}s" if timeout is not None else ""
-            raise errors.CommandWaitTimeoutError(
-                f"Command {output.command_id!r} is still running{waited} (the wait timed out); "
-                "it goes on. Call wait() again, or kill() to stop it.",
-                command_id=output.command_id,
-                timeout=timeout if timeout is not None else 0.0,
-            )
+            raise wait_timed_out(output.command_id, timeout)
         duration = min(dp.EVENTS_DURATION, max(remaining, 0.05))
         position = output.cursor
         if not opened:
@@ -407,6 +419,17 @@ def follow(
             if output.ended or (deadline is not None and clock() >= deadline):
                 break
     return output.result()
+
+
+def wait_timed_out(command_id: str, timeout: float | None) -> errors.CommandWaitTimeoutError:
+    """The error of a ``wait(timeout=)`` that passed: the command goes on."""
+    waited = f" after {timeout:g}s" if timeout is not None else ""
+    return errors.CommandWaitTimeoutError(
+        f"Command {command_id!r} is still running{waited} (the wait timed out); it goes on. "
+        "Call wait() again, or kill() to stop it.",
+        command_id=command_id,
+        timeout=timeout if timeout is not None else 0.0,
+    )
 
 
 def _drain() -> Op[Any]:
@@ -784,16 +807,10 @@ def plan_run(command: Any, timeout: float, background: bool, options: opts.RunOp
     """Check ``commands.run``'s arguments before anything is sent."""
     named = ("command", "timeout", "background")
     opts.check_options("commands.run()", options, opts.RunOptions, named, where=opts.RUN)
+    options = opts.run_spelling(options)  # upstream's env= is envs=
     background = bool(background)
     on_stdout, on_stderr = options.get("on_stdout"), options.get("on_stderr")
-    for name, callback in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
-        if callback is not None and not callable(callback):
-            raise TypeError(f"{name} must be callable, got {type(callback).__name__}.")
-        if callback is not None and background:
-            raise ValueError(
-                f"{name} is for a foreground run; with background=True pass it to the "
-                "handle's wait(on_stdout=..., on_stderr=...)."
-            )
+    check_callbacks(on_stdout, on_stderr)  # with background=True: followed while it runs
     plan = StartPlan.make(
         command,
         timeout,
@@ -806,6 +823,23 @@ def plan_run(command: Any, timeout: float, background: bool, options: opts.RunOp
     return RunPlan(plan, background, on_stdout, on_stderr, options.get("raise_on_timeout", True))
 
 
+def check_callbacks(on_stdout: Any, on_stderr: Any) -> None:
+    """``on_stdout``/``on_stderr`` are callables (or ``None``)."""
+    for name, callback in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
+        if callback is not None and not callable(callback):
+            raise TypeError(f"{name} must be callable, got {type(callback).__name__}.")
+
+
+def followed_elsewhere(command_id: str, what: str) -> ValueError:
+    """``what`` (a ``wait`` with callbacks, an iteration) on a handle whose output already goes
+    to the callbacks given at its start: one reader at a time."""
+    return ValueError(
+        f"{what}: the output of command {command_id!r} goes to the on_stdout/on_stderr given "
+        "when it started (read while it runs). Call wait() without callbacks for its result, or "
+        "close() the handle first to stop those callbacks."
+    )
+
+
 def output_callback(
     event: CommandEvent,
     on_stdout: Callable[[str], Any] | None,
@@ -815,15 +849,20 @@ def output_callback(
     return {"stdout": on_stdout, "stderr": on_stderr}.get(event.type)
 
 
+def wait_seconds(timeout: float) -> float:
+    """``wait(timeout=)`` checked: a number of seconds >= 0."""
+    limit = float(timeout)
+    if math.isnan(limit) or limit < 0:
+        raise ValueError(f"wait(timeout=) must be a number of seconds >= 0 or None, got {timeout}.")
+    return limit
+
+
 def wait_deadline(
     timeout: float | None, clock: Callable[[], float] = time.monotonic
 ) -> float | None:
     if timeout is None:
         return None
-    limit = float(timeout)
-    if math.isnan(limit) or limit < 0:
-        raise ValueError(f"wait(timeout=) must be a number of seconds >= 0 or None, got {timeout}.")
-    return clock() + limit
+    return clock() + wait_seconds(timeout)
 
 
 class HandleBase:

@@ -142,7 +142,9 @@ class SandboxSpec:
     template: str | None = None
     labels: Mapping[str, str] | None = None
     annotations: Mapping[str, str] | None = None
-    env: Mapping[str, str] | None = None
+    """``annotations=`` (E2B's ``metadata=``)."""
+    envs: Mapping[str, str] | None = None
+    """``envs=`` (upstream's ``env=``): the sandbox's environment variables."""
     lifetime_seconds: int | None = None
     """``timeout=``: the sandbox's lifetime (``None``: the config's ``sandbox_timeout``)."""
     ready_timeout: float | None = None
@@ -164,8 +166,8 @@ def _sandbox_spec(options: Mapping[str, Any], given: Given) -> SandboxSpec:
     options["keepalive"] = _seconds(given.get("keepalive", "keepalive"), keepalive, allow_zero=True)
     names = [f.name for f in dataclasses.fields(SandboxSpec)]
     spec = SandboxSpec(**{name: options.get(name) for name in names})
-    for name in ("labels", "annotations", "env", "pod_labels", "pod_annotations"):
-        proto.str_mapping(name, getattr(spec, name))
+    for name in ("labels", "annotations", "envs", "pod_labels", "pod_annotations"):
+        proto.str_mapping(given.get(name, name), getattr(spec, name))
     spec = dataclasses.replace(spec, scopes=proto.scope_names(spec.scopes))
     ready_timeout(spec, None)
     return spec
@@ -257,7 +259,7 @@ def plan_create(config: CreateDefaults, dialect: Dialect, spec: SandboxSpec) -> 
         labels=spec.labels or {},
         annotations=spec.annotations or {},
         lifetime_seconds=sandbox_timeout(spec.lifetime_seconds, config),
-        env=spec.env or {},
+        env=spec.envs or {},
         pod_labels=spec.pod_labels or {},
         pod_annotations=spec.pod_annotations or {},
         scopes=tuple(spec.scopes) if spec.scopes is not None else None,

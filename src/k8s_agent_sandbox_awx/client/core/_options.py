@@ -30,9 +30,9 @@ __all__ = [
     "Spelling",
     "UpstreamCreateOptions",
     "check_options",
+    "run_spelling",
     "sdk_spelling",
     "unexpected_keywords",
-    "upstream_envs",
     "upstream_timeout",
 ]
 
@@ -72,6 +72,8 @@ class RunOptions(TypedDict, total=False):
 
     shell: bool | None
     envs: Mapping[str, str] | None
+    env: Mapping[str, str] | None
+    """Upstream's spelling of ``envs`` (both accepted; ``envs`` is the SDK's and E2B's)."""
     cwd: str | None
     stdin: bool
     on_stdout: OutputCallback | None
@@ -92,6 +94,7 @@ ATTACH = "attach"
 _UPSTREAM = "upstream's"
 _BOTH = "upstream's and the original package's"
 _ORIGINAL = "the original package's"
+_E2B = "E2B's"
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ class Spelling:
 
 
 SPELLINGS: dict[str, Spelling] = {
+    "env": Spelling("envs", _UPSTREAM, frozenset({CREATE, RUN}), renamed=True),
+    "metadata": Spelling("annotations", _E2B, frozenset({CREATE}), renamed=True),
     "warmpool": Spelling("template", _BOTH, frozenset({CREATE}), renamed=True),
     "sandbox_ready_timeout": Spelling("ready_timeout", _BOTH, frozenset({CREATE}), renamed=True),
     "shutdown_after_seconds": Spelling("timeout", _BOTH, frozenset({CREATE}), renamed=True),
@@ -118,12 +123,13 @@ SPELLINGS: dict[str, Spelling] = {
     "resolve_timeout": Spelling("ready_timeout", _UPSTREAM, frozenset({ATTACH, CREATE})),
     "claim_name": Spelling("name", _UPSTREAM, frozenset({ATTACH})),
     "command_timeout": Spelling("timeout", _UPSTREAM, frozenset({RUN})),
-    "env": Spelling("envs", _UPSTREAM, frozenset({RUN})),
 }
-"""Every other spelling a call accepts or suggests, by that spelling. The create paths accept
-the ``renamed`` ones (where their signature declares them); ``BrokerSandboxClient``'s handles
-accept ``command_timeout`` and ``env`` (:func:`upstream_timeout`, :func:`upstream_envs`);
-anywhere else a spelling is only suggested, where it means the SDK's name."""
+"""Every other spelling a call accepts or suggests, by that spelling. The calls accept the
+``renamed`` ones where they mean the SDK's name (where their signature declares them): the
+create paths (:func:`sdk_spelling`) and ``commands.run`` (:func:`run_spelling`: upstream's and
+E2B's ``env``); ``BrokerSandboxClient``'s handles accept ``command_timeout`` too
+(:func:`upstream_timeout`); anywhere else a spelling is only suggested, where it means the
+SDK's name."""
 
 Given = Mapping[str, str]
 """The SDK's name of an option → the keyword it was given as (when that was another
@@ -179,9 +185,15 @@ def unexpected_keywords(
     )
 
 
+def _shown(name: str, value: Any) -> str:
+    """``name=value`` for a message; a mapping's contents are never shown (an environment
+    variable or an annotation may hold a secret)."""
+    return f"{name}={{...}}" if isinstance(value, Mapping) else f"{name}={value!r}"
+
+
 def _conflict(sdk: str, values: list[tuple[str, Any]]) -> errors.ConfigurationError:
     """Two spellings of ``sdk`` given different values: names each as given."""
-    shown = [f"{name}={value!r}" for name, value in values]
+    shown = [_shown(name, value) for name, value in values]
     listed = ", ".join(shown[:-1]) + f" and {shown[-1]}"
     other = next(name for name, _ in values if name != sdk)
     return errors.ConfigurationError(
@@ -189,15 +201,16 @@ def _conflict(sdk: str, values: list[tuple[str, Any]]) -> errors.ConfigurationEr
     )
 
 
-def sdk_spelling(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """``given`` with the other spellings the create paths accept renamed to the SDK's
-    (``None`` values dropped), and which keyword each renamed option was given as; the same
-    option given in two spellings with different values is an error naming both."""
+def _renamed(given: Mapping[str, Any], where: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """``given`` with the ``renamed`` spellings that mean an SDK option ``where`` renamed to
+    the SDK's names (``None`` values dropped), and which keyword each renamed option was given
+    as; the same option given in two spellings with different values is an error naming both."""
     out: dict[str, Any] = {}
     spelt: dict[str, list[tuple[str, Any]]] = {}
     for name, value in given.items():
         spelling = SPELLINGS.get(name)
-        sdk = spelling.sdk if spelling is not None and spelling.renamed else name
+        renamed = spelling is not None and spelling.renamed and where in spelling.where
+        sdk = spelling.sdk if spelling is not None and renamed else name
         if value is not None:
             spelt.setdefault(sdk, []).append((name, value))
     names: dict[str, str] = {}
@@ -209,6 +222,14 @@ def sdk_spelling(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, st
         out[sdk] = values[0][1]
         if values[0][0] != sdk:
             names[sdk] = values[0][0]
+    return out, names
+
+
+def sdk_spelling(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """A create's ``given`` options with the other spellings it accepts renamed to the SDK's
+    (:func:`_renamed`), and which keyword each renamed option was given as; ``backend`` must be
+    ``kubernetes`` and ``namespace`` is the broker's to decide (both dropped)."""
+    out, names = _renamed(given, CREATE)
     backend = out.pop("backend", "kubernetes")
     if backend != "kubernetes":
         raise errors.ConfigurationError(
@@ -221,17 +242,19 @@ def sdk_spelling(given: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, st
     return out, names
 
 
+def run_spelling(options: RunOptions) -> RunOptions:
+    """``commands.run``'s options with the other spellings it accepts (``env`` for ``envs``)
+    renamed to the SDK's; both given with different values is a ``TypeError`` naming both."""
+    try:
+        out, _ = _renamed(options, RUN)
+    except errors.ConfigurationError as exc:
+        raise TypeError(f"commands.run(): {exc}") from None
+    renamed: RunOptions = {**out}  # type: ignore[typeddict-item]
+    return renamed
+
+
 # --------------------------------------------------------------------------------------------
 # Upstream's spellings of commands.run (the handles BrokerSandboxClient returns)
-
-
-def upstream_envs(options: RunOptions, env: Mapping[str, str] | None) -> None:
-    """Upstream ``commands.run``'s ``env=`` is the SDK's ``envs=`` (both given: refused)."""
-    if env is None:
-        return
-    if options.get("envs") is not None:
-        raise TypeError("commands.run() got both env= and envs=; pass only envs=.")
-    options["envs"] = env
 
 
 def upstream_timeout(timeout: float, command_timeout: float | None) -> float:

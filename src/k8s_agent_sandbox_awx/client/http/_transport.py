@@ -107,6 +107,10 @@ class BrokerTransport(TransportBase):
         self._sleep = sleep
         self._within = threading.Lock()  # held while a Within's helper thread runs
 
+    @property
+    def is_closed(self) -> bool:
+        return self._http.is_closed
+
     def close(self) -> None:
         self._http.close()
 

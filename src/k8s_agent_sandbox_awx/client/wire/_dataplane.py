@@ -9,6 +9,8 @@ see ``docs/broker-api.md#managed-commands``); the file API is in ``_fsapi``.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import math
 import posixpath
@@ -79,6 +81,7 @@ __all__ = [
     "parse_exists",
     "parse_file_entries",
     "refuse_control_characters",
+    "resize_command",
     "runtime_error",
     "start_command",
     "stdin_chunk",
@@ -382,16 +385,29 @@ def kill_command(target: DataTarget, command_id: str) -> RequestSpec:
     return _data("POST", _command_path(command_id, "/kill"), f"kill command {command_id!r}", target)
 
 
-def command_stdin(target: DataTarget, command_id: str, data: str, eof: bool) -> RequestSpec:
+def command_stdin(target: DataTarget, command_id: str, data: str | bytes, eof: bool) -> RequestSpec:
     """``POST /commands/{id}/stdin``: never retried (the data would be written twice); a body
-    over :data:`STDIN_MAX_BODY` is refused before it is sent (:class:`StdinTooLargeError`)."""
+    over :data:`STDIN_MAX_BODY` is refused before it is sent (:class:`StdinTooLargeError`).
+    ``data``: text (``"data"``), or bytes (``"data_base64"``: a runtime with terminals)."""
     path = _command_path(command_id, "/stdin")
     spec = _data("POST", path, f"write to the stdin of command {command_id!r}", target)
-    spec = json_body(spec, {"data": data, "eof": bool(eof)})
+    if isinstance(data, bytes):
+        body: dict[str, Any] = {"data_base64": base64.b64encode(data).decode("ascii")}
+    else:
+        body = {"data": data}
+    spec = json_body(spec, {**body, "eof": bool(eof)})
     size = len(spec.content or b"")  # the body exactly as the runtime counts it
     if size > STDIN_MAX_BODY:
         raise _stdin_too_large(spec, size, STDIN_MAX_BODY, "", request_sent=False)
     return spec
+
+
+def resize_command(target: DataTarget, command_id: str, cols: int, rows: int) -> RequestSpec:
+    """``POST /commands/{id}/resize``: a terminal's new size; retried like a ``GET`` (an
+    absolute size: idempotent in effect)."""
+    path = _command_path(command_id, "/resize")
+    spec = _data("POST", path, f"resize the terminal of command {command_id!r}", target)
+    return dataclasses.replace(json_body(spec, {"cols": cols, "rows": rows}), retryable=True)
 
 
 def stdin_chunk(limit: int) -> int:
@@ -560,6 +576,9 @@ class CommandInfo:
     stderr: str | None = None
     request_id: str | None = None
     """The ``request_id`` its start carried (``None``: none, or a runtime that does not say)."""
+    pty: tuple[int, int] | None = None
+    """``(cols, rows)`` of a command on a terminal (``None``: on pipes, or a runtime without
+    terminals)."""
 
     @property
     def running(self) -> bool:
@@ -609,9 +628,18 @@ def parse_command_info(obj: Any, what: str = "get a command's status") -> Comman
             stdout=obj.get("stdout"),
             stderr=obj.get("stderr"),
             request_id=obj.get("request_id") if isinstance(obj.get("request_id"), str) else None,
+            pty=_pty_size(obj.get("pty")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise protocol_error(what, f"bad command status ({exc!r})", _MANAGED) from exc
+
+
+def _pty_size(obj: Any) -> tuple[int, int] | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise TypeError(f"pty is {type(obj).__name__}, not an object")
+    return int(obj["cols"]), int(obj["rows"])
 
 
 def parse_command_list(obj: Any) -> list[CommandInfo]:

@@ -21,8 +21,6 @@ from typing import Any
 from ..._upstream import CREATED_BY_LABEL
 from ...errors import (
     BrokerError,
-    BrokerTemplateNotFoundError,
-    BrokerWarmPoolNotFoundError,
 )
 from . import _dialect_v1 as v1
 from ._dialect import LIFETIME, CreateRequest, Dialect, Lifetime
@@ -182,28 +180,6 @@ def parse_status(name: str, reply: Reply, what: str) -> SandboxInfo:
     )
 
 
-def raise_not_found(info: SandboxInfo) -> SandboxInfo:
-    """``info``, unless its claim failed because its warm pool or template does not exist:
-    then the typed error (the create that waits for it deletes the claim)."""
-    if info.phase != "Failed" or info.reason not in ("TemplateNotFound", "WarmPoolNotFound"):
-        return info
-    detail = redact_answer(info.message or "no message")[:ERROR_CHARS]
-    if info.reason == "TemplateNotFound":
-        raise BrokerTemplateNotFoundError(
-            f"Sandbox {info.name!r} cannot start: its warm pool's template does not exist "
-            f"({detail}). Ask the broker's operator, or choose another warm pool (template=).",
-            code="TemplateNotFound",
-            detail=detail,
-        )
-    raise BrokerWarmPoolNotFoundError(
-        f"Sandbox {info.name!r} cannot start: the warm pool does not exist ({detail}). Check "
-        "the name given as template= (or warmpool=, AGENT_SANDBOX_WARMPOOL).",
-        name=info.name,
-        reason=info.reason,
-        detail=detail,
-    )
-
-
 def parse_lifetime(reply: Reply, what: str) -> Lifetime:
     obj = json_object(reply.content, what)
     when = obj.get("shutdown_time")
@@ -299,7 +275,7 @@ class RpcDialect(Dialect):
     def create(self, request: CreateRequest) -> RequestSpec:
         if request.env:  # no SANDBOX_ENV feature
             raise self.unsupported(
-                "env=",
+                "envs= (env=)",
                 "Give the variables to each command instead: commands.run(..., envs={...}).",
             )
         return create(request)
@@ -324,7 +300,7 @@ class RpcDialect(Dialect):
         pause = 0.0 if poll == 0 else min(poll_interval, FIRST_POLL_PAUSE * 2 ** (poll - 1))
         what = f"wait for sandbox {name!r} to become ready"
         spec = status(name, delay=max(0.0, min(pause, remaining)), what=what)
-        return Call(spec, lambda reply: raise_not_found(parse_status(name, reply, spec.what)))
+        return Call(spec, lambda reply: v1.raise_not_found(parse_status(name, reply, spec.what)))
 
     def list_sandboxes(
         self, label_selector: Mapping[str, str] | str | None

@@ -22,6 +22,7 @@ from ...errors import (
     BrokerRedirectError,
     BrokerTemplateNotFoundError,
     BrokerUnavailableError,
+    BrokerWarmPoolNotFoundError,
     LifetimeExceedsPolicyError,
 )
 from ._dataplane import MAX_COMMAND_TIMEOUT, is_runtime_answer, runtime_error
@@ -443,6 +444,33 @@ def error_from_response(
 # The dialect
 
 
+NOT_FOUND_CHARS = 200
+"""The controller's message shown in a not-found error, at most this long."""
+
+
+def raise_not_found(info: SandboxInfo) -> SandboxInfo:
+    """``info``, unless its claim failed because its warm pool or template does not exist:
+    then the typed error (the create that waits for it deletes the claim). Both dialects: a
+    Kubernetes-backed broker learns it from the controller, after the create."""
+    if info.phase != "Failed" or info.reason not in ("TemplateNotFound", "WarmPoolNotFound"):
+        return info
+    detail = redact_answer(info.message or "no message")[:NOT_FOUND_CHARS]
+    if info.reason == "TemplateNotFound":
+        raise BrokerTemplateNotFoundError(
+            f"Sandbox {info.name!r} cannot start: its warm pool's template does not exist "
+            f"({detail}). Ask the broker's operator, or choose another warm pool (template=).",
+            code="TemplateNotFound",
+            detail=detail,
+        )
+    raise BrokerWarmPoolNotFoundError(
+        f"Sandbox {info.name!r} cannot start: the warm pool does not exist ({detail}). Check "
+        "the name given as template= (or warmpool=, AGENT_SANDBOX_WARMPOOL).",
+        name=info.name,
+        reason=info.reason,
+        detail=detail,
+    )
+
+
 def _sandbox_of(spec: RequestSpec) -> Call[SandboxInfo]:
     return Call(spec, lambda reply: parse_sandbox(parse_json(reply.content, spec.what), spec.what))
 
@@ -492,7 +520,13 @@ class V1Dialect(Dialect):
         poll_interval: float = 2.0,
     ) -> Call[SandboxInfo]:
         del poll, poll_interval  # a long-poll: the broker answers when Ready (or at the wait)
-        return _sandbox_of(get(name, wait_ready=remaining, request_timeout=request_timeout))
+        spec = get(name, wait_ready=remaining, request_timeout=request_timeout)
+        return Call(
+            spec,
+            lambda reply: raise_not_found(
+                parse_sandbox(parse_json(reply.content, spec.what), spec.what)
+            ),
+        )
 
     def list_sandboxes(
         self, label_selector: Mapping[str, str] | str | None

@@ -84,6 +84,12 @@ class SandboxInfo:
     annotations: Mapping[str, str] = field(default_factory=dict)
     owner: Mapping[str, str] = field(default_factory=dict)
 
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        """E2B's name for :attr:`annotations` (what ``Sandbox.create(metadata=)`` sets; the
+        broker adds its own, under its reserved prefix)."""
+        return self.annotations
+
     def seconds_left(self, now: float | None = None) -> float | None:
         """Seconds until the broker deletes the sandbox (``None``: no end time known)."""
         end = rfc3339_seconds(self.expires_at)

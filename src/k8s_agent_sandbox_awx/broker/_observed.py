@@ -1,11 +1,13 @@
 """The facts of one observed request, and the hooks the broker's parts report them through.
 
-The observing layer (:mod:`._access`) opens an :class:`Exchange` for each request in a context
-variable; the gate, the front-ends and the shared claims logic add what they know (who the
-caller is, the route, the sandbox, a refusal, a decision) by calling the ``note_*`` functions,
-which do nothing when no request is observed. The layer then writes the access line, the audit
-line and the metrics from the one record. Nothing here holds a token: the gate notes a token's
-fingerprint (a SHA-256 digest), never the token.
+The observing layer (:mod:`.observability._access`) opens an :class:`Exchange` for each
+request in a context variable; the gate, the front-ends and the shared claims logic add what
+they know (who the caller is, the route, the sandbox, a refusal, a decision) by calling the
+``note_*`` functions, which do nothing when no request is observed. The layer then writes the
+access line, the audit line and the metrics from the one record. Nothing here holds a token:
+the gate notes a token's fingerprint (a SHA-256 digest), never the token. This module sits
+beside the parts that call it (not in ``observability/``), so that they import nothing of the
+layer above them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..identity._policy import Caller
+    from .identity._policy import Caller
 
 __all__ = [
     "Exchange",

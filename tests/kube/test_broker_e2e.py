@@ -1,0 +1,144 @@
+"""The Kubernetes-backed broker end to end on the real API server (1.20, tests/_support/kube.py)
+with the stand-in agent-sandbox controller (tests/_support/controller.py): the SDK, sync and
+async, in both dialects, creates a sandbox (a SandboxClaim made and stamped under the broker's
+own ServiceAccount), waits for Ready, runs commands, moves files, extends the lifetime (the
+claim's ``spec.lifecycle.shutdownTime``) and deletes it. The callers' tokens come from the API
+server's TokenRequest; the broker verifies them through the API server's OIDC discovery and
+JWKS, read with its own ServiceAccount token; its RBAC is deploy/broker/rbac.yaml's ClusterRole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
+from tests._support._api import CLAIM, collection, path
+from tests._support.controller import StandInController
+from tests._support.kube import KubeAPIServer, KubeError
+from tests._support.kube_broker import BROKER_SA, Replica, sdk_environ
+
+pytestmark = pytest.mark.slow
+
+STAMP = "broker.agent-sandbox-awx.io/"
+
+
+def claim_of(kube: KubeAPIServer, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return kube.get(path(CLAIM, namespace, name))
+    except KubeError as exc:
+        if exc.status_code == 404:
+            return None
+        raise
+
+
+def shutdown_time(claim: dict[str, Any]) -> float:
+    return datetime.fromisoformat(claim["spec"]["lifecycle"]["shutdownTime"]).timestamp()
+
+
+def gone(kube: KubeAPIServer, namespace: str, name: str, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        claim = claim_of(kube, namespace, name)
+        if claim is None or claim["metadata"].get("deletionTimestamp"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def check_claim(kube: KubeAPIServer, namespace: str, name: str, protocol: str) -> dict[str, Any]:
+    """The claim the broker made: its warm pool, lifecycle, stamps, labels, its creator."""
+    claim = claim_of(kube, namespace, name)
+    assert claim is not None
+    subject = f"system:serviceaccount:{namespace}:agent"
+    meta, spec = claim["metadata"], claim["spec"]
+    assert spec["warmPoolRef"] == {"name": "python"}
+    assert spec["lifecycle"]["shutdownPolicy"] == "Delete"
+    annotations = meta["annotations"]
+    assert annotations[STAMP + "issuer"] == kube.issuer
+    assert annotations[STAMP + "subject"] == subject
+    assert annotations[STAMP + "provider"] == "kubernetes"
+    assert annotations[STAMP + "attr.namespace"] == namespace
+    owner = hashlib.sha256(f"{kube.issuer}\0{subject}".encode()).hexdigest()[:40]
+    assert meta["labels"][STAMP + "owner"] == owner
+    assert meta["labels"]["app.kubernetes.io/managed-by"] == "agent-sandbox-awx-broker"
+    assert name.startswith("broker-" if protocol == "rpc" else "sbx-")
+    creator = meta["managedFields"][0]["manager"]
+    assert creator == "agent-sandbox-awx"  # the broker's client, under its own identity
+    return claim
+
+
+@pytest.mark.parametrize("protocol", ["v1", "rpc"])
+def test_the_sync_sdk_creates_runs_moves_files_extends_and_deletes(
+    kube: KubeAPIServer,
+    namespace: str,
+    controller: StandInController,
+    python_pool: str,
+    replica_factory: Callable[..., Replica],
+    tmp_path: Path,
+    protocol: str,
+) -> None:
+    replica = replica_factory()
+    environ = sdk_environ(kube, namespace, replica, tmp_path / "token", protocol=protocol)
+    sandbox = Sandbox.create(environ=environ, timeout=600)
+    try:
+        claim = check_claim(kube, namespace, sandbox.name, protocol)
+        assert 590 <= shutdown_time(claim) - time.time() <= 601
+        result = sandbox.commands.run("echo from-a-claim")
+        assert (result.stdout, result.exit_code) == ("from-a-claim\n", 0)
+        sandbox.files.write("work/data.bin", bytes(range(256)) * 1000)
+        assert sandbox.files.read("work/data.bin") == bytes(range(256)) * 1000
+        assert sandbox.files.exists("work/data.bin")
+        before = shutdown_time(claim_of(kube, namespace, sandbox.name) or {})
+        sandbox.set_timeout(1800)
+        after = shutdown_time(claim_of(kube, namespace, sandbox.name) or {})
+        assert after > before + 1000 and 1790 <= after - time.time() <= 1801
+    finally:
+        sandbox.kill()
+    assert gone(kube, namespace, sandbox.name)
+    assert not sandbox.is_running()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("protocol", ["v1", "rpc"])
+async def test_the_async_sdk_does_the_same(
+    kube: KubeAPIServer,
+    namespace: str,
+    controller: StandInController,
+    python_pool: str,
+    replica_factory: Callable[..., Replica],
+    tmp_path: Path,
+    protocol: str,
+) -> None:
+    replica = replica_factory()
+    environ = sdk_environ(kube, namespace, replica, tmp_path / "token", protocol=protocol)
+    sandbox = await AsyncSandbox.create(environ=environ, timeout=600)
+    try:
+        check_claim(kube, namespace, sandbox.name, protocol)
+        result = await sandbox.commands.run("echo async")
+        assert (result.stdout, result.exit_code) == ("async\n", 0)
+        await sandbox.files.write("a.txt", b"async bytes")
+        assert await sandbox.files.read("a.txt") == b"async bytes"
+        await sandbox.set_timeout(900)
+        claim = claim_of(kube, namespace, sandbox.name) or {}
+        assert 890 <= shutdown_time(claim) - time.time() <= 901
+    finally:
+        await sandbox.kill()
+    assert gone(kube, namespace, sandbox.name)
+
+
+def test_the_broker_is_the_claims_creator_not_the_caller(
+    kube: KubeAPIServer, namespace: str, identity: Any
+) -> None:
+    """The callers need no RBAC at all: their ServiceAccount may not even read claims."""
+    kube.create_service_account(namespace, "nobody")
+    token = kube.token_request(namespace, "nobody")
+    with kube.client(token) as client:
+        assert client.get(collection(CLAIM, namespace)).status_code == 403
+    assert BROKER_SA == "sandbox-broker"
