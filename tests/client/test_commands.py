@@ -32,6 +32,7 @@ from k8s_agent_sandbox_awx.errors import (
     UnsupportedByRuntimeError,
 )
 from tests._support.brokers import dialect_of
+from tests._support.isolation import HOST_PIDS, HOST_TMP, host_processes_only
 
 # Data-plane behaviour is the same under both dialects: one dialect (v1) for most tests, and
 # a small rpc data-plane smoke set (``RPC_SMOKE``: once per dialect) so that the /rpc data path
@@ -75,6 +76,7 @@ def test_every_string_command_runs_through_bash_and_once(broker: Any, sandbox: S
     assert broker.execution_count(sandbox.name) == before + 3  # one start per command
 
 
+@host_processes_only(HOST_TMP)
 @pytest.mark.dialect_feature(SANDBOX_ENV, reason="the bash-less PATH is given through it")
 def test_strings_run_through_sh_in_a_sandbox_without_bash(
     broker: Any, legacy_broker: Any, bashless_path: str
@@ -203,6 +205,7 @@ def test_a_command_over_its_time_limit_is_killed(sandbox: Sandbox) -> None:
     assert (result.state, result.exit_code, result.timed_out) == ("timed_out", 124, True)
 
 
+@host_processes_only(HOST_PIDS)
 def test_an_interrupted_foreground_run_kills_the_process_group(
     sandbox: Sandbox, process_gone: Any
 ) -> None:
@@ -262,6 +265,7 @@ def interrupt_after_the_start_is_sent(monkeypatch: pytest.MonkeyPatch, sandbox: 
     monkeypatch.setattr(transport, "perform", interrupting)
 
 
+@host_processes_only(HOST_PIDS)
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 def test_a_start_interrupted_before_its_command_id_is_found_and_killed(
     monkeypatch: pytest.MonkeyPatch, sandbox: Sandbox, process_gone: Any, background: bool
@@ -685,6 +689,7 @@ def exit_after(proc: subprocess.Popen[str], within: float) -> tuple[str, str]:
         pytest.fail(f"the CLI did not exit within {within:g}s; its stderr and stacks:\n{err}")
 
 
+@host_processes_only(HOST_PIDS)
 def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any) -> None:
     proc = cli_run(broker, "sh", "-c", "echo $$; exec sleep 60")
     assert proc.stdout is not None

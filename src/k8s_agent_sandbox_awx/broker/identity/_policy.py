@@ -80,6 +80,10 @@ class Policy:
     - ``scopes``: the data-plane action scopes (:data:`SCOPES`) its callers may be granted. A
       ``/rpc`` create that requests scopes gets ``allowed ∩ requested`` (``403`` when that is
       empty); without a request, and for every ``/v1`` sandbox, it gets all of them.
+    - ``network``: its callers' sandboxes may use the network (default ``True``). ``False``:
+      local sandboxes get a network of their own (loopback only; it needs isolated sandboxes,
+      bubblewrap: without it they fail to start, ``NetworkNotIsolated``); the Kubernetes
+      backend leaves the network to the cluster's NetworkPolicies.
     """
 
     templates: tuple[str, ...] = ("python",)
@@ -88,6 +92,7 @@ class Policy:
     max_sandboxes: int = 5
     max_lifetime_seconds: int = 3600
     scopes: tuple[str, ...] = SCOPES
+    network: bool = True
 
     def __post_init__(self) -> None:
         if not self.templates:
@@ -105,6 +110,8 @@ class Policy:
                 f"Policy.scopes {unknown!r} are not scopes of the local broker; use a subset "
                 f"of {list(SCOPES)}"
             )
+        if not isinstance(self.network, bool):
+            raise ValueError(f"Policy.network must be True or False, not {self.network!r}")
         if isinstance(self.namespace, str) and not _DNS_LABEL.match(self.namespace):
             raise ValueError(f"Policy.namespace {self.namespace!r} is not a DNS-1123 label")
 
