@@ -419,7 +419,7 @@ def test_legacy_upload_never_writes_outside(
     statuses: collections.Counter[int] = collections.Counter()
     written_outside = 0
     try:
-        for _ in range(1000):
+        for _ in range(500):  # the old code wrote outside ~1.6 % of the time: ~8 expected
             resp = alice.http.post(
                 "/upload", files={"file": ("d/up.txt", b"up")}, headers=alice.data_headers(sandbox)
             )
@@ -513,7 +513,7 @@ def test_move_without_overwrite_never_replaces_a_destination_made_meanwhile(
     lost, odd = 0, []
     remove = os.unlink if kind == "file" else os.rmdir
     try:
-        for _ in range(1000):
+        for _ in range(400):  # the old code lost a destination 10-18 % of the time
             if kind == "file":
                 Path(base, "src").write_bytes(b"mine")
             else:
