@@ -1,13 +1,14 @@
 """Benchmark of the local broker stack: startup, create-to-ready, command round trip.
 
-Run: ``.venv/bin/python bench/bench_broker.py [--sandboxes N] [--concurrent N]``. Prints numbers;
-asserts nothing (speed goals are not test assertions).
+Run: ``.venv/bin/python bench/bench_broker.py [--sandboxes N] [--concurrent N] [--isolation
+auto|bwrap|none]``. Prints numbers; asserts nothing (speed goals are not test assertions).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import ssl
 import statistics
 import subprocess
@@ -75,7 +76,15 @@ def main() -> None:
     parser.add_argument(
         "--big-mib", type=int, default=0, help="also stream a file of this size up and down"
     )
+    parser.add_argument(
+        "--isolation",
+        choices=("auto", "bwrap", "none"),
+        default=None,
+        help="the local sandboxes' (default: $AGENT_SANDBOX_LOCAL_ISOLATION, else auto)",
+    )
     args = parser.parse_args()
+    if args.isolation:  # this process's brokers and the fresh processes' alike
+        os.environ["AGENT_SANDBOX_LOCAL_ISOLATION"] = args.isolation
 
     cold, start_only = [], []
     for _ in range(3):
@@ -101,6 +110,8 @@ def main() -> None:
 
     policy = Policy(namespace="bench", max_sandboxes=10_000)
     with LocalBroker(warn=False, kubernetes_policy=policy) as broker:
+        info = broker.isolation_info
+        print(f"sandboxes' isolation: {info.describe() if info else 'a custom backend'}")
         token = broker.issue_kubernetes_token("bench", "bench")
         ctx = ssl.create_default_context(cafile=broker.ca_bundle)
         limits = httpx.Limits(max_connections=args.concurrent + 10)
@@ -134,9 +145,12 @@ def main() -> None:
                 http.post("/execute", json={"command": "true"}, headers=headers).raise_for_status()
                 rtts.append(time.perf_counter() - t)
             print(f"commands.run('true') through the broker (HTTPS): {_ms(rtts)}")
-            with open(f"/proc/{broker.runtime_pid(name)}/status") as fh:
-                rss = next(line.split()[1] for line in fh if line.startswith("VmRSS:"))
-            print(f"runtime process RSS: {int(rss) / 1024:.1f} MiB")
+            if broker.isolation == "bwrap":  # runtime_pid is bwrap's, the runtime is below it
+                print("runtime process RSS: not measured in bwrap")
+            else:
+                with open(f"/proc/{broker.runtime_pid(name)}/status") as fh:
+                    rss = next(line.split()[1] for line in fh if line.startswith("VmRSS:"))
+                print(f"runtime process RSS: {int(rss) / 1024:.1f} MiB")
             if args.big_mib:
                 _big_file(http, headers, args.big_mib)
             broker.delete_all()

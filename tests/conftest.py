@@ -14,10 +14,19 @@ from typing import Any
 
 import pytest
 
-from tests._support import brokers, echoes, memory, programs, servers, workers
+from tests._support import brokers, echoes, isolation, memory, programs, servers, workers
 from tests._support.echoes import TokenEcho
 from tests._support.programs import LoggingServer, LongStream
 from tests._support.servers import RecordingProxy, RecordingServer
+
+try:
+    TEST_ISOLATION = isolation.select()
+except ValueError as exc:
+    raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header() -> str:
+    return f"local sandboxes' isolation: {TEST_ISOLATION} (${isolation.TEST_ISOLATION_ENV})"
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -40,6 +40,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker
+from tests._support.isolation import PID_LAYOUT, ROOTS_ARE_MOUNTS, host_processes_only
 
 
 def _raw(
@@ -152,6 +153,7 @@ def test_a_lone_surrogate_is_refused_and_leaves_no_ghost_command(alice: Any, whe
 # -- item 5: a command's cwd under a replaced root ------------------------------------------------
 
 
+@host_processes_only(ROOTS_ARE_MOUNTS)
 def test_a_command_cwd_never_follows_a_replaced_root(alice: Any, tmp_path: Path) -> None:
     sandbox = alice.ready()
     outside = tmp_path / "outside"
@@ -310,6 +312,7 @@ PID_REUSE = """
 """
 
 
+@host_processes_only(PID_LAYOUT)
 @pytest.mark.usefixtures("pid_namespace")
 def test_a_pid_used_again_is_a_new_runtime(tmp_path: Path) -> None:
     """With ``pid_max`` 32768 (this machine, many containers) a long-running ``dev`` broker

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker, LocalProcessBackend
+from tests._support.isolation import TCP_PORTS, host_processes_only
 
 
 def _alive(pid: int) -> bool:
@@ -221,6 +222,7 @@ def _settled(check: Any, timeout: float = 10.0) -> Any:
     return value
 
 
+@host_processes_only(TCP_PORTS)
 @pytest.mark.parametrize("how", ["deleted", "expired", "runtime exited"])
 def test_router_connections_to_a_runtime_close_with_its_sandbox(
     broker: LocalBroker, alice: Any, how: str

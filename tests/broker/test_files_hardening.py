@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker
+from tests._support.isolation import ROOTS_ARE_MOUNTS, host_processes_only
 
 DEEP = (
     "python3 -c 'import os, sys\n"
@@ -263,6 +264,7 @@ def _unchanged(outside: Path) -> None:
     assert (outside / "sub" / "f").read_text() == "f"
 
 
+@host_processes_only(ROOTS_ARE_MOUNTS)
 @pytest.mark.parametrize("how", ["symlink", "directory"])
 def test_a_replaced_workspace_is_refused_never_followed(
     alice: Any, sandbox: dict[str, Any], tmp_path: Path, how: str
@@ -291,6 +293,7 @@ def _replace_base_dir(base: str, outside: Path, how: str) -> None:
         subprocess.run(["cp", "-r", str(outside), base], check=True)
 
 
+@host_processes_only(ROOTS_ARE_MOUNTS)
 @pytest.mark.parametrize("how", ["symlink", "directory"])
 def test_a_replaced_base_dir_is_refused_by_every_endpoint(
     broker: LocalBroker, alice: Any, sandbox: dict[str, Any], tmp_path: Path, how: str
@@ -321,6 +324,7 @@ def test_a_replaced_base_dir_is_refused_by_every_endpoint(
         os.rename(base + ".old", base)
 
 
+@host_processes_only(ROOTS_ARE_MOUNTS)
 def test_a_watch_ends_when_its_root_is_replaced(
     alice: Any, sandbox: dict[str, Any], api: Any, tmp_path: Path
 ) -> None:
@@ -415,7 +419,7 @@ def test_legacy_upload_never_writes_outside(
     statuses: collections.Counter[int] = collections.Counter()
     written_outside = 0
     try:
-        for _ in range(1000):
+        for _ in range(500):  # the old code wrote outside ~1.6 % of the time: ~8 expected
             resp = alice.http.post(
                 "/upload", files={"file": ("d/up.txt", b"up")}, headers=alice.data_headers(sandbox)
             )
@@ -509,7 +513,7 @@ def test_move_without_overwrite_never_replaces_a_destination_made_meanwhile(
     lost, odd = 0, []
     remove = os.unlink if kind == "file" else os.rmdir
     try:
-        for _ in range(1000):
+        for _ in range(400):  # the old code lost a destination 10-18 % of the time
             if kind == "file":
                 Path(base, "src").write_bytes(b"mine")
             else:

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker
+from tests._support.isolation import HOST_PIDS, HOST_TMP, host_processes_only
 
 
 class Commands:
@@ -193,6 +194,7 @@ def test_list_shows_every_command_with_its_state(cmds: Commands) -> None:
     assert {c["command_id"]: c["state"] for c in cmds.list()}[running] == "cancelled"
 
 
+@host_processes_only(HOST_TMP)
 def test_repeated_request_id_returns_the_same_command(cmds: Commands, tmp_path: Any) -> None:
     marker = tmp_path / "runs"
     request_id = str(uuid.uuid4())
@@ -208,6 +210,7 @@ def test_repeated_request_id_returns_the_same_command(cmds: Commands, tmp_path: 
     assert "request_id" in other.json()["detail"]
 
 
+@host_processes_only(HOST_TMP)
 def test_the_list_by_request_id_is_the_one_command_its_start_carried(
     cmds: Commands, tmp_path: Any
 ) -> None:
@@ -331,6 +334,7 @@ def test_bad_start_requests_are_400(cmds: Commands, body: dict[str, Any], needle
 # -- envs and cwd -----------------------------------------------------------------------------
 
 
+@host_processes_only(HOST_TMP)
 def test_envs_are_merged_over_the_runtime_environment_and_cwd_is_used(
     cmds: Commands, tmp_path: Any
 ) -> None:
@@ -357,6 +361,7 @@ def test_default_cwd_is_the_sandbox_directory(cmds: Commands) -> None:
 # -- timeout, kill, process groups ------------------------------------------------------------
 
 
+@host_processes_only(HOST_PIDS)
 def test_timeout_kills_the_group_and_is_timed_out(cmds: Commands) -> None:
     command_id = cmds.start_id("sleep 300 & echo $!; wait", timeout=1)
     events = cmds.follow(command_id)
@@ -367,6 +372,7 @@ def test_timeout_kills_the_group_and_is_timed_out(cmds: Commands) -> None:
     assert process_gone(grandchild)
 
 
+@host_processes_only(HOST_PIDS)
 def test_kill_kills_a_grandchild_in_the_group_and_is_safe_to_repeat(cmds: Commands) -> None:
     command_id = cmds.start_id("sleep 300 & echo $!; wait")
     first = cmds.events(command_id, 0, 5)[0]
@@ -391,6 +397,7 @@ def test_kill_of_a_finished_command_keeps_its_result(cmds: Commands) -> None:
     assert (final["state"], final["exit_code"]) == ("exited", 5)
 
 
+@host_processes_only(HOST_PIDS)
 def test_leftovers_in_the_group_end_with_the_command(cmds: Commands) -> None:
     status = cmds.wait(cmds.start_id("sleep 300 & echo $!"))
     assert status["state"] == "exited"
@@ -630,6 +637,7 @@ def test_concurrent_followers_see_the_same_events(cmds: Commands) -> None:
     assert results[0] == results[1] == results[2]
 
 
+@host_processes_only(HOST_PIDS)
 def test_deleting_the_sandbox_kills_its_commands(alice: Any, cmds: Commands) -> None:
     command_id = cmds.start_id("sleep 300 & echo $!; wait")
     grandchild = int(cmds.events(command_id, 0, 5)[0]["data"].split()[0])

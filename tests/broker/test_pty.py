@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+from tests._support.isolation import HOST_PIDS, HOST_TMP, host_processes_only
 
 BASH = ["/bin/bash", "--norc", "--noprofile", "-i"]
 
@@ -155,6 +156,7 @@ def test_a_pty_command_runs_on_a_terminal_of_its_size(term: Terminal) -> None:
     assert status["stderr"] == "" and "30 100" in status["stdout"]
 
 
+@host_processes_only(HOST_TMP)
 def test_a_pty_start_takes_the_usual_fields(term: Terminal, tmp_path: Any) -> None:
     term.started(
         ["/bin/sh", "-c", "pwd; echo $A $TERM"],
@@ -223,6 +225,7 @@ def test_stdin_takes_bytes_on_a_pty_and_on_a_pipe(term: Terminal, alice: Any, sa
     assert pipe.out.split() == [b"fe", b"01"]
 
 
+@host_processes_only(HOST_PIDS)
 def test_kill_ends_the_terminals_whole_session(term: Terminal) -> None:
     term.started(BASH, envs={"PS1": "$ "})
     term.type("sleep 1000 & echo job=$!\r")
@@ -234,6 +237,7 @@ def test_kill_ends_the_terminals_whole_session(term: Terminal) -> None:
     assert _gone(job) and _gone(leader)
 
 
+@host_processes_only(HOST_PIDS)
 def test_a_jobs_left_behind_end_with_the_terminal(term: Terminal) -> None:
     term.started(BASH, envs={"PS1": "$ "})
     term.type("sleep 1000 & echo job=$!; exit 4\r")

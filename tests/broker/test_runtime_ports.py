@@ -16,6 +16,7 @@ pytest.importorskip("uvicorn", reason="needs the [local] extra")
 from k8s_agent_sandbox_awx.broker.backends import _local
 from k8s_agent_sandbox_awx.broker.backends._local import LocalProcessBackend
 from k8s_agent_sandbox_awx.broker.backends._runtimes import RuntimeHandle, SandboxSpec
+from tests._support.isolation import TCP_PORTS, host_processes_only
 
 
 async def _start(backend: LocalProcessBackend, *names: str) -> list[RuntimeHandle]:
@@ -33,6 +34,7 @@ async def _check_each_port_is_its_own_runtime(handles: list[RuntimeHandle]) -> N
             assert (resp.status_code, resp.text) == (200, h.name)
 
 
+@host_processes_only(TCP_PORTS)
 @pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "exec"])
 def test_a_port_taken_since_the_backend_chose_it_is_never_used(
     fork_server: bool, monkeypatch: pytest.MonkeyPatch
@@ -54,6 +56,7 @@ def test_a_port_taken_since_the_backend_chose_it_is_never_used(
     asyncio.run(main())
 
 
+@host_processes_only(TCP_PORTS)
 def test_many_runtimes_started_at_once_get_distinct_ports() -> None:
     backend = LocalProcessBackend()
 

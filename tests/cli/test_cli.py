@@ -15,6 +15,7 @@ import pytest
 from k8s_agent_sandbox_awx.cli._cli import main
 from k8s_agent_sandbox_awx.client.wire._dialect import LIST, WHOAMI
 from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
+from tests._support.isolation import fake_bwrap, need_bwrap
 
 CLI = [sys.executable, "-m", "k8s_agent_sandbox_awx.cli._cli"]
 
@@ -600,3 +601,55 @@ def test_ls_shows_each_sandboxs_lifetime_created_expires_and_left(
         [item] = json.loads(capsys.readouterr().out)
         assert item["created_at"] == created and item["expires_at"] == expires
         assert 0 < item["seconds_left"] <= 120
+
+
+# -- doctor: the isolation local sandboxes get here ---------------------------------------------
+def _doctor_without_broker(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> tuple[str, Any]:
+    """doctor's text and JSON with no broker configured (it fails: no URL)."""
+    monkeypatch.delenv("AGENT_SANDBOX_BROKER_URL", raising=False)
+    assert main(["doctor"]) == 1
+    text = capsys.readouterr().out
+    assert main(["doctor", "--json"]) == 1
+    return text, json.loads(capsys.readouterr().out)["local_isolation"]
+
+
+def test_doctor_says_local_sandboxes_are_host_processes(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setenv("AGENT_SANDBOX_LOCAL_ISOLATION", "none")
+    text, found = _doctor_without_broker(monkeypatch, capsys)
+    said = (
+        "local sandboxes here (dev, demo, LocalBroker): isolation none "
+        "(AGENT_SANDBOX_LOCAL_ISOLATION='none' was asked for): sandboxes are host processes"
+    )
+    assert said in text
+    assert found["mode"] == "none" and "host processes" in found["detail"]
+
+
+def test_doctor_says_local_sandboxes_run_in_bubblewrap(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    need_bwrap()
+    monkeypatch.setenv("AGENT_SANDBOX_LOCAL_ISOLATION", "auto")
+    text, found = _doctor_without_broker(monkeypatch, capsys)
+    assert "local sandboxes here (dev, demo, LocalBroker): isolation bwrap (bubblewrap " in text
+    assert found["mode"] == "bwrap" and "namespaces of its own" in found["detail"]
+
+
+def test_doctor_says_why_local_sandboxes_cannot_have_bubblewrap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    with fake_bwrap(tmp_path, monkeypatch, None):
+        monkeypatch.setenv("AGENT_SANDBOX_LOCAL_ISOLATION", "auto")
+        text, found = _doctor_without_broker(monkeypatch, capsys)
+        assert "isolation none (bwrap is not installed (install the bubblewrap package" in text
+        assert found["mode"] == "none"
+        monkeypatch.setenv("AGENT_SANDBOX_LOCAL_ISOLATION", "bwrap")
+        text, found = _doctor_without_broker(monkeypatch, capsys)
+        assert "local sandboxes here (dev, demo, LocalBroker): they cannot start: " in text
+        assert "AGENT_SANDBOX_LOCAL_ISOLATION='bwrap' needs bubblewrap" in text
+        assert found["mode"] is None and "apt-get install bubblewrap" in found["detail"]
+    monkeypatch.setenv("AGENT_SANDBOX_LOCAL_ISOLATION", "vm")
+    text, found = _doctor_without_broker(monkeypatch, capsys)
+    assert "they cannot start: AGENT_SANDBOX_LOCAL_ISOLATION='vm' is not an isolation" in text
+    assert found["mode"] is None

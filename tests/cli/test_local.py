@@ -11,11 +11,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from k8s_agent_sandbox_awx.cli import _local
 from k8s_agent_sandbox_awx.cli._local import demo_main, dev_main
+from k8s_agent_sandbox_awx.testing import BWRAP_ISOLATION_WARNING, NO_ISOLATION_WARNING
+from tests._support.isolation import fake_bwrap, need_bwrap
 
 
 def test_demo_prints_the_answer(capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,8 +36,11 @@ def _default_sigint() -> None:
 
 
 @contextlib.contextmanager
-def _dev(tmp_path: Path, *args: str) -> Iterator[tuple[dict[str, str], str]]:
-    """Run ``agent-sandbox-awx dev`` with ``args``; yield its exports and the token; Ctrl-C."""
+def _dev(
+    tmp_path: Path, *args: str, warning: str = "NO isolation", said: list[str] | None = None
+) -> Iterator[tuple[dict[str, str], str]]:
+    """Run ``agent-sandbox-awx dev`` with ``args``; yield its exports and the token; Ctrl-C.
+    Its stderr must hold ``warning``; ``said``: gets the line after the exports."""
     token_file = tmp_path / "tok" / "token"
     proc = subprocess.Popen(
         [
@@ -74,12 +81,16 @@ def _dev(tmp_path: Path, *args: str) -> Iterator[tuple[dict[str, str], str]]:
             "AGENT_SANDBOX_TOKEN_FILE",
         }
         token = Path(exports["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
+        if said is not None:
+            said.append(proc.stdout.readline())
         yield exports, token
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
+        if said is not None:
+            said.append(err)
     assert proc.returncode == 0, err
-    assert "NO isolation" in err
+    assert warning in err
     assert not token or token not in err
 
 
@@ -124,3 +135,96 @@ def test_cli_demo_console_script() -> None:
     proc = subprocess.run([str(script), "demo"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "42" in proc.stdout.splitlines()
+
+
+# -- which isolation is in force ---------------------------------------------------------------
+def test_dev_and_demo_say_when_sandboxes_are_host_processes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert demo_main(["--isolation", "none"]) == 0
+    out, err = capsys.readouterr()
+    assert "42" in out.splitlines()
+    assert "sandboxes' isolation none (isolation='none' was asked for)" in out
+    assert "WARNING: isolation none (isolation='none' was asked for): sandboxes are host " in err
+    assert NO_ISOLATION_WARNING in err and BWRAP_ISOLATION_WARNING not in err
+    said: list[str] = []
+    with _dev(tmp_path, "--isolation", "none", warning=NO_ISOLATION_WARNING, said=said):
+        pass
+    assert said[0].startswith("# local broker up in "), said
+    assert "sandboxes' isolation none (isolation='none' was asked for)" in said[0]
+    assert BWRAP_ISOLATION_WARNING not in said[1]
+
+
+def test_dev_and_demo_say_when_sandboxes_are_in_bubblewrap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    need_bwrap()
+    assert demo_main(["--isolation", "bwrap"]) == 0
+    out, err = capsys.readouterr()
+    assert "42" in out.splitlines()
+    assert "sandboxes' isolation bwrap (bubblewrap " in out
+    assert "WARNING: isolation bwrap (bubblewrap " in err and "namespaces of its own" in err
+    assert BWRAP_ISOLATION_WARNING in err and NO_ISOLATION_WARNING not in err
+    said: list[str] = []
+    with (
+        _dev(tmp_path, "--isolation", "bwrap", warning=BWRAP_ISOLATION_WARNING, said=said) as (
+            exports,
+            token,
+        ),
+        _dev_client(exports, token) as http,
+    ):
+        created = http.post("/rpc", json={"op": "create"})
+        assert created.status_code == 200, created.text
+    assert "sandboxes' isolation bwrap (bubblewrap " in said[0], said
+    assert NO_ISOLATION_WARNING not in said[1]
+
+
+def test_dev_and_demo_refuse_bwrap_without_it_naming_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with fake_bwrap(tmp_path, monkeypatch, None):
+        assert demo_main(["--isolation", "bwrap"]) == 1
+        err = capsys.readouterr().err
+        assert "IsolationUnavailable" in err and "apt-get install bubblewrap" in err
+        with pytest.raises(SystemExit) as exited:
+            dev_main(["--isolation", "bwrap", "--token-file", str(tmp_path / "token")])
+        message = str(exited.value.code)
+        assert message.startswith("agent-sandbox-awx dev: isolation='bwrap' needs bubblewrap")
+        assert "apt-get install bubblewrap" in message
+    with pytest.raises(SystemExit) as refused:
+        dev_main(["--isolation", "vm"])
+    assert refused.value.code == 2
+    assert "--isolation: invalid choice: 'vm'" in capsys.readouterr().err
+
+
+class _InterruptedBroker:
+    """A local broker whose start is over and whose announcement meets a Ctrl-C (as a Ctrl-C
+    right after dev printed its exports): deterministic, where a real one is a race."""
+
+    isolation_info = None
+    stopped = False
+
+    def __init__(self, **options: Any) -> None:
+        pass
+
+    def __enter__(self) -> _InterruptedBroker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _InterruptedBroker.stopped = True
+
+    def keep_projected_token_rotated(self, *args: Any) -> str:
+        raise KeyboardInterrupt
+
+
+def test_dev_stops_quietly_on_a_ctrl_c_right_after_it_is_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(_local, "_import_broker", lambda: _InterruptedBroker)
+    try:
+        code = dev_main(["--token-file", str(tmp_path / "token")])
+    except KeyboardInterrupt:
+        pytest.fail("dev let a Ctrl-C right after its exports out as a traceback")
+    assert code == 0
+    assert _InterruptedBroker.stopped
+    assert "# stopping the local broker" in capsys.readouterr().err

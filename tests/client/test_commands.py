@@ -32,6 +32,7 @@ from k8s_agent_sandbox_awx.errors import (
     UnsupportedByRuntimeError,
 )
 from tests._support.brokers import dialect_of
+from tests._support.isolation import HOST_PIDS, HOST_TMP, host_processes_only
 
 # Data-plane behaviour is the same under both dialects: one dialect (v1) for most tests, and
 # a small rpc data-plane smoke set (``RPC_SMOKE``: once per dialect) so that the /rpc data path
@@ -75,6 +76,7 @@ def test_every_string_command_runs_through_bash_and_once(broker: Any, sandbox: S
     assert broker.execution_count(sandbox.name) == before + 3  # one start per command
 
 
+@host_processes_only(HOST_TMP)
 @pytest.mark.dialect_feature(SANDBOX_ENV, reason="the bash-less PATH is given through it")
 def test_strings_run_through_sh_in_a_sandbox_without_bash(
     broker: Any, legacy_broker: Any, bashless_path: str
@@ -203,6 +205,7 @@ def test_a_command_over_its_time_limit_is_killed(sandbox: Sandbox) -> None:
     assert (result.state, result.exit_code, result.timed_out) == ("timed_out", 124, True)
 
 
+@host_processes_only(HOST_PIDS)
 def test_an_interrupted_foreground_run_kills_the_process_group(
     sandbox: Sandbox, process_gone: Any
 ) -> None:
@@ -262,6 +265,7 @@ def interrupt_after_the_start_is_sent(monkeypatch: pytest.MonkeyPatch, sandbox: 
     monkeypatch.setattr(transport, "perform", interrupting)
 
 
+@host_processes_only(HOST_PIDS)
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 def test_a_start_interrupted_before_its_command_id_is_found_and_killed(
     monkeypatch: pytest.MonkeyPatch, sandbox: Sandbox, process_gone: Any, background: bool
@@ -484,9 +488,11 @@ def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeat
 
     result = sandbox.commands.run(long_stream.argv, on_stdout=on_stdout)
     assert result.stdout == long_stream.expected == "".join(chunks)  # byte for byte
-    assert len(chunks) >= 1500  # that many events: the cuts below are not vacuous
-    assert len(streams.cursors) >= len(chunks) // 50 >= 30  # re-requested at every cut
-    assert len(streams.failures) >= 7  # the injected mid-line drops, seen and survived
+    # 1600 lines, one event each on a quiet machine; a busy one may read several lines at once
+    # (fewer events, so fewer cuts and drops): each count is checked against the events seen
+    assert len(chunks) >= 400  # that many events: the cuts below are not vacuous
+    assert len(streams.cursors) >= len(chunks) // 50 >= 8  # re-requested at every cut
+    assert len(streams.failures) >= len(chunks) // 200 - 1 >= 1  # the mid-line drops survived
     assert streams.cursors[0] == 0 and streams.cursors == sorted(streams.cursors)
 
     handle = sandbox.commands.run(long_stream.argv, background=True)
@@ -498,7 +504,8 @@ def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeat
         inject(1600 + len(events))
     assert [e.seq for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat
     assert "".join(e.data for e in events) == long_stream.expected
-    assert len(streams.cursors) >= 30 and len(streams.failures) >= 7
+    assert len(streams.cursors) >= len(events) // 50 >= 8
+    assert len(streams.failures) >= (1600 + len(events)) // 200 - max(8, len(chunks) // 200) - 1
     assert events[-1].type == "exit" and events[-1].exit_code == 0
 
 
@@ -685,6 +692,7 @@ def exit_after(proc: subprocess.Popen[str], within: float) -> tuple[str, str]:
         pytest.fail(f"the CLI did not exit within {within:g}s; its stderr and stacks:\n{err}")
 
 
+@host_processes_only(HOST_PIDS)
 def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any) -> None:
     proc = cli_run(broker, "sh", "-c", "echo $$; exec sleep 60")
     assert proc.stdout is not None

@@ -25,6 +25,7 @@ from k8s_agent_sandbox_awx.errors import (
     SandboxFileNotFoundError,
     SandboxPathError,
 )
+from tests._support.isolation import ROOTS_ARE_MOUNTS, host_processes_only
 
 # Data-plane behaviour is the same under both dialects: one dialect (v1) for most tests, and
 # a small rpc data-plane smoke set (``RPC_SMOKE``: once per dialect) so that the /rpc data path
@@ -268,6 +269,7 @@ def _outside(tmp_path: Path) -> Path:
     return outside
 
 
+@host_processes_only(ROOTS_ARE_MOUNTS)
 def test_a_replaced_workspace_is_a_typed_error_never_followed(
     files_broker: Any, tmp_path: Path
 ) -> None:
@@ -294,6 +296,7 @@ def test_a_replaced_workspace_is_a_typed_error_never_followed(
     assert (outside / "secret.txt").read_text() == "outside"
 
 
+@host_processes_only(ROOTS_ARE_MOUNTS)
 def test_a_replaced_base_directory_is_a_typed_error_on_the_legacy_endpoints(
     files_broker: Any, tmp_path: Path
 ) -> None:

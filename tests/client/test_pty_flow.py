@@ -37,6 +37,7 @@ def plan(**options: Any) -> pf.PtyPlan:
 
 def test_the_start_body_asks_for_a_terminal_without_a_time_limit() -> None:
     one, two = plan(cols=100, rows=30), plan(command="top", cwd="/tmp", envs={"A": "b"}, timeout=9)
+    assert plan(cwd="project").cwd == "/app/project"  # relative: to the sandbox's /app
     assert one.body() == {
         "command": list(pf.DEFAULT_COMMAND),
         "request_id": one.request_id,
@@ -70,7 +71,8 @@ def test_the_default_command_is_the_login_shell_decided_in_the_sandbox() -> None
         ({"cols": 80.0}, TypeError, "cols must be an int"),
         ({"rows": True}, TypeError, "rows must be an int"),
         ({"command": ""}, ValueError, "empty"),
-        ({"cwd": "app"}, ValueError, "cwd must be an absolute path"),
+        ({"cwd": "../etc"}, ValueError, "contains '..'"),
+        ({"cwd": " "}, ValueError, "cwd must be a directory inside the sandbox"),
         ({"envs": {"A=": "b"}}, ValueError, "invalid variable"),
         ({"timeout": 0}, ValueError, "greater than 0"),
         ({"on_data": "print"}, TypeError, "on_data must be callable"),

@@ -190,6 +190,7 @@ class Claims:
             lifetime_seconds=lifetime,
             scopes=scopes,
             max_live=policy.max_sandboxes,
+            network=policy.network,
             **claim,
         )
         note_decision(

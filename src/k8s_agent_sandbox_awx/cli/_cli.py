@@ -681,6 +681,13 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     return broker_main(args.broker_command, args.config)
 
 
+def _local_isolation() -> dict[str, str | None]:
+    """What local sandboxes get here (doctor's line on them)."""
+    from ._local import local_isolation_report
+
+    return local_isolation_report()
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from ..client.http._config import BrokerConnectionConfig
     from ._doctor import run_doctor
@@ -691,6 +698,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         for c in report.checks
     ]
     report.notes = [_everyday.name_the_flag(note, args) for note in report.notes]
+    report.local_isolation = _local_isolation()
     if args.json:
         _print_json(report.to_dict())
     else:

@@ -74,6 +74,10 @@ class DoctorReport:
     credentials: dict[str, Any] | None = None
     protocol: str | None = None
     """The broker dialect spoken (``v1`` or ``rpc``), once the broker answered."""
+    local_isolation: dict[str, str | None] | None = None
+    """The isolation local sandboxes get on this machine (``dev``, ``demo``, ``LocalBroker``):
+    ``mode`` (``"bwrap"``, ``"none"``, ``None`` when the one asked for cannot be had) and
+    ``detail``; set by the CLI, ``None`` when not looked at."""
 
     def check(self, name: str, ok: bool, detail: str, hint: str = "") -> bool:
         self.checks.append(Check(name, ok, detail, "" if ok else hint))
@@ -89,6 +93,7 @@ class DoctorReport:
             "protocol": self.protocol,
             "checks": [c.to_dict() for c in self.checks],
             "credentials": self.credentials,
+            "local_isolation": self.local_isolation,
         }
 
     def __str__(self) -> str:
@@ -97,6 +102,10 @@ class DoctorReport:
             lines.append(f"{'PASS' if c.ok else 'FAIL'}  {c.name:<14} {c.detail}")
             if c.hint:
                 lines.append(f"      hint: {c.hint}")
+        if self.local_isolation is not None:
+            mode, detail = self.local_isolation["mode"], self.local_isolation["detail"]
+            said = f"isolation {detail}" if mode else f"they cannot start: {detail}"
+            lines.append(f"local sandboxes here (dev, demo, LocalBroker): {said}")
         if self.notes:
             lines.append("details:")
             lines += [f"  {note}" for note in self.notes]

@@ -10,9 +10,10 @@ import sys
 import tempfile
 import threading
 from types import FrameType
+from typing import Any
 
 from ..credentials._cache import clear_credential_cache
-from ..testing import EXTRA_HINT, NO_ISOLATION_WARNING
+from ..testing import EXTRA_HINT, IsolationUnavailable, isolation_warning, local_isolation
 
 DEMO_CODE = """\
 from k8s_agent_sandbox_awx import Sandbox
@@ -20,10 +21,45 @@ from k8s_agent_sandbox_awx import Sandbox
 with Sandbox.create() as sandbox:
     print(sandbox.commands.run("python3 -c 'print(6 * 7)'").stdout)
 """
+ISOLATIONS = ("auto", "bwrap", "none")
+_ABOUT_ISOLATION = (
+    "Local sandboxes run in bubblewrap (namespaces of their own, not a virtual machine) when it "
+    "works here, else as host processes with NO isolation: development and tests only, never "
+    "untrusted code. The warning printed at start says which, and what it does not protect."
+)
 
 
-def _warn() -> None:
-    print(f"WARNING: {NO_ISOLATION_WARNING}", file=sys.stderr, flush=True)
+def _add_isolation(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--isolation",
+        choices=ISOLATIONS,
+        default=None,
+        help="auto: bubblewrap when it works here, else none; bwrap: fail without it; none: "
+        "host processes (default: $AGENT_SANDBOX_LOCAL_ISOLATION, else auto)",
+    )
+
+
+def _isolation_line(broker: Any) -> str:
+    """Which isolation the started ``broker``'s sandboxes have, and why (one line)."""
+    info = broker.isolation_info
+    return f"isolation {info.describe()}" if info else "isolation of a custom backend"
+
+
+def _warn(broker: Any) -> None:
+    info = broker.isolation_info
+    warning = isolation_warning(info.mode if info else None)
+    print(f"WARNING: {_isolation_line(broker)}. {warning}", file=sys.stderr, flush=True)
+
+
+def local_isolation_report() -> dict[str, str | None]:
+    """What ``doctor`` says of local sandboxes here (``dev``, ``demo``, ``LocalBroker()`` as
+    ``$AGENT_SANDBOX_LOCAL_ISOLATION`` asks): ``mode`` (``"bwrap"``, ``"none"``, or ``None``
+    when the isolation asked for cannot be had) and ``detail`` (why, and the fix)."""
+    try:
+        info = local_isolation()
+    except (ValueError, IsolationUnavailable) as exc:
+        return {"mode": None, "detail": " ".join(str(exc).split())}
+    return {"mode": info.mode, "detail": info.describe()}
 
 
 def _import_broker() -> type:
@@ -38,8 +74,9 @@ def _dev_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agent-sandbox-awx dev",
         description="Run the local broker stack (issuers, broker, local sandboxes) in the "
-        "foreground. " + NO_ISOLATION_WARNING,
+        "foreground. " + _ABOUT_ISOLATION,
     )
+    _add_isolation(parser)
     parser.add_argument("--namespace", default="default", help="token namespace (default)")
     parser.add_argument(
         "--service-account", default="default", help="token service account (default)"
@@ -68,7 +105,6 @@ def dev_main(argv: list[str]) -> int:
     if not protocols or not set(protocols) <= {"v1", "rpc"}:
         parser.error(f"--protocols {args.protocols!r}: give v1, rpc or v1,rpc")
     local_broker = _import_broker()
-    _warn()
     token_dir = None
     token_file = args.token_file
     if token_file is None:
@@ -82,6 +118,8 @@ def dev_main(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
         _serve(local_broker, args, protocols, token_file, stop)
+    except (IsolationUnavailable, ValueError) as exc:  # --isolation bwrap without bwrap, ...
+        raise SystemExit(f"agent-sandbox-awx dev: {exc}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
         if token_dir is not None:
@@ -99,21 +137,9 @@ def _serve(
     stop: threading.Event,
 ) -> None:
     """Run the broker until ``stop`` is set or Ctrl-C, keeping the token file rotated."""
-    with local_broker(warn=False, protocols=protocols) as broker:
-        broker.keep_projected_token_rotated(
-            token_file, args.namespace, args.service_account, args.ttl
-        )
-        print(f"export AGENT_SANDBOX_BROKER_URL={shlex.quote(broker.url)}")
-        print(f"export AGENT_SANDBOX_CA_BUNDLE={shlex.quote(broker.ca_bundle)}")
-        print(f"export AGENT_SANDBOX_TOKEN_FILE={shlex.quote(os.path.abspath(token_file))}")
-        print(
-            f"# local broker up in {broker.startup_seconds:.3f} s as "
-            f"system:serviceaccount:{args.namespace}:{args.service_account}, serving "
-            f"{' and '.join(broker.protocols)}; the token file is rotated at 80% of its "
-            "lifetime. Ctrl-C stops it.",
-            flush=True,
-        )
-        try:
+    with local_broker(warn=False, protocols=protocols, isolation=args.isolation) as broker:
+        try:  # from here on Ctrl-C stops the broker quietly (even right after the exports)
+            _announce(broker, args, token_file)
             while not stop.wait(0.5):
                 pass
         except KeyboardInterrupt:
@@ -121,20 +147,40 @@ def _serve(
         print("# stopping the local broker", file=sys.stderr, flush=True)
 
 
+def _announce(broker: Any, args: argparse.Namespace, token_file: str) -> None:
+    """The warning, the token file written (and kept rotated), the exports and the line that
+    says the broker is up."""
+    _warn(broker)
+    broker.keep_projected_token_rotated(token_file, args.namespace, args.service_account, args.ttl)
+    print(f"export AGENT_SANDBOX_BROKER_URL={shlex.quote(broker.url)}")
+    print(f"export AGENT_SANDBOX_CA_BUNDLE={shlex.quote(broker.ca_bundle)}")
+    print(f"export AGENT_SANDBOX_TOKEN_FILE={shlex.quote(os.path.abspath(token_file))}")
+    print(
+        f"# local broker up in {broker.startup_seconds:.3f} s as "
+        f"system:serviceaccount:{args.namespace}:{args.service_account}, serving "
+        f"{' and '.join(broker.protocols)}; sandboxes' {_isolation_line(broker)}; the "
+        "token file is rotated at 80% of its lifetime. Ctrl-C stops it.",
+        flush=True,
+    )
+
+
 def demo_main(argv: list[str]) -> int:
     """Start the local stack, run the README example zero-arg, print its output, stop."""
     parser = argparse.ArgumentParser(
         prog="agent-sandbox-awx demo",
-        description="Run the README example against a throw-away local broker. "
-        + NO_ISOLATION_WARNING,
+        description="Run the README example against a throw-away local broker. " + _ABOUT_ISOLATION,
     )
-    parser.parse_args(argv)
+    _add_isolation(parser)
+    args = parser.parse_args(argv)
     local_broker = _import_broker()
-    _warn()
     saved = dict(os.environ)
     try:
-        with local_broker(warn=False) as broker:
-            print(f"# local broker at {broker.url} (started in {broker.startup_seconds:.3f} s)")
+        with local_broker(warn=False, isolation=args.isolation) as broker:
+            _warn(broker)
+            print(
+                f"# local broker at {broker.url} (started in {broker.startup_seconds:.3f} s; "
+                f"sandboxes' {_isolation_line(broker)})"
+            )
             os.environ.update(broker.environ("kubernetes"))
             for name in ("AGENT_SANDBOX_TOKEN", "AGENT_SANDBOX_TEMPLATE"):
                 os.environ.pop(name, None)

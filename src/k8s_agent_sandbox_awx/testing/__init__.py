@@ -12,7 +12,9 @@ service, with ``Reply`` and ``RecordedRequest``), ``unsigned_jwt`` / ``unverifie
 ``call_concurrently``, ``check_cached_then_refreshed``, ``check_entry_point`` and
 ``SDK_VARIABLES``; see docs/writing-plugins.md.
 
-WARNING: local sandboxes are host processes with NO isolation. Use the local broker for
+WARNING: local sandboxes are host processes with NO isolation, or, with bubblewrap installed,
+processes in Linux namespaces of their own, which are not a virtual machine (see
+``BWRAP_ISOLATION_WARNING`` and docs/local-broker.md, "Isolation"). Use the local broker for
 development and tests only, never to run untrusted code.
 
 The names below are imported on first use (PEP 562), so the plugin kit works without the
@@ -38,6 +40,11 @@ _EXPORTS: dict[str, str] = {
     "RuntimeStartError": "..broker.backends._runtimes",
     "LocalProcessBackend": "..broker.backends._local",
     "DEFAULT_RUNTIME_COMMAND": "..broker.backends._local",
+    "IsolationUnavailable": "..broker.backends._isolation",
+    "Isolation": "..broker.backends._isolation",
+    "local_isolation": "._messages",
+    "isolation_warning": "._messages",
+    "BWRAP_ISOLATION_WARNING": "._messages",
     "RESERVED_PREFIX": "..broker.identity._policy",
     # for plugin authors' tests (standard library only: no [local] extra needed)
     "ScriptedEndpoint": "._endpoint",
@@ -54,12 +61,15 @@ _EXPORTS: dict[str, str] = {
 # A literal list, so that type checkers see the re-exports; a test keeps it equal to
 # the lazy table above.
 __all__ = [
+    "BWRAP_ISOLATION_WARNING",
     "DEFAULT_RUNTIME_COMMAND",
     "EXTRA_HINT",
     "NO_ISOLATION_WARNING",
     "RESERVED_PREFIX",
     "SDK_VARIABLES",
     "Caller",
+    "Isolation",
+    "IsolationUnavailable",
     "Issuer",
     "LocalBroker",
     "LocalProcessBackend",
@@ -75,6 +85,8 @@ __all__ = [
     "caller_namespace",
     "check_cached_then_refreshed",
     "check_entry_point",
+    "isolation_warning",
+    "local_isolation",
     "unsigned_jwt",
     "unverified_claims",
 ]
@@ -97,6 +109,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..broker.backends._isolation import Isolation as Isolation
+    from ..broker.backends._isolation import IsolationUnavailable as IsolationUnavailable
     from ..broker.backends._local import DEFAULT_RUNTIME_COMMAND as DEFAULT_RUNTIME_COMMAND
     from ..broker.backends._local import LocalProcessBackend as LocalProcessBackend
     from ..broker.backends._runtimes import RuntimeHandle as RuntimeHandle
@@ -112,6 +126,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._endpoint import Reply as Reply
     from ._endpoint import ScriptedEndpoint as ScriptedEndpoint
     from ._issuers import Issuer as Issuer
+    from ._messages import BWRAP_ISOLATION_WARNING as BWRAP_ISOLATION_WARNING
+    from ._messages import isolation_warning as isolation_warning
+    from ._messages import local_isolation as local_isolation
     from ._plugin_kit import SDK_VARIABLES as SDK_VARIABLES
     from ._plugin_kit import call_concurrently as call_concurrently
     from ._plugin_kit import check_cached_then_refreshed as check_cached_then_refreshed

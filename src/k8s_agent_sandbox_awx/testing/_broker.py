@@ -31,6 +31,7 @@ from ..broker._ports import ws_protocol
 from ..broker._relay import install_log_filter
 from ..broker._rpc import DEFAULT_WARM_POOL
 from ..broker._v1 import sandbox_json
+from ..broker.backends._isolation import ISOLATIONS, Isolation
 from ..broker.backends._local import (
     RUNTIMES_DIR_PREFIX,
     LocalProcessBackend,
@@ -57,7 +58,7 @@ from ._issuers import (
     Issuer,
     kubernetes_attributes,
 )
-from ._messages import NO_ISOLATION_WARNING
+from ._messages import isolation_warning
 
 if TYPE_CHECKING:
     from ..broker.observability._observer import Observer
@@ -90,7 +91,10 @@ class LocalBroker:
     - ``kubernetes_policy`` / ``gitlab_policy``: the built-in providers' policies.
     - ``readiness_delay``: seconds a new sandbox stays ``Pending`` after its runtime is up.
     - ``skew_seconds``: clock skew allowed on ``exp``/``nbf``/``iat``; ``max_token_bytes``.
-    - ``warn``: log the no-isolation warning at start.
+    - ``warn``: log the isolation warning at start (what a sandbox is and is not kept from).
+    - ``isolation``: the default backend's, ``"auto"`` (bubblewrap when it works here, else
+      none), ``"bwrap"`` or ``"none"``; default ``$AGENT_SANDBOX_LOCAL_ISOLATION``, else
+      ``"auto"`` (see :class:`LocalProcessBackend`; ``isolation_info`` says which is in force).
     - ``protocols``: the control-plane dialects served on the one URL, ``("v1", "rpc")`` by
       default; ``("rpc",)`` makes every ``/v1/...`` answer 404 and ``("v1",)`` makes ``/rpc``
       answer 404, so that each dialect can be tested alone. The data plane serves both.
@@ -106,7 +110,8 @@ class LocalBroker:
       around the broker (its access log, audit log and metrics, as ``broker serve`` has them:
       docs/broker/operate.md); default none: the local broker stays quiet.
 
-    WARNING: local sandboxes are host processes with NO isolation (development and tests only).
+    WARNING: local sandboxes are host processes with NO isolation, or, with bubblewrap, processes
+    in namespaces of their own, which are not a virtual machine (development and tests only).
     """
 
     def __init__(
@@ -126,17 +131,16 @@ class LocalBroker:
         warm_pools: Mapping[str, str] | None = None,
         keep_deleted: int = DEFAULT_KEEP_DELETED,
         keep_deleted_seconds: float = DEFAULT_KEEP_DELETED_SECONDS,
+        isolation: str | None = None,
         observer: Observer | None = None,
     ) -> None:
         _check_retention(keep_deleted, keep_deleted_seconds)
-        if isinstance(protocols, str) or not protocols or not set(protocols) <= set(PROTOCOLS):
-            raise ValueError(
-                f"protocols={protocols!r}: give a non-empty sequence of {list(PROTOCOLS)}, "
-                'e.g. protocols=("rpc",)'
-            )
+        _check_isolation(isolation, backend)
+        _check_protocols(protocols)
         self._templates: dict[str, str | list[str] | None] = dict(templates or {"python": None})
         self._runtime_command = runtime_command
         self._backend = backend
+        self._isolation = isolation
         self._kubernetes_policy = kubernetes_policy or DEFAULT_KUBERNETES_POLICY
         self._gitlab_policy = gitlab_policy or DEFAULT_GITLAB_POLICY
         self._faults = Faults(readiness_delay)
@@ -190,31 +194,22 @@ class LocalBroker:
         if self._thread is not None:
             raise RuntimeError("this LocalBroker is already started")
         started = time.perf_counter()
-        if self._warn:
-            log.warning("LocalBroker: %s", NO_ISOLATION_WARNING)
         sweep_dead_owners(_TMP_PREFIX, RUNTIMES_DIR_PREFIX)  # of brokers whose process died
         self._tmp = owned_temp_dir(_TMP_PREFIX)
         sock, server_pem = self._listen_with_tls(self._tmp)
-        self._app = self._make_app(self._tmp)
+        try:
+            self._app = self._make_app(self._tmp)
+        except BaseException:  # isolation="bwrap" without a working bwrap, for one
+            sock.close()
+            self._cleanup_files()
+            raise
+        if self._warn:
+            self._log_isolation()
         install_log_filter()
         served: Any = FaultLayer(self._app, self._faults, self._protocols)  # faults around it
         if self._observer is not None:  # and the observer around both: it sees what clients see
             served = self._observer.wrap_broker(self._app, served)
-        config = uvicorn.Config(
-            served,
-            ssl_certfile=server_pem,
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            http="h11",
-            ws=ws_protocol(),
-            loop="asyncio",
-            server_header=False,
-            timeout_graceful_shutdown=2,
-            timeout_keep_alive=30,
-        )
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn.Server(_uvicorn_config(served, server_pem))
         loop = asyncio.new_event_loop()
         self._loop = loop
         server = self._server
@@ -241,6 +236,15 @@ class LocalBroker:
         self.startup_seconds = time.perf_counter() - started
         log.info("LocalBroker at %s started in %.3f s", self._url, self.startup_seconds)
         return self
+
+    def _log_isolation(self) -> None:
+        """The warning at start: which isolation is in force, and what it does not protect."""
+        info = self.isolation_info
+        log.warning(
+            "LocalBroker: isolation %s. %s",
+            info.describe() if info else "of the custom backend",
+            isolation_warning(info.mode if info else None),
+        )
 
     def _listen_with_tls(self, tmp: str) -> tuple[socket.socket, str]:
         """The listening socket (sets ``url``) and the server's certificate chain file, from a
@@ -276,7 +280,9 @@ class LocalBroker:
             "gitlab", provider="gitlab", policy=self._gitlab_policy, attributes=GITLAB_ATTRIBUTES
         )
         runtimes = self._backend or LocalProcessBackend(
-            self._runtime_command, root_dir=os.path.join(tmp, "sandboxes")
+            self._runtime_command,
+            root_dir=os.path.join(tmp, "sandboxes"),
+            isolation=self._isolation,
         )
         self._backend = runtimes
         self._store = LocalBackend(
@@ -361,6 +367,19 @@ class LocalBroker:
         return self._store
 
     # -- basic properties ----------------------------------------------------------------------
+    @property
+    def isolation_info(self) -> Isolation | None:
+        """The sandboxes' isolation (``mode`` ``"bwrap"`` or ``"none"``, and why; ``describe()``
+        for people), once started; ``None`` for a custom backend that does not say."""
+        info = getattr(self._backend, "isolation_info", None)
+        return info if isinstance(info, Isolation) else None
+
+    @property
+    def isolation(self) -> str | None:
+        """``"bwrap"`` or ``"none"`` (see :attr:`isolation_info`)."""
+        info = self.isolation_info
+        return info.mode if info is not None else None
+
     @property
     def url(self) -> str:
         """The broker URL (``https://127.0.0.1:PORT``, no trailing slash); also the audience."""
@@ -826,6 +845,47 @@ class _JwksClient:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+
+def _check_protocols(protocols: Sequence[str]) -> None:
+    if isinstance(protocols, str) or not protocols or not set(protocols) <= set(PROTOCOLS):
+        raise ValueError(
+            f"protocols={protocols!r}: give a non-empty sequence of {list(PROTOCOLS)}, "
+            'e.g. protocols=("rpc",)'
+        )
+
+
+def _uvicorn_config(app: Any, server_pem: str) -> uvicorn.Config:
+    """The local broker's server: HTTPS with ``server_pem``, quiet (its own log filter)."""
+    return uvicorn.Config(
+        app,
+        ssl_certfile=server_pem,
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        http="h11",
+        ws=ws_protocol(),
+        loop="asyncio",
+        server_header=False,
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=30,
+    )
+
+
+def _check_isolation(isolation: object, backend: object) -> None:
+    if isolation is None:
+        return
+    if isolation not in ISOLATIONS:
+        raise ValueError(
+            f"isolation={isolation!r}: give 'auto' (bubblewrap when it works here, else none), "
+            "'bwrap' or 'none'"
+        )
+    if backend is not None:
+        raise ValueError(
+            "isolation= is the default backend's: with backend=..., give the backend its own "
+            "(LocalProcessBackend(isolation=...))"
+        )
 
 
 def _check_retention(keep_deleted: object, keep_deleted_seconds: object) -> None:

@@ -141,6 +141,10 @@ class ClaimRequest:
     """``(reason, message)``: the claim is made Failed at once, nothing starts (a warm pool the
     backend resolved as missing: :meth:`Backend.resolve_warm_pool`)."""
     idempotency: Idempotency | None = None
+    network: bool = True
+    """The sandbox may use the network (the policy's ``network``). ``False``: the local
+    backend gives it a network namespace of its own (isolated sandboxes) or refuses to start
+    it; the Kubernetes backend leaves the network to the cluster (its NetworkPolicies)."""
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from ..runtime import _tree
 from ..runtime._process import PARENT_PID_ENV
+from . import _isolation
+from ._interface import RUNTIME_PORT
 from ._runtimes import RuntimeHandle, RuntimeStartError, SandboxSpec
 
 log = logging.getLogger("k8s_agent_sandbox_awx.broker")
@@ -59,6 +62,14 @@ _CREDENTIAL_VARIABLES = (
     "CI_JOB_TOKEN",
 )
 
+
+_BOOT = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from k8s_agent_sandbox_awx.broker.runtime._main import main; sys.exit(main())"
+)
+"""The built-in runtime in an isolated sandbox: a new interpreter that imports this very
+package (from the directory this broker imported it from, whatever its working directory and
+``PYTHONPATH``) without changing the commands' environment."""
 
 RUNTIMES_DIR_PREFIX = "agent-sandbox-runtimes-"
 OWNER_FILE = "broker.pid"
@@ -324,6 +335,13 @@ class LocalProcessBackend:
     a new interpreter (about 2 ms instead of 60 ms of CPU, memory shared copy-on-write), a custom
     command is exec'd from it. ``False``: a fresh fork server (a new interpreter) per sandbox,
     which starts the runtime command as a new process.
+
+    ``isolation``: ``"auto"`` (bubblewrap when it works here, else none), ``"bwrap"`` (each
+    sandbox in namespaces of its own; IsolationUnavailable, naming the package to install, when
+    bwrap is missing or does not work) or ``"none"`` (host processes); default
+    ``$AGENT_SANDBOX_LOCAL_ISOLATION``, else ``"auto"`` (see ``_isolation``). Isolated, a
+    runtime is ``bwrap ... -- command`` exec'd by its supervisor (the built-in one is a new
+    interpreter that listens on a Unix socket); ``isolation_info`` says which and why.
     """
 
     def __init__(
@@ -334,13 +352,17 @@ class LocalProcessBackend:
         host: str = "127.0.0.1",
         startup_timeout: float = 20.0,
         fork_server: bool | None = None,
+        isolation: str | None = None,
     ) -> None:
+        self.isolation_info = _isolation.choose(isolation)  # first: may refuse
         self.command = command or DEFAULT_RUNTIME_COMMAND
         self.host = host
         self.startup_timeout = startup_timeout
         self._own_root = root_dir is None
         self.root_dir = root_dir or owned_temp_dir(RUNTIMES_DIR_PREFIX)
         os.makedirs(self.root_dir, exist_ok=True)
+        bwrap = self.isolation_info.bwrap
+        self._layout = _isolation.Layout(bwrap, hidden=(self.root_dir,)) if bwrap else None
         if fork_server is None:
             fork_server = hasattr(os, "fork")
         self._fork: _ForkServer | None = (
@@ -368,48 +390,35 @@ class LocalProcessBackend:
             raise RuntimeStartError(
                 "InvalidRuntimeCommand",
                 f"runtime command {command!r} has an unknown placeholder ({exc}); use "
-                "{python} {host} {port} {port_file} {base_dir} {name} {namespace} {template}",
+                "{python} {host} {port} {port_file} {socket} {base_dir} {name} {namespace} "
+                "{template}",
             ) from exc
 
     def _fork_server_of(self, name: str) -> _ForkServer | None:
         return self._fork or self._own_forks.get(name)
 
+    @property
+    def isolation(self) -> str:
+        """How this backend's sandboxes are isolated: ``"bwrap"`` or ``"none"``."""
+        return self.isolation_info.mode
+
     async def start(self, spec: SandboxSpec) -> RuntimeHandle:
         root = os.path.join(self.root_dir, spec.name)
-        base_dir = os.path.join(root, "work")
-        os.makedirs(base_dir, exist_ok=True)
-        # The sandbox's persistent area (/workspace of the file API), beside the base directory
-        # so that a fresh base directory is empty; removed with the sandbox.
-        workspace_dir = os.path.join(root, "workspace")
-        os.makedirs(workspace_dir, exist_ok=True)
-        command = spec.command or self.command
-        # the built-in runtime is forked from a warm fork server, anything else is exec'd
-        builtin = self._fork is not None and command == DEFAULT_RUNTIME_COMMAND
+        plan = self._plan(spec, root)
         fork = self._fork or self._own_forks.setdefault(
             spec.name, _ForkServer(os.path.join(root, "fork-server.log"))
         )
-        # the runtime picks its own port and reports it (see DEFAULT_RUNTIME_COMMAND)
-        port_file = os.path.join(root, "runtime.port") if _reports_port(command) else None
         last_error = ""
         try:
             for _attempt in range(3):
-                if port_file:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(port_file)
-                port = 0 if port_file else _free_port(self.host)
-                request = self._spawn_request(spec, command, builtin, root, port, port_file)
-                ident, pid = await fork.spawn(request)
-                handle = RuntimeHandle(
-                    spec.name, self.host, port, base_dir, pid, root=root, runtime_id=ident
-                )
-                self._handles[spec.name] = handle
+                handle = await self._spawn(spec, plan, fork)
                 try:
-                    await self._wait_ready(handle, request["log"], port_file)
+                    await self._wait_ready(handle, plan.log, plan.port_file)
                     return handle
                 except RuntimeStartError as exc:
                     await self._terminate(handle, remove=False)
                     last_error = exc.message
-                    if port_file or "Address already in use" not in last_error:
+                    if not plan.free_port or "Address already in use" not in last_error:
                         raise
             raise RuntimeStartError("RuntimeStartFailed", last_error)
         except BaseException:
@@ -418,44 +427,113 @@ class LocalProcessBackend:
             _tree.remove_quietly(root, f"the directory of sandbox {spec.name}")
             raise
 
-    def _spawn_request(
-        self,
-        spec: SandboxSpec,
-        command: str | Sequence[str],
-        builtin: bool,
-        root: str,
-        port: int,
-        port_file: str | None,
-    ) -> dict[str, Any]:
-        """What the fork server is asked to start for ``spec`` (see ``runtime._forkserver``)."""
-        base_dir = os.path.join(root, "work")
+    def _plan(self, spec: SandboxSpec, root: str) -> _Plan:
+        """How ``spec``'s runtime starts and is reached; makes its directories. RuntimeStartError
+        for what this backend cannot do (a network it cannot cut off, a socket path too long)."""
+        command = spec.command or self.command
+        isolated = self._layout is not None
+        if not spec.network and not isolated:
+            raise RuntimeStartError(
+                "NetworkNotIsolated",
+                f"the policy of sandbox {spec.name!r} turns its network off, which needs "
+                f"isolated sandboxes (isolation here: {self.isolation_info.describe()}); "
+                f"{_isolation.INSTALL_HINT}, or give the policy network=True",
+            )
+        plan = _Plan(root, command, builtin=command == DEFAULT_RUNTIME_COMMAND)
+        socket_path, port_file = _isolation.control_paths(plan.control_dir)
+        if (plan.builtin and isolated) or _names(command, "{socket}"):
+            plan.uds = socket_path
+        elif _names(command, "{port_file}"):  # the runtime picks its own port and reports it
+            plan.port_file = port_file if isolated else os.path.join(root, "runtime.port")
+        if plan.uds is None and not spec.network:
+            raise RuntimeStartError(
+                "NetworkNotIsolated",
+                f"the policy of sandbox {spec.name!r} turns its network off, and its runtime "
+                f"command {command!r} listens on a TCP port, which the broker cannot reach in a "
+                "network of the sandbox's own: name {socket} in the command (the runtime listens "
+                "on that Unix socket), or give the policy network=True",
+            )
+        problem = _isolation.socket_path_problem(plan.uds) if plan.uds else None
+        if problem:
+            raise RuntimeStartError("RuntimeStartFailed", problem)
+        for directory in (plan.base_dir, plan.workspace_dir, plan.control_dir):
+            os.makedirs(directory, exist_ok=True)
+        return plan
+
+    async def _spawn(self, spec: SandboxSpec, plan: _Plan, fork: _ForkServer) -> RuntimeHandle:
+        """Have ``fork`` start ``spec``'s runtime as ``plan`` says; its handle (not ready yet)."""
+        for stale in (plan.port_file, plan.uds):
+            if stale:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
+        port = 0 if plan.port_file or plan.uds else _free_port(self.host)
+        ident, pid = await fork.spawn(self._spawn_request(spec, plan, port))
+        host = "localhost" if plan.uds else self.host
+        port = RUNTIME_PORT if plan.uds else port
+        handle = RuntimeHandle(
+            spec.name, host, port, plan.base_dir, pid, root=plan.root, runtime_id=ident
+        )
+        handle.uds = plan.uds
+        self._handles[spec.name] = handle
+        return handle
+
+    def _spawn_request(self, spec: SandboxSpec, plan: _Plan, port: int) -> dict[str, Any]:
+        """What the fork server is asked to start for ``spec`` (see ``runtime._forkserver``):
+        the built-in runtime forked, or a command line exec'd (in bwrap, when isolated)."""
+        inside = _Inside.of(plan) if self._layout is not None else _Inside.host(plan)
         env = {
             **_inherited_environment(),
             **spec.env,
             "PORT": str(port),
-            "SANDBOX_BASE_DIR": base_dir,
-            "SANDBOX_WORKSPACE_DIR": os.path.join(root, "workspace"),
-            **({"SANDBOX_PORT_FILE": port_file} if port_file else {}),
+            "SANDBOX_BASE_DIR": inside.base_dir,
+            "SANDBOX_WORKSPACE_DIR": inside.workspace_dir,
+            **({"SANDBOX_PORT_FILE": inside.port_file} if inside.port_file else {}),
         }
+        argv: list[str] | None = None
+        if self._layout is not None:
+            argv = self._layout.argv(
+                name=spec.name,
+                dirs=(plan.base_dir, plan.workspace_dir, plan.control_dir),
+                network=spec.network,
+                command=self._command_argv(spec, plan, inside, port),
+            )
+        elif not (plan.builtin and self._fork is not None):
+            argv = self._command_argv(spec, plan, inside, port)
+        return {
+            "host": self.host,
+            "port": port,
+            "port_file": plan.port_file,
+            "base_dir": plan.base_dir,
+            "env": env,
+            "log": plan.log,
+            "argv": argv,
+        }
+
+    def _command_argv(
+        self, spec: SandboxSpec, plan: _Plan, inside: _Inside, port: int
+    ) -> list[str]:
+        """The runtime's command line (paths as the runtime sees them)."""
+        if plan.builtin and plan.uds:
+            return [
+                sys.executable,
+                "-c",
+                _BOOT,
+                _isolation.PACKAGE_PARENT,
+                "--unix-socket",
+                inside.socket,
+            ]
         values = {
             "python": sys.executable,
             "host": self.host,
             "port": str(port),
-            "port_file": port_file or "",
-            "base_dir": base_dir,
+            "port_file": inside.port_file or "",
+            "socket": inside.socket,
+            "base_dir": inside.base_dir,
             "name": spec.name,
             "namespace": spec.namespace,
             "template": spec.template,
         }
-        return {
-            "host": self.host,
-            "port": port,
-            "port_file": port_file,
-            "base_dir": base_dir,
-            "env": env,
-            "log": os.path.join(root, "runtime.log"),
-            "argv": None if builtin else self._argv(command, values),
-        }
+        return self._argv(plan.command, values)
 
     def _exit_status(self, handle: RuntimeHandle) -> int | None:
         fork = self._fork_server_of(handle.name)
@@ -485,21 +563,28 @@ class LocalProcessBackend:
                 )
             if port_file is not None and not handle.port:
                 handle.port = _reported_port(port_file)
-            if handle.port:
-                try:
-                    resp = await self._client().get(f"http://{handle.host}:{handle.port}/")
-                    if resp.status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
+            if await self._answers(handle):
+                return
             if time.monotonic() > deadline:
-                waited_for = "answer GET /" if handle.port else f"write its port to {port_file}"
                 raise RuntimeStartError(
                     "RuntimeStartTimeout",
-                    f"the runtime did not {waited_for} within {self.startup_timeout:g} s",
+                    f"the runtime did not {_waited_for(handle, port_file)} within "
+                    f"{self.startup_timeout:g} s",
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.05)
+
+    async def _answers(self, handle: RuntimeHandle) -> bool:
+        """Whether the runtime answers ``GET /`` with 200 now."""
+        if handle.uds is not None:
+            return await _unix_get_ok(handle.uds)  # no socket file yet: not listening yet
+        if not handle.port:
+            return False
+        try:
+            resp = await self._client().get(f"http://{handle.host}:{handle.port}/")
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
 
     def is_alive(self, handle: RuntimeHandle) -> bool:
         return self._exit_status(handle) is None
@@ -562,10 +647,55 @@ class LocalProcessBackend:
             release_owned_dir(self.root_dir)
 
 
-def _reports_port(command: str | Sequence[str]) -> bool:
-    """Whether the runtime command picks its own port and writes it to ``{port_file}``."""
+def _names(command: str | Sequence[str], placeholder: str) -> bool:
+    """Whether the runtime command names ``placeholder`` (``{port_file}``: it picks its own
+    port and writes it there; ``{socket}``: it listens on that Unix socket)."""
     parts = [command] if isinstance(command, str) else command
-    return any("{port_file}" in part for part in parts)
+    return any(placeholder in part for part in parts)
+
+
+class _Plan:
+    """How one sandbox's runtime starts and is reached (host paths): its directories, its
+    command, and the port file or Unix socket it reports on (neither: the racy ``{port}``)."""
+
+    def __init__(self, root: str, command: str | Sequence[str], *, builtin: bool) -> None:
+        self.root = root
+        self.command = command
+        self.builtin = builtin
+        self.base_dir = os.path.join(root, "work")
+        # the sandbox's persistent area (/workspace of the file API), beside the base directory
+        # so that a fresh base directory is empty; removed with the sandbox
+        self.workspace_dir = os.path.join(root, "workspace")
+        self.control_dir = os.path.join(root, "control")  # the runtime's socket or port file
+        self.log = os.path.join(root, "runtime.log")
+        self.port_file: str | None = None
+        self.uds: str | None = None
+
+    @property
+    def free_port(self) -> bool:
+        """The runtime gets a port chosen before it starts (a start may meet it taken)."""
+        return self.port_file is None and self.uds is None
+
+
+@dataclass(frozen=True)
+class _Inside:
+    """The paths of a plan as its runtime sees them: the host's own, or an isolated
+    sandbox's (``/app``, ``/workspace``, the control directory)."""
+
+    base_dir: str
+    workspace_dir: str
+    port_file: str | None
+    socket: str
+
+    @classmethod
+    def host(cls, plan: _Plan) -> _Inside:
+        socket_path, _ = _isolation.control_paths(plan.control_dir)
+        return cls(plan.base_dir, plan.workspace_dir, plan.port_file, socket_path)
+
+    @classmethod
+    def of(cls, plan: _Plan) -> _Inside:
+        socket_path, port_file = _isolation.control_paths(_isolation.CONTROL_DIR)
+        return cls("/app", "/workspace", port_file if plan.port_file else None, socket_path)
 
 
 def _reported_port(path: str) -> int:
@@ -576,6 +706,32 @@ def _reported_port(path: str) -> int:
     except OSError:
         return 0
     return int(text) if text.isdigit() else 0
+
+
+def _waited_for(handle: RuntimeHandle, port_file: str | None) -> str:
+    """What a runtime that did not become ready in time did not do."""
+    if not handle.port:
+        return f"write its port to {port_file}"
+    if handle.uds and not os.path.exists(handle.uds):
+        return f"listen on {handle.uds}"
+    return "answer GET /"
+
+
+async def _unix_get_ok(path: str) -> bool:
+    """``GET /`` on the Unix socket ``path`` answers 200 (a readiness probe: one request on a
+    connection of its own; an HTTP client per sandbox would cost more than the probe)."""
+    try:
+        async with asyncio.timeout(2.0):
+            reader, writer = await asyncio.open_unix_connection(path)
+            try:
+                writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                await writer.drain()
+                status = await reader.readline()
+            finally:
+                writer.close()
+    except (OSError, TimeoutError):
+        return False
+    return status.split(b" ", 2)[1:2] == [b"200"]
 
 
 def _spawn_piped(argv: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen[bytes]:

@@ -84,6 +84,8 @@ class SandboxRecord:
     claim_name: str | None = None
     warm_pool: str | None = None
     pod_metadata: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    network: bool = True
+    """The sandbox may use the network (its policy's ``network``)."""
     uid: str = field(default_factory=lambda: str(uuid.uuid4()))
     phase: str = PENDING
     reason: str | None = None
@@ -285,6 +287,7 @@ class LocalBackend:
             claim_name=request.claim_name,
             warm_pool=request.warm_pool,
             pod_metadata=request.pod_metadata,
+            network=request.network,
         )
         if request.failure is not None:
             record.set_phase(FAILED, *request.failure)
@@ -315,6 +318,7 @@ class LocalBackend:
             template=record.template,
             env=record.env,
             command=self.commands.get(record.template),
+            network=record.network,
         )
         try:
             record.handle = await self.runtimes.start(spec)
@@ -480,7 +484,7 @@ class LocalBackend:
     def _port_route(self, record: SandboxRecord, port: int) -> Route:
         """A port request's route: a local sandbox shares the host's network, so its port
         ``port`` is ``127.0.0.1:port`` (never another sandbox's runtime: Unroutable)."""
-        if not getattr(record, "network", True):  # isolated, with a network of its own
+        if not record.network:  # isolated, with a network of its own
             raise Unroutable(
                 f"sandbox {record.name!r} has a network of its own (its policy's network is "
                 f"off), which the broker cannot reach: port {port} is not reachable through "
@@ -510,13 +514,19 @@ class LocalBackend:
     def _router_client(self, record: SandboxRecord) -> httpx.AsyncClient:
         """The router's client for ``record``'s runtime (one per sandbox, see ``router_http``)."""
         if record.router_http is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=20)
+            uds = record.handle.uds if record.handle is not None else None
             record.router_http = httpx.AsyncClient(
                 follow_redirects=False,
                 trust_env=False,
                 verify=self._router_tls,  # one context for all: runtimes speak plain http
                 timeout=httpx.Timeout(connect=5.0, read=DATA_PLANE_TIMEOUT, write=300.0, pool=10.0),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=20),
+                limits=limits,
                 cookies=NoCookies(),  # stateless, like upstream's router
+                # an isolated sandbox's runtime listens on a Unix socket (docs/local-broker.md)
+                transport=None
+                if uds is None
+                else httpx.AsyncHTTPTransport(uds=uds, verify=self._router_tls, limits=limits),
             )
         return record.router_http
 

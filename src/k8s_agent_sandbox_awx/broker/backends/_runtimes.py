@@ -28,11 +28,15 @@ class SandboxSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     command: str | Sequence[str] | None = None
     """Runtime command line for this template (``None``: the backend's default)."""
+    network: bool = True
+    """The sandbox may use the network (its policy's ``network``); ``False``: a backend that
+    cannot cut it off refuses to start the sandbox."""
 
 
 @dataclass
 class RuntimeHandle:
-    """A running runtime: where the broker's router reaches it."""
+    """A running runtime: where the broker's router reaches it (``host:port``, or the Unix
+    socket ``uds`` when it has one: ``host`` and ``port`` then only name it in URLs)."""
 
     name: str
     host: str
@@ -41,6 +45,7 @@ class RuntimeHandle:
     pid: int | None = None
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     root: str | None = field(default=None, repr=False)
+    uds: str | None = None
     runtime_id: int | None = field(default=None, repr=False)
     """The backend's own name for this runtime, never used again (unlike ``pid``: the local
     backend's fork-server request, by which its exit is reported)."""

@@ -85,6 +85,10 @@ class Policy:
     - ``ports``: the ports of their sandboxes they may reach through the broker (ports and
       ``"LOW-HIGH"`` ranges, :mod:`._ports`; default every unprivileged port, ``()`` none). A
       port request also needs the ``commands`` scope (docs/broker-api.md, "Ports").
+    - ``network``: its callers' sandboxes may use the network (default ``True``). ``False``:
+      local sandboxes get a network of their own (loopback only; it needs isolated sandboxes,
+      bubblewrap: without it they fail to start, ``NetworkNotIsolated``); the Kubernetes
+      backend leaves the network to the cluster's NetworkPolicies.
     """
 
     templates: tuple[str, ...] = ("python",)
@@ -94,6 +98,7 @@ class Policy:
     max_lifetime_seconds: int = 3600
     scopes: tuple[str, ...] = SCOPES
     ports: tuple[int | str, ...] = DEFAULT_PORTS
+    network: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ports", tuple(self.port_ranges.describe()))
@@ -112,6 +117,8 @@ class Policy:
                 f"Policy.scopes {unknown!r} are not scopes of the local broker; use a subset "
                 f"of {list(SCOPES)}"
             )
+        if not isinstance(self.network, bool):
+            raise ValueError(f"Policy.network must be True or False, not {self.network!r}")
         if isinstance(self.namespace, str) and not _DNS_LABEL.match(self.namespace):
             raise ValueError(f"Policy.namespace {self.namespace!r} is not a DNS-1123 label")
 

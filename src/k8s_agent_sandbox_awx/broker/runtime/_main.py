@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("SANDBOX_PORT_FILE") or None,
         help="listen on a port the system picks (unless --port) and write it to this file",
     )
+    parser.add_argument(
+        "--unix-socket",
+        default=None,
+        help="listen on this Unix socket instead of a TCP port (an isolated sandbox's runtime)",
+    )
     parser.add_argument("--base-dir", default=os.environ.get("SANDBOX_BASE_DIR", os.getcwd()))
     parser.add_argument(
         "--fork-server",
@@ -55,5 +60,5 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port
     if port is None:
         port = 0 if args.port_file else int(os.environ.get("PORT") or "8888")
-    _server.serve(args.host, port, args.base_dir, args.port_file)
+    _server.serve(args.host, port, args.base_dir, args.port_file, args.unix_socket)
     return 0

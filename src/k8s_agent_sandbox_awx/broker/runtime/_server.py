@@ -12,8 +12,10 @@ only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socketserver
 import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -106,18 +108,52 @@ def route(method: str, path: str) -> Endpoint | None:
     return None
 
 
-def serve(host: str, port: int, base_dir: str, port_file: str | None = None) -> None:
-    """Serve the protocol on ``host:port`` for ``base_dir`` until killed. ``port`` 0: a port the
-    system picks, written (once the socket listens) to ``port_file``, which the broker reads:
-    no other process can take it between the choice and the bind."""
+class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """:class:`ThreadingHTTPServer` on a Unix socket (an isolated sandbox's runtime: the broker
+    reaches it through a socket file, whatever the sandbox's network)."""
+
+    daemon_threads = True
+
+
+def serve(
+    host: str,
+    port: int,
+    base_dir: str,
+    port_file: str | None = None,
+    unix_socket: str | None = None,
+) -> None:
+    """Serve the protocol on ``host:port`` (or on the Unix socket ``unix_socket``) for
+    ``base_dir`` until killed. ``port`` 0: a port the system picks, written (once the socket
+    listens) to ``port_file``, which the broker reads: no other process can take it between the
+    choice and the bind. A Unix socket is listening once its file exists."""
     signal.signal(signal.SIGTERM, _process.exit_now)
     base_dir = os.path.realpath(base_dir)
     os.makedirs(base_dir, exist_ok=True)
+    handler = _handler_class(base_dir, tcp=unix_socket is None)
+    server: socketserver.BaseServer
+    if unix_socket is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(unix_socket)  # a socket left by an earlier runtime of this sandbox
+        server = UnixHTTPServer(unix_socket, handler)
+    else:
+        tcp = ThreadingHTTPServer((host, port), handler)
+        tcp.daemon_threads = True
+        if port_file:
+            report_port(port_file, int(tcp.server_address[1]))
+        server = tcp
+    try:
+        server.serve_forever(poll_interval=0.5)
+    finally:
+        _process.run_cleanups()
+
+
+def _handler_class(base_dir: str, *, tcp: bool) -> type[Handler]:
+    """The request handler of one runtime: its base directory, limits, commands and roots."""
     exec_timeout = float(
         os.environ.get("SANDBOX_EXEC_TIMEOUT_SECONDS") or _legacy.DEFAULT_EXEC_TIMEOUT
     )
     commands = _commands.CommandManager(base_dir, Limits.from_environ(os.environ, exec_timeout))
-    handler = type(
+    return type(
         "Handler",
         (Handler,),
         {
@@ -125,16 +161,9 @@ def serve(host: str, port: int, base_dir: str, port_file: str | None = None) -> 
             "exec_timeout": exec_timeout,
             "commands": commands,
             "fs_roots": Roots.of(base_dir),  # the file API's roots, as they are at start
+            "disable_nagle_algorithm": tcp,  # TCP_NODELAY: not an option of a Unix socket
         },
     )
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    if port_file:
-        report_port(port_file, int(server.server_address[1]))
-    try:
-        server.serve_forever(poll_interval=0.5)
-    finally:
-        _process.run_cleanups()
 
 
 def report_port(path: str, port: int) -> None:
