@@ -58,7 +58,6 @@ def app_port(sandbox: Any) -> Iterator[int]:
 
 
 def test_plain_httpx_through_the_forward(sandbox: Any, app_port: int) -> None:
-    before = threading.active_count()
     with sandbox.ports.forward(app_port) as forward:
         assert forward.url == f"http://127.0.0.1:{forward.port}"
         answer = httpx.get(
@@ -74,9 +73,12 @@ def test_plain_httpx_through_the_forward(sandbox: Any, app_port: int) -> None:
             for _ in range(3):
                 assert keep_alive.get(forward.url + "/headers").status_code == 200
         port = forward.port
+        names = {t.name for t in threading.enumerate()}
+        assert f"port-forward-{port}" in names  # the acceptor, by its name
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/headers")  # the listener is gone
-    assert threading.active_count() <= before  # every thread joined
+    left = [t.name for t in threading.enumerate() if t.name.startswith(f"port-forward-{port}")]
+    assert left == []  # every thread of the forwarder joined
 
 
 def test_streamed_answer_through_the_forward(sandbox: Any, app_port: int) -> None:

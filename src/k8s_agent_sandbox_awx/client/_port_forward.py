@@ -224,7 +224,8 @@ class PortForward:
             self._start(self._serve, conn)
 
     def _start(self, run: Callable[..., None], *args: Any) -> threading.Thread:
-        thread = threading.Thread(target=self._run, args=(run, *args), daemon=True)
+        name = f"port-forward-{self.port}-connection"
+        thread = threading.Thread(target=self._run, args=(run, *args), name=name, daemon=True)
         with self._lock:
             self._threads.add(thread)
         thread.start()
