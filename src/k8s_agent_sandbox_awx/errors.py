@@ -64,6 +64,8 @@ __all__ = [
     "LifetimeExceedsPolicyError",
     "MalformedTokenError",
     "NoCredentialsError",
+    "PortNotAllowedError",
+    "PortNotListeningError",
     "RequestTimeoutError",
     "SandboxError",
     "SandboxFailedError",
@@ -176,6 +178,15 @@ class BrokerQuotaError(BrokerError):
     """429: too many sandboxes (``quota_exceeded``) or requests (``rate_limited``)."""
 
 
+class PortNotAllowedError(BrokerPermissionError):
+    """403 ``port_not_allowed``: the caller's policy does not allow the port (``port``; the
+    detail names the ports it allows)."""
+
+    def __init__(self, message: str, *, port: int | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.port = port
+
+
 class LifetimeExceedsPolicyError(BrokerPermissionError):
     """403 ``lifetime_exceeds_policy``: the lifetime asked for (at create or with
     ``set_timeout``) ends past the policy's cap, counted from the sandbox's creation."""
@@ -219,6 +230,18 @@ class FileAPIUnsupportedError(SandboxFileError):
 
 class BrokerUnavailableError(BrokerError):
     """The broker or the sandbox could not be reached (502/503/504, connection errors)."""
+
+
+class PortNotListeningError(BrokerUnavailableError):
+    """502 ``port_not_listening``: nothing listens on the port in the sandbox (``port``;
+    ``sandbox``: its name). Start the server first (``commands.run(..., background=True)``)."""
+
+    def __init__(
+        self, message: str, *, port: int | None = None, sandbox: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(message, **kwargs)
+        self.port = port
+        self.sandbox = sandbox
 
 
 class BrokerTLSError(BrokerError):

@@ -483,6 +483,23 @@ def test_policy_grants(conf: Path) -> None:
     assert policy_config.scopes == ("files",) and policy_config.max_lifetime_seconds == 600
 
 
+def test_policy_ports(conf: Path) -> None:
+    """issue 23: ``ports`` (ports and ranges) reaches the policy; a bad entry names itself."""
+    from k8s_agent_sandbox_awx.broker._identity_config import policy_rule
+
+    default = load(conf, SERVER, ISSUER, POLICY, BACKEND).policies[0]
+    assert default.ports == ("1024-65535",)
+    given = POLICY + 'ports = [8000, "3000-3999"]\n'
+    config = load(conf, SERVER, ISSUER, given, BACKEND).policies[0]
+    assert config.ports == (8000, "3000-3999")
+    assert policy_rule(config).policy().port_ranges.allows(3500)
+    assert not policy_rule(config).policy().port_ranges.allows(8001)
+    assert load(conf, SERVER, ISSUER, POLICY + "ports = []\n", BACKEND).policies[0].ports == ()
+    for bad, shown in (('ports = ["9000-80"]', "'9000-80'"), ('ports = "8000"', "'8000'")):
+        found = problems(conf, SERVER, ISSUER, POLICY + bad + "\n", BACKEND)
+        one(found, "policies[0].ports", shown, "ports = [8000")
+
+
 def test_claims(conf: Path) -> None:
     claims = 'claims = { "kubernetes.io.namespace" = "team-a", project_path = ["g/a", "g/b-*"] }\n'
     config = load(conf, SERVER, ISSUER, POLICY + claims, BACKEND)

@@ -131,7 +131,8 @@ def test_other_port_is_unreachable(alice: Any) -> None:
     sandbox = alice.ready()
     resp = alice.http.get("/", headers=alice.data_headers(sandbox, **{"X-Sandbox-Port": "9999"}))
     assert resp.status_code == 502
-    assert resp.json()["code"] == "sandbox_unreachable"
+    # issue 23: a port nothing listens on is its own typed error (it was sandbox_unreachable)
+    assert resp.json()["code"] == "port_not_listening"
 
 
 def test_sandbox_timeout_honours_header(alice: Any) -> None:

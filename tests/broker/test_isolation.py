@@ -463,3 +463,32 @@ def test_network_off_without_isolation_fails_the_sandbox(api: Callable[..., Any]
 def test_policy_network_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match=r"Policy\.network must be True or False"):
         Policy(network="off")  # type: ignore[arg-type]
+
+
+PORT_APP = str(Path(__file__).parents[1] / "_support" / "port_app.py")
+
+
+def test_a_port_of_an_isolated_sandbox_with_the_network(on: Any) -> None:
+    """issue 23: isolated with the network on, a sandbox's server is on the host's loopback,
+    reached by a port request."""
+    sandbox = on.ready()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    _start(on, sandbox, [sys.executable, PORT_APP, str(port)], timeout=120)
+    headers = on.data_headers(sandbox, **{"X-Sandbox-Port": str(port)})
+    deadline = time.monotonic() + 15
+    while True:
+        answer = on.http.get("/headers", headers=headers)
+        if answer.status_code != 502 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert answer.status_code == 200, answer.text
+    assert "authorization" not in {k.lower() for k, _ in answer.json()["headers"]}
+
+
+def test_a_port_of_a_sandbox_without_network_is_refused_naming_why(off: Any) -> None:
+    sandbox = off.ready()
+    answer = off.http.get("/", headers=off.data_headers(sandbox, **{"X-Sandbox-Port": "8000"}))
+    assert answer.status_code == 502 and answer.json()["code"] == "sandbox_unreachable"
+    assert "network of its own" in answer.json()["detail"]

@@ -25,6 +25,7 @@ from ._gate import Gate, origin_form
 from ._observed import note_error
 from ._rpc import BACKEND_RETRY_AFTER, Rpc
 from ._v1 import V1
+from ._websocket import WebSocketForward
 from .backends._interface import Backend, BackendUnavailable
 from .identity._issuer import PublishedIssuer
 from .identity._rules import PolicySource
@@ -73,9 +74,13 @@ class BrokerApp:
         self.claims = Claims(backend, policies)
         self.v1 = V1(self.claims, self.gate)
         self.rpc = Rpc(self.claims, self.gate)
-        self.forward = Forward(backend, self.gate)
+        self.forward = Forward(backend, self.gate, policies)
+        self.websocket = WebSocketForward(self.forward)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             return
         request = Request(scope, receive)
@@ -106,6 +111,14 @@ class BrokerApp:
         except ClientDisconnect:
             return
         await response(scope, receive, send)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket handshake: proxied to a sandbox's port if it is a data-plane one
+        (:mod:`._websocket`), else refused (no control-plane route takes WebSockets)."""
+        if plane_of(scope, self.protocols) == "data":
+            await self.websocket.handle(scope, receive, send)
+            return
+        await send({"type": "websocket.close", "code": 1008})
 
     def _no_route(self, method: str, path: str) -> ApiError:
         served = " and ".join(

@@ -15,16 +15,23 @@ from typing import Any
 
 import httpx
 from starlette.datastructures import Headers
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.types import Send
 
 from ._errors import ApiError
 from ._gate import BODYLESS, DataRequest, Gate, data_request
 from ._metadata import DNS_LABEL
+from ._ports import (
+    check_port_allowed,
+    log_port_request,
+    not_listening,
+    refuse_unsupported_upgrade,
+)
 from ._relay import HOP_BY_HOP, Deleting, Relay, answer_headers
 from ._target import CODE as TARGET_CODE
 from .backends._interface import READY, Backend, ClaimGone, ClaimState, Route, Unroutable
 from .identity._policy import Caller, required_scope
+from .identity._rules import PolicySource
 
 _NOT_FORWARDED = (b"authorization", b"host", b"cookie", b"content-length")
 """Never forwarded (besides the hop-by-hop ones): the caller's credentials, the router's own
@@ -57,14 +64,17 @@ def check_claim_binding(headers: Headers, state: ClaimState) -> None:
 
 
 class Forward:
-    """The data-plane forward of one broker, over ``backend``."""
+    """The data-plane forward of one broker, over ``backend`` (``policies``: the callers'
+    policies, which decide the ports of a port request: :mod:`._ports`)."""
 
-    def __init__(self, backend: Backend, gate: Gate) -> None:
+    def __init__(self, backend: Backend, gate: Gate, policies: PolicySource) -> None:
         self.backend = backend
         self.gate = gate
+        self.policies = policies
 
     async def handle(self, request: Request, send: Send) -> None:
         """Forward one data-plane request (it carries X-Sandbox-ID) and relay the answer."""
+        refuse_unsupported_upgrade(request.headers)
         data = data_request(request)
         caller = await self.gate.authenticate(request)
         state = await self._ready_sandbox(request, caller, data)
@@ -77,7 +87,7 @@ class Forward:
         await self._forward(request, send, state, route, data)
 
     async def _ready_sandbox(
-        self, request: Request, caller: Caller, data: DataRequest
+        self, request: HTTPConnection, caller: Caller, data: DataRequest
     ) -> ClaimState:
         """The Ready sandbox ``data`` names, if it is the caller's and may serve the request."""
         sandbox_id = data.sandbox_id
@@ -93,7 +103,9 @@ class Forward:
                 f"sandbox {sandbox_id!r} belongs to another identity; only its owner may use it",
             )
         check_claim_binding(request.headers, state)
-        scope = required_scope(data.target.path)
+        if data.port_request:
+            check_port_allowed(self.policies, caller, state, data.port)
+        scope = None if data.port_request else required_scope(data.target.path)
         if scope is not None and scope not in state.scopes:
             raise ApiError(
                 403,
@@ -138,13 +150,7 @@ class Forward:
                 f"the request path {target.path!r} is not in normal form: the router would "
                 "send it changed",
             )
-        headers = [
-            (k, v)
-            for k, v in request.headers.raw
-            if k.decode("latin-1").lower() not in HOP_BY_HOP
-            and k.lower() not in _NOT_FORWARDED
-            and not k.lower().startswith(b"x-sandbox-")
-        ]
+        headers = forwarded_headers(request.headers.raw)
         headers.extend(route.headers)
         content = _forwarded_body(request, headers)
         upstream = route.client.build_request(
@@ -155,7 +161,11 @@ class Forward:
             timeout=httpx.Timeout(connect=5.0, read=data.timeout, write=300.0, pool=10.0),
         )
         command = request.method == "POST" and target.path in _COMMAND_PATHS
-        response = await _send_upstream(route, upstream, state.name, command, data.timeout)
+        if data.port_request:
+            command = False
+            log_port_request(state.name, data.port, request.method, target.path)
+        port = data.port if data.port_request else None
+        response = await _send_upstream(route, upstream, state.name, command, data.timeout, port)
         try:
             what = f"{request.method} {target.path}"
             deleting = self._deleting(state.name, state.namespace)
@@ -172,6 +182,18 @@ class Forward:
             return state is None or state.ending
 
         return deleting
+
+
+def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The caller's headers the router forwards: none of one hop, none of
+    :data:`_NOT_FORWARDED` (the caller's credentials among them), no router header."""
+    return [
+        (k, v)
+        for k, v in raw
+        if k.decode("latin-1").lower() not in HOP_BY_HOP
+        and k.lower() not in _NOT_FORWARDED
+        and not k.lower().startswith(b"x-sandbox-")
+    ]
 
 
 def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) -> Any:
@@ -196,13 +218,19 @@ def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) -> Any
 
 
 async def _send_upstream(
-    route: Route, upstream: httpx.Request, name: str, command: bool, read_timeout: float
+    route: Route,
+    upstream: httpx.Request,
+    name: str,
+    command: bool,
+    read_timeout: float,
+    port: int | None = None,
 ) -> httpx.Response:
     """Send ``upstream`` (counted if it runs a ``command``); its answer streams. A failure
     before the answer starts is the broker's 502 or 504, whose code says whether the request
     may have reached the sandbox: ``sandbox_unreachable`` (no connection: nothing was sent,
-    nothing counted), ``sandbox_answer_lost`` (the connection broke after the request was
-    sent) or ``sandbox_timeout`` (sent, no answer in time)."""
+    nothing counted; for a port request, ``port``: ``port_not_listening``),
+    ``sandbox_answer_lost`` (the connection broke after the request was sent) or
+    ``sandbox_timeout`` (sent, no answer in time)."""
     count = route.count_command if command else None
     if count is not None:
         count(1)
@@ -211,6 +239,8 @@ async def _send_upstream(
     except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
         if count is not None:
             count(-1)
+        if port is not None and isinstance(exc, httpx.ConnectError):
+            raise not_listening(name, port) from None
         how = "" if isinstance(exc, httpx.ConnectError) else " (timed out)"
         raise ApiError(
             502, "sandbox_unreachable", f"cannot connect to sandbox {name!r}{how}"

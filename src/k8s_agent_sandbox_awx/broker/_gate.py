@@ -15,14 +15,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.types import Scope
 
 from ._errors import ApiError
 from ._metadata import DNS_LABEL
 from ._observed import note_caller, note_rejection
 from ._target import CODE as TARGET_CODE
-from ._target import NonNormalTarget, Target, checked_target
+from ._target import NonNormalTarget, Target, checked_target, port_target
 from .backends._interface import RUNTIME_PORT
 from .identity._policy import Caller
 from .identity._rejection import IssuerUnavailable, TokenRejected
@@ -72,11 +72,19 @@ class DataRequest:
     timeout: float
     target: Target
 
+    @property
+    def port_request(self) -> bool:
+        """A request to a port of the user's own (not the runtime's: docs/broker-api.md,
+        "Ports"): its target is forwarded as sent (:func:`._target.port_target`)."""
+        return self.port != RUNTIME_PORT
+
 
 def data_request(request: Request) -> DataRequest:
     """The router headers (X-Sandbox-ID, -Namespace, -Port, -Timeout) and the target of a
     data-plane request, checked (400 naming the header or the rule); its method too
-    (:func:`_check_method`)."""
+    (:func:`_check_method`). The target of a request to the runtime's port is in normal form
+    (:func:`._target.checked_target`); a port request's is forwarded as sent
+    (:func:`._target.port_target`)."""
     _check_method(request)
     sandbox_id, namespace, port, timeout = _router_headers(request)
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in request.url.path):
@@ -85,7 +93,8 @@ def data_request(request: Request) -> DataRequest:
         )
     # The one target every decision is made on, and the bytes that are forwarded.
     try:
-        target = checked_target(origin_form(request.scope))
+        check = port_target if port != RUNTIME_PORT else checked_target
+        target = check(origin_form(request.scope))
     except NonNormalTarget as exc:
         raise ApiError(400, TARGET_CODE, exc.detail) from None
     return DataRequest(sandbox_id, namespace, port, timeout, target)
@@ -115,7 +124,7 @@ def _check_method(request: Request) -> None:
         )
 
 
-def _router_headers(request: Request) -> tuple[str, str, int, float]:
+def _router_headers(request: HTTPConnection) -> tuple[str, str, int, float]:
     headers = request.headers
     sandbox_id = headers.get("x-sandbox-id", "")
     if len(sandbox_id) > 63 or not DNS_LABEL.match(sandbox_id):
@@ -161,7 +170,7 @@ class Gate:
     def __init__(self, verifier: TokenVerifier[Any]) -> None:
         self.verifier = verifier
 
-    async def authenticate(self, request: Request) -> Caller:
+    async def authenticate(self, request: HTTPConnection) -> Caller:
         """The caller of ``request``, as its token proves it; 401 otherwise (either is noted
         for the access and audit logs: :mod:`._observed`)."""
         authorization = request.headers.get("authorization")

@@ -51,6 +51,7 @@ def policy_rule(config: PolicyConfig) -> PolicyRule:
         max_sandboxes=config.max_sandboxes,
         max_lifetime_seconds=config.max_lifetime_seconds,
         scopes=config.scopes,
+        ports=config.ports,
     )
 
 

@@ -20,6 +20,12 @@ path parameter. So the broker refuses every target whose path is not already in 
   that escapes the base directory, ``..%2F..%2Fetc``, is the runtime's ``403``).
 
 A refusal is :class:`NonNormalTarget`; the broker answers it ``400 path_not_normalized``.
+
+A port request (``X-Sandbox-Port`` other than the runtime's) goes to the user's own server,
+whose routes the broker does not decide anything on: its target is forwarded exactly as sent
+(``%2F``, ``%2e%2e``, ``;`` and ``//`` included, :func:`port_target`); only a target the
+router's HTTP client would send changed (a ``.`` or ``..`` segment, a character that must be
+percent-encoded) is refused, never rewritten.
 """
 
 from __future__ import annotations
@@ -44,8 +50,12 @@ _SHOWN = 120
 class NonNormalTarget(ValueError):
     """A data-plane target that is not in normal form; ``detail`` names it and the rule."""
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(self, path: str, reason: str, *, port: bool = False) -> None:
         shown = path if len(path) <= _SHOWN else path[: _SHOWN - 3] + "..."
+        if port:
+            self.detail = f"the request path {shown!r} cannot be forwarded to the port: {reason}"
+            super().__init__(self.detail)
+            return
         self.detail = (
             f"the request path {shown!r} is not in normal form: {reason}. The broker forwards "
             "exactly the path it checks, so send it resolved: no '.', '..' or empty segments, "
@@ -83,17 +93,44 @@ def checked_target(raw: bytes) -> Target:
     if argument != [""]:  # else the empty file path of /download/, /list/ or /exists/
         for segment in argument:
             _check_segment(path, segment)
-    try:
-        forwarded = httpx.URL(scheme="http", host="127.0.0.1", raw_path=raw).raw_path
-    except httpx.InvalidURL:
-        forwarded = b""
-    if forwarded != raw:  # what the router's httpx would send instead
+    if _forwarded(raw) != raw:  # what the router's httpx would send instead
         raise NonNormalTarget(
             path,
             "it has characters that must be percent-encoded (such as '\"', '<', '{', '`' or "
             "a space in the query)",
         )
     return Target(raw, path)
+
+
+def port_target(raw: bytes) -> Target:
+    """``raw`` (origin-form) as a port request's target: forwarded byte for byte, so refused
+    (:class:`NonNormalTarget`) only when the router's httpx would send it changed."""
+    path = raw.partition(b"?")[0].decode("ascii")
+    segments = path.split("/")
+    if "." in segments or ".." in segments:
+        raise NonNormalTarget(
+            path,
+            "a port request's path is forwarded exactly as sent, and a '.' or '..' segment "
+            "would be resolved on the way; send it resolved (or percent-encoded, '%2e%2e', if "
+            "the server in the sandbox is to see the dots)",
+            port=True,
+        )
+    if _forwarded(raw) != raw:
+        raise NonNormalTarget(
+            path,
+            "it has characters that must be percent-encoded (such as '\"', '<', '{', '`' or "
+            "a space in the query)",
+            port=True,
+        )
+    return Target(raw, path)
+
+
+def _forwarded(raw: bytes) -> bytes:
+    """The target the router's httpx sends for ``raw`` (``b""``: none)."""
+    try:
+        return httpx.URL(scheme="http", host="127.0.0.1", raw_path=raw).raw_path
+    except httpx.InvalidURL:
+        return b""
 
 
 def _check_characters(path: str) -> None:

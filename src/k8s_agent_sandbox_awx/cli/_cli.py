@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _everyday
+from . import _everyday, _port_forward
 from ._common import PROG
 from ._common import CliError as _CliError
 from ._common import print_json as _print_json
@@ -144,6 +144,7 @@ def _subcommands(sub: Any) -> None:
     _shell_subcommand(sub.add_parser("shell", help="an interactive terminal in a sandbox"))
     _files_subcommands(sub.add_parser("files", help="the files of a sandbox: ls, get, put, rm"))
     _broker_subcommands(sub.add_parser("broker", help="the broker server: check, serve"))
+    _port_forward.add_parser(sub)
     _local_subcommands(sub)
 
 
@@ -337,6 +338,10 @@ def _cmd_extend(args: argparse.Namespace) -> int:
         capped = " (cut at the policy's cap)" if lifetime.capped else ""
         print(f"{info.name}: expires at {info.expires_at} (in {_left(info)}){capped}")
     return 0
+
+
+def _cmd_port_forward(args: argparse.Namespace) -> int:
+    return _port_forward.run(args, _client)
 
 
 def _cmd_files(args: argparse.Namespace) -> int:
@@ -756,6 +761,7 @@ def _main(argv: Sequence[str] | None) -> int:
             "files": _cmd_files,
             "shell": _cmd_shell,
             "broker": _cmd_broker,
+            "port-forward": _cmd_port_forward,
         }[args.command]
     try:
         if handler is None:

@@ -39,6 +39,7 @@ from ._base import (
     make_client,
     timeout_seconds,
 )
+from ._ports import AsyncPorts
 from .core import _flow as flow
 from .core import _options as opts
 from .http._async_transport import AsyncBrokerTransport
@@ -275,6 +276,14 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         ``AsyncPtyHandle``."""
         self._check_active()
         return self._pty
+
+    @property
+    def ports(self) -> AsyncPorts:
+        """The sandbox's own servers on its ports, through the broker: ``client(port)``,
+        ``url(port, path)``, ``forward(port)`` and ``get_host(port)`` (docs/client.md,
+        "Ports")."""
+        self._check_active()
+        return AsyncPorts(self)
 
     async def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""

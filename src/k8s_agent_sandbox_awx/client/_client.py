@@ -29,6 +29,7 @@ from ._base import (
 )
 from ._commands import CommandHandle, Commands
 from ._files import Files
+from ._ports import Ports
 from ._pty import Pty
 from .core import _flow as flow
 from .core import _options as opts
@@ -294,6 +295,14 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         """Terminals in the sandbox: ``sandbox.pty.create(cols, rows)`` → a ``PtyHandle``."""
         self._check_active()
         return self._pty
+
+    @property
+    def ports(self) -> Ports:
+        """The sandbox's own servers on its ports, through the broker: ``client(port)``,
+        ``url(port, path)``, ``forward(port)`` and ``get_host(port)`` (docs/client.md,
+        "Ports")."""
+        self._check_active()
+        return Ports(self)
 
     def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""

@@ -27,6 +27,7 @@ import trustme
 import uvicorn
 
 from ..broker._app import PROTOCOLS, BrokerApp
+from ..broker._ports import ws_protocol
 from ..broker._relay import install_log_filter
 from ..broker._rpc import DEFAULT_WARM_POOL
 from ..broker._v1 import sandbox_json
@@ -864,7 +865,7 @@ def _uvicorn_config(app: Any, server_pem: str) -> uvicorn.Config:
         access_log=False,
         lifespan="off",
         http="h11",
-        ws="none",
+        ws=ws_protocol(),
         loop="asyncio",
         server_header=False,
         timeout_graceful_shutdown=2,

@@ -102,6 +102,8 @@ class SandboxRecord:
     router_http: httpx.AsyncClient | None = None
     """The router's connections to this sandbox's runtime: closed with the sandbox, so that no
     keep-alive connection to an exited runtime is left behind (CLOSE_WAIT)."""
+    ports_http: httpx.AsyncClient | None = None
+    """The router's connections to the sandbox's other ports (port requests), closed with it."""
 
     def set_phase(self, phase: str, reason: str | None = None, message: str | None = None) -> None:
         self.phase, self.reason, self.message = phase, reason, message
@@ -372,6 +374,8 @@ class LocalBackend:
             self.prune_deleted()
         if record.router_http is not None:
             await record.router_http.aclose()
+        if record.ports_http is not None:
+            await record.ports_http.aclose()
 
     def _check_alive(self, record: SandboxRecord) -> None:
         """A Ready sandbox whose runtime exited is Failed (``RuntimeExited``)."""
@@ -468,17 +472,44 @@ class LocalBackend:
 
     # -- the data plane ------------------------------------------------------------------------
     async def route(self, state: ClaimState, port: int) -> Route:
-        if port != RUNTIME_PORT:
-            raise Unroutable(
-                f"nothing listens on port {port} in sandbox {state.name!r} (it serves "
-                f"{RUNTIME_PORT})"
-            )
         record = self._live(state.name)
         if record is None or record.deleted or record.handle is None:
             raise ClaimGone(state.name)
+        if port != RUNTIME_PORT:
+            return self._port_route(record, port)
         handle = record.handle
         client = self._router_client(record)
         return Route(handle.host, handle.port, client, count_command=record.count_execution)
+
+    def _port_route(self, record: SandboxRecord, port: int) -> Route:
+        """A port request's route: a local sandbox shares the host's network, so its port
+        ``port`` is ``127.0.0.1:port`` (never another sandbox's runtime: Unroutable)."""
+        if not record.network:  # isolated, with a network of its own
+            raise Unroutable(
+                f"sandbox {record.name!r} has a network of its own (its policy's network is "
+                f"off), which the broker cannot reach: port {port} is not reachable through "
+                "the broker; use a policy with network on to reach its ports"
+            )
+        with self.lock:
+            runtimes = {r.handle.port for r in self.sandboxes.values() if r.handle is not None}
+        if port in runtimes:
+            raise Unroutable(
+                f"port {port} is a sandbox runtime's on this host, not a port of sandbox "
+                f"{record.name!r}; its own servers use other ports"
+            )
+        if record.ports_http is None:
+            record.ports_http = httpx.AsyncClient(
+                follow_redirects=False,
+                trust_env=False,
+                timeout=httpx.Timeout(connect=5.0, read=DATA_PLANE_TIMEOUT, write=300.0, pool=10.0),
+                # a connection per request: a user's server is not ours to keep connections
+                # to (restarted, it would fail the next request), and one that answers in
+                # several writes without TCP_NODELAY (python -m http.server) stalls 40 ms per
+                # request on a kept-alive connection (Nagle against delayed ACKs)
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
+                cookies=NoCookies(),
+            )
+        return Route("127.0.0.1", port, record.ports_http)
 
     def _router_client(self, record: SandboxRecord) -> httpx.AsyncClient:
         """The router's client for ``record``'s runtime (one per sandbox, see ``router_http``)."""

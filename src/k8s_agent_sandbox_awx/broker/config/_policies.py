@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from ..identity._policy import SCOPES
+from ..identity._ports import DEFAULT_PORTS, parse_ports
 from . import _checks
 from ._reader import REQUIRED, Table, show, type_name
 from ._schema import CALLER_NAMESPACE, PolicyConfig
@@ -36,9 +37,23 @@ def policy(table: Table) -> PolicyConfig:
             example=f"[{', '.join(map(repr, SCOPES))}]".replace("'", '"'),
             item=lambda v: None if v in SCOPES else f"is not a scope ({', '.join(SCOPES)})",
         ),
+        ports=_ports(table),
     )
     table.finish()
     return config
+
+
+def _ports(table: Table) -> tuple[int | str, ...]:
+    """``ports``: ports and inclusive ``"LOW-HIGH"`` ranges (``[]``: none)."""
+    example = '[8000, "3000-3999"]'
+    present, value = table._raw("ports", DEFAULT_PORTS, f"add ports = {example}")
+    if not present:
+        return tuple(value)
+    try:
+        return tuple(parse_ports(value, "ports").describe())
+    except ValueError as exc:
+        table.problem("ports", str(exc).removeprefix("ports: "), f"write ports = {example}")
+        return DEFAULT_PORTS
 
 
 def _subject(table: Table) -> str:

@@ -116,6 +116,8 @@ class PolicyConfig:
     max_sandboxes: int = 5
     max_lifetime_seconds: int = 3600
     scopes: tuple[str, ...] = ("commands", "files")
+    ports: tuple[int | str, ...] = ("1024-65535",)
+    """The sandbox ports its callers may reach (ports and ``"LOW-HIGH"`` ranges)."""
 
 
 @dataclass(frozen=True)

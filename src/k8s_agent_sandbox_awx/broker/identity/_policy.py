@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._ports import DEFAULT_PORTS, PortRanges, parse_ports
+
 RESERVED_PREFIX = "broker.agent-sandbox-awx.io/"
 """Metadata keys under this prefix are the broker's attribution stamps; clients cannot set them."""
 
@@ -80,6 +82,9 @@ class Policy:
     - ``scopes``: the data-plane action scopes (:data:`SCOPES`) its callers may be granted. A
       ``/rpc`` create that requests scopes gets ``allowed ∩ requested`` (``403`` when that is
       empty); without a request, and for every ``/v1`` sandbox, it gets all of them.
+    - ``ports``: the ports of their sandboxes they may reach through the broker (ports and
+      ``"LOW-HIGH"`` ranges, :mod:`._ports`; default every unprivileged port, ``()`` none). A
+      port request also needs the ``commands`` scope (docs/broker-api.md, "Ports").
     - ``network``: its callers' sandboxes may use the network (default ``True``). ``False``:
       local sandboxes get a network of their own (loopback only; it needs isolated sandboxes,
       bubblewrap: without it they fail to start, ``NetworkNotIsolated``); the Kubernetes
@@ -92,9 +97,11 @@ class Policy:
     max_sandboxes: int = 5
     max_lifetime_seconds: int = 3600
     scopes: tuple[str, ...] = SCOPES
+    ports: tuple[int | str, ...] = DEFAULT_PORTS
     network: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "ports", tuple(self.port_ranges.describe()))
         if not self.templates:
             raise ValueError("Policy.templates must name at least one template")
         if self.default_template is not None and self.default_template not in self.templates:
@@ -114,6 +121,11 @@ class Policy:
             raise ValueError(f"Policy.network must be True or False, not {self.network!r}")
         if isinstance(self.namespace, str) and not _DNS_LABEL.match(self.namespace):
             raise ValueError(f"Policy.namespace {self.namespace!r} is not a DNS-1123 label")
+
+    @property
+    def port_ranges(self) -> PortRanges:
+        """``ports`` parsed (a ``ValueError`` naming the entry and the rule)."""
+        return parse_ports(self.ports)
 
     @property
     def effective_default_template(self) -> str:

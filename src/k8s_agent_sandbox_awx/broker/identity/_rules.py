@@ -26,6 +26,7 @@ from typing import Final, NoReturn, Protocol
 
 from ._issuer import TrustedIssuer
 from ._policy import SCOPES, Caller, Policy, caller_namespace
+from ._ports import DEFAULT_PORTS
 from ._providers import MISSING, claim_at, claim_text
 from ._settings import IssuerSettings, SettingsError
 
@@ -67,7 +68,7 @@ class PolicyRule:
     ``warm_pools``: the pools (v1 templates) allowed, the first the default; ``namespace``: a
     fixed namespace, or :data:`CALLER_NAMESPACE`; ``max_sandboxes``: live sandboxes per
     caller; ``max_lifetime_seconds``: the cap from creation; ``scopes``: the data-plane
-    scopes granted."""
+    scopes granted; ``ports``: the sandbox ports its callers may reach (``Policy.ports``)."""
 
     name: str
     issuer: str
@@ -78,12 +79,14 @@ class PolicyRule:
     max_sandboxes: int = 5
     max_lifetime_seconds: int = 3600
     scopes: tuple[str, ...] = SCOPES
+    ports: tuple[int | str, ...] = DEFAULT_PORTS
 
     def __post_init__(self) -> None:
-        for name in ("warm_pools", "scopes"):
+        for name in ("warm_pools", "scopes", "ports"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, Sequence):
-                self._fail(name, f"must be a list of strings, not {value!r}")
+                kind = "ports and ranges" if name == "ports" else "strings"
+                self._fail(name, f"must be a list of {kind}, not {value!r}")
             object.__setattr__(self, name, tuple(value))
         if not isinstance(self.name, str) or not self.name:
             self._fail("name", "must name the policy (it is logged with each admission)")
@@ -129,6 +132,7 @@ class PolicyRule:
                 max_sandboxes=self.max_sandboxes,
                 max_lifetime_seconds=self.max_lifetime_seconds,
                 scopes=self.scopes,
+                ports=self.ports,
             )
         except (ValueError, TypeError) as exc:
             raise SettingsError(f"policy {self.name!r}", "policy", str(exc)) from None
@@ -186,6 +190,7 @@ class PolicySet:
             name, name, policy.templates, namespace,
             max_sandboxes=policy.max_sandboxes,
             max_lifetime_seconds=policy.max_lifetime_seconds, scopes=policy.scopes,
+            ports=policy.ports,
         )  # fmt: skip
         rules._rules = (_Compiled(rule, issuer_url, policy),)
         rules._names = {issuer_url: name}

@@ -29,6 +29,7 @@ from ..config import MetricsSettings, ServerSettings
 from ._logs import JsonFormatter
 from ._probes import ASGIApp, ReadinessCheck, with_probes
 from ._tls import ReloadingCertificate
+from ._ws import ws_protocol
 
 __all__ = ["ListenError", "ServedApp", "bind", "run_server", "serve"]
 
@@ -186,7 +187,7 @@ def _uvicorn_config(
         lifespan="auto",
         interface="asgi3",
         http="h11",
-        ws="none",
+        ws=ws_protocol(),
         loop="asyncio",
         server_header=False,
         proxy_headers=False,  # the client address is the peer's: no forwarded header trusted

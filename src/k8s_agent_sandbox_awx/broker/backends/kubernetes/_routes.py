@@ -106,27 +106,31 @@ class Routes:
         await self.http.aclose()
 
     def route(self, state: KubeClaimState, port: int) -> Route:
-        """Where a request to the Ready sandbox of ``state`` on ``port`` goes."""
+        """Where a request to the Ready sandbox of ``state`` on ``port`` goes: the runtime's
+        port (8888, the data plane's default) is the runtime's own (``runtime_port``); any
+        other is a port request to that port of the pod (docs/broker-api.md, "Ports")."""
         if state.ending:
             raise ClaimGone(state.name)
-        if port not in (RUNTIME_PORT, self.settings.runtime_port):
+        target = self.settings.runtime_port if port == RUNTIME_PORT else port
+        if port != RUNTIME_PORT and port == self.settings.runtime_port:
             raise Unroutable(
-                f"nothing listens on port {port} in sandbox {state.name!r} (it serves "
-                f"{RUNTIME_PORT})"
+                f"port {port} is the runtime's own port in sandbox {state.name!r} (reserved for "
+                f"its API, reached as port {RUNTIME_PORT}); use another port for your server"
             )
         if self._router is not None:
-            return self._via_router(state, *self._router)
-        return Route(_pod_ip(state, self.settings.allow_loopback_pod_ips),
-                     self.settings.runtime_port, self.http)  # fmt: skip
+            return self._via_router(state, *self._router, target)
+        return Route(_pod_ip(state, self.settings.allow_loopback_pod_ips), target, self.http)
 
-    def _via_router(self, state: KubeClaimState, scheme: str, host: str, port: int) -> Route:
+    def _via_router(
+        self, state: KubeClaimState, scheme: str, host: str, port: int, target: int
+    ) -> Route:
         sandbox = state.sandbox_name
         if not sandbox:
             raise Unroutable(f"sandbox {state.name!r} has no Sandbox bound to its claim yet")
         headers: list[tuple[bytes, bytes]] = [
             (b"x-sandbox-id", sandbox.encode()),
             (b"x-sandbox-namespace", state.namespace.encode()),
-            (b"x-sandbox-port", str(self.settings.runtime_port).encode()),
+            (b"x-sandbox-port", str(target).encode()),
         ]
         if self._token is not None:
             headers.append((b"authorization", b"Bearer " + self._token.read().encode()))

@@ -1,0 +1,201 @@
+"""WebSocket upgrades on port requests, proxied both ways (docs/broker-api.md, "Ports").
+
+The broker's server accepts a WebSocket handshake (an ASGI ``websocket`` scope) when the
+``websockets`` library is installed (the ``[broker]`` and ``[local]`` extras: :func:`ws_protocol`).
+A handshake that carries ``X-Sandbox-ID`` passes the checks of every port request first
+(token, owner, claim binding, scope, the port allowed by the policy, Ready); only then does the
+broker open a WebSocket to the port in the sandbox (the caller's ``Authorization``, cookies and
+the router headers not sent), and only when that one is open does it accept the caller's: a
+refusal is the broker's JSON error (``port_not_listening``...), an answer of the server other
+than ``101`` is relayed as the server's. Then messages flow both ways, each direction on its
+own (a peer that stops reading holds up only what is sent to it); a close is passed on with
+its code and reason.
+
+Without ``websockets`` a handshake arrives as a plain request: the broker answers it ``501
+websocket_unsupported`` naming the missing library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from starlette.requests import HTTPConnection
+from starlette.types import Receive, Scope, Send
+
+from ._errors import BROKER_ERROR_HEADER, ApiError
+from ._forward import Forward, forwarded_headers
+from ._gate import DataRequest, _router_headers, origin_form
+from ._ports import log_port_request, not_listening
+from ._target import CODE as TARGET_CODE
+from ._target import NonNormalTarget, port_target
+from .backends._interface import RUNTIME_PORT, ClaimGone, Route, Unroutable
+
+MAX_MESSAGE = 16 * 1024 * 1024
+"""The largest message relayed from the sandbox's server (uvicorn's default the other way)."""
+_SENT_BY_LIBRARY = (b"sec-websocket-", b"upgrade", b"connection", b"user-agent")
+
+
+class WebSocketForward:
+    """The WebSocket side of :class:`._forward.Forward` (the same checks, the same routes)."""
+
+    def __init__(self, forward: Forward) -> None:
+        self.forward = forward
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        connection = HTTPConnection(scope, receive)
+        try:
+            data = _websocket_request(connection)
+            caller = await self.forward.gate.authenticate(connection)
+            state = await self.forward._ready_sandbox(connection, caller, data)
+            try:
+                route = await self.forward.backend.route(state, data.port)
+            except Unroutable as exc:
+                raise ApiError(502, "sandbox_unreachable", exc.detail) from None
+            except ClaimGone:
+                raise ApiError(
+                    409, "terminating", f"sandbox {state.name!r} is being deleted"
+                ) from None
+            log_port_request(state.name, data.port, "WEBSOCKET", data.target.path)
+            upstream = await _open(route, data, connection, state.name)
+        except ApiError as exc:
+            await _http_answer(send, exc.status, _error_headers(exc), _error_body(exc))
+            return
+        except _Answered as answered:
+            await _http_answer(send, answered.status, answered.headers, answered.body)
+            return
+        await _relay(upstream, receive, send)
+
+
+class _Answered(Exception):
+    """The sandbox's server answered the handshake with something else than ``101``."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        super().__init__(status)
+        self.status, self.headers, self.body = status, headers, body
+
+
+def _websocket_request(connection: HTTPConnection) -> DataRequest:
+    sandbox_id, namespace, port, timeout = _router_headers(connection)
+    if port == RUNTIME_PORT:
+        raise ApiError(
+            400,
+            "websocket_not_port",
+            f"a WebSocket goes to a port of a server of your own in the sandbox, not to the "
+            f"runtime's port {RUNTIME_PORT}: send X-Sandbox-Port with your server's port",
+        )
+    try:
+        target = port_target(origin_form(connection.scope))
+    except NonNormalTarget as exc:
+        raise ApiError(400, TARGET_CODE, exc.detail) from None
+    return DataRequest(sandbox_id, namespace, port, timeout, target)
+
+
+async def _open(route: Route, data: DataRequest, connection: HTTPConnection, name: str) -> Any:
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidHandshake, InvalidStatus
+
+    scheme = "wss" if route.scheme == "https" else "ws"
+    uri = f"{scheme}://{route.host}:{route.port}{data.target.raw.decode('ascii')}"
+    headers = [
+        (k.decode("latin-1"), v.decode("latin-1"))
+        for k, v in [*forwarded_headers(connection.headers.raw), *route.headers]
+        if not k.lower().startswith(_SENT_BY_LIBRARY)
+    ]
+    subprotocols = connection.scope.get("subprotocols") or None
+    try:
+        return await connect(
+            uri,
+            additional_headers=headers,
+            subprotocols=subprotocols,
+            user_agent_header=None,
+            compression=None,
+            proxy=None,
+            open_timeout=min(data.timeout, 30.0),
+            ping_interval=None,  # the peers keep their own connection alive
+            max_size=MAX_MESSAGE,
+        )
+    except InvalidStatus as exc:
+        answer = exc.response
+        kept = [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.raw_items()]
+        relayed = [h for h in kept if h[0] not in (b"content-length", b"connection", b"date")]
+        raise _Answered(answer.status_code, relayed, bytes(answer.body or b"")) from None
+    except (ConnectionRefusedError, ConnectionResetError):
+        raise not_listening(name, data.port) from None
+    except (OSError, TimeoutError, InvalidHandshake) as exc:
+        raise ApiError(
+            502,
+            "sandbox_unreachable",
+            f"the WebSocket handshake with port {data.port} of sandbox {name!r} failed "
+            f"({type(exc).__name__})",
+        ) from None
+
+
+def _error_headers(exc: ApiError) -> list[tuple[bytes, bytes]]:
+    headers = {**exc.headers, BROKER_ERROR_HEADER: exc.code, "content-type": "application/json"}
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
+def _error_body(exc: ApiError) -> bytes:
+    import json
+
+    return json.dumps({"detail": exc.detail, "code": exc.code}).encode()
+
+
+async def _http_answer(
+    send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    """An HTTP answer to a handshake (the ASGI ``websocket.http.response`` extension)."""
+    await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+
+
+async def _relay(upstream: Any, receive: Receive, send: Send) -> None:
+    """Accept the caller's WebSocket, then relay both ways until either side closes."""
+    await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+    loop = asyncio.get_running_loop()
+    inbound = loop.create_task(_to_upstream(upstream, receive))
+    outbound = loop.create_task(_to_caller(upstream, send))
+    try:
+        await asyncio.wait({inbound, outbound}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (inbound, outbound):
+            task.cancel()
+        await asyncio.gather(inbound, outbound, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await upstream.close()
+
+
+async def _to_upstream(upstream: Any, receive: Receive) -> None:
+    from websockets.exceptions import ConnectionClosed
+
+    while True:
+        message = await receive()
+        if message["type"] == "websocket.disconnect":
+            code = message.get("code") or 1000
+            reason = message.get("reason") or ""
+            await upstream.close(code=1000 if code in (1005, 1006) else code, reason=reason)
+            return
+        if message["type"] != "websocket.receive":
+            continue
+        data = message.get("bytes")
+        try:
+            await upstream.send(data if data is not None else message.get("text") or "")
+        except ConnectionClosed:
+            return
+
+
+async def _to_caller(upstream: Any, send: Send) -> None:
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        async for message in upstream:
+            key = "bytes" if isinstance(message, bytes) else "text"
+            await send({"type": "websocket.send", key: message})
+    except ConnectionClosed:
+        pass
+    code = upstream.close_code
+    code = 1000 if code in (None, 1005) else 1011 if code in (1006, 1015) else code
+    with contextlib.suppress(Exception):  # the caller may be gone already
+        await send({"type": "websocket.close", "code": code, "reason": upstream.close_reason or ""})

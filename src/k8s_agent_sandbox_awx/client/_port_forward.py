@@ -1,0 +1,359 @@
+"""``sandbox.ports.forward(port)``: a local listener that forwards to a sandbox's port.
+
+Each connection to ``127.0.0.1:<local port>`` is forwarded on a connection of its own to the
+broker: the forwarder reads the request head (at most :data:`MAX_HEAD` bytes), rewrites it
+(``Host``: the broker's; ``Authorization``: the sandbox's token, read fresh for each
+connection; the router headers; ``Connection: close``, unless the request is an upgrade such as
+a WebSocket handshake) and then pipes bytes both ways, unparsed: request and response bodies
+stream as they come, and after a ``101 Switching Protocols`` the WebSocket frames flow through
+as they are. The local client's own ``Authorization``, ``Cookie``, ``Proxy-*`` and
+``X-Sandbox-*`` headers are dropped (the broker would strip the first two anyway).
+
+Threads, also for :class:`AsyncPortForward` (the same forwarder behind an async context
+manager: the event loop is never blocked, and a slow or stuck local client holds only its own
+connection's threads). On exit the listener and every connection are shut down and every
+thread is joined: nothing is left behind. The token is never logged; a refusal the forwarder
+makes itself (the broker unreachable, a head it cannot read) is a plain-text ``502``/``400`` to
+the local client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+from .http._exchange import client_settings
+
+__all__ = ["AsyncPortForward", "ForwardTarget", "PortForward"]
+
+logger = logging.getLogger("k8s_agent_sandbox_awx.ports")
+
+MAX_HEAD = 64 * 1024
+"""The largest request head (request line and headers) the forwarder reads."""
+HEAD_SECONDS = 30.0
+"""Seconds a local client has to send its request head."""
+CONNECT_SECONDS = 10.0
+"""Seconds to connect (and complete TLS) to the broker."""
+SEND_SECONDS = 300.0
+"""Seconds one write to a peer may block (a peer that stops reading is cut off then)."""
+_CHUNK = 64 * 1024
+_DROPPED = frozenset(
+    {
+        "host",
+        "authorization",
+        "cookie",
+        "connection",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ForwardTarget:
+    """Where a forwarder's connections go: the broker (``config``), the router headers,
+    the sandbox's credential source (read per connection), its port and name."""
+
+    config: Any
+    headers: dict[str, str]
+    source: Callable[[], Any]
+    port: int
+    sandbox: str
+
+    def token(self) -> str:
+        credential = self.source().get_credential(self.config.broker_url)
+        token: str = credential.token
+        return token
+
+
+class _Refusal(Exception):
+    def __init__(self, status: str, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+def _read_head(conn: socket.socket) -> tuple[bytes, bytes]:
+    """The request head (without its blank line) and whatever of the body came with it."""
+    conn.settimeout(HEAD_SECONDS)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        if len(data) > MAX_HEAD:
+            raise _Refusal("431 Request Header Fields Too Large", "the request head is too large")
+        chunk = conn.recv(_CHUNK)
+        if not chunk:
+            raise ConnectionError("the local client closed the connection")
+        data += chunk
+    conn.settimeout(None)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def rewrite_head(head: bytes, target: ForwardTarget, token: str) -> tuple[bytes, bool]:
+    """The head sent to the broker for ``head`` (and whether it is an upgrade)."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or not parts[1].startswith(b"/"):
+        raise _Refusal("400 Bad Request", "send an origin-form request ('GET /path HTTP/1.1')")
+    url = urlsplit(target.config.broker_url)
+    prefix = url.path.rstrip("/").encode("ascii")
+    kept: list[bytes] = []
+    upgrade = False
+    for line in lines[1:]:
+        name, sep, _ = line.partition(b":")
+        key = name.strip().lower().decode("latin-1")
+        if not sep or key in _DROPPED or key.startswith(("x-sandbox-", "proxy-")):
+            continue
+        if key == "upgrade":
+            upgrade = True
+        kept.append(line)
+    ours = [f"Host: {url.netloc}", f"Authorization: Bearer {token}"]
+    ours += [f"{k}: {v}" for k, v in target.headers.items()]
+    ours.append("Connection: Upgrade" if upgrade else "Connection: close")
+    first = b" ".join((parts[0], prefix + parts[1], parts[2]))
+    rebuilt = [first, *kept, *(line.encode("latin-1") for line in ours)]
+    return b"\r\n".join(rebuilt) + b"\r\n\r\n", upgrade
+
+
+def _connect(config: Any) -> socket.socket:
+    """A connection to the broker (TLS with the broker's CA settings for ``https://``)."""
+    url = urlsplit(config.broker_url)
+    secure = url.scheme == "https"
+    host = url.hostname or "127.0.0.1"
+    sock = socket.create_connection((host, url.port or (443 if secure else 80)), CONNECT_SECONDS)
+    if not secure:
+        sock.settimeout(None)
+        return sock
+    verify = client_settings(config)["verify"]
+    context = verify if isinstance(verify, ssl.SSLContext) else ssl.create_default_context()
+    try:
+        tls = context.wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+    tls.settimeout(None)
+    return tls
+
+
+def _send_timeout(sock: socket.socket) -> None:
+    """A write to ``sock`` blocks at most :data:`SEND_SECONDS` (then it fails: the peer
+    stopped reading), while reads wait as long as the peer is quiet (a WebSocket may be)."""
+    seconds = int(SEND_SECONDS)
+    value = seconds.to_bytes(8, "little") + (0).to_bytes(8, "little")  # struct timeval
+    with contextlib.suppress(OSError):  # a system without it: writes block as before
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    """Copy ``source`` to ``sink`` until either ends; then shut both down."""
+    try:
+        while chunk := source.recv(_CHUNK):
+            sink.sendall(chunk)
+    except (OSError, ValueError):
+        pass
+    finally:
+        for sock in (source, sink):
+            _shutdown(sock)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class PortForward:
+    """A running forward (a context manager): ``url`` (``http://127.0.0.1:<port>``) and
+    ``port``, the local listener's; :meth:`close` (or the ``with`` block's end) stops it."""
+
+    def __init__(self, target: ForwardTarget, local_port: int = 0) -> None:
+        if isinstance(local_port, bool) or not isinstance(local_port, int):
+            raise TypeError(f"local_port must be an int (0: any free port), not {local_port!r}")
+        if not 0 <= local_port <= 65535:
+            raise ValueError(f"local_port {local_port} is not a TCP port (0..65535)")
+        self._target = target
+        self._listener = socket.create_server(("127.0.0.1", local_port))
+        self.port: int = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        self._acceptor = threading.Thread(
+            target=self._accept, name=f"port-forward-{self.port}", daemon=True
+        )
+        self._acceptor.start()
+        logger.info("forwarding %s to port %d of sandbox %s", self.url, target.port, target.sandbox)
+
+    def __repr__(self) -> str:
+        target = self._target
+        return f"PortForward(url={self.url!r}, sandbox={target.sandbox!r}, port={target.port})"
+
+    def __enter__(self) -> PortForward:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._sockets.add(conn)
+            self._start(self._serve, conn)
+
+    def _start(self, run: Callable[..., None], *args: Any) -> threading.Thread:
+        name = f"port-forward-{self.port}-connection"
+        thread = threading.Thread(target=self._run, args=(run, *args), name=name, daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+        return thread
+
+    def _run(self, run: Callable[..., None], *args: Any) -> None:
+        try:
+            run(*args)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _serve(self, conn: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        try:
+            upstream = self._open(conn)
+            if upstream is not None:
+                up = self._start(_pipe, conn, upstream)
+                _pipe(upstream, conn)
+                up.join()
+        finally:
+            for sock in (conn, upstream):
+                if sock is not None:
+                    with self._lock:
+                        self._sockets.discard(sock)
+                    _shutdown(sock)
+                    sock.close()
+
+    def _open(self, conn: socket.socket) -> socket.socket | None:
+        """The broker connection for ``conn``, its rewritten head sent; ``None``: refused."""
+        try:
+            head, rest = _read_head(conn)
+        except _Refusal as refusal:
+            _refuse(conn, refusal.status, refusal.text)
+            return None
+        except OSError:  # the local client went away, or sent no head in time
+            return None
+        try:
+            rewritten, _ = rewrite_head(head, self._target, self._target.token())
+            upstream = _connect(self._target.config)
+        except _Refusal as refusal:
+            _refuse(conn, refusal.status, refusal.text)
+            return None
+        except Exception as exc:  # no token (its error never holds one), no broker
+            what = f"{type(exc).__name__}: {str(exc)[:300]}"
+            logger.warning("port forward %s: cannot forward a connection (%s)", self.url, what)
+            _refuse(conn, "502 Bad Gateway", f"cannot reach the broker ({what})")
+            return None
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._sockets.add(upstream)
+        if closed:
+            upstream.close()
+            return None
+        for sock in (conn, upstream):
+            _send_timeout(sock)
+        try:
+            upstream.sendall(rewritten + rest)
+        except OSError:
+            _refuse(conn, "502 Bad Gateway", "the connection to the broker broke")
+        return upstream  # closed by the caller either way
+
+    def close(self) -> None:
+        """Stop listening, end every forwarded connection and join every thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sockets = list(self._sockets)
+        _shutdown(self._listener)
+        self._listener.close()
+        for sock in sockets:
+            _shutdown(sock)
+        self._acceptor.join(5.0)
+        while True:
+            with self._lock:
+                threads = [t for t in self._threads if t is not threading.current_thread()]
+            if not threads:
+                break
+            for thread in threads:
+                thread.join(5.0)
+        logger.info("stopped forwarding %s", self.url)
+
+
+def _refuse(conn: socket.socket, status: str, text: str) -> None:
+    """A plain-text answer of the forwarder's own (never with a token in it)."""
+    body = f"agent-sandbox-awx port forward: {text}\n".encode()
+    head = f"HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    with contextlib.suppress(OSError):
+        conn.sendall(head.encode() + body)
+
+
+class AsyncPortForward:
+    """:class:`PortForward` as an async context manager (``async with``): the same threads,
+    started and stopped off the event loop."""
+
+    def __init__(self, target: ForwardTarget, local_port: int = 0) -> None:
+        self._target = target
+        self._local_port = local_port
+        self._forward: PortForward | None = None
+
+    @property
+    def port(self) -> int:
+        return self._running().port
+
+    @property
+    def url(self) -> str:
+        return self._running().url
+
+    def _running(self) -> PortForward:
+        if self._forward is None:
+            raise RuntimeError("the port forward is not running: use it with 'async with'")
+        return self._forward
+
+    async def __aenter__(self) -> AsyncPortForward:
+        self._forward = PortForward(self._target, self._local_port)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._forward is not None:
+            await asyncio.to_thread(self._forward.close)

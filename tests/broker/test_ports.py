@@ -1,0 +1,270 @@
+"""Port requests at the broker (issue 23): the policy's ``ports``, the ``commands`` scope, the
+runtime's port reserved, the local backend's routes, WebSocket handshakes checked before they
+are accepted. The end-to-end scenarios through the SDK are in tests/client/test_ports.py and
+test_port_forward.py."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.datastructures import Headers
+
+from k8s_agent_sandbox_awx.broker._errors import ApiError
+from k8s_agent_sandbox_awx.broker._ports import refuse_unsupported_upgrade
+from k8s_agent_sandbox_awx.broker.identity._ports import parse_ports
+from k8s_agent_sandbox_awx.broker.identity._rules import PolicyRule
+from k8s_agent_sandbox_awx.broker.identity._settings import SettingsError
+from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+from tests._support import ws_client
+
+APP = str(Path(__file__).parents[1] / "_support" / "port_app.py")
+
+
+@pytest.fixture
+def app_port() -> Iterator[int]:
+    """The app on a free port of this host (a local sandbox's ports are the host's): the
+    broker's forwarding is what these tests are about; the SDK's tests start it in a sandbox."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, APP, str(port)], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        yield port
+    finally:
+        process.kill()
+        process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# -- the policy knob -----------------------------------------------------------------------------
+def test_ports_parse_ports_and_ranges() -> None:
+    ranges = parse_ports([8000, "3000-3999", "9000"])
+    assert ranges.allows(8000) and ranges.allows(3000) and ranges.allows(3999)
+    assert ranges.allows(9000) and not ranges.allows(2999) and not ranges.allows(8001)
+    assert ranges.describe() == [8000, "3000-3999", 9000]
+    assert not parse_ports([]).allows(8000)
+    assert Policy().port_ranges.describe() == ["1024-65535"]
+
+
+@pytest.mark.parametrize("bad", [0, 70000, "4000-3000", "80-", "http", True, 8.5, "1-2-3"])
+def test_a_bad_port_entry_names_itself_and_the_rule(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"Policy\.ports: .* is not a port or a range") as info:
+        Policy(ports=(bad,))  # type: ignore[arg-type]
+    assert repr(bad) in str(info.value) and "1 to 65535" in str(info.value)
+
+
+def test_ports_must_be_a_list() -> None:
+    with pytest.raises(ValueError, match="must be a list of ports and ranges"):
+        parse_ports("8000")
+    with pytest.raises(SettingsError, match="ports"):
+        PolicyRule("p", "i", ("python",), "default", ports="8000")  # type: ignore[arg-type]
+    rule = PolicyRule("p", "i", ("python",), "default", ports=(8000, "9000-9001"))
+    assert rule.policy().port_ranges.describe() == [8000, "9000-9001"]
+
+
+def test_an_upgrade_the_server_cannot_accept_is_501() -> None:
+    with pytest.raises(ApiError) as info:
+        refuse_unsupported_upgrade(Headers({"upgrade": "websocket"}))
+    assert info.value.status == 501 and info.value.code == "websocket_unsupported"
+    refuse_unsupported_upgrade(Headers({"upgrade": "h2c"}))  # not a WebSocket: stripped
+
+
+# -- at the broker ---------------------------------------------------------------------------
+@pytest.fixture
+def narrow(broker: LocalBroker, api: Callable[..., Any]) -> Any:
+    """A caller whose policy allows ports 18000 and 18100-18199 only."""
+    name = "ports-narrow"
+    if name not in broker._issuers_by_name:
+        broker.add_issuer(
+            name,
+            policy=Policy(templates=("python",), namespace=name, ports=(18000, "18100-18199")),
+        )
+    return api(broker._issuers_by_name[name].issue_token("narrow-caller"))
+
+
+@pytest.fixture
+def files_only(broker: LocalBroker, api: Callable[..., Any]) -> Any:
+    name = "ports-files-only"
+    if name not in broker._issuers_by_name:
+        broker.add_issuer(
+            name, policy=Policy(templates=("python",), namespace=name, scopes=("files",))
+        )
+    return api(broker._issuers_by_name[name].issue_token("files-caller"))
+
+
+def test_a_port_outside_the_policy_is_403_naming_it(narrow: Any) -> None:
+    sandbox = narrow.ready()
+    resp = narrow.http.get("/", headers=narrow.data_headers(sandbox, **{"X-Sandbox-Port": "8000"}))
+    assert resp.status_code == 403
+    assert resp.headers["agent-sandbox-broker-error"] == "port_not_allowed"
+    detail = resp.json()["detail"]
+    assert "port 8000" in detail and "[18000, '18100-18199']" in detail
+    inside = narrow.http.get(
+        "/", headers=narrow.data_headers(sandbox, **{"X-Sandbox-Port": "18150"})
+    )
+    assert inside.json()["code"] == "port_not_listening"  # allowed: it got as far as the port
+
+
+def test_a_files_only_sandbox_reaches_no_port(files_only: Any) -> None:
+    sandbox = files_only.ready()
+    headers = files_only.data_headers(sandbox, **{"X-Sandbox-Port": "18000"})
+    resp = files_only.http.get("/", headers=headers)
+    assert resp.status_code == 403 and resp.json()["code"] == "scope_denied"
+    assert "'commands' scope" in resp.json()["detail"] and "port 18000" in resp.json()["detail"]
+
+
+def test_the_runtime_port_stays_the_runtime_api(alice: Any) -> None:
+    sandbox = alice.ready()
+    for port in ({}, {"X-Sandbox-Port": "8888"}):  # the default, and named
+        headers = alice.data_headers(sandbox, **port)
+        resp = alice.http.get("/list;x", headers=headers)
+        assert resp.status_code == 400 and resp.json()["code"] == "path_not_normalized"
+        health = alice.http.get("/", headers=headers)
+        assert health.status_code == 200 and "agent-sandbox-broker-error" not in health.headers
+
+
+def test_another_sandboxes_runtime_is_no_port(broker: LocalBroker, alice: Any, bob: Any) -> None:
+    mine = alice.ready()
+    theirs = bob.ready()
+    store = broker._require_store()
+    with store.lock:
+        record = store.sandboxes[theirs["name"]]
+    assert record.handle is not None
+    runtime_port = str(record.handle.port)
+    resp = alice.http.get("/", headers=alice.data_headers(mine, **{"X-Sandbox-Port": runtime_port}))
+    assert resp.status_code == 502 and resp.json()["code"] == "sandbox_unreachable"
+    assert "a sandbox runtime's" in resp.json()["detail"]
+
+
+def test_a_port_request_is_not_counted_and_not_normal_form(
+    broker: LocalBroker, alice: Any, app_port: int
+) -> None:
+    sandbox = alice.ready()
+    headers = alice.data_headers(sandbox, **{"X-Sandbox-Port": str(app_port)})
+    resp = alice.http.post("/execute", content=b"{}", headers=headers)
+    assert resp.status_code == 200 and resp.content == b"{}"  # the app's echo, not the runtime
+    assert broker.execution_count(sandbox["name"]) == 0  # a port request runs no command
+    odd = alice.http.get("/headers/%2e%2e;x", headers=headers)
+    assert odd.status_code == 200 and odd.json()["path"] == "/headers/%2e%2e;x"
+
+
+# -- WebSocket handshakes --------------------------------------------------------------------
+def _ws(broker: LocalBroker, headers: dict[str, str], path: str = "/ws") -> ws_client.WebSocket:
+    """A handshake to the broker itself over TLS (the socket wrapped by hand)."""
+    import ssl
+
+    import httpx
+
+    url = httpx.URL(broker.url)
+    context = ssl.create_default_context(cafile=broker.ca_bundle)
+    plain = socket.create_connection((url.host, url.port), 10)
+    sock = context.wrap_socket(plain, server_hostname=url.host)
+    key = "dGhlIHNhbXBsZSBub25jZQ=="
+    lines = [f"GET {path} HTTP/1.1", f"Host: {url.host}:{url.port}", "Upgrade: websocket"]
+    lines += ["Connection: Upgrade", f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return ws_client.WebSocket(sock, head, rest)
+
+
+def test_websocket_handshakes_are_checked_first(
+    broker: LocalBroker, alice: Any, bob: Any, app_port: int
+) -> None:
+    pytest.importorskip("websockets", reason="needs the [broker] extra (WebSocket upgrades)")
+    sandbox = alice.ready()
+    port = app_port
+    router = alice.data_headers(sandbox, **{"X-Sandbox-Port": str(port)})
+    cases = [
+        ({**router}, b"401"),  # no token
+        ({**router, "Authorization": f"Bearer {bob.token}"}, b"403"),  # not the owner
+        ({**alice.data_headers(sandbox), "Authorization": f"Bearer {alice.token}"}, b"400"),
+    ]
+    for headers, status in cases:
+        ws = _ws(broker, headers)
+        ws.sock.close()
+        assert ws.head.split(b" ")[1] == status, ws.head
+        assert b"agent-sandbox-broker-error" in ws.head.lower()
+    ws = _ws(broker, {**router, "Authorization": f"Bearer {alice.token}"})
+    assert ws.head.startswith(b"HTTP/1.1 101"), ws.head  # checked, then accepted
+    ws.send(1, b"checked")
+    assert ws.recv() == (1, b"checked")
+    ws.sock.close()
+    missing = _ws(broker, {**router, "Authorization": f"Bearer {alice.token}"}, "/headers")
+    missing.sock.close()
+    assert missing.head.startswith(b"HTTP/1.1 200")  # the server's own answer, relayed
+    assert b"agent-sandbox-broker-error" not in missing.head.lower()
+
+
+# -- the Kubernetes backend's routes ------------------------------------------------------------
+def _kube_state(**fields: Any) -> Any:
+    from k8s_agent_sandbox_awx.broker.backends._interface import READY, Owner
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._claims import KubeClaimState
+
+    base: dict[str, Any] = dict(
+        name="claim-1", namespace="team-a", template="python", owner=Owner("i", "s", "p"),
+        labels={}, annotations={}, stamps={}, env={}, created_at=0.0, expires_at=1.0,
+        phase=READY, reason=None, message=None, transition_at=0.0, started_at=0.0, bound=True,
+        scopes=frozenset({"commands"}), uid="u", sandbox_name="sbx-1", pod_ips=("10.0.0.7",),
+    )  # fmt: skip
+    return KubeClaimState(**{**base, **fields})
+
+
+async def _routes(settings: Any) -> Any:
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._routes import Routes
+
+    return Routes(settings)
+
+
+def test_kubernetes_routes_a_port_request_to_that_port() -> None:
+    import asyncio
+
+    from k8s_agent_sandbox_awx.broker.backends._interface import Unroutable
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._routes import RouteSettings
+
+    state = _kube_state()
+
+    async def main() -> None:
+        router = await _routes(RouteSettings(router_url="http://router:8080", runtime_port=9999))
+        pods = await _routes(RouteSettings(data_plane="pod", runtime_port=9999))
+        try:
+            headers = dict(router.route(state, 3000).headers)
+            assert headers[b"x-sandbox-port"] == b"3000"  # the router takes it to the port
+            assert dict(router.route(state, 8888).headers)[b"x-sandbox-port"] == b"9999"
+            assert (pods.route(state, 3000).host, pods.route(state, 3000).port) == (
+                "10.0.0.7",
+                3000,
+            )
+            assert pods.route(state, 8888).port == 9999  # the runtime API
+            with pytest.raises(Unroutable, match="runtime's own port"):
+                pods.route(state, 9999)  # the runtime's real port is no user port either
+        finally:
+            await router.close()
+            await pods.close()
+
+    asyncio.run(main())

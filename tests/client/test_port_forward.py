@@ -1,0 +1,201 @@
+"""``sandbox.ports.forward``: a local listener without a token, forwarding HTTP and WebSockets to
+a sandbox's port through the broker (issue 23), end to end against the local broker over real
+HTTPS, both dialects, sync and async."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
+from k8s_agent_sandbox_awx.errors import PortNotListeningError
+from tests._support import ws_client
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]
+
+APP = str(Path(__file__).parents[1] / "_support" / "port_app.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def sandbox(dialect_broker: Any) -> Iterator[Any]:
+    with Sandbox.create(environ=dialect_broker.environ("kubernetes")) as sandbox:
+        yield sandbox
+
+
+@pytest.fixture
+def app_port(sandbox: Any) -> Iterator[int]:
+    port = free_port()
+    handle = sandbox.commands.run([sys.executable, APP, str(port)], timeout=300, background=True)
+    deadline = time.monotonic() + 15
+    with sandbox.ports.client(port) as client:
+        while True:
+            try:
+                client.get("/headers")
+                break
+            except PortNotListeningError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    yield port
+    handle.kill()
+
+
+def test_plain_httpx_through_the_forward(sandbox: Any, app_port: int) -> None:
+    with sandbox.ports.forward(app_port) as forward:
+        assert forward.url == f"http://127.0.0.1:{forward.port}"
+        answer = httpx.get(
+            forward.url + "/headers", headers={"Authorization": "Bearer mine", "Cookie": "a=b"}
+        )
+        assert answer.status_code == 200
+        seen = {k.lower(): v for k, v in answer.json()["headers"]}
+        assert "authorization" not in seen and "cookie" not in seen
+        posted = httpx.post(forward.url + "/echo", content=b"y" * 300_000)
+        assert posted.content == b"y" * 300_000
+        assert httpx.get(forward.url + "/redirect").status_code == 302  # the server's answer
+        with httpx.Client() as keep_alive:  # several requests from one client
+            for _ in range(3):
+                assert keep_alive.get(forward.url + "/headers").status_code == 200
+        port = forward.port
+        names = {t.name for t in threading.enumerate()}
+        assert f"port-forward-{port}" in names  # the acceptor, by its name
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/headers")  # the listener is gone
+    left = [t.name for t in threading.enumerate() if t.name.startswith(f"port-forward-{port}")]
+    assert left == []  # every thread of the forwarder joined
+
+
+def test_streamed_answer_through_the_forward(sandbox: Any, app_port: int) -> None:
+    with (
+        sandbox.ports.forward(app_port) as forward,
+        httpx.stream("GET", forward.url + "/stream") as answer,
+    ):
+        arrived = [time.monotonic() for _ in answer.iter_lines()]
+    assert len(arrived) == 3 and arrived[-1] - arrived[0] > 0.3
+
+
+def test_nothing_listening_through_the_forward(sandbox: Any) -> None:
+    port = free_port()
+    with sandbox.ports.forward(port) as forward:
+        answer = httpx.get(forward.url + "/")
+    assert answer.status_code == 502
+    assert answer.json()["code"] == "port_not_listening"
+    assert f"nothing listens on port {port}" in answer.json()["detail"]
+
+
+def test_websocket_echo_through_the_forward(sandbox: Any, app_port: int) -> None:
+    with sandbox.ports.forward(app_port) as forward:
+        ws = ws_client.connect("127.0.0.1", forward.port, "/ws")
+        assert ws.head.startswith(b"HTTP/1.1 101"), ws.head
+        ws.send(1, b"hello")
+        assert ws.recv() == (1, b"hello")
+        big = bytes(range(256)) * 400  # 100 KiB, binary
+        ws.send(2, big)
+        assert ws.recv() == (2, big)
+        ws.send(1, b"close:4001")  # the server closes with 4001: passed on
+        opcode, payload = ws.recv()
+        assert opcode == 8 and struct.unpack("!H", payload[:2])[0] == 4001
+        ws.sock.close()
+        second = ws_client.connect("127.0.0.1", forward.port, "/ws")
+        second.send(1, b"again")
+        assert second.recv() == (1, b"again")
+        opcode, payload = second.close(4002)  # the client's close code reaches the server
+        assert opcode == 8 and struct.unpack("!H", payload[:2])[0] == 4002
+        second.sock.close()
+
+
+def test_websocket_to_nothing_listening_is_refused(sandbox: Any) -> None:
+    with sandbox.ports.forward(free_port()) as forward:
+        ws = ws_client.connect("127.0.0.1", forward.port, "/ws")
+        ws.sock.close()
+    assert ws.head.startswith(b"HTTP/1.1 502")
+    assert b"agent-sandbox-broker-error: port_not_listening" in ws.head.lower()
+
+
+def test_a_stuck_local_client_never_freezes_the_forwarder(sandbox: Any, app_port: int) -> None:
+    with sandbox.ports.forward(app_port) as forward:
+        silent = socket.create_connection(("127.0.0.1", forward.port))
+        silent.sendall(b"GET /headers HTTP/1.1\r\n")  # half a head, then nothing
+        reader = socket.create_connection(("127.0.0.1", forward.port))
+        reader.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")  # and never read
+        assert httpx.get(forward.url + "/headers", timeout=10).status_code == 200
+        started = time.monotonic()
+    assert time.monotonic() - started < 8  # the exit ended both and joined their threads
+    for sock in (silent, reader):
+        sock.close()
+
+
+def test_no_token_in_the_forwarders_logs(
+    sandbox: Any, app_port: int, dialect_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    token = sandbox.client.auth.get_credential(dialect_broker.url).token
+    with sandbox.ports.forward(app_port) as forward:
+        assert httpx.get(forward.url + "/headers").status_code == 200
+        assert token not in repr(forward)
+    assert any("forwarding" in r.getMessage() for r in caplog.records)
+    assert token.split(".")[2] not in caplog.text and "Bearer" not in caplog.text
+
+
+def test_async_forward(dialect_broker: Any) -> None:
+    env = dialect_broker.environ("kubernetes")
+    port = free_port()
+
+    async def main() -> None:
+        async with await AsyncSandbox.create(environ=env) as sandbox:
+            argv = [sys.executable, APP, str(port)]
+            handle = await sandbox.commands.run(argv, timeout=300, background=True)
+            async with sandbox.ports.forward(port) as forward, httpx.AsyncClient() as http:
+                for _ in range(300):
+                    answer = await http.get(forward.url + "/headers")
+                    if answer.status_code != 502:
+                        break
+                    await asyncio.sleep(0.05)
+                assert answer.status_code == 200
+                seen = {k.lower() for k, _ in answer.json()["headers"]}
+                assert "authorization" not in seen
+                ws = await asyncio.to_thread(ws_client.connect, "127.0.0.1", forward.port, "/ws")
+                ws.send(1, b"async")
+                assert await asyncio.to_thread(ws.recv) == (1, b"async")
+                ws.sock.close()
+            await handle.kill()
+
+    asyncio.run(main())
+
+
+def test_a_credential_failure_is_a_plain_502_to_the_local_client(
+    sandbox: Any, app_port: int
+) -> None:
+    class Failing:
+        def get_credential(self, audience: str) -> Any:
+            raise RuntimeError("the token file is unreadable")
+
+        def invalidate(self, audience: str) -> None:
+            return None
+
+    transport = sandbox.client._transport
+    kept, transport.auth = transport.auth, Failing()
+    try:
+        with sandbox.ports.forward(app_port) as forward:
+            answer = httpx.get(forward.url + "/headers", timeout=10)
+    finally:
+        transport.auth = kept
+    assert answer.status_code == 502
+    assert "RuntimeError: the token file is unreadable" in answer.text
+    assert "agent-sandbox-broker-error" not in answer.headers  # the forwarder's own answer
