@@ -191,7 +191,8 @@ def test_tmp_and_the_brokers_files_are_private(on: Any, isolated: LocalBroker) -
 
 def test_a_sandbox_sees_only_its_own_processes(on: Any) -> None:
     first, second = on.ready(), on.ready()
-    marker = str(1000 + uuid.uuid4().int % 1000)
+    n = uuid.uuid4().int
+    marker = f"{1000 + n % 1000}.{n % 10**6:06d}"  # unique on the machine
     _start(on, first, ["sleep", marker])
     seen = "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done"
     mine = _sh(on, first, seen)["stdout"]
@@ -355,10 +356,11 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 def test_deleting_a_sandbox_kills_everything_it_started(on: Any, isolated: LocalBroker) -> None:
     sandbox = on.ready()
-    marker = str(2000 + uuid.uuid4().int % 1000)
+    n = uuid.uuid4().int
+    marker = f"{2000 + n % 1000}.{n % 10**6:06d}"  # unique on the machine (other runs' sleeps)
     # a command still running, and a daemon that left its session
     _start(on, sandbox, ["sh", "-c", f"(setsid sleep {marker} > /dev/null 2>&1 &); sleep {marker}"])
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15
     while len(_host_pids_with(f"sleep\0{marker}")) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     pids = _host_pids_with(f"sleep\0{marker}")
