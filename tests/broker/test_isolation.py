@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -158,7 +159,12 @@ def test_pwd_in_a_workspace_cwd_prints_the_sandbox_path(on: Any) -> None:
 
 def test_the_host_file_system_is_read_only(on: Any, isolated: LocalBroker) -> None:
     sandbox = on.ready()
-    for path in ("/etc", "/usr", "/", os.path.dirname(os.path.abspath(__file__))):
+    # the host's directories, and ones this user can write on the host (the sandbox has a /tmp of
+    # its own, so a checkout or home under /tmp is not seen there at all)
+    mine = [os.path.dirname(os.path.abspath(__file__)), os.path.expanduser("~")]
+    mine = [p for p in mine if os.path.isdir(p) and not p.startswith(tempfile.gettempdir())]
+    mine = [p for p in mine if not (p + "/").startswith("/tmp/")]
+    for path in ("/etc", "/usr", "/", *mine):
         target = os.path.join(path, f"agent-sandbox-{uuid.uuid4().hex}")
         result = _sh(on, sandbox, f"echo x > {target}")
         assert result["exit_code"] != 0, (path, result)
@@ -187,6 +193,51 @@ def test_tmp_and_the_brokers_files_are_private(on: Any, isolated: LocalBroker) -
         assert os.path.exists(path)  # on the host
         result = _sh(on, first, f"ls -d {path}")
         assert result["exit_code"] != 0, (path, result)
+
+
+def test_a_runtime_script_the_template_names_under_tmp_is_seen_read_only(
+    api: Callable[..., Any],
+) -> None:
+    """A template's command may name a host file under /tmp (a checkout there): the sandbox's
+    /tmp is its own, so that one file is bound in, read-only; nothing else of the host's /tmp."""
+    need_bwrap()
+    host_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="awx-runtime-"))  # not the broker's
+    try:
+        script = host_dir / "runtime.py"
+        script.write_text(
+            "import runpy\nrunpy.run_module('k8s_agent_sandbox_awx.broker.runtime', "
+            "run_name='__main__')\n"
+        )
+        (host_dir / "other").write_text("not for the sandbox")
+        template = f"{{python}} {script} --port-file {{port_file}}"
+        with LocalBroker(
+            isolation="bwrap",
+            warn=False,
+            templates={"script": template},
+            kubernetes_policy=Policy(templates=("script",), namespace=caller_namespace),
+        ) as broker:
+            client = api(broker.issue_kubernetes_token("team-a", "alice"), broker)
+            sandbox = client.ready()
+            seen = _sh(client, sandbox, f"cat {script}; ls {host_dir}; echo x >> {script}")
+            assert "run_module" in seen["stdout"] and "other" not in seen["stdout"], seen
+            assert "Read-only file system" in seen["stderr"], seen
+        assert "x" not in script.read_text().splitlines()
+    finally:
+        for path in host_dir.iterdir():
+            path.unlink()
+        host_dir.rmdir()
+
+
+def test_named_files_binds_only_files_hidden_by_a_private_directory(tmp_path: Path) -> None:
+    script, hidden = tmp_path / "runtime.py", tmp_path / "broker"
+    script.write_text("")
+    hidden.mkdir()
+    (hidden / "key.pem").write_text("")
+    masked, secret = [str(tmp_path)], [str(hidden)]
+    command = ["/usr/bin/python3", str(script), str(hidden / "key.pem"), str(tmp_path), "-m"]
+    assert _isolation.named_files(command, masked, secret) == [
+        "--ro-bind-try", str(script), str(script)]  # fmt: skip
+    assert _isolation.named_files(command, [], secret) == []  # visible anyway: the host's
 
 
 def test_a_sandbox_sees_only_its_own_processes(on: Any) -> None:

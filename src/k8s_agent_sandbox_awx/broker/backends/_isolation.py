@@ -206,6 +206,7 @@ class Layout:
         _compile_runtime()
         secret = _real_dirs((*hidden, tempfile.gettempdir()))
         masked = [*_PRIVATE, *(d for d in secret if not _under(d, _PRIVATE))]
+        self._masked, self._own = masked, _real_dirs(hidden)
         self._base = [*_root_args(), *_private_args(masked), *_keep_args(masked, secret)]
 
     def argv(
@@ -229,6 +230,7 @@ class Layout:
             *(() if network else ("--unshare-net",)),
             *("--hostname", name, "--die-with-parent", "--new-session", "--cap-drop", "ALL"),
             *("--unsetenv", PARENT_PID_ENV),  # its parent inside is the namespace's init
+            *named_files(command, self._masked, self._own),
             *("--remount-ro", "/", "--"),
             *command,
         ]
@@ -311,6 +313,22 @@ def _runtime_paths() -> list[str]:
         if spec is not None and spec.origin:
             paths.append(os.path.dirname(os.path.dirname(spec.origin)))
     return paths
+
+
+def named_files(command: Sequence[str], masked: Sequence[str], own: Sequence[str]) -> list[str]:
+    """Read-only binds of the files a runtime's command names by absolute path (a template's
+    ``python /tmp/x/runtime.py``: the template is the operator's) where a private directory
+    would hide them (``/tmp``): the host is readable inside, and a command must see what it
+    names; never a directory (only the file), never one in the broker's own directories
+    (``own``: its key, its CA, other sandboxes)."""
+    args: list[str] = []
+    for arg in command:
+        if not arg.startswith("/") or not os.path.isfile(arg):
+            continue
+        real = os.path.realpath(arg)
+        if _under(real, masked) and not _under(real, own):
+            args += ["--ro-bind-try", real, arg]
+    return args
 
 
 def _keep_args(masked: Sequence[str], secret: Sequence[str]) -> list[str]:
