@@ -1,4 +1,4 @@
-"""The original package's README examples, as published on its PyPI pages, run unchanged.
+"""The original package's README examples, as published on its package-index pages, run unchanged.
 
 Each test quotes one example (the calls, names, keywords and attribute accesses as published;
 ``print`` is kept and its output checked) and names the page and versions it comes from. The
@@ -6,7 +6,7 @@ environment is the one the README's "Configuration" section names, pointed at a 
 one that serves only ``/rpc`` (what deployed brokers speak) and, where the example does not
 depend on the dialect, also a v1 broker (``dialect_broker``).
 
-Source: the stored copies of https://pypi.org/project/k8s-agent-sandbox-awx/ and of its
+Source: the stored copies of the package index's project page of k8s-agent-sandbox-awx and of its
 ``/<version>/`` pages (0.1.0, 0.2.0, 0.3.0, 0.5.2, 0.6.0, 0.7.0, 0.8.0, 0.9.0). Only the opening
 of each page (about 1,500 characters) is stored: the examples below are every code example in
 those openings. An example cut off by the end of the stored text is completed with the fewest
@@ -24,8 +24,6 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx.errors import ConfigurationError, UnsupportedOperationError
-
-PYPI = "https://pypi.org/project/k8s-agent-sandbox-awx/"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.upstream]  # end to end: upstream result types and errors
 
@@ -51,8 +49,8 @@ def _claim(broker: Any, name: str) -> dict[str, Any]:
 def test_project_page_quick_start(
     dialect_broker: Any, use_env: Any, tmp_path: Path, capsys: Any, live: Any
 ) -> None:
-    """https://pypi.org/project/k8s-agent-sandbox-awx/ (the project page: the 0.5.0 README),
-    the quick start."""
+    """The package index's project page of k8s-agent-sandbox-awx (the 0.5.0 README): the
+    quick start."""
     use_env(_readme_env(dialect_broker, tmp_path))
     # --- README ---------------------------------------------------------------------------
     from k8s_agent_sandbox_awx import Sandbox
@@ -69,7 +67,7 @@ def test_project_page_quick_start(
 def test_quick_start_0_5_2_to_0_9_0(
     dialect_broker: Any, use_env: Any, tmp_path: Path, capsys: Any
 ) -> None:
-    """https://pypi.org/project/k8s-agent-sandbox-awx/0.9.0/ (the same text in 0.5.2, 0.6.0,
+    """the package index's page of k8s-agent-sandbox-awx 0.9.0 (the same text in 0.5.2, 0.6.0,
     0.7.0 and 0.8.0), the quick start: the sandbox is left to its timeout (300 s, the
     original's default since 0.5.2)."""
     use_env(_readme_env(dialect_broker, tmp_path))
@@ -90,7 +88,7 @@ def test_quick_start_0_5_2_to_0_9_0(
 
 
 def test_streaming_0_6_0(dialect_broker: Any, use_env: Any, tmp_path: Path, capsys: Any) -> None:
-    """https://pypi.org/project/k8s-agent-sandbox-awx/0.6.0/, "Streaming and background
+    """the package index's page of k8s-agent-sandbox-awx 0.6.0, "Streaming and background
     commands": stream stdout and stderr while the command runs. The stored text ends inside
     the call at ``on_stderr=lambda chunk``; the test completes it as the ``on_stdout=`` line
     above it, to standard error, and closes the call."""
@@ -121,7 +119,7 @@ def test_streaming_0_6_0(dialect_broker: Any, use_env: Any, tmp_path: Path, caps
 def test_streaming_0_7_0_to_0_9_0(
     dialect_broker: Any, use_env: Any, tmp_path: Path, capsys: Any
 ) -> None:
-    """https://pypi.org/project/k8s-agent-sandbox-awx/0.9.0/ (the same text in 0.7.0 and
+    """the package index's page of k8s-agent-sandbox-awx 0.9.0 (the same text in 0.7.0 and
     0.8.0), "Streaming and background commands": command strings are shell scripts; a
     callback streams output while ``run()`` waits. The stored text ends after the
     ``on_stdout=`` argument; the test closes the call."""
@@ -143,7 +141,7 @@ def test_streaming_0_7_0_to_0_9_0(
 def test_broker_sandbox_client_0_1_0_to_0_3_0(
     rpc_broker: Any, use_env: Any, tmp_path: Path, live: Any
 ) -> None:
-    """https://pypi.org/project/k8s-agent-sandbox-awx/0.1.0/ (the same in 0.2.0 and 0.3.0): the
+    """the package index's page of k8s-agent-sandbox-awx 0.1.0 (the same in 0.2.0 and 0.3.0): the
     README's only code is its import line; the stored text has no example that uses it. After
     it, the calls of upstream ``SandboxClient`` that ``BrokerSandboxClient`` overlays (the
     original's class, in upstream's call shape: ``connection_config=``, ``create_sandbox``,
@@ -169,7 +167,7 @@ def test_broker_sandbox_client_0_1_0_to_0_3_0(
 
 
 def test_api_url_must_be_the_broker_url() -> None:
-    """https://pypi.org/project/k8s-agent-sandbox-awx/ (0.5.0; the same text in 0.5.2):
+    """the package index's project page of k8s-agent-sandbox-awx (0.5.0; the same text in 0.5.2):
     "Set both broker_url and api_url to the broker URL. The model rejects a different api_url
     to prevent accidental direct-router bypass." """
     from k8s_agent_sandbox_awx import SandboxBrokerConnectionConfig
