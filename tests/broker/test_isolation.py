@@ -518,7 +518,8 @@ def test_policy_network_must_be_a_bool() -> None:
         Policy(network="off")  # type: ignore[arg-type]
 
 
-PORT_APP = str(Path(__file__).parents[1] / "_support" / "port_app.py")
+PORT_APP = (Path(__file__).parents[1] / "_support" / "port_app.py").read_text()
+"""The app's source, given with ``-c``: a checkout under /tmp is not seen in the sandbox."""
 
 
 def test_a_port_of_an_isolated_sandbox_with_the_network(on: Any) -> None:
@@ -528,7 +529,7 @@ def test_a_port_of_an_isolated_sandbox_with_the_network(on: Any) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    _start(on, sandbox, [sys.executable, PORT_APP, str(port)], timeout=120)
+    _start(on, sandbox, [sys.executable, "-c", PORT_APP, str(port)], timeout=120)
     headers = on.data_headers(sandbox, **{"X-Sandbox-Port": str(port)})
     deadline = time.monotonic() + 15
     while True:
