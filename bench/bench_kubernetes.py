@@ -21,6 +21,15 @@ Prints numbers and ratios against baselines measured in the same run; asserts no
   token, request bodies buffered), through the broker in pod mode and in router mode (the
   broker, then the stand-in router). Hops: router = router - direct; broker (pod mode) =
   broker - direct; broker in front of the router = broker(router mode) - router.
+  With ``--upstream-router URL`` (a running upstream sandbox_router.py; ``--upstream-router-token
+  FILE``: its ROUTER_AUTH_TOKEN), two more rows in the same run: that router alone and a third
+  broker in router mode in front of it (``router_url`` = URL, ``router_token_file`` = FILE);
+  the baseline of the broker's hop is then upstream's router hop (upstream - direct). That
+  router resolves ``{X-Sandbox-ID}.{namespace}.svc.cluster.local``: for the run the bench
+  appends a line per sandbox (its Sandbox's name -> its pod's loopback IP) to
+  ``--upstream-hosts-file`` (default /etc/hosts; it must be writable) and writes the file's
+  exact bytes back afterwards. The rows are then timed interleaved (one request of each row per
+  round, the order rotating), medians and p90s printed.
 - (c) ``--sandboxes`` sandboxes at once on one replica (each a stand-in pod: a runtime process),
   every one used concurrently: the broker process's RSS (idle, then with them) and its CPU
   time per data-plane request. Figures for 500 are extrapolated linearly from the measured
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import ssl
@@ -40,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -315,31 +325,92 @@ def _print_phases(phases: list[dict[str, float]], base: dict[str, list[float]]) 
         print(f"    baseline {key}: {_median_ms(values):.2f} ms")
 
 
-def data_plane_hops(cluster: Cluster, pod_url: str, router_url: str, n: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class UpstreamRouter:
+    """Upstream's sandbox_router.py running at ``url`` (``token``: the file of its
+    ROUTER_AUTH_TOKEN), the ``hosts`` file its resolver reads, the broker in front of it."""
+
+    url: str
+    token: Path
+    hosts: Path
+    broker_url: str
+
+
+@contextlib.contextmanager
+def _resolvable(cluster: Cluster, hosts: Path, names: list[str]) -> Iterator[None]:
+    """``{name}.{namespace}.svc.cluster.local`` -> its pod's IP appended to ``hosts`` (the
+    Sandbox ``name``'s pod), for the block only: the file's exact bytes are written back."""
+    before = hosts.read_bytes()
+    lines = "".join(f"{cluster.controller.pod_address(cluster.ns, name)[0]} "
+                    f"{name}.{cluster.ns}.svc.cluster.local\n" for name in names)  # fmt: skip
+    hosts.write_bytes(before + (b"" if before.endswith(b"\n") or not before else b"\n")
+                      + lines.encode())  # fmt: skip
+    try:
+        yield
+    finally:
+        hosts.write_bytes(before)
+
+
+def _sandbox_name(cluster: Cluster, sandbox: Sandbox) -> str:
+    """The claim's Sandbox (``status.sandbox.name``): the X-Sandbox-ID the broker sends a router."""
+    claim = cluster.kube.get(path(CLAIM, cluster.ns, sandbox.sandbox_id))
+    return str(claim["status"]["sandbox"]["name"])
+
+
+def _interleaved(runs: dict[str, Callable[[], Any]], n: int) -> dict[str, list[float]]:
+    """``n`` rounds, one call of each run per round (the order rotating): seconds per call."""
+    for run in runs.values():
+        run()  # warm
+    names = list(runs)
+    out: dict[str, list[float]] = {name: [] for name in runs}
+    for i in range(n):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            t = time.perf_counter()
+            runs[name]()
+            out[name].append(time.perf_counter() - t)
+    return out
+
+
+def _p90_ms(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[-1] * 1000
+
+
+def data_plane_hops(
+    cluster: Cluster, pod_url: str, router_url: str, n: int, upstream: UpstreamRouter | None
+) -> None:
     env = cluster.environ(pod_url)
     router_env = cluster.environ(router_url)
-    with Sandbox.create(environ=env) as sandbox, Sandbox.create(environ=router_env) as routed:
+    with contextlib.ExitStack() as stack:
+        sandbox = stack.enter_context(Sandbox.create(environ=env))
+        routed = stack.enter_context(Sandbox.create(environ=router_env))
         direct = cluster.controller.pod_url(cluster.ns, sandbox.sandbox_id)
         context = ssl.create_default_context(cafile=cluster.ca)
         token = Path(env["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
         rtoken = Path(router_env["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
         ident = {"X-Sandbox-Namespace": cluster.ns}
-        with httpx.Client(trust_env=False) as plain, httpx.Client(verify=context) as tls:
-            runs = {
-                "direct": lambda: plain.get(direct + "/"),
-                "router": lambda: plain.get(cluster.router.url + "/", headers={
-                    **ident, "X-Sandbox-ID": routed.sandbox_id,
-                    "Authorization": f"Bearer {cluster.router_token.read_text().strip()}"}),
-                "broker (pod)": lambda: tls.get(pod_url + "/", headers={
-                    **ident, "X-Sandbox-ID": sandbox.sandbox_id,
-                    "Authorization": f"Bearer {token}"}),
-                "broker (router)": lambda: tls.get(router_url + "/", headers={
-                    **ident, "X-Sandbox-ID": routed.sandbox_id,
-                    "Authorization": f"Bearer {rtoken}"}),
-            }  # fmt: skip
-            for run in runs.values():
-                assert run().status_code == 200
+        plain = stack.enter_context(httpx.Client(trust_env=False))
+        tls = stack.enter_context(httpx.Client(verify=context))
+        runs = {
+            "direct": lambda: plain.get(direct + "/"),
+            "router": lambda: plain.get(cluster.router.url + "/", headers={
+                **ident, "X-Sandbox-ID": routed.sandbox_id,
+                "Authorization": f"Bearer {cluster.router_token.read_text().strip()}"}),
+            "broker (pod)": lambda: tls.get(pod_url + "/", headers={
+                **ident, "X-Sandbox-ID": sandbox.sandbox_id,
+                "Authorization": f"Bearer {token}"}),
+            "broker (router)": lambda: tls.get(router_url + "/", headers={
+                **ident, "X-Sandbox-ID": routed.sandbox_id,
+                "Authorization": f"Bearer {rtoken}"}),
+        }  # fmt: skip
+        if upstream is not None:
+            runs.update(_upstream_runs(cluster, stack, upstream, plain, tls))
+        for run in runs.values():
+            assert run().status_code == 200
+        if upstream is None:
             times = {name: _median_ms(_timed(run, n)) for name, run in runs.items()}
+        else:
+            samples = _interleaved(runs, n)
+            times = {name: _median_ms(values) for name, values in samples.items()}
     router_hop = times["router"] - times["direct"]
     pod_hop = times["broker (pod)"] - times["direct"]
     front = times["broker (router)"] - times["router"]
@@ -347,6 +418,46 @@ def data_plane_hops(cluster: Cluster, pod_url: str, router_url: str, n: int) -> 
     print(f"    hops: router {router_hop:.2f} ms; broker, pod mode {pod_hop:.2f} ms "
           f"= {pod_hop / router_hop:.2f} x the router's; broker in front of the router "
           f"{front:.2f} ms = {front / router_hop:.2f} x")  # fmt: skip
+    if upstream is not None:
+        _print_upstream(samples)
+
+
+def _upstream_runs(
+    cluster: Cluster,
+    stack: contextlib.ExitStack,
+    upstream: UpstreamRouter,
+    plain: httpx.Client,
+    tls: httpx.Client,
+) -> dict[str, Callable[[], Any]]:
+    """The rows of upstream's router: alone (its token, the router headers of a Sandbox the
+    broker in front of it made) and through that broker in router mode."""
+    env = cluster.environ(upstream.broker_url)
+    btoken = Path(env["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
+    sandbox = stack.enter_context(Sandbox.create(environ=env))
+    name = _sandbox_name(cluster, sandbox)
+    stack.enter_context(_resolvable(cluster, upstream.hosts, [name]))
+    secret = upstream.token.read_text().strip()
+    alone = {"X-Sandbox-Namespace": cluster.ns, "X-Sandbox-ID": name, "X-Sandbox-Port": "8888",
+             "Authorization": f"Bearer {secret}"}  # fmt: skip
+    front = {"X-Sandbox-Namespace": cluster.ns, "X-Sandbox-ID": sandbox.sandbox_id,
+             "Authorization": f"Bearer {btoken}"}  # fmt: skip
+    return {
+        "upstream router": lambda: plain.get(upstream.url + "/", headers=alone),
+        "broker (upstream router)": lambda: tls.get(upstream.broker_url + "/", headers=front),
+    }
+
+
+def _print_upstream(samples: dict[str, list[float]]) -> None:
+    med = {name: _median_ms(values) for name, values in samples.items()}
+    p90 = {name: _p90_ms(values) for name, values in samples.items()}
+    print("    p90s: " + ", ".join(f"{k} {v:.2f} ms" for k, v in p90.items()))
+    for label, stat in (("median", med), ("p90", p90)):
+        hop = stat["upstream router"] - stat["direct"]
+        pod = stat["broker (pod)"] - stat["direct"]
+        front = stat["broker (upstream router)"] - stat["upstream router"]
+        print(f"    {label}s, against upstream's router: its hop {hop:.2f} ms; broker, pod mode "
+              f"{pod:.2f} ms = {pod / hop:.2f} x upstream's hop; broker in front of upstream's "
+              f"router {front:.2f} ms = {front / hop:.2f} x")  # fmt: skip
 
 
 def many_sandboxes(cluster: Cluster, url: str, pid: int, count: int, rounds: int) -> None:
@@ -389,7 +500,27 @@ def main() -> None:
     parser.add_argument("--sandboxes", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--parts", default="abc", help="which of (a), (b), (c) to run")
+    parser.add_argument(
+        "--upstream-router",
+        metavar="URL",
+        help="(b) also against upstream's sandbox_router.py running there",
+    )
+    parser.add_argument(
+        "--upstream-router-token",
+        metavar="FILE",
+        type=Path,
+        help="the file of that router's ROUTER_AUTH_TOKEN",
+    )
+    parser.add_argument(
+        "--upstream-hosts-file",
+        metavar="FILE",
+        type=Path,
+        default=Path("/etc/hosts"),
+        help="the hosts file that router resolves through (restored after)",
+    )
     args = parser.parse_args()
+    if args.upstream_router and args.upstream_router_token is None:
+        parser.error("--upstream-router needs --upstream-router-token (its ROUTER_AUTH_TOKEN)")
     with contextlib.ExitStack() as stack:
         cluster = Cluster(stack, Path(stack.enter_context(tempfile.TemporaryDirectory())))
         cluster.router_token = cluster.folder / "router-token"
@@ -400,10 +531,16 @@ def main() -> None:
         router_url, _ = cluster.broker("router", router=(cluster.router.url, cluster.router_token))
         timings = cluster.folder / "timings.jsonl"
         timed = cluster.broker("timed", timings)[0], timings
+        upstream = None
+        if args.upstream_router and "b" in args.parts:
+            front = (args.upstream_router, args.upstream_router_token)
+            upstream = UpstreamRouter(args.upstream_router, args.upstream_router_token,
+                                      args.upstream_hosts_file,
+                                      cluster.broker("upstream", router=front)[0])  # fmt: skip
         if "a" in args.parts:
             create_to_ready(cluster, pod_url, timed, args.creates)
         if "b" in args.parts:
-            data_plane_hops(cluster, pod_url, router_url, args.hops)
+            data_plane_hops(cluster, pod_url, router_url, args.hops, upstream)
         if "c" in args.parts:
             many_sandboxes(cluster, pod_url, pod_pid, args.sandboxes, args.rounds)
 
