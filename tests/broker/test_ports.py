@@ -268,3 +268,49 @@ def test_kubernetes_routes_a_port_request_to_that_port() -> None:
             await pods.close()
 
     asyncio.run(main())
+
+
+def test_kubernetes_pod_routes_keep_no_connection_to_a_users_server() -> None:
+    """Straight to the pod (``data_plane = "pod"``), a port request gets a connection of its
+    own, as on the local backend: a user's server is not ours to keep connections to (one
+    that answers in several writes stalls 40 ms per request on a kept-alive connection);
+    the runtime's API keeps its connections."""
+    import asyncio
+
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._routes import RouteSettings
+
+    async def main() -> None:
+        accepted: dict[int, int] = {}
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            port = writer.get_extra_info("sockname")[1]
+            accepted[port] = accepted.get(port, 0) + 1
+            try:
+                while await reader.readuntil(b"\r\n\r\n"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        runtime = await asyncio.start_server(serve, "127.0.0.1", 0)
+        user = await asyncio.start_server(serve, "127.0.0.1", 0)
+        runtime_port = runtime.sockets[0].getsockname()[1]
+        user_port = user.sockets[0].getsockname()[1]
+        settings = RouteSettings(
+            data_plane="pod", runtime_port=runtime_port, allow_loopback_pod_ips=True
+        )
+        routes = await _routes(settings)
+        state = _kube_state(pod_ips=("127.0.0.1",))
+        try:
+            for port in (8888, user_port):
+                for _ in range(3):
+                    route = routes.route(state, port)
+                    answer = await route.client.get(f"http://{route.host}:{route.port}/")
+                    assert answer.content == b"ok"
+            assert accepted == {runtime_port: 1, user_port: 3}, accepted
+        finally:
+            await routes.close()
+            runtime.close()
+            user.close()
+
+    asyncio.run(main())
