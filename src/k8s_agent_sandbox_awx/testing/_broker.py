@@ -704,7 +704,8 @@ class LocalBroker:
         return bound or name
 
     def execution_count(self, name: str) -> int:
-        """How many ``POST /execute`` requests the broker forwarded to sandbox ``name``."""
+        """How many command-running requests (``POST /execute``, ``POST /commands``) the broker
+        forwarded to sandbox ``name``: refused ones count too, as they reached the runtime."""
         store = self._require_store()
         name = self.sandbox_name(name)
         with store.lock:
