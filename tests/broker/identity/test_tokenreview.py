@@ -252,3 +252,27 @@ async def test_review_from_a_status() -> None:
 @pytest.fixture
 def reviewer() -> Reviewer:
     return Reviewer()
+
+
+async def test_an_api_server_outage_after_it_answered_is_the_issuers_outage(
+    reviewer: Reviewer,
+) -> None:
+    """Once the API server has reviewed tokens, its failure is an outage of that issuer (503
+    ``issuer_unavailable``, retry after a few seconds, as for a JWKS issuer whose keys went
+    stale), not a bad token: the token may well be good."""
+    from k8s_agent_sandbox_awx.broker.identity._rejection import IssuerUnavailable
+
+    first, second = token(jti="first"), token(jti="second")  # not the same token
+    reviewer.admit(first, "system:serviceaccount:team-a:agent")
+    reviewer.admit(second, "system:serviceaccount:team-a:agent")
+    verifier = verifier_for(reviewer)
+    await verifier.verify(f"Bearer {first}")
+    reviewer.fail = ConnectionError(f"connection refused while sending {second}")
+    with pytest.raises(IssuerUnavailable) as info:
+        await verifier.verify(f"Bearer {second}")
+    assert info.value.code == "issuer_unavailable" and info.value.retry_after >= 1
+    assert "did not review the token of issuer 'cluster'" in info.value.detail
+    assert second not in str(info.value) and "retry later" in info.value.detail
+    reviewer.fail = None
+    caller, _ = await verifier.verify(f"Bearer {second}")  # a failure is never cached
+    assert caller.subject.endswith(":agent")

@@ -33,6 +33,11 @@ __all__ = ["IssuerTrust"]
 log = logging.getLogger("k8s_agent_sandbox_awx.broker.identity")
 
 
+REVIEW_RETRY_AFTER = 5
+"""Seconds a caller waits before it retries when the API server, which has reviewed tokens
+before, does not answer a TokenReview (``Retry-After`` of the 503 ``issuer_unavailable``)."""
+
+
 class IssuerTrust:
     """How tokens of the issuer ``settings`` are checked (see the module). ``audiences``: the
     accepted audiences (the settings' or the broker's own); ``http``: a shared client factory
@@ -138,6 +143,8 @@ class IssuerTrust:
                 audiences=spelled_audiences(payload, self.audiences),
             )
         except ReviewUnavailable as exc:
+            if self.reviews.answered_once:  # an outage of the API server: the token may be good
+                raise IssuerUnavailable(f"{exc}; retry later", REVIEW_RETRY_AFTER) from None
             raise TokenRejected("bad_signature", f"{exc}; retry later") from None
         return reviewed_claims(verdict, payload, self.audiences, self.settings.name)
 
