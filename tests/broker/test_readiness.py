@@ -152,7 +152,12 @@ async def test_a_replica_whose_issuer_never_had_keys_is_not_ready(
     await broker.broker.startup()
     try:
         deadline = time.monotonic() + 10
-        while "issuer cluster" in (answer := await broker.readyz())[1].get("not_ready", {}):
+
+        def settled(body: dict[str, Any]) -> bool:  # both issuers' first fetches have ended
+            waiting = body.get("not_ready", {})
+            return "issuer cluster" not in waiting and "no keys loaded yet" not in str(waiting)
+
+        while not settled((answer := await broker.readyz())[1]):
             assert time.monotonic() < deadline, answer
             await asyncio.sleep(0.05)
         status, body = answer

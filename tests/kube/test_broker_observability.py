@@ -136,7 +136,13 @@ def check_audit(audit_file: Path, namespace: str, name: str, protocol: str) -> N
 
 def check_access(server: Served, name: str, protocol: str) -> None:
     """One access line per request, by route template: never the claim's name."""
-    records = until(lambda: lines_of(lambda: list(server.stdout), "access") or None, "access")
+    delete = ("DELETE", "/v1/sandboxes/{name}") if protocol == "v1" else ("POST", "/rpc op=delete")
+
+    def complete() -> list[dict[str, Any]] | None:  # up to the delete's line, the last one
+        records = lines_of(lambda: list(server.stdout), "access")
+        return records if any((r["method"], r["route"]) == delete for r in records) else None
+
+    records = until(complete, "access lines up to the delete")
     routes = {(r["method"], r["route"], r["status"]) for r in records}
     if protocol == "v1":
         assert ("POST", "/v1/sandboxes", 201) in routes
