@@ -52,23 +52,9 @@ def _raise_stop(*_: object) -> None:
 def _children() -> list[int]:
     """The processes whose parent is this one (from /proc; empty where there is no /proc)."""
     me = os.getpid()
-    found: list[int] = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(b")", 1)[-1].split()
-        if len(fields) > 1 and int(fields[1]) == me:
-            found.append(int(entry))
-    return found
+    return [
+        pid for pid, fields in _process.proc_stats() if len(fields) > 1 and fields[1] == b"%d" % me
+    ]
 
 
 def _kill_children(keep: Container[int] = ()) -> None:

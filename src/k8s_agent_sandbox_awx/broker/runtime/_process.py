@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 PARENT_PID_ENV = "AGENT_SANDBOX_RUNTIME_PARENT_PID"
 """The pid of the process a runtime dies with (set by whoever starts it: the local backend,
@@ -65,6 +65,25 @@ class ProcessGroups:
             groups = list(self._groups)
         for pgid in groups:
             kill_group(pgid)
+
+
+def proc_stats() -> Iterator[tuple[int, list[bytes]]]:
+    """Each process's id and the fields of its ``/proc/PID/stat`` after its name (``state``,
+    ``ppid``, ``pgrp``, ``session``, ...); nothing where there is no ``/proc``; a process
+    gone meanwhile is left out."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        yield int(entry), stat.rsplit(b")", 1)[-1].split()
 
 
 def kill_group(pgid: int) -> None:

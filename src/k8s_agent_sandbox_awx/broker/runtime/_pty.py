@@ -28,6 +28,8 @@ import subprocess
 import sys
 import termios
 
+from . import _process
+
 DEFAULT_TERM = "xterm-256color"
 """``TERM`` of a pty command unless its ``envs`` give one."""
 DEFAULT_SIZE = (80, 24)
@@ -104,21 +106,10 @@ def spawn(
 def kill_session(sid: int) -> None:
     """SIGKILL every process of session ``sid`` (Linux ``/proc``; elsewhere nothing): what a
     terminal's shell started in other process groups (its jobs) ends with it."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-            fields = stat[stat.rindex(b")") + 2 :].split()
-            if int(fields[3]) == sid:
-                os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not ours
+    for pid, fields in _process.proc_stats():
+        if len(fields) > 3 and fields[3] == b"%d" % sid:
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours
+                os.kill(pid, signal.SIGKILL)
 
 
 class ExactText:
