@@ -28,18 +28,24 @@ def managed_only_options() -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not; a process that ends while its stat is read is
+    gone: the read then fails with ``ProcessLookupError``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def process_gone(pid: int, within: float = 10.0) -> bool:
     """Whether ``pid`` is gone (or a zombie) within ``within`` s (a wait, not a speed test)."""
     end = time.monotonic() + within
     while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
+        if not process_alive(pid):
             return True
         time.sleep(0.05)
-    return False
+    return not process_alive(pid)
 
 
 LONG_OUTPUT = """

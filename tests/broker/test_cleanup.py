@@ -18,14 +18,7 @@ import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker, LocalProcessBackend
 from tests._support.isolation import TCP_PORTS, host_processes_only
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):  # gone, or going while we read
-        return False
+from tests._support.programs import process_alive as _alive
 
 
 def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:

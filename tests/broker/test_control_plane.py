@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import RESERVED_PREFIX, LocalBroker, Policy
+from tests._support.programs import process_alive as _alive
 
 
 def test_whoami_kubernetes(broker: LocalBroker, alice: Any) -> None:
@@ -314,14 +315,6 @@ def _ts(value: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("name", ["Bad_Name", "a" * 64])

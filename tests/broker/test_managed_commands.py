@@ -27,6 +27,7 @@ import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker
 from tests._support.isolation import HOST_PIDS, HOST_TMP, host_processes_only
+from tests._support.programs import process_gone
 
 
 class Commands:
@@ -112,25 +113,6 @@ class Commands:
 
 def output(events: list[dict[str, Any]], kind: str = "stdout") -> str:
     return "".join(e["data"] for e in events if e["type"] == kind)
-
-
-def process_gone(pid: int, within: float = 10.0) -> bool:
-    """Whether ``pid`` is gone (or a zombie) within ``within`` s (a wait, not a speed test)."""
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                state = fh.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.05)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
 from tests._support.isolation import HOST_PIDS, HOST_TMP, host_processes_only
+from tests._support.programs import process_gone as _gone
 
 BASH = ["/bin/bash", "--norc", "--noprofile", "-i"]
 
@@ -117,19 +118,6 @@ def sandbox(alice: Any) -> dict[str, Any]:
 @pytest.fixture
 def term(alice: Any, sandbox: dict[str, Any]) -> Terminal:
     return Terminal(alice, sandbox)
-
-
-def _gone(pid: int, within: float = 10.0) -> bool:
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # -- the terminal ------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from starlette.responses import StreamingResponse
 from k8s_agent_sandbox_awx import KubernetesAuth, Sandbox
 from k8s_agent_sandbox_awx.errors import BrokerError
 from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+from tests._support.programs import process_alive as _alive
 
 pytestmark = pytest.mark.e2e
 
@@ -192,15 +193,6 @@ def lossy_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBrok
     }
     with LocalBroker(templates=templates, kubernetes_policy=policy, warn=False) as broker:
         yield broker
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().split(") ", 1)[1][0] != "Z"
 
 
 @pytest.mark.parametrize("background", [False, True])

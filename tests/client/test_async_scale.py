@@ -15,6 +15,7 @@ import pytest
 
 from k8s_agent_sandbox_awx import AsyncSandbox, OIDCTokenAuth, clear_credential_cache
 from k8s_agent_sandbox_awx.credentials import _cache
+from tests._support.programs import process_alive as _alive
 
 pytestmark = pytest.mark.e2e
 
@@ -69,14 +70,6 @@ def _client_sockets(broker_port: int, *, side: str = "client") -> list[tuple[int
             ):
                 found.append(entry)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _settle(check: Any, timeout: float = 15.0) -> Any:

@@ -25,6 +25,7 @@ from tests._support import _agent_sandbox as rules
 from tests._support._api import CLAIM, POD, SANDBOX, collection, path
 from tests._support.controller import StandInController, claim_body
 from tests._support.kube import KubeAPIServer, KubeError
+from tests._support.programs import process_alive as alive
 
 pytestmark = pytest.mark.slow  # one API server per session: ~4 s to start
 
@@ -84,14 +85,6 @@ def escape(url: str) -> int:
 
 def in_seconds(seconds: float) -> str:
     return (datetime.now(UTC) + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture
