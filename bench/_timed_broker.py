@@ -20,9 +20,10 @@ import os
 import sys
 import time
 from typing import Any
+from unittest import mock
 
 from k8s_agent_sandbox_awx.broker.backends.kubernetes import _api, _informer
-from k8s_agent_sandbox_awx.broker.server import _run
+from k8s_agent_sandbox_awx.broker.server import _probes, _run
 from k8s_agent_sandbox_awx.cli import _cli
 
 _fd = -1
@@ -39,19 +40,20 @@ def _ready(obj: dict[str, Any]) -> bool:
     return False
 
 
-def _timed_app(app: Any) -> Any:
-    async def timed(scope: Any, receive: Any, send: Any) -> None:
+def _timed_app(app: _probes.ASGIApp) -> _probes.ASGIApp:
+    async def timed(scope: _probes.Scope, receive: _probes.Receive, send: _probes.Send) -> None:
         if scope["type"] != "http":
-            return await app(scope, receive, send)
+            await app(scope, receive, send)
+            return
         began = time.perf_counter()
 
-        async def sending(message: Any) -> None:
+        async def sending(message: _probes.Scope) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 # before the last bytes go out: the client may be done before send returns
                 _emit("http", scope["method"], scope["path"], began, time.perf_counter())
             await send(message)
 
-        return await app(scope, receive, sending)
+        await app(scope, receive, sending)
 
     return timed
 
@@ -59,7 +61,7 @@ def _timed_app(app: Any) -> Any:
 def _install() -> None:
     request = _api.KubeClient._request
 
-    async def timed_request(self: Any, call: Any) -> dict[str, Any]:
+    async def timed_request(self: _api.KubeClient, call: _api._Call) -> dict[str, Any]:
         began = time.perf_counter()
         try:
             return await request(self, call)
@@ -71,14 +73,21 @@ def _install() -> None:
 
     put = _informer.ClaimCache._put
 
-    def timed_put(self: Any, obj: dict[str, Any]) -> None:
+    def timed_put(self: _informer.ClaimCache, obj: dict[str, Any]) -> None:
         put(self, obj)
         _emit("cache", obj["metadata"]["name"], _ready(obj), time.perf_counter())
 
-    probes = _run.with_probes
-    _api.KubeClient._request = timed_request  # type: ignore[method-assign]
-    _informer.ClaimCache._put = timed_put  # type: ignore[method-assign]
-    _run.with_probes = lambda app, *checks: probes(_timed_app(app), *checks)  # type: ignore[assignment]
+    def timed_probes(
+        app: _probes.ASGIApp,
+        ready: _probes.ReadinessCheck | None = None,
+        degraded: _probes.ReadinessCheck | None = None,
+    ) -> _probes.ASGIApp:
+        return _probes.with_probes(_timed_app(app), ready, degraded)
+
+    # for the process's life (never stopped); _run looks with_probes up in its own namespace
+    mock.patch.object(_api.KubeClient, "_request", timed_request).start()
+    mock.patch.object(_informer.ClaimCache, "_put", timed_put).start()
+    mock.patch.object(_run, "with_probes", timed_probes).start()
 
 
 if __name__ == "__main__":

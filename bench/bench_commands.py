@@ -146,12 +146,12 @@ def bench_paths(env: dict[str, str], runs: int) -> None:
     with Sandbox.create(environ=env) as sandbox:
         features = sandbox.commands._features
         for index in range(2 * (runs + 10)):
-            managed = index % 2 == 0
-            features.managed = managed  # False: as if the runtime had no /commands
+            is_managed = index % 2 == 0
+            features.managed = is_managed  # False: as if the runtime had no /commands
             t = time.perf_counter()
             sandbox.commands.run(["true"])
             if index >= 20:  # the first ten of each warm up
-                times[managed].append(time.perf_counter() - t)
+                times[is_managed].append(time.perf_counter() - t)
     managed, legacy = times[True], times[False]
     print(f"start to exit of `true` x{runs}, the two paths alternating")
     print(f"  managed (streamed POST /commands):  {_ms(managed)}")

@@ -107,7 +107,7 @@ def main() -> None:
                 )
                 written["at"] = time.perf_counter()
 
-            params = {"path": "w", "duration": 5}
+            params: dict[str, str | int] = {"path": "w", "duration": 5}
             http.post("/fs/mkdir", json={"path": "w"}, headers=headers)
             with http.stream("GET", "/fs/watch", params=params, headers=headers) as resp:
                 lines = resp.iter_lines()

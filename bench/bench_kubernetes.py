@@ -42,7 +42,9 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
+import operator
 import os
 import ssl
 import statistics
@@ -106,6 +108,9 @@ class Cluster:
         self.ca = str(folder / "ca.pem")
         self.folder, self.stack = folder, stack
         self.kube.create_service_account(self.ns, "agent")
+        self.router_token = folder / "router-token"
+        self.router_token.write_text("router-secret-for-the-bench\n")
+        self.router = stack.enter_context(StandInRouter(self.controller, self.router_token))
 
     def broker(self, name: str, timings: Path | None = None, **config: Any) -> tuple[str, int]:
         """A ``broker serve`` process (its URL, its pid), stopped at the end; ``timings``: with
@@ -215,7 +220,7 @@ def _watch_delivery(
             "bench": str(i)}}})  # fmt: skip
         answered = time.perf_counter()
         with arrived:
-            assert arrived.wait_for(lambda mark=str(i): mark in seen, 10)
+            assert arrived.wait_for(functools.partial(operator.contains, seen, str(i)), 10)
         after.append(seen[str(i)] - answered)
         since_send.append(seen[str(i)] - sent)
         time.sleep(0.02)
@@ -294,6 +299,7 @@ def _timed_creates(cluster: Cluster, url: str, timings: Path, n: int) -> list[di
     events = _events(timings)
     if os.environ.get("BENCH_EVENTS"):
         _, t0, t1, timing = runs[-1]
+        assert timing.ready_written_at is not None
         for e in events:
             if t0 <= e[3] <= t1:
                 print("     ", [f"{(x - t0) * 1000:.2f}" if isinstance(x, float) else x for x in e])
@@ -390,7 +396,7 @@ def data_plane_hops(
         ident = {"X-Sandbox-Namespace": cluster.ns}
         plain = stack.enter_context(httpx.Client(trust_env=False))
         tls = stack.enter_context(httpx.Client(verify=context))
-        runs = {
+        runs: dict[str, Callable[[], httpx.Response]] = {
             "direct": lambda: plain.get(direct + "/"),
             "router": lambda: plain.get(cluster.router.url + "/", headers={
                 **ident, "X-Sandbox-ID": routed.sandbox_id,
@@ -428,7 +434,7 @@ def _upstream_runs(
     upstream: UpstreamRouter,
     plain: httpx.Client,
     tls: httpx.Client,
-) -> dict[str, Callable[[], Any]]:
+) -> dict[str, Callable[[], httpx.Response]]:
     """The rows of upstream's router: alone (its token, the router headers of a Sandbox the
     broker in front of it made) and through that broker in router mode."""
     env = cluster.environ(upstream.broker_url)
@@ -523,10 +529,6 @@ def main() -> None:
         parser.error("--upstream-router needs --upstream-router-token (its ROUTER_AUTH_TOKEN)")
     with contextlib.ExitStack() as stack:
         cluster = Cluster(stack, Path(stack.enter_context(tempfile.TemporaryDirectory())))
-        cluster.router_token = cluster.folder / "router-token"
-        cluster.router_token.write_text("router-secret-for-the-bench\n")
-        cluster.router = stack.enter_context(StandInRouter(cluster.controller,
-                                                           cluster.router_token))  # fmt: skip
         pod_url, pod_pid = cluster.broker("pod")
         router_url, _ = cluster.broker("router", router=(cluster.router.url, cluster.router_token))
         timings = cluster.folder / "timings.jsonl"

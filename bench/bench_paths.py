@@ -176,11 +176,11 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for key, label, _ in paths:
         median, p90 = _stats(samples[key])
-        cpu = statistics.median(client_cpu[key]) * 1e6
+        cpu_us = statistics.median(client_cpu[key]) * 1e6
         hop = broker_cpu[key] / len(samples[key]) * 1e6
         print(
             f"| {key} | {label} | {median * 1e3:.2f} ms | {p90 * 1e3:.2f} ms | "
-            f"{median / med['A']:.2f}x | {cpu:.0f} µs | {f'{hop:.0f} µs' if hop > 0 else '-'} |"
+            f"{median / med['A']:.2f}x | {cpu_us:.0f} µs | {f'{hop:.0f} µs' if hop > 0 else '-'} |"
         )
     print()
     print(

@@ -65,7 +65,7 @@ class _Echoes:
                 raise TimeoutError(f"no echo after {timeout}s: {bytes(self.data[-40:])!r}")
 
 
-def _keys(runs: int, send: Callable[[bytes], None], echoes: _Echoes) -> list[float]:
+def _keys(runs: int, send: Callable[[bytes], object], echoes: _Echoes) -> list[float]:
     base = len(echoes.data)
     times = []
     for i in range(runs + 20):  # 20 to warm up
@@ -142,7 +142,7 @@ def bench_local(runs: int) -> list[float]:
 
     threading.Thread(target=read, daemon=True).start()
     try:
-        return _keys(runs, lambda key: os.write(master, key) and None, echoes)
+        return _keys(runs, lambda key: os.write(master, key), echoes)
     finally:
         proc.kill()
         proc.wait()

@@ -289,7 +289,11 @@ def _make_pki(folder: Path) -> _Pki:
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
     paths = _Pki(
-        *(folder / n for n in ("ca.pem", "server.pem", "server-key.pem", "sa.key", "sa.pub")),
+        ca_file=folder / "ca.pem",
+        cert_file=folder / "server.pem",
+        key_file=folder / "server-key.pem",
+        sa_key_file=folder / "sa.key",
+        sa_public_file=folder / "sa.pub",
         authority=ca,
     )
     ca.cert_pem.write_to_path(str(paths.ca_file))

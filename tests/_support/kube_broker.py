@@ -308,6 +308,11 @@ def sdk_environ(
     }
 
 
+SdkReplica = Callable[..., tuple[Replica, dict[str, str]]]
+"""tests/kube's ``sdk_replica`` and ``python_replica`` fixtures: ``start(protocol="v1",
+**config)``, a started replica and the SDK's environment for it (:func:`sdk_environ`)."""
+
+
 class StandInRouter:
     """Upstream's router on plain HTTP on loopback (see the module); ``seen``: the headers
     of each request it forwarded."""

@@ -25,7 +25,13 @@ from tests._support.kube import (
     free_ports,
     kube_required,
 )
-from tests._support.kube_broker import BrokerIdentity, Replica, write_config
+from tests._support.kube_broker import (
+    BrokerIdentity,
+    Replica,
+    SdkReplica,
+    sdk_environ,
+    write_config,
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -127,3 +133,31 @@ def replica_factory(
     for replica in started:
         replica.stop()
     clear_credential_cache()
+
+
+@pytest.fixture
+def sdk_replica(
+    kube: KubeAPIServer,
+    namespace: str,
+    replica_factory: Callable[..., Replica],
+    tmp_path: Path,
+) -> SdkReplica:
+    """``start(protocol="v1", **config)``: a replica (``replica_factory``'s keywords) and the
+    SDK's environment for it in ``protocol`` (``sdk_environ``: a token of the namespace's
+    ServiceAccount ``agent`` for the replica's URL, in ``tmp_path / "token"``)."""
+
+    def start(protocol: str = "v1", **config: Any) -> tuple[Replica, dict[str, str]]:
+        replica = replica_factory(**config)
+        token_file = tmp_path / "token"
+        return replica, sdk_environ(kube, namespace, replica, token_file, protocol=protocol)
+
+    return start
+
+
+@pytest.fixture
+def python_replica(
+    controller: StandInController, python_pool: str, sdk_replica: SdkReplica
+) -> SdkReplica:
+    """``sdk_replica``, with the stand-in controller watching the test's namespace and the
+    empty warm pool ``python`` (``python_pool``) made first: where most of these tests start."""
+    return sdk_replica

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
 from tests._support._api import CLAIM, collection, path
-from tests._support.controller import StandInController
 from tests._support.kube import KubeAPIServer, KubeError
-from tests._support.kube_broker import BROKER_SA, Replica, sdk_environ
+from tests._support.kube_broker import BROKER_SA, SdkReplica
 
 pytestmark = pytest.mark.slow
 
@@ -78,14 +75,10 @@ def check_claim(kube: KubeAPIServer, namespace: str, name: str, protocol: str) -
 def test_the_sync_sdk_creates_runs_moves_files_extends_and_deletes(
     kube: KubeAPIServer,
     namespace: str,
-    controller: StandInController,
-    python_pool: str,
-    replica_factory: Callable[..., Replica],
-    tmp_path: Path,
+    python_replica: SdkReplica,
     protocol: str,
 ) -> None:
-    replica = replica_factory()
-    environ = sdk_environ(kube, namespace, replica, tmp_path / "token", protocol=protocol)
+    _, environ = python_replica(protocol)
     sandbox = Sandbox.create(environ=environ, timeout=600)
     try:
         claim = check_claim(kube, namespace, sandbox.name, protocol)
@@ -110,14 +103,10 @@ def test_the_sync_sdk_creates_runs_moves_files_extends_and_deletes(
 async def test_the_async_sdk_does_the_same(
     kube: KubeAPIServer,
     namespace: str,
-    controller: StandInController,
-    python_pool: str,
-    replica_factory: Callable[..., Replica],
-    tmp_path: Path,
+    python_replica: SdkReplica,
     protocol: str,
 ) -> None:
-    replica = replica_factory()
-    environ = sdk_environ(kube, namespace, replica, tmp_path / "token", protocol=protocol)
+    _, environ = python_replica(protocol)
     sandbox = await AsyncSandbox.create(environ=environ, timeout=600)
     try:
         check_claim(kube, namespace, sandbox.name, protocol)

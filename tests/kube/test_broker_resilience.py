@@ -21,7 +21,7 @@ from k8s_agent_sandbox_awx.errors import BrokerWarmPoolNotFoundError, SandboxFai
 from tests._support._api import CLAIM, collection
 from tests._support.controller import StandInController
 from tests._support.kube import KubeAPIServer
-from tests._support.kube_broker import BrokerIdentity, Replica, StandInRouter, sdk_environ
+from tests._support.kube_broker import BrokerIdentity, Replica, SdkReplica, StandInRouter
 
 pytestmark = pytest.mark.slow
 
@@ -58,16 +58,13 @@ def test_a_wait_for_ready_survives_an_api_server_restart(
     kube: KubeAPIServer,
     namespace: str,
     controller: StandInController,
-    python_pool: str,
-    replica_factory: Callable[..., Replica],
-    tmp_path: Path,
+    python_replica: SdkReplica,
 ) -> None:
     """The claim is made, the controller has not acted yet, the API server restarts while
     the SDK's create waits: the broker's claim watch resumes (nothing changed meanwhile, so
     from its last version: no 410, see the next test for that), the wait goes on, and once
     the controller acts the create returns the one sandbox, usable."""
-    replica = replica_factory()
-    environ = sdk_environ(kube, namespace, replica, tmp_path / "token")
+    _, environ = python_replica()
     controller.pause()
     with creating(environ, timeout=600, ready_timeout=40) as made:
         claim = the_claim(kube, namespace)
@@ -88,15 +85,12 @@ def test_a_wait_for_ready_survives_an_expired_watch(
     kube: KubeAPIServer,
     namespace: str,
     controller: StandInController,
-    python_pool: str,
-    replica_factory: Callable[..., Replica],
-    tmp_path: Path,
+    python_replica: SdkReplica,
     protocol: str,
 ) -> None:
     """The claims' watch resumes from a version the API server no longer has (410) during
     the wait: the cache lists again and the wait sees the claim become Ready."""
-    replica = replica_factory()
-    environ = sdk_environ(kube, namespace, replica, tmp_path / "token", protocol=protocol)
+    replica, environ = python_replica(protocol)
     controller.pause()
     with creating(environ, timeout=600, ready_timeout=40) as made:
         the_claim(kube, namespace)
@@ -122,16 +116,12 @@ def test_a_wait_for_ready_survives_an_expired_watch(
 def test_a_missing_warm_pool_is_the_sdks_warm_pool_not_found_error(
     kube: KubeAPIServer,
     namespace: str,
-    controller: StandInController,
-    python_pool: str,
-    replica_factory: Callable[..., Replica],
-    tmp_path: Path,
+    python_replica: SdkReplica,
     protocol: str,
 ) -> None:
     """The policy allows pool ``nowhere``, which does not exist: the controller's
     WarmPoolNotFound reaches the SDK as BrokerWarmPoolNotFoundError; the claim is deleted."""
-    replica = replica_factory(pools=("python", "nowhere"))
-    environ = sdk_environ(kube, namespace, replica, tmp_path / "token", protocol=protocol)
+    _, environ = python_replica(protocol, pools=("python", "nowhere"))
     with pytest.raises(BrokerWarmPoolNotFoundError) as raised:
         Sandbox.create("nowhere", environ=environ, timeout=600, ready_timeout=60)
     assert raised.value.reason == "WarmPoolNotFound"
@@ -147,13 +137,10 @@ def test_a_terminal_reason_is_the_sdks_failed_error_with_the_reason(
     kube: KubeAPIServer,
     namespace: str,
     controller: StandInController,
-    python_pool: str,
-    replica_factory: Callable[..., Replica],
-    tmp_path: Path,
+    python_replica: SdkReplica,
     protocol: str,
 ) -> None:
-    replica = replica_factory()
-    environ = sdk_environ(kube, namespace, replica, tmp_path / "token", protocol=protocol)
+    _, environ = python_replica(protocol)
     controller.pause()
     with creating(environ, timeout=600, ready_timeout=60) as made:
         name = the_claim(kube, namespace)["metadata"]["name"]
@@ -176,8 +163,7 @@ def test_a_claim_that_adopts_a_warm_sandbox_reaches_its_pod(
     kube: KubeAPIServer,
     namespace: str,
     controller: StandInController,
-    replica_factory: Callable[..., Replica],
-    tmp_path: Path,
+    sdk_replica: SdkReplica,
     protocol: str,
 ) -> None:
     """A warm pool of one Ready Sandbox: the claim is bound to it (its own name, not the
@@ -185,8 +171,7 @@ def test_a_claim_that_adopts_a_warm_sandbox_reaches_its_pod(
     broker is in that pod's runtime)."""
     controller.create_template(namespace, "python")
     controller.create_warm_pool(namespace, "python", "python", replicas=1)
-    replica = replica_factory()
-    environ = sdk_environ(kube, namespace, replica, tmp_path / "token", protocol=protocol)
+    _, environ = sdk_replica(protocol)
     sandbox = Sandbox.create(environ=environ, timeout=600)
     try:
         claim = kube.get(collection(CLAIM, namespace) + "/" + claim_name_of(sandbox))
@@ -204,7 +189,7 @@ def test_the_router_data_plane_reaches_an_adopted_sandbox_with_the_brokers_token
     kube: KubeAPIServer,
     namespace: str,
     controller: StandInController,
-    replica_factory: Callable[..., Replica],
+    sdk_replica: SdkReplica,
     tmp_path: Path,
 ) -> None:
     """``data_plane = "router"``: the broker sends upstream's headers (X-Sandbox-ID = the
@@ -215,8 +200,7 @@ def test_the_router_data_plane_reaches_an_adopted_sandbox_with_the_brokers_token
     router_token = tmp_path / "router-token"
     router_token.write_text("router-secret-1\n")
     with StandInRouter(controller, router_token) as router:
-        replica = replica_factory(router=(router.url, router_token))
-        environ = sdk_environ(kube, namespace, replica, tmp_path / "token")
+        _, environ = sdk_replica(router=(router.url, router_token))
         caller_token = (tmp_path / "token").read_text().strip()
         sandbox = Sandbox.create(environ=environ, timeout=600)
         try:

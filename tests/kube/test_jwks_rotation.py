@@ -12,8 +12,6 @@ before the rotation is used after it with a new-key token: nothing lost, nothing
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jwt
@@ -22,9 +20,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from k8s_agent_sandbox_awx import BrokerAuthenticationError, OIDCTokenAuth, Sandbox
 from tests._support._api import CLAIM, collection
-from tests._support.controller import StandInController
 from tests._support.kube import KubeAPIServer
-from tests._support.kube_broker import Replica, sdk_environ
+from tests._support.kube_broker import Replica, SdkReplica
 
 pytestmark = pytest.mark.slow  # restarts the session's API server (~5 s)
 
@@ -51,13 +48,9 @@ def counters(replica: Replica) -> dict[str, Any]:
 def test_a_key_rotation_loses_nothing_and_refetches_once(
     kube: KubeAPIServer,
     namespace: str,
-    controller: StandInController,
-    python_pool: str,
-    replica_factory: Callable[..., Replica],
-    tmp_path: Path,
+    python_replica: SdkReplica,
 ) -> None:
-    replica = replica_factory(jwks_min_refetch_seconds=30)
-    environ = sdk_environ(kube, namespace, replica, tmp_path / "token")
+    replica, environ = python_replica(jwks_min_refetch_seconds=30)
     old_token = kube.token_request(namespace, "agent", replica.url)
     unused_old_token = kube.token_request(namespace, "agent", replica.url)  # verified after only
     old_kid = kid_of(old_token)

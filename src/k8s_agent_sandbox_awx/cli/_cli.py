@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _everyday, _port_forward
-from ._common import PROG
+from ._common import PROG, json_option, ready_timeout_option, template_option
 from ._common import CliError as _CliError
 from ._common import print_json as _print_json
 from ._common import seconds as _seconds
@@ -90,33 +90,24 @@ def global_options(parser: argparse.ArgumentParser, default: Any) -> None:
 
 def _subcommands(sub: Any) -> None:
     p = sub.add_parser("whoami", help="show the identity the broker verified for your token")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    json_option(p)
     p = sub.add_parser("doctor", help="check configuration, credentials, TLS and the broker")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    json_option(p)
     _everyday.create_subcommand(sub)
     p = sub.add_parser(
         "run",
         help="create a sandbox, run one command, print its output, kill it "
         "(--keep: keep it; --sandbox NAME: run in an existing one)",
     )
-    p.add_argument(
-        "--template",
-        help="sandbox template (default: $AGENT_SANDBOX_TEMPLATE, "
-        "else the broker policy's default)",
-    )
+    template_option(p)
     p.add_argument(
         "--timeout",
         type=_seconds(positive=True),
         default=300,
         help="command time limit in seconds",
     )
-    p.add_argument(
-        "--ready-timeout",
-        type=_seconds(positive=False),
-        default=None,
-        help="seconds to wait for the sandbox to become ready",
-    )
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    ready_timeout_option(p)
+    json_option(p, "print the result as JSON")
     _everyday.run_options(p)
     p.add_argument(
         "cmd",
@@ -125,15 +116,15 @@ def _subcommands(sub: Any) -> None:
         "(for pipes, && and globs: -- sh -c 'a && b')",
     )
     p = sub.add_parser("ls", help="list my sandboxes")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    json_option(p)
     p.add_argument("--selector", help="label selector k1=v1,k2=v2")
     p = sub.add_parser("kill", help="delete sandboxes by name (already gone is fine)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    json_option(p)
     p.add_argument("names", nargs="+", metavar="NAME", help="a sandbox's name (from `ls`)")
     p = sub.add_parser(
         "extend", help="set a sandbox's lifetime: the broker deletes it SECONDS from now"
     )
-    p.add_argument("--json", action="store_true", help="print the sandbox as JSON")
+    json_option(p, "print the sandbox as JSON")
     p.add_argument("name", metavar="NAME", help="the sandbox's name (from `ls`)")
     p.add_argument(
         "seconds",
@@ -179,35 +170,30 @@ def _files_subcommands(files: argparse.ArgumentParser) -> None:
     p.add_argument(
         "path", nargs="?", default=".", metavar="PATH", help="the directory (default: /app)"
     )
-    p.add_argument("--json", action="store_true", help="print JSON (FileInfo objects)")
+    json_option(p, "print JSON (FileInfo objects)")
     p = sub.add_parser("get", help="download a file (DEST '-': standard output)")
     p.add_argument("name", metavar="NAME", help=_NAME_HELP)
     p.add_argument("path", metavar="PATH", help=_PATH_HELP)
     p.add_argument("dest", nargs="?", metavar="DEST", help="default: the file's name, here")
-    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    json_option(p, "print what was written as JSON")
     p = sub.add_parser("put", help="upload a local file (atomic replace, parents created)")
     p.add_argument("name", metavar="NAME", help=_NAME_HELP)
     p.add_argument("local", metavar="LOCAL", help="the local file to upload")
     p.add_argument("path", nargs="?", metavar="PATH", help="default: LOCAL's name, in /app")
-    p.add_argument("--json", action="store_true", help="print the FileInfo as JSON")
+    json_option(p, "print the FileInfo as JSON")
     p = sub.add_parser("rm", help="remove a file or directory (a missing one is fine)")
     p.add_argument("name", metavar="NAME", help=_NAME_HELP)
     p.add_argument("path", metavar="PATH", help=_PATH_HELP)
     p.add_argument("-r", "--recursive", action="store_true", help="a directory and its contents")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    json_option(p)
 
 
 def _shell_subcommand(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", metavar="NAME", help="the sandbox (or --new)")
     p.add_argument("--new", action="store_true", help="create a sandbox for the session")
     p.add_argument("--keep", action="store_true", help="with --new: keep it after the session")
-    p.add_argument("--template", help="with --new: its template (as for run)")
-    p.add_argument(
-        "--ready-timeout",
-        type=_seconds(positive=False),
-        default=None,
-        help="with --new: seconds to wait for the sandbox to become ready",
-    )
+    template_option(p, "with --new: its template (as for run)")
+    ready_timeout_option(p, "with --new: seconds to wait for the sandbox to become ready")
     p.usage = "%(prog)s [-h] [NAME | --new [--keep] [--template T]] [-- COMMAND [ARG...]]"
     p.epilog = "-- COMMAND [ARG...]: what the terminal runs (default: the sandbox's login shell)"
     p.set_defaults(cmd=[])  # the words after `--`: split off before parsing (see _split_command)

@@ -1,5 +1,6 @@
 """What the CLI's modules share: its name, its explained failure, the seconds type of its
-options and its JSON printing (standard library only: ``--help`` stays fast)."""
+options, the options several sub-commands take and its JSON printing (standard library only:
+``--help`` stays fast)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PROG", "CliError", "print_json", "seconds"]
+__all__ = [
+    "PROG",
+    "CliError",
+    "json_option",
+    "print_json",
+    "ready_timeout_option",
+    "seconds",
+    "template_option",
+]
 
 PROG = "agent-sandbox-awx"
 
@@ -37,6 +46,31 @@ def seconds(*, positive: bool) -> Callable[[str], float]:
 
     parse.__name__ = "seconds"
     return parse
+
+
+TEMPLATE_HELP = (
+    "sandbox template (default: $AGENT_SANDBOX_TEMPLATE, else the broker policy's default)"
+)
+READY_TIMEOUT_HELP = "seconds to wait for the sandbox to become ready"
+
+
+def template_option(parser: argparse.ArgumentParser, help_text: str = TEMPLATE_HELP) -> None:
+    """``--template NAME``: the new sandbox's template (``None``: the default)."""
+    parser.add_argument("--template", help=help_text)
+
+
+def ready_timeout_option(
+    parser: argparse.ArgumentParser, help_text: str = READY_TIMEOUT_HELP
+) -> None:
+    """``--ready-timeout SECONDS`` (>= 0; ``None``: the client's default)."""
+    parser.add_argument(
+        "--ready-timeout", type=seconds(positive=False), default=None, help=help_text
+    )
+
+
+def json_option(parser: argparse.ArgumentParser, help_text: str = "print JSON") -> None:
+    """``--json``: the command's result as JSON on standard output."""
+    parser.add_argument("--json", action="store_true", help=help_text)
 
 
 def print_json(value: Any) -> None:

@@ -14,7 +14,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ._common import PROG, CliError, print_json, seconds
+from ._common import (
+    PROG,
+    CliError,
+    json_option,
+    print_json,
+    ready_timeout_option,
+    seconds,
+    template_option,
+)
 
 __all__ = [
     "cmd_create",
@@ -74,11 +82,7 @@ def create_subcommand(sub: Any) -> None:
         help="create a sandbox and print its name; it runs until its lifetime ends "
         "(--timeout) or `kill NAME`",
     )
-    p.add_argument(
-        "--template",
-        help="sandbox template (default: $AGENT_SANDBOX_TEMPLATE, "
-        "else the broker policy's default)",
-    )
+    template_option(p)
     p.add_argument(
         "--timeout",
         type=seconds(positive=True),
@@ -86,13 +90,8 @@ def create_subcommand(sub: Any) -> None:
         help="the sandbox's lifetime in seconds, from its creation (default: "
         "$AGENT_SANDBOX_TTL_SECONDS, else 300; at most the policy's cap; `extend` changes it)",
     )
-    p.add_argument(
-        "--ready-timeout",
-        type=seconds(positive=False),
-        default=None,
-        help="seconds to wait for the sandbox to become ready",
-    )
-    p.add_argument("--json", action="store_true", help="print the sandbox as JSON")
+    ready_timeout_option(p)
+    json_option(p, "print the sandbox as JSON")
 
 
 def run_options(p: argparse.ArgumentParser) -> None:

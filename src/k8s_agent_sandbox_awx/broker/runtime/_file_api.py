@@ -21,7 +21,7 @@ from typing import Any
 
 from . import _files, _watch
 from ._http import Exchange, body_chunks, read_json, send_file, send_json
-from ._multipart import PartFile, boundary_of, read_form
+from ._multipart import FileWriter, PartFile, boundary_of, read_form
 from ._paths import (
     MAX_PATH_CHARS,
     FsError,
@@ -166,18 +166,17 @@ _POST: dict[str, Callable[[Exchange, dict[str, Any]], None]] = {
 
 
 # -- write ---------------------------------------------------------------------------------------
-class _Write:
+class _Write(FileWriter):
     """One ``POST /fs/write`` (a :class:`._multipart.Form`): the ``path`` field, then the
     ``file`` part, streamed to a temporary file beside the target and renamed over it at the
     part's end."""
 
     def __init__(self, roots: Roots) -> None:
+        super().__init__()
         self.roots = roots
         self.part: str | None = None
         self.path_value = bytearray()
         self.target: SandboxPath | None = None
-        self.parent: int | None = None
-        self.file: PartFile | None = None
         self.result: dict[str, Any] | None = None
 
     def begin(self, disposition: dict[bytes, bytes]) -> None:
@@ -243,14 +242,6 @@ class _Write:
         if isinstance(exc, ValueError):
             return FsError("invalid_argument", f"malformed multipart body: {exc}")
         raise exc
-
-    def cleanup(self) -> None:
-        if self.file is not None:
-            self.file.discard()
-            self.file = None
-        if self.parent is not None:
-            os.close(self.parent)
-            self.parent = None
 
 
 def _write(exchange: Exchange) -> None:

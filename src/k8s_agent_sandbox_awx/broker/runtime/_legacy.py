@@ -33,7 +33,7 @@ from typing import Any
 
 from . import _process
 from ._http import CHUNK_SIZE, Exchange, body_chunks, read_json, send_file, send_json
-from ._multipart import PartFile, boundary_of, read_form
+from ._multipart import FileWriter, PartFile, boundary_of, read_form
 from ._paths import PathChanged, Refusal, Roots, open_legacy_dirs, resolve_legacy
 
 OUTPUT_CAP = 1024 * 1024
@@ -323,15 +323,14 @@ def exists(exchange: Exchange, relative: str) -> bool:
 
 
 # -- POST /upload -------------------------------------------------------------------------------
-class _Upload:
+class _Upload(FileWriter):
     """One ``POST /upload`` (a :class:`._multipart.Form`): the first ``file`` part streamed to
     a temporary file beside its destination (the part's filename), renamed over it at the
     part's end."""
 
     def __init__(self, roots: Roots) -> None:
+        super().__init__()
         self.roots = roots
-        self.parent: int | None = None
-        self.file: PartFile | None = None
         self.name = ""
         self.relative = ""
         self.done: dict[str, Any] = {}
@@ -391,14 +390,6 @@ class _Upload:
                 ) from None
             self.done.update(path=self.relative, size=self.file.size)
             self.file = None
-
-    def cleanup(self) -> None:
-        if self.file is not None:
-            self.file.discard()
-            self.file = None
-        if self.parent is not None:
-            os.close(self.parent)
-            self.parent = None
 
 
 def receive_upload(exchange: Exchange) -> dict[str, Any]:

@@ -75,6 +75,24 @@ class PartFile:
             self.name = None
 
 
+class FileWriter:
+    """What a form that writes one file part holds (``POST /upload``, ``POST /fs/write``): the
+    destination's directory open at ``parent`` and the :class:`PartFile` in it. :meth:`cleanup`,
+    after the body however it ended, discards a file not committed and closes the directory."""
+
+    def __init__(self) -> None:
+        self.parent: int | None = None
+        self.file: PartFile | None = None
+
+    def cleanup(self) -> None:
+        if self.file is not None:
+            self.file.discard()
+            self.file = None
+        if self.parent is not None:
+            os.close(self.parent)
+            self.parent = None
+
+
 def boundary_of(content_type: str) -> bytes | None:
     """The boundary of a ``multipart/form-data`` ``Content-Type`` (``None``: another type, or
     no boundary)."""
