@@ -133,7 +133,9 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024)
     args = parser.parse_args()
     os.environ["AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    with LocalBroker(warn=False) as broker:
+    # host processes: the paths straight to the runtime need its address on this host (under
+    # bubblewrap the runtime listens inside the sandbox, behind the broker only)
+    with LocalBroker(warn=False, isolation="none") as broker:
         env = broker.environ("kubernetes")
         env["AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         bench_run(broker, env, args.runs)

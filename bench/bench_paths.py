@@ -91,7 +91,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD"] = "1"
 
-    with LocalBroker(warn=False) as broker:
+    # host processes: the paths straight to the runtime need its address on this host (under
+    # bubblewrap the runtime listens inside the sandbox, behind the broker only)
+    with LocalBroker(warn=False, isolation="none") as broker:
         env = broker.environ("kubernetes")
         env["AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         with open(env["AGENT_SANDBOX_TOKEN_FILE"]) as fh:
