@@ -314,3 +314,96 @@ def test_kubernetes_pod_routes_keep_no_connection_to_a_users_server() -> None:
             user.close()
 
     asyncio.run(main())
+
+
+# -- wss through an HTTPS router ------------------------------------------------------------------
+ROUTER_TOKEN = "router-credential-0123456789"
+CALLER_TOKEN = "caller-credential-9876543210"
+
+
+def _ws_scope(path: bytes = b"/ws") -> Any:
+    """The ASGI scope of a caller's handshake, as the broker's server hands it over."""
+    headers = [(b"authorization", f"Bearer {CALLER_TOKEN}".encode()), (b"x-sandbox-port", b"3000")]
+    return {"type": "websocket", "path": path.decode(), "raw_path": path, "query_string": b"",
+            "headers": headers, "subprotocols": []}  # fmt: skip
+
+
+async def _tls_router(leaf: Any, seen: list[dict[str, str]]) -> Any:
+    """A router stand-in over HTTPS (``leaf``: its certificate) taking WebSockets: it records
+    the headers of each handshake and echoes every message back (as the port's server would,
+    behind it)."""
+    import ssl
+
+    from websockets.asyncio.server import serve
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    leaf.configure_cert(context)
+
+    async def echo(ws: Any) -> None:
+        seen.append({k.lower(): v for k, v in ws.request.headers.raw_items()})
+        async for message in ws:
+            await ws.send(message)
+
+    return await serve(echo, "127.0.0.1", 0, ssl=context, compression=None)
+
+
+def test_wss_through_an_https_router_verifies_it_with_the_routes_ca(tmp_path: Path) -> None:
+    """With ``router_ca_file``, a WebSocket through the router is verified against that CA,
+    as the HTTP path is: a router whose certificate the CA signed is reached (the broker's
+    router credential sent, the caller's not); one it did not sign is a typed ``502
+    sandbox_unreachable`` naming TLS verification (and no credential)."""
+    pytest.importorskip("websockets", reason="needs the [broker] extra (WebSocket upgrades)")
+    trustme = pytest.importorskip("trustme")
+    import asyncio
+
+    from starlette.requests import HTTPConnection
+
+    from k8s_agent_sandbox_awx.broker._gate import DataRequest
+    from k8s_agent_sandbox_awx.broker._target import port_target
+    from k8s_agent_sandbox_awx.broker._websocket import _open
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._routes import RouteSettings
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    (tmp_path / "token").write_text(ROUTER_TOKEN)
+    stranger = trustme.CA().issue_cert("127.0.0.1")  # a certificate the route's CA did not sign
+    data = DataRequest("sbx-1", "team-a", 3000, 30.0, port_target(b"/ws"))
+    connection = HTTPConnection(_ws_scope())
+
+    async def main() -> None:
+        seen: list[dict[str, str]] = []
+        good = await _tls_router(ca.issue_cert("127.0.0.1"), seen)
+        bad = await _tls_router(stranger, seen)
+        routes = []
+        try:
+            for server in (good, bad):
+                port = server.sockets[0].getsockname()[1]
+                settings = RouteSettings(
+                    router_url=f"https://127.0.0.1:{port}",
+                    router_token_file=tmp_path / "token",
+                    router_ca_file=tmp_path / "ca.pem",
+                )
+                routes.append(await _routes(settings))
+            upstream = await _open(routes[0].route(_kube_state(), 3000), data, connection, "c-1")
+            await upstream.send("through the router")
+            assert await upstream.recv() == "through the router"
+            await upstream.close()
+            [headers] = seen
+            assert headers["authorization"] == f"Bearer {ROUTER_TOKEN}"  # the broker's own
+            assert (headers["x-sandbox-id"], headers["x-sandbox-port"]) == ("sbx-1", "3000")
+            with pytest.raises(ApiError) as info:
+                await _open(routes[1].route(_kube_state(), 3000), data, connection, "c-1")
+            error = info.value
+            assert (error.status, error.code) == (502, "sandbox_unreachable")
+            assert "TLS" in error.detail and "verif" in error.detail, error.detail
+            assert "router_ca_file" in error.detail, error.detail  # the setting to check
+            assert ROUTER_TOKEN not in error.detail and CALLER_TOKEN not in error.detail
+            assert len(seen) == 1  # refused before any handshake reached the stranger
+        finally:
+            for route in routes:
+                await route.close()
+            for server in (good, bad):
+                server.close()
+                await server.wait_closed()
+
+    asyncio.run(main())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from typing import Any
 
 from starlette.requests import HTTPConnection
@@ -96,8 +97,10 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidHandshake, InvalidStatus
 
-    scheme = "wss" if route.scheme == "https" else "ws"
-    uri = f"{scheme}://{route.host}:{route.port}{data.target.raw.decode('ascii')}"
+    secure = route.scheme == "https"
+    uri = (
+        f"{'wss' if secure else 'ws'}://{route.host}:{route.port}{data.target.raw.decode('ascii')}"
+    )
     headers = [
         (k.decode("latin-1"), v.decode("latin-1"))
         for k, v in [*forwarded_headers(connection.headers.raw), *route.headers]
@@ -112,6 +115,7 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
             user_agent_header=None,
             compression=None,
             proxy=None,
+            ssl=route.tls if secure else None,  # verified as the route's HTTP requests are
             open_timeout=min(data.timeout, 30.0),
             ping_interval=None,  # the peers keep their own connection alive
             max_size=MAX_MESSAGE,
@@ -121,6 +125,8 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
         kept = [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.raw_items()]
         relayed = [h for h in kept if h[0] not in (b"content-length", b"connection", b"date")]
         raise _Answered(answer.status_code, relayed, bytes(answer.body or b"")) from None
+    except ssl.SSLCertVerificationError as exc:
+        raise _unverified(route, data.port, name, exc) from None
     except (ConnectionRefusedError, ConnectionResetError):
         raise not_listening(name, data.port) from None
     except (OSError, TimeoutError, InvalidHandshake) as exc:
@@ -130,6 +136,18 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
             f"the WebSocket handshake with port {data.port} of sandbox {name!r} failed "
             f"({type(exc).__name__})",
         ) from None
+
+
+def _unverified(route: Route, port: int, name: str, exc: ssl.SSLCertVerificationError) -> ApiError:
+    """The answer for a server whose TLS certificate the route's CA does not verify."""
+    why = exc.verify_message or exc.reason or type(exc).__name__
+    return ApiError(
+        502,
+        "sandbox_unreachable",
+        f"the WebSocket to port {port} of sandbox {name!r} was refused: TLS verification of "
+        f"{route.host}:{route.port} failed ({why}); its certificate must be signed by the CA "
+        "the backend trusts for it (Kubernetes: backend.kubernetes.router_ca_file)",
+    )
 
 
 def _error_headers(exc: ApiError) -> list[tuple[bytes, bytes]]:
