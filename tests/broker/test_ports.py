@@ -5,10 +5,6 @@ test_port_forward.py."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,36 +19,15 @@ from k8s_agent_sandbox_awx.broker.identity._rules import PolicyRule
 from k8s_agent_sandbox_awx.broker.identity._settings import SettingsError
 from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
 from tests._support import ws_client
-
-APP = str(Path(__file__).parents[1] / "_support" / "port_app.py")
+from tests._support.port_server import running_port_app
 
 
 @pytest.fixture
 def app_port() -> Iterator[int]:
     """The app on a free port of this host (a local sandbox's ports are the host's): the
     broker's forwarding is what these tests are about; the SDK's tests start it in a sandbox."""
-    port = free_port()
-    process = subprocess.Popen([sys.executable, APP, str(port)], stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+    with running_port_app() as port:
         yield port
-    finally:
-        process.kill()
-        process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # -- the policy knob -----------------------------------------------------------------------------
@@ -169,28 +144,8 @@ def test_a_port_request_is_not_counted_and_not_normal_form(
 
 # -- WebSocket handshakes --------------------------------------------------------------------
 def _ws(broker: LocalBroker, headers: dict[str, str], path: str = "/ws") -> ws_client.WebSocket:
-    """A handshake to the broker itself over TLS (the socket wrapped by hand)."""
-    import ssl
-
-    import httpx
-
-    url = httpx.URL(broker.url)
-    context = ssl.create_default_context(cafile=broker.ca_bundle)
-    plain = socket.create_connection((url.host, url.port), 10)
-    sock = context.wrap_socket(plain, server_hostname=url.host)
-    key = "dGhlIHNhbXBsZSBub25jZQ=="
-    lines = [f"GET {path} HTTP/1.1", f"Host: {url.host}:{url.port}", "Upgrade: websocket"]
-    lines += ["Connection: Upgrade", f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]
-    lines += [f"{k}: {v}" for k, v in headers.items()]
-    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    return ws_client.WebSocket(sock, head, rest)
+    """A handshake to the broker itself over TLS."""
+    return ws_client.connect_tls(broker.url, broker.ca_bundle, path, headers)
 
 
 def test_websocket_handshakes_are_checked_first(

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from ._errors import BROKER_ERROR_HEADER, ApiError
 from ._forward import Forward, forwarded_headers
 from ._gate import DataRequest, _router_headers, origin_form
+from ._observed import note_error
 from ._ports import log_port_request, not_listening
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, port_target
@@ -61,6 +62,7 @@ class WebSocketForward:
             log_port_request(state.name, data.port, "WEBSOCKET", data.target.path)
             upstream = await _open(route, data, connection, state.name)
         except ApiError as exc:
+            note_error(exc.code, exc.detail)  # for the access line and the metrics, as on HTTP
             await _http_answer(send, exc.status, _error_headers(exc), _error_body(exc))
             return
         except _Answered as answered:
