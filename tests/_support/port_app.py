@@ -4,8 +4,8 @@
 - ``GET /stream``: three chunks, 0.2 s apart (chunked);
 - ``POST /echo``: the body back;
 - ``GET /redirect``: 302 to /headers;
-- ``GET /ws`` (any query) with a WebSocket handshake: echoes every text and binary frame; a close frame is
-  answered with the same code, ``close:CODE`` closes with that code.
+- ``GET /ws`` (any query) with a WebSocket handshake: echoes every text and binary frame; a
+  close frame is answered with the same code, ``close:CODE`` closes with that code.
 """
 
 from __future__ import annotations
