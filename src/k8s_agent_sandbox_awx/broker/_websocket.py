@@ -9,7 +9,10 @@ the router headers not sent), and only when that one is open does it accept the 
 refusal is the broker's JSON error (``port_not_listening``...), an answer of the server other
 than ``101`` is relayed as the server's. Then messages flow both ways, each direction on its
 own (a peer that stops reading holds up only what is sent to it); a close is passed on with
-its code and reason.
+its code and reason. Flow control, not buffering: a receiver that stops reading makes the
+broker stop reading from its sender once a message or two wait (:data:`UPSTREAM_QUEUE`; the
+caller's side: uvicorn's), so the sender's sends block; the broker holds a few messages per
+direction, never what the sender offers.
 
 Without ``websockets`` a handshake arrives as a plain request: the broker answers it ``501
 websocket_unsupported`` naming the missing library.
@@ -36,6 +39,11 @@ from .backends._interface import RUNTIME_PORT, ClaimGone, Route, Unroutable
 
 MAX_MESSAGE = 16 * 1024 * 1024
 """The largest message relayed from the sandbox's server (uvicorn's default the other way)."""
+UPSTREAM_QUEUE = 1
+"""Frames received from the sandbox's server and not yet relayed beyond which the broker stops
+reading from it (``websockets``' ``max_queue``; its default, 16, let a caller that reads
+nothing make the broker hold 16 messages, up to 256 MiB). The caller's side is bounded by the
+broker's server: uvicorn stops reading a caller until its last message was taken."""
 _SENT_BY_LIBRARY = (b"sec-websocket-", b"upgrade", b"connection", b"user-agent")
 
 
@@ -121,6 +129,7 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
             open_timeout=min(data.timeout, 30.0),
             ping_interval=None,  # the peers keep their own connection alive
             max_size=MAX_MESSAGE,
+            max_queue=UPSTREAM_QUEUE,
         )
     except InvalidStatus as exc:
         answer = exc.response
