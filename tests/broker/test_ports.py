@@ -99,6 +99,13 @@ def test_a_port_outside_the_policy_is_403_naming_it(narrow: Any) -> None:
     assert inside.json()["code"] == "port_not_listening"  # allowed: it got as far as the port
 
 
+def test_whoami_shows_the_ports_the_policy_allows(narrow: Any, alice: Any) -> None:
+    """``GET /v1/whoami``'s policy names the ports a port request may reach, as the policy
+    writes them (the default: every unprivileged port)."""
+    assert narrow.http.get("/v1/whoami").json()["policy"]["ports"] == [18000, "18100-18199"]
+    assert alice.http.get("/v1/whoami").json()["policy"]["ports"] == ["1024-65535"]
+
+
 def test_a_files_only_sandbox_reaches_no_port(files_only: Any) -> None:
     sandbox = files_only.ready()
     headers = files_only.data_headers(sandbox, **{"X-Sandbox-Port": "18000"})
