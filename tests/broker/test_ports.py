@@ -369,3 +369,47 @@ def test_wss_through_an_https_router_verifies_it_with_the_routes_ca(tmp_path: Pa
                 await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_a_websocket_while_the_backend_is_unavailable_is_a_503_like_http() -> None:
+    """A backend that cannot answer (its API server unreachable) during a WebSocket handshake
+    is the broker's ``503 backend_unavailable`` with ``Retry-After``, as for an HTTP request,
+    not an error of the server (500 and a traceback)."""
+    import asyncio
+    import json
+
+    from k8s_agent_sandbox_awx.broker._forward import Forward
+    from k8s_agent_sandbox_awx.broker._websocket import WebSocketForward
+    from k8s_agent_sandbox_awx.broker.backends._interface import BackendUnavailable
+    from k8s_agent_sandbox_awx.broker.identity._policy import Caller
+
+    class Gate:
+        async def authenticate(self, connection: Any) -> Caller:
+            return Caller("kubernetes", "https://issuer", "alice", "aud", 2**31)
+
+    class Backend:
+        async def get(self, name: str, **_: Any) -> None:
+            raise BackendUnavailable("the Kubernetes API server is unreachable (test)")
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    scope = _ws_scope()
+    scope["headers"] = [*scope["headers"], (b"x-sandbox-id", b"sbx-1")]
+    forward = Forward(Backend(), Gate(), None)  # type: ignore[arg-type]
+    asyncio.run(WebSocketForward(forward).handle(scope, receive, send))
+    start, body = sent
+    assert (start["type"], start["status"]) == ("websocket.http.response.start", 503)
+    headers = dict(start["headers"])
+    assert headers[b"retry-after"] == b"2" and headers[b"agent-sandbox-broker-error"] == (
+        b"backend_unavailable"
+    )
+    assert json.loads(body["body"]) == {
+        "code": "backend_unavailable",
+        "detail": "the Kubernetes API server is unreachable (test)",
+    }

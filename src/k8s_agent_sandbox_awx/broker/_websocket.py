@@ -33,9 +33,10 @@ from ._forward import Forward, forwarded_headers
 from ._gate import DataRequest, _router_headers, origin_form
 from ._observed import note_error
 from ._ports import log_port_request, not_listening
+from ._rpc import BACKEND_RETRY_AFTER
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, port_target
-from .backends._interface import RUNTIME_PORT, ClaimGone, Route, Unroutable
+from .backends._interface import RUNTIME_PORT, BackendUnavailable, Route
 
 MAX_MESSAGE = 16 * 1024 * 1024
 """The largest message relayed from the sandbox's server (uvicorn's default the other way)."""
@@ -56,19 +57,7 @@ class WebSocketForward:
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         connection = HTTPConnection(scope, receive)
         try:
-            data = _websocket_request(connection)
-            caller = await self.forward.gate.authenticate(connection)
-            state = await self.forward._ready_sandbox(connection, caller, data)
-            try:
-                route = await self.forward.backend.route(state, data.port)
-            except Unroutable as exc:
-                raise ApiError(502, "sandbox_unreachable", exc.detail) from None
-            except ClaimGone:
-                raise ApiError(
-                    409, "terminating", f"sandbox {state.name!r} is being deleted"
-                ) from None
-            log_port_request(state.name, data.port, "WEBSOCKET", data.target.path)
-            upstream = await _open(route, data, connection, state.name)
+            upstream = await self._open(connection)
         except ApiError as exc:
             note_error(exc.code, exc.detail)  # for the access line and the metrics, as on HTTP
             await _http_answer(send, exc.status, _error_headers(exc), _error_body(exc))
@@ -77,6 +66,19 @@ class WebSocketForward:
             await _http_answer(send, answered.status, answered.headers, answered.body)
             return
         await _relay(upstream, receive, send)
+
+    async def _open(self, connection: HTTPConnection) -> Any:
+        """The checks of a port request, then the WebSocket to the sandbox's port."""
+        try:
+            data = _websocket_request(connection)
+            caller = await self.forward.gate.authenticate(connection)
+            state = await self.forward._ready_sandbox(connection, caller, data)
+            route = await self.forward.route(state, data.port)
+        except BackendUnavailable as exc:  # as _app answers it for an HTTP request
+            retry = {"Retry-After": str(BACKEND_RETRY_AFTER)}
+            raise ApiError(503, "backend_unavailable", exc.detail, retry) from None
+        log_port_request(state.name, data.port, "WEBSOCKET", data.target.path)
+        return await _open(route, data, connection, state.name)
 
 
 class _Answered(Exception):
