@@ -4,8 +4,8 @@
 - ``GET /stream``: three chunks, 0.2 s apart (chunked);
 - ``POST /echo``: the body back;
 - ``GET /redirect``: 302 to /headers;
-- ``GET /ws`` with a WebSocket handshake: echoes every text and binary frame; a close frame is
-  answered with the same code, ``close:CODE`` closes with that code.
+- ``GET /ws`` (any query) with a WebSocket handshake: echoes every text and binary frame; a
+  close frame is answered with the same code, ``close:CODE`` closes with that code.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
-        if self.path == "/ws" and self.headers.get("Upgrade", "").lower() == "websocket":
+        upgrade = self.headers.get("Upgrade", "").lower() == "websocket"
+        if self.path.split("?")[0] == "/ws" and upgrade:
             return self._websocket()
         if self.path == "/stream":
             self.send_response(200)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import os
 import socket
+import ssl
 import struct
+from urllib.parse import urlsplit
 
 
 class WebSocket:
@@ -62,7 +64,25 @@ class WebSocket:
 
 def connect(host: str, port: int, path: str, headers: dict[str, str] | None = None) -> WebSocket:
     """A WebSocket handshake on a new connection to ``host:port`` (plain TCP)."""
-    sock = socket.create_connection((host, port), 10)
+    return handshake(socket.create_connection((host, port), 10), host, port, path, headers)
+
+
+def connect_tls(
+    url: str, cafile: str, path: str, headers: dict[str, str] | None = None
+) -> WebSocket:
+    """A WebSocket handshake to the HTTPS server at ``url`` (a broker's), verified with the CA
+    bundle ``cafile`` (the socket wrapped by hand)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 443
+    context = ssl.create_default_context(cafile=cafile)
+    plain = socket.create_connection((host, port), 10)
+    return handshake(context.wrap_socket(plain, server_hostname=host), host, port, path, headers)
+
+
+def handshake(
+    sock: socket.socket, host: str, port: int, path: str, headers: dict[str, str] | None = None
+) -> WebSocket:
+    """Send a WebSocket handshake on ``sock``; the answer's head (and what followed it)."""
     key = base64.b64encode(os.urandom(16)).decode()
     lines = [
         f"GET {path} HTTP/1.1",

@@ -21,6 +21,8 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+from tests._support import ws_client
+from tests._support.port_server import free_port, running_port_app
 
 pytest.importorskip("prometheus_client", reason="needs the [broker] extra")
 
@@ -310,6 +312,85 @@ def test_an_answer_that_breaks_off_is_logged_as_upstream_broke(
         alice.http.get(path, headers=headers)
     line = obs.access_for("breaks-off")
     assert (line["status"], line["end"]) == (200, "upstream_broke")
+
+
+@pytest.fixture
+def port_app() -> Iterator[int]:
+    with running_port_app() as port:
+        yield port
+
+
+def test_a_websocket_is_one_access_line_and_is_counted(
+    obs: Observed, alice: Client, port_app: int
+) -> None:
+    """A WebSocket handshake on a port request is one access line at the session's end (the
+    route template, 101 or the refusal's status and code, the caller, the sandbox, the
+    duration), an audit line when refused as not allowed, and a request in the metrics."""
+    pytest.importorskip("websockets", reason="needs the [broker] extra (WebSocket upgrades)")
+    before = obs.metrics()
+    sandbox = alice.ready()
+    bearer = {"Authorization": f"Bearer {alice.token}"}
+    cases = {
+        "ws-accepted": (port_app, bearer),
+        "ws-port-not-allowed": (80, bearer),  # below the policy's ports (1024-65535)
+        "ws-not-listening": (free_port(), bearer),
+        "ws-no-token": (port_app, {}),
+    }
+    heads = {}
+    for rid, (port, auth) in cases.items():
+        headers = {**data_headers(sandbox), "X-Sandbox-Port": str(port), **auth}
+        ws = ws_client.connect_tls(
+            obs.broker.url, obs.broker.ca_bundle, f"/ws?token={QUERY_SECRET}",
+            {**headers, "X-Request-Id": rid},
+        )  # fmt: skip
+        heads[rid] = ws.head
+        if rid == "ws-accepted":
+            time.sleep(0.2)  # the session lasts: its line comes at its end, with its duration
+            ws.send(1, b"hello")
+            assert ws.recv() == (1, b"hello")
+            ws.close()
+        ws.sock.close()
+    assert heads["ws-accepted"].startswith(b"HTTP/1.1 101"), heads["ws-accepted"]
+    lines = {rid: obs.access_for(rid) for rid in cases}  # exactly one line each
+    assert all(f"x-request-id: {rid}".encode() in heads[rid].lower() for rid in cases)
+
+    accepted = lines["ws-accepted"]
+    assert (accepted["route"], accepted["plane"], accepted["method"]) == (
+        "{data} websocket",
+        "data",
+        "GET",
+    )
+    assert (accepted["status"], accepted["end"], accepted["error"]) == (101, "complete", None)
+    assert accepted["subject"] == SUBJECT and accepted["sandbox"] == sandbox["name"]
+    assert accepted["duration_ms"] >= 200  # the whole session
+    assert accepted["bytes_in"] == 5 and accepted["bytes_out"] == 5  # the messages' bytes
+    refused = {rid: (line["status"], line["error"]) for rid, line in lines.items()}
+    assert refused["ws-port-not-allowed"] == (403, "port_not_allowed")
+    assert refused["ws-not-listening"] == (502, "port_not_listening")
+    assert refused["ws-no-token"] == (401, "token_missing")
+    for rid in cases:
+        assert lines[rid]["route"] == "{data} websocket" and lines[rid]["end"] == "complete"
+    assert lines["ws-port-not-allowed"]["subject"] == SUBJECT
+    audit = obs.audit_for("ws-port-not-allowed")
+    assert (audit["outcome"], audit["code"]) == ("refused", "port_not_allowed")
+    text = obs.everything()
+    assert alice.token is not None and alice.token not in text and QUERY_SECRET not in text
+    assert "Bearer" not in obs.access.getvalue() and "/ws" not in obs.access.getvalue()
+
+    time.sleep(0.2)  # the metrics are recorded just after the lines are written
+    after = obs.metrics()
+    requests = "agent_sandbox_broker_requests"
+    for status in ("101", "403", "502", "401"):
+        labels = {"route": "{data} websocket", "method": "GET", "status": status}
+        counted = _value(after[requests], requests + "_total", **labels)
+        assert counted - _value(before.get(requests, []), requests + "_total", **labels) == 1
+    refusals = "agent_sandbox_broker_refusals"
+    labels = {"action": "access", "code": "port_not_allowed"}
+    assert (
+        _value(after[refusals], refusals + "_total", **labels)
+        - _value(before.get(refusals, []), refusals + "_total", **labels)
+        == 1
+    )
 
 
 # -- the audit log ---------------------------------------------------------------------------------

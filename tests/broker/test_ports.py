@@ -5,10 +5,6 @@ test_port_forward.py."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,36 +19,15 @@ from k8s_agent_sandbox_awx.broker.identity._rules import PolicyRule
 from k8s_agent_sandbox_awx.broker.identity._settings import SettingsError
 from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
 from tests._support import ws_client
-
-APP = str(Path(__file__).parents[1] / "_support" / "port_app.py")
+from tests._support.port_server import running_port_app
 
 
 @pytest.fixture
 def app_port() -> Iterator[int]:
     """The app on a free port of this host (a local sandbox's ports are the host's): the
     broker's forwarding is what these tests are about; the SDK's tests start it in a sandbox."""
-    port = free_port()
-    process = subprocess.Popen([sys.executable, APP, str(port)], stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+    with running_port_app() as port:
         yield port
-    finally:
-        process.kill()
-        process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # -- the policy knob -----------------------------------------------------------------------------
@@ -124,6 +99,13 @@ def test_a_port_outside_the_policy_is_403_naming_it(narrow: Any) -> None:
     assert inside.json()["code"] == "port_not_listening"  # allowed: it got as far as the port
 
 
+def test_whoami_shows_the_ports_the_policy_allows(narrow: Any, alice: Any) -> None:
+    """``GET /v1/whoami``'s policy names the ports a port request may reach, as the policy
+    writes them (the default: every unprivileged port)."""
+    assert narrow.http.get("/v1/whoami").json()["policy"]["ports"] == [18000, "18100-18199"]
+    assert alice.http.get("/v1/whoami").json()["policy"]["ports"] == ["1024-65535"]
+
+
 def test_a_files_only_sandbox_reaches_no_port(files_only: Any) -> None:
     sandbox = files_only.ready()
     headers = files_only.data_headers(sandbox, **{"X-Sandbox-Port": "18000"})
@@ -169,28 +151,8 @@ def test_a_port_request_is_not_counted_and_not_normal_form(
 
 # -- WebSocket handshakes --------------------------------------------------------------------
 def _ws(broker: LocalBroker, headers: dict[str, str], path: str = "/ws") -> ws_client.WebSocket:
-    """A handshake to the broker itself over TLS (the socket wrapped by hand)."""
-    import ssl
-
-    import httpx
-
-    url = httpx.URL(broker.url)
-    context = ssl.create_default_context(cafile=broker.ca_bundle)
-    plain = socket.create_connection((url.host, url.port), 10)
-    sock = context.wrap_socket(plain, server_hostname=url.host)
-    key = "dGhlIHNhbXBsZSBub25jZQ=="
-    lines = [f"GET {path} HTTP/1.1", f"Host: {url.host}:{url.port}", "Upgrade: websocket"]
-    lines += ["Connection: Upgrade", f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]
-    lines += [f"{k}: {v}" for k, v in headers.items()]
-    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    return ws_client.WebSocket(sock, head, rest)
+    """A handshake to the broker itself over TLS."""
+    return ws_client.connect_tls(broker.url, broker.ca_bundle, path, headers)
 
 
 def test_websocket_handshakes_are_checked_first(
@@ -314,3 +276,140 @@ def test_kubernetes_pod_routes_keep_no_connection_to_a_users_server() -> None:
             user.close()
 
     asyncio.run(main())
+
+
+# -- wss through an HTTPS router ------------------------------------------------------------------
+ROUTER_TOKEN = "router-credential-0123456789"
+CALLER_TOKEN = "caller-credential-9876543210"
+
+
+def _ws_scope(path: bytes = b"/ws") -> Any:
+    """The ASGI scope of a caller's handshake, as the broker's server hands it over."""
+    headers = [(b"authorization", f"Bearer {CALLER_TOKEN}".encode()), (b"x-sandbox-port", b"3000")]
+    return {"type": "websocket", "path": path.decode(), "raw_path": path, "query_string": b"",
+            "headers": headers, "subprotocols": []}  # fmt: skip
+
+
+async def _tls_router(leaf: Any, seen: list[dict[str, str]]) -> Any:
+    """A router stand-in over HTTPS (``leaf``: its certificate) taking WebSockets: it records
+    the headers of each handshake and echoes every message back (as the port's server would,
+    behind it)."""
+    import ssl
+
+    from websockets.asyncio.server import serve
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    leaf.configure_cert(context)
+
+    async def echo(ws: Any) -> None:
+        seen.append({k.lower(): v for k, v in ws.request.headers.raw_items()})
+        async for message in ws:
+            await ws.send(message)
+
+    return await serve(echo, "127.0.0.1", 0, ssl=context, compression=None)
+
+
+def test_wss_through_an_https_router_verifies_it_with_the_routes_ca(tmp_path: Path) -> None:
+    """With ``router_ca_file``, a WebSocket through the router is verified against that CA,
+    as the HTTP path is: a router whose certificate the CA signed is reached (the broker's
+    router credential sent, the caller's not); one it did not sign is a typed ``502
+    sandbox_unreachable`` naming TLS verification (and no credential)."""
+    pytest.importorskip("websockets", reason="needs the [broker] extra (WebSocket upgrades)")
+    trustme = pytest.importorskip("trustme")
+    import asyncio
+
+    from starlette.requests import HTTPConnection
+
+    from k8s_agent_sandbox_awx.broker._gate import DataRequest
+    from k8s_agent_sandbox_awx.broker._target import port_target
+    from k8s_agent_sandbox_awx.broker._websocket import _open
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._routes import RouteSettings
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    (tmp_path / "token").write_text(ROUTER_TOKEN)
+    stranger = trustme.CA().issue_cert("127.0.0.1")  # a certificate the route's CA did not sign
+    data = DataRequest("sbx-1", "team-a", 3000, 30.0, port_target(b"/ws"))
+    connection = HTTPConnection(_ws_scope())
+
+    async def main() -> None:
+        seen: list[dict[str, str]] = []
+        good = await _tls_router(ca.issue_cert("127.0.0.1"), seen)
+        bad = await _tls_router(stranger, seen)
+        routes = []
+        try:
+            for server in (good, bad):
+                port = server.sockets[0].getsockname()[1]
+                settings = RouteSettings(
+                    router_url=f"https://127.0.0.1:{port}",
+                    router_token_file=tmp_path / "token",
+                    router_ca_file=tmp_path / "ca.pem",
+                )
+                routes.append(await _routes(settings))
+            upstream = await _open(routes[0].route(_kube_state(), 3000), data, connection, "c-1")
+            await upstream.send("through the router")
+            assert await upstream.recv() == "through the router"
+            await upstream.close()
+            [headers] = seen
+            assert headers["authorization"] == f"Bearer {ROUTER_TOKEN}"  # the broker's own
+            assert (headers["x-sandbox-id"], headers["x-sandbox-port"]) == ("sbx-1", "3000")
+            with pytest.raises(ApiError) as info:
+                await _open(routes[1].route(_kube_state(), 3000), data, connection, "c-1")
+            error = info.value
+            assert (error.status, error.code) == (502, "sandbox_unreachable")
+            assert "TLS" in error.detail and "verif" in error.detail, error.detail
+            assert "router_ca_file" in error.detail, error.detail  # the setting to check
+            assert ROUTER_TOKEN not in error.detail and CALLER_TOKEN not in error.detail
+            assert len(seen) == 1  # refused before any handshake reached the stranger
+        finally:
+            for route in routes:
+                await route.close()
+            for server in (good, bad):
+                server.close()
+                await server.wait_closed()
+
+    asyncio.run(main())
+
+
+def test_a_websocket_while_the_backend_is_unavailable_is_a_503_like_http() -> None:
+    """A backend that cannot answer (its API server unreachable) during a WebSocket handshake
+    is the broker's ``503 backend_unavailable`` with ``Retry-After``, as for an HTTP request,
+    not an error of the server (500 and a traceback)."""
+    import asyncio
+    import json
+
+    from k8s_agent_sandbox_awx.broker._forward import Forward
+    from k8s_agent_sandbox_awx.broker._websocket import WebSocketForward
+    from k8s_agent_sandbox_awx.broker.backends._interface import BackendUnavailable
+    from k8s_agent_sandbox_awx.broker.identity._policy import Caller
+
+    class Gate:
+        async def authenticate(self, connection: Any) -> Caller:
+            return Caller("kubernetes", "https://issuer", "alice", "aud", 2**31)
+
+    class Backend:
+        async def get(self, name: str, **_: Any) -> None:
+            raise BackendUnavailable("the Kubernetes API server is unreachable (test)")
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    scope = _ws_scope()
+    scope["headers"] = [*scope["headers"], (b"x-sandbox-id", b"sbx-1")]
+    forward = Forward(Backend(), Gate(), None)  # type: ignore[arg-type]
+    asyncio.run(WebSocketForward(forward).handle(scope, receive, send))
+    start, body = sent
+    assert (start["type"], start["status"]) == ("websocket.http.response.start", 503)
+    headers = dict(start["headers"])
+    assert headers[b"retry-after"] == b"2" and headers[b"agent-sandbox-broker-error"] == (
+        b"backend_unavailable"
+    )
+    assert json.loads(body["body"]) == {
+        "code": "backend_unavailable",
+        "detail": "the Kubernetes API server is unreachable (test)",
+    }

@@ -403,6 +403,56 @@ def test_insecure_http_hint_in_python_names_the_argument(no_credentials: None) -
     assert "--allow-insecure-http" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("ports", "shown"),
+    [([8000, "3000-3999"], "  ports: 8000, 3000-3999"), ([], "  ports: none"), (None, None)],
+)
+def test_whoami_shows_the_allowed_ports_when_the_broker_names_them(
+    no_credentials: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: Any,
+    ports: list[Any] | None,
+    shown: str | None,
+) -> None:
+    """``whoami`` shows the ports the caller's policy allows, as the broker's answer names
+    them; an older broker's answer without them shows none (no ``ports`` line)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from k8s_agent_sandbox_awx.testing import unsigned_jwt
+
+    policy: dict[str, Any] = {"templates": ["python"], "max_sandboxes": 5}
+    if ports is not None:
+        policy["ports"] = ports
+
+    class Broker(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"provider": "plain", "subject": "me", "policy": policy}).encode()
+            self.send_response(200 if self.path == "/v1/whoami" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Broker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("AGENT_SANDBOX_TOKEN", unsigned_jwt({"aud": url}))
+        assert main(["--allow-insecure-http", "--broker-url", url, "whoami"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert "  max_sandboxes: 5" in lines  # the rest of the policy as before
+        assert [line for line in lines if "ports" in line] == ([shown] if shown else [])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_allow_insecure_http_flag_reaches_a_loopback_http_broker(
     no_credentials: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:

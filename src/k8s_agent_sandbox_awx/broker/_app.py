@@ -43,7 +43,7 @@ def plane_of(scope: Scope, protocols: tuple[str, ...]) -> str:
     is_rpc = path == "/rpc" and "rpc" in protocols
     if not is_control and not is_rpc and "x-sandbox-id" in Headers(scope=scope):
         return "data"
-    if path.startswith("/issuers/") and scope["method"] == "GET":
+    if path.startswith("/issuers/") and scope.get("method") == "GET":  # a WebSocket has none
         return "issuer"
     if is_control and "v1" in protocols:
         return "v1"

@@ -78,13 +78,18 @@ class Forward:
         data = data_request(request)
         caller = await self.gate.authenticate(request)
         state = await self._ready_sandbox(request, caller, data)
+        route = await self.route(state, data.port)
+        await self._forward(request, send, state, route, data)
+
+    async def route(self, state: ClaimState, port: int) -> Route:
+        """Where a request to ``port`` of the checked sandbox ``state`` goes (the backend's
+        :meth:`~.backends._interface.Backend.route`), or the broker's error saying why not."""
         try:
-            route = await self.backend.route(state, data.port)
+            return await self.backend.route(state, port)
         except Unroutable as exc:
             raise ApiError(502, "sandbox_unreachable", exc.detail) from None
-        except ClaimGone:  # terminated since the checks above
+        except ClaimGone:  # terminated since the checks
             raise ApiError(409, "terminating", f"sandbox {state.name!r} is being deleted") from None
-        await self._forward(request, send, state, route, data)
 
     async def _ready_sandbox(
         self, request: HTTPConnection, caller: Caller, data: DataRequest

@@ -13,6 +13,7 @@ from typing import Final
 
 __all__ = [
     "METHODS",
+    "WEBSOCKET_ROUTE",
     "action_of",
     "data_route",
     "issuer_route",
@@ -26,6 +27,8 @@ METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OP
 
 UNMATCHED: Final = "unmatched"
 DATA: Final = "{data} "
+WEBSOCKET_ROUTE: Final = DATA + "websocket"
+"""Every WebSocket handshake on the data plane (a port request's: its path is the user's)."""
 
 _V1_FIXED: Final = frozenset({"/v1/healthz", "/v1/whoami", "/v1/sandboxes"})
 _DATA_FIXED: Final = frozenset(

@@ -9,7 +9,10 @@ the router headers not sent), and only when that one is open does it accept the 
 refusal is the broker's JSON error (``port_not_listening``...), an answer of the server other
 than ``101`` is relayed as the server's. Then messages flow both ways, each direction on its
 own (a peer that stops reading holds up only what is sent to it); a close is passed on with
-its code and reason.
+its code and reason. Flow control, not buffering: a receiver that stops reading makes the
+broker stop reading from its sender once a message or two wait (:data:`UPSTREAM_QUEUE`; the
+caller's side: uvicorn's), so the sender's sends block; the broker holds a few messages per
+direction, never what the sender offers.
 
 Without ``websockets`` a handshake arrives as a plain request: the broker answers it ``501
 websocket_unsupported`` naming the missing library.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from typing import Any
 
 from starlette.requests import HTTPConnection
@@ -27,13 +31,20 @@ from starlette.types import Receive, Scope, Send
 from ._errors import BROKER_ERROR_HEADER, ApiError
 from ._forward import Forward, forwarded_headers
 from ._gate import DataRequest, _router_headers, origin_form
+from ._observed import note_error
 from ._ports import log_port_request, not_listening
+from ._rpc import BACKEND_RETRY_AFTER
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, port_target
-from .backends._interface import RUNTIME_PORT, ClaimGone, Route, Unroutable
+from .backends._interface import RUNTIME_PORT, BackendUnavailable, Route
 
 MAX_MESSAGE = 16 * 1024 * 1024
 """The largest message relayed from the sandbox's server (uvicorn's default the other way)."""
+UPSTREAM_QUEUE = 1
+"""Frames received from the sandbox's server and not yet relayed beyond which the broker stops
+reading from it (``websockets``' ``max_queue``; its default, 16, let a caller that reads
+nothing make the broker hold 16 messages, up to 256 MiB). The caller's side is bounded by the
+broker's server: uvicorn stops reading a caller until its last message was taken."""
 _SENT_BY_LIBRARY = (b"sec-websocket-", b"upgrade", b"connection", b"user-agent")
 
 
@@ -46,26 +57,28 @@ class WebSocketForward:
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         connection = HTTPConnection(scope, receive)
         try:
-            data = _websocket_request(connection)
-            caller = await self.forward.gate.authenticate(connection)
-            state = await self.forward._ready_sandbox(connection, caller, data)
-            try:
-                route = await self.forward.backend.route(state, data.port)
-            except Unroutable as exc:
-                raise ApiError(502, "sandbox_unreachable", exc.detail) from None
-            except ClaimGone:
-                raise ApiError(
-                    409, "terminating", f"sandbox {state.name!r} is being deleted"
-                ) from None
-            log_port_request(state.name, data.port, "WEBSOCKET", data.target.path)
-            upstream = await _open(route, data, connection, state.name)
+            upstream = await self._open(connection)
         except ApiError as exc:
+            note_error(exc.code, exc.detail)  # for the access line and the metrics, as on HTTP
             await _http_answer(send, exc.status, _error_headers(exc), _error_body(exc))
             return
         except _Answered as answered:
             await _http_answer(send, answered.status, answered.headers, answered.body)
             return
         await _relay(upstream, receive, send)
+
+    async def _open(self, connection: HTTPConnection) -> Any:
+        """The checks of a port request, then the WebSocket to the sandbox's port."""
+        try:
+            data = _websocket_request(connection)
+            caller = await self.forward.gate.authenticate(connection)
+            state = await self.forward._ready_sandbox(connection, caller, data)
+            route = await self.forward.route(state, data.port)
+        except BackendUnavailable as exc:  # as _app answers it for an HTTP request
+            retry = {"Retry-After": str(BACKEND_RETRY_AFTER)}
+            raise ApiError(503, "backend_unavailable", exc.detail, retry) from None
+        log_port_request(state.name, data.port, "WEBSOCKET", data.target.path)
+        return await _open(route, data, connection, state.name)
 
 
 class _Answered(Exception):
@@ -96,8 +109,10 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidHandshake, InvalidStatus
 
-    scheme = "wss" if route.scheme == "https" else "ws"
-    uri = f"{scheme}://{route.host}:{route.port}{data.target.raw.decode('ascii')}"
+    secure = route.scheme == "https"
+    uri = (
+        f"{'wss' if secure else 'ws'}://{route.host}:{route.port}{data.target.raw.decode('ascii')}"
+    )
     headers = [
         (k.decode("latin-1"), v.decode("latin-1"))
         for k, v in [*forwarded_headers(connection.headers.raw), *route.headers]
@@ -112,15 +127,19 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
             user_agent_header=None,
             compression=None,
             proxy=None,
+            ssl=route.tls if secure else None,  # verified as the route's HTTP requests are
             open_timeout=min(data.timeout, 30.0),
             ping_interval=None,  # the peers keep their own connection alive
             max_size=MAX_MESSAGE,
+            max_queue=UPSTREAM_QUEUE,
         )
     except InvalidStatus as exc:
         answer = exc.response
         kept = [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.raw_items()]
         relayed = [h for h in kept if h[0] not in (b"content-length", b"connection", b"date")]
         raise _Answered(answer.status_code, relayed, bytes(answer.body or b"")) from None
+    except ssl.SSLCertVerificationError as exc:
+        raise _unverified(route, data.port, name, exc) from None
     except (ConnectionRefusedError, ConnectionResetError):
         raise not_listening(name, data.port) from None
     except (OSError, TimeoutError, InvalidHandshake) as exc:
@@ -130,6 +149,18 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
             f"the WebSocket handshake with port {data.port} of sandbox {name!r} failed "
             f"({type(exc).__name__})",
         ) from None
+
+
+def _unverified(route: Route, port: int, name: str, exc: ssl.SSLCertVerificationError) -> ApiError:
+    """The answer for a server whose TLS certificate the route's CA does not verify."""
+    why = exc.verify_message or exc.reason or type(exc).__name__
+    return ApiError(
+        502,
+        "sandbox_unreachable",
+        f"the WebSocket to port {port} of sandbox {name!r} was refused: TLS verification of "
+        f"{route.host}:{route.port} failed ({why}); its certificate must be signed by the CA "
+        "the backend trusts for it (Kubernetes: backend.kubernetes.router_ca_file)",
+    )
 
 
 def _error_headers(exc: ApiError) -> list[tuple[bytes, bytes]]:

@@ -89,7 +89,7 @@ def global_options(parser: argparse.ArgumentParser, default: Any) -> None:
 
 
 def _subcommands(sub: Any) -> None:
-    p = sub.add_parser("whoami", help="show the identity the broker verified for your token")
+    p = sub.add_parser("whoami", help="show your verified identity and what its policy allows")
     json_option(p)
     p = sub.add_parser("doctor", help="check configuration, credentials, TLS and the broker")
     json_option(p)
@@ -259,8 +259,16 @@ def _cmd_whoami(args: argparse.Namespace) -> int:
     if policy:
         print("policy:")
         for key, value in sorted(policy.items()):
-            print(f"  {key}: {value}")
+            print(f"  {key}: {_ports_text(value) if key == 'ports' else value}")
     return 0
+
+
+def _ports_text(ports: Any) -> str:
+    """The policy's ports as whoami shows them (``8000, 3000-3999``; ``none``); a broker
+    that does not name them has no ``ports`` line at all."""
+    if not isinstance(ports, list):
+        return str(ports)
+    return ", ".join(str(port) for port in ports) or "none"
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:

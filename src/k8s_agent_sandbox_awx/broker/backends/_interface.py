@@ -44,6 +44,7 @@ The rules every backend holds:
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -235,6 +236,11 @@ class Route:
     """Called with ``1`` before a command-running request (``POST /execute``, ``POST
     /commands``) is sent, and with ``-1`` when it provably never reached the sandbox (the
     connection failed): the local backend counts them per sandbox; ``None``: not counted."""
+    tls: ssl.SSLContext | None = field(default=None, repr=False)
+    """For an ``https`` route: the TLS context ``client`` verifies the server with (the
+    Kubernetes router's ``router_ca_file``); the broker's own connections that do not go
+    through ``client`` (a WebSocket's, relayed by the broker) use it too. ``None``: the default
+    trust store."""
 
 
 class QuotaExceeded(Exception):

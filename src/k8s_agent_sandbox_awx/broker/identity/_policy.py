@@ -144,4 +144,5 @@ class Policy:
             "namespace": self.namespace_for(caller),
             "max_sandboxes": self.max_sandboxes,
             "max_lifetime_seconds": self.max_lifetime_seconds,
+            "ports": self.port_ranges.describe(),
         }

@@ -29,7 +29,7 @@ from .._app import plane_of
 from .._metadata import DNS_LABEL
 from .._observed import Exchange, close_exchange, open_exchange
 from .._relay import DroppedConnection
-from .._route_names import UNMATCHED, data_route, issuer_route, v1_route
+from .._route_names import UNMATCHED, WEBSOCKET_ROUTE, data_route, issuer_route, v1_route
 from ._lines import LineWriter, timestamp
 
 __all__ = ["REQUEST_ID_HEADER", "Counts", "Observed", "access_record"]
@@ -99,7 +99,7 @@ def classify(exchange: Exchange, scope: Scope, protocols: tuple[str, ...]) -> No
     plane = plane_of(scope, protocols)
     exchange.plane = plane
     if plane == "data":
-        exchange.route = data_route(path)
+        exchange.route = WEBSOCKET_ROUTE if scope["type"] == "websocket" else data_route(path)
         exchange.sandbox = _name_or_none(Headers(scope=scope).get("x-sandbox-id"))
     elif plane == "v1":
         exchange.route = v1_route(path)
@@ -157,17 +157,21 @@ class Observed:
         self.protocols = protocols
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        exchange = Exchange(request_id=request_id(scope), method=scope["method"])
+        websocket = scope["type"] == "websocket"
+        method = "GET" if websocket else scope["method"]  # a WebSocket handshake is a GET
+        exchange = Exchange(request_id=request_id(scope), method=method)
         classify(exchange, scope, self.protocols)
         counts = Counts()
         token = open_exchange(exchange)
+        if websocket:
+            receive, send = _ws_receive(receive, counts), _ws_send(send, counts, exchange)
+        else:
+            receive, send = _counted_receive(receive, counts), _counted_send(send, counts, exchange)
         try:
-            await self.app(
-                scope, _counted_receive(receive, counts), _counted_send(send, counts, exchange)
-            )
+            await self.app(scope, receive, send)
         except DroppedConnection:
             counts.end = "upstream_broke"
             raise
@@ -218,3 +222,52 @@ def _counted_send(send: Send, counts: Counts, exchange: Exchange) -> Send:
         await send(message)
 
     return counted
+
+
+def _ws_receive(receive: Receive, counts: Counts) -> Receive:
+    """A WebSocket's receive, counted: the caller's messages are its ``bytes_in``; the caller
+    gone without a close (codes 1005, 1006) ends it ``client_gone``."""
+
+    async def counted() -> Message:
+        message = await receive()
+        if message["type"] == "websocket.receive":
+            counts.bytes_in += _payload_size(message)
+        elif message["type"] == "websocket.disconnect" and not counts.completed:
+            if message.get("code") in (1005, 1006):
+                counts.client_gone = True
+            else:
+                counts.completed = True  # the caller closed the WebSocket
+        return message
+
+    return counted
+
+
+def _ws_send(send: Send, counts: Counts, exchange: Exchange) -> Send:
+    """A WebSocket's send, counted: the status of the handshake's answer (``101`` once
+    accepted, a refusal's own, ``403`` for a close before the handshake, as the server answers
+    it), ``X-Request-Id`` added to it; the messages sent are ``bytes_out``."""
+    rid = (_REQUEST_ID_RAW, exchange.request_id.encode("ascii"))
+
+    async def counted(message: Message) -> None:
+        kind = message["type"]
+        if kind in ("websocket.accept", "websocket.http.response.start"):
+            counts.status = 101 if kind == "websocket.accept" else int(message["status"])
+            headers = [h for h in message.get("headers", ()) if h[0].lower() != _REQUEST_ID_RAW]
+            message = {**message, "headers": [*headers, rid]}
+        elif kind == "websocket.send":
+            counts.bytes_out += _payload_size(message)
+        elif kind == "websocket.close":
+            counts.status = counts.status or 403
+            counts.completed = True
+        elif kind == "websocket.http.response.body" and not message.get("more_body", False):
+            counts.completed = True
+        await send(message)
+
+    return counted
+
+
+def _payload_size(message: Message) -> int:
+    data = message.get("bytes")
+    if data is not None:
+        return len(data)
+    return len((message.get("text") or "").encode())

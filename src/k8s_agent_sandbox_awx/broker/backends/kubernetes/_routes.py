@@ -100,6 +100,9 @@ class Routes:
                 self._token = RouterToken(settings.router_token_file)
             if settings.router_ca_file is not None:
                 verify = ssl.create_default_context(cafile=str(settings.router_ca_file))
+        self.verify = verify
+        """The TLS context the router's connections are verified with (a route carries it:
+        ``Route.tls``, for the WebSockets through the router)."""
         self.http = _client(verify)
         # straight to a pod, a port request has a connection of its own: a user's server is not
         # ours to keep connections to (restarted, the next request would fail), and one that
@@ -140,7 +143,8 @@ class Routes:
         ]
         if self._token is not None:
             headers.append((b"authorization", b"Bearer " + self._token.read().encode()))
-        return Route(host, port, self.http, scheme=scheme, headers=headers)
+        tls = self.verify if scheme == "https" else None
+        return Route(host, port, self.http, scheme=scheme, headers=headers, tls=tls)
 
 
 def _router_address(url: str | None) -> tuple[str, str, int]:
