@@ -133,7 +133,7 @@ def test_a_stuck_local_client_never_freezes_the_forwarder(sandbox: Any, app_port
         silent = socket.create_connection(("127.0.0.1", forward.port))
         silent.sendall(b"GET /headers HTTP/1.1\r\n")  # half a head, then nothing
         reader = socket.create_connection(("127.0.0.1", forward.port))
-        reader.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")  # and never read
+        reader.sendall(b"GET /stream HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # and never read
         assert httpx.get(forward.url + "/headers", timeout=10).status_code == 200
         started = time.monotonic()
     assert time.monotonic() - started < 8  # the exit ended both and joined their threads

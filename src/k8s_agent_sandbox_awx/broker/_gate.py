@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ MAX_JSON_BODY = 1024 * 1024
 DEFAULT_DATA_PLANE_TIMEOUT = 300.0
 """Seconds the router waits for a sandbox's answer when the request names no
 X-Sandbox-Timeout."""
+_PORT = re.compile(r"^[0-9]{1,5}$")
 BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 """Data-plane methods without a request body (one sent with them is refused)."""
 
@@ -138,7 +140,8 @@ def _router_headers(request: HTTPConnection) -> tuple[str, str, int, float]:
     if len(namespace) > 63 or not DNS_LABEL.match(namespace):
         raise ApiError(400, "invalid_header", "X-Sandbox-Namespace must be a DNS-1123 label")
     raw_port = headers.get("x-sandbox-port", str(RUNTIME_PORT))
-    if not raw_port.isdigit() or not 1 <= int(raw_port) <= 65535:
+    # ASCII digits only: str.isdigit() is true for the Latin-1 superscripts, which int() refuses
+    if not _PORT.match(raw_port) or not 1 <= int(raw_port) <= 65535:
         raise ApiError(400, "invalid_header", "X-Sandbox-Port must be an integer from 1 to 65535")
     timeout = DEFAULT_DATA_PLANE_TIMEOUT
     raw_timeout = headers.get("x-sandbox-timeout")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import ssl
 import threading
@@ -101,11 +102,18 @@ def _read_head(conn: socket.socket) -> tuple[bytes, bytes]:
 
 
 def rewrite_head(head: bytes, target: ForwardTarget, token: str) -> tuple[bytes, bool]:
-    """The head sent to the broker for ``head`` (and whether it is an upgrade)."""
+    """The head sent to the broker for ``head`` (and whether it is an upgrade).
+
+    The head is checked first (:func:`_check_head`): a header hidden in a line the forwarder
+    keeps (a bare CR or LF, a NUL, a folded line) would reach the broker as a header of its own,
+    before the forwarder's router headers, and point the credential added here elsewhere (the
+    runtime's API, another port or sandbox); and a ``Host`` that is not a loopback name is a web
+    page that reached the listener under its own name (DNS rebinding): both are refused."""
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ")
     if len(parts) != 3 or not parts[1].startswith(b"/"):
         raise _Refusal("400 Bad Request", "send an origin-form request ('GET /path HTTP/1.1')")
+    _check_head(parts, lines[1:])
     url = urlsplit(target.config.broker_url)
     prefix = url.path.rstrip("/").encode("ascii")
     kept: list[bytes] = []
@@ -124,6 +132,60 @@ def rewrite_head(head: bytes, target: ForwardTarget, token: str) -> tuple[bytes,
     first = b" ".join((parts[0], prefix + parts[1], parts[2]))
     rebuilt = [first, *kept, *(line.encode("latin-1") for line in ours)]
     return b"\r\n".join(rebuilt) + b"\r\n\r\n", upgrade
+
+
+_TOKEN = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+"""An HTTP token (RFC 9110, section 5.6.2): a method, a header's name."""
+_TARGET = re.compile(rb"^/[\x21-\x7e]*$")
+"""An origin-form request target: visible ASCII, no space, no control character."""
+_VERSION = re.compile(rb"^HTTP/1\.[01]$")
+_VALUE = re.compile(rb"^[\t\x20-\x7e\x80-\xff]*$")
+"""A header's value: no control character but HTAB (so no CR, LF or NUL)."""
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]"})
+"""The ``Host`` names the forwarder serves (any port): the names of its own listener."""
+
+
+def _check_head(request_line: list[bytes], fields: list[bytes]) -> None:
+    """400 for a head that the broker's parser could read otherwise than the forwarder does;
+    421 for a ``Host`` that is not a loopback name."""
+    method, path, version = request_line
+    if not (_TOKEN.match(method) and _TARGET.match(path) and _VERSION.match(version)):
+        raise _Refusal(
+            "400 Bad Request",
+            "the request line is malformed (a method, an origin-form target without spaces or "
+            "control characters, HTTP/1.0 or HTTP/1.1)",
+        )
+    hosts: list[bytes] = []
+    for line in fields:
+        name, sep, value = line.partition(b":")
+        if not sep or not _TOKEN.match(name) or not _VALUE.match(value):
+            raise _Refusal(
+                "400 Bad Request",
+                "a header line is malformed (a bare CR or LF, a NUL or another control "
+                "character, a folded line, or a name that is not a token); send one "
+                "'Name: value' per CRLF-ended line",
+            )
+        if name.lower() == b"host":
+            hosts.append(value.strip())
+    if len(hosts) > 1:
+        raise _Refusal("400 Bad Request", "the request has more than one Host header")
+    if hosts and _host_name(hosts[0]) not in LOOPBACK_HOSTS:
+        shown = hosts[0][:100].decode("latin-1")
+        raise _Refusal(
+            "421 Misdirected Request",
+            f"Host {shown!r} is not this listener's: it serves only requests for 127.0.0.1, "
+            "localhost or [::1] (a page of another name that reached it, by DNS rebinding, "
+            "must not use the sandbox's credential); use the forward's url",
+        )
+
+
+def _host_name(host: bytes) -> str:
+    """The name of a ``Host`` value, in lower case, without its port."""
+    text = host.decode("latin-1").lower()
+    if text.startswith("["):
+        name, bracket, _ = text.partition("]")
+        return name + bracket
+    return text.rpartition(":")[0] if ":" in text else text
 
 
 def _connect(config: Any) -> socket.socket:

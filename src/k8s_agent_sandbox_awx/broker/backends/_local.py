@@ -516,6 +516,7 @@ class LocalProcessBackend:
         if plan.builtin and plan.uds:
             return [
                 sys.executable,
+                "-P",  # never the working directory (/app: the caller's files) on sys.path
                 "-c",
                 _BOOT,
                 _isolation.PACKAGE_PARENT,

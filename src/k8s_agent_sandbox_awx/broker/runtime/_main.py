@@ -25,10 +25,28 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from . import _process, _server
 from ._forkserver import fork_server
 from ._process import PARENT_PID_ENV
+
+
+def safe_import_path(base_dir: str, path: list[str] | None = None) -> None:
+    """Drop from the import path (``sys.path``) every entry that names the working directory
+    or the base directory: ``''`` (``python -c``), the directory itself (``python -m``, as the
+    runtime's image starts it, from ``/app``) and relative entries. A caller who may write files
+    there (the ``files`` scope) would otherwise have the runtime import its ``ctypes.py`` on the
+    runtime's next lazy import, and run its code without the ``commands`` scope. The directory
+    this package was imported from is kept (it is not the sandbox's)."""
+    entries = sys.path if path is None else path
+    package_parent = os.path.realpath(os.path.join(os.path.dirname(__file__), *[".."] * 3))
+    unsafe = {os.path.realpath(os.getcwd()), os.path.realpath(base_dir)} - {package_parent}
+    entries[:] = [
+        entry
+        for entry in entries
+        if entry and os.path.isabs(entry) and os.path.realpath(entry) not in unsafe
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.fork_server:
         return fork_server()
+    safe_import_path(args.base_dir)
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         _process.die_with_parent(int(parent))
