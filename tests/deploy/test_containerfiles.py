@@ -99,7 +99,12 @@ def test_the_runtime_image_holds_only_the_runtime() -> None:
     install = " ".join(image.all("RUN"))
     assert "--no-deps /tmp/wheels/k8s_agent_sandbox_awx-*.whl" in install
     assert "python-multipart" in install
-    assert image.exec_form("ENTRYPOINT") == ["python", "-m", "k8s_agent_sandbox_awx.broker.runtime"]
+    assert image.exec_form("ENTRYPOINT") == [
+        "python",
+        "-P",  # /app is written by callers: never on the import path, even before main()
+        "-m",
+        "k8s_agent_sandbox_awx.broker.runtime",
+    ]
     assert image.exec_form("CMD") == ["--host", "0.0.0.0", "--port", "8888", "--base-dir", "/app"]
     assert image.env()["SANDBOX_WORKSPACE_DIR"] == "/workspace"
     assert image.last("WORKDIR") == "/app"
