@@ -345,3 +345,24 @@ def test_a_refused_create_names_the_quota_its_value_and_the_count_in_both_dialec
         assert "quota max_sandboxes exceeded" in text, text  # which quota
         assert "holds 3 live sandboxes" in text, text  # how many the caller holds
         assert "max_sandboxes = 3" in text and "policy 'kubernetes'" in text, text  # its value
+
+
+def test_a_delete_acts_on_the_claim_the_broker_checked(alice: Any, broker: LocalBroker) -> None:
+    """The local backend, as the Kubernetes one: a delete for another uid than the record's
+    (the claim the owner check saw) deletes nothing."""
+    import asyncio
+
+    name = alice.create().json()["name"]
+    store, loop = broker._require_store(), broker._loop
+    assert loop is not None
+    uid = store.sandboxes[name].state().uid
+
+    def delete(with_uid: str) -> Any:
+        coro = store.delete(name, uid=with_uid)
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(10)
+
+    assert delete(f"{uid}-other") is None
+    assert alice.http.get(f"/v1/sandboxes/{name}").json()["phase"] in ("Pending", "Ready")
+    assert delete(uid) is not None
+    gone = alice.http.get(f"/v1/sandboxes/{name}")
+    assert gone.status_code == 404 or gone.json()["phase"] == "Terminating", gone.text

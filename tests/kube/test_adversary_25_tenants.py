@@ -77,3 +77,29 @@ def test_another_identity_cannot_touch_a_claim(
     finally:
         bob.close()
         sandbox.kill()
+
+
+def test_a_delete_acts_on_the_claim_the_broker_checked(
+    kube: KubeAPIServer,
+    namespace: str,
+    controller: StandInController,
+    python_pool: str,
+    replica_factory: Callable[..., Replica],
+    tmp_path: Path,
+) -> None:
+    """The owner check and the delete meet on one claim (its uid): a claim of that name that is
+    not the one checked (another uid) is left alone, not deleted under the old check."""
+    replica = replica_factory()
+    environ = sdk_environ(kube, namespace, replica, tmp_path / "alice", service_account="alice")
+    with Sandbox.create(environ=environ, timeout=600) as sandbox:
+        claim = claim_of(kube, namespace, sandbox.name)
+        assert claim is not None
+        uid = claim["metadata"]["uid"]
+        other = replica.call(
+            replica.backend.delete(sandbox.name, namespace=namespace, uid=f"{uid[:-1]}x")
+        )
+        assert other is None
+        after = claim_of(kube, namespace, sandbox.name)
+        assert after is not None and not after["metadata"].get("deletionTimestamp")
+        same = replica.call(replica.backend.delete(sandbox.name, namespace=namespace, uid=uid))
+        assert same is not None

@@ -248,7 +248,8 @@ class Claims:
         """Begin deleting the claim of ``state`` (Terminating; gone once its runtime stopped)."""
         note_sandbox(state.name, claim=state.claim_name)
         note_decision(namespace=state.namespace)
-        return await self.backend.delete(state.name, namespace=state.namespace) or state
+        deleted = await self.backend.delete(state.name, namespace=state.namespace, uid=state.uid)
+        return deleted or state
 
     async def set_expiry(self, state: ClaimState, expires_at: float) -> ClaimState:
         """Move the expiry of the claim of ``state`` (the caller's cap checked before); 409 when

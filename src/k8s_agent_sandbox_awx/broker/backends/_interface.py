@@ -349,10 +349,13 @@ class Backend(Protocol):
         """The owner's claims that are not gone, in any order (may lag: see the docstring)."""
         ...
 
-    async def delete(self, name: str, *, namespace: str | None = None) -> ClaimState | None:
+    async def delete(
+        self, name: str, *, namespace: str | None = None, uid: str | None = None
+    ) -> ClaimState | None:
         """Begin deleting claim ``name``: it is Terminating (reason ``Deleted``) until its
         runtime is stopped, then gone; the state as Terminating, or ``None`` when it is gone
-        already. The broker checked the owner before."""
+        already. The broker checked the owner before, on the claim whose ``uid`` it gives: a
+        claim of that name with another uid (made since) is not that one, and is not deleted."""
         ...
 
     async def set_expiry(

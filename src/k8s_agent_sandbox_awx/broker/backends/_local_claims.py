@@ -434,9 +434,11 @@ class LocalBackend:
             mine = [r for r in self.sandboxes.values() if r.owner.key == owner.key]
         return [r.state() for r in mine]
 
-    async def delete(self, name: str, *, namespace: str | None = None) -> ClaimState | None:
+    async def delete(
+        self, name: str, *, namespace: str | None = None, uid: str | None = None
+    ) -> ClaimState | None:
         record = self._live(name)
-        if record is None:
+        if record is None or (uid is not None and record.state().uid != uid):
             return None
         if record.phase != TERMINATING:
             record.set_phase(TERMINATING, "Deleted", "the sandbox is being deleted")

@@ -370,10 +370,12 @@ class KubernetesBackend:
 
     # ---------------------------------------------------------------------- changes
 
-    async def delete(self, name: str, *, namespace: str | None = None) -> ClaimState | None:
+    async def delete(
+        self, name: str, *, namespace: str | None = None, uid: str | None = None
+    ) -> ClaimState | None:
         state = await self._fresh(name, namespace)
-        if state is None:
-            return None
+        if state is None or (uid is not None and state.uid != uid):
+            return None  # gone, or another claim of that name: not the one the broker checked
         try:
             answer = await self.client.delete(
                 SANDBOX_CLAIMS, name, namespace=state.namespace, uid=state.uid
