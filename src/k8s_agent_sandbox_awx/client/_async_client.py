@@ -62,11 +62,12 @@ logger = logging.getLogger("k8s_agent_sandbox_awx.client")
 class AsyncBrokerSandboxClient(ClientBase["AsyncSandbox", AsyncBrokerTransport]):
     """The async counterpart of :class:`BrokerSandboxClient` (upstream ``AsyncSandboxClient``'s
     method names): the same configuration, credentials (``aget_credential``), errors, retries,
-    redirect and timeout rules, and cleanup of a failed or cancelled create. One
-    ``httpx.AsyncClient`` is shared by the client and its sandboxes; ``await close()`` (or
-    leaving ``async with``, which also deletes the sandboxes it created) closes it. Use it from
-    one event loop; any number of tasks may use it at once. Constructor arguments as
-    :class:`BrokerSandboxClient` (``http_transport``: an ``httpx.AsyncBaseTransport``).
+    redirect and timeout rules, and cleanup of a failed or cancelled create. Its connections
+    are the running loop's shared pool for its settings (``http/_async_pool``); ``await
+    close()`` (or leaving ``async with``, which also deletes the sandboxes it created) closes its
+    own open answers and stops using the pool. Any number of tasks of a loop may use it at
+    once. Constructor arguments as :class:`BrokerSandboxClient` (``http_transport``: an
+    ``httpx.AsyncBaseTransport``).
     """
 
     def _new_transport(

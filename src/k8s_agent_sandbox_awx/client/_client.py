@@ -52,8 +52,9 @@ class BrokerSandboxClient(ClientBase["Sandbox", BrokerTransport]):
     Method names and semantics follow upstream ``SandboxClient`` (``create_sandbox``,
     ``get_sandbox``, ``list_active_sandboxes``, ``list_all_sandboxes``, ``delete_sandbox``,
     ``delete_all``, context manager: sandboxes created by this client are deleted on exit).
-    One ``httpx.Client`` (keep-alive) is shared by the client and its sandboxes and closed by
-    :meth:`close`. Thread-safe.
+    Its connections are the process's shared pool for its settings (``http/_pool``: the clients
+    with the same settings share kept-alive TLS connections); :meth:`close` closes its own open
+    answers and stops using the pool, never closing it under other clients. Thread-safe.
 
     ``connection_config`` defaults to :meth:`BrokerConnectionConfig.from_env` (with
     ``config_overrides`` such as ``broker_url=``/``ca_cert=`` winning); ``auth`` defaults to
@@ -427,8 +428,9 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         ``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS``, else off): while the handle is used, each
         data-plane request moves the deadline to at least now + ``keepalive`` (at most one
         extension per half window, best effort: a failed extension never fails the request).
-        The handle owns its HTTP connections; :meth:`kill` (or leaving the ``with`` block)
-        deletes the sandbox and closes them.
+        The handle owns its client; :meth:`kill` (or leaving the ``with`` block) deletes the
+        sandbox and closes the client (its connections go back to the process's shared pool,
+        for the next sandbox with the same settings).
         """
         spec = create_spec(template, labels, options)
         client = make_client(BrokerSandboxClient, options, creating=True)

@@ -1,4 +1,5 @@
-"""The async I/O layer: one ``httpx.AsyncClient`` per client object.
+"""The async I/O layer: a client object's requests through its ``AsyncLease`` of the running
+loop's shared ``httpx.AsyncClient`` for its settings (``_async_pool``).
 
 The counterpart of ``_transport`` for asyncio: it performs the same ``_exchange`` steps (auth,
 retries, redirects, timeouts, errors) and the same ``_flow`` operations with ``await``. A call
@@ -26,6 +27,7 @@ from ..wire import _protocol as proto
 from ..wire._dataplane import DownloadMeter
 from ..wire._dialects import BrokerDialect
 from . import _exchange as ex
+from ._async_pool import AsyncLease
 from ._config import BrokerConnectionConfig
 
 __all__ = ["AsyncBrokerTransport", "AsyncUploadStream"]
@@ -76,27 +78,28 @@ class AsyncBrokerTransport(ex.TransportBase):
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         retry: RetryPolicy | None = None,
     ) -> None:
-        client = httpx.AsyncClient(transport=http_transport, **ex.client_settings(config))
-        super().__init__(config, auth, speaking, client, retry)
-        self._http = client
+        lease = AsyncLease(config, http_transport)
+        super().__init__(config, auth, speaking, lease, retry)
+        self._http = lease
         self._sleep = sleep
         self._cleanups: set[asyncio.Task[Any]] = set()
 
     @property
     def is_closed(self) -> bool:
-        return self._http.is_closed
+        return self._http.closed
 
     async def close(self) -> None:
-        """Close the connections (after any cleanup still running)."""
+        """Close this client's connections (after any cleanup still running; the shared pool
+        goes on for other clients)."""
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
-        await self._http.aclose()
+        await self._http.close()
 
     async def perform(self, step: ex.ExchangeStep) -> Any:
         """Perform one I/O step of an exchange."""
         match step:
             case ex.Send(request):
-                return await self._http.send(request, stream=True)
+                return await self._http.send(request)
             case ex.GetCredential(audience):
                 return self.primed() or await self.auth.aget_credential(audience)
             case ex.Read(response):

@@ -579,7 +579,7 @@ class TransportBase:
         config: BrokerConnectionConfig,
         auth: Any,
         speaking: BrokerDialect,
-        client: httpx.Client | httpx.AsyncClient,
+        connections: Any,
         retry: RetryPolicy | None,
     ) -> None:
         self.config = config
@@ -587,7 +587,8 @@ class TransportBase:
         self.speaking = speaking
         """The dialect spoken (the client's: one owner), which maps the answers."""
         self.retry = retry or retry_policy(config)
-        self._client = client
+        self._connections = connections
+        """The client object's ``Lease`` / ``AsyncLease``: ``.client`` builds the requests."""
         self._primed: tuple[Credential, float] | None = None
         self._kept: KeptAlive | None = None
         """The kept-alive sandbox whose data plane this twin serves (:meth:`to`)."""
@@ -624,7 +625,7 @@ class TransportBase:
         """The steps of sending ``spec`` (see :meth:`Exchange.steps`); a data-plane request
         of a kept-alive sandbox (:meth:`to`) extends its lifetime first when that is due."""
         exchange = Exchange(
-            self._client,
+            self._connections.client,
             self.config,
             self.retry,
             self.dialect,
@@ -665,7 +666,7 @@ class TransportBase:
         budget = min(KEEPALIVE_TIMEOUT, self.config.request_timeout)
         try:
             extend = Exchange(
-                self._client,
+                self._connections.client,
                 self.config,
                 SingleAttempt(),
                 self.dialect,

@@ -1,4 +1,5 @@
-"""The sync I/O layer: one ``httpx.Client`` per client object.
+"""The sync I/O layer: a client object's requests through its ``Lease`` of the process's
+shared ``httpx.Client`` for its settings (``_pool``).
 
 Everything else (what to send, auth, retries, timeouts, errors) comes from ``_exchange`` and
 the dialect; this module only performs the steps: sends, reads, credential fetches and sleeps.
@@ -38,9 +39,9 @@ from ._exchange import (
     TransportBase,
     UploadBody,
     Within,
-    client_settings,
     only_call,
 )
+from ._pool import Lease
 
 __all__ = ["BrokerTransport", "UploadStream"]
 
@@ -101,24 +102,25 @@ class BrokerTransport(TransportBase):
         sleep: Callable[[float], None] = time.sleep,
         retry: RetryPolicy | None = None,
     ) -> None:
-        client = httpx.Client(transport=http_transport, **client_settings(config))
-        super().__init__(config, auth, speaking, client, retry)
-        self._http = client
+        lease = Lease(config, http_transport)
+        super().__init__(config, auth, speaking, lease, retry)
+        self._http = lease
         self._sleep = sleep
         self._within = threading.Lock()  # held while a Within's helper thread runs
 
     @property
     def is_closed(self) -> bool:
-        return self._http.is_closed
+        return self._http.closed
 
     def close(self) -> None:
+        """Close this client's connections (the shared pool goes on for other clients)."""
         self._http.close()
 
     def perform(self, step: ExchangeStep) -> Any:
         """Perform one I/O step of an exchange."""
         match step:
             case Send(request):
-                return self._http.send(request, stream=True)
+                return self._http.send(request)
             case GetCredential(audience):
                 return self.primed() or self.auth.get_credential(audience)
             case Read(response):
