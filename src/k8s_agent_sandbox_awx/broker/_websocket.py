@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from typing import Any
 
 from starlette.requests import HTTPConnection
@@ -36,6 +35,7 @@ from ._ports import log_port_request, not_listening
 from ._rpc import BACKEND_RETRY_AFTER
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, port_target
+from ._unreachable import connect_failure, says_not_connected
 from .backends._interface import RUNTIME_PORT, BackendUnavailable, Route
 
 MAX_MESSAGE = 16 * 1024 * 1024
@@ -134,16 +134,10 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
             max_queue=UPSTREAM_QUEUE,
         )
     except InvalidStatus as exc:
-        answer = exc.response
-        kept = [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.raw_items()]
-        relayed = [h for h in kept if h[0] not in (b"content-length", b"connection", b"date")]
-        raise _Answered(answer.status_code, relayed, bytes(answer.body or b"")) from None
-    except ssl.SSLCertVerificationError as exc:
-        raise _unverified(route, data.port, name, exc) from None
-    except (ConnectionRefusedError, ConnectionResetError):
-        raise not_listening(name, data.port) from None
+        raise _answered(exc.response, route, name, data.port) from None
     except (OSError, TimeoutError, InvalidHandshake) as exc:
-        raise ApiError(
+        failure = connect_failure(route, exc, name, data.port)  # TLS, the router, refused
+        raise failure or ApiError(
             502,
             "sandbox_unreachable",
             f"the WebSocket handshake with port {data.port} of sandbox {name!r} failed "
@@ -151,16 +145,15 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
         ) from None
 
 
-def _unverified(route: Route, port: int, name: str, exc: ssl.SSLCertVerificationError) -> ApiError:
-    """The answer for a server whose TLS certificate the route's CA does not verify."""
-    why = exc.verify_message or exc.reason or type(exc).__name__
-    return ApiError(
-        502,
-        "sandbox_unreachable",
-        f"the WebSocket to port {port} of sandbox {name!r} was refused: TLS verification of "
-        f"{route.host}:{route.port} failed ({why}); its certificate must be signed by the CA "
-        "the backend trusts for it (Kubernetes: backend.kubernetes.router_ca_file)",
-    )
+def _answered(answer: Any, route: Route, name: str, port: int) -> Exception:
+    """The server's answer other than ``101`` to relay, or the broker's ``port_not_listening``
+    when it is the router's answer that it could not connect to the port."""
+    body = bytes(answer.body or b"")
+    if says_not_connected(route, answer.status_code, body):
+        return not_listening(name, port, via_router=True)
+    kept = [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.raw_items()]
+    relayed = [h for h in kept if h[0] not in (b"content-length", b"connection", b"date")]
+    return _Answered(answer.status_code, relayed, body)
 
 
 def _error_headers(exc: ApiError) -> list[tuple[bytes, bytes]]:
