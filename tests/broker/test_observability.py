@@ -393,6 +393,52 @@ def test_a_websocket_is_one_access_line_and_is_counted(
     )
 
 
+def test_every_error_answer_names_its_code_in_the_access_line(
+    obs: Observed, alice: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each error answer of the broker, wherever it is made (the front-ends, the app's outage
+    answer on HTTP and on ``/rpc``, a method ``/rpc`` does not take, a WebSocket to no data
+    route), carries its code in the access line: the code the answer names (its header, its
+    JSON), or for ``/rpc``'s plain-text answers the code the broker decided on."""
+    from k8s_agent_sandbox_awx.broker.backends._interface import BackendUnavailable
+
+    sandbox = alice.ready()
+    store = obs.broker._require_app().backend
+    answers: dict[str, tuple[int, str]] = {}
+
+    def answer(code: str, method: str, path: str, **kwargs: Any) -> None:
+        rid, resp = alice.send(method, path, **kwargs)
+        assert resp.status_code >= 400, resp.text
+        header = resp.headers.get("agent-sandbox-broker-error")
+        assert header in (None, code), (header, code)  # the answer's own code, when it has one
+        answers[rid] = (resp.status_code, code)
+
+    async def outage(*_: Any, **__: Any) -> Any:
+        raise BackendUnavailable("the Kubernetes API server is unreachable (test)")
+
+    answer("not_found", "GET", "/nowhere")
+    answer("method_not_allowed", "GET", "/rpc")
+    answer("invalid_header", "GET", "/", headers={"X-Sandbox-ID": "Not_A_Name"})
+    with monkeypatch.context() as patch:
+        for method in ("get", "find_claim", "list_owned"):
+            patch.setattr(store, method, outage)
+        answer("backend_unavailable", "GET", "/v1/sandboxes")
+        answer("backend_unavailable", "GET", "/", headers=data_headers(sandbox))
+        answer("backend_unavailable", "POST", "/rpc", json={"op": "status", "claim_name": "x"})
+    obs.broker.inject_unavailable(2, scope="any")  # the local broker's injected outage
+    answer("unavailable", "GET", "/", headers=data_headers(sandbox))
+    answer("unavailable", "GET", "/v1/sandboxes")
+    ws = ws_client.connect_tls(
+        obs.broker.url, obs.broker.ca_bundle, "/v1/whoami", {"X-Request-Id": "ws-control"}
+    )
+    ws.sock.close()
+    assert ws.head.split(b" ")[1] == b"404" and b"not_found" in ws.head, ws.head
+    answers["ws-control"] = (404, "not_found")
+    lines = {rid: obs.access_for(rid) for rid in answers}
+    seen = {rid: (line["status"], line["error"]) for rid, line in lines.items()}
+    assert seen == answers
+
+
 # -- the audit log ---------------------------------------------------------------------------------
 
 

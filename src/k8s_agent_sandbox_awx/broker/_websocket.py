@@ -59,8 +59,7 @@ class WebSocketForward:
         try:
             upstream = await self._open(connection)
         except ApiError as exc:
-            note_error(exc.code, exc.detail)  # for the access line and the metrics, as on HTTP
-            await _http_answer(send, exc.status, _error_headers(exc), _error_body(exc))
+            await refuse(send, exc)
             return
         except _Answered as answered:
             await _http_answer(send, answered.status, answered.headers, answered.body)
@@ -154,6 +153,14 @@ def _answered(answer: Any, route: Route, name: str, port: int) -> Exception:
     kept = [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.raw_items()]
     relayed = [h for h in kept if h[0] not in (b"content-length", b"connection", b"date")]
     return _Answered(answer.status_code, relayed, body)
+
+
+async def refuse(send: Send, exc: ApiError) -> None:
+    """Answer a handshake with the broker's error ``exc`` (its JSON, as on HTTP; the ASGI
+    ``websocket.http.response`` extension), its code noted for the access line and the
+    metrics."""
+    note_error(exc.code, exc.detail)
+    await _http_answer(send, exc.status, _error_headers(exc), _error_body(exc))
 
 
 def _error_headers(exc: ApiError) -> list[tuple[bytes, bytes]]:
