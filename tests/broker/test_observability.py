@@ -439,6 +439,46 @@ def test_every_error_answer_names_its_code_in_the_access_line(
     assert seen == answers
 
 
+def test_port_requests_are_one_route_their_port_apart(
+    obs: Observed, alice: Client, port_app: int
+) -> None:
+    """A port request is named ``{data} port`` (HTTP) or ``{data} websocket`` in the access
+    log and the metrics whatever its path (the user's, not the runtime's routes); its port is
+    the access line's ``port``, never a metric label. Runtime requests keep their routes."""
+    pytest.importorskip("websockets", reason="needs the [broker] extra (WebSocket upgrades)")
+    before = obs.metrics()
+    sandbox = alice.ready()
+    at_port = {**data_headers(sandbox), "X-Sandbox-Port": str(port_app)}
+    rid_download, resp = alice.send("GET", f"/download/{FILE_NAME}", headers=at_port)
+    assert resp.status_code in (200, 404), resp.text  # the app's answer, whatever it is
+    rid_other, _ = alice.send("POST", "/execute", content=b"{}", headers=at_port)
+    runtime = {**data_headers(sandbox), "X-Sandbox-Port": "8888"}
+    rid_runtime, _ = alice.send("GET", f"/download/{FILE_NAME}", headers=runtime)
+    bearer = {"Authorization": f"Bearer {alice.token}", "X-Request-Id": "port-ws"}
+    ws = ws_client.connect_tls(obs.broker.url, obs.broker.ca_bundle, "/ws", {**at_port, **bearer})
+    assert ws.head.startswith(b"HTTP/1.1 101"), ws.head
+    ws.close()
+    ws.sock.close()
+
+    lines = {rid: obs.access_for(rid) for rid in (rid_download, rid_other, rid_runtime, "port-ws")}
+    named = {rid: (line["route"], line["port"]) for rid, line in lines.items()}
+    assert named == {
+        rid_download: ("{data} port", port_app),
+        rid_other: ("{data} port", port_app),
+        rid_runtime: ("{data} /download/{path}", None),
+        "port-ws": ("{data} websocket", port_app),
+    }
+    time.sleep(0.2)  # the metrics are recorded just after the lines are written
+    after = obs.metrics()
+    requests = "agent_sandbox_broker_requests"
+    counted = _value(after[requests], requests + "_total", route="{data} port")
+    assert counted - _value(before.get(requests, []), requests + "_total", route="{data} port") == 2
+    labels = {key for family in after.values() for sample in family for key in sample.labels}
+    routes = {sample.labels.get("route") for family in after.values() for sample in family}
+    assert "port" not in labels and not any(str(port_app) in (r or "") for r in routes)
+    assert FILE_NAME not in obs.everything()
+
+
 # -- the audit log ---------------------------------------------------------------------------------
 
 
