@@ -479,6 +479,53 @@ def test_port_requests_are_one_route_their_port_apart(
     assert FILE_NAME not in obs.everything()
 
 
+def test_a_refused_websocket_writes_no_server_error(obs: Observed, alice: Client) -> None:
+    """A handshake the broker refuses with its JSON answer (a missing token, a port nothing
+    listens on, a WebSocket to the control plane) is its access line; the server's log gets
+    no ERROR for it (uvicorn 0.54 logged "ASGI callable returned without completing
+    handshake." for every one)."""
+    import asyncio
+    import logging
+
+    pytest.importorskip("websockets", reason="needs the [broker] extra (WebSocket upgrades)")
+    sandbox = alice.ready()
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append  # type: ignore[method-assign]
+    server_log = logging.getLogger("uvicorn.error")
+    server_log.addHandler(handler)
+    try:
+        bearer = {"Authorization": f"Bearer {alice.token}"}
+        cases = {
+            "refused-no-token": ("/ws", {**data_headers(sandbox), "X-Sandbox-Port": "18000"}, 401),
+            "refused-not-listening": (
+                "/ws",
+                {**data_headers(sandbox), "X-Sandbox-Port": str(free_port()), **bearer},
+                502,
+            ),
+            "refused-control-plane": ("/v1/whoami", bearer, 404),
+        }
+        for rid, (path, headers, status) in cases.items():
+            headers = {**headers, "X-Request-Id": rid}
+            ws = ws_client.connect_tls(obs.broker.url, obs.broker.ca_bundle, path, headers)
+            ws.sock.close()
+            assert ws.head.split(b" ")[1] == str(status).encode(), ws.head
+        for rid, (_, _, status) in cases.items():
+            line = obs.access_for(rid)
+            assert line["status"] == status and line["error"] is not None, line
+        # the server logs right after the app returned (the access line's end), in the same
+        # step of its event loop: once a later step ran there, it would have logged
+        obs.broker._call(asyncio.sleep(0))
+    finally:
+        server_log.removeHandler(handler)
+    assert [record.getMessage() for record in errors] == []
+    # exactly that record, after a handshake the broker answered: elsewhere it stays an error
+    from k8s_agent_sandbox_awx.broker._relay import NO_HANDSHAKE
+
+    record = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, NO_HANDSHAKE, (), None)
+    assert all(f.filter(record) for f in server_log.filters)
+
+
 # -- the audit log ---------------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from ._forward import Forward, forwarded_headers
 from ._gate import DataRequest, _router_headers, origin_form
 from ._observed import note_error
 from ._ports import log_port_request, not_listening
+from ._relay import handshake_answered
 from ._rpc import BACKEND_RETRY_AFTER
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, port_target
@@ -180,6 +181,7 @@ async def _http_answer(
     """An HTTP answer to a handshake (the ASGI ``websocket.http.response`` extension)."""
     await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
     await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+    handshake_answered()  # the server's "returned without completing handshake" is noise
 
 
 async def _relay(upstream: Any, receive: Receive, send: Send) -> None:
