@@ -9,10 +9,11 @@ the router headers not sent), and only when that one is open does it accept the 
 refusal is the broker's JSON error (``port_not_listening``...), an answer of the server other
 than ``101`` is relayed as the server's. Then messages flow both ways, each direction on its
 own (a peer that stops reading holds up only what is sent to it); a close is passed on with
-its code and reason. Flow control, not buffering: a receiver that stops reading makes the
-broker stop reading from its sender once a message or two wait (:data:`UPSTREAM_QUEUE`; the
-caller's side: uvicorn's), so the sender's sends block; the broker holds a few messages per
-direction, never what the sender offers.
+its code and reason (the sandbox's server gets :data:`CLOSE_TIMEOUT` seconds to answer the
+broker's close, then its connection is dropped). Flow control, not buffering: a receiver that
+stops reading makes the broker stop reading from its sender once a message or two wait
+(:data:`UPSTREAM_QUEUE`; the caller's side: uvicorn's), so the sender's sends block; the broker
+holds a few messages per direction, never what the sender offers.
 
 Without ``websockets`` a handshake arrives as a plain request: the broker answers it ``501
 websocket_unsupported`` naming the missing library.
@@ -46,6 +47,10 @@ UPSTREAM_QUEUE = 1
 reading from it (``websockets``' ``max_queue``; its default, 16, let a caller that reads
 nothing make the broker hold 16 messages, up to 256 MiB). The caller's side is bounded by the
 broker's server: uvicorn stops reading a caller until its last message was taken."""
+CLOSE_TIMEOUT = 2.0
+"""Seconds the broker waits for the sandbox's server to answer its close (after the caller
+left or closed) before it drops the connection (``websockets``' ``close_timeout``; its default,
+10 s, held a stuck server's connection, and the caller's session, that long)."""
 _SENT_BY_LIBRARY = (b"sec-websocket-", b"upgrade", b"connection", b"user-agent")
 
 
@@ -132,6 +137,7 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
             ping_interval=None,  # the peers keep their own connection alive
             max_size=MAX_MESSAGE,
             max_queue=UPSTREAM_QUEUE,
+            close_timeout=CLOSE_TIMEOUT,
         )
     except InvalidStatus as exc:
         raise _answered(exc.response, route, name, data.port) from None
