@@ -41,7 +41,7 @@ class Server:
     """A sandbox's WebSocket server on 127.0.0.1 (a local sandbox's ports are the host's);
     per path: ``/flood?mib=N&message_mib=M`` sends N MiB in binary messages of M MiB each
     (default 64 and 1) and records what arrives meanwhile; ``/sink`` reads nothing at all;
-    ``/echo`` echoes."""
+    ``/mute`` reads everything and answers nothing, not even a close; ``/echo`` echoes."""
 
     def __init__(self) -> None:
         self.listener = small_buffers(socket.socket())
@@ -97,6 +97,8 @@ class Server:
                 for _ in range(int(query.get("mib", "64")) * MIB // size):
                     write_frame(wfile, 2, payload)
                     peer.sent += len(payload)
+            elif path.startswith("/mute"):
+                self._mute(rfile, peer)
             elif path.startswith("/echo"):
                 while True:
                     opcode, data = read_frame(rfile)
@@ -110,6 +112,23 @@ class Server:
             pass
         finally:
             peer.done.set()
+
+    @staticmethod
+    def _mute(rfile: object, peer: Peer) -> None:
+        """Read every frame, a close too, and answer none (a server stuck in its close): the
+        peer is ``done`` when the broker dropped the connection."""
+        try:
+            while True:
+                opcode, data = read_frame(rfile)
+                if (opcode, data) == (
+                    8,
+                    b"",
+                ):  # the connection's end (the broker's close has a code)
+                    return
+                if opcode != 8:
+                    peer.received.append(data)
+        except (OSError, ValueError, struct.error):
+            return
 
     @staticmethod
     def _record(rfile: object, peer: Peer) -> None:

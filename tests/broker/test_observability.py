@@ -393,6 +393,139 @@ def test_a_websocket_is_one_access_line_and_is_counted(
     )
 
 
+def test_every_error_answer_names_its_code_in_the_access_line(
+    obs: Observed, alice: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each error answer of the broker, wherever it is made (the front-ends, the app's outage
+    answer on HTTP and on ``/rpc``, a method ``/rpc`` does not take, a WebSocket to no data
+    route), carries its code in the access line: the code the answer names (its header, its
+    JSON), or for ``/rpc``'s plain-text answers the code the broker decided on."""
+    from k8s_agent_sandbox_awx.broker.backends._interface import BackendUnavailable
+
+    sandbox = alice.ready()
+    store = obs.broker._require_app().backend
+    answers: dict[str, tuple[int, str]] = {}
+
+    def answer(code: str, method: str, path: str, **kwargs: Any) -> None:
+        rid, resp = alice.send(method, path, **kwargs)
+        assert resp.status_code >= 400, resp.text
+        header = resp.headers.get("agent-sandbox-broker-error")
+        assert header in (None, code), (header, code)  # the answer's own code, when it has one
+        answers[rid] = (resp.status_code, code)
+
+    async def outage(*_: Any, **__: Any) -> Any:
+        raise BackendUnavailable("the Kubernetes API server is unreachable (test)")
+
+    answer("not_found", "GET", "/nowhere")
+    answer("method_not_allowed", "GET", "/rpc")
+    answer("invalid_header", "GET", "/", headers={"X-Sandbox-ID": "Not_A_Name"})
+    with monkeypatch.context() as patch:
+        for method in ("get", "find_claim", "list_owned"):
+            patch.setattr(store, method, outage)
+        answer("backend_unavailable", "GET", "/v1/sandboxes")
+        answer("backend_unavailable", "GET", "/", headers=data_headers(sandbox))
+        answer("backend_unavailable", "POST", "/rpc", json={"op": "status", "claim_name": "x"})
+    obs.broker.inject_unavailable(2, scope="any")  # the local broker's injected outage
+    answer("unavailable", "GET", "/", headers=data_headers(sandbox))
+    answer("unavailable", "GET", "/v1/sandboxes")
+    ws = ws_client.connect_tls(
+        obs.broker.url, obs.broker.ca_bundle, "/v1/whoami", {"X-Request-Id": "ws-control"}
+    )
+    ws.sock.close()
+    assert ws.head.split(b" ")[1] == b"404" and b"not_found" in ws.head, ws.head
+    answers["ws-control"] = (404, "not_found")
+    lines = {rid: obs.access_for(rid) for rid in answers}
+    seen = {rid: (line["status"], line["error"]) for rid, line in lines.items()}
+    assert seen == answers
+
+
+def test_port_requests_are_one_route_their_port_apart(
+    obs: Observed, alice: Client, port_app: int
+) -> None:
+    """A port request is named ``{data} port`` (HTTP) or ``{data} websocket`` in the access
+    log and the metrics whatever its path (the user's, not the runtime's routes); its port is
+    the access line's ``port``, never a metric label. Runtime requests keep their routes."""
+    pytest.importorskip("websockets", reason="needs the [broker] extra (WebSocket upgrades)")
+    before = obs.metrics()
+    sandbox = alice.ready()
+    at_port = {**data_headers(sandbox), "X-Sandbox-Port": str(port_app)}
+    rid_download, resp = alice.send("GET", f"/download/{FILE_NAME}", headers=at_port)
+    assert resp.status_code in (200, 404), resp.text  # the app's answer, whatever it is
+    rid_other, _ = alice.send("POST", "/execute", content=b"{}", headers=at_port)
+    runtime = {**data_headers(sandbox), "X-Sandbox-Port": "8888"}
+    rid_runtime, _ = alice.send("GET", f"/download/{FILE_NAME}", headers=runtime)
+    bearer = {"Authorization": f"Bearer {alice.token}", "X-Request-Id": "port-ws"}
+    ws = ws_client.connect_tls(obs.broker.url, obs.broker.ca_bundle, "/ws", {**at_port, **bearer})
+    assert ws.head.startswith(b"HTTP/1.1 101"), ws.head
+    ws.close()
+    ws.sock.close()
+
+    lines = {rid: obs.access_for(rid) for rid in (rid_download, rid_other, rid_runtime, "port-ws")}
+    named = {rid: (line["route"], line["port"]) for rid, line in lines.items()}
+    assert named == {
+        rid_download: ("{data} port", port_app),
+        rid_other: ("{data} port", port_app),
+        rid_runtime: ("{data} /download/{path}", None),
+        "port-ws": ("{data} websocket", port_app),
+    }
+    time.sleep(0.2)  # the metrics are recorded just after the lines are written
+    after = obs.metrics()
+    requests = "agent_sandbox_broker_requests"
+    counted = _value(after[requests], requests + "_total", route="{data} port")
+    assert counted - _value(before.get(requests, []), requests + "_total", route="{data} port") == 2
+    labels = {key for family in after.values() for sample in family for key in sample.labels}
+    routes = {sample.labels.get("route") for family in after.values() for sample in family}
+    assert "port" not in labels and not any(str(port_app) in (r or "") for r in routes)
+    assert FILE_NAME not in obs.everything()
+
+
+def test_a_refused_websocket_writes_no_server_error(obs: Observed, alice: Client) -> None:
+    """A handshake the broker refuses with its JSON answer (a missing token, a port nothing
+    listens on, a WebSocket to the control plane) is its access line; the server's log gets
+    no ERROR for it (uvicorn 0.54 logged "ASGI callable returned without completing
+    handshake." for every one)."""
+    import asyncio
+    import logging
+
+    pytest.importorskip("websockets", reason="needs the [broker] extra (WebSocket upgrades)")
+    sandbox = alice.ready()
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append  # type: ignore[method-assign]
+    server_log = logging.getLogger("uvicorn.error")
+    server_log.addHandler(handler)
+    try:
+        bearer = {"Authorization": f"Bearer {alice.token}"}
+        cases = {
+            "refused-no-token": ("/ws", {**data_headers(sandbox), "X-Sandbox-Port": "18000"}, 401),
+            "refused-not-listening": (
+                "/ws",
+                {**data_headers(sandbox), "X-Sandbox-Port": str(free_port()), **bearer},
+                502,
+            ),
+            "refused-control-plane": ("/v1/whoami", bearer, 404),
+        }
+        for rid, (path, headers, status) in cases.items():
+            headers = {**headers, "X-Request-Id": rid}
+            ws = ws_client.connect_tls(obs.broker.url, obs.broker.ca_bundle, path, headers)
+            ws.sock.close()
+            assert ws.head.split(b" ")[1] == str(status).encode(), ws.head
+        for rid, (_, _, status) in cases.items():
+            line = obs.access_for(rid)
+            assert line["status"] == status and line["error"] is not None, line
+        # the server logs right after the app returned (the access line's end), in the same
+        # step of its event loop: once a later step ran there, it would have logged
+        obs.broker._call(asyncio.sleep(0))
+    finally:
+        server_log.removeHandler(handler)
+    assert [record.getMessage() for record in errors] == []
+    # exactly that record, after a handshake the broker answered: elsewhere it stays an error
+    from k8s_agent_sandbox_awx.broker._relay import NO_HANDSHAKE
+
+    record = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, NO_HANDSHAKE, (), None)
+    assert all(f.filter(record) for f in server_log.filters)
+
+
 # -- the audit log ---------------------------------------------------------------------------------
 
 

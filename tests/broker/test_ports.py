@@ -19,7 +19,7 @@ from k8s_agent_sandbox_awx.broker.identity._rules import PolicyRule
 from k8s_agent_sandbox_awx.broker.identity._settings import SettingsError
 from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
 from tests._support import ws_client
-from tests._support.port_server import running_port_app
+from tests._support.port_server import free_port, running_port_app
 
 
 @pytest.fixture
@@ -413,3 +413,188 @@ def test_a_websocket_while_the_backend_is_unavailable_is_a_503_like_http() -> No
         "code": "backend_unavailable",
         "detail": "the Kubernetes API server is unreachable (test)",
     }
+
+
+# -- what failed, through a router (the HTTP and the WebSocket path) ------------------------------
+ROUTER_REFUSED = b'{"detail": "Could not connect to the backend sandbox: sbx-1"}'
+"""What upstream's routers (the Python and the Go one) answer when they cannot connect to the
+sandbox's port: ``502`` with this body (its last word: the X-Sandbox-ID they were sent)."""
+
+
+async def _answering_router(leaf: Any, status: int, body: bytes) -> Any:
+    """A router stand-in over HTTPS (``leaf``: its certificate) answering every request, a
+    WebSocket handshake too, with ``status`` and the JSON ``body``."""
+    import asyncio
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    leaf.configure_cert(context)
+    head = f"HTTP/1.1 {status} Router\r\ncontent-type: application/json\r\n"
+    answer = (head + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0, ssl=context)
+
+
+def _forward_app(routes: Any) -> Any:
+    """The data plane's forward (:class:`Forward`) over the Kubernetes ``routes``, as the
+    broker's app answers it (its errors as JSON), for a caller who owns ``claim-1``."""
+    from starlette.requests import Request
+
+    from k8s_agent_sandbox_awx.broker._forward import Forward
+    from k8s_agent_sandbox_awx.broker.identity._policy import Caller
+
+    class Gate:
+        async def authenticate(self, connection: Any) -> Caller:
+            return Caller("p", "i", "s", "aud", 2**31)
+
+    class Backend:
+        async def get(self, name: str, **_: Any) -> Any:
+            return _kube_state()
+
+        async def route(self, state: Any, port: int) -> Any:
+            return routes.route(state, port)
+
+    class Policies:
+        def policy_for(self, caller: Caller) -> Policy:
+            return Policy()
+
+    forward = Forward(Backend(), Gate(), Policies())  # type: ignore[arg-type]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await forward.handle(Request(scope, receive), send)
+        except ApiError as exc:
+            await exc.response()(scope, receive, send)
+
+    return app
+
+
+PORT_HEADERS = {"X-Sandbox-ID": "claim-1", "X-Sandbox-Namespace": "team-a",
+                "X-Sandbox-Port": "3000", "Authorization": f"Bearer {CALLER_TOKEN}"}  # fmt: skip
+
+
+def _router_settings(tmp_path: Path, port: int) -> Any:
+    from k8s_agent_sandbox_awx.broker.backends.kubernetes._routes import RouteSettings
+
+    return RouteSettings(
+        router_url=f"https://127.0.0.1:{port}",
+        router_token_file=tmp_path / "token",
+        router_ca_file=tmp_path / "ca.pem",
+    )
+
+
+def test_a_port_request_through_a_router_names_what_failed(tmp_path: Path) -> None:
+    """Through a router, ``port_not_listening`` is only the router's own answer that it could
+    not connect to the port; a router whose certificate the CA did not sign is ``502
+    sandbox_unreachable`` naming TLS verification and ``router_ca_file``; a router that cannot
+    be reached is ``502 sandbox_unreachable`` naming the router's address. Another ``502`` of
+    the router (or of the server behind it) is relayed as it came."""
+    trustme = pytest.importorskip("trustme")
+    import asyncio
+
+    import httpx
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    (tmp_path / "token").write_text(ROUTER_TOKEN)
+    free = free_port()
+
+    async def main() -> dict[str, httpx.Response]:
+        servers = {
+            "refused": await _answering_router(ca.issue_cert("127.0.0.1"), 502, ROUTER_REFUSED),
+            "other": await _answering_router(ca.issue_cert("127.0.0.1"), 502, b'{"detail":"x"}'),
+            "stranger": await _answering_router(
+                trustme.CA().issue_cert("127.0.0.1"), 502, ROUTER_REFUSED
+            ),
+        }
+        ports = {name: s.sockets[0].getsockname()[1] for name, s in servers.items()}
+        answers = {}
+        try:
+            for name, port in {**ports, "down": free}.items():
+                routes = await _routes(_router_settings(tmp_path, port))
+                transport = httpx.ASGITransport(app=_forward_app(routes))
+                async with httpx.AsyncClient(transport=transport, base_url="http://b") as http:
+                    answers[name] = await http.get("/app", headers=PORT_HEADERS)
+                await routes.close()
+        finally:
+            for server in servers.values():
+                server.close()
+        return answers
+
+    answers = asyncio.run(main())
+    codes = {name: a.headers.get("agent-sandbox-broker-error") for name, a in answers.items()}
+    assert codes == {
+        "refused": "port_not_listening",
+        "other": None,  # not the broker's: relayed
+        "stranger": "sandbox_unreachable",
+        "down": "sandbox_unreachable",
+    }, codes
+    assert all(a.status_code == 502 for a in answers.values())
+    assert "port 3000" in answers["refused"].json()["detail"]
+    assert answers["other"].content == b'{"detail":"x"}'
+    tls = answers["stranger"].json()["detail"]
+    assert "TLS" in tls and "verif" in tls and "router_ca_file" in tls, tls
+    down = answers["down"].json()["detail"]
+    assert f"router at 127.0.0.1:{free}" in down and "router_url" in down, down
+    assert "nothing listens" not in tls + down
+    for answer in answers.values():
+        assert ROUTER_TOKEN not in answer.text and CALLER_TOKEN not in answer.text
+
+
+def test_a_websocket_through_a_router_names_what_failed(tmp_path: Path) -> None:
+    """The same on the WebSocket path: a router that cannot be reached is ``502
+    sandbox_unreachable`` naming its address (it was ``port_not_listening``); a router that
+    answers the handshake that it could not connect to the port (upstream's Go router) is
+    ``502 port_not_listening``."""
+    pytest.importorskip("websockets", reason="needs the [broker] extra (WebSocket upgrades)")
+    trustme = pytest.importorskip("trustme")
+    import asyncio
+
+    from starlette.requests import HTTPConnection
+
+    from k8s_agent_sandbox_awx.broker._gate import DataRequest
+    from k8s_agent_sandbox_awx.broker._target import port_target
+    from k8s_agent_sandbox_awx.broker._websocket import _open
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    (tmp_path / "token").write_text(ROUTER_TOKEN)
+    data = DataRequest("sbx-1", "team-a", 3000, 30.0, port_target(b"/ws"))
+    connection = HTTPConnection(_ws_scope())
+    free = free_port()
+
+    async def main() -> dict[str, ApiError]:
+        refusing = await _answering_router(ca.issue_cert("127.0.0.1"), 502, ROUTER_REFUSED)
+        ports = {"refused": refusing.sockets[0].getsockname()[1], "down": free}
+        errors = {}
+        try:
+            for name, port in ports.items():
+                routes = await _routes(_router_settings(tmp_path, port))
+                try:
+                    await _open(routes.route(_kube_state(), 3000), data, connection, "claim-1")
+                except ApiError as exc:
+                    errors[name] = exc
+                finally:
+                    await routes.close()
+        finally:
+            refusing.close()
+        return errors
+
+    errors = asyncio.run(main())
+    assert {name: (e.status, e.code) for name, e in errors.items()} == {
+        "refused": (502, "port_not_listening"),
+        "down": (502, "sandbox_unreachable"),
+    }
+    assert "port 3000" in errors["refused"].detail
+    down = errors["down"].detail
+    assert f"router at 127.0.0.1:{free}" in down and "nothing listens" not in down, down

@@ -156,3 +156,26 @@ def test_a_sandbox_that_stops_reading_holds_up_the_caller_not_the_broker(
     assert taken < OFFERED, "the caller handed over everything: no backpressure"
     assert held < HELD_AT_MOST, f"{held / MIB:.1f} MiB held for a server that reads nothing"
     ws.sock.close()
+
+
+RELEASED_WITHIN = 8.0
+"""How long a stuck server's connection may outlive its caller: well above the broker's close
+timeout (2 s), below websockets' default (10 s) that held it before."""
+
+
+def test_a_stuck_servers_connection_is_released_soon_after_the_caller_leaves(
+    broker: LocalBroker, server: Server, sandbox_headers: dict[str, str]
+) -> None:
+    """The caller leaves; the sandbox's server never answers the broker's close: the broker
+    drops its connection to the server once its close timeout
+    (:data:`..._websocket.CLOSE_TIMEOUT`) passed, not websockets' default 10 s."""
+    from k8s_agent_sandbox_awx.broker import _websocket
+
+    ws = caller(broker, sandbox_headers, "/mute")
+    until(lambda: bool(server.peers), "the connection reached the server")
+    mute: Peer = server.peers[0]
+    ws.send(1, b"before leaving")
+    until(lambda: mute.received == [b"before leaving"], "the message reached the server")
+    ws.sock.close()  # the caller leaves
+    assert mute.done.wait(RELEASED_WITHIN), "the broker still holds the stuck server's connection"
+    assert _websocket.CLOSE_TIMEOUT * 2 <= RELEASED_WITHIN  # the bound stays generous

@@ -25,7 +25,7 @@ from ._gate import Gate, origin_form
 from ._observed import note_error
 from ._rpc import BACKEND_RETRY_AFTER, Rpc
 from ._v1 import V1
-from ._websocket import WebSocketForward
+from ._websocket import WebSocketForward, refuse
 from .backends._interface import Backend, BackendUnavailable
 from .identity._issuer import PublishedIssuer
 from .identity._rules import PolicySource
@@ -102,23 +102,32 @@ class BrokerApp:
             note_error(exc.code, exc.detail)
             response = exc.response()
         except BackendUnavailable as exc:
-            response = ApiError(
+            outage = ApiError(
                 503,
                 "backend_unavailable",
                 exc.detail,
                 {"Retry-After": str(BACKEND_RETRY_AFTER)},
-            ).response()
+            )
+            note_error(outage.code, outage.detail)
+            response = outage.response()
         except ClientDisconnect:
             return
         await response(scope, receive, send)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A WebSocket handshake: proxied to a sandbox's port if it is a data-plane one
-        (:mod:`._websocket`), else refused (no control-plane route takes WebSockets)."""
+        (:mod:`._websocket`), else ``404 not_found`` (no control-plane route takes
+        WebSockets)."""
         if plane_of(scope, self.protocols) == "data":
             await self.websocket.handle(scope, receive, send)
             return
-        await send({"type": "websocket.close", "code": 1008})
+        no_route = ApiError(
+            404,
+            "not_found",
+            f"no WebSocket route at {scope['path'][:200]}: only a port request (X-Sandbox-ID, "
+            "X-Sandbox-Port: your server's port) takes WebSockets",
+        )
+        await refuse(send, no_route)
 
     def _no_route(self, method: str, path: str) -> ApiError:
         served = " and ".join(

@@ -21,14 +21,10 @@ from starlette.types import Send
 from ._errors import ApiError
 from ._gate import BODYLESS, DataRequest, Gate, data_request
 from ._metadata import DNS_LABEL
-from ._ports import (
-    check_port_allowed,
-    log_port_request,
-    not_listening,
-    refuse_unsupported_upgrade,
-)
+from ._ports import check_port_allowed, log_port_request, refuse_unsupported_upgrade
 from ._relay import HOP_BY_HOP, Deleting, Relay, answer_headers
 from ._target import CODE as TARGET_CODE
+from ._unreachable import connect_failure, router_not_connected
 from .backends._interface import READY, Backend, ClaimGone, ClaimState, Route, Unroutable
 from .identity._policy import Caller, required_scope
 from .identity._rules import PolicySource
@@ -172,12 +168,15 @@ class Forward:
         port = data.port if data.port_request else None
         response = await _send_upstream(route, upstream, state.name, command, data.timeout, port)
         try:
+            chunks = response.aiter_raw()
+            if port is not None:  # the router's answer that nothing listens: the broker's 502
+                chunks = await router_not_connected(response, route, state.name, port)
             what = f"{request.method} {target.path}"
             deleting = self._deleting(state.name, state.namespace)
             relay = Relay(request.receive, send, state.name, what, deleting)
             start = {"status": response.status_code, "headers": answer_headers(response)}
             await send({"type": "http.response.start", **start})
-            await relay.pump(response.aiter_raw())
+            await relay.pump(chunks)
         finally:
             await response.aclose()
 
@@ -233,7 +232,8 @@ async def _send_upstream(
     """Send ``upstream`` (counted if it runs a ``command``); its answer streams. A failure
     before the answer starts is the broker's 502 or 504, whose code says whether the request
     may have reached the sandbox: ``sandbox_unreachable`` (no connection: nothing was sent,
-    nothing counted; for a port request, ``port``: ``port_not_listening``),
+    nothing counted; for a port request, ``port``, whose connection was refused:
+    ``port_not_listening``; what failed through a router: :mod:`._unreachable`),
     ``sandbox_answer_lost`` (the connection broke after the request was sent) or
     ``sandbox_timeout`` (sent, no answer in time)."""
     count = route.count_command if command else None
@@ -244,12 +244,13 @@ async def _send_upstream(
     except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
         if count is not None:
             count(-1)
-        if port is not None and isinstance(exc, httpx.ConnectError):
-            raise not_listening(name, port) from None
+        pooled = isinstance(exc, httpx.PoolTimeout)  # the broker's own pool: nothing failed
+        failure = None if pooled else connect_failure(route, exc, name, port)
+        if failure is not None:
+            raise failure from None
         how = "" if isinstance(exc, httpx.ConnectError) else " (timed out)"
-        raise ApiError(
-            502, "sandbox_unreachable", f"cannot connect to sandbox {name!r}{how}"
-        ) from None
+        to = f"port {port} of sandbox {name!r}" if port is not None else f"sandbox {name!r}"
+        raise ApiError(502, "sandbox_unreachable", f"cannot connect to {to}{how}") from None
     except httpx.TimeoutException:
         raise ApiError(
             504,

@@ -63,6 +63,8 @@ class Exchange:
     rejection: Rejection | None = None
     sandbox: str | None = None
     claim: str | None = None
+    port: int | None = None
+    """A port request's port (``X-Sandbox-Port``, not the runtime's), else ``None``."""
     error: tuple[str, str] | None = None
     """The broker's own error answer: ``(code, detail)`` (never a forwarded one's)."""
     decision: dict[str, Any] = field(default_factory=dict)

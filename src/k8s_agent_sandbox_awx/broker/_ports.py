@@ -10,7 +10,9 @@ owner, claim binding, Ready), and besides:
 - the caller's policy must allow the port (``Policy.ports``): else ``403 port_not_allowed``
   naming the port and the allowed ones;
 - its target is forwarded as sent (:func:`._target.port_target`), never counted as a command;
-- a port nothing listens on is ``502 port_not_listening`` naming the port and the sandbox.
+- a port nothing listens on is ``502 port_not_listening`` naming the port and the sandbox (only
+  then: a router that cannot be reached, or a TLS failure, is ``502 sandbox_unreachable`` saying
+  so: :mod:`._unreachable`).
 """
 
 from __future__ import annotations
@@ -67,13 +69,16 @@ def check_port_allowed(
         )
 
 
-def not_listening(name: str, port: int) -> ApiError:
-    """The answer for a port no server listens on."""
+def not_listening(name: str, port: int, *, via_router: bool = False) -> ApiError:
+    """The answer for a port no server listens on: the connection to it was refused, or the
+    router answered that it could not connect to it (``via_router``; :mod:`._unreachable`)."""
+    how = " (the router could not connect to it)" if via_router else ""
     return ApiError(
         502,
         "port_not_listening",
-        f"nothing listens on port {port} in sandbox {name!r}: start a server on it first (for "
-        "example with commands.run(..., background=True)), listening on 127.0.0.1 or 0.0.0.0",
+        f"nothing listens on port {port} in sandbox {name!r}{how}: start a server on it "
+        "first (for example with commands.run(..., background=True)), listening on "
+        "127.0.0.1 or 0.0.0.0",
     )
 
 

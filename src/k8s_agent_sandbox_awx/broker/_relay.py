@@ -4,14 +4,17 @@ goes away mid-stream.
 A broken answer must reach the client broken, never complete: the broker then drops the
 client's connection (:class:`DroppedConnection`, raised after the answer started; the server
 closes the connection, and :func:`install_log_filter` keeps that expected event out of the
-error log as a traceback).
+error log as a traceback; it also keeps out the server's complaint after a WebSocket handshake
+the broker answered with an HTTP answer: :func:`handshake_answered`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final
 
 import httpx
 from starlette.types import Message, Receive, Send
@@ -43,15 +46,38 @@ class DroppedConnection(Exception):
     """Raised after the response started, so that the server drops the connection."""
 
 
+NO_HANDSHAKE: Final = "ASGI callable returned without completing handshake."
+"""What uvicorn's ``websockets-sansio`` server (0.54) logs as an ERROR after every handshake
+the app answered with an HTTP answer of its own (the ASGI ``websocket.http.response``
+extension): it sends the whole answer, then does not count it as the handshake's end."""
+_HANDSHAKE_ANSWERED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "k8s_agent_sandbox_awx_handshake_answered", default=False
+)
+
+
+def handshake_answered() -> None:
+    """The broker answered this connection's WebSocket handshake with a whole HTTP answer
+    (a refusal, or the sandbox's server's answer relayed): its access line says so, and the
+    server's :data:`NO_HANDSHAKE` that follows is left out of the error log. Set in the
+    connection's own task (the server logs there once the app returned), never reset."""
+    _HANDSHAKE_ANSWERED.set(True)
+
+
 class _DropFilter(logging.Filter):
+    """Leaves out of the server's error log what the broker logs itself or answered: the
+    traceback of a dropped connection, :data:`NO_HANDSHAKE` after a handshake answered whole."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if record.msg == NO_HANDSHAKE and _HANDSHAKE_ANSWERED.get():
+            return False
         return not isinstance(exc, DroppedConnection)
 
 
 def install_log_filter() -> None:
     """Keep the server's "Exception in ASGI application" for a dropped connection out of its
-    error log (the relay logs such an event itself, as one line)."""
+    error log (the relay logs such an event itself, as one line), and its
+    :data:`NO_HANDSHAKE` after a handshake the broker answered (its access line has it)."""
     logger = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, _DropFilter) for f in logger.filters):
         logger.addFilter(_DropFilter())

@@ -3,7 +3,9 @@
 A raw path can hold a file's name (``/download/secret-plans.txt``), a command's id or a sandbox's
 name; a metric label must come from a small, fixed set. So every request is named by its
 route's template (``/v1/sandboxes/{name}``, ``/rpc op=create``, ``{data} /commands/{id}/events``),
-and anything the broker does not route is ``unmatched`` (``{data} other`` on the data plane).
+and anything the broker does not route is ``unmatched`` (``{data} other`` on the data plane). A
+port request's path is its user's: it is ``{data} port`` (``{data} websocket`` for a WebSocket),
+whatever the path.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Final
 
 __all__ = [
     "METHODS",
+    "PORT_ROUTE",
     "WEBSOCKET_ROUTE",
     "action_of",
     "data_route",
@@ -29,6 +32,9 @@ UNMATCHED: Final = "unmatched"
 DATA: Final = "{data} "
 WEBSOCKET_ROUTE: Final = DATA + "websocket"
 """Every WebSocket handshake on the data plane (a port request's: its path is the user's)."""
+PORT_ROUTE: Final = DATA + "port"
+"""Every HTTP port request (its path is the user's server's, not one of the runtime's routes;
+its port is a field of the access line apart, never a metric label)."""
 
 _V1_FIXED: Final = frozenset({"/v1/healthz", "/v1/whoami", "/v1/sandboxes"})
 _DATA_FIXED: Final = frozenset(

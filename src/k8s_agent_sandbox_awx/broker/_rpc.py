@@ -117,11 +117,9 @@ class Rpc:
 
     async def handle(self, request: Request) -> Response:
         if request.method != "POST":
-            return plain_error(
-                405,
-                'use POST /rpc with a JSON body {"op": ...}; ops: ' + ", ".join(OPS),
-                {"Allow": "POST"},
-            )
+            text = 'use POST /rpc with a JSON body {"op": ...}; ops: ' + ", ".join(OPS)
+            note_error("method_not_allowed", text)
+            return plain_error(405, text, {"Allow": "POST"})
         try:
             caller = await self.gate.authenticate(request)
             body = await self.gate.json_body(request)
@@ -146,6 +144,7 @@ class Rpc:
             note_error(exc.code, exc.detail)
             return plain_error(exc.status, exc.detail, exc.headers)
         except BackendUnavailable as exc:
+            note_error("backend_unavailable", exc.detail)
             return plain_error(503, exc.detail, {"Retry-After": str(BACKEND_RETRY_AFTER)})
 
     # -- ops -----------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ the router headers not sent), and only when that one is open does it accept the 
 refusal is the broker's JSON error (``port_not_listening``...), an answer of the server other
 than ``101`` is relayed as the server's. Then messages flow both ways, each direction on its
 own (a peer that stops reading holds up only what is sent to it); a close is passed on with
-its code and reason. Flow control, not buffering: a receiver that stops reading makes the
-broker stop reading from its sender once a message or two wait (:data:`UPSTREAM_QUEUE`; the
-caller's side: uvicorn's), so the sender's sends block; the broker holds a few messages per
-direction, never what the sender offers.
+its code and reason (the sandbox's server gets :data:`CLOSE_TIMEOUT` seconds to answer the
+broker's close, then its connection is dropped). Flow control, not buffering: a receiver that
+stops reading makes the broker stop reading from its sender once a message or two wait
+(:data:`UPSTREAM_QUEUE`; the caller's side: uvicorn's), so the sender's sends block; the broker
+holds a few messages per direction, never what the sender offers.
 
 Without ``websockets`` a handshake arrives as a plain request: the broker answers it ``501
 websocket_unsupported`` naming the missing library.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 from typing import Any
 
 from starlette.requests import HTTPConnection
@@ -33,9 +33,11 @@ from ._forward import Forward, forwarded_headers
 from ._gate import DataRequest, _router_headers, origin_form
 from ._observed import note_error
 from ._ports import log_port_request, not_listening
+from ._relay import handshake_answered
 from ._rpc import BACKEND_RETRY_AFTER
 from ._target import CODE as TARGET_CODE
 from ._target import NonNormalTarget, port_target
+from ._unreachable import connect_failure, says_not_connected
 from .backends._interface import RUNTIME_PORT, BackendUnavailable, Route
 
 MAX_MESSAGE = 16 * 1024 * 1024
@@ -45,6 +47,10 @@ UPSTREAM_QUEUE = 1
 reading from it (``websockets``' ``max_queue``; its default, 16, let a caller that reads
 nothing make the broker hold 16 messages, up to 256 MiB). The caller's side is bounded by the
 broker's server: uvicorn stops reading a caller until its last message was taken."""
+CLOSE_TIMEOUT = 2.0
+"""Seconds the broker waits for the sandbox's server to answer its close (after the caller
+left or closed) before it drops the connection (``websockets``' ``close_timeout``; its default,
+10 s, held a stuck server's connection, and the caller's session, that long)."""
 _SENT_BY_LIBRARY = (b"sec-websocket-", b"upgrade", b"connection", b"user-agent")
 
 
@@ -59,8 +65,7 @@ class WebSocketForward:
         try:
             upstream = await self._open(connection)
         except ApiError as exc:
-            note_error(exc.code, exc.detail)  # for the access line and the metrics, as on HTTP
-            await _http_answer(send, exc.status, _error_headers(exc), _error_body(exc))
+            await refuse(send, exc)
             return
         except _Answered as answered:
             await _http_answer(send, answered.status, answered.headers, answered.body)
@@ -132,18 +137,13 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
             ping_interval=None,  # the peers keep their own connection alive
             max_size=MAX_MESSAGE,
             max_queue=UPSTREAM_QUEUE,
+            close_timeout=CLOSE_TIMEOUT,
         )
     except InvalidStatus as exc:
-        answer = exc.response
-        kept = [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.raw_items()]
-        relayed = [h for h in kept if h[0] not in (b"content-length", b"connection", b"date")]
-        raise _Answered(answer.status_code, relayed, bytes(answer.body or b"")) from None
-    except ssl.SSLCertVerificationError as exc:
-        raise _unverified(route, data.port, name, exc) from None
-    except (ConnectionRefusedError, ConnectionResetError):
-        raise not_listening(name, data.port) from None
+        raise _answered(exc.response, route, name, data.port) from None
     except (OSError, TimeoutError, InvalidHandshake) as exc:
-        raise ApiError(
+        failure = connect_failure(route, exc, name, data.port)  # TLS, the router, refused
+        raise failure or ApiError(
             502,
             "sandbox_unreachable",
             f"the WebSocket handshake with port {data.port} of sandbox {name!r} failed "
@@ -151,16 +151,23 @@ async def _open(route: Route, data: DataRequest, connection: HTTPConnection, nam
         ) from None
 
 
-def _unverified(route: Route, port: int, name: str, exc: ssl.SSLCertVerificationError) -> ApiError:
-    """The answer for a server whose TLS certificate the route's CA does not verify."""
-    why = exc.verify_message or exc.reason or type(exc).__name__
-    return ApiError(
-        502,
-        "sandbox_unreachable",
-        f"the WebSocket to port {port} of sandbox {name!r} was refused: TLS verification of "
-        f"{route.host}:{route.port} failed ({why}); its certificate must be signed by the CA "
-        "the backend trusts for it (Kubernetes: backend.kubernetes.router_ca_file)",
-    )
+def _answered(answer: Any, route: Route, name: str, port: int) -> Exception:
+    """The server's answer other than ``101`` to relay, or the broker's ``port_not_listening``
+    when it is the router's answer that it could not connect to the port."""
+    body = bytes(answer.body or b"")
+    if says_not_connected(route, answer.status_code, body):
+        return not_listening(name, port, via_router=True)
+    kept = [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.raw_items()]
+    relayed = [h for h in kept if h[0] not in (b"content-length", b"connection", b"date")]
+    return _Answered(answer.status_code, relayed, body)
+
+
+async def refuse(send: Send, exc: ApiError) -> None:
+    """Answer a handshake with the broker's error ``exc`` (its JSON, as on HTTP; the ASGI
+    ``websocket.http.response`` extension), its code noted for the access line and the
+    metrics."""
+    note_error(exc.code, exc.detail)
+    await _http_answer(send, exc.status, _error_headers(exc), _error_body(exc))
 
 
 def _error_headers(exc: ApiError) -> list[tuple[bytes, bytes]]:
@@ -180,6 +187,7 @@ async def _http_answer(
     """An HTTP answer to a handshake (the ASGI ``websocket.http.response`` extension)."""
     await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
     await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+    handshake_answered()  # the server's "returned without completing handshake" is noise
 
 
 async def _relay(upstream: Any, receive: Receive, send: Send) -> None:

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..broker._app import plane_of
 from ..broker._errors import BROKER_ERROR_HEADER_RAW, ApiError
 from ..broker._gate import data_request, origin_form
+from ..broker._observed import note_error
 from ..broker._relay import DroppedConnection
 from ..broker._rpc import plain_error
 from ..broker.backends._runtimes import (
@@ -220,12 +221,15 @@ class FaultLayer:
 
 
 def _unavailable(retry_after: int) -> ApiError:
-    return ApiError(
+    """The injected ``503`` (its code noted for the access line, as the broker's own are)."""
+    error = ApiError(
         503,
         "unavailable",
         f"the broker is temporarily unavailable (injected); retry after {retry_after} s",
         {"Retry-After": str(retry_after)},
     )
+    note_error(error.code, error.detail)
+    return error
 
 
 class _Cut(Exception):

@@ -241,6 +241,9 @@ class Route:
     Kubernetes router's ``router_ca_file``); the broker's own connections that do not go
     through ``client`` (a WebSocket's, relayed by the broker) use it too. ``None``: the default
     trust store."""
+    via_router: bool = False
+    """The route goes through a router (Kubernetes: ``backend.kubernetes.router_url``): a
+    connection that fails is the router's, not the sandbox port's (see ``broker._unreachable``)."""
 
 
 class QuotaExceeded(Exception):

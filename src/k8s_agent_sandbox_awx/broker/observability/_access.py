@@ -29,7 +29,15 @@ from .._app import plane_of
 from .._metadata import DNS_LABEL
 from .._observed import Exchange, close_exchange, open_exchange
 from .._relay import DroppedConnection
-from .._route_names import UNMATCHED, WEBSOCKET_ROUTE, data_route, issuer_route, v1_route
+from .._route_names import (
+    PORT_ROUTE,
+    UNMATCHED,
+    WEBSOCKET_ROUTE,
+    data_route,
+    issuer_route,
+    v1_route,
+)
+from ..backends._interface import RUNTIME_PORT
 from ._lines import LineWriter, timestamp
 
 __all__ = ["REQUEST_ID_HEADER", "Counts", "Observed", "access_record"]
@@ -92,6 +100,15 @@ def _name_or_none(value: str | None) -> str | None:
     return value if value and len(value) <= 63 and DNS_LABEL.match(value) else None
 
 
+def _port_request(value: str | None) -> int | None:
+    """The port of a port request (``X-Sandbox-Port`` a valid port other than the runtime's),
+    else ``None`` (a runtime request, or a header the broker refuses)."""
+    if value is None or not value.isascii() or not value.isdigit():
+        return None
+    port = int(value)
+    return port if 1 <= port <= 65535 and port != RUNTIME_PORT else None
+
+
 def classify(exchange: Exchange, scope: Scope, protocols: tuple[str, ...]) -> None:
     """The plane, the route template and the sandbox a request names, from its path and
     headers (the ``/rpc`` op is noted by the front-end once it read the body)."""
@@ -99,8 +116,13 @@ def classify(exchange: Exchange, scope: Scope, protocols: tuple[str, ...]) -> No
     plane = plane_of(scope, protocols)
     exchange.plane = plane
     if plane == "data":
-        exchange.route = WEBSOCKET_ROUTE if scope["type"] == "websocket" else data_route(path)
-        exchange.sandbox = _name_or_none(Headers(scope=scope).get("x-sandbox-id"))
+        headers = Headers(scope=scope)
+        exchange.port = _port_request(headers.get("x-sandbox-port"))
+        if scope["type"] == "websocket":
+            exchange.route = WEBSOCKET_ROUTE
+        else:
+            exchange.route = PORT_ROUTE if exchange.port is not None else data_route(path)
+        exchange.sandbox = _name_or_none(headers.get("x-sandbox-id"))
     elif plane == "v1":
         exchange.route = v1_route(path)
         if "{name}" in exchange.route:
@@ -132,6 +154,7 @@ def access_record(exchange: Exchange, counts: Counts, duration: float) -> dict[s
         "provider": caller.provider if caller else None,
         "sandbox": exchange.sandbox,
         "claim": exchange.claim,
+        "port": exchange.port,
         "bytes_in": counts.bytes_in,
         "bytes_out": counts.bytes_out,
         "error": exchange.error[0] if exchange.error else None,

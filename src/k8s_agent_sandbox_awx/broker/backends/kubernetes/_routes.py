@@ -144,7 +144,9 @@ class Routes:
         if self._token is not None:
             headers.append((b"authorization", b"Bearer " + self._token.read().encode()))
         tls = self.verify if scheme == "https" else None
-        return Route(host, port, self.http, scheme=scheme, headers=headers, tls=tls)
+        return Route(
+            host, port, self.http, scheme=scheme, headers=headers, tls=tls, via_router=True
+        )
 
 
 def _router_address(url: str | None) -> tuple[str, str, int]:
