@@ -379,7 +379,12 @@ class StandInRouter:
                 and not k.startswith("x-sandbox-")}  # fmt: skip
         url = httpx.URL(scheme="http", host=host, port=port, raw_path=target)
         request = self._http.build_request(scope["method"], url, headers=keep, content=body)
-        response = await self._http.send(request, stream=True)
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.ConnectError:  # upstream's answer when the pod's port refuses
+            detail = f"Could not connect to the backend sandbox: {sandbox}"
+            await _answer(send, 502, json.dumps({"detail": detail}).encode())
+            return
         try:
             out = [(k, v) for k, v in response.headers.raw
                    if k.lower() not in (b"transfer-encoding", b"connection")]  # fmt: skip

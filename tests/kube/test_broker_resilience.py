@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import Sandbox
+from k8s_agent_sandbox_awx.errors import PortNotListeningError
 from k8s_agent_sandbox_awx.errors import BrokerWarmPoolNotFoundError, SandboxFailedError
 from tests._support._api import CLAIM, collection
 from tests._support.controller import StandInController
@@ -213,6 +214,10 @@ def test_the_router_data_plane_reaches_an_adopted_sandbox_with_the_brokers_token
             assert {h["x-sandbox-port"] for h in router.seen} == {"8888"}
             router_token.write_text("router-secret-2\n")  # rotated
             assert sandbox.files.exists("nothing-here") is False
+            # upstream's router answers 502 "Could not connect" for a port that refuses
+            with sandbox.ports.client(3999) as port, pytest.raises(PortNotListeningError) as e:
+                port.get("/")
+            assert "nothing listens on port 3999" in str(e.value)
             assert router.refused == 0
             assert all(caller_token not in str(h) for h in router.seen)
         finally:
