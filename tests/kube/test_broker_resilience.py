@@ -17,8 +17,11 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import Sandbox
-from k8s_agent_sandbox_awx.errors import PortNotListeningError
-from k8s_agent_sandbox_awx.errors import BrokerWarmPoolNotFoundError, SandboxFailedError
+from k8s_agent_sandbox_awx.errors import (
+    BrokerWarmPoolNotFoundError,
+    PortNotListeningError,
+    SandboxFailedError,
+)
 from tests._support._api import CLAIM, collection
 from tests._support.controller import StandInController
 from tests._support.kube import KubeAPIServer
