@@ -149,6 +149,21 @@ def test_a_port_request_is_not_counted_and_not_normal_form(
     assert odd.status_code == 200 and odd.json()["path"] == "/headers/%2e%2e;x"
 
 
+def test_a_port_requests_path_reaches_no_log_record(
+    alice: Any, app_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user's server may carry secrets in its paths (``/reset/<code>``): the broker logs the
+    port request (sandbox, port, method), never its path (docs/broker/security.md)."""
+    sandbox = alice.ready()
+    headers = alice.data_headers(sandbox, **{"X-Sandbox-Port": str(app_port)})
+    with caplog.at_level("DEBUG"):
+        assert alice.http.get("/headers/reset-code-31337", headers=headers).status_code == 200
+    ours = [r for r in caplog.records if r.name.startswith("k8s_agent_sandbox_awx")]
+    lines = [r.getMessage() for r in ours]
+    assert any(f"port {app_port} request GET" in line for line in lines), lines
+    assert not [line for line in lines if "reset-code-31337" in line]
+
+
 # -- WebSocket handshakes --------------------------------------------------------------------
 def _ws(broker: LocalBroker, headers: dict[str, str], path: str = "/ws") -> ws_client.WebSocket:
     """A handshake to the broker itself over TLS."""

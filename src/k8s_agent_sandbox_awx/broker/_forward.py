@@ -164,7 +164,7 @@ class Forward:
         command = request.method == "POST" and target.path in _COMMAND_PATHS
         if data.port_request:
             command = False
-            log_port_request(state.name, data.port, request.method, target.path)
+            log_port_request(state.name, data.port, request.method)
         port = data.port if data.port_request else None
         response = await _send_upstream(route, upstream, state.name, command, data.timeout, port)
         try:

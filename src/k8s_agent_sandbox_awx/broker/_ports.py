@@ -82,10 +82,10 @@ def not_listening(name: str, port: int, *, via_router: bool = False) -> ApiError
     )
 
 
-def log_port_request(name: str, port: int, method: str, path: str) -> None:
-    """One line per port request (never a header: no token can reach the log)."""
-    shown = path if len(path) <= 120 else path[:117] + "..."
-    log.info("sandbox %s: port %d request %s %s", name, port, method, shown)
+def log_port_request(name: str, port: int, method: str) -> None:
+    """One line per port request: never a header (no token can reach the log), nor the path
+    (a user's server may carry secrets in it, ``/reset/<code>``)."""
+    log.info("sandbox %s: port %d request %s", name, port, method)
 
 
 def refuse_unsupported_upgrade(headers: Headers) -> None:

@@ -82,7 +82,7 @@ class WebSocketForward:
         except BackendUnavailable as exc:  # as _app answers it for an HTTP request
             retry = {"Retry-After": str(BACKEND_RETRY_AFTER)}
             raise ApiError(503, "backend_unavailable", exc.detail, retry) from None
-        log_port_request(state.name, data.port, "WEBSOCKET", data.target.path)
+        log_port_request(state.name, data.port, "WEBSOCKET")
         return await _open(route, data, connection, state.name)
 
 
