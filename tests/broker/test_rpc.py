@@ -269,6 +269,19 @@ def test_lifetime_just_past_the_cap_is_clamped(rpc_broker: LocalBroker, ann: Rpc
     assert _epoch(manifest["spec"]["lifecycle"]["shutdownTime"]) == created + 600
 
 
+def test_a_lifetime_marked_a_default_is_cut_at_the_cap(rpc_broker: LocalBroker, ann: Rpc) -> None:
+    """Issue 22: a shutdown time past the cap that the client marks as its default
+    (``Prefer: clamp-lifetime``) is cut at the cap; unmarked, it is refused (400) as before."""
+    body = {"op": "create", "lifecycle": {"shutdownTime": _rfc3339(900)}}
+    resp = ann.http.post("/rpc", json=body, headers={"Prefer": "clamp-lifetime"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["Preference-Applied"] == "clamp-lifetime"
+    manifest = _claim_manifest(rpc_broker, resp.json()["claim_name"])
+    created = _epoch(manifest["metadata"]["creationTimestamp"])
+    assert _epoch(manifest["spec"]["lifecycle"]["shutdownTime"]) == created + 600
+    _assert_plain(ann.http.post("/rpc", json=body), 400, "600")
+
+
 # -- status ------------------------------------------------------------------------------------
 def test_status_polling_until_bound_then_ready(rpc_broker: LocalBroker, ann: Rpc) -> None:
     rpc_broker.set_readiness_delay(1.0)
