@@ -366,6 +366,30 @@ def test_status_of_missing_and_foreign_claims(ann: Rpc, ben: Rpc) -> None:
     _assert_plain(ann.op("status", claim_name="Bad Name"), 400, "claim_name")
 
 
+def test_a_claim_in_another_namespace_is_not_disclosed(
+    rpc_broker: LocalBroker, ann: Rpc, rpc: Callable[..., Rpc]
+) -> None:
+    """Issue 23: a caller whose policy pins another namespace learns nothing of a claim there:
+    every op answers as for a claim that does not exist (status and extend 404 with the same
+    text, delete 204 and the claim stays), as the Kubernetes backend does and as v1 does for
+    another caller's sandbox; the local broker answered 403 "belongs to another identity"."""
+    carl = rpc(rpc_broker.issue_kubernetes_token("team-b", "carl"))
+    claim = ann.create_claim()["claim_name"]
+    deadline = _claim_manifest(rpc_broker, claim)["spec"]["lifecycle"]
+    absent = "broker-nosuchclaim"
+    for op, fields in (("status", {}), ("extend", {"lifecycle": {"shutdownTime": _rfc3339(60)}})):
+        theirs = carl.op(op, claim_name=claim, **fields)
+        nothing = carl.op(op, claim_name=absent, **fields)
+        _assert_plain(theirs, 404)
+        assert theirs.text == nothing.text.replace(absent, claim), (theirs.text, nothing.text)
+        assert "owner" not in theirs.text and "identity" not in theirs.text
+    assert carl.op("delete", claim_name=claim).status_code == 204
+    assert ann.status(claim)["namespace"] == "team-a"  # still there, its deadline unmoved
+    assert _claim_manifest(rpc_broker, claim)["spec"]["lifecycle"] == deadline
+    v1 = carl.http.get(f"/v1/sandboxes/{_claim_manifest(rpc_broker, claim)['metadata']['name']}")
+    assert v1.status_code == 404  # the v1 rule it follows
+
+
 # -- delete ------------------------------------------------------------------------------------
 def test_delete_is_204_also_for_an_absent_claim(rpc_broker: LocalBroker, ann: Rpc) -> None:
     claim, state = ann.ready_claim()
