@@ -190,6 +190,25 @@ def test_create_over_the_lifetime_cap_is_refused_with_the_cap(alice: Any, broker
     assert broker.claims() == []
 
 
+def test_a_lifetime_marked_a_default_is_cut_at_the_cap(alice: Any, broker: Any) -> None:
+    """Issue 22: the SDK's default lifetime (300 s) over a lower cap refused every zero-argument
+    create. A lifetime the client marks as its default (``Prefer: clamp-lifetime``) is cut at
+    the cap, and the answer says so; one the caller chose is refused as before."""
+    clamp = {"Prefer": "clamp-lifetime"}
+    resp = alice.http.post("/v1/sandboxes", json={"lifetime_seconds": 900}, headers=clamp)
+    assert resp.status_code == 201, resp.text
+    obj = resp.json()
+    assert _ts(obj["expires_at"]) - _ts(obj["created_at"]) == 600
+    assert resp.headers["Preference-Applied"] == "clamp-lifetime"
+    under = alice.http.post("/v1/sandboxes", json={"lifetime_seconds": 60}, headers=clamp)
+    assert under.status_code == 201 and "Preference-Applied" not in under.headers
+    assert _ts(under.json()["expires_at"]) - _ts(under.json()["created_at"]) == 60
+    other = {"Prefer": "respond-async, wait=10"}  # another preference: ignored, not a clamp
+    refused = alice.http.post("/v1/sandboxes", json={"lifetime_seconds": 601}, headers=other)
+    assert refused.status_code == 403 and refused.json()["code"] == "lifetime_exceeds_policy"
+    assert len(broker.claims()) == 2
+
+
 def test_create_bad_json_and_too_large(alice: Any) -> None:
     resp = alice.http.post(
         "/v1/sandboxes", content=b"{nope", headers={"Content-Type": "application/json"}

@@ -121,6 +121,66 @@ def test_broker_serve_writes_json_lines_and_serves_metrics_apart(
     assert any("Uvicorn running" in d["message"] or "Started" in d["message"] for d in diagnostics)
 
 
+def _diagnostics(server: Served) -> list[dict[str, object]]:
+    return [json.loads(line) for line in list(server.stderr) if line.startswith("{")]
+
+
+def _until_diagnostic(server: Served, word: str, timeout: float = 10.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in _diagnostics(server):
+            if word in str(line["message"]):
+                return line
+        time.sleep(0.02)
+    raise AssertionError(f"no message with {word!r}: {server.output()}")
+
+
+def test_the_start_is_one_message_naming_the_process_addresses_backend_and_file(
+    pki: Pki, tmp_path: Path, started: list[Served]
+) -> None:
+    """Issue 21: with a metrics port there were two uvicorn servers, and each said "Started
+    server process [PID]" (and "Shutting down", "Finished server process [PID]"). Now the start
+    is ONE message with what an operator needs, in JSON fields too, and no lifecycle line of
+    uvicorn's appears twice."""
+    extra = '\n[logging]\nformat = "json"\n\n[metrics]\nlisten = "127.0.0.1:0"\n'
+    config = _config(tmp_path, pki, extra)
+    server = Served.start([*CLI, "broker", "serve", "--config", str(config)])
+    started.append(server)
+    api = server.wait_started()
+    metrics_url = _until_line(server, "metrics at http://").split(" metrics at ")[1].split()[0]
+    line = _until_diagnostic(server, "Started")
+    pid = server.process.pid
+    assert line["logger"] == "k8s_agent_sandbox_awx.broker.server" and line["level"] == "info"
+    assert (line["pid"], line["api"], line["metrics"]) == (pid, api, metrics_url)
+    assert (line["backend"], line["config"]) == ("local", str(config))
+    assert line["public_url"] == "https://sandbox-broker.example.com"
+    for fact in (f"[{pid}]", api, metrics_url, "backend local", str(config)):
+        assert fact in str(line["message"]), (fact, line)
+    server.terminate()
+    assert server.wait(30) == 0
+    messages = [str(d["message"]) for d in _diagnostics(server)]
+    assert [m for m in messages if "Started" in m] == [line["message"]], messages
+    assert messages.count(f"Finished server process [{pid}]") == 1, messages
+    assert messages.count("Shutting down") == 1, messages
+
+
+def test_the_text_start_message_is_one_line_too(
+    pki: Pki, tmp_path: Path, started: list[Served]
+) -> None:
+    extra = '\n[logging]\nformat = "text"\n\n[metrics]\nlisten = "127.0.0.1:0"\n'
+    config = _config(tmp_path, pki, extra)
+    server = Served.start([*CLI, "broker", "serve", "--config", str(config)])
+    started.append(server)
+    api = server.wait_started()
+    server.terminate()
+    assert server.wait(30) == 0
+    [line] = [line for line in server.stderr if "Started" in line]
+    pid = server.process.pid
+    assert line.startswith("INFO:") and f"[{pid}]" in line and api in line, line
+    assert "backend local" in line and str(config) in line and "metrics http://" in line, line
+    assert sum("Finished server process" in line for line in server.stderr) == 1, server.stderr
+
+
 def test_text_lines_and_no_access_log_when_asked(
     pki: Pki, tmp_path: Path, started: list[Served]
 ) -> None:

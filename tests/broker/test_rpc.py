@@ -269,6 +269,19 @@ def test_lifetime_just_past_the_cap_is_clamped(rpc_broker: LocalBroker, ann: Rpc
     assert _epoch(manifest["spec"]["lifecycle"]["shutdownTime"]) == created + 600
 
 
+def test_a_lifetime_marked_a_default_is_cut_at_the_cap(rpc_broker: LocalBroker, ann: Rpc) -> None:
+    """Issue 22: a shutdown time past the cap that the client marks as its default
+    (``Prefer: clamp-lifetime``) is cut at the cap; unmarked, it is refused (400) as before."""
+    body = {"op": "create", "lifecycle": {"shutdownTime": _rfc3339(900)}}
+    resp = ann.http.post("/rpc", json=body, headers={"Prefer": "clamp-lifetime"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["Preference-Applied"] == "clamp-lifetime"
+    manifest = _claim_manifest(rpc_broker, resp.json()["claim_name"])
+    created = _epoch(manifest["metadata"]["creationTimestamp"])
+    assert _epoch(manifest["spec"]["lifecycle"]["shutdownTime"]) == created + 600
+    _assert_plain(ann.http.post("/rpc", json=body), 400, "600")
+
+
 # -- status ------------------------------------------------------------------------------------
 def test_status_polling_until_bound_then_ready(rpc_broker: LocalBroker, ann: Rpc) -> None:
     rpc_broker.set_readiness_delay(1.0)
@@ -351,6 +364,30 @@ def test_status_of_missing_and_foreign_claims(ann: Rpc, ben: Rpc) -> None:
     _assert_plain(ben.op("status", claim_name=claim), 403, "owner")
     _assert_plain(ann.op("status"), 400, "claim_name")
     _assert_plain(ann.op("status", claim_name="Bad Name"), 400, "claim_name")
+
+
+def test_a_claim_in_another_namespace_is_not_disclosed(
+    rpc_broker: LocalBroker, ann: Rpc, rpc: Callable[..., Rpc]
+) -> None:
+    """Issue 23: a caller whose policy pins another namespace learns nothing of a claim there:
+    every op answers as for a claim that does not exist (status and extend 404 with the same
+    text, delete 204 and the claim stays), as the Kubernetes backend does and as v1 does for
+    another caller's sandbox; the local broker answered 403 "belongs to another identity"."""
+    carl = rpc(rpc_broker.issue_kubernetes_token("team-b", "carl"))
+    claim = ann.create_claim()["claim_name"]
+    deadline = _claim_manifest(rpc_broker, claim)["spec"]["lifecycle"]
+    absent = "broker-nosuchclaim"
+    for op, fields in (("status", {}), ("extend", {"lifecycle": {"shutdownTime": _rfc3339(60)}})):
+        theirs = carl.op(op, claim_name=claim, **fields)
+        nothing = carl.op(op, claim_name=absent, **fields)
+        _assert_plain(theirs, 404)
+        assert theirs.text == nothing.text.replace(absent, claim), (theirs.text, nothing.text)
+        assert "owner" not in theirs.text and "identity" not in theirs.text
+    assert carl.op("delete", claim_name=claim).status_code == 204
+    assert ann.status(claim)["namespace"] == "team-a"  # still there, its deadline unmoved
+    assert _claim_manifest(rpc_broker, claim)["spec"]["lifecycle"] == deadline
+    v1 = carl.http.get(f"/v1/sandboxes/{_claim_manifest(rpc_broker, claim)['metadata']['name']}")
+    assert v1.status_code == 404  # the v1 rule it follows
 
 
 # -- delete ------------------------------------------------------------------------------------

@@ -4,8 +4,10 @@ and the opt-in activity keepalive, against the local broker (policy cap: 120 s).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
@@ -15,6 +17,7 @@ from k8s_agent_sandbox_awx.client.wire._protocol import rfc3339_seconds
 from k8s_agent_sandbox_awx.errors import BrokerError, LifetimeExceedsPolicyError
 
 pytestmark = pytest.mark.e2e
+ENV_TTL, URL = "AGENT_SANDBOX_TTL_SECONDS", "AGENT_SANDBOX_BROKER_URL"
 
 
 def _options(broker: Any, **extra: str) -> dict[str, Any]:
@@ -38,10 +41,17 @@ def _claimed(broker: Any, sandbox: Sandbox) -> tuple[float, float]:
 def test_timeout_default_environment_and_policy_cap(files_broker: Any, dialect: str) -> None:
     # v1 refuses a lifetime past the cap (LifetimeExceedsPolicyError), /rpc's create answers 400
     with pytest.raises(LifetimeExceedsPolicyError if dialect == "v1" else BrokerError) as over:
-        Sandbox.create(**_options(files_broker))  # the default 300 s is over the 120 s cap
+        # a chosen 300 s is over the 120 s cap (the SDK's default 300 s is cut: below)
+        Sandbox.create(**_options(files_broker, AGENT_SANDBOX_TTL_SECONDS="300"))
     message = str(over.value)
     assert "120" in message and "AGENT_SANDBOX_TTL_SECONDS" in message
     assert files_broker.claims() == []
+    # issue 22: zero configuration works under a cap below the SDK's default: cut at the cap
+    with Sandbox.create(**_options(files_broker)) as sb:
+        created, deadline = _claimed(files_broker, sb)
+        assert deadline - created == pytest.approx(120, abs=1)
+        if dialect == "v1":
+            assert _lifetime(sb.info) == 120
     with Sandbox.create(**_options(files_broker, AGENT_SANDBOX_TTL_SECONDS="60")) as sb:
         created, deadline = _claimed(files_broker, sb)
         assert deadline - created == pytest.approx(60, abs=1)  # /rpc: from the client's clock
@@ -145,6 +155,42 @@ def test_keepalive_never_delays_the_call_it_rides_on(
         before = _claimed(files_broker, sb)[1]
         assert sb.files.exists("nothing") is False  # the next opportunity
         assert _claimed(files_broker, sb)[1] > before + 30  # extended to now + 100 s
+
+
+def _create_spec(dialect: str, config: Any, seconds: int | None = None) -> Any:
+    from k8s_agent_sandbox_awx.client.core import _flow as flow
+    from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
+
+    spec = flow.SandboxSpec(lifetime_seconds=seconds)
+    return flow.plan_create(config, get_dialect(dialect), spec).spec
+
+
+def _sent_lifetime(spec: Any) -> Any:
+    body = json.loads(spec.content)
+    return body.get("lifetime_seconds", body.get("lifecycle"))
+
+
+@pytest.mark.parametrize("name", ["v1", "rpc"])
+def test_only_the_sdks_default_lifetime_is_marked_for_the_cap(name: str) -> None:
+    """Issue 22: a create made without a lifetime (no ``timeout=``, no
+    ``AGENT_SANDBOX_TTL_SECONDS``) sends the default 300 s as before (an older broker sees the
+    same body) plus ``Prefer: clamp-lifetime``; a lifetime the caller chose is sent unmarked."""
+    from k8s_agent_sandbox_awx import BrokerConnectionConfig
+
+    base = {"AGENT_SANDBOX_BROKER_URL": "https://broker.example"}
+    default = BrokerConnectionConfig.from_env(base)
+    marked = _create_spec(name, default)
+    assert marked.headers.get("Prefer") == "clamp-lifetime"
+    assert _sent_lifetime(marked) in (300, {"shutdownTime": ANY, "shutdownPolicy": "Delete"})
+    chosen = [
+        _create_spec(name, BrokerConnectionConfig.from_env({**base, ENV_TTL: "300"})),
+        _create_spec(name, default, 300),  # timeout=300
+        _create_spec(name, BrokerConnectionConfig(broker_url=base[URL], sandbox_timeout=300)),
+    ]
+    for spec in chosen:
+        assert "Prefer" not in spec.headers and _sent_lifetime(spec) is not None
+    maximum = _create_spec(name, BrokerConnectionConfig.from_env({**base, ENV_TTL: "0"}))
+    assert "Prefer" not in maximum.headers and _sent_lifetime(maximum) is None
 
 
 def test_lifetime_settings_from_the_environment_and_arguments() -> None:

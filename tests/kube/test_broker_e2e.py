@@ -131,3 +131,52 @@ def test_the_broker_is_the_claims_creator_not_the_caller(
     with kube.client(token) as client:
         assert client.get(collection(CLAIM, namespace)).status_code == 403
     assert BROKER_SA == "sandbox-broker"
+
+
+def test_rpc_a_claim_in_another_namespace_is_not_disclosed(
+    kube: KubeAPIServer,
+    namespace: str,
+    identity: Any,
+    python_pool: str,
+    replica_factory: Callable[..., Replica],
+) -> None:
+    """Issue 23, the Kubernetes backend's half (tests/broker/test_rpc.py has the local
+    backend's): a caller whose policy pins another namespace gets for someone's claim what it
+    gets for a claim that does not exist: status and extend 404 with the same text, delete 204
+    (and the claim stays, its deadline unmoved)."""
+    import ssl
+
+    import httpx
+
+    elsewhere = kube.create_namespace()
+    identity.bind(elsewhere)  # the broker may keep claims there (its callers' own)
+    replica = replica_factory(callers=[elsewhere])
+    ca = ssl.create_default_context(
+        cafile=str(replica.config.server.tls_cert_file.parent / "ca.pem")
+    )
+
+    def client(ns: str) -> httpx.Client:
+        kube.create_service_account(ns, "agent")
+        token = kube.token_request(ns, "agent", [replica.url])
+        headers = {"Authorization": f"Bearer {token}"}
+        return httpx.Client(base_url=replica.url, verify=ca, headers=headers, trust_env=False)
+
+    with client(namespace) as owner, client(elsewhere) as intruder:
+        created = owner.post("/rpc", json={"op": "create", "warmpool": python_pool})
+        assert created.status_code == 200, created.text
+        claim = created.json()["claim_name"]
+        before = claim_of(kube, namespace, claim)
+        assert before is not None
+        absent = "broker-nosuchclaim"
+        later = {"lifecycle": {"shutdownTime": "2099-01-01T00:00:00Z"}}
+        for op, fields in (("status", {}), ("extend", later)):
+            theirs = intruder.post("/rpc", json={"op": op, "claim_name": claim, **fields})
+            nothing = intruder.post("/rpc", json={"op": op, "claim_name": absent, **fields})
+            assert theirs.status_code == nothing.status_code == 404, theirs.text
+            assert theirs.text == nothing.text.replace(absent, claim)
+        deleted = intruder.post("/rpc", json={"op": "delete", "claim_name": claim})
+        assert deleted.status_code == 204
+        after = claim_of(kube, namespace, claim)
+        assert after is not None and not after["metadata"].get("deletionTimestamp")
+        assert after["spec"]["lifecycle"] == before["spec"]["lifecycle"]
+        assert owner.post("/rpc", json={"op": "delete", "claim_name": claim}).status_code == 204

@@ -98,11 +98,10 @@ test_async_quota_errors_leave_nothing_behind = async_e2e.test_quota_errors_leave
 
 
 def test_connect_and_errors(live: Any, broker: Any, dialect: str) -> None:
-    """tests/client's ``test_connect_and_errors`` (sync, then async), where the Kubernetes
-    backend answers otherwise than the local one: the claims of a caller whose policy puts
-    them in another namespace are not found there (404 in both dialects; a local broker's
-    ``/rpc`` answers 403: its claims are not per namespace), and another identity of the same
-    namespace is refused as there (v1 404, ``/rpc`` 403)."""
+    """tests/client's ``test_connect_and_errors`` (sync, then async), with another identity of
+    the same namespace too: the claims of a caller whose policy puts them in another namespace
+    are not found (404 in both dialects, as on the local backend since issue 23), and another
+    identity of the same namespace is refused (v1 404, ``/rpc`` 403, as deployed brokers)."""
     env = broker.environ("kubernetes", namespace="team-a", service_account="agent")
     elsewhere = broker.environ("kubernetes", namespace="team-b", service_account="intruder")
     beside = broker.environ("kubernetes", namespace="team-a", service_account="intruder")

@@ -237,9 +237,16 @@ class Claims:
         return state
 
     async def find(self, caller: Caller, claim_name: str) -> ClaimState | None:
-        """The ``/rpc`` claim ``claim_name`` (any owner's: the caller checks), where the
-        caller's claims go."""
-        return await self.backend.find_claim(claim_name, namespace=self.namespace_of(caller))
+        """The ``/rpc`` claim ``claim_name`` where the caller's claims go (its policy's
+        namespace; of any owner there: the caller checks). A claim in another namespace is
+        ``None``, as one that does not exist, whatever the backend keeps: no tenant learns that
+        another's claim exists (v1's rule for another caller's sandbox), and the local backend,
+        one store for all namespaces, answers as the Kubernetes one, which looks only there."""
+        namespace = self.namespace_of(caller)
+        if namespace is None:
+            return None
+        state = await self.backend.find_claim(claim_name, namespace=namespace)
+        return state if state is not None and state.namespace == namespace else None
 
     async def mine(self, caller: Caller) -> list[ClaimState]:
         return await self.backend.list_owned(owner_of(caller), namespace=self.namespace_of(caller))

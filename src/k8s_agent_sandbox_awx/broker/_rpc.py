@@ -32,6 +32,7 @@ from ._errors import ApiError
 from ._gate import Gate
 from ._metadata import check_metadata
 from ._observed import note_error, note_route, note_sandbox
+from ._prefer import CLAMP_LIFETIME, applied, prefers
 from ._route_names import rpc_route
 from .backends._interface import (
     PENDING,
@@ -130,7 +131,7 @@ class Rpc:
             op = body["op"]
             note_route(rpc_route(op, OPS))
             if op == "create":
-                return await self._create(body, caller)
+                return await self._create(body, caller, prefers(request.headers, CLAMP_LIFETIME))
             if op == "status":
                 return await self._status(body, caller)
             if op == "delete":
@@ -148,7 +149,9 @@ class Rpc:
             return plain_error(503, exc.detail, {"Retry-After": str(BACKEND_RETRY_AFTER)})
 
     # -- ops -----------------------------------------------------------------------------------
-    async def _create(self, body: dict[str, Any], caller: Caller) -> Response:
+    async def _create(self, body: dict[str, Any], caller: Caller, clamp: bool) -> Response:
+        """``clamp``: the lifetime is the client's default (``Prefer: clamp-lifetime``): one
+        past the policy's cap is cut at it instead of refused."""
         unknown = sorted(set(body) - _CREATE_FIELDS)
         if unknown:
             raise _bad(f"unknown create field(s) {unknown}; allowed: {sorted(_CREATE_FIELDS)}")
@@ -158,7 +161,7 @@ class Rpc:
         backend = body.get("backend", "kubernetes")
         if backend != "kubernetes":
             raise _bad(f"backend {backend!r} is not available here; the only one is 'kubernetes'")
-        lifetime = _lifetime(body.get("lifecycle"), policy)
+        lifetime, clamped = _lifetime(body.get("lifecycle"), policy, clamp=clamp)
         scopes = _granted_scopes(body.get("scopes"), policy.scopes)
         pool, template, failure = await self._warm_pool(body.get("warmpool"), caller, policy)
         pod_metadata = {
@@ -198,7 +201,10 @@ class Rpc:
             caller.subject,
             caller.provider,
         )
-        return JSONResponse({"claim_name": claim_name, "namespace": state.namespace})
+        return JSONResponse(
+            {"claim_name": claim_name, "namespace": state.namespace},
+            headers=applied(CLAMP_LIFETIME, clamped),
+        )
 
     async def _warm_pool(
         self, pool: Any, caller: Caller, policy: Policy
@@ -293,21 +299,24 @@ def _new_claim_name() -> str:
     return "broker-" + "".join(secrets.choice(_ALPHABET) for _ in range(10))
 
 
-def _lifetime(lifecycle: Any, policy: Policy) -> float:
+def _lifetime(lifecycle: Any, policy: Policy, *, clamp: bool = False) -> tuple[float, bool]:
     """A create's lifetime: its ``lifecycle.shutdownTime`` from now (clamped to the policy's
-    cap within :data:`LIFETIME_TOLERANCE_SECONDS`), else the cap."""
-    lifetime = float(policy.max_lifetime_seconds)
+    cap within :data:`LIFETIME_TOLERANCE_SECONDS`, or at any distance with ``clamp``), else the
+    cap; and whether ``clamp`` cut it."""
+    cap = float(policy.max_lifetime_seconds)
     if lifecycle is None:
-        return lifetime
+        return cap, False
     lifetime = _shutdown_time(lifecycle) - time.time()
     if lifetime <= 0:
         raise _bad("lifecycle.shutdownTime is in the past; give a time in the future")
-    if lifetime > policy.max_lifetime_seconds + LIFETIME_TOLERANCE_SECONDS:
+    if clamp and lifetime > cap:
+        return cap, True  # the client's default, not its caller's choice: cut at the cap
+    if lifetime > cap + LIFETIME_TOLERANCE_SECONDS:
         raise _bad(
             f"lifecycle.shutdownTime is {math.ceil(lifetime)} s away, over the policy "
             f"maximum lifetime of {policy.max_lifetime_seconds} s"
         )
-    return min(lifetime, float(policy.max_lifetime_seconds))
+    return min(lifetime, cap), False
 
 
 def _shutdown_time(lifecycle: Any) -> float:

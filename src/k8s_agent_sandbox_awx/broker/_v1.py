@@ -21,6 +21,7 @@ from ._claims import Claims
 from ._errors import ApiError
 from ._gate import Gate
 from ._metadata import check_env, check_metadata, check_name, check_qualified_key
+from ._prefer import CLAMP_LIFETIME, applied, prefers
 from .backends._interface import PENDING, RUNTIME_PORT, ClaimState, Idempotency, rfc3339
 from .identity._policy import Caller
 
@@ -116,11 +117,14 @@ class V1:
             )
         raw = await self.gate.json_body(request)
         policy = self.claims.policy(caller)
-        fields = _create_fields(raw, policy.max_lifetime_seconds)
+        clamp = prefers(request.headers, CLAMP_LIFETIME)
+        fields = _create_fields(raw, policy.max_lifetime_seconds, clamp=clamp)
+        clamped = applied(CLAMP_LIFETIME, fields.pop("clamped"))
         digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
         replay = await self.claims.replay(caller, key, digest) if key is not None else None
+        replayed = {"Idempotency-Replayed": "true", **clamped}
         if replay is not None:
-            return JSONResponse(sandbox_json(replay), 200, headers={"Idempotency-Replayed": "true"})
+            return JSONResponse(sandbox_json(replay), 200, headers=replayed)
         template = fields.pop("template") or policy.effective_default_template
         await self.claims.check_template(caller, policy, template)
         created = await self.claims.admit(
@@ -133,9 +137,9 @@ class V1:
         )
         state = created.state
         if created.replayed:  # the claim an earlier create with this key made (a replica's)
-            return JSONResponse(sandbox_json(state), 200, headers={"Idempotency-Replayed": "true"})
+            return JSONResponse(sandbox_json(state), 200, headers=replayed)
         log.info("created sandbox %s for %s (%s)", state.name, caller.subject, caller.provider)
-        return JSONResponse(sandbox_json(state), 201)
+        return JSONResponse(sandbox_json(state), 201, headers=clamped)
 
     # -- the caller's sandboxes ----------------------------------------------------------------
     async def _get(self, request: Request, caller: Caller, name: str) -> Response:
@@ -201,9 +205,10 @@ class V1:
         return JSONResponse(sandbox_json(state))
 
 
-def _create_fields(body: Any, max_lifetime: int) -> dict[str, Any]:
+def _create_fields(body: Any, max_lifetime: int, *, clamp: bool = False) -> dict[str, Any]:
     """A v1 create body, checked: ``template`` (``None``: the policy's default), ``labels``,
-    ``annotations``, ``lifetime`` (default and cap: ``max_lifetime``) and ``env``."""
+    ``annotations``, ``lifetime`` (default and cap: ``max_lifetime``; ``clamp``: one past the
+    cap is cut at it, not refused, and ``clamped`` says so) and ``env``."""
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_request", "the body must be a JSON object")
     unknown = sorted(set(body) - _CREATE_FIELDS)
@@ -222,6 +227,9 @@ def _create_fields(body: Any, max_lifetime: int) -> dict[str, Any]:
         lifetime = max_lifetime
     if isinstance(lifetime, bool) or not isinstance(lifetime, int) or lifetime <= 0:
         raise ApiError(400, "invalid_request", "'lifetime_seconds' must be a positive integer")
+    clamped = clamp and lifetime > max_lifetime
+    if clamped:
+        lifetime = max_lifetime  # the client's default, not its caller's choice: cut at the cap
     if lifetime > max_lifetime:
         raise ApiError(
             403,
@@ -236,6 +244,7 @@ def _create_fields(body: Any, max_lifetime: int) -> dict[str, Any]:
         "annotations": annotations,
         "lifetime": lifetime,
         "env": env,
+        "clamped": clamped,
     }
 
 

@@ -42,6 +42,12 @@ def broker_main(command: str, config_path: str) -> int:
     return _serve(config)
 
 
+def _about(config: BrokerConfig) -> dict[str, str]:
+    """The facts of the broker's start-up message beside its addresses (none of them secret)."""
+    about = {"public_url": config.server.public_url} if config.server.public_url else {}
+    return {**about, "backend": config.backend.kind, "config": str(config.path)}
+
+
 def _serve(config: BrokerConfig) -> int:
     try:
         from ..broker._app_factory import app_factory
@@ -80,6 +86,7 @@ def _serve(config: BrokerConfig) -> int:
             metrics=config.metrics,
             on_metrics_started=metrics_started,
             log_format=config.logging.format,
+            about=_about(config),
         )
     except TLSFilesError as exc:
         _error(f"{config.path}: server.tls_cert_file, server.tls_key_file: {exc}")

@@ -422,8 +422,9 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         ``keepalive_ttl_seconds``, ``token``, ``token_path``, ``backend`` (docs/migrating.md).
 
         ``timeout``: the sandbox's lifetime in seconds (the broker deletes it then; default
-        ``AGENT_SANDBOX_TTL_SECONDS``, else 300; ``lifetime_seconds=`` is its 0.5.0 name); over
-        the policy's cap it is ``errors.LifetimeExceedsPolicyError``. Move it later with
+        ``AGENT_SANDBOX_TTL_SECONDS``, else 300, which the broker cuts at a lower policy cap;
+        ``lifetime_seconds=`` is its 0.5.0 name); a lifetime given over the policy's cap is
+        ``errors.LifetimeExceedsPolicyError``. Move it later with
         :meth:`set_timeout`. ``keepalive``: seconds of an opt-in activity keepalive (default
         ``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS``, else off): while the handle is used, each
         data-plane request moves the deadline to at least now + ``keepalive`` (at most one

@@ -78,7 +78,9 @@ class Policy:
     - ``namespace``: the namespace their sandboxes go to: a fixed name, or a callable of the
       :class:`Caller` (for example :func:`caller_namespace`, the Kubernetes default).
     - ``max_sandboxes``: live sandboxes per caller (more is ``429 quota_exceeded``).
-    - ``max_lifetime_seconds``: the lifetime cap (and the default lifetime).
+    - ``max_lifetime_seconds``: the lifetime cap (and the lifetime of a create that asks for
+      none). A create over it is refused, unless the lifetime is marked as the client's
+      default (``Prefer: clamp-lifetime``, the SDK's 300 s): that one is cut at the cap.
     - ``scopes``: the data-plane action scopes (:data:`SCOPES`) its callers may be granted. A
       ``/rpc`` create that requests scopes gets ``allowed ∩ requested`` (``403`` when that is
       empty); without a request, and for every ``/v1`` sandbox, it gets all of them.

@@ -37,9 +37,14 @@ def format_line(record: Mapping[str, Any], fmt: str = "json") -> str:
     return json.dumps(record, separators=(",", ":"), ensure_ascii=False, default=str)
 
 
+_BASE_KEYS: Final = frozenset({"time", "log", "level", "logger", "message", "exception"})
+
+
 class JsonFormatter(logging.Formatter):
     """A ``logging`` record as a JSON line: ``{"time", "log": "broker", "level", "logger",
-    "message"}`` (and ``"exception"``: its traceback, when it has one)."""
+    "message"}`` (and ``"exception"``: its traceback, when it has one), then the record's
+    ``fields`` (``extra={"fields": {...}}``: facts of the message as fields of their own, e.g.
+    the start-up message's ``pid``; they never replace the keys above)."""
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -51,4 +56,7 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, Mapping):
+            line.update({k: v for k, v in fields.items() if k not in _BASE_KEYS})
         return format_line(line)

@@ -6,19 +6,26 @@
   for every connection, a streaming response included, then cancels what is left), then return,
   so that the process exits 0. A second signal closes what is left at once.
 - ``/healthz`` and ``/readyz`` in front of the app (``_probes``).
+- One start-up message once both listeners accept connections (``Started broker process
+  [PID]``: the API address, the metrics address, and what the caller adds, e.g. the backend and
+  the configuration file), in place of uvicorn's "Started server process" line; the metrics
+  listener's own uvicorn lifecycle lines (a second "Started", "Shutting down", "Finished") are
+  left out, its warnings and errors are not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
+import os
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final
@@ -36,6 +43,47 @@ __all__ = ["ListenError", "ServedApp", "bind", "run_server", "serve"]
 log = logging.getLogger("k8s_agent_sandbox_awx.broker.server")
 
 _TRACE = 5  # uvicorn's "trace" level
+
+_UVICORN_START: Final = "Started server process [%d]"  # uvicorn's line, replaced by the broker's
+_in_metrics_server: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "_in_metrics_server", default=False
+)
+
+
+class _OneStartLine(logging.Filter):
+    """On uvicorn's ``uvicorn.error`` logger while ``broker serve`` runs: drops uvicorn's
+    "Started server process" (the broker writes its own start message) and the metrics
+    listener's informational lifecycle lines (they repeat the API server's)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == _UVICORN_START:
+            return False
+        return not (_in_metrics_server.get() and record.levelno <= logging.INFO)
+
+
+@contextlib.contextmanager
+def _one_start_line() -> Iterator[None]:
+    logger = logging.getLogger("uvicorn.error")
+    only = _OneStartLine()
+    logger.addFilter(only)
+    try:
+        yield
+    finally:
+        logger.removeFilter(only)
+
+
+def _log_started(api: str, metrics: str | None, about: Mapping[str, str]) -> None:
+    """The one start-up message: ``Started broker process [PID]: API URL, metrics URL, KEY
+    VALUE...`` (``about``: the caller's facts, none of them secret), its facts as JSON fields
+    too (``pid``, ``api``, ``metrics``, and ``about``'s keys)."""
+    pid = os.getpid()
+    facts: dict[str, object] = {"pid": pid, "api": api}
+    if metrics is not None:
+        facts["metrics"] = metrics
+    facts.update(about)
+    parts = [f"API {api}", f"metrics {metrics}" if metrics else "no metrics listener"]
+    parts += [f"{key} {value}" for key, value in about.items()]
+    log.info("Started broker process [%d]: %s", pid, ", ".join(parts), extra={"fields": facts})
 
 
 @dataclass(frozen=True)
@@ -212,13 +260,15 @@ async def run_server(
     metrics: MetricsSettings | None = None,
     on_metrics_started: Callable[[str], None] | None = None,
     log_format: str = "text",
+    about: Mapping[str, str] | None = None,
 ) -> None:
     """Serve ``served`` until a signal stops it (see the module's docstring).
 
     ``on_started(url)``: called once the server accepts connections, with the address it
     listens on (``https://127.0.0.1:8443``). ``sock``: a listening socket to use instead of
     binding ``settings.host:port``. ``metrics``: where ``served.metrics`` listens (plain HTTP;
-    ``on_metrics_started(url)`` once it does), stopped with the broker. Raises
+    ``on_metrics_started(url)`` once it does), stopped with the broker. ``about``: facts for
+    the start-up message (``{"backend": "local", "config": PATH}``; never a secret). Raises
     ``TLSFilesError`` or :class:`ListenError` before serving when the certificate pair or an
     address cannot be used."""
     certificate = ReloadingCertificate(settings.tls_cert_file, settings.tls_key_file)
@@ -235,21 +285,29 @@ async def run_server(
     config.load()
     config.ssl = certificate.context  # the ONE context; the watcher re-loads the pair into it
     url = _url("https", listener)
-    server = _Server(config, (lambda: on_started(url)) if on_started else None)
+    metrics_url = None if metrics_listener is None else _url("http", metrics_listener) + "/metrics"
+
+    def started() -> None:
+        _log_started(url, metrics_url, about or {})
+        if on_started is not None:
+            on_started(url)
+
+    server = _Server(config, started)
     watcher = asyncio.create_task(certificate.watch(settings.tls_reload_seconds))
     side = None
-    if metrics_listener is not None and served.metrics is not None:
-        side = await _start_metrics(served.metrics, metrics_listener)
-        if on_metrics_started is not None:
-            on_metrics_started(_url("http", metrics_listener))
-    try:
-        await server.serve(sockets=[listener])
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-        listener.close()
-        await _stop_metrics(side, metrics_listener)
+    with _one_start_line():
+        try:
+            if metrics_listener is not None and served.metrics is not None:
+                side = await _start_metrics(served.metrics, metrics_listener)
+                if on_metrics_started is not None:
+                    on_metrics_started(_url("http", metrics_listener))
+            await server.serve(sockets=[listener])
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            listener.close()
+            await _stop_metrics(side, metrics_listener)
 
 
 async def _start_metrics(
@@ -270,13 +328,18 @@ async def _start_metrics(
         timeout_graceful_shutdown=1,
     )
     server = _MetricsServer(config)
-    task = asyncio.create_task(server.serve(sockets=[listener]))
+    task = asyncio.create_task(_serve_metrics(server, listener))
     up = asyncio.create_task(server.up.wait())
     await asyncio.wait({task, up}, return_when=asyncio.FIRST_COMPLETED)
     up.cancel()
     if task.done():
         task.result()  # its failure, raised here
     return server, task
+
+
+async def _serve_metrics(server: _MetricsServer, listener: socket.socket) -> None:
+    _in_metrics_server.set(True)  # this task's context only: its lifecycle lines are dropped
+    await server.serve(sockets=[listener])
 
 
 async def _stop_metrics(
@@ -321,6 +384,7 @@ def serve(
     metrics: MetricsSettings | None = None,
     on_metrics_started: Callable[[str], None] | None = None,
     log_format: str = "text",
+    about: Mapping[str, str] | None = None,
 ) -> None:
     """Run the server in this thread until SIGTERM or SIGINT (then it returns): see
     :func:`run_server`; ``log_format``: ``[logging] format``."""
@@ -333,5 +397,6 @@ def serve(
             metrics=metrics,
             on_metrics_started=on_metrics_started,
             log_format=log_format,
+            about=about,
         )
     )

@@ -123,6 +123,10 @@ class CreateDefaults(Protocol):
     def poll_interval(self) -> float: ...
     @property
     def sandbox_timeout(self) -> int: ...
+    @property
+    def model_fields_set(self) -> set[str]:
+        """The settings given (a keyword or a variable), not defaulted."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -214,11 +218,19 @@ def _seconds(name: str, value: Any, *, allow_zero: bool = False) -> int | None:
 
 def sandbox_timeout(spec_seconds: int | None, config: CreateDefaults) -> int | None:
     """The lifetime a create asks for: ``timeout=``, else ``AGENT_SANDBOX_TTL_SECONDS`` (or the
-    original package's ``SANDBOX_TTL_SECONDS``; 300 s by default; 0: none, the policy's
-    maximum)."""
+    original package's ``SANDBOX_TTL_SECONDS``; 300 s by default, cut at the policy's cap by a
+    broker that knows :func:`lifetime_is_default`'s mark; 0: none, the policy's maximum)."""
     if spec_seconds is not None:
         return spec_seconds
     return config.sandbox_timeout or None
+
+
+def lifetime_is_default(spec_seconds: int | None, config: CreateDefaults) -> bool:
+    """Whether a create's lifetime is the SDK's default (300 s): the caller gave no
+    ``timeout=`` and no ``AGENT_SANDBOX_TTL_SECONDS`` (nor ``sandbox_timeout=``). Only that one
+    is marked for the broker to cut at its policy's cap (``Prefer: clamp-lifetime``); a
+    lifetime the caller chose past the cap stays a refusal."""
+    return spec_seconds is None and "sandbox_timeout" not in config.model_fields_set
 
 
 def spec_from_upstream(
@@ -259,6 +271,7 @@ def plan_create(config: CreateDefaults, dialect: Dialect, spec: SandboxSpec) -> 
         labels=spec.labels or {},
         annotations=spec.annotations or {},
         lifetime_seconds=sandbox_timeout(spec.lifetime_seconds, config),
+        lifetime_is_default=lifetime_is_default(spec.lifetime_seconds, config),
         env=spec.envs or {},
         pod_labels=spec.pod_labels or {},
         pod_annotations=spec.pod_annotations or {},

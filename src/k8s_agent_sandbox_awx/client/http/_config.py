@@ -206,7 +206,8 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
     """Seconds ``create`` waits for the sandbox to become Ready."""
     sandbox_timeout: int = Field(default=300, ge=0)
     """A new sandbox's lifetime in seconds when ``create`` gets no ``timeout=``
-    (``AGENT_SANDBOX_TTL_SECONDS``); ``0``: the broker policy's maximum."""
+    (``AGENT_SANDBOX_TTL_SECONDS``); ``0``: the broker policy's maximum. Left at its default
+    (300), it is sent as the SDK's default, which the broker cuts at a lower policy cap."""
     sandbox_keepalive: int = Field(default=0, ge=0)
     """The activity keepalive of the handles this client makes, in seconds
     (``AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS``; ``0``: off): see ``Sandbox.create(keepalive=)``."""

@@ -12,6 +12,7 @@ dialect, before anything is sent.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,7 @@ from ._dataplane import DataTarget
 from ._protocol import Call, Reply, RequestSpec, SandboxInfo
 
 __all__ = [
+    "CLAMP_LIFETIME",
     "FEATURES",
     "LIFETIME",
     "LIST",
@@ -32,6 +34,7 @@ __all__ = [
     "CreateRequest",
     "Dialect",
     "Lifetime",
+    "default_lifetime_marked",
 ]
 
 LIST = "list"
@@ -50,6 +53,18 @@ FEATURES = frozenset({LIST, WHOAMI, REPLAY_CREATE, LIFETIME, SANDBOX_ENV})
 changing a sandbox's lifetime, a sandbox-wide environment."""
 
 
+CLAMP_LIFETIME = "clamp-lifetime"
+"""The ``Prefer`` preference (RFC 7240) of a create whose lifetime is the SDK's default."""
+
+
+def default_lifetime_marked(spec: RequestSpec, request: CreateRequest) -> RequestSpec:
+    """``spec`` (a create) with ``Prefer: clamp-lifetime`` when ``request``'s lifetime is the
+    SDK's default (docs/broker-api.md); unchanged otherwise."""
+    if not request.lifetime_is_default or request.lifetime_seconds is None:
+        return spec
+    return dataclasses.replace(spec, headers={**spec.headers, "Prefer": CLAMP_LIFETIME})
+
+
 @dataclass(frozen=True)
 class CreateRequest:
     """What ``create`` asks for, in the SDK's vocabulary (each dialect spells it its way)."""
@@ -59,6 +74,10 @@ class CreateRequest:
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
     lifetime_seconds: int | None = None
+    lifetime_is_default: bool = False
+    """``lifetime_seconds`` is the SDK's default, not the caller's choice: the request says so
+    (``Prefer: clamp-lifetime``), and a broker that knows the preference cuts it at its
+    policy's cap instead of refusing it (one that does not answers as it always did)."""
     env: Mapping[str, str] = field(default_factory=dict)
     pod_labels: Mapping[str, str] = field(default_factory=dict)
     pod_annotations: Mapping[str, str] = field(default_factory=dict)

@@ -23,7 +23,7 @@ from ...errors import (
     BrokerError,
 )
 from . import _dialect_v1 as v1
-from ._dialect import LIFETIME, CreateRequest, Dialect, Lifetime
+from ._dialect import LIFETIME, CreateRequest, Dialect, Lifetime, default_lifetime_marked
 from ._protocol import (
     Call,
     Reply,
@@ -114,7 +114,8 @@ def create(request: CreateRequest) -> RequestSpec:
         "scopes": None if scopes is None else list(scopes),
     }
     # No idempotency key: sending the create again would make a second sandbox.
-    return _op("create", "create a sandbox", fields, retryable=False)
+    spec = _op("create", "create a sandbox", fields, retryable=False)
+    return default_lifetime_marked(spec, request)
 
 
 def status(name: str, *, delay: float = 0.0, what: str | None = None) -> RequestSpec:
@@ -200,8 +201,9 @@ _HINTS = {
 }
 _CREATE_400_HINT = (
     " Of the create's fields, 'lifecycle' is the lifetime (timeout=, AGENT_SANDBOX_TTL_SECONDS; "
-    "default 300 s: a broker whose policy allows less needs a shorter one) and 'warmpool' the "
-    "template (template=, AGENT_SANDBOX_TEMPLATE or AGENT_SANDBOX_WARMPOOL)."
+    "with neither, the default 300 s, which only a broker that honours 'Prefer: "
+    "clamp-lifetime' cuts at its policy's cap) and 'warmpool' the template (template=, "
+    "AGENT_SANDBOX_TEMPLATE or AGENT_SANDBOX_WARMPOOL)."
 )
 """Added to a create's 400: the text names the wire field, the user set the SDK's."""
 

@@ -26,7 +26,7 @@ from ...errors import (
     LifetimeExceedsPolicyError,
 )
 from ._dataplane import MAX_COMMAND_TIMEOUT, is_runtime_answer, runtime_error
-from ._dialect import CreateRequest, Dialect, Lifetime
+from ._dialect import CreateRequest, Dialect, Lifetime, default_lifetime_marked
 from ._protocol import (
     Call,
     Reply,
@@ -276,9 +276,10 @@ _HINTS: dict[str, str] = {
     "lists them).",
     "reserved_metadata": f"Remove labels/annotations under {RESERVED_PREFIX}; the broker sets "
     "them.",
-    "lifetime_exceeds_policy": "Ask for a shorter timeout: the policy caps a sandbox's "
-    "lifetime from its creation (`agent-sandbox-awx whoami` shows max_lifetime_seconds); "
-    "the default timeout comes from AGENT_SANDBOX_TTL_SECONDS (300 s if unset).",
+    "lifetime_exceeds_policy": "Ask for a shorter timeout (timeout= or "
+    "AGENT_SANDBOX_TTL_SECONDS): the policy caps a sandbox's lifetime from its creation "
+    "(`agent-sandbox-awx whoami` shows max_lifetime_seconds); with neither set, the SDK's "
+    "default of 300 s is cut at the cap by a broker that honours 'Prefer: clamp-lifetime'.",
     "not_owner": "This sandbox belongs to another identity; use one of yours "
     "(`agent-sandbox-awx ls`).",
     "not_found": "Check the name with `agent-sandbox-awx ls`; it may have expired or been deleted.",
@@ -497,7 +498,7 @@ class V1Dialect(Dialect):
                     "The broker API v1 decides the pod and the scopes from its policy; leave "
                     f"{option}= out (the /rpc dialect of deployed brokers accepts it).",
                 )
-        return create(
+        spec = create(
             idempotency_key=request.idempotency_key,
             template=request.template,
             labels=request.labels,
@@ -505,6 +506,7 @@ class V1Dialect(Dialect):
             lifetime_seconds=request.lifetime_seconds,
             env=request.env,
         )
+        return default_lifetime_marked(spec, request)
 
     def parse_created(self, reply: Reply, spec: RequestSpec) -> SandboxInfo:
         return parse_sandbox(parse_json(reply.content, spec.what), spec.what)
