@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
 from tests._support._api import CLAIM, collection, path
 from tests._support.kube import KubeAPIServer, KubeError
-from tests._support.kube_broker import BROKER_SA, SdkReplica
+from tests._support.kube_broker import BROKER_SA, Replica, SdkReplica
 
 pytestmark = pytest.mark.slow
 
