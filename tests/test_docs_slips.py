@@ -117,3 +117,89 @@ def test_the_fixture_docs_say_it_needs_pytest() -> None:
     text = (ROOT / "docs" / "local-broker.md").read_text()
     section = text.split("## In tests: the `sandbox_broker` fixture", 1)[1].split("\n## ", 1)[0]
     assert "It needs pytest" in section and "no extra installs" in section
+
+
+# -- a newcomer's trial (s25): what the examples and the install lines must never say -----------
+
+USER_PAGES = sorted([*PAGES, *(ROOT / "docs" / "broker").glob("*.md")])
+VARIABLE = re.compile(r"\b(?:AGENT_SANDBOX|SANDBOX|BROKER|KSA)_[A-Z0-9_]+\b")
+# where a variable the docs name is read: the package, the plugins, the test suite and CI
+READERS = [
+    *SOURCES,
+    *(ROOT / "plugins").glob("*/src/**/*.py"),
+    *(ROOT / "tests").rglob("*.py"),
+    *(p for p in (ROOT / ".ci").iterdir() if p.is_file()),
+]
+
+
+def test_every_variable_the_docs_name_is_read_somewhere() -> None:
+    """A variable named in the docs that nothing reads is a stale or misspelt name."""
+    code = "\n".join(p.read_text(errors="replace") for p in READERS if p != Path(__file__))
+    named = {v for page in USER_PAGES for v in VARIABLE.findall(page.read_text())}
+    assert len(named) > 30, named
+    assert sorted(v for v in named if v not in code) == []
+
+
+def _moves_across_roots(block: str) -> list[str]:
+    """``files.move``/``rename`` calls with two literal paths in different roots (a relative
+    path is in /app): the runtime refuses them (``cross_root``)."""
+
+    def root(path: str) -> str:
+        return "/workspace" if path.startswith(("/workspace/", "/app/workspace/")) else "/app"
+
+    calls = re.finditer(r"\.(?:move|rename)\(\s*\"([^\"]+)\",\s*\"([^\"]+)\"", block)
+    return [m.group(0) for m in calls if root(m.group(1)) != root(m.group(2))]
+
+
+def _timeouts_over_the_cap(block: str) -> list[str]:
+    """``commands.run(..., timeout=N)`` with N over the runtimes' default cap (300 s,
+    ``SANDBOX_EXEC_TIMEOUT_SECONDS``): a ``400`` from the runtime, background or not."""
+    calls = re.finditer(r"commands\.run\([^)]*?\btimeout=(\d+)", block, flags=re.S)
+    return [m.group(0) for m in calls if int(m.group(1)) > 300]
+
+
+@pytest.mark.parametrize("path", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_examples_keep_to_the_runtime_rules(path: Path) -> None:
+    for block in _python_blocks(path.read_text()):
+        assert _moves_across_roots(block) == [], path.name
+        assert _timeouts_over_the_cap(block) == [], path.name
+
+
+def test_the_runtime_rule_checks_see_the_slips() -> None:
+    assert _moves_across_roots('sb.files.move("data/a.csv", "/workspace/a.csv")')
+    assert _moves_across_roots('sb.files.rename("/workspace/a", "/app/a")')
+    assert not _moves_across_roots('sb.files.move("data/a.csv", "/app/data/b.csv")')
+    assert not _moves_across_roots('sb.files.move("/workspace/a", "/app/workspace/b")')
+    assert _timeouts_over_the_cap('sb.commands.run("x", background=True, timeout=3600)')
+    assert not _timeouts_over_the_cap('sb.commands.run("x", background=True, timeout=300)')
+
+
+def _plugin_without_the_core(line: str) -> bool:
+    """A ``pip install`` of a plugin's directory that does not install the core from the clone
+    in the same command: pip would take the core's name from the package index."""
+    for command in re.findall(r"pip install\s+([^#`]*)", line):
+        words = [w.strip("\"'") for w in command.split()]
+        if not any("plugins/" in w for w in words):
+            continue
+        core = re.compile(r"^(\.|(.*/)?k8s-agent-sandbox-awx/?)(\[[^\]]*\])?$")
+        if not any(core.match(w) for w in words):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("path", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_plugin_is_installed_with_the_core_from_the_clone(path: Path) -> None:
+    slips = [line for line in path.read_text().splitlines() if _plugin_without_the_core(line)]
+    assert slips == []
+
+
+def test_the_plugin_install_check_sees_the_slips() -> None:
+    assert _plugin_without_the_core('pip install -e "plugins/github-actions[test]"')
+    assert _plugin_without_the_core("python3 -m pip install ./plugins/google-cloud")
+    for fine in (
+        'pip install -e ".[local]" -e "plugins/github-actions[test]"',
+        "python3 -m pip install . ./plugins/google-cloud     # on Google Cloud",
+        "- run: pip install ./k8s-agent-sandbox-awx ./k8s-agent-sandbox-awx/plugins/github-actions",
+        "`python3 -m pip install -e . -e plugins/github-actions -e plugins/google-cloud`.",
+    ):
+        assert not _plugin_without_the_core(fine), fine

@@ -275,6 +275,41 @@ def test_a_failed_wait_whose_kill_fails_says_the_command_may_still_run(wait_erro
         assert "could not be killed" in str(info.value) and "it was killed" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("status", "code"), [(404, "not_found"), (409, "terminating")], ids=["gone", "terminating"]
+)
+def test_a_failed_wait_in_a_deleted_sandbox_does_not_say_the_command_may_still_run(
+    status: int, code: str
+) -> None:
+    """The sandbox was deleted while its command was followed (another shell's ``kill``, its
+    expiry): the wait fails and so does the kill after it, with the broker's ``not_found`` (or
+    ``terminating``). The sandbox's deletion stops its commands, so the error raised is the
+    wait's own, without a note saying the command may still be running and how to stop it
+    (which sent a CLI user to a Python call on a sandbox that no longer exists)."""
+    from k8s_agent_sandbox_awx.errors import BrokerConflictError, BrokerNotFoundError
+
+    cls = BrokerNotFoundError if status == 404 else BrokerConflictError
+    lines = iter([{"command_id": "c1"}])
+
+    def gone(what: str) -> BrokerError:
+        return cls(f"{what}: no sandbox 'sbx'", status_code=status, code=code)
+
+    def perform(step: cf.Step) -> Any:
+        if isinstance(step, cf.Call):  # the kill after the failed wait
+            raise gone("Could not kill command 'c1'")
+        if isinstance(step, cf.NextEvent):
+            value = next(lines, None)
+            if value is None:
+                raise gone("Could not follow the output of command 'c1'")
+            return value
+        return None
+
+    plan = cf.StartPlan.make("sleep 999", 30)
+    with pytest.raises(cls, match="Could not follow the output") as info:
+        drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: 0.0), perform)
+    assert "may still be running" not in " ".join(getattr(info.value, "__notes__", []))
+
+
 def listed(command_id: str, request_id: str | None, state: str = "running") -> dp.CommandInfo:
     return dp.CommandInfo(command_id, state, None, ("sleep",), request_id=request_id)
 

@@ -200,6 +200,37 @@ def test_load_plugins_naming_a_missing_entry_point_warns(installed, missing_path
     ] == "failed to load"
 
 
+@pytest.mark.parametrize(
+    "given", ["sbx-test-duplicate", "SBX_Test.Duplicate", "sbx_test_duplicate"]
+)
+def test_a_distribution_or_module_in_load_plugins_is_told_its_entry_point_names(
+    installed, missing_path, given: str
+) -> None:
+    """The warning for a name no entry point has says what to write instead: a distribution's
+    name (in any spelling pip accepts) or a module's is answered with its entry points."""
+    env = {"AGENT_SANDBOX_LOAD_PLUGINS": given}
+    with pytest.warns(CredentialPluginWarning) as record:
+        creds = DefaultCredentials(env, _token_path=missing_path)
+        creds.registry()
+    [message] = [str(w.message) for w in record if f"names {given!r}" in str(w.message)]
+    assert "entry-point names, not distribution or module names" in message
+    assert f"{given!r} provides the entry point 'epsilon'" in message
+    assert "AGENT_SANDBOX_LOAD_PLUGINS=epsilon" in message
+    detail = {d.name: d.detail for d in explain(BROKER, auth=creds).decisions}[given]
+    assert "AGENT_SANDBOX_LOAD_PLUGINS=epsilon" in detail
+
+
+def test_an_unknown_name_in_load_plugins_is_told_the_installed_entry_points(
+    installed, missing_path
+) -> None:
+    env = {"AGENT_SANDBOX_LOAD_PLUGINS": "no-such-plugin"}
+    with pytest.warns(CredentialPluginWarning) as record:
+        DefaultCredentials(env, _token_path=missing_path).registry()
+    [message] = [str(w.message) for w in record]
+    assert "the installed entry points are" in message
+    assert "'alpha'" in message and "'gamma'" in message
+
+
 def test_broken_plugin_is_skipped_with_a_warning(installed, missing_path, mint, caplog) -> None:
     token = mint()
     env = {"AGENT_SANDBOX_LOAD_PLUGINS": "broken,alpha", "SBX_TEST_ALPHA": token}

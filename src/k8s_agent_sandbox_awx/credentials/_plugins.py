@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import logging
+import re
 import threading
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -287,6 +288,42 @@ def _entry_point_origin(ep: importlib.metadata.EntryPoint) -> str:
     return f"entry point {ep.name!r} = {ep.value!r}{where}"
 
 
+def _normalized(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503: case and ``-_.`` runs ignored)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _provided_by(ep: importlib.metadata.EntryPoint, name: str) -> bool:
+    """Whether ``name`` is the distribution (in any spelling pip accepts) or the module of
+    ``ep``."""
+    module = ep.value.split(":", 1)[0]
+    if name in (module, module.split(".", 1)[0]):
+        return True
+    return ep.dist is not None and _normalized(ep.dist.name) == _normalized(name)
+
+
+def _missing_entry_point(missing: str, entry_points: list[importlib.metadata.EntryPoint]) -> str:
+    """Why ``AGENT_SANDBOX_LOAD_PLUGINS``'s ``missing`` loads nothing, and what to write: the
+    entry points of the distribution or module so named, else the installed ones."""
+    detail = (
+        f"{LOAD_PLUGINS_ENV} names {missing!r}, but no installed distribution has an entry "
+        f"point of that name in the group {hookspecs.ENTRY_POINT_GROUP!r} (the variable takes "
+        "entry-point names, not distribution or module names)"
+    )
+    names = sorted({ep.name for ep in entry_points if _provided_by(ep, missing)})
+    if names:
+        listed = ", ".join(repr(n) for n in names)
+        plural, them = ("s", "them") if len(names) > 1 else ("", "it")
+        return (
+            f"{detail}: {missing!r} provides the entry point{plural} {listed}; name {them} "
+            f"instead ({LOAD_PLUGINS_ENV}={','.join(names)})"
+        )
+    installed = sorted({ep.name for ep in entry_points})
+    if installed:
+        return f"{detail}; the installed entry points are {', '.join(map(repr, installed))}"
+    return f"{detail}; no plugin is installed in this environment"
+
+
 class _Loader:
     """Registers third-party providers (refusing reserved and duplicate names) and records
     why any was not used."""
@@ -353,11 +390,7 @@ class _Loader:
                 continue
             self.add(ep.name, origin, ep.load)
         for missing in sorted((allowed or set()) - seen_eps):
-            detail = (
-                f"{LOAD_PLUGINS_ENV} names {missing!r}, but no installed distribution has an "
-                f"entry point of that name in the group {hookspecs.ENTRY_POINT_GROUP!r} (the "
-                "variable takes entry-point names, not distribution or module names)"
-            )
+            detail = _missing_entry_point(missing, entry_points)
             warn_plugin(detail + ".")
             self.problems.append(PluginProblem(missing, "", "failed to load", detail))
 

@@ -657,12 +657,19 @@ def _run(
     return _checked(result, plan.timeout, raise_on_timeout)
 
 
+_SANDBOX_GONE = frozenset({(404, "not_found"), (409, "terminating")})
+"""The broker's answers for a sandbox that is gone or being deleted: its commands end with it."""
+
+
 def _kill_quietly(target: dp.DataTarget, command_id: str) -> Op[Exception | None]:
     """Kill after a failed or interrupted wait; a kill that fails is logged and returned, not
-    raised (the wait's own error is what the caller sees, with a note: ``_note_unkilled``)."""
+    raised (the wait's own error is what the caller sees, with a note: ``_note_unkilled``). A
+    sandbox that is gone or being deleted has nothing left to kill: that is no failure."""
     try:
         yield Call(dp.kill_command(target, command_id), _ignore, cleanup=True)
     except Exception as exc:  # the original error is re-raised by the caller
+        if isinstance(exc, errors.BrokerError) and (exc.status_code, exc.code) in _SANDBOX_GONE:
+            return None
         logger.warning("could not kill command %s after a failed wait: %s", command_id, exc)
         return exc
     return None
