@@ -239,6 +239,9 @@ def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
         drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: now[0]), perform)
     assert sent == [("POST", "/commands", False), ("POST", "/commands/c1/kill", True)]
     assert info.value.result is not None and info.value.result.command_id == "c1"
+    # the way out it names is one that exists: background commands have the same time limit
+    assert "background=True" not in str(info.value)
+    assert "sandbox.pty.create" in str(info.value)
 
 
 @pytest.mark.parametrize("wait_error", ["no exit in time", "Ctrl-C"])

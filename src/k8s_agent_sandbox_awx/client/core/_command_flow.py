@@ -702,7 +702,9 @@ def _no_exit(
     return errors.CommandTimeoutError(
         f"Command {partial.command_id!r} gave no exit within its time limit of {limit:g}s plus "
         f"{dp.COMMAND_TIMEOUT_MARGIN:g}s in sandbox {target.sandbox_id!r}; {outcome}. Pass "
-        "a larger timeout=, or run it with background=True.",
+        "a larger timeout= (up to the runtime's cap, 300 s unless it sets another; background "
+        "commands have the same limit); work that runs longer goes in a terminal started "
+        "without a timeout (sandbox.pty.create).",
         command_timeout=limit,
         result=partial,
     )
