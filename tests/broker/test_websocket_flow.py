@@ -76,7 +76,7 @@ def caller(broker: LocalBroker, headers: dict[str, str], path: str) -> ws_client
 
 
 def settled(progress: Callable[[], int], done: Callable[[], bool]) -> int:
-    """``progress()`` once it stopped growing (unchanged for a second) or ``done()``: what a
+    """``progress()`` once it stopped growing (unchanged for two seconds) or ``done()``: what a
     sender got rid of before the flow stopped (no assertion on time: a slow machine only
     waits longer)."""
     last, since = progress(), time.monotonic()
@@ -85,7 +85,7 @@ def settled(progress: Callable[[], int], done: Callable[[], bool]) -> int:
         now = progress()
         if now != last:
             last, since = now, time.monotonic()
-        elif time.monotonic() - since > 1.0:
+        elif time.monotonic() - since > 2.0:
             break
     return progress()
 
@@ -123,7 +123,9 @@ def test_a_caller_that_stops_reading_holds_up_only_its_own_direction(
     other.send(2, b"another client")
     assert other.recv() == (2, b"another client")
     assert other.close()[0] == 8
-    assert flood.sent == taken and not flood.done.is_set()  # the flood is still held up
+    # the flood is still held up (a message or two more may have moved on a busy machine,
+    # where "stopped growing for 2 s" came early): nowhere near what was offered
+    assert not flood.done.is_set() and flood.sent <= taken + 2 * MESSAGE < OFFERED
     slow.sock.close()
 
 
