@@ -525,6 +525,12 @@ def test_other_timeouts_are_refused_as_before_in_the_background(timeout: float) 
         cf.StartPlan.make("sleep 1", timeout, background=True)
 
 
+def test_a_timeout_over_the_brokers_wait_names_the_background_without_a_limit() -> None:
+    with pytest.raises(ValueError, match="over the limit") as info:
+        cf.StartPlan.make("sleep 1", 90000)
+    assert "commands.run(..., background=True, timeout=0)" in str(info.value)
+
+
 def test_a_start_without_a_time_limit_is_confirmed_by_the_status() -> None:
     sent, perform = _calls("c1", _info(no_time_limit=True))
     plan = cf.StartPlan.make("sleep 300", 0, background=True)

@@ -293,7 +293,8 @@ def check_command_timeout(command_timeout: float) -> float:
             f"a sandbox's answer (X-Sandbox-Timeout), and the client asks for the command's "
             f"limit plus {COMMAND_TIMEOUT_MARGIN / 2:g} s. Pass timeout= (or command_timeout=) "
             f"of at most {MAX_COMMAND_TIMEOUT:g}, or start longer work in the background "
-            "(commands.run(..., background=True)) and wait on its handle."
+            "without a time limit (commands.run(..., background=True, timeout=0)) and wait on "
+            "its handle."
         )
     return command_timeout
 
