@@ -25,6 +25,7 @@ def managed_only_options() -> list[tuple[str, dict[str, Any]]]:
         ("cwd", {"cwd": "/tmp"}),
         ("background", {"background": True}),
         ("stdin", {"background": True, "stdin": True}),
+        ("timeout", {"background": True, "timeout": 0}),  # no time limit
     ]
 
 

@@ -355,6 +355,38 @@ def test_timeout_kills_the_group_and_is_timed_out(cmds: Commands) -> None:
 
 
 @host_processes_only(HOST_PIDS)
+def test_a_command_without_a_time_limit_outlives_the_cap_and_ends_with_its_sandbox(
+    alice: Any,
+) -> None:
+    """``"timeout": "none"``: no time limit (past the runtime's cap, here 1 s, which still holds
+    for a number); the running limit still counts it; deleting the sandbox ends its group."""
+    sandbox = alice.ready(
+        env={"SANDBOX_EXEC_TIMEOUT_SECONDS": "1", "SANDBOX_COMMAND_MAX_RUNNING": "1"}
+    )
+    cmds = Commands(alice, sandbox)
+    assert "at most 1" in cmds.start(["true"], timeout=2).json()["detail"]
+    command_id = cmds.start_id("sleep 300 & echo $!; wait", timeout="none")
+    grandchild = int(cmds.events(command_id, 0, 5)[0]["data"].split()[0])
+    time.sleep(2.5)  # past the cap (and the default, min(60 s, the cap))
+    status = cmds.status(command_id)
+    assert (status["state"], status["timeout"]) == ("running", None)
+    assert cmds.start(["true"]).status_code == 429  # SANDBOX_COMMAND_MAX_RUNNING=1 holds
+    assert not process_gone(grandchild, within=0.2)
+    assert alice.http.delete(f"/v1/sandboxes/{sandbox['name']}").status_code == 202
+    assert process_gone(status["pid"])
+    assert process_gone(grandchild)
+
+
+@pytest.mark.parametrize("value", ["None", "nope", 0, -1])
+def test_a_timeout_that_is_not_a_number_or_none_is_400(cmds: Commands, value: Any) -> None:
+    resp = cmds.start(["true"], timeout=value)
+    assert resp.status_code == 400, resp.text
+    assert (
+        "'timeout'" in resp.json()["detail"] and "'none' for no time limit" in resp.json()["detail"]
+    )
+
+
+@host_processes_only(HOST_PIDS)
 def test_kill_kills_a_grandchild_in_the_group_and_is_safe_to_repeat(cmds: Commands) -> None:
     command_id = cmds.start_id("sleep 300 & echo $!; wait")
     first = cmds.events(command_id, 0, 5)[0]

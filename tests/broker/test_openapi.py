@@ -303,6 +303,16 @@ def test_pty_traffic_conforms(broker: LocalBroker) -> None:
             {"cols": 9, "rows": 9},
         )
         post("/commands", "StartCommandRequest", {"command": ["true"], "pty": {"x": 1}}, ok=False)
+        # no time limit: "timeout": "none", its status says null; 0 and other strings are not it
+        unlimited = post(
+            "/commands", "StartCommandRequest", {"command": ["true"], "timeout": "none"}
+        )
+        assert unlimited.is_success, unlimited.text
+        for bad in (0, "None"):
+            refused = post(
+                "/commands", "StartCommandRequest", {"command": ["true"], "timeout": bad}, ok=False
+            )
+            assert refused.status_code == 400
         post("/commands/missing/resize", "CommandResizeRequest", {"cols": 9, "rows": 9})  # 404
         http.delete(f"/v1/sandboxes/{name}")
     assert problems == []

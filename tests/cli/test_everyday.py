@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from k8s_agent_sandbox_awx import Sandbox
 from k8s_agent_sandbox_awx.cli._cli import _parser, main
 from k8s_agent_sandbox_awx.client.wire._dialect import LIST
 from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
@@ -123,6 +125,50 @@ def test_create_then_run_in_it_and_run_keep(
     assert main(["kill", name, kept, made["name"]]) == 0
     assert capsys.readouterr().err == ""  # all three existed: no warning
     assert live(broker) == []
+
+
+@pytest.mark.e2e
+def test_run_background_starts_the_command_prints_its_id_and_leaves_it_running(
+    broker: Any, use_env: Any, capsys: Any
+) -> None:
+    """``run --sandbox NAME --background [--timeout S|0] -- CMD``: the command id on stdout
+    (``--json``: with the sandbox and the time limit), exit 0, and the command goes on after
+    the CLI returned (``--timeout 0``: no time limit, past the runtime's cap, 1 s here)."""
+    environ = broker.environ("kubernetes")
+    use_env(environ)
+    sandbox = Sandbox.create(environ=environ, env={"SANDBOX_EXEC_TIMEOUT_SECONDS": "1"})
+    with sandbox:
+        run = ["run", "--sandbox", sandbox.name, "--background"]
+        assert main([*run, "--timeout", "0", "--", "sh", "-c", "echo up; exec sleep 300"]) == 0
+        captured = capsys.readouterr()
+        command_id = captured.out.strip()
+        assert re.fullmatch(r"[0-9a-f-]{36}", command_id), captured.out
+        assert f"agent-sandbox-awx kill {sandbox.name}" in captured.err
+        assert main([*run, "--json", "--timeout", "0.5", "--", "sleep", "30"]) == 0
+        started = json.loads(capsys.readouterr().out)
+        assert (started["sandbox"], started["timeout"]) == (sandbox.name, 0.5)
+        time.sleep(2.5)  # past the cap: the first still runs, the second timed out
+        server = sandbox.commands.get(command_id)
+        status = server.status()
+        assert (status.state, status.no_time_limit, status.stdout) == ("running", True, "up\n")
+        assert sandbox.commands.get(started["command_id"]).wait().state == "timed_out"
+        assert server.kill().state == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--background", "--", "sleep", "1"], "--sandbox NAME"),
+        (["--sandbox", "sb", "--timeout", "0", "--", "sleep", "1"], "--timeout 0"),
+    ],
+)
+def test_run_background_and_no_time_limit_are_checked_before_anything_is_sent(
+    args: list[str], says: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setenv("AGENT_SANDBOX_BROKER_URL", NOWHERE)
+    assert main(["run", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "--background" in err and "Traceback" not in err
 
 
 @pytest.mark.e2e

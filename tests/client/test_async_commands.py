@@ -21,6 +21,8 @@ from k8s_agent_sandbox_awx.errors import (
     CommandWaitTimeoutError,
     UnsupportedByRuntimeError,
 )
+from tests._support.isolation import HOST_PIDS, host_processes_only
+from tests._support.programs import process_gone
 
 # Data-plane behaviour is the same under both dialects: one dialect (v1) for most tests, and
 # a small rpc data-plane smoke set (``RPC_SMOKE``: once per dialect) so that the /rpc data path
@@ -453,6 +455,31 @@ def test_options_an_old_runtime_cannot_honour_are_refused_and_nothing_runs(
             assert check.stdout == "never\n"  # the refused commands never ran
 
     run(main())
+
+
+@host_processes_only(HOST_PIDS)
+def test_a_background_command_without_a_time_limit_runs_until_its_sandbox_ends(
+    broker: Any,
+) -> None:
+    """Async ``background=True, timeout=0``: past the runtime's cap (1 s here) it runs, and a
+    foreground run without a time limit is refused before anything is sent."""
+
+    async def main() -> int:
+        async with await create(broker, SANDBOX_EXEC_TIMEOUT_SECONDS="1") as sandbox:
+            with pytest.raises(ValueError, match="background=True, timeout=0"):
+                await sandbox.commands.run("sleep 5", timeout=0)
+            assert broker.execution_count(sandbox.name) == 0
+            server = await sandbox.commands.run(
+                "echo $$; exec sleep 300", background=True, timeout=0
+            )
+            pid = int((await server.__aiter__().__anext__()).data)
+            await asyncio.sleep(2.5)  # past the cap
+            status = await server.status()
+            assert (status.state, status.no_time_limit) == ("running", True)
+            return pid
+
+    pid = run(main())  # the sandbox is deleted when its block ends
+    assert process_gone(pid)
 
 
 def test_a_long_stream_survives_token_rotation(broker: Any, tmp_path: Any) -> None:

@@ -20,6 +20,7 @@ from k8s_agent_sandbox_awx.errors import (
     BrokerUnavailableError,
     CommandOutputLostError,
     CommandWaitTimeoutError,
+    UnsupportedByRuntimeError,
 )
 
 TARGET = RouterTarget("sbx")
@@ -239,8 +240,8 @@ def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
         drive(cf.run(TARGET, plan, cf.RuntimeFeatures(), clock=lambda: now[0]), perform)
     assert sent == [("POST", "/commands", False), ("POST", "/commands/c1/kill", True)]
     assert info.value.result is not None and info.value.result.command_id == "c1"
-    # the way out it names is one that exists: background commands have the same time limit
-    assert "background=True" not in str(info.value)
+    # the ways out it names exist: a background command without a time limit, or a terminal
+    assert "commands.run(command, background=True, timeout=0)" in str(info.value)
     assert "sandbox.pty.create" in str(info.value)
 
 
@@ -475,3 +476,125 @@ def test_a_string_that_starts_with_a_dash_is_a_command_not_shell_options(
             env = {"PATH": path}
             done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
             assert done.returncode == 127, (command, path == bashless_path, done.stderr)
+
+
+# ------------------------------------------------------------------ no time limit (background)
+
+
+def _calls(*answers: Any) -> tuple[list[str], Any]:
+    """A perform function answering the calls in turn (an exception is raised); the calls."""
+    sent: list[str] = []
+    pending = list(answers)
+
+    def perform(step: cf.Step) -> Any:
+        assert isinstance(step, cf.Call), step
+        sent.append(f"{step.spec.method} {step.spec.path}")
+        answer = pending.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    return sent, perform
+
+
+def _info(**fields: Any) -> dp.CommandInfo:
+    return dp.CommandInfo("c1", "running", None, ("sleep",), **fields)
+
+
+@pytest.mark.parametrize("timeout", [0, 0.0, None])
+def test_a_background_command_without_a_time_limit_says_none_on_the_wire(timeout: Any) -> None:
+    plan = cf.StartPlan.make("python3 -m http.server", timeout, background=True)
+    assert not plan.limited and plan.body()["timeout"] == "none"
+    assert plan.managed_only(True) == ("background", "timeout")
+    limited = cf.StartPlan.make("sleep 1", 30, background=True)
+    assert limited.limited and limited.body()["timeout"] == 30.0
+
+
+@pytest.mark.parametrize("timeout", [0, None])
+def test_a_foreground_run_without_a_time_limit_is_refused_naming_the_background(
+    timeout: Any,
+) -> None:
+    with pytest.raises(ValueError, match="greater than 0") as info:
+        cf.StartPlan.make("sleep 1", timeout)
+    assert "commands.run(command, background=True, timeout=0)" in str(info.value)
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), 301.0 * 1000])
+def test_other_timeouts_are_refused_as_before_in_the_background(timeout: float) -> None:
+    with pytest.raises(ValueError, match=r"greater than 0|over the limit"):
+        cf.StartPlan.make("sleep 1", timeout, background=True)
+
+
+def test_a_timeout_over_the_brokers_wait_names_the_background_without_a_limit() -> None:
+    with pytest.raises(ValueError, match="over the limit") as info:
+        cf.StartPlan.make("sleep 1", 90000)
+    assert "commands.run(..., background=True, timeout=0)" in str(info.value)
+
+
+def test_a_start_without_a_time_limit_is_confirmed_by_the_status() -> None:
+    sent, perform = _calls("c1", _info(no_time_limit=True))
+    plan = cf.StartPlan.make("sleep 300", 0, background=True)
+    assert drive(cf.start(TARGET, plan, cf.RuntimeFeatures()), perform) == "c1"
+    assert sent == ["POST /commands", "GET /commands/c1"]
+    assert dp.parse_command_info(
+        {"command_id": "c", "state": "running", "timeout": None}
+    ).no_time_limit
+    for status in ({"timeout": 60}, {}):  # a limit, or a runtime that does not report it
+        info = dp.parse_command_info({"command_id": "c", "state": "running", **status})
+        assert not info.no_time_limit
+
+
+def test_a_runtime_that_gives_it_a_limit_has_the_command_killed() -> None:
+    sent, perform = _calls("c1", _info(), None)
+    plan = cf.StartPlan.make("sleep 300", 0, background=True)
+    with pytest.raises(UnsupportedByRuntimeError, match="with a limit; it was killed") as info:
+        drive(cf.start(TARGET, plan, cf.RuntimeFeatures()), perform)
+    assert sent == ["POST /commands", "GET /commands/c1", "POST /commands/c1/kill"]
+    assert info.value.options == ("timeout",)
+    assert "Nothing runs" in str(info.value)
+
+
+def test_a_status_that_fails_after_a_start_without_a_limit_kills_the_command() -> None:
+    lost = BrokerUnavailableError("the broker went away")
+    sent, perform = _calls("c1", lost, None)
+    plan = cf.StartPlan.make("sleep 300", 0, background=True)
+    with pytest.raises(BrokerUnavailableError) as info:
+        drive(cf.start(TARGET, plan, cf.RuntimeFeatures()), perform)
+    assert info.value is lost
+    assert sent == ["POST /commands", "GET /commands/c1", "POST /commands/c1/kill"]
+
+
+@pytest.mark.parametrize(
+    ("refusal", "says"),
+    [
+        (
+            BrokerError(
+                "400",
+                status_code=400,
+                detail="field 'timeout' must be a number of seconds above 0 and at most 300",
+            ),
+            "it refused it (field 'timeout'",
+        ),
+        (BrokerError("404", status_code=404, detail="Not Found"), "background=..., timeout=..."),
+    ],
+    ids=["older-runtime", "legacy"],
+)
+def test_a_runtime_without_it_is_unsupported_and_nothing_runs(
+    refusal: BrokerError, says: str
+) -> None:
+    sent, perform = _calls(refusal)
+    plan = cf.StartPlan.make("sleep 300", 0, background=True)
+    with pytest.raises(UnsupportedByRuntimeError) as info:
+        drive(cf.start(TARGET, plan, cf.RuntimeFeatures()), perform)
+    assert says in str(info.value) and "timeout" in info.value.options
+    assert sent == ["POST /commands"]  # refused: nothing started, nothing else sent
+
+
+def test_a_refusal_of_another_field_is_not_taken_for_the_time_limit() -> None:
+    refusal = BrokerError("400", status_code=400, detail="field 'cwd': not a directory")
+    sent, perform = _calls(refusal)
+    plan = cf.StartPlan.make("sleep 300", 0, background=True, cwd="/nope")
+    with pytest.raises(BrokerError) as info:
+        drive(cf.start(TARGET, plan, cf.RuntimeFeatures()), perform)
+    assert info.value is refusal and not isinstance(info.value, UnsupportedByRuntimeError)
+    assert sent == ["POST /commands"]

@@ -33,6 +33,7 @@ from k8s_agent_sandbox_awx.errors import (
 )
 from tests._support.brokers import dialect_of
 from tests._support.isolation import HOST_PIDS, HOST_TMP, host_processes_only
+from tests._support.programs import process_gone
 
 # Data-plane behaviour is the same under both dialects: one dialect (v1) for most tests, and
 # a small rpc data-plane smoke set (``RPC_SMOKE``: once per dialect) so that the /rpc data path
@@ -324,6 +325,27 @@ def test_a_background_server_is_waited_on_and_killed(sandbox: Sandbox) -> None:
     assert (waited.state, waited.stdout) == ("cancelled", "ready\n")
     assert list(events) == []  # wait() read on to the exit: reading continues, nothing repeated
     assert [e.type for e in sandbox.commands.get(handle.command_id)] == ["stdout", "exit"]
+
+
+@host_processes_only(HOST_PIDS)
+def test_a_background_command_without_a_time_limit_runs_until_its_sandbox_ends(
+    broker: Any,
+) -> None:
+    """``background=True, timeout=0`` (E2B's spelling): past the runtime's cap (1 s here, which
+    still refuses a larger number) the command runs; deleting the sandbox ends it."""
+    env = {"SANDBOX_EXEC_TIMEOUT_SECONDS": "1"}
+    with Sandbox.create(environ=broker.environ("kubernetes"), env=env) as sandbox:
+        with pytest.raises(BrokerError, match="at most 1"):
+            sandbox.commands.run("sleep 5", background=True, timeout=2)
+        server = sandbox.commands.run("echo $$; exec sleep 300", background=True, timeout=0)
+        pid = int(next(iter(server)).data)
+        time.sleep(2.5)  # past the cap, and the default (min(60 s, the cap))
+        status = server.status()
+        assert (status.state, status.no_time_limit, status.pid) == ("running", True, pid)
+        also = sandbox.commands.run("exec sleep 300", background=True, timeout=None)
+        assert also.status().no_time_limit
+        sandbox.kill()
+        assert process_gone(pid)
 
 
 def test_stdin_and_iteration(sandbox: Sandbox) -> None:

@@ -37,6 +37,8 @@ _LOCAL_EXTRA = (
 _INSECURE_FLAG = "--allow-insecure-http"
 CLEANUP_TIMEOUT = 30.0
 """Seconds ``run`` may spend cleaning up after Ctrl-C (kill the command, delete the sandbox)."""
+RUN_TIMEOUT = 300.0
+"""``run``'s command time limit without ``--timeout`` (seconds: the runtime's default cap)."""
 CUT_TIMEOUT = 1.0
 LAST_DELETE_TIMEOUT = 5.0
 """The request time limit of the one last delete, on new connections, of a sandbox whose
@@ -102,12 +104,12 @@ def _subcommands(sub: Any) -> None:
     template_option(p)
     p.add_argument(
         "--timeout",
-        type=_seconds(positive=True),
-        default=300,
-        help="command time limit in seconds",
+        type=_seconds(positive=False),
+        default=None,
+        help=f"command time limit in seconds (default {RUN_TIMEOUT:g}; 0: none, with --background)",
     )
     ready_timeout_option(p)
-    json_option(p, "print the result as JSON")
+    json_option(p, "print the result as JSON (--background: the command id)")
     _everyday.run_options(p)
     p.add_argument(
         "cmd",
@@ -501,12 +503,34 @@ class _Interrupts:
         raise _CleanupCut(why)
 
 
+def _check_run_timeout(args: argparse.Namespace) -> None:
+    """``run``'s ``--timeout`` (default :data:`RUN_TIMEOUT`) and ``--background``, checked
+    before anything is sent: no time limit (``--timeout 0``) is for a background command, and
+    a background command needs a sandbox that stays (``--sandbox NAME`` or ``--keep``)."""
+    if args.timeout is None:
+        args.timeout = RUN_TIMEOUT
+    if args.background and args.sandbox is None and not args.keep:
+        raise _CliError(
+            "run: --background starts the command and returns, so the sandbox must stay: "
+            "add --sandbox NAME (an existing sandbox) or --keep (a new one, kept).",
+            2,
+        )
+    if args.timeout == 0 and not args.background:
+        raise _CliError(
+            "run: --timeout 0 (no time limit) is for --background: a foreground run waits for "
+            "its command. Pass --timeout SECONDS, or start it with --background --timeout 0 "
+            "(with --sandbox NAME or --keep).",
+            2,
+        )
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
         raise _CliError(f"run: no command given; use `{PROG} run -- COMMAND [ARG...]`.", 2)
+    _check_run_timeout(args)
     streams = (
         {} if args.json else {"on_stdout": _writer(sys.stdout), "on_stderr": _writer(sys.stderr)}
     )
@@ -572,6 +596,8 @@ def _run_in_sandbox(
 ) -> int:
     """Create a sandbox (its name appended to ``made``), run ``cmd`` in it, delete it; with
     ``--keep`` or ``--sandbox NAME`` the sandbox stays (and is not in ``made``)."""
+    if args.background:
+        return _everyday.run_kept(args, client, lambda sandbox: _start_in(args, sandbox, cmd))
     if args.sandbox is not None or args.keep:
         return _everyday.run_kept(
             args,
@@ -586,6 +612,24 @@ def _run_in_sandbox(
         made.append(sandbox.name)
         result = _run_command(args, sandbox, cmd, streams)
     return _run_done(args, sandbox.name, cmd, result)
+
+
+def _start_in(args: argparse.Namespace, sandbox: Any, cmd: list[str]) -> int:
+    """``run --background``: start ``cmd`` in ``sandbox`` and print its command id (``--json``:
+    the sandbox, the command id and its time limit, ``null``: none); it goes on running."""
+    handle = sandbox.commands.run(cmd, background=True, timeout=args.timeout)
+    limit = args.timeout or None
+    if args.json:
+        _print_json({"sandbox": sandbox.name, "command_id": handle.command_id, "timeout": limit})
+    else:
+        print(handle.command_id, flush=True)
+        until = "it exits or the sandbox ends" if limit is None else f"at most {limit:g}s"
+        print(
+            f"{PROG}: command {handle.command_id} runs in sandbox {sandbox.name} in the "
+            f"background (until {until}); `{PROG} kill {sandbox.name}` ends it with the sandbox.",
+            file=sys.stderr,
+        )
+    return 0
 
 
 def _run_command(

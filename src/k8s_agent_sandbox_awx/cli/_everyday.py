@@ -95,7 +95,13 @@ def create_subcommand(sub: Any) -> None:
 
 
 def run_options(p: argparse.ArgumentParser) -> None:
-    """``run``'s ``--keep`` and ``--sandbox``."""
+    """``run``'s ``--keep``, ``--sandbox`` and ``--background``."""
+    p.add_argument(
+        "--background",
+        action="store_true",
+        help="start the command, print its command id and return; it goes on running (with "
+        "--sandbox NAME or --keep; --timeout 0: no time limit, until the sandbox ends)",
+    )
     p.add_argument(
         "--keep",
         action="store_true",

@@ -424,7 +424,7 @@ class AsyncUpstreamCommands(AsyncCommands):
     async def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,  # noqa: ASYNC109
+        timeout: float | None = 60,  # noqa: ASYNC109
         command_timeout: float | None = None,
         *,
         background: Literal[True],
@@ -446,7 +446,7 @@ class AsyncUpstreamCommands(AsyncCommands):
     async def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,  # noqa: ASYNC109
+        timeout: float | None = 60,  # noqa: ASYNC109
         command_timeout: float | None = None,
         *,
         background: bool,
@@ -456,7 +456,7 @@ class AsyncUpstreamCommands(AsyncCommands):
     async def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,  # noqa: ASYNC109
+        timeout: float | None = 60,  # noqa: ASYNC109
         command_timeout: float | None = None,
         *,
         background: bool = False,

@@ -197,7 +197,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
     async def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,  # noqa: ASYNC109
+        timeout: float | None = 60,  # noqa: ASYNC109
         *,
         background: Literal[True],
         **options: Unpack[opts.RunOptions],
@@ -217,7 +217,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
     async def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,  # noqa: ASYNC109
+        timeout: float | None = 60,  # noqa: ASYNC109
         *,
         background: bool,
         **options: Unpack[opts.RunOptions],
@@ -226,7 +226,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
     async def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,  # noqa: ASYNC109
+        timeout: float | None = 60,  # noqa: ASYNC109
         *,
         background: bool = False,
         **options: Unpack[opts.RunOptions],

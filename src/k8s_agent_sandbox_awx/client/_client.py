@@ -473,7 +473,7 @@ class UpstreamCommands(Commands):
     def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,
+        timeout: float | None = 60,
         command_timeout: float | None = None,
         *,
         background: Literal[True],
@@ -495,7 +495,7 @@ class UpstreamCommands(Commands):
     def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,
+        timeout: float | None = 60,
         command_timeout: float | None = None,
         *,
         background: bool,
@@ -505,7 +505,7 @@ class UpstreamCommands(Commands):
     def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,
+        timeout: float | None = 60,
         command_timeout: float | None = None,
         *,
         background: bool = False,

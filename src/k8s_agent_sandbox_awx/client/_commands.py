@@ -228,7 +228,7 @@ class Commands(SandboxPart[BrokerTransport]):
     def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,
+        timeout: float | None = 60,
         *,
         background: Literal[True],
         **options: Unpack[opts.RunOptions],
@@ -248,7 +248,7 @@ class Commands(SandboxPart[BrokerTransport]):
     def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,
+        timeout: float | None = 60,
         *,
         background: bool,
         **options: Unpack[opts.RunOptions],
@@ -257,7 +257,7 @@ class Commands(SandboxPart[BrokerTransport]):
     def run(
         self,
         command: str | Sequence[str],
-        timeout: float = 60,
+        timeout: float | None = 60,
         *,
         background: bool = False,
         **options: Unpack[opts.RunOptions],
@@ -271,10 +271,13 @@ class Commands(SandboxPart[BrokerTransport]):
         Never put untrusted values into a shell string: pass an argv list instead.
         ``timeout``: the command's time limit in seconds (the runtime kills it after that;
         :class:`CommandTimeoutError`, or with ``raise_on_timeout=False`` a result with
-        ``state='timed_out'``). ``envs`` (merged over the sandbox's environment) and ``cwd`` (an
-        absolute path) apply to this command. ``on_stdout``/``on_stderr`` get the output as it
-        is produced. ``stdin=True`` (background only) opens a pipe for ``send_stdin``. If the
-        wait fails or is interrupted (Ctrl-C, a timeout), the command is killed. The start is
+        ``state='timed_out'``); with ``background=True``, ``timeout=0`` (or ``None``) is no
+        time limit: the command runs until it exits, is killed or its sandbox ends (a runtime
+        that predates it: :class:`UnsupportedByRuntimeError`, nothing runs). ``envs`` (merged
+        over the sandbox's environment) and ``cwd`` (an absolute path) apply to this command.
+        ``on_stdout``/``on_stderr`` get the output as it is produced. ``stdin=True``
+        (background only) opens a pipe for ``send_stdin``. If the wait fails or is interrupted
+        (Ctrl-C, a timeout), the command is killed. The start is
         never retried. On a runtime without managed commands a plain run falls back to
         ``/execute`` (same shell rules); ``on_stdout``, ``on_stderr``, ``envs``, ``cwd``,
         ``background`` and ``stdin`` raise :class:`UnsupportedByRuntimeError` there (nothing

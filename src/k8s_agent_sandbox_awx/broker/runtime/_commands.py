@@ -4,8 +4,9 @@ Standard library only (the runtime is forked per sandbox). The wire protocol (do
 docs/broker-api.md and openapi.json):
 
 - ``POST /commands`` ``{"command": [argv...], "timeout"?, "request_id"?, "stdin"?, "envs"?,
-  "cwd"?}`` -> ``{"command_id"}``; a repeated ``request_id`` returns the same command. With
-  ``Accept: application/x-ndjson`` (the streamed start) the answer is NDJSON instead: the line
+  "cwd"?}`` -> ``{"command_id"}`` (``"timeout": "none"``: no time limit); a repeated
+  ``request_id`` returns the same command. With ``Accept: application/x-ndjson`` (the
+  streamed start) the answer is NDJSON instead: the line
   ``{"command_id"}``, then the command's events as ``GET /commands/{id}/events?after=0`` sends
   them, until the exit event or ``max_duration`` (``SANDBOX_COMMAND_STREAM_START=0``: off, as
   a runtime without the extension).
@@ -114,9 +115,16 @@ def _argv(argv: Any) -> list[str]:
     return checked
 
 
+NO_TIME_LIMIT = "none"
+"""The ``"timeout"`` of a command without a time limit: it runs until it exits, is killed or
+the runtime (its sandbox) ends; ``max_running`` still counts it."""
+
+
 def _timeout(timeout: Any, limits: Limits) -> float:
     if timeout is None:
         timeout = limits.default_timeout
+    if timeout == NO_TIME_LIMIT:
+        return math.inf
     max_timeout = limits.max_timeout
     if (
         isinstance(timeout, bool)
@@ -126,7 +134,8 @@ def _timeout(timeout: Any, limits: Limits) -> float:
         raise CommandError(
             400,
             f"field 'timeout' must be a number of seconds above 0 and at most {max_timeout:g} "
-            "(this runtime's SANDBOX_EXEC_TIMEOUT_SECONDS)",
+            f"(this runtime's SANDBOX_EXEC_TIMEOUT_SECONDS), or {NO_TIME_LIMIT!r} for no time "
+            "limit",
         )
     return float(timeout)
 

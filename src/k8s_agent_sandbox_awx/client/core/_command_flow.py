@@ -218,11 +218,32 @@ def _check_cwd(cwd: str | None) -> str | None:
 
 
 def _check_timeout(timeout: float) -> float:
+    """A time limit in seconds: finite, above 0, at most the broker's wait."""
     try:
         limit = float(timeout)
     except (TypeError, ValueError):
         raise TypeError(f"timeout must be a number of seconds, got {timeout!r}.") from None
     return dp.check_command_timeout(limit)
+
+
+def _run_timeout(timeout: float | None, background: bool) -> float:
+    """``commands.run``'s ``timeout`` as a time limit: ``0`` or ``None`` with
+    ``background=True`` is none (``math.inf``: the command runs until it exits, is killed or
+    its sandbox ends, as E2B's ``timeout=0``); a foreground run needs one above 0."""
+    unlimited = timeout is None or (
+        not isinstance(timeout, bool) and isinstance(timeout, int | float) and timeout == 0
+    )
+    if not unlimited:
+        return _check_timeout(timeout)  # type: ignore[arg-type]  # None is handled above
+    if background:
+        return math.inf
+    raise ValueError(
+        f"commands.run(timeout={timeout!r}) without background=True: a foreground run waits "
+        "for its command, so its time limit must be a number of seconds greater than 0 (at "
+        "most the runtime's cap, 300 s unless it sets another). For a command without a time "
+        "limit (a dev server), start it in the background: commands.run(command, "
+        "background=True, timeout=0), and wait on or kill its handle."
+    )
 
 
 @dataclass(frozen=True)
@@ -240,7 +261,7 @@ class StartPlan:
     def make(
         cls,
         command: str | Sequence[str],
-        timeout: float,
+        timeout: float | None,
         *,
         shell: bool | None = None,
         background: bool = False,
@@ -255,7 +276,7 @@ class StartPlan:
             )
         argv = command_argv(command, shell)
         limit, checked_envs, checked_cwd = (
-            _check_timeout(timeout),
+            _run_timeout(timeout, background),
             _check_envs(envs),
             _check_cwd(cwd),
         )
@@ -264,7 +285,7 @@ class StartPlan:
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "command": self.argv,
-            "timeout": self.timeout,
+            "timeout": self.timeout if self.limited else dp.NO_TIME_LIMIT,
             "request_id": self.request_id,
             "stdin": self.stdin,
         }
@@ -274,10 +295,16 @@ class StartPlan:
             body["cwd"] = self.cwd
         return body
 
+    @property
+    def limited(self) -> bool:
+        """Whether the command has a time limit (``timeout=0`` in the background: none)."""
+        return math.isfinite(self.timeout)
+
     def managed_only(self, background: bool) -> tuple[str, ...]:
         """The start options given that a legacy runtime (``/execute`` only) cannot honour."""
         given = (
             ("background", background),
+            ("timeout", not self.limited),
             ("stdin", self.stdin),
             ("envs", bool(self.envs)),
             ("cwd", self.cwd is not None),
@@ -456,10 +483,58 @@ def start(target: dp.DataTarget, plan: StartPlan, features: RuntimeFeatures) -> 
 
 
 def _background(target: dp.DataTarget, plan: StartPlan, managed: bool | None) -> Op[str]:
-    command_id = None if managed is False else (yield from _start(target, plan, stream=False))
+    try:
+        command_id = None if managed is False else (yield from _start(target, plan, stream=False))
+    except errors.BrokerError as exc:
+        if not plan.limited and _refuses_no_limit(exc):
+            raise _no_limit_unsupported(target, f"it refused it ({exc.detail})") from None
+        raise
     if command_id is None:
         raise _unsupported(target, plan.managed_only(True))
+    if not plan.limited:
+        yield from _confirm_no_limit(target, command_id)
     return command_id
+
+
+def _confirm_no_limit(target: dp.DataTarget, command_id: str) -> Op[None]:
+    """A command started without a time limit: its status must say so (``"timeout": null``),
+    else the runtime gave it a limit of its own (one that ignores the value) and it is killed:
+    never a silent 60 s. A status that fails kills it too (nobody holds it yet)."""
+    try:
+        info: dp.CommandInfo = yield status(target, command_id)
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        failed = yield from _kill_quietly(target, command_id)
+        _note_unkilled(exc, target, command_id, failed)
+        raise
+    if info.no_time_limit:
+        return
+    failed = yield from _kill_quietly(target, command_id)
+    why = "it was killed" if failed is None else "it could not be killed: see the note"
+    unsupported = _no_limit_unsupported(target, f"it started the command with a limit; {why}")
+    _note_unkilled(unsupported, target, command_id, failed)
+    raise unsupported
+
+
+def _refuses_no_limit(exc: errors.BrokerError) -> bool:
+    """The runtime's refusal of ``"timeout": "none"`` (a ``400``/``422`` of its own naming
+    the field)."""
+    detail = exc.detail or ""
+    return exc.status_code in (400, 422) and exc.code is None and "timeout" in detail
+
+
+def _no_limit_unsupported(target: dp.DataTarget, why: str) -> errors.UnsupportedByRuntimeError:
+    return errors.UnsupportedByRuntimeError(
+        f"commands.run(command, background=True, timeout=0) cannot start a command without a "
+        f"time limit in sandbox {target.sandbox_id!r}: its runtime predates commands without "
+        f'one ({why}); they need a runtime that takes "timeout": "none" in POST /commands (the '
+        "local broker's runtime; see broker-api.md). Nothing runs. Pass a timeout= in seconds "
+        "(up to the runtime's cap, 300 s unless it sets another), run longer work in a "
+        "terminal (sandbox.pty.create, no time limit), or recreate the sandbox from a template "
+        "whose runtime is up to date.",
+        options=("timeout",),
+    )
 
 
 def _start(target: dp.DataTarget, plan: StartPlan, *, stream: bool) -> Op[str | None]:
@@ -702,8 +777,9 @@ def _no_exit(
     return errors.CommandTimeoutError(
         f"Command {partial.command_id!r} gave no exit within its time limit of {limit:g}s plus "
         f"{dp.COMMAND_TIMEOUT_MARGIN:g}s in sandbox {target.sandbox_id!r}; {outcome}. Pass "
-        "a larger timeout= (up to the runtime's cap, 300 s unless it sets another; background "
-        "commands have the same limit); work that runs longer goes in a terminal started "
+        "a larger timeout= (up to the runtime's cap, 300 s unless it sets another); work that "
+        "runs longer (a dev server) starts in the background without a time limit: "
+        "commands.run(command, background=True, timeout=0), or goes in a terminal started "
         "without a timeout (sandbox.pty.create).",
         command_timeout=limit,
         result=partial,
@@ -812,7 +888,9 @@ class RunPlan:
         return tuple(name for name, callback in given if callback is not None)
 
 
-def plan_run(command: Any, timeout: float, background: bool, options: opts.RunOptions) -> RunPlan:
+def plan_run(
+    command: Any, timeout: float | None, background: bool, options: opts.RunOptions
+) -> RunPlan:
     """Check ``commands.run``'s arguments before anything is sent."""
     named = ("command", "timeout", "background")
     opts.check_options("commands.run()", options, opts.RunOptions, named, where=opts.RUN)

@@ -257,7 +257,7 @@ def run_spelling(options: RunOptions) -> RunOptions:
 # Upstream's spellings of commands.run (the handles BrokerSandboxClient returns)
 
 
-def upstream_timeout(timeout: float, command_timeout: float | None) -> float:
+def upstream_timeout(timeout: float | None, command_timeout: float | None) -> float | None:
     """Upstream ``commands.run``'s two limits as the SDK's one: ``command_timeout`` (the
     command's limit) wins if given."""
     return timeout if command_timeout is None else command_timeout

@@ -53,6 +53,7 @@ __all__ = [
     "LEGACY_NOT_FOUND",
     "MAX_COMMAND_TIMEOUT",
     "MAX_SANDBOX_TIMEOUT",
+    "NO_TIME_LIMIT",
     "STDIN_MAX_BODY",
     "STREAMED_START_ACCEPT",
     "CommandInfo",
@@ -96,6 +97,10 @@ MAX_SANDBOX_TIMEOUT = 86400.0
 """The largest ``X-Sandbox-Timeout`` the broker accepts (seconds it waits for a runtime)."""
 MAX_COMMAND_TIMEOUT = MAX_SANDBOX_TIMEOUT - COMMAND_TIMEOUT_MARGIN / 2
 """The longest command time limit: the client sends ``X-Sandbox-Timeout`` = limit + 5 s."""
+NO_TIME_LIMIT = "none"
+"""The start's ``"timeout"`` of a command without a time limit (``commands.run(...,
+background=True, timeout=0)``): a value a runtime that predates it refuses (not a number),
+never read as the field left out (the runtime's default, 60 s)."""
 
 
 LEGACY_NOT_FOUND = "Not Found"
@@ -288,7 +293,8 @@ def check_command_timeout(command_timeout: float) -> float:
             f"a sandbox's answer (X-Sandbox-Timeout), and the client asks for the command's "
             f"limit plus {COMMAND_TIMEOUT_MARGIN / 2:g} s. Pass timeout= (or command_timeout=) "
             f"of at most {MAX_COMMAND_TIMEOUT:g}, or start longer work in the background "
-            "(commands.run(..., background=True)) and wait on its handle."
+            "without a time limit (commands.run(..., background=True, timeout=0)) and wait on "
+            "its handle."
         )
     return command_timeout
 
@@ -579,6 +585,9 @@ class CommandInfo:
     pty: tuple[int, int] | None = None
     """``(cols, rows)`` of a command on a terminal (``None``: on pipes, or a runtime without
     terminals)."""
+    no_time_limit: bool = False
+    """Whether the runtime says the command has no time limit (its status' ``"timeout"`` is
+    ``null``; a runtime that does not report the field: ``False``)."""
 
     @property
     def running(self) -> bool:
@@ -629,6 +638,7 @@ def parse_command_info(obj: Any, what: str = "get a command's status") -> Comman
             stderr=obj.get("stderr"),
             request_id=obj.get("request_id") if isinstance(obj.get("request_id"), str) else None,
             pty=_pty_size(obj.get("pty")),
+            no_time_limit="timeout" in obj and obj["timeout"] is None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise protocol_error(what, f"bad command status ({exc!r})", _MANAGED) from exc
