@@ -155,6 +155,37 @@ def test_run_background_starts_the_command_prints_its_id_and_leaves_it_running(
         assert server.kill().state == "cancelled"
 
 
+def test_kill_command_stops_one_background_command_and_the_sandbox_stays(
+    broker: Any, use_env: Any, capsys: Any
+) -> None:
+    """``kill NAME --command ID``: that command is killed (its final state printed; ``--json``
+    too), the sandbox and its other commands go on; a repeat is safe; more than one NAME is a
+    usage error before anything is sent."""
+    environ = broker.environ("kubernetes")
+    use_env(environ)
+    with Sandbox.create(environ=environ) as sandbox:
+        run = ["run", "--sandbox", sandbox.name, "--background", "--timeout", "0", "--"]
+        assert main([*run, "sleep", "300"]) == 0
+        stopped = capsys.readouterr()
+        command_id = stopped.out.strip()
+        assert f"kill {sandbox.name} --command {command_id}" in stopped.err
+        assert main([*run, "sleep", "301"]) == 0
+        other = capsys.readouterr().out.strip()
+        assert main(["kill", sandbox.name, "--command", command_id]) == 0
+        assert (
+            capsys.readouterr().out
+            == f"{sandbox.name}: command {command_id} cancelled (exit code 137)\n"
+        )
+        assert main(["kill", sandbox.name, "--command", command_id, "--json"]) == 0  # a repeat
+        again = json.loads(capsys.readouterr().out)
+        assert (again["command_id"], again["state"]) == (command_id, "cancelled")
+        assert sandbox.commands.get(other).status().state == "running"
+        assert sandbox.commands.run("echo alive").stdout == "alive\n"
+        assert main(["kill", sandbox.name, "other-sandbox", "--command", command_id]) == 2
+        assert "give one NAME" in capsys.readouterr().err
+        assert sandbox.commands.get(other).kill().state == "cancelled"
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

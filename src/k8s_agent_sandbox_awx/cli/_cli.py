@@ -120,9 +120,20 @@ def _subcommands(sub: Any) -> None:
     p = sub.add_parser("ls", help="list my sandboxes")
     json_option(p)
     p.add_argument("--selector", help="label selector k1=v1,k2=v2")
-    p = sub.add_parser("kill", help="delete sandboxes by name (already gone is fine)")
+    p = sub.add_parser(
+        "kill",
+        help="delete sandboxes by name (already gone is fine), or with --command ID stop one "
+        "command in a sandbox that stays",
+    )
     json_option(p)
     p.add_argument("names", nargs="+", metavar="NAME", help="a sandbox's name (from `ls`)")
+    p.add_argument(
+        "--command",
+        dest="command_id",
+        metavar="ID",
+        help="kill only this command (its id from `run --background`) in the one sandbox NAME; "
+        "the sandbox goes on running",
+    )
     p = sub.add_parser(
         "extend", help="set a sandbox's lifetime: the broker deletes it SECONDS from now"
     )
@@ -433,6 +444,8 @@ def _cmd_shell(args: argparse.Namespace) -> int:
 
 
 def _cmd_kill(args: argparse.Namespace) -> int:
+    if args.command_id is not None:
+        return _kill_command(args)
     client = _client(args)
     done: list[dict[str, Any]] = []
     try:
@@ -447,6 +460,32 @@ def _cmd_kill(args: argparse.Namespace) -> int:
         client.close()
         if args.json:  # also after an error: the names handled so far
             _print_json(done)
+    return 0
+
+
+def _kill_command(args: argparse.Namespace) -> int:
+    """``kill NAME --command ID``: kill that command's process group; the sandbox stays."""
+    if len(args.names) != 1:
+        raise _CliError(
+            f"kill --command ID stops a command in one sandbox: give one NAME, not "
+            f"{len(args.names)} (`{PROG} kill NAME --command ID`).",
+            2,
+        )
+    [name] = args.names
+    client = _client(args)
+    try:
+        sandbox = client.get_sandbox(name, resolve_timeout=30.0)
+        try:
+            result = sandbox.commands.kill(args.command_id)
+        finally:
+            sandbox.close_connection()  # it keeps running
+    finally:
+        client.close()
+    if args.json:
+        _print_json({"name": name, "command_id": args.command_id, "state": result.state,
+                     "exit_code": result.exit_code})  # fmt: skip
+    else:
+        print(f"{name}: command {args.command_id} {result.state} (exit code {result.exit_code})")
     return 0
 
 
@@ -626,7 +665,9 @@ def _start_in(args: argparse.Namespace, sandbox: Any, cmd: list[str]) -> int:
         until = "it exits or the sandbox ends" if limit is None else f"at most {limit:g}s"
         print(
             f"{PROG}: command {handle.command_id} runs in sandbox {sandbox.name} in the "
-            f"background (until {until}); `{PROG} kill {sandbox.name}` ends it with the sandbox.",
+            f"background (until {until}); `{PROG} kill {sandbox.name} --command "
+            f"{handle.command_id}` stops it, `{PROG} kill {sandbox.name}` ends it with the "
+            "sandbox.",
             file=sys.stderr,
         )
     return 0
