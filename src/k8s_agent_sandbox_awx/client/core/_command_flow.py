@@ -226,6 +226,10 @@ def _check_timeout(timeout: float) -> float:
     return dp.check_command_timeout(limit)
 
 
+RUNTIME_CAP = "the runtime's cap, 300 s unless it sets another"
+"""How the messages name the runtime's largest time limit (``SANDBOX_EXEC_TIMEOUT_SECONDS``)."""
+
+
 def _run_timeout(timeout: float | None, background: bool) -> float:
     """``commands.run``'s ``timeout`` as a time limit: ``0`` or ``None`` with
     ``background=True`` is none (``math.inf``: the command runs until it exits, is killed or
@@ -239,8 +243,8 @@ def _run_timeout(timeout: float | None, background: bool) -> float:
         return math.inf
     raise ValueError(
         f"commands.run(timeout={timeout!r}) without background=True: a foreground run waits "
-        "for its command, so its time limit must be a number of seconds greater than 0 (at "
-        "most the runtime's cap, 300 s unless it sets another). For a command without a time "
+        f"for its command, so its time limit must be a number of seconds greater than 0 (at "
+        f"most {RUNTIME_CAP}). For a command without a time "
         "limit (a dev server), start it in the background: commands.run(command, "
         "background=True, timeout=0), and wait on or kill its handle."
     )
@@ -530,7 +534,7 @@ def _no_limit_unsupported(target: dp.DataTarget, why: str) -> errors.Unsupported
         f"time limit in sandbox {target.sandbox_id!r}: its runtime predates commands without "
         f'one ({why}); they need a runtime that takes "timeout": "none" in POST /commands (the '
         "local broker's runtime; see broker-api.md). Nothing runs. Pass a timeout= in seconds "
-        "(up to the runtime's cap, 300 s unless it sets another), run longer work in a "
+        f"(up to {RUNTIME_CAP}), run longer work in a "
         "terminal (sandbox.pty.create, no time limit), or recreate the sandbox from a template "
         "whose runtime is up to date.",
         options=("timeout",),
@@ -777,7 +781,7 @@ def _no_exit(
     return errors.CommandTimeoutError(
         f"Command {partial.command_id!r} gave no exit within its time limit of {limit:g}s plus "
         f"{dp.COMMAND_TIMEOUT_MARGIN:g}s in sandbox {target.sandbox_id!r}; {outcome}. Pass "
-        "a larger timeout= (up to the runtime's cap, 300 s unless it sets another); work that "
+        f"a larger timeout= (up to {RUNTIME_CAP}); work that "
         "runs longer (a dev server) starts in the background without a time limit: "
         "commands.run(command, background=True, timeout=0), or goes in a terminal started "
         "without a timeout (sandbox.pty.create).",

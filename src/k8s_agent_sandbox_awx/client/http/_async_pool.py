@@ -253,15 +253,10 @@ class AsyncLease:
         if not room.locked():
             await room.acquire()  # free: no wait
             return
-        timeout = request.extensions.get("timeout", {}).get("pool")
         try:
-            await asyncio.wait_for(room.acquire(), timeout)
+            await asyncio.wait_for(room.acquire(), _pool.pool_timeout(request))
         except TimeoutError:
-            raise httpx.PoolTimeout(
-                f"no free connection within {timeout}s: this client has "
-                f"max_connections={self._config.max_connections} requests in flight",
-                request=request,
-            ) from None
+            raise _pool.no_room(request, self._config) from None
 
     @staticmethod
     def _give_back(room: asyncio.Semaphore | None) -> None:

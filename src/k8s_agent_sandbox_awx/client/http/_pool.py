@@ -46,7 +46,9 @@ __all__ = [
     "close_all",
     "close_idle",
     "generation",
+    "no_room",
     "pool_key",
+    "pool_timeout",
     "prepared_settings",
 ]
 
@@ -270,6 +272,22 @@ atexit.register(close_all)
 # One client object's use of a pool
 
 
+def pool_timeout(request: httpx.Request) -> float | None:
+    """How long ``request`` may wait for a connection (its ``pool`` timeout)."""
+    timeout: float | None = request.extensions.get("timeout", {}).get("pool")
+    return timeout
+
+
+def no_room(request: httpx.Request, config: BrokerConnectionConfig) -> httpx.PoolTimeout:
+    """The error of a request that found none of its client's ``max_connections`` free."""
+    return httpx.PoolTimeout(
+        f"no free connection within {pool_timeout(request)}s: this client has "
+        f"max_connections={config.max_connections} requests in flight; raise max_connections "
+        "or close the answers (streams) it holds",
+        request=request,
+    )
+
+
 class _Releasing(httpx.SyncByteStream):
     """An open answer's body; closing it gives its connection back to the lease's limit."""
 
@@ -350,13 +368,8 @@ class Lease:
         """Wait for one of the client's ``max_connections`` (up to the pool timeout)."""
         if self._room is None:
             return
-        timeout = request.extensions.get("timeout", {}).get("pool")
-        if not self._room.acquire(timeout=timeout):
-            raise httpx.PoolTimeout(
-                f"no free connection within {timeout}s: this client has "
-                f"max_connections={self._config.max_connections} requests in flight",
-                request=request,
-            )
+        if not self._room.acquire(timeout=pool_timeout(request)):
+            raise no_room(request, self._config)
 
     def _give_back(self) -> None:
         if self._room is not None:
