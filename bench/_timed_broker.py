@@ -22,7 +22,7 @@ import time
 from typing import Any
 from unittest import mock
 
-from k8s_agent_sandbox_awx.broker.backends.kubernetes import _api, _informer
+from k8s_agent_sandbox_awx.broker.backends.kubernetes import _api, _api_request, _informer
 from k8s_agent_sandbox_awx.broker.server import _probes, _run
 from k8s_agent_sandbox_awx.cli import _cli
 
@@ -61,7 +61,7 @@ def _timed_app(app: _probes.ASGIApp) -> _probes.ASGIApp:
 def _install() -> None:
     request = _api.KubeClient._request
 
-    async def timed_request(self: _api.KubeClient, call: _api._Call) -> dict[str, Any]:
+    async def timed_request(self: _api.KubeClient, call: _api_request.Call) -> dict[str, Any]:
         began = time.perf_counter()
         try:
             return await request(self, call)

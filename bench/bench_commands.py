@@ -162,7 +162,7 @@ def bench_paths(env: dict[str, str], runs: int) -> None:
 
 def bench_shell(env: dict[str, str], runs: int) -> None:
     """What a string costs over an argv: the string goes through ``/bin/sh`` running the script
-    that replaces itself with bash (``_command_flow.SHELL``)."""
+    that replaces itself with bash (``_command_rules.SHELL``)."""
     with Sandbox.create(environ=env) as sandbox:
         argv = _round_trips(sandbox, ["true"], runs)
         string = _round_trips(sandbox, "true", runs)

@@ -12,7 +12,8 @@ Prints numbers and ratios against baselines measured in the same run; asserts no
   same creates on a second ``broker serve`` with timestamps (bench/_timed_broker.py: its HTTP
   requests, its API calls, its claim cache's events; the stand-in's ``timings``; one clock,
   ``time.perf_counter``), decomposed per phase: the critical path (its phases sum to the
-  create's time) and the steps off it, which overlap the stand-in's work. Baselines in the
+  create's time; the quota ledger's write is on it, before the claim's POST) and the steps off
+  it, which overlap the stand-in's work. Baselines in the
   same run, on copies of the broker's claim in a namespace no controller watches: one API GET,
   POST and LIST, and the API server's own watch delivery (a PATCH -> its event on a watch).
   ``BENCH_EVENTS=1`` also prints the raw events of the last create.
@@ -110,7 +111,9 @@ class Cluster:
         self.kube.create_service_account(self.ns, "agent")
         self.router_token = folder / "router-token"
         self.router_token.write_text("router-secret-for-the-bench\n")
-        self.router = stack.enter_context(StandInRouter(self.controller, self.router_token))
+        self.router = stack.enter_context(
+            StandInRouter(self.controller, self.router_token, allow_loopback_pod_ip=True)
+        )
 
     def broker(self, name: str, timings: Path | None = None, **config: Any) -> tuple[str, int]:
         """A ``broker serve`` process (its URL, its pid), stopped at the end; ``timings``: with
@@ -153,27 +156,31 @@ def _phases(events: list[list[Any]], name: str, t0: float, t1: float,
     [post] = [e for e in seen if e[:3] == ["http", "POST", "/v1/sandboxes"]]
     [get] = [e for e in seen if e[:2] == ["http", "GET"] and e[2].endswith("/" + name)]
     [api_post] = [e for e in seen if e[:3] == ["api", "create", name]]
-    [api_list] = [e for e in seen if e[:2] == ["api", "list"]]
     api = [e for e in seen if e[0] == "api"]
+    quota = [e for e in api if e[3] < api_post[3]]  # the quota ledger's (and a LIST)
     ready = min(e[3] for e in seen if e[:2] == ["cache", name] and e[2])
     observed, written = timing.observed_at, timing.ready_written_at
     assert written is not None
     return {
         "client, to its POST reaching the broker (config, token, TLS connection)": post[3] - t0,
-        "broker, before its API POST (token, policy, the claim)": api_post[3] - post[3],
+        "broker, before its API POST (token, policy, the quota ledger, the claim)": (
+            api_post[3] - post[3]
+        ),
         "API POST sent -> the stand-in's watch delivers the claim": observed - api_post[3],
         "the stand-in controller's own work (its timings)": written - observed,
         "its Ready write answered -> the broker's claim cache has it": ready - written,
         "broker, from the cache event to its answer": get[4] - ready,
         "client, from the answer to create() returning": t1 - get[4],
         "API POST of the claim, sent -> answered": api_post[4] - api_post[3],
-        "quota LIST, sent -> answered": api_list[4] - api_list[3],
-        "broker, from the LIST to its 201": post[4] - api_list[4],
+        "quota ledger calls before the POST (its write; a GET, a LIST), sent -> answered": sum(
+            e[4] - e[3] for e in quota
+        ),
+        "broker, from the POST's answer to its 201": post[4] - api_post[4],
         "client, from the 201 to its GET ?wait=ready reaching the broker": get[3] - post[4],
         "broker, GET ?wait=ready arrival -> waiting on the cache (its API GETs)": sum(
             e[4] - e[3] for e in api if e[1] == "get" and e[3] >= get[3]
         ),
-        "# API calls of the broker (POST, LIST, GET)": len(api),
+        "# API calls of the broker (ledger, POST, GET)": len(api),
         "? the GET ?wait=ready was waiting before the Ready event": float(get[3] < ready),
     }
 
@@ -393,13 +400,14 @@ def data_plane_hops(
         context = ssl.create_default_context(cafile=cluster.ca)
         token = Path(env["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
         rtoken = Path(router_env["AGENT_SANDBOX_TOKEN_FILE"]).read_text()
+        routed_ip = cluster.controller.pod_address(cluster.ns, routed.sandbox_id)[0]
         ident = {"X-Sandbox-Namespace": cluster.ns}
         plain = stack.enter_context(httpx.Client(trust_env=False))
         tls = stack.enter_context(httpx.Client(verify=context))
         runs: dict[str, Callable[[], httpx.Response]] = {
             "direct": lambda: plain.get(direct + "/"),
             "router": lambda: plain.get(cluster.router.url + "/", headers={
-                **ident, "X-Sandbox-ID": routed.sandbox_id,
+                **ident, "X-Sandbox-ID": routed.sandbox_id, "X-Sandbox-Pod-IP": routed_ip,
                 "Authorization": f"Bearer {cluster.router_token.read_text().strip()}"}),
             "broker (pod)": lambda: tls.get(pod_url + "/", headers={
                 **ident, "X-Sandbox-ID": sandbox.sandbox_id,
@@ -538,7 +546,8 @@ def main() -> None:
             front = (args.upstream_router, args.upstream_router_token)
             upstream = UpstreamRouter(args.upstream_router, args.upstream_router_token,
                                       args.upstream_hosts_file,
-                                      cluster.broker("upstream", router=front)[0])  # fmt: skip
+                                      cluster.broker("upstream", router=front,
+                                                     router_pod_ip=False)[0])  # fmt: skip
         if "a" in args.parts:
             create_to_ready(cluster, pod_url, timed, args.creates)
         if "b" in args.parts:

@@ -46,6 +46,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return workers.make_scheduler(config, log)  # --dist loadgroup: tests/kube on one worker
 
 
+CI_VARIABLES = ("CI", "GITLAB_CI", "GITHUB_ACTIONS")
+"""The variables by which the CLI knows it runs in a CI job (``cli/_ci.py``): CI machines set
+them, and what the CLI shows there differs (no personal claims, no local isolation line)."""
+
+
+@pytest.fixture(autouse=True)
+def _not_in_a_ci_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs as on a developer's machine, whichever machine runs the suite; a test
+    about CI jobs sets the variables it means (``monkeypatch.setenv("GITLAB_CI", "true")``)."""
+    for name in CI_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_state_in_home(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: Any) -> None:
+    """``agent-sandbox-awx dev`` keeps its state under ``$XDG_STATE_HOME``: the suite's (one per
+    worker, whose tests run one at a time), never the developer's ``~/.local/state``."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-state"))
+
+
 # ------------------------------------------------------------------------------ local brokers
 
 

@@ -3,8 +3,8 @@ included): no import cycle between modules or between folders, no function over 
 walls between the pieces (the credential framework below the client; the broker beside the
 client, meeting it only through the protocol; testing/ may import anything), the folders as
 layers (every import goes down), the I/O-free core never reaching httpx, the sandbox runtime on
-the standard library alone, sync/async shells that differ only by their I/O, and plugins that
-use public names only.
+the standard library alone, sync/async shells that differ only by their I/O, plugins that
+use public names only, and a map (docs/architecture.md) that names only modules that exist.
 
 Imports are read from the source (``tests/_support/architecture.py``): function-level imports
 count, imports only type checkers see (``if TYPE_CHECKING:``) do not. Each checker has a
@@ -24,6 +24,7 @@ import pytest
 import k8s_agent_sandbox_awx
 from tests._support.architecture import (
     Package,
+    doc_module_gaps,
     folder_cycles,
     in_group,
     long_functions,
@@ -139,6 +140,11 @@ WALLS: dict[str, set[str]] = {
     "hookspecs": {"client", "broker", "cli", "testing"},  # the framework's, at the top level
     "client": {"broker", "testing", "cli"},
     "broker": {"client", "cli", "testing"},  # it meets clients only through the protocol
+    "mcp": {"broker", "testing", "cli"},  # the MCP server is a client of the broker
+    # the broker's two planes meet only in what both import (broker/common) and in the app
+    "broker.control": {"broker.dataplane"},
+    "broker.dataplane": {"broker.control"},
+    "broker.common": {"broker.control", "broker.dataplane"},
 }
 """Group -> the groups it never imports (``testing/`` may import anything)."""
 
@@ -168,6 +174,7 @@ def test_the_wall_check_sees_a_wall_broken(tmp_path: Path) -> None:
 def test_core_never_imports_testing() -> None:
     allowed = {
         "cli._local",  # the dev/demo commands (the pytest fixture is in testing/)
+        "cli._dev_state",  # dev's state directory: the local broker's socket and certificates
         "cli._broker",  # broker check/serve: the broker's configuration and server
     }
     found = [
@@ -195,24 +202,37 @@ LAYERS: dict[str, set[str]] = {
     "broker.backends": {"shared", "broker.runtime"},
     "broker.config": {"shared", "broker.identity"},  # the scopes' names
     "broker.server": {"shared", "broker.config"},
+    "broker.common": {"shared", "broker.runtime", "broker.identity"},
+    "broker.control": {"shared", "broker.identity", "broker.backends", "broker.common"},
+    "broker.dataplane": {
+        *("shared", "broker.runtime", "broker.identity", "broker.backends"),
+        *("broker.config", "broker.server", "broker.common"),
+    },
     "broker": {
         *("shared", "broker.runtime", "broker.identity", "broker.backends"),
         *("broker.config", "broker.server"),
+        *("broker.common", "broker.control", "broker.dataplane"),
     },
     "testing": {
         *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
         *("client", "broker.runtime", "broker.identity", "broker.backends", "broker"),
+        *("broker.common", "broker.control", "broker.dataplane"),
+    },
+    "mcp": {
+        *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
+        "client",
     },
     "cli": {
         *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
-        *("client", "testing"),  # testing: the dev/demo commands run the local broker
+        *("client", "mcp", "testing"),  # testing: the dev/demo commands run the local broker
         *("broker.config", "broker.server", "broker"),  # broker check/serve
     },
     "api": {"shared"},  # the top-level __init__: its other names are imported on first use
 }
 """The folders as layers, bottom to top: the credential framework below the client (wire, core,
-http, then the sync and async shells), the broker beside it (runtime, identity, backends, then
-the app), never importing it; testing above both, the CLI on top. ``shared``: the top-level
+http, then the sync and async shells), the broker beside it (runtime, identity, backends, what
+both planes share, the control plane and the data plane side by side, then the app), never
+importing it; testing above both, the CLI on top. ``shared``: the top-level
 private modules (``_driver``, ``_upstream``, ``_version``, ...) both halves may use."""
 
 
@@ -364,6 +384,8 @@ def test_sync_modules_never_import_asyncio() -> None:
         "client/_client.py",
         "client/_commands.py",
         "client/_files.py",
+        "client/_ports.py",
+        "client/_port_forward.py",
     ):
         assert "asyncio" not in _third_party(SRC / module), module
 
@@ -373,6 +395,8 @@ def test_async_modules_use_the_async_http_client_only() -> None:
         "client/http/_async_transport.py",
         "client/_async_client.py",
         "client/_async_files.py",
+        "client/_async_ports.py",
+        "client/_async_port_forward.py",
     ):
         text = (SRC / module).read_text()
         assert "httpx.Client(" not in text and "time.sleep" not in text, module
@@ -446,3 +470,44 @@ def test_the_public_names_check_sees_private_imports(tmp_path: Path) -> None:
         "plugin.py:4 imports from pkg.client",
         "plugin.py:6 uses pkg..._cache",
     ]
+
+
+# ------------------------------------------------------------------------------ the map itself
+
+ROOT = SRC.parents[1]
+
+
+def test_every_module_path_the_architecture_names_exists() -> None:
+    """docs/architecture.md's module map (its ``text`` block: folders by indentation, the
+    modules named in their lines) and its prose (backticked paths such as
+    ``client/_client.py``) name only folders and modules that exist."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    _none(doc_module_gaps(doc, SRC, ROOT), "docs/architecture.md names what does not exist")
+
+
+def test_the_map_check_sees_a_folder_a_module_and_a_path_made_up(tmp_path: Path) -> None:
+    pkg = _package(
+        tmp_path,
+        {"_urls.py": "", "client/_client.py": "", "client/wire/_protocol.py": ""},
+    )
+    doc = textwrap.dedent("""\
+        The client starts in `client/_client.py`, then `client/_nowhere.py`.
+
+        ```text
+        pkg/
+          _urls.py     the one URL rule
+          client/      the client
+            wire/      the wire: _protocol (from _urls), _invented
+            _client    Sandbox
+          gone/        a folder that is not there
+        ```
+        """)
+    gaps = doc_module_gaps(doc, pkg.root, tmp_path)
+    assert gaps == [
+        "line 7: module _invented (in client/)",
+        "line 9: folder gone/",
+        "line 1: path client/_nowhere.py",
+    ]
+    fixed = doc.replace(", _invented", "").replace("`client/_nowhere.py`", "`client/wire/`")
+    fixed = fixed.replace("  gone/        a folder that is not there\n", "")
+    assert doc_module_gaps(fixed, pkg.root, tmp_path) == []

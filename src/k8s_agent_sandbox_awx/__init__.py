@@ -28,10 +28,16 @@ _EXPORTS: dict[str, str] = {
     "SandboxError": ".errors",
     "CommandHandle": ".client._commands",
     "AsyncCommandHandle": ".client._async_commands",
-    "CommandEvent": ".client.core._command_flow",
-    "CommandInfo": ".client.wire._dataplane",
+    "CommandEvent": ".client.core._command_output",
+    "CommandInfo": ".client.wire._commands_wire",
     "PtyHandle": ".client._pty",
     "AsyncPtyHandle": ".client._async_pty",
+    "Execution": ".client.wire._code",
+    "ExecutionError": ".client.wire._code",
+    "Result": ".client.wire._code",
+    "Logs": ".client.wire._code",
+    "OutputMessage": ".client.wire._code",
+    "CodeContext": ".client.wire._code",
     # --- the original package's names (drop-in migration) ----------------------------------
     "SandboxBrokerConnectionConfig": ".client.http._config",
     "BrokerSandbox": ".client._client",
@@ -62,6 +68,7 @@ __all__ = [
     "BrokerConnectionConfig",
     "BrokerSandbox",
     "BrokerSandboxClient",
+    "CodeContext",
     "CommandEvent",
     "CommandHandle",
     "CommandInfo",
@@ -69,13 +76,18 @@ __all__ = [
     "CredentialRequest",
     "CredentialSource",
     "DefaultCredentials",
+    "Execution",
+    "ExecutionError",
     "Explanation",
     "FileInfo",
     "KubernetesAuth",
+    "Logs",
     "OIDCTokenAuth",
+    "OutputMessage",
     "ProviderDecision",
     "ProviderInfo",
     "PtyHandle",
+    "Result",
     "Sandbox",
     "SandboxBrokerConnectionConfig",
     "SandboxError",
@@ -117,10 +129,18 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .client._client import BrokerSandbox, BrokerSandboxClient, Sandbox, SandboxInfo
     from .client._commands import CommandHandle
     from .client._pty import PtyHandle
-    from .client.core._command_flow import CommandEvent
+    from .client.core._command_output import CommandEvent
     from .client.core._fsapi import FileInfo, WatchEvent
     from .client.http._config import BrokerConnectionConfig, SandboxBrokerConnectionConfig
-    from .client.wire._dataplane import CommandInfo
+    from .client.wire._code import (
+        CodeContext,
+        Execution,
+        ExecutionError,
+        Logs,
+        OutputMessage,
+        Result,
+    )
+    from .client.wire._commands_wire import CommandInfo
     from .credentials._auth import CredentialSource, KubernetesAuth, OIDCTokenAuth
     from .credentials._cache import clear_credential_cache
     from .credentials._chain import DefaultCredentials, Explanation, ProviderDecision, explain

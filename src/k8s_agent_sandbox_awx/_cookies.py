@@ -20,5 +20,8 @@ class NoCookies(http.cookiejar.CookieJar):
     def extract_cookies(self, response: Any, request: Any) -> None:
         return None
 
+    def set_cookie(self, cookie: http.cookiejar.Cookie) -> None:
+        return None  # not even one set by hand (``client.cookies.set(...)``)
+
     def add_cookie_header(self, request: Any) -> None:
         return None

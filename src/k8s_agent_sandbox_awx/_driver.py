@@ -5,7 +5,7 @@ to fetch, a pause) and receives the outcome; an exception raised while a step is
 (a broker error, Ctrl-C, an ``asyncio`` cancellation) is thrown back into it, so its cleanup
 decisions (delete the claim a failed create made) live with it. :func:`drive` performs the steps
 with a sync function, :func:`adrive` with a coroutine function; both use one :class:`Stepper`.
-Used by the operations (``_flow``, ``_command_flow``), the exchange (``_exchange``) and
+Used by the operations (``_flow``, ``_command_ops``), the exchange (``_exchange``) and
 credential discovery (``_chain``). :func:`iterate`/:func:`aiterate` drive a computation whose
 ``emitted`` steps are values for the caller: they are yielded (a command's output events).
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from urllib.parse import urlsplit
 
-__all__ = ["normalise_url"]
+__all__ = ["masked_url", "normalise_url"]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -46,3 +46,21 @@ def _normalise_url(url: str) -> str:
     if parts.fragment:
         result += f"#{parts.fragment}"
     return result
+
+
+def masked_url(text: str) -> str:
+    """``text`` (a URL, or what was given as one) for a message or a printed configuration: its
+    user info, query and fragment, any of which may hold a credential (``user:password@``,
+    ``?private_token=...``, ``#access_token=...``), each shown as ``***``; the scheme, host,
+    port and path stay. Works on text that does not parse as a URL too."""
+    scheme, sep, rest = text.partition("://")
+    head = scheme + sep if sep else ""
+    if not sep:
+        rest = text
+    rest, fragment, _ = rest.partition("#")
+    rest, query, _ = rest.partition("?")
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    masked = head + authority + slash + path
+    return masked + ("?***" if query else "") + ("#***" if fragment else "")

@@ -7,12 +7,18 @@ upstream ``k8s_agent_sandbox`` exception, so code written against the upstream c
 catching what it caught before (``SandboxRequestError``, ``SandboxNotFoundError``, ...).
 Messages say what failed and what to do; they never contain a token or an ``Authorization``
 header. Credential errors reach the caller as raised (never wrapped).
+
+An error whose next step names a setting carries it structured (issue 30): ``exc.fix`` (the
+step, naming the setting abstractly) and ``exc.what`` (what failed). ``str(exc)`` spells the
+setting as Python does (``timeout=300``); the CLI shows the same error with its flags
+(``--timeout 300``), the environment's variables where the value came from there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ._fix import Fix, attach
 from ._upstream import (
     ExecutionResult,
     SandboxClaimFailedError,
@@ -50,6 +56,11 @@ __all__ = [
     "BrokerTemplateNotFoundError",
     "BrokerUnavailableError",
     "BrokerWarmPoolNotFoundError",
+    "CodeContextBusyError",
+    "CodeContextError",
+    "CodeContextLimitError",
+    "CodeContextNotFoundError",
+    "CodeTimeoutError",
     "CommandOutputLostError",
     "CommandTimeoutError",
     "CommandWaitTimeoutError",
@@ -67,6 +78,7 @@ __all__ = [
     "PortNotAllowedError",
     "PortNotListeningError",
     "RequestTimeoutError",
+    "ReservedMetadataError",
     "SandboxError",
     "SandboxFailedError",
     "SandboxFileError",
@@ -85,7 +97,12 @@ __all__ = [
 
 
 class ConfigurationError(SandboxError):
-    """The client configuration is invalid or incomplete (a URL, a variable, an argument)."""
+    """The client configuration is invalid or incomplete (a URL, a variable, an argument).
+    ``fix``: the next step, naming the setting (``None``: the message says it)."""
+
+    def __init__(self, *args: Any, fix: Fix | None = None) -> None:
+        super().__init__(*args)
+        attach(self, fix)
 
 
 class InvalidSettingError(ConfigurationError, ValueError):
@@ -131,7 +148,8 @@ class BrokerError(SandboxRequestError):
     machine code (``None`` for errors passed through from the sandbox runtime); ``detail``: the
     human-readable reason from the response body; ``method``/``path``: the request that failed;
     ``request_sent``: whether the request may have reached the broker (``False`` when every
-    attempt failed before anything was sent: no connection, or a TLS handshake that failed).
+    attempt failed before anything was sent: no connection, or a TLS handshake that failed);
+    ``fix``: the next step, naming the setting (``None``: the message says it).
     """
 
     def __init__(
@@ -145,8 +163,10 @@ class BrokerError(SandboxRequestError):
         path: str | None = None,
         response: Any = None,
         request_sent: bool = True,
+        fix: Fix | None = None,
     ) -> None:
         super().__init__(message, status_code=status_code, response=response)
+        attach(self, fix)
         self.code = code
         self.detail = detail
         self.method = method
@@ -190,6 +210,31 @@ class PortNotAllowedError(BrokerPermissionError):
 class LifetimeExceedsPolicyError(BrokerPermissionError):
     """403 ``lifetime_exceeds_policy``: the lifetime asked for (at create or with
     ``set_timeout``) ends past the policy's cap, counted from the sandbox's creation."""
+
+
+class ReservedMetadataError(BrokerPermissionError, ValueError):
+    """``reserved_metadata``: a create's label or annotation key is under a reserved prefix
+    (``prefix``): the broker's own ``broker.agent-sandbox-awx.io/`` (its attribution stamps)
+    or upstream's ``agents.x-k8s.io/`` (what upstream's controller reads, e.g.
+    ``agents.x-k8s.io/sandbox-name``), subdomains included. Refused by the SDK before anything
+    is sent (``status_code`` ``None``, ``request_sent`` ``False``; ``key``: the key, ``field``:
+    ``labels``, ``annotations``, ``pod_labels`` or ``pod_annotations``), or the broker's own
+    ``403 reserved_metadata``. Also a ``ValueError``, as the check it replaces."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        field: str | None = None,
+        prefix: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("code", "reserved_metadata")
+        super().__init__(message, **kwargs)
+        self.key = key
+        self.field = field
+        self.prefix = prefix
 
 
 class SandboxFileError(BrokerError):
@@ -325,11 +370,57 @@ class StdinTooLargeError(BrokerError, ValueError):
         self.size = size
 
 
+class CodeContextError(BrokerError):
+    """The sandbox runtime refused a ``run_code`` request about a code context (the base of
+    the three below). ``context_id``: the context it names."""
+
+    def __init__(self, message: str, *, context_id: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.context_id = context_id
+
+
+class CodeContextNotFoundError(CodeContextError):
+    """``404 context_not_found``: no such code context in the sandbox (removed, or created in
+    another sandbox)."""
+
+
+class CodeContextBusyError(CodeContextError):
+    """``409 context_busy``: the context runs another execution (``execution_id``); a context
+    runs one at a time. Nothing was run."""
+
+    def __init__(self, message: str, *, execution_id: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.execution_id = execution_id
+
+
+class CodeContextLimitError(CodeContextError):
+    """``429 too_many_contexts``: the sandbox has as many code contexts as its runtime allows
+    (``limit``, ``SANDBOX_CODE_MAX_CONTEXTS``; 8 on the local runtime, the default one
+    included)."""
+
+    def __init__(self, message: str, *, limit: int | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.limit = limit
+
+
+class CodeTimeoutError(_RebuiltFromState, SandboxError, TimeoutError):
+    """``run_code`` got no end of its execution within the execution's time limit and the
+    margin after it (the runtime ends a runaway execution itself, and says so in its result:
+    this means that the answer did not come back). The execution was interrupted.
+    ``execution_id`` names it, ``timeout`` is its limit in seconds."""
+
+    def __init__(self, message: str, *, execution_id: str, timeout: float) -> None:
+        super().__init__(message)
+        self.execution_id = execution_id
+        self.timeout = timeout
+
+
 class UnsupportedByRuntimeError(SandboxError, NotImplementedError):
     """The sandbox's runtime is too old for what was asked: ``on_stdout``, ``on_stderr``,
     ``envs``, ``cwd``, ``background`` and ``stdin`` of ``commands.run`` need the managed-command
-    endpoints (``POST /commands``). Raised before the command runs. ``options``: the names of
-    the options asked for that the runtime cannot honour."""
+    endpoints (``POST /commands``), ``run_code`` and the code contexts need ``/code``. Raised
+    before the command runs. ``options``: the names of the options (or operations) asked for
+    that the runtime cannot honour."""
 
     def __init__(self, message: str, *, options: tuple[str, ...] = ()) -> None:
         super().__init__(message)

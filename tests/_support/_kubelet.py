@@ -18,6 +18,13 @@ creates would stay Pending forever. ``Kubelet`` plays both for the pods it is gi
   the kubelet of a bound Pod) has its processes killed and folder removed, then is deleted for
   good (grace period 0), as a kubelet does.
 
+A pod whose container's ``image`` is one of the node's ``images`` (``_pod_containers.py``: the
+runtime image CI builds, under the reference the example template names) runs instead as a
+real container of that image (runc, ``_oci.py``): the pod's securityContext, read-only root and
+volumes as a kubelet applies them, a new writable layer for each restart, SIGTERM then SIGKILL
+at deletion; its listen address (``--host``) is the pod's ``127.x.y.z``, as every pod shares
+the host's network namespace here.
+
 Only Pods bound to this node are run, and each ``Kubelet`` is a node of its own name, so the
 Pods of an earlier test's stand-in (bound to a node that is gone) are left alone. ``stop()``
 kills every pod's processes and removes the work folder.
@@ -47,6 +54,7 @@ import httpx
 
 import k8s_agent_sandbox_awx
 from tests._support import _agent_sandbox as rules
+from tests._support import _oci, _pod_containers
 from tests._support.kube import KubeError
 
 log = logging.getLogger("tests.standin")
@@ -129,10 +137,35 @@ class _Pod:
     finished: str = ""
     transitions: dict[str, tuple[str, str]] = field(default_factory=dict)
     written: dict[str, Any] | None = None
+    spec: dict[str, Any] = field(default_factory=dict)
+    oci: _oci.Container | None = None
+    mounts: dict[str, Path] = field(default_factory=dict)
+    """The container's emptyDir mounts: mount path -> the pod's own folder for it."""
 
     @property
     def base_dir(self) -> Path:
         return self.folder / "app"
+
+
+def _empty_dirs(spec: dict[str, Any], container: dict[str, Any], folder: Path) -> dict[str, Path]:
+    """The container's emptyDir volume mounts (mount path -> a folder of the pod's own, made
+    now): a host process cannot mount them, so a path under one in the container's ``env``
+    (the example template's ``SANDBOX_WORKSPACE_DIR=/workspace``) is given that folder."""
+    empty = {v["name"] for v in spec.get("volumes") or [] if "emptyDir" in v}
+    mounts: dict[str, Path] = {}
+    for mount in container.get("volumeMounts") or []:
+        if mount.get("name") in empty:
+            mounts[str(mount["mountPath"]).rstrip("/")] = folder / "volumes" / str(mount["name"])
+    for host in mounts.values():
+        host.mkdir(parents=True, exist_ok=True)
+    return mounts
+
+
+def _in_mounts(value: str, mounts: dict[str, Path]) -> str:
+    for path, host in mounts.items():
+        if value == path or value.startswith(path + "/"):
+            return str(host) + value[len(path) :]
+    return value
 
 
 class Kubelet:
@@ -162,6 +195,9 @@ class Kubelet:
         self._probe = httpx.Client(timeout=0.5, trust_env=False)
         self._api: httpx.Client | None = None
         self.errors: list[str] = []
+        self.images: dict[str, _oci.Image] = {}
+        """The node's images: a pod whose container's ``image`` is a key here runs as a real
+        container of that image (``_pod_containers.start``); any other, as a host process."""
 
     # ---------------------------------------------------------------------- the API
 
@@ -190,6 +226,9 @@ class Kubelet:
             pod = self._find(namespace, name)
             if pod is None or pod.process is None or pod.process.poll() is not None:
                 raise LookupError(f"pod {namespace}/{name} has no running container here")
+            if pod.oci is not None:
+                pod.oci.signal("KILL")
+                return
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pod.runtime_pid, signal.SIGKILL)
 
@@ -199,6 +238,11 @@ class Kubelet:
         if pod is None:
             raise LookupError(f"pod {namespace}/{name} does not run on node {self.node_name}")
         return pod.ip
+
+    def containers(self) -> list[_oci.Container]:
+        """The real containers this node runs now (pods of its ``images``)."""
+        with self._lock:
+            return [p.oci for p in self._pods.values() if p.oci is not None]
 
     def processes(self) -> list[int]:
         """The pids of every supervisor and container this kubelet started and still runs."""
@@ -337,20 +381,31 @@ class Kubelet:
             restart_policy=spec.get("restartPolicy") or "Always",
             container=containers[0],
             scheduled=scheduled or rules.condition("PodScheduled", "True", "", "", 0),
+            spec=spec,
         )
         pod.base_dir.mkdir(parents=True, exist_ok=True)
+        pod.mounts = _empty_dirs(spec, containers[0], folder)
         with self._lock:
             self._pods[pod.uid] = pod
         self._spawn(pod)
 
     def _spawn(self, pod: _Pod) -> None:
+        image = self.images.get(str(pod.container.get("image", "")))
+        if image is not None:
+            container = _pod_containers.start(image, pod.spec, pod.container, pod.folder,
+                                              name=pod.name, ip=pod.ip)  # fmt: skip
+            with self._lock:
+                pod.oci, pod.process, pod.runtime_pid = container, container.process, 0
+                pod.container_started, pod.ready, pod.ready_at = rules.now_time(), False, None
+                pod.restart_at = None
+            return
         env = {k: os.environ[k] for k in _ENV_PASSED if k in os.environ}
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")) if p
         )
         for entry in pod.container.get("env") or []:
             if "value" in entry:
-                env[str(entry["name"])] = str(entry["value"])
+                env[str(entry["name"])] = _in_mounts(str(entry["value"]), pod.mounts)
         env["STANDIN_KUBELET_PID"] = str(os.getpid())
         log_file = pod.folder / "container.log"
         argv = [
@@ -395,8 +450,11 @@ class Kubelet:
         log.info(
             "stand-in kubelet: pod %s/%s: container exited (%d)", pod.namespace, pod.name, code
         )
+        if pod.oci is not None:
+            pod.oci.remove()  # its writable layer: a restart is a new container
         with self._lock:
             pod.process, pod.runtime_pid, pod.ready, pod.exit_code = None, 0, False, code
+            pod.oci = None
             pod.finished = rules.now_time()
         restarts = pod.restart_policy == "Always" or (pod.restart_policy == "OnFailure" and code)
         if restarts:
@@ -420,9 +478,12 @@ class Kubelet:
 
     def _teardown(self, pod: _Pod) -> None:
         """SIGTERM the supervisor (it passes it on, then kills all below it), SIGKILL what
-        is left after a grace, remove the pod's folder."""
+        is left after a grace, remove the pod's folder (a real container: SIGTERM, SIGKILL
+        after the same grace, the container removed)."""
         process = pod.process
-        if process is not None and process.poll() is None:
+        if pod.oci is not None:
+            pod.oci.stop(grace=3)
+        elif process is not None and process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGTERM)
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -353,3 +354,77 @@ def private_uses(path: Path, package: str, public: Mapping[str, set[str]]) -> li
             ):
                 found.append(f"{path}:{node.lineno} uses {package}...{node.attr}")
     return found
+
+
+# -- the module paths a document names ---------------------------------------------------------
+
+_MAP_FOLDER = re.compile(r"^( +)([a-z_][a-z0-9_]*)/(?:\s|$)")  # "  client/   ..." starts a folder
+_MAP_MODULE = re.compile(r"(?<![\w./`-])(_[a-z][a-z0-9_]*|[a-z][a-z0-9_]*\.py)\b")
+_PROSE_PATH = re.compile(r"`([\w.-]+(?:/[\w.-]+)*(?:\.py|/))`")
+
+
+def _text_blocks(doc: str) -> Iterator[tuple[int, list[str]]]:
+    """The fenced ``text`` blocks of a Markdown document: (the line number of its first line,
+    its lines)."""
+    block: list[str] | None = None
+    start = 0
+    for number, line in enumerate(doc.splitlines(), 1):
+        if block is None and line.strip() == "```text":
+            block, start = [], number + 1
+        elif block is not None and line.strip() == "```":
+            yield start, block
+            block = None
+        elif block is not None:
+            block.append(line)
+
+
+def _module_exists(name: str, folder: Path, *, below: bool) -> bool:
+    """Whether module ``name`` (``_jwt``, ``errors.py``) is a module or package in ``folder``
+    (or, ``below``, anywhere below it)."""
+    stem = name.removesuffix(".py")
+    if (folder / f"{stem}.py").is_file() or (folder / stem / "__init__.py").is_file():
+        return True
+    return below and (
+        any(folder.rglob(f"{stem}.py")) or any(p.is_dir() for p in folder.rglob(stem))
+    )
+
+
+def doc_module_gaps(doc: str, src: Path, root: Path) -> list[str]:
+    """The module paths document ``doc`` names that do not exist, as ``line N: name``.
+
+    - Its module maps (the fenced ``text`` blocks whose lines name folders: ``  client/``,
+      ``    wire/``, by indentation): every folder named at a line's start must exist below its
+      parent folder (``src`` at the top), and every module named in a folder's lines
+      (``_name``, or ``name.py``) must exist in that folder's top-level folder or at the
+      package's top (``_jwt ... (normalise_url from _urls)``: ``_urls`` is the package's).
+    - Its prose: every backticked path ending in ``.py`` or ``/`` with a ``/`` in it
+      (``client/_client.py``, ``tests/_support/_oci.py``) must exist below ``root`` or
+      ``src``.
+    """
+    gaps: list[str] = []
+    for start, lines in _text_blocks(doc):
+        stack: list[tuple[int, Path]] = []  # (indentation, folder) of the folders open
+        for number, line in enumerate(lines, start):
+            folder = _MAP_FOLDER.match(line)
+            if folder is not None:
+                indent = len(folder.group(1))
+                while stack and stack[-1][0] >= indent:
+                    stack.pop()
+                path = (stack[-1][1] if stack else src) / folder.group(2)
+                if not path.is_dir():
+                    gaps.append(f"line {number}: folder {path.relative_to(src)}/")
+                stack.append((indent, path))
+                line = line[folder.end() :]
+            top = stack[0][1] if stack else src
+            for name in _MAP_MODULE.findall(line):
+                known = _module_exists(name, top, below=True) or _module_exists(
+                    name, src, below=False
+                )
+                if not known:
+                    where = f"{top.relative_to(src)}/" if stack else "the package"
+                    gaps.append(f"line {number}: module {name} (in {where})")
+    for number, line in enumerate(doc.splitlines(), 1):
+        for path in _PROSE_PATH.findall(line):
+            if "/" in path.rstrip("/") and not any((base / path).exists() for base in (root, src)):
+                gaps.append(f"line {number}: path {path}")
+    return gaps

@@ -59,7 +59,10 @@ from typing import Any, Final
 
 import httpx
 
-from k8s_agent_sandbox_awx.broker.backends._local import owned_temp_dir, sweep_dead_owners
+from k8s_agent_sandbox_awx.broker.backends.local._owned_dirs import (
+    owned_temp_dir,
+    sweep_dead_owners,
+)
 from tests._support import _agent_sandbox as rules
 from tests._support._agent_sandbox import EXTENSIONS_GROUP
 from tests._support._api import CLAIM, POD, POOL, SANDBOX, TEMPLATE, Api, collection, path

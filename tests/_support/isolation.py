@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from k8s_agent_sandbox_awx.broker.backends import _isolation
+from k8s_agent_sandbox_awx.broker.backends.local import _bubblewrap
 
 TEST_ISOLATION_ENV = "AGENT_SANDBOX_TEST_ISOLATION"
 LIBRARY_ENV = "AGENT_SANDBOX_LOCAL_ISOLATION"
@@ -41,7 +41,7 @@ without one instead of skipping."""
 
 def need_bwrap() -> None:
     """Skip the test (fail it with ``AGENT_SANDBOX_REQUIRE_BWRAP=1``) where bwrap cannot run."""
-    probe = _isolation.probe_bwrap()
+    probe = _bubblewrap.probe_bwrap()
     if probe.works:
         return
     if REQUIRED:
@@ -61,20 +61,20 @@ def fake_bwrap(
         fake = bin_dir / "bwrap"
         fake.write_text(f"#!/bin/sh\n{script}\n")
         fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    _isolation.forget_probe()
+    _bubblewrap.forget_probe()
     monkeypatch.setenv("PATH", str(bin_dir))
     try:
         yield
     finally:
-        _isolation.forget_probe()
+        _bubblewrap.forget_probe()
 
 
 def sandboxes_isolated() -> bool:
     """Whether the local sandboxes this session makes without ``isolation=`` run in bubblewrap
     (its ``$AGENT_SANDBOX_LOCAL_ISOLATION``: ``bwrap``, or ``auto`` where bwrap works)."""
     try:
-        return _isolation.choose(None).mode == "bwrap"
-    except (ValueError, _isolation.IsolationUnavailable):
+        return _bubblewrap.choose(None).mode == "bwrap"
+    except (ValueError, _bubblewrap.IsolationUnavailable):
         return False  # the brokers fail to start, and say why
 
 

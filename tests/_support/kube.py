@@ -41,7 +41,10 @@ from typing import Any, Final
 
 import httpx
 
-from k8s_agent_sandbox_awx.broker.backends._local import owned_temp_dir, sweep_dead_owners
+from k8s_agent_sandbox_awx.broker.backends.local._owned_dirs import (
+    owned_temp_dir,
+    sweep_dead_owners,
+)
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 CRD_FILE: Final = REPO_ROOT / "deploy" / "crds" / "upstream-agent-sandbox.yaml"

@@ -11,9 +11,12 @@
 - ``Replica``: the app ``broker serve`` builds (``app_factory``) under uvicorn over HTTPS on its
   own thread and event loop; ``kill()`` drops every connection at once without an answer and
   stops it without its shutdown (a replica that died), ``stop()`` stops it gracefully.
-- ``StandInRouter``: upstream's router as far as the broker sees it: it requires its bearer
-  token, reads X-Sandbox-ID / -Namespace / -Port, forwards to the Sandbox's pod (found through
-  the stand-in controller) and records what each request carried.
+- ``StandInRouter``: upstream's Python router (``tests/_support/stand_in_router.py``): it finds
+  a pod by X-Sandbox-Pod-IP or by the Sandbox's headless Service, as upstream's does.
+- The callers' side: ``sdk_environ`` (the SDK's environment for a replica), ``token_for`` (one
+  token for several replicas' audiences), ``replica_client`` (a plain HTTP client of a
+  replica's v1 API), and what the tests read of the API server: ``claims_in``, ``claim_of``,
+  ``shutdown_time``.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import json
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,10 +41,14 @@ from k8s_agent_sandbox_awx.broker.backends.kubernetes._backend import Kubernetes
 from k8s_agent_sandbox_awx.broker.config import load_config
 from k8s_agent_sandbox_awx.broker.server._probes import with_probes
 from k8s_agent_sandbox_awx.broker.server._run import bind
+from tests._support._api import CLAIM, collection, path
 from tests._support.broker_server import Pki
-from tests._support.controller import StandInController
 from tests._support.deploy import BROKER, find, render
-from tests._support.kube import KubeAPIServer, free_ports
+from tests._support.kube import KubeAPIServer, KubeError
+from tests._support.stand_in_router import StandInRouter
+
+__all__ = ["BrokerIdentity", "Replica", "SdkReplica", "StandInRouter", "sdk_environ",
+           "write_config"]  # fmt: skip
 
 T = TypeVar("T")
 
@@ -107,13 +115,16 @@ def write_config(
     extra_audiences: Sequence[str] = (),
     namespace: str | None = None,
     callers: Sequence[str] = (),
+    router_pod_ip: bool = True,
 ) -> Path:
     """A configuration of one replica on 127.0.0.1:``port`` (its ``public_url``, the tokens'
     audience, with ``extra_audiences``); ``router``: (router URL, router token file) for the
-    router data plane, else the pod data plane. The policy admits the ServiceAccounts of the
-    identity's namespace and puts their claims in ``namespace`` (default: that one too);
-    ``callers``: more namespaces, each admitted by a policy of its own (the same warm pools,
-    quota and lifetime cap) that puts its ServiceAccounts' claims in that namespace."""
+    router data plane (``router_pod_ip``: its setting), else the pod data plane (either way
+    with the stand-in pods' loopback IPs allowed: ``allow_loopback_pod_ips``). The policy
+    admits the ServiceAccounts of the identity's namespace and puts their claims in
+    ``namespace`` (default: that one too); ``callers``: more namespaces, each admitted by a
+    policy of its own (the same warm pools, quota and lifetime cap) that puts its
+    ServiceAccounts' claims in that namespace."""
     ns, url = identity.namespace, f"https://127.0.0.1:{port}"
     claims_in = namespace or ns
     more = "".join(
@@ -124,8 +135,10 @@ def write_config(
     backend = (
         f'data_plane = "router"\nrouter_url = "{router[0]}"\nrouter_token_file = "{router[1]}"\n'
         if router is not None
-        else 'data_plane = "pod"\nallow_loopback_pod_ips = true\n'
-    )
+        else 'data_plane = "pod"\n'
+    ) + "allow_loopback_pod_ips = true\n"  # the stand-in pods' IPs (also sent to a router)
+    if not router_pod_ip:
+        backend += "router_pod_ip = false\n"
     path.write_text(f"""\
 [server]
 listen = "127.0.0.1:{port}"
@@ -313,91 +326,45 @@ SdkReplica = Callable[..., tuple[Replica, dict[str, str]]]
 **config)``, a started replica and the SDK's environment for it (:func:`sdk_environ`)."""
 
 
-class StandInRouter:
-    """Upstream's router on plain HTTP on loopback (see the module); ``seen``: the headers
-    of each request it forwarded."""
-
-    def __init__(self, controller: StandInController, token_file: Path) -> None:
-        self.controller, self.token_file = controller, token_file
-        [self.port] = free_ports(1)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.seen: list[dict[str, str]] = []
-        self.refused = 0
-        self._loop = asyncio.new_event_loop()
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._http: httpx.AsyncClient | None = None
-
-    def __enter__(self) -> StandInRouter:
-        config = uvicorn.Config(self._asgi, host="127.0.0.1", port=self.port, lifespan="off",
-                                log_level="warning", access_log=False, http="h11",
-                                ws="none", loop="asyncio", interface="asgi3")  # fmt: skip
-        server = self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=lambda: self._loop.run_until_complete(server.serve()), daemon=True
-        )
-        self._thread.start()
-        while not server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        assert self._server is not None and self._thread is not None
-        self._server.should_exit = True
-        self._thread.join(10)
-        if self._http is not None:
-            self._loop.run_until_complete(self._http.aclose())
-        self._loop.close()
-
-    async def _asgi(self, scope: Mapping[str, Any], receive: Any, send: Any) -> None:
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        if headers.get("authorization") != f"Bearer {self.token_file.read_text().strip()}":
-            self.refused += 1
-            await _answer(send, 401, b'{"detail": "Unauthorized"}')
-            return
-        self.seen.append(headers)
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        await self._forward(scope, headers, body, send)
-
-    async def _forward(
-        self, scope: Mapping[str, Any], headers: dict[str, str], body: bytes, send: Any
-    ) -> None:
-        namespace = headers.get("x-sandbox-namespace", "default")
-        sandbox = headers["x-sandbox-id"]
-        host, _ = await asyncio.to_thread(self.controller.pod_address, namespace, sandbox)
-        port = int(headers.get("x-sandbox-port", "8888"))
-        query = scope["query_string"]
-        target = scope["raw_path"] + (b"?" + query if query else b"")
-        self._http = self._http or httpx.AsyncClient(trust_env=False, timeout=60)
-        keep = {k: v for k, v in headers.items()
-                if k not in ("host", "authorization", "content-length", "transfer-encoding")
-                and not k.startswith("x-sandbox-")}  # fmt: skip
-        url = httpx.URL(scheme="http", host=host, port=port, raw_path=target)
-        request = self._http.build_request(scope["method"], url, headers=keep, content=body)
-        try:
-            response = await self._http.send(request, stream=True)
-        except httpx.ConnectError:  # upstream's answer when the pod's port refuses
-            detail = f"Could not connect to the backend sandbox: {sandbox}"
-            await _answer(send, 502, json.dumps({"detail": detail}).encode())
-            return
-        try:
-            out = [(k, v) for k, v in response.headers.raw
-                   if k.lower() not in (b"transfer-encoding", b"connection")]  # fmt: skip
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": out})  # fmt: skip
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            await response.aclose()
+def token_for(kube: KubeAPIServer, namespace: str, *replicas: Replica) -> str:
+    """One token of ``namespace``'s ServiceAccount ``agent`` for every replica's audience."""
+    with contextlib.suppress(Exception):
+        kube.create_service_account(namespace, "agent")
+    return kube.token_request(namespace, "agent", [r.url for r in replicas])
 
 
-async def _answer(send: Any, status: int, body: bytes) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+@contextlib.contextmanager
+def replica_client(replica: Replica, token: str) -> Iterator[httpx.Client]:
+    """A plain HTTP client of ``replica``'s v1 API as the caller of ``token``."""
+    ca = replica.config.server.tls_cert_file.parent / "ca.pem"
+    with httpx.Client(
+        base_url=replica.url,
+        verify=ssl.create_default_context(cafile=str(ca)),
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+        trust_env=False,
+    ) as client:
+        yield client
+
+
+def claims_in(
+    kube: KubeAPIServer, namespace: str, *, deleting: bool = False
+) -> list[dict[str, Any]]:
+    """The namespace's SandboxClaims: those not being deleted (``deleting``: all of them)."""
+    items: list[dict[str, Any]] = kube.get(collection(CLAIM, namespace))["items"]
+    return [c for c in items if deleting or not c["metadata"].get("deletionTimestamp")]
+
+
+def claim_of(kube: KubeAPIServer, namespace: str, name: str) -> dict[str, Any] | None:
+    """The SandboxClaim ``name``, or ``None`` when there is none."""
+    try:
+        return kube.get(path(CLAIM, namespace, name))
+    except KubeError as exc:
+        if exc.status_code == 404:
+            return None
+        raise
+
+
+def shutdown_time(claim: dict[str, Any]) -> float:
+    """A claim's ``spec.lifecycle.shutdownTime``, as a timestamp."""
+    return datetime.fromisoformat(claim["spec"]["lifecycle"]["shutdownTime"]).timestamp()

@@ -22,6 +22,7 @@ revoke a token, issue a GitLab token) it does not have: the tests that need it a
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from typing import Any, Final
 
 from tests._support._agent_sandbox import CLAIM_EXPIRED
 from tests._support._api import CLAIM, collection
+from tests._support._pod_containers import runtime_pods
 from tests._support.broker_server import Pki
 from tests._support.brokers import FILES_POLICY_CAP
 from tests._support.controller import StandInController
@@ -41,8 +43,11 @@ POLICIES: Final = {
     "default": {"max_sandboxes": 5, "max_lifetime_seconds": 3600},
     "files": {"max_sandboxes": 10, "max_lifetime_seconds": FILES_POLICY_CAP},
 }
-POOLS: Final = ("python", "orphan")
+POOLS: Final = ("python", "tuned", "orphan")
 """The policies' warm pools: ``orphan`` does not exist (as the local ``/rpc`` broker's)."""
+TUNED: Final = {"SANDBOX_COMMAND_MAX_RUNNING": "64", "SANDBOX_FS_READ_MAX_BYTES": "1000"}
+"""The runtime settings of template ``tuned`` (its container's env): on Kubernetes the runtime's
+settings are the template's, never a create's ``env`` (docs/broker/kubernetes.md)."""
 PROTOCOLS: Final = {"v1": ("v1", "rpc"), "rpc": ("rpc",)}
 MANAGED: Final = "app.kubernetes.io/managed-by=agent-sandbox-awx-broker"
 
@@ -119,6 +124,7 @@ class KubeSuite:
             kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
         self.controller = self._stack.enter_context(StandInController(kube, CALLER_NAMESPACES))
         try:
+            self.pod_spec = runtime_pods(self.controller)
             for name in CALLER_NAMESPACES:
                 self._apply_template(name)
             self.identity = BrokerIdentity(kube, kube.create_namespace(), folder)
@@ -132,12 +138,31 @@ class KubeSuite:
             raise
 
     def _apply_template(self, namespace: str) -> None:
-        """Template ``python`` (the sandbox environment allowed in, as the local broker's) and
-        an empty warm pool ``python`` (claims start cold); kept if there already."""
-        with contextlib.suppress(KubeError):
-            self.controller.create_template(namespace, "python", env_policy="Allowed")
-        with contextlib.suppress(KubeError):
-            self.controller.create_warm_pool(namespace, "python", "python", replicas=0)
+        """Templates ``python`` and ``tuned`` (:data:`TUNED`), with upstream's default
+        ``envVarsInjectionPolicy`` (``Disallowed``: a create's ``env`` never goes into the pod,
+        its commands get it from the broker), and an empty warm pool of each (claims start
+        cold); kept if there already. Their pods are the example template's
+        (deploy/examples/awx-runtime.yaml): real containers of the runtime image
+        (``_pod_containers``); without the image, the stand-in controller's host processes."""
+        for name in ("python", "tuned"):
+            with contextlib.suppress(KubeError):
+                self.controller.create_template(namespace, name, pod_spec=self._pod_spec(name))
+            with contextlib.suppress(KubeError):
+                self.controller.create_warm_pool(namespace, name, name, replicas=0)
+
+    def _pod_spec(self, template: str) -> dict[str, Any]:
+        """The pod spec of ``template`` (``tuned``: :data:`TUNED` in its container's env)."""
+        spec: dict[str, Any] = copy.deepcopy(self.pod_spec) if self.pod_spec else {}
+        spec.setdefault("containers", [{
+            "name": "sandbox",
+            "image": "stand-in/python-runtime:local",
+            "ports": [{"containerPort": self.controller.port, "protocol": "TCP"}],
+        }])  # fmt: skip
+        if template == "tuned":
+            container = spec["containers"][0]
+            tuned = [{"name": k, "value": v} for k, v in TUNED.items()]
+            container["env"] = [*container.get("env", []), *tuned]
+        return spec
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -1,5 +1,7 @@
-"""The user's server of the ports tests (``port_app.py``) on a free port of this host: a local
-sandbox's ports are the host's, so the broker's forwarding reaches it there."""
+"""The user's server of the ports and port-forward tests (``port_app.py``): on a free port of
+this host (``running_port_app``: a local sandbox's ports are the host's, so the broker's
+forwarding reaches it there), or started in a sandbox as its user would start it
+(``start_in_sandbox``, ``served_in_sandbox``: the SDK's and the CLI's tests)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 APP = str(Path(__file__).parent / "port_app.py")
 
@@ -39,3 +42,33 @@ def running_port_app() -> Iterator[int]:
     finally:
         process.kill()
         process.wait()
+
+
+def start_in_sandbox(sandbox: Any, port: int, *, wait_seconds: float = 15) -> Any:
+    """``port_app.py`` started in ``sandbox`` (a background command: its handle is returned)
+    on ``port``, once it answers through the broker (``PortNotListeningError`` past
+    ``wait_seconds``)."""
+    from k8s_agent_sandbox_awx.errors import PortNotListeningError
+
+    handle = sandbox.commands.run([sys.executable, APP, str(port)], timeout=300, background=True)
+    deadline = time.monotonic() + wait_seconds
+    with sandbox.ports.client(port) as client:
+        while True:
+            try:
+                client.get("/headers")
+                return handle
+            except PortNotListeningError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def served_in_sandbox(sandbox: Any) -> Iterator[int]:
+    """``port_app.py`` serving in ``sandbox`` on a free port (yielded) until the block ends."""
+    port = free_port()
+    handle = start_in_sandbox(sandbox, port)
+    try:
+        yield port
+    finally:
+        handle.kill()

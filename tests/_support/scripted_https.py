@@ -32,8 +32,10 @@ class Seen:
 class Reply:
     """``status`` and a JSON ``body``; ``mode``: ``"answer"``, ``"drop"`` (close the
     connection without answering), ``"stall"`` (send the status line and headers of a chunked
-    answer, then ``chunks``, then nothing until the client leaves); ``delay``: seconds to wait
-    (without blocking the loop) before any of it."""
+    answer, then ``chunks``, then nothing until the client leaves), ``"trickle"`` (the whole
+    answer, its body one byte every ``every`` seconds: each read gets a byte in time, the answer
+    never ends in time); ``delay``: seconds to wait (without blocking the loop) before any of
+    it. ``sent``: how many body bytes a trickle handed over so far (per reply)."""
 
     status: int = 200
     body: Any = field(default_factory=dict)
@@ -41,6 +43,8 @@ class Reply:
     mode: str = "answer"
     chunks: tuple[bytes, ...] = ()
     delay: float = 0.0
+    every: float = 0.0
+    sent: list[int] = field(default_factory=list, compare=False)
 
 
 def status(code: int, reason: str, message: str = "") -> Reply:
@@ -98,6 +102,9 @@ class ScriptedHTTPS:
                     await reader.read()  # until the client gives up
                     return
                 payload = json.dumps(reply.body).encode()
+                if reply.mode == "trickle":
+                    await self._trickle(writer, reply, payload)
+                    continue
                 writer.write(self._head(reply, length=len(payload)) + payload)
                 await writer.drain()
         except (ConnectionError, ssl.SSLError, asyncio.IncompleteReadError):
@@ -105,6 +112,16 @@ class ScriptedHTTPS:
         finally:
             self._tasks.discard(task)
             writer.close()
+
+    async def _trickle(self, writer: asyncio.StreamWriter, reply: Reply, payload: bytes) -> None:
+        writer.write(self._head(reply, length=len(payload)))
+        reply.sent.append(0)
+        for index in range(len(payload)):
+            await writer.drain()
+            await asyncio.sleep(reply.every)
+            writer.write(payload[index : index + 1])
+            reply.sent[-1] += 1
+        await writer.drain()
 
     @staticmethod
     def _head(reply: Reply, *, length: int = 0, chunked: bool = False) -> bytes:

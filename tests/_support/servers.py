@@ -1,14 +1,18 @@
 """Loopback servers the client tests talk to: a recording HTTPS server, a recording proxy, a
-name resolver that maps a test's broker name to 127.0.0.1, and CAs made at test time."""
+name resolver that maps a test's broker name to 127.0.0.1, CAs made at test time, and a plain
+HTTP broker that answers ``whoami`` (``whoami_broker``: the CLI's ``--allow-insecure-http``
+tests)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import selectors
 import socket
 import socketserver
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -191,3 +195,29 @@ def resolve_to_loopback(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     return names.add
+
+
+@contextlib.contextmanager
+def whoami_broker(answer: Mapping[str, Any]) -> Iterator[str]:
+    """A plain HTTP broker on 127.0.0.1 whose every ``GET`` gets ``answer`` as JSON: ``200``
+    for ``/v1/whoami``, ``404`` for any other path; until the block ends. Yields its URL."""
+    body = json.dumps(answer).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/v1/whoami" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -23,7 +23,7 @@ GROUPS = {
 }
 """Test path -> group: under ``--dist loadgroup`` a group's tests run on one worker, one after
 the other. The Kubernetes tests share ONE API server per process (~4.5 s to start and ~380 MB
-each); the 2 GiB round trips each keep a core busy, and three at once only slow each other
+each); the large-file round trips each keep a core busy, and three at once only slow each other
 (and every other worker) down."""
 
 _ENV = "AGENT_SANDBOX_TEST_WORKER_TMPDIR"

@@ -8,10 +8,12 @@ held."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import socket
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tests._support.port_app import GUID, read_frame, write_frame
@@ -140,3 +142,15 @@ class Server:
                 peer.received.append(data)
         except (OSError, ValueError, struct.error):
             return
+
+
+@contextlib.contextmanager
+def serving() -> Iterator[Server]:
+    """A :class:`Server` until the block ends; then every peer's flood stops and it closes."""
+    peers = Server()
+    try:
+        yield peers
+    finally:
+        for peer in peers.peers:
+            peer.done.set()
+        peers.close()

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from k8s_agent_sandbox_awx.testing import LocalBroker, LocalProcessBackend
+from k8s_agent_sandbox_awx.testing import LocalBroker, LocalProcessLauncher
 from tests._support.isolation import TCP_PORTS, host_processes_only
 from tests._support.programs import process_alive as _alive
 
@@ -56,10 +56,10 @@ def test_stop_kills_runtimes_and_removes_files(api: Any) -> None:
 CRASHER = textwrap.dedent(
     """
     import os, signal, ssl, sys, threading, time, httpx
-    from k8s_agent_sandbox_awx.testing import LocalBroker, LocalProcessBackend
+    from k8s_agent_sandbox_awx.testing import LocalBroker, LocalProcessLauncher
 
     mode, running, daemon, daemon_command = sys.argv[1:]
-    backend = LocalProcessBackend(fork_server=mode == "fork")  # its own /tmp root directory
+    backend = LocalProcessLauncher(fork_server=mode == "fork")  # its own /tmp root directory
     b = LocalBroker(warn=False, backend=backend)
     b.start()
     token = b.issue_kubernetes_token("team-a", "alice")
@@ -157,7 +157,7 @@ def test_commands_do_not_outlive_a_killed_runtime(api: Any, mode: str) -> None:
     """The runtime is SIGKILLed (as the OOM killer would) while a command runs and after a
     command left a setsid daemon: neither the command's group nor the daemon survives the
     sandbox's delete."""
-    backend = LocalProcessBackend(fork_server=mode == "fork")
+    backend = LocalProcessLauncher(fork_server=mode == "fork")
     with LocalBroker(backend=backend, warn=False) as b:
         client = api(b.issue_kubernetes_token("team-a", "alice"), b)
         sandbox = client.ready()

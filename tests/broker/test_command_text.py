@@ -3,7 +3,7 @@
 - Text that UTF-8 cannot carry (a lone surrogate; JSON escapes one as ``"\\ud800"``) in a
   command's ``cwd`` or in a stdin write is ``400 invalid_text`` from the runtime (it was a
   broken answer, the broker's ``502`` "create a new sandbox"), and a stdin write keeps its
-  command running and its stdin open. (argv and envs: tests/broker/test_adversary_19.py.)
+  command running and its stdin open. (argv and envs: tests/broker/test_command_abuse.py.)
 - A ``cwd`` under a sandbox root follows the file API's rules, and an error names the sandbox
   path, never the host's.
 """

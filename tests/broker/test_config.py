@@ -618,15 +618,16 @@ def test_kubernetes_backend_rules(conf: Path) -> None:
     found = problems(conf, SERVER, ISSUER, POLICY, in_cluster)
     one(found, "backend.kubernetes.kubeconfig_file", 'only used with connection = "kubeconfig"')
     one(found, "backend.kubernetes.context", 'only used with connection = "kubeconfig"')
-    one(found, "backend.kubernetes.allow_loopback_pod_ips", 'only used with data_plane = "pod"')
+    assert not [p for p in found if p.key.endswith("allow_loopback_pod_ips")]  # both planes
     ca = BACKEND + 'router_ca_file = "ca.crt"\n'
     one(
         problems(conf, SERVER, ISSUER, POLICY, ca),
         "backend.kubernetes.router_ca_file",
         "only used with an https:// router_url",
     )
-    pod = BACKEND + 'data_plane = "pod"\nruntime_port = 70000\n'
+    pod = BACKEND + 'data_plane = "pod"\nruntime_port = 70000\nrouter_pod_ip = false\n'
     found = problems(conf, SERVER, ISSUER, POLICY, pod)
+    one(found, "backend.kubernetes.router_pod_ip", 'only used with data_plane = "router"')
     one(found, "backend.kubernetes.router_url", 'only used with data_plane = "router"')
     one(found, "backend.kubernetes.router_token_file", 'only used with data_plane = "router"')
     one(found, "backend.kubernetes.runtime_port", "out of range", "<= 65535")

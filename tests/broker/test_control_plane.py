@@ -74,7 +74,10 @@ def test_create_stamps_caller_and_shapes_claim(broker: LocalBroker, alice: Any) 
     assert claim["spec"]["warmPoolRef"] == {"name": "python"}
     assert claim["spec"]["lifecycle"]["shutdownPolicy"] == "Delete"
     assert claim["spec"]["lifecycle"]["shutdownTime"] == obj["expires_at"]
-    assert claim["spec"]["env"] == [{"name": "FOO", "value": "bar"}]
+    # the commands' environment, never the pod's (spec.env): issue 26.2, issue 28.2
+    assert "env" not in claim["spec"]
+    assert claim["metadata"]["annotations"][RESERVED_PREFIX + "env"] == '{"FOO":"bar"}'
+    assert RESERVED_PREFIX + "env" not in stamps
     (condition,) = claim["status"]["conditions"]
     assert condition["type"] == "Ready"
 
@@ -150,6 +153,13 @@ def test_delete_then_gone(broker: LocalBroker, alice: Any) -> None:
         ("labels", RESERVED_PREFIX + "subject"),
         ("annotations", RESERVED_PREFIX + "issuer"),
         ("annotations", RESERVED_PREFIX + "anything"),
+        # upstream's own prefix: its controller reads a claim's sandbox-name as a Sandbox to
+        # adopt (issue 26, item 18); subdomains too, and any case
+        ("annotations", "agents.x-k8s.io/sandbox-name"),
+        ("labels", "agents.x-k8s.io/claim-uid"),
+        ("annotations", "extensions.agents.x-k8s.io/anything"),
+        ("annotations", "Agents.X-K8s.IO/sandbox-name"),
+        ("annotations", "agents.x-k8s.io/created-by"),  # the label only is upstream client's
     ],
 )
 def test_forged_reserved_metadata_is_forbidden(
@@ -159,7 +169,17 @@ def test_forged_reserved_metadata_is_forbidden(
     assert resp.status_code == 403
     assert resp.json()["code"] == "reserved_metadata"
     assert key in resp.json()["detail"]
+    assert "use another key" in resp.json()["detail"]
     assert broker.claims() == []
+
+
+def test_upstreams_client_label_is_the_callers(broker: LocalBroker, alice: Any) -> None:
+    """Upstream's client marks its claims with the label agents.x-k8s.io/created-by (the
+    /rpc dialect sends it); a domain that only ends like upstream's is the caller's too."""
+    labels = {"agents.x-k8s.io/created-by": "my-tool", "my-agents.x-k8s.io/x": "y"}
+    resp = alice.create(labels=labels)
+    assert resp.status_code == 201, resp.text
+    assert resp.json()["labels"] == labels
 
 
 @pytest.mark.parametrize(
@@ -385,3 +405,36 @@ def test_a_delete_acts_on_the_claim_the_broker_checked(alice: Any, broker: Local
     assert delete(uid) is not None
     gone = alice.http.get(f"/v1/sandboxes/{name}")
     assert gone.status_code == 404 or gone.json()["phase"] == "Terminating", gone.text
+
+
+def test_racing_creates_admit_exactly_the_quota(broker: LocalBroker, alice: Any, api: Any) -> None:
+    """The local backend's guarantee, as the Kubernetes one's (issue 26, item 5): 16 creates
+    at once of a caller allowed 3 who holds 1 admit exactly 2; every other is 429 saying the
+    caller holds 3, and leaves nothing behind; 8 at once with one Idempotency-Key make one."""
+    import concurrent.futures
+
+    assert alice.create().status_code == 201
+    start = threading.Barrier(16)
+    token = broker.issue_kubernetes_token("team-a", "alice")
+
+    def create(key: str | None) -> httpx.Response:
+        client = api(token)
+        start.wait(30)
+        return client.create(**({"idempotency_key": key} if key else {}))
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(create, [str(uuid.uuid4()) for _ in range(8)] + [None] * 8))
+    made = [a for a in answers if a.status_code == 201]
+    assert len(made) == 2, [a.text for a in answers if a.status_code != 201][:2]
+    for answer in answers:
+        if answer.status_code != 201:
+            assert answer.status_code == 429, answer.text
+            assert "holds 3 live sandboxes, the maximum" in answer.json()["detail"]
+    assert len(broker.claims()) == 3
+    for name in [a.json()["name"] for a in made]:
+        assert alice.http.delete(f"/v1/sandboxes/{name}").status_code == 202
+    start = threading.Barrier(8)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        same = list(pool.map(create, ["one-key"] * 8))
+    assert sorted(a.status_code for a in same) == [200] * 7 + [201], [a.text for a in same]
+    assert len({a.json()["name"] for a in same}) == 1

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker
+from tests._support.broker_api import fs_get, fs_post, fs_write
 from tests._support.isolation import ROOTS_ARE_MOUNTS, host_processes_only
 
 DEEP = (
@@ -33,34 +34,6 @@ DEEP = (
 )
 """A command that makes ``{where}/deep/d/d/.../d/leaf.txt``, ``{depth}`` directories deep (far
 beyond PATH_MAX for 3,000: each step is relative to the last)."""
-
-
-@pytest.fixture
-def sandbox(alice: Any) -> dict[str, Any]:
-    sb: dict[str, Any] = alice.ready()
-    return sb
-
-
-def _get(api: Any, sandbox: dict[str, Any], op: str, **params: Any) -> httpx.Response:
-    resp: httpx.Response = api.http.get(
-        f"/fs/{op}", params=params, headers=api.data_headers(sandbox)
-    )
-    return resp
-
-
-def _post(api: Any, sandbox: dict[str, Any], op: str, **body: Any) -> httpx.Response:
-    resp: httpx.Response = api.http.post(f"/fs/{op}", json=body, headers=api.data_headers(sandbox))
-    return resp
-
-
-def _write(api: Any, sandbox: dict[str, Any], path: str, content: bytes) -> httpx.Response:
-    resp: httpx.Response = api.http.post(
-        "/fs/write",
-        data={"path": path},
-        files={"file": ("blob", content)},
-        headers=api.data_headers(sandbox),
-    )
-    return resp
 
 
 def _deep(api: Any, sandbox: dict[str, Any], depth: int, where: str = ".") -> None:
@@ -88,12 +61,12 @@ def _gone(path: str, timeout: float = 20.0) -> bool:
 def test_remove_recursive_of_a_deep_tree(alice: Any, sandbox: dict[str, Any], depth: int) -> None:
     _deep(alice, sandbox, depth)
     _deep(alice, sandbox, depth, where="$SANDBOX_WORKSPACE_DIR")
-    assert _get(alice, sandbox, "info", path="deep/d/d").json()["type"] == "directory"
+    assert fs_get(alice, sandbox, "info", path="deep/d/d").json()["type"] == "directory"
     for path in ("deep", "/workspace/deep"):
-        resp = _post(alice, sandbox, "remove", path=path, recursive=True)
+        resp = fs_post(alice, sandbox, "remove", path=path, recursive=True)
         assert resp.status_code == 200, resp.text
         assert resp.json() == {"removed": True}
-        assert _get(alice, sandbox, "exists", path=path).json() == {"exists": False}
+        assert fs_get(alice, sandbox, "exists", path=path).json() == {"exists": False}
 
 
 def test_a_deep_tree_beside_others_is_removed_with_them(
@@ -113,7 +86,7 @@ def test_a_deep_tree_beside_others_is_removed_with_them(
             f"{outside}"
         )
         assert alice.run(sandbox, make).json()["exit_code"] == 0
-        resp = _post(alice, sandbox, "remove", path="t", recursive=True)
+        resp = fs_post(alice, sandbox, "remove", path="t", recursive=True)
         assert resp.json() == {"removed": True}, resp.text
         assert Path(outside, "keep.txt").read_text() == "keep"
     finally:
@@ -236,18 +209,18 @@ def _root_refused(resp: httpx.Response, root: str) -> None:
 
 
 def _every_operation(alice: Any, sandbox: dict[str, Any], root: str) -> Iterator[httpx.Response]:
-    yield _get(alice, sandbox, "list", path=root)
-    yield _get(alice, sandbox, "read", path=f"{root}/secret.txt")
-    yield _get(alice, sandbox, "info", path=root)
-    yield _get(alice, sandbox, "info", path=f"{root}/secret.txt")
-    yield _get(alice, sandbox, "exists", path=f"{root}/secret.txt")
-    yield _get(alice, sandbox, "watch", path=root, duration=1)
-    yield _get(alice, sandbox, "watch", path=f"{root}/sub", duration=1, recursive="true")
-    yield _write(alice, sandbox, f"{root}/new.txt", b"new")
-    yield _post(alice, sandbox, "mkdir", path=f"{root}/newdir")
-    yield _post(alice, sandbox, "remove", path=f"{root}/secret.txt")
-    yield _post(alice, sandbox, "remove", path=f"{root}/sub", recursive=True)
-    yield _post(alice, sandbox, "move", source=f"{root}/secret.txt", destination=f"{root}/m.txt")
+    yield fs_get(alice, sandbox, "list", path=root)
+    yield fs_get(alice, sandbox, "read", path=f"{root}/secret.txt")
+    yield fs_get(alice, sandbox, "info", path=root)
+    yield fs_get(alice, sandbox, "info", path=f"{root}/secret.txt")
+    yield fs_get(alice, sandbox, "exists", path=f"{root}/secret.txt")
+    yield fs_get(alice, sandbox, "watch", path=root, duration=1)
+    yield fs_get(alice, sandbox, "watch", path=f"{root}/sub", duration=1, recursive="true")
+    yield fs_write(alice, sandbox, f"{root}/new.txt", b"new")
+    yield fs_post(alice, sandbox, "mkdir", path=f"{root}/newdir")
+    yield fs_post(alice, sandbox, "remove", path=f"{root}/secret.txt")
+    yield fs_post(alice, sandbox, "remove", path=f"{root}/sub", recursive=True)
+    yield fs_post(alice, sandbox, "move", source=f"{root}/secret.txt", destination=f"{root}/m.txt")
 
 
 def _outside(tmp_path: Path) -> Path:
@@ -270,7 +243,7 @@ def test_a_replaced_workspace_is_refused_never_followed(
     alice: Any, sandbox: dict[str, Any], tmp_path: Path, how: str
 ) -> None:
     outside = _outside(tmp_path)
-    assert _write(alice, sandbox, "/workspace/secret.txt", b"mine").status_code == 200
+    assert fs_write(alice, sandbox, "/workspace/secret.txt", b"mine").status_code == 200
     if how == "symlink":
         swap = f'rm -rf "$SANDBOX_WORKSPACE_DIR" && ln -s {outside} "$SANDBOX_WORKSPACE_DIR"'
     else:
@@ -281,8 +254,8 @@ def test_a_replaced_workspace_is_refused_never_followed(
             _root_refused(resp, "/workspace")
     _unchanged(outside)
     # /app is untouched: it still works
-    assert _write(alice, sandbox, "/app/ok.txt", b"ok").status_code == 200
-    assert _get(alice, sandbox, "read", path="ok.txt").content == b"ok"
+    assert fs_write(alice, sandbox, "/app/ok.txt", b"ok").status_code == 200
+    assert fs_get(alice, sandbox, "read", path="ok.txt").content == b"ok"
 
 
 def _replace_base_dir(base: str, outside: Path, how: str) -> None:
@@ -518,7 +491,7 @@ def test_move_without_overwrite_never_replaces_a_destination_made_meanwhile(
                 Path(base, "src").write_bytes(b"mine")
             else:
                 os.mkdir(os.path.join(base, "src"))
-            resp = _post(alice, sandbox, "move", source="src", destination="dst")
+            resp = fs_post(alice, sandbox, "move", source="src", destination="dst")
             outcomes[resp.status_code] += 1
             if resp.status_code == 200 and resp.json()["type"] == kind:
                 try:  # ours now: the creator cannot make it while it is there

@@ -7,7 +7,7 @@ a reader may come back with the cursor its previous stream continued from (that 
 events were lost on the way) twice in a row and still hold the command; the next such request
 does not hold (it neither makes the command wait nor pins the window beyond its bound: what it
 then loses is the usual 410). Moving the cursor, or a stream that sent nothing, starts over.
-The end-to-end case: tests/broker/test_adversary_19.py; honest readers that are cut:
+The end-to-end case: tests/broker/test_command_abuse.py; honest readers that are cut:
 tests/broker/test_managed_commands.py (overlapping followers lose nothing).
 """
 

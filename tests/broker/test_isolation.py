@@ -25,13 +25,13 @@ from typing import Any
 
 import pytest
 
-from k8s_agent_sandbox_awx.broker.backends import _isolation
+from k8s_agent_sandbox_awx.broker.backends.local import _bubblewrap
 from k8s_agent_sandbox_awx.testing import (
     BWRAP_ISOLATION_WARNING,
     NO_ISOLATION_WARNING,
     IsolationUnavailable,
     LocalBroker,
-    LocalProcessBackend,
+    LocalProcessLauncher,
     Policy,
     caller_namespace,
 )
@@ -41,7 +41,7 @@ from tests._support.isolation import REQUIRED, need_bwrap
 def test_bubblewrap_works_where_it_is_required() -> None:
     if not REQUIRED:
         pytest.skip("bubblewrap is required only with AGENT_SANDBOX_REQUIRE_BWRAP=1 (CI sets it)")
-    probe = _isolation.probe_bwrap()
+    probe = _bubblewrap.probe_bwrap()
     assert probe.works, probe.detail
 
 
@@ -235,9 +235,29 @@ def test_named_files_binds_only_files_hidden_by_a_private_directory(tmp_path: Pa
     (hidden / "key.pem").write_text("")
     masked, secret = [str(tmp_path)], [str(hidden)]
     command = ["/usr/bin/python3", str(script), str(hidden / "key.pem"), str(tmp_path), "-m"]
-    assert _isolation.named_files(command, masked, secret) == [
+    assert _bubblewrap.named_files(command, masked, [], secret) == [
         "--ro-bind-try", str(script), str(script)]  # fmt: skip
-    assert _isolation.named_files(command, [], secret) == []  # visible anyway: the host's
+    assert _bubblewrap.named_files(command, [], [], secret) == []  # visible anyway: the host's
+    # kept below a hidden directory (a venv under /tmp): seen already, nothing bound over it
+    assert _bubblewrap.named_files(command, masked, [str(tmp_path)], secret) == []
+
+
+def test_named_files_binds_where_a_link_leads_never_over_the_link(tmp_path: Path) -> None:
+    """A venv's ``python`` under a kept directory of ``/tmp`` links to an interpreter under a
+    hidden home (``network = false`` hides ``/root``): the interpreter is bound where the link
+    leads (a bind over the link, inside the venv's read-only bind, failed: "bwrap: Can't
+    create file at .../.venv/bin/python"), and nothing when that place is kept too."""
+    venv, home = tmp_path / "tmp" / "clone" / ".venv", tmp_path / "root"
+    (venv / "bin").mkdir(parents=True)
+    (home / "bin").mkdir(parents=True)
+    interpreter = home / "bin" / "python3.11"
+    interpreter.write_text("")
+    (venv / "bin" / "python").symlink_to(interpreter)
+    command = [str(venv / "bin" / "python"), "-I", "-c", "pass"]
+    masked, kept = [str(tmp_path / "tmp"), str(home)], [str(venv)]
+    assert _bubblewrap.named_files(command, masked, kept, []) == [
+        "--ro-bind-try", str(interpreter), str(interpreter)]  # fmt: skip
+    assert _bubblewrap.named_files(command, masked, [*kept, str(home)], []) == []
 
 
 def test_a_sandbox_sees_only_its_own_processes(on: Any) -> None:
@@ -425,9 +445,9 @@ def test_deleting_a_sandbox_kills_everything_it_started(on: Any, isolated: Local
 # -- choosing the isolation (no bwrap needed) ---------------------------------------------------
 @pytest.fixture
 def fresh_probe() -> Iterator[None]:
-    _isolation.forget_probe()
+    _bubblewrap.forget_probe()
     yield
-    _isolation.forget_probe()
+    _bubblewrap.forget_probe()
 
 
 def _fake_bwrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str | None) -> None:
@@ -446,7 +466,7 @@ def test_bwrap_asked_for_but_missing_names_the_package(
 ) -> None:
     _fake_bwrap(tmp_path, monkeypatch, None)
     with pytest.raises(IsolationUnavailable) as raised:
-        LocalProcessBackend(isolation="bwrap", root_dir=str(tmp_path / "root"))
+        LocalProcessLauncher(isolation="bwrap", root_dir=str(tmp_path / "root"))
     message = str(raised.value)
     assert "isolation='bwrap'" in message and "not installed" in message
     assert "apt-get install bubblewrap" in message
@@ -464,13 +484,13 @@ def test_a_bwrap_that_cannot_make_namespaces_is_detected(
         monkeypatch,
         f'[ "$1" = --version ] && echo bubblewrap 9.9 && exit 0\necho "{said}" >&2; exit 1',
     )
-    probe = _isolation.probe_bwrap()
+    probe = _bubblewrap.probe_bwrap()
     assert not probe.works and said in probe.detail and "bubblewrap 9.9" in probe.detail
-    auto = _isolation.choose("auto")
+    auto = _bubblewrap.choose("auto")
     assert (auto.mode, auto.reason) == ("none", probe.detail)
     with pytest.raises(IsolationUnavailable, match="No permissions"):
-        _isolation.choose("bwrap")
-    assert _isolation.probe_bwrap() is probe  # run once, then cached
+        _bubblewrap.choose("bwrap")
+    assert _bubblewrap.probe_bwrap() is probe  # run once, then cached
 
 
 def test_auto_without_bwrap_warns_why(
@@ -490,16 +510,16 @@ def test_auto_without_bwrap_warns_why(
 
 def test_an_unknown_isolation_is_refused_with_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"isolation='vm'.*'auto' or 'bwrap' or 'none'"):
-        _isolation.choose("vm")
+        _bubblewrap.choose("vm")
     with pytest.raises(ValueError, match=r"isolation='vm'.*'bwrap' or 'none'"):
         LocalBroker(isolation="vm")
     with pytest.raises(ValueError, match="give the backend its own"):
-        LocalBroker(isolation="none", backend=LocalProcessBackend(isolation="none"))
-    monkeypatch.setenv(_isolation.ISOLATION_ENV, "sandboxed")
-    with pytest.raises(ValueError, match=f"{_isolation.ISOLATION_ENV}='sandboxed'"):
-        _isolation.choose(None)
-    monkeypatch.setenv(_isolation.ISOLATION_ENV, "none")
-    assert _isolation.choose(None).mode == "none"
+        LocalBroker(isolation="none", backend=LocalProcessLauncher(isolation="none"))
+    monkeypatch.setenv(_bubblewrap.ISOLATION_ENV, "sandboxed")
+    with pytest.raises(ValueError, match=f"{_bubblewrap.ISOLATION_ENV}='sandboxed'"):
+        _bubblewrap.choose(None)
+    monkeypatch.setenv(_bubblewrap.ISOLATION_ENV, "none")
+    assert _bubblewrap.choose(None).mode == "none"
 
 
 def test_network_off_without_isolation_fails_the_sandbox(api: Callable[..., Any]) -> None:

@@ -116,12 +116,6 @@ def output(events: list[dict[str, Any]], kind: str = "stdout") -> str:
 
 
 @pytest.fixture
-def sandbox(alice: Any) -> dict[str, Any]:
-    sb: dict[str, Any] = alice.ready()
-    return sb
-
-
-@pytest.fixture
 def cmds(alice: Any, sandbox: dict[str, Any]) -> Commands:
     return Commands(alice, sandbox)
 
@@ -675,7 +669,7 @@ def test_a_failing_output_reader_still_ends_the_command(
     def broken(*_: Any) -> bool:
         raise RuntimeError("injected reader failure")
 
-    monkeypatch.setattr(manager, "_read", broken)
+    monkeypatch.setattr(manager.runner, "_read_into_events", broken)
     command = manager.start({"command": ["/bin/sh", "-c", "echo hi; sleep 300"]})
     assert command.done.wait(30)
     status = command.status()
@@ -880,6 +874,7 @@ def test_sixty_four_commands_followed_at_once(alice: Any) -> None:
                 ) as resp:
                     async for line in resp.aiter_lines():
                         event = json.loads(line)
+                        assert "type" in event, (resp.status_code, event)
                         if event["type"] == "stdout":
                             out += event["data"]
                 return out

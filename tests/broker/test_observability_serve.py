@@ -10,12 +10,11 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from k8s_agent_sandbox_awx.broker._route_names import (
+from k8s_agent_sandbox_awx.broker.common._route_names import (
     data_route,
     issuer_route,
     rpc_route,
@@ -32,21 +31,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from k8s_agent_sandbox_awx.broker.observability._lines import FileLines
 
 QUERY_SECRET = "s3cr3t-query-value"
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    pki = Pki(tmp_path)
-    pki.write(pki.issue())
-    return pki
-
-
-@pytest.fixture
-def started() -> Iterator[list[Served]]:
-    servers: list[Served] = []
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 def _config(tmp_path: Path, pki: Pki, extra: str) -> Path:
@@ -246,6 +230,13 @@ def test_route_templates_never_hold_a_path_or_a_name() -> None:
     assert data_route("/fs/read") == "{data} /fs/read"
     assert data_route("/fs/secret") == "{data} /fs/other"
     assert data_route("/anything/else") == "{data} other"
+    assert data_route("/code/execute") == "{data} /code/execute"
+    assert data_route("/code/executions/e-1/events") == "{data} /code/executions/{id}/events"
+    assert data_route("/code/executions/e-1") == "{data} /code/executions/{id}"
+    assert data_route("/code/contexts/c-1/remove") == "{data} /code/contexts/{id}/remove"
+    assert data_route("/code/contexts") == "{data} /code/contexts"
+    assert data_route("/code/contexts/secret/x") == "{data} /code/other"
+    assert data_route("/code/secret-name") == "{data} /code/other"
     assert issuer_route("/issuers/kubernetes/jwks") == "/issuers/{name}/jwks"
     assert (
         issuer_route("/issuers/gitlab/.well-known/openid-configuration")

@@ -211,6 +211,22 @@ def test_managed_command_traffic_conforms(broker: LocalBroker) -> None:
         for event in rest:
             problems += validate(event, {"$ref": "#/components/schemas/CommandEvent"}, doc)
         assert [e["type"] for e in rest] == ["stdout", "exit"], streamed.text
+        whole = http.post(  # no output shown live: the same lines, held until the exit
+            "/commands",
+            json={"command": ["echo", "hi"], "request_id": str(uuid.uuid4())},
+            headers={
+                **headers,
+                "Accept": "application/x-ndjson, application/json;q=0.5",
+                "Prefer": "no-live-output",
+            },
+        )
+        ok = doc["paths"]["/commands"]["post"]["responses"]["200"]
+        applied = whole.headers["preference-applied"]
+        problems += validate(applied, ok["headers"]["Preference-Applied"]["schema"], doc)
+        assert whole.headers["content-length"] == str(len(whole.content))
+        first, *rest = [json.loads(line) for line in whole.text.splitlines()]
+        problems += validate(first, {"$ref": "#/components/schemas/CommandStarted"}, doc)
+        assert [e["type"] for e in rest] == ["stdout", "exit"], whole.text
         running = start(command=["cat"], stdin=True, envs={"A": "b"}, cwd="/").json()["command_id"]
         start(command=["sleep", "30"])  # the second running command: the limit is 2
         start(command=["true"])  # 429
@@ -324,4 +340,85 @@ def test_pty_traffic_conforms(broker: LocalBroker) -> None:
         ("POST", "resize", 409),
         ("POST", "stdin", 200),
         ("POST", "stdin", 400),
+    } <= codes
+
+
+def test_code_traffic_conforms(broker: LocalBroker) -> None:
+    """``run_code``'s ``/code`` API: the requests as the document describes them, the answers
+    (and each streamed event) as it promises."""
+    doc = load_openapi()
+    problems: list[str] = []
+    seen: set[tuple[str, str, int]] = set()
+    token = broker.issue_kubernetes_token("team-a", "openapi-code")
+    with httpx.Client(
+        base_url=broker.url,
+        verify=ssl.create_default_context(cafile=broker.ca_bundle),
+        headers={"Authorization": f"Bearer {token}"},
+        event_hooks={"response": [_contract_hook(doc, problems, seen)]},
+        timeout=30,
+    ) as http:
+        env = {"SANDBOX_CODE_MAX_CONTEXTS": "2"}
+        name = http.post("/v1/sandboxes", json={"env": env}).json()["name"]
+        http.get(f"/v1/sandboxes/{name}", params={"wait": "ready", "timeout": 20})
+        headers = {"X-Sandbox-ID": name, "X-Sandbox-Namespace": "team-a"}
+
+        def post(path: str, schema: str, body: dict[str, Any], ok: bool = True) -> httpx.Response:
+            request_problems = validate(body, {"$ref": f"#/components/schemas/{schema}"}, doc)
+            assert bool(request_problems) != ok, (body, request_problems)
+            accept = {"Accept": "application/x-ndjson"} if path == "/code/execute" else {}
+            return http.post(path, json=body, headers={**headers, **accept})
+
+        def lines(resp: httpx.Response) -> list[Any]:
+            return [json.loads(line) for line in resp.text.splitlines()]
+
+        code = "import sys\nprint('out'); print('err', file=sys.stderr)\n"
+        code += "class R:\n  def _repr_png_(self): return b'png'\ndisplay(R())\n1/0"
+        run = post("/code/execute", "RunCodeRequest", {"code": code, "request_id": "r-1"})
+        first, *events = lines(run)
+        problems += validate(first, {"$ref": "#/components/schemas/ExecutionStarted"}, doc)
+        for event in events:
+            problems += validate(event, {"$ref": "#/components/schemas/ExecutionEvent"}, doc)
+        kinds = [e["type"] for e in events if e["type"] != "heartbeat"]
+        assert sorted(kinds) == ["end", "error", "result", "stderr", "stdout"], kinds
+        execution = first["execution_id"]
+        http.get(f"/code/executions/{execution}/events", params={"after": 1}, headers=headers)
+        http.get(f"/code/executions/{execution}/events", params={"after": 99}, headers=headers)
+        http.get(f"/code/executions/{execution}", headers=headers)
+        http.get("/code/executions", params={"request_id": "r-1"}, headers=headers)
+        http.get("/code/executions/missing", headers=headers)  # 404
+        http.post(f"/code/executions/{execution}/interrupt", headers=headers)
+        context = post("/code/contexts", "CreateCodeContextRequest", {"cwd": "/workspace"}).json()
+        post("/code/contexts", "CreateCodeContextRequest", {})  # 429: 2 with the default
+        post("/code/contexts", "CreateCodeContextRequest", {"language": "r"}, ok=False)  # 400
+        busy = {"code": "import time; time.sleep(30)", "context_id": context["id"]}
+        started = http.post("/code/execute", json=busy, headers=headers).json()  # plain JSON
+        post("/code/execute", "RunCodeRequest", {**busy, "code": "1"})  # 409 context_busy
+        post("/code/execute", "RunCodeRequest", {"code": "1", "timeout": "none"})
+        post("/code/execute", "RunCodeRequest", {"code": "1", "timeout": 0}, ok=False)  # 400
+        post("/code/execute", "RunCodeRequest", {"code": "1", "context_id": "nope"})  # 404
+        http.get("/code/contexts", headers=headers)
+        http.get(f"/code/contexts/{context['id']}", headers=headers)
+        http.post(f"/code/contexts/{context['id']}/restart", headers=headers)
+        stopped = http.get(f"/code/executions/{started['execution_id']}", headers=headers)
+        assert stopped.json()["state"] == "interrupted", stopped.text
+        http.post(f"/code/contexts/{context['id']}/remove", headers=headers)
+        http.post("/code/contexts/default/remove", headers=headers)  # restarted: a CodeContext
+        http.post(f"/code/contexts/{context['id']}/remove", headers=headers)  # 404
+        http.delete(f"/v1/sandboxes/{name}")
+    assert problems == []
+    codes = {(m, p.split("/")[-1], s) for m, p, s in seen if p.startswith("/code/")}
+    assert {
+        ("POST", "execute", 200),
+        ("POST", "execute", 400),
+        ("POST", "execute", 404),
+        ("POST", "execute", 409),
+        ("POST", "contexts", 200),
+        ("POST", "contexts", 429),
+        ("GET", "events", 200),
+        ("GET", "events", 400),
+        ("GET", "missing", 404),
+        ("POST", "interrupt", 200),
+        ("POST", "restart", 200),
+        ("POST", "remove", 200),
+        ("POST", "remove", 404),
     } <= codes

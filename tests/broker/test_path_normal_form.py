@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import ssl
 import time
-import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx.testing import LocalBroker, Policy
+from tests._support.broker_api import raw_request
 
 CODE = "path_not_normalized"
 
@@ -61,23 +60,7 @@ class Tenant:
 
     def send(self, method: str, target: str, body: bytes = b"") -> tuple[int, bytes, bytes]:
         """``method target`` exactly as given; returns (status, raw head, body)."""
-        url = urllib.parse.urlsplit(self.broker.url)
-        host, port = url.hostname or "", url.port or 443
-        context = ssl.create_default_context(cafile=self.broker.ca_bundle)
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
-        lines += [f"Content-Length: {len(body)}", "Content-Type: application/json"]
-        lines += [f"Authorization: Bearer {self.token}"]
-        lines += [f"{name}: {value}" for name, value in self.headers.items()]
-        with (
-            socket.create_connection((host, port), timeout=15) as raw,
-            context.wrap_socket(raw, server_hostname=host) as tls,
-        ):
-            tls.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-            answer = b""
-            while chunk := tls.recv(65536):
-                answer += chunk
-        head, _, rest = answer.partition(b"\r\n\r\n")
-        return int(head.split(b" ", 2)[1]), head, rest
+        return raw_request(self.broker, method, target, body, self.headers, token=self.token)
 
 
 def _http(broker: LocalBroker, token: str) -> httpx.Client:

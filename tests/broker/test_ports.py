@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from starlette.datastructures import Headers
 
-from k8s_agent_sandbox_awx.broker._errors import ApiError
-from k8s_agent_sandbox_awx.broker._ports import refuse_unsupported_upgrade
+from k8s_agent_sandbox_awx.broker.common._errors import ApiError
+from k8s_agent_sandbox_awx.broker.dataplane._ports import refuse_unsupported_upgrade
 from k8s_agent_sandbox_awx.broker.identity._ports import parse_ports
 from k8s_agent_sandbox_awx.broker.identity._rules import PolicyRule
 from k8s_agent_sandbox_awx.broker.identity._settings import SettingsError
@@ -68,22 +68,22 @@ def test_an_upgrade_the_server_cannot_accept_is_501() -> None:
 def narrow(broker: LocalBroker, api: Callable[..., Any]) -> Any:
     """A caller whose policy allows ports 18000 and 18100-18199 only."""
     name = "ports-narrow"
-    if name not in broker._issuers_by_name:
+    if name not in broker.issuers:
         broker.add_issuer(
             name,
             policy=Policy(templates=("python",), namespace=name, ports=(18000, "18100-18199")),
         )
-    return api(broker._issuers_by_name[name].issue_token("narrow-caller"))
+    return api(broker.issuers[name].issue_token("narrow-caller"))
 
 
 @pytest.fixture
 def files_only(broker: LocalBroker, api: Callable[..., Any]) -> Any:
     name = "ports-files-only"
-    if name not in broker._issuers_by_name:
+    if name not in broker.issuers:
         broker.add_issuer(
             name, policy=Policy(templates=("python",), namespace=name, scopes=("files",))
         )
-    return api(broker._issuers_by_name[name].issue_token("files-caller"))
+    return api(broker.issuers[name].issue_token("files-caller"))
 
 
 def test_a_port_outside_the_policy_is_403_naming_it(narrow: Any) -> None:
@@ -282,8 +282,7 @@ def test_kubernetes_pod_routes_keep_no_connection_to_a_users_server() -> None:
             for port in (8888, user_port):
                 for _ in range(3):
                     route = routes.route(state, port)
-                    answer = await route.client.get(f"http://{route.host}:{route.port}/")
-                    assert answer.content == b"ok"
+                    assert await _get(route) == b"ok"
             assert accepted == {runtime_port: 1, user_port: 3}, accepted
         finally:
             await routes.close()
@@ -291,6 +290,19 @@ def test_kubernetes_pod_routes_keep_no_connection_to_a_users_server() -> None:
             user.close()
 
     asyncio.run(main())
+
+
+async def _get(route: Any) -> bytes:
+    """``GET /`` over the route's client: the broker's own pool (a runtime's) or httpx."""
+    import httpx
+
+    from k8s_agent_sandbox_awx.broker.backends._http11 import Http11Pool
+
+    if isinstance(route.client, Http11Pool):
+        answer = await route.client.send(b"GET", b"/", [], None, httpx.Timeout(5.0))
+        return b"".join([chunk async for chunk in answer.aiter_raw()])
+    got = await route.client.get(f"http://{route.host}:{route.port}/")
+    return bytes(got.content)
 
 
 # -- wss through an HTTPS router ------------------------------------------------------------------
@@ -335,10 +347,10 @@ def test_wss_through_an_https_router_verifies_it_with_the_routes_ca(tmp_path: Pa
 
     from starlette.requests import HTTPConnection
 
-    from k8s_agent_sandbox_awx.broker._gate import DataRequest
-    from k8s_agent_sandbox_awx.broker._target import port_target
-    from k8s_agent_sandbox_awx.broker._websocket import _open
     from k8s_agent_sandbox_awx.broker.backends.kubernetes._routes import RouteSettings
+    from k8s_agent_sandbox_awx.broker.dataplane._data_request import DataRequest
+    from k8s_agent_sandbox_awx.broker.dataplane._target import port_target
+    from k8s_agent_sandbox_awx.broker.dataplane._websocket import _open
 
     ca = trustme.CA()
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
@@ -393,9 +405,9 @@ def test_a_websocket_while_the_backend_is_unavailable_is_a_503_like_http() -> No
     import asyncio
     import json
 
-    from k8s_agent_sandbox_awx.broker._forward import Forward
-    from k8s_agent_sandbox_awx.broker._websocket import WebSocketForward
     from k8s_agent_sandbox_awx.broker.backends._interface import BackendUnavailable
+    from k8s_agent_sandbox_awx.broker.dataplane._forward import Forward
+    from k8s_agent_sandbox_awx.broker.dataplane._websocket import WebSocketForward
     from k8s_agent_sandbox_awx.broker.identity._policy import Caller
 
     class Gate:
@@ -465,7 +477,7 @@ def _forward_app(routes: Any) -> Any:
     broker's app answers it (its errors as JSON), for a caller who owns ``claim-1``."""
     from starlette.requests import Request
 
-    from k8s_agent_sandbox_awx.broker._forward import Forward
+    from k8s_agent_sandbox_awx.broker.dataplane._forward import Forward
     from k8s_agent_sandbox_awx.broker.identity._policy import Caller
 
     class Gate:
@@ -577,9 +589,9 @@ def test_a_websocket_through_a_router_names_what_failed(tmp_path: Path) -> None:
 
     from starlette.requests import HTTPConnection
 
-    from k8s_agent_sandbox_awx.broker._gate import DataRequest
-    from k8s_agent_sandbox_awx.broker._target import port_target
-    from k8s_agent_sandbox_awx.broker._websocket import _open
+    from k8s_agent_sandbox_awx.broker.dataplane._data_request import DataRequest
+    from k8s_agent_sandbox_awx.broker.dataplane._target import port_target
+    from k8s_agent_sandbox_awx.broker.dataplane._websocket import _open
 
     ca = trustme.CA()
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))

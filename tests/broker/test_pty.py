@@ -110,12 +110,6 @@ class Terminal:
 
 
 @pytest.fixture
-def sandbox(alice: Any) -> dict[str, Any]:
-    sb: dict[str, Any] = alice.ready()
-    return sb
-
-
-@pytest.fixture
 def term(alice: Any, sandbox: dict[str, Any]) -> Terminal:
     return Terminal(alice, sandbox)
 

@@ -257,6 +257,24 @@ def test_reserved_metadata_is_403(ann: Rpc) -> None:
     _assert_plain(ann.op("create", pod_labels={RESERVED_PREFIX + "x": "y"}), 403, "reserved")
 
 
+@pytest.mark.parametrize(
+    ("field", "key"),
+    [
+        ("annotations", "agents.x-k8s.io/sandbox-name"),
+        ("labels", "agents.x-k8s.io/claim-uid"),
+        ("pod_labels", "agents.x-k8s.io/sandbox-name-hash"),
+        ("pod_labels", "agents.x-k8s.io/created-by"),
+        ("pod_annotations", "agents.x-k8s.io/pod-name"),
+    ],
+)
+def test_upstreams_prefix_is_reserved(ann: Rpc, field: str, key: str) -> None:
+    """Upstream's controller reads agents.x-k8s.io/ keys (a claim's sandbox-name is a
+    Sandbox to adopt): a caller may set only upstream client's created-by claim label."""
+    _assert_plain(ann.op("create", **{field: {key: "x"}}), 403, "reserved", key)
+    made = ann.create_claim(labels={"agents.x-k8s.io/created-by": "python-client"})
+    assert made["claim_name"].startswith("broker-")
+
+
 def test_policy_forbidden_warm_pool_is_403(ann: Rpc) -> None:
     _assert_plain(ann.op("create", warmpool="restricted"), 403, "restricted", "allowed")
 

@@ -12,12 +12,6 @@ from k8s_agent_sandbox_awx.testing import LocalBroker
 MIB = 1024 * 1024
 
 
-@pytest.fixture
-def sandbox(alice: Any) -> dict[str, Any]:
-    sb: dict[str, Any] = alice.ready()
-    return sb
-
-
 def test_runs_without_a_shell(alice: Any, sandbox: dict[str, Any]) -> None:
     out = alice.run(sandbox, "echo $HOME '|' `id` ; ls").json()
     assert out == {
@@ -80,11 +74,12 @@ def test_time_limit_kills_the_process_group(alice: Any, sandbox: dict[str, Any])
         "python3 -c 'import subprocess, time; "
         'subprocess.Popen(["sleep", "30"]); print("started", flush=True); time.sleep(30)\''
     )
-    out = alice.run(sandbox, command, timeout_seconds=0.5).json()
+    # 3 s: a loaded machine can take over a second to start python3 and print
+    out = alice.run(sandbox, command, timeout_seconds=3).json()
     assert out["timed_out"] is True
     assert out["exit_code"] == 124
     assert "started" in out["stdout"]
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 10
 
 
 def test_commands_run_in_the_base_directory(alice: Any, sandbox: dict[str, Any]) -> None:
@@ -192,9 +187,9 @@ def test_large_upload_to_an_escaping_path_gets_the_runtime_403(
 
 
 def test_exec_mode_runtime(api: Any) -> None:
-    from k8s_agent_sandbox_awx.testing import LocalProcessBackend
+    from k8s_agent_sandbox_awx.testing import LocalProcessLauncher
 
-    backend = LocalProcessBackend(fork_server=False)
+    backend = LocalProcessLauncher(fork_server=False)
     with LocalBroker(backend=backend, warn=False) as b:
         client = api(b.issue_kubernetes_token("team-a", "alice"), b)
         sandbox = client.ready()

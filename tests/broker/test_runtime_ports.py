@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("uvicorn", reason="needs the [local] extra")
 
-from k8s_agent_sandbox_awx.broker.backends import _local
-from k8s_agent_sandbox_awx.broker.backends._local import LocalProcessBackend
-from k8s_agent_sandbox_awx.broker.backends._runtimes import RuntimeHandle, SandboxSpec
+from k8s_agent_sandbox_awx.broker.backends.local import _processes
+from k8s_agent_sandbox_awx.broker.backends.local._launcher import RuntimeHandle, SandboxSpec
+from k8s_agent_sandbox_awx.broker.backends.local._processes import LocalProcessLauncher
 from tests._support.isolation import TCP_PORTS, host_processes_only
 
 
-async def _start(backend: LocalProcessBackend, *names: str) -> list[RuntimeHandle]:
+async def _start(backend: LocalProcessLauncher, *names: str) -> list[RuntimeHandle]:
     specs = [SandboxSpec(name, "default", "python") for name in names]
     return list(await asyncio.gather(*(backend.start(spec) for spec in specs)))
 
@@ -41,12 +41,12 @@ def test_a_port_taken_since_the_backend_chose_it_is_never_used(
 ) -> None:
     """The old race, made certain: the backend's choice of a free port always names a port
     another runtime listens on by the time this one binds."""
-    backend = LocalProcessBackend(fork_server=fork_server)
+    backend = LocalProcessLauncher(fork_server=fork_server)
 
     async def main() -> None:
         try:
             [first] = await _start(backend, "first")
-            monkeypatch.setattr(_local, "_free_port", lambda host: first.port)
+            monkeypatch.setattr(_processes, "_free_port", lambda host: first.port)
             [second] = await _start(backend, "second")
             assert backend.is_alive(first) and backend.is_alive(second)
             await _check_each_port_is_its_own_runtime([first, second])
@@ -58,7 +58,7 @@ def test_a_port_taken_since_the_backend_chose_it_is_never_used(
 
 @host_processes_only(TCP_PORTS)
 def test_many_runtimes_started_at_once_get_distinct_ports() -> None:
-    backend = LocalProcessBackend()
+    backend = LocalProcessLauncher()
 
     async def main() -> None:
         try:
@@ -77,7 +77,7 @@ def test_a_custom_command_without_port_file_still_gets_a_port(tmp_path: Any) -> 
         "{python} -m k8s_agent_sandbox_awx.broker.runtime "
         "--host {host} --port {port} --base-dir {base_dir}"
     )
-    backend = LocalProcessBackend(command)
+    backend = LocalProcessLauncher(command)
 
     async def main() -> None:
         try:

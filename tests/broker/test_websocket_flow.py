@@ -37,15 +37,6 @@ offered. Without flow control the broker held 16 messages more."""
 
 
 @pytest.fixture
-def server() -> Iterator[Server]:
-    peers = Server()
-    yield peers
-    for peer in peers.peers:
-        peer.done.set()
-    peers.close()
-
-
-@pytest.fixture
 def traced() -> Iterator[Callable[[], int]]:
     """The Python memory allocated since the test began, while it runs."""
     tracemalloc.start()
@@ -171,7 +162,7 @@ def test_a_stuck_servers_connection_is_released_soon_after_the_caller_leaves(
     """The caller leaves; the sandbox's server never answers the broker's close: the broker
     drops its connection to the server once its close timeout
     (:data:`..._websocket.CLOSE_TIMEOUT`) passed, not websockets' default 10 s."""
-    from k8s_agent_sandbox_awx.broker import _websocket
+    from k8s_agent_sandbox_awx.broker.dataplane import _websocket
 
     ws = caller(broker, sandbox_headers, "/mute")
     until(lambda: bool(server.peers), "the connection reached the server")

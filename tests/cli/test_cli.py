@@ -16,6 +16,7 @@ from k8s_agent_sandbox_awx.cli._cli import main
 from k8s_agent_sandbox_awx.client.wire._dialect import LIST, WHOAMI
 from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
 from tests._support.isolation import fake_bwrap, need_bwrap
+from tests._support.servers import whoami_broker
 
 CLI = [sys.executable, "-m", "k8s_agent_sandbox_awx.cli._cli"]
 
@@ -55,8 +56,7 @@ def test_an_errors_notes_are_printed(monkeypatch: pytest.MonkeyPatch, capsys: An
     assert main(["ls"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "agent-sandbox-awx: error: BrokerProtocolError: Could not start a command: the answer "
-        "has no command_id.",
+        "agent-sandbox-awx: error: Could not start a command: the answer has no command_id.",
         "  The command may have started in the sandbox:",
         "    commands.list() shows it.",
     ]
@@ -91,9 +91,9 @@ def test_run_exit_code_becomes_the_process_exit_code(live: Any, broker: Any) -> 
 
 def unsupported(dialect: str, argv: list[str], capsys: Any) -> bool:
     """Whether ``argv`` failed as an operation ``dialect`` lacks: exit 1, one line naming the
-    dialect (``UnsupportedOperationError``)."""
+    dialect (``UnsupportedOperationError``, whose class the CLI does not print: issue 30)."""
     code, err = main(argv), capsys.readouterr().err
-    return code == 1 and "UnsupportedOperationError" in err and f"'{dialect}' dialect" in err
+    return code == 1 and "Error" not in err and f"'{dialect}' dialect" in err
 
 
 @pytest.mark.e2e
@@ -228,7 +228,7 @@ def test_doctor_without_broker_url_still_shows_the_providers(
         assert f"provider {name}:" in out, out
     assert "PASS  credentials" in out and "agent-sandbox-token" in out
     assert "AudienceMismatchError" not in out and "not for the broker ''" not in out
-    assert "skipped" in out and "no broker URL" in out
+    assert "skipped" in out and "without a broker URL" in out
     assert env["AGENT_SANDBOX_TOKEN"] not in out
     assert env["AGENT_SANDBOX_TOKEN"].rsplit(".", 1)[1] not in out
     assert main(["doctor", "--json"]) == 1
@@ -416,78 +416,36 @@ def test_whoami_shows_the_allowed_ports_when_the_broker_names_them(
 ) -> None:
     """``whoami`` shows the ports the caller's policy allows, as the broker's answer names
     them; an older broker's answer without them shows none (no ``ports`` line)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from k8s_agent_sandbox_awx.testing import unsigned_jwt
 
     policy: dict[str, Any] = {"templates": ["python"], "max_sandboxes": 5}
     if ports is not None:
         policy["ports"] = ports
 
-    class Broker(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps({"provider": "plain", "subject": "me", "policy": policy}).encode()
-            self.send_response(200 if self.path == "/v1/whoami" else 404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
     for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Broker)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with whoami_broker({"provider": "plain", "subject": "me", "policy": policy}) as url:
         monkeypatch.setenv("AGENT_SANDBOX_TOKEN", unsigned_jwt({"aud": url}))
         assert main(["--allow-insecure-http", "--broker-url", url, "whoami"]) == 0
         lines = capsys.readouterr().out.splitlines()
         assert "  max_sandboxes: 5" in lines  # the rest of the policy as before
         assert [line for line in lines if "ports" in line] == ([shown] if shown else [])
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_allow_insecure_http_flag_reaches_a_loopback_http_broker(
     no_credentials: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     """``--allow-insecure-http`` lets the CLI use a plain-http broker on this machine."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from k8s_agent_sandbox_awx.testing import unsigned_jwt
-
-    class Broker(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps({"provider": "plain", "subject": "me"}).encode()
-            self.send_response(200 if self.path == "/v1/whoami" else 404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
 
     for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Broker)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with whoami_broker({"provider": "plain", "subject": "me"}) as url:
         monkeypatch.setenv("AGENT_SANDBOX_TOKEN", unsigned_jwt({"aud": url}))
         assert main(["--broker-url", url, "whoami", "--json"]) == 1  # refused without the flag
         assert "--allow-insecure-http" in capsys.readouterr().err
         assert main(["--allow-insecure-http", "--broker-url", url, "whoami", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["subject"] == "me"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.e2e
@@ -537,7 +495,7 @@ def test_no_credentials_error_is_a_list(
     monkeypatch.setenv("AGENT_SANDBOX_BROKER_URL", "https://127.0.0.1:9")  # never contacted
     assert main(["whoami"]) == 1
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].startswith("agent-sandbox-awx: error: NoCredentialsError: No credential")
+    assert lines[0].startswith("agent-sandbox-awx: error: No credential")
     for provider in ("agent-sandbox-token", "agent-sandbox-token-file", "kubernetes-projected"):
         assert sum(line.lstrip().startswith(f"- {provider}: ") for line in lines) == 1, lines
     assert all(line.startswith("  ") for line in lines[1:])  # continuation lines are indented
@@ -559,7 +517,7 @@ def test_docs_describe_every_json_output() -> None:
         for name, p in sub.choices.items()
         if any("--json" in a.option_strings for a in p._actions)
     )
-    assert with_json == ["create", "doctor", "extend", "kill", "ls", "run", "whoami"]
+    assert with_json == ["create", "doctor", "explain", "extend", "kill", "ls", "run", "whoami"]
     for name in with_json:
         assert f"| `{name}` | " in docs, name
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import signal
 import ssl
@@ -56,6 +58,8 @@ def _dev(
             "600",
             "--token-file",
             str(token_file),
+            "--state-dir",
+            str(tmp_path / "state"),
             *args,
         ],
         stdout=subprocess.PIPE,
@@ -203,14 +207,16 @@ class _InterruptedBroker:
 
     isolation_info = None
     stopped = False
+    url = "https://127.0.0.1:9"
+    ca_bundle = "/nonexistent/ca.pem"
 
     def __init__(self, **options: Any) -> None:
         pass
 
-    def __enter__(self) -> _InterruptedBroker:
+    def start(self) -> _InterruptedBroker:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         _InterruptedBroker.stopped = True
 
     def keep_projected_token_rotated(self, *args: Any) -> str:
@@ -228,3 +234,36 @@ def test_dev_stops_quietly_on_a_ctrl_c_right_after_it_is_up(
     assert code == 0
     assert _InterruptedBroker.stopped
     assert "# stopping the local broker" in capsys.readouterr().err
+
+
+def test_dev_mints_a_gitlab_job_token_with_the_claims_given(tmp_path: Path) -> None:
+    """Issue 30, item 7: ``dev`` wrote only a Kubernetes token; ``--issuer gitlab --claims``
+    makes the token file a GitLab CI job's, to try a CI identity on this machine."""
+    said: list[str] = []
+    claims = "project_path=team/app,ref=release,environment=staging"
+    with (
+        _dev(tmp_path, "--issuer", "gitlab", "--claims", claims, said=said) as (exports, token),
+        _dev_client(exports, token) as http,
+    ):
+        me = http.get("/v1/whoami").json()
+        assert me["subject"] == "project_path:team/app:ref_type:branch:ref:release", me
+        assert me["provider"] == "gitlab", me
+        payload = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=="))
+        assert (payload["project_path"], payload["environment"]) == ("team/app", "staging")
+    assert "as GitLab CI job project_path:team/app:ref_type:branch:ref:release" in said[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--claims", "ref=main"], "--claims is for --issuer gitlab"),
+        (["--issuer", "gitlab", "--claims", "ref"], "is not KEY=VALUE"),
+        (["--issuer", "gitlab", "--claims", "project_path=solo"], "must be GROUP/PROJECT"),
+    ],
+)
+def test_dev_refuses_bad_claims(
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        dev_main(args)
+    assert says in capsys.readouterr().err

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +14,9 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx import Sandbox
-from k8s_agent_sandbox_awx.errors import PortNotListeningError
+from tests._support.port_server import free_port, start_in_sandbox
 
 CLI = [sys.executable, "-m", "k8s_agent_sandbox_awx.cli._cli"]
-APP = str(Path(__file__).parents[1] / "_support" / "port_app.py")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.mark.e2e
@@ -35,16 +25,7 @@ def test_port_forward_prints_the_url_forwards_and_stops_on_sigint(broker: Any) -
     env = broker.environ("kubernetes")
     port, local = free_port(), free_port()
     with Sandbox.create(environ=env) as sandbox:
-        handle = sandbox.commands.run(
-            [sys.executable, APP, str(port)], timeout=300, background=True
-        )
-        with sandbox.ports.client(port) as client:
-            for _ in range(300):
-                try:
-                    client.get("/headers")
-                    break
-                except PortNotListeningError:
-                    time.sleep(0.05)
+        handle = start_in_sandbox(sandbox, port)
         argv = [*CLI, "port-forward", sandbox.name, str(port), "--local-port", str(local)]
         process = subprocess.Popen(
             argv,

@@ -354,8 +354,10 @@ def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeat
 
             result = await sandbox.commands.run(long_stream.argv, on_stdout=on_stdout)
             assert result.stdout == long_stream.expected == "".join(chunks)  # byte for byte
-            assert len(chunks) >= 1500  # that many events: the cuts are not vacuous
-            assert len(streams.cursors) >= len(chunks) // 50 >= 30  # a request per cut
+            # that many events (1600 writes; a loaded runtime reads a few together): the cuts
+            # are not vacuous
+            assert len(chunks) >= 1000
+            assert len(streams.cursors) >= len(chunks) // 50 >= 20  # a request per cut
             assert len(streams.failures) >= 7  # the injected mid-line drops, survived
             assert streams.cursors[0] == 0 and streams.cursors == sorted(streams.cursors)
 
@@ -400,6 +402,31 @@ def test_the_streamed_start_is_live_resumes_after_a_drop_and_is_never_sent_twice
                 await sandbox.commands.run(["echo", "once"])
             assert broker.execution_count(sandbox.name) == 3
             assert list((await sandbox.commands.list())[-1].command) == ["echo", "once"]
+
+    run(main())
+
+
+def test_an_async_run_without_callbacks_prefers_its_answer_whole(
+    broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the sync client: ``Prefer: no-live-output`` without callbacks, none with one."""
+
+    async def main() -> None:
+        async with await create(broker) as sandbox:
+            transport = sandbox.commands._transport
+            seen: list[str | None] = []
+            events = transport.events
+
+            def recording(spec: Any, **options: Any) -> Any:
+                seen.append((spec.headers or {}).get("Prefer"))
+                return events(spec, **options)
+
+            monkeypatch.setattr(transport, "events", recording)
+            quiet = await sandbox.commands.run(["sh", "-c", "echo quiet; exit 2"])
+            live = await sandbox.commands.run(["echo", "live"], on_stdout=lambda text: None)
+            assert (quiet.stdout, quiet.exit_code, live.stdout) == ("quiet\n", 2, "live\n")
+            assert seen == ["no-live-output", None]
+            assert broker.execution_count(sandbox.name) == 2
 
     run(main())
 

@@ -147,10 +147,12 @@ async def _lifetime(broker: Any, dialect: str) -> None:
         assert time.time() >= deadline - 1
     finally:
         await sb.kill()
-    busy = await AsyncSandbox.create(timeout=3, keepalive=3, **_options(broker))
-    idle = await AsyncSandbox.create(timeout=3, keepalive=3, **_options(broker))
+    # idle first: busy's first call follows its create at once (a slow second create, a cold
+    # pod on a busy machine, must not eat busy's 5 s before its keepalive starts)
+    idle = await AsyncSandbox.create(timeout=5, keepalive=5, **_options(broker))
+    busy = await AsyncSandbox.create(timeout=5, keepalive=5, **_options(broker))
     try:
-        until = time.time() + 7
+        until = time.time() + 9
         while time.time() < until:
             assert await busy.files.exists("x") is False
             await asyncio.sleep(0.4)

@@ -147,8 +147,11 @@ def test_100_sandboxes_concurrently(roomy_broker: Any, monkeypatch: pytest.Monke
     assert broker.sandboxes() == []
     assert len(broker.claims(include_deleted=True)) >= COUNT
     assert _settle(lambda: [p for p in pids.values() if _alive(p)]) == []
-    # no client connection to the broker is left open
-    assert _settle(lambda: set(_client_sockets(port)) - connected_before) == set()
+    # no client connection to the broker is left open (those from before the run are known by
+    # their ports: the broker's own JWKS connection, idle all along, may have been closed by the
+    # broker meanwhile, CLOSE_WAIT until its pool uses it again, a slow run's common case)
+    before = {entry[:2] for entry in connected_before}
+    assert _settle(lambda: {e for e in _client_sockets(port) if e[:2] not in before}) == set()
     # ... and the broker saw every one of them closed
     assert _settle(lambda: len(_client_sockets(port, side="server")) > accepted_before) is False
 

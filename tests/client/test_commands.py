@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import signal
@@ -186,7 +187,8 @@ def test_any_text_arrives_byte_for_byte(sandbox: Sandbox, text: str) -> None:
     """The runtime escapes usual output with a few replaces and anything else (control
     characters) with ``json``: both arrive as printed."""
     chunks: list[str] = []
-    argv = [sys.executable, "-c", "import sys; sys.stdout.write(sys.argv[1])", text]
+    # python3 from PATH: the sandbox's own (a pod's image has none at this host's path)
+    argv = ["python3", "-c", "import sys; sys.stdout.write(sys.argv[1])", text]
     result = sandbox.commands.run(argv, on_stdout=chunks.append)
     assert result.stdout == text == "".join(chunks)
 
@@ -579,6 +581,48 @@ def test_the_streamed_start_delivers_the_output_live_in_one_request(
     assert broker.execution_count(sandbox.name) == 2
 
 
+def test_a_run_without_callbacks_prefers_its_answer_whole(
+    broker: Any, sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No output shown live: the streamed start says so (``Prefer: no-live-output``) and the
+    runtime answers whole at the exit; with a callback it streams. Both are one request."""
+    transport = sandbox.commands._transport
+    seen: list[tuple[str | None, str | None]] = []
+    events = transport.events
+
+    def recording(spec: Any, **options: Any) -> Any:
+        yield from events(spec, **options)
+        seen.append((spec.method, (spec.headers or {}).get("Prefer")))
+
+    monkeypatch.setattr(transport, "events", recording)
+    quiet = sandbox.commands.run(["sh", "-c", "echo quiet; exit 2"])
+    chunks: list[str] = []
+    live = sandbox.commands.run(["sh", "-c", "echo live; exit 3"], on_stdout=chunks.append)
+    assert (quiet.stdout, quiet.exit_code, live.stdout, live.exit_code) == (
+        "quiet\n",
+        2,
+        "live\n",
+        3,
+    )
+    assert chunks == ["live\n"]
+    assert seen == [("POST", "no-live-output"), ("POST", None)]
+    assert broker.execution_count(sandbox.name) == 2
+
+
+def test_a_whole_answer_cut_by_the_broker_resumes_without_loss(
+    broker: Any, sandbox: Sandbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker's stream cut (a proxy that times out) applies to an answer the runtime sent
+    whole: it ends cleanly after the lines, the client goes on from its cursor, and the broker
+    does not fail on the length the runtime announced."""
+    broker.cut_event_streams(after_events=2, sandbox=sandbox.name)
+    with caplog.at_level(logging.ERROR):
+        result = sandbox.commands.run(["bash", "-c", "for i in 1 2 3 4; do echo $i; done; exit 7"])
+    assert (result.stdout, result.exit_code) == ("1\n2\n3\n4\n", 7)
+    assert broker.execution_count(sandbox.name) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 @pytest.mark.parametrize("lines", [1, 6])
 @RPC_SMOKE
 def test_a_streamed_start_dropped_after_the_command_id_resumes_without_loss(
@@ -720,7 +764,7 @@ def test_cli_run_ctrl_c_kills_the_remote_command(broker: Any, process_gone: Any)
     assert proc.stdout is not None
     pid = int(proc.stdout.readline())
     proc.send_signal(signal.SIGINT)
-    _, err = exit_after(proc, 60)  # 30 s at most to clean up (_cli.CLEANUP_TIMEOUT), and more
+    _, err = exit_after(proc, 60)  # 30 s at most to clean up (_run.CLEANUP_TIMEOUT), and more
     assert proc.returncode == 130 and "interrupted" in err, err
     assert process_gone(pid)
     assert broker.sandboxes() == []  # and the sandbox is gone too
@@ -733,15 +777,15 @@ def cli_with_stuck_kill(
     kill request that never returns (in the field: a lock an interrupted library call left
     held); ``second_ctrl_c``: Ctrl-C again once the kill is stuck. Its exit code and stderr.
     A hang is ended by a Ctrl-C after 20 s and fails the test."""
-    from k8s_agent_sandbox_awx.cli import _cli
+    from k8s_agent_sandbox_awx.cli import _cli, _run
     from k8s_agent_sandbox_awx.client.http._transport import BrokerTransport
 
     for key, value in broker.environ("kubernetes").items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD", "1")
     if not second_ctrl_c:
-        monkeypatch.setattr(_cli, "CLEANUP_TIMEOUT", 0.5, raising=False)
-    call, writer = BrokerTransport.call, _cli._writer
+        monkeypatch.setattr(_run, "CLEANUP_TIMEOUT", 0.5)
+    call, writer = BrokerTransport.call, _run._writer
     stuck = threading.Event()
 
     def kill_that_never_returns(self: Any, step: Any, sent: Any = None) -> Any:
@@ -770,7 +814,7 @@ def cli_with_stuck_kill(
 
     rescue = threading.Timer(20, rescue_ctrl_c)
     monkeypatch.setattr(BrokerTransport, "call", kill_that_never_returns)
-    monkeypatch.setattr(_cli, "_writer", ctrl_c_at_first_output)
+    monkeypatch.setattr(_run, "_writer", ctrl_c_at_first_output)
     err = io.StringIO()
     rescue.start()  # a bound for the hang, not a speed check
     try:

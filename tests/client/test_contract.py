@@ -80,6 +80,12 @@ def test_client_traffic_conforms_to_openapi(broker: Any) -> None:
             sandbox.files.move("d/s.bin", "d/b.txt")
         sandbox.files.remove("d", recursive=True)
         list(sandbox.files.watch_dir("/workspace", timeout=0.5))
+        sandbox.run_code("x = 1", envs={"A": "b"}, timeout=30)
+        context = sandbox.create_code_context(cwd="/workspace", envs={"B": "c"})
+        sandbox.run_code("x", context=context)
+        sandbox.list_code_contexts()
+        sandbox.restart_code_context(context)
+        sandbox.remove_code_context(context)
         sandbox.set_timeout(200)
         with pytest.raises(LifetimeExceedsPolicyError):
             sandbox.set_timeout(10**6)

@@ -1,6 +1,6 @@
 """The keepalive's one short attempt is bounded in all, not per read (issue 19 item 10, as the
 review found it: a control plane trickling its answer a byte a second held the data-plane call
-for the whole answer). Async here (sync: tests/client/test_adversary_19.py), and after a
+for the whole answer). Async and sync, and after a
 trickled extension the keepalive still works: the next opportunity extends the sandbox."""
 
 from __future__ import annotations
@@ -90,3 +90,31 @@ def test_after_a_trickled_extension_the_next_opportunity_extends(
             assert sb.files.exists("nothing") is False
             time.sleep(0.2)
         assert _deadline(files_broker, sb.name) == keepalive.deadline
+
+
+@pytest.mark.slow
+def test_a_trickling_control_plane_never_holds_the_call(
+    files_broker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = files_broker._require_app().v1
+    extend = app._extend
+
+    async def trickle(*args: Any) -> Any:
+        answer = await extend(*args)  # the real extension, answered slowly
+        body = bytes(answer.body)
+
+        async def slowly() -> Any:
+            for i in range(len(body)):
+                if i < 10:
+                    await asyncio.sleep(1.0)
+                yield body[i : i + 1]
+
+        return StreamingResponse(slowly(), media_type="application/json")
+
+    with Sandbox.create(timeout=30, keepalive=100, **_options(files_broker)) as sb:
+        monkeypatch.setattr(app, "_extend", trickle)
+        started = time.monotonic()
+        assert sb.files.exists("nothing") is False
+        took = time.monotonic() - started
+        monkeypatch.setattr(app, "_extend", extend)
+    assert took < 3.0, f"the data-plane call waited {took:.1f} s for the keepalive"

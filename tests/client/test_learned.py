@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx._driver import drive
-from k8s_agent_sandbox_awx.client.core import _command_flow as cf
+from k8s_agent_sandbox_awx.client.core import _command_ops as ops
 from k8s_agent_sandbox_awx.client.core import _fsapi as fsapi
+from k8s_agent_sandbox_awx.client.core._command_rules import StartPlan
+from k8s_agent_sandbox_awx.client.core._command_start import RuntimeFeatures
 from k8s_agent_sandbox_awx.client.core._steps import Call, Learned, learning
 from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget
 from k8s_agent_sandbox_awx.errors import (
@@ -41,8 +43,8 @@ def test_the_keeper_records_what_the_operation_learned() -> None:
 def test_a_command_start_learns_whether_the_runtime_has_managed_commands() -> None:
     legacy = BrokerError("404", status_code=404, detail="Not Found")
     for answer, managed in (("c1", True), (legacy, False)):
-        features = cf.RuntimeFeatures()
-        plan = cf.StartPlan.make("true", 5, background=True)
+        features = RuntimeFeatures()
+        plan = StartPlan.make("true", 5, background=True)
 
         def perform(call: Any, answer: Any = answer) -> Any:
             if isinstance(answer, Exception):
@@ -50,10 +52,10 @@ def test_a_command_start_learns_whether_the_runtime_has_managed_commands() -> No
             return answer
 
         if managed:
-            assert drive(cf.start(RouterTarget("s"), plan, features), perform) == "c1"
+            assert drive(ops.start(RouterTarget("s"), plan, features), perform) == "c1"
         else:
             with pytest.raises(UnsupportedByRuntimeError):
-                drive(cf.start(RouterTarget("s"), plan, features), perform)
+                drive(ops.start(RouterTarget("s"), plan, features), perform)
         assert features.managed is managed
 
 

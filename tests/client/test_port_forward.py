@@ -11,50 +11,16 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
-from k8s_agent_sandbox_awx.errors import PortNotListeningError
+from k8s_agent_sandbox_awx import AsyncSandbox
 from tests._support import ws_client
+from tests._support.port_server import APP, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]
-
-APP = str(Path(__file__).parents[1] / "_support" / "port_app.py")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@pytest.fixture
-def sandbox(dialect_broker: Any) -> Iterator[Any]:
-    with Sandbox.create(environ=dialect_broker.environ("kubernetes")) as sandbox:
-        yield sandbox
-
-
-@pytest.fixture
-def app_port(sandbox: Any) -> Iterator[int]:
-    port = free_port()
-    handle = sandbox.commands.run([sys.executable, APP, str(port)], timeout=300, background=True)
-    deadline = time.monotonic() + 15
-    with sandbox.ports.client(port) as client:
-        while True:
-            try:
-                client.get("/headers")
-                break
-            except PortNotListeningError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-    yield port
-    handle.kill()
 
 
 def test_plain_httpx_through_the_forward(sandbox: Any, app_port: int) -> None:

@@ -13,8 +13,6 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,47 +26,9 @@ from k8s_agent_sandbox_awx.errors import (
     PortNotListeningError,
     UnsupportedOperationError,
 )
+from tests._support.port_server import APP, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("dialect")]
-
-APP = str(Path(__file__).parents[1] / "_support" / "port_app.py")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def start_app(sandbox: Any, port: int) -> Any:
-    """The app on ``port`` of ``sandbox``, once it answers through the broker."""
-    handle = sandbox.commands.run([sys.executable, APP, str(port)], timeout=300, background=True)
-    deadline = time.monotonic() + 15
-    with sandbox.ports.client(port) as client:
-        while True:
-            try:
-                client.get("/headers")
-                return handle
-            except PortNotListeningError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-
-@pytest.fixture
-def sandbox(dialect_broker: Any) -> Iterator[Any]:
-    env = dialect_broker.environ("kubernetes")
-    with Sandbox.create(environ=env) as sandbox:
-        yield sandbox
-
-
-@pytest.fixture
-def app_port(sandbox: Any) -> Iterator[int]:
-    port = free_port()
-    handle = start_app(sandbox, port)
-    yield port
-    handle.kill()
 
 
 def test_client_reaches_the_server_without_the_token(sandbox: Any, app_port: int) -> None:

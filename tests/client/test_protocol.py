@@ -15,8 +15,10 @@ from k8s_agent_sandbox_awx._upstream import (
     SandboxTemplateNotFoundError,
 )
 from k8s_agent_sandbox_awx.client.core import _retry as retry
-from k8s_agent_sandbox_awx.client.wire import _dataplane as dp
+from k8s_agent_sandbox_awx.client.wire import _commands_wire as cw
 from k8s_agent_sandbox_awx.client.wire import _dialect_v1 as v1
+from k8s_agent_sandbox_awx.client.wire import _files_wire as files_wire
+from k8s_agent_sandbox_awx.client.wire import _multipart as multipart
 from k8s_agent_sandbox_awx.client.wire import _protocol as proto
 from k8s_agent_sandbox_awx.errors import (
     BrokerAuthenticationError,
@@ -52,7 +54,7 @@ def test_wait_request_is_a_bounded_long_poll() -> None:
 
 
 def test_execute_is_never_retryable_and_carries_timeouts() -> None:
-    spec = dp.execute(ROUTER, "echo hi", command_timeout=30)
+    spec = cw.execute(ROUTER, "echo hi", command_timeout=30)
     assert not spec.retryable
     assert spec.headers["X-Sandbox-ID"] == "sbx-1"
     assert spec.headers["X-Sandbox-Namespace"] == "team-a"
@@ -63,23 +65,23 @@ def test_execute_is_never_retryable_and_carries_timeouts() -> None:
 
 
 def test_data_plane_paths_are_encoded() -> None:
-    assert dp.download(ROUTER, "a b/c.txt").path == "/download/a%20b%2Fc.txt"
-    assert dp.list_files(ROUTER, ".").path == "/list/."
+    assert files_wire.download(ROUTER, "a b/c.txt").path == "/download/a%20b%2Fc.txt"
+    assert files_wire.list_files(ROUTER, ".").path == "/list/."
 
 
 @pytest.mark.parametrize("bad", ["", "  ", "a/../b", "..", "a\x00b", "a\nb", "/"])
 def test_path_validation(bad: str) -> None:
     with pytest.raises(ValueError):
-        dp.validate_sandbox_path(bad)
+        files_wire.validate_sandbox_path(bad)
 
 
 def test_path_normalisation() -> None:
-    assert dp.validate_sandbox_path("/data//in.csv") == "data/in.csv"
-    assert dp.validate_sandbox_path("", allow_root=True) == "."
+    assert files_wire.validate_sandbox_path("/data//in.csv") == "data/in.csv"
+    assert files_wire.validate_sandbox_path("", allow_root=True) == "."
 
 
 def test_multipart_framing() -> None:
-    framing = dp.multipart_framing('dir/"x".bin', boundary="b0")
+    framing = multipart.multipart_framing('dir/"x".bin', boundary="b0")
     assert framing.prefix.startswith(b"--b0\r\n")
     assert b'filename="dir/\\"x\\".bin"' in framing.prefix
     assert framing.suffix == b"\r\n--b0--\r\n"
@@ -97,13 +99,13 @@ def test_parse_sandbox_and_list() -> None:
 
 
 def test_parse_results() -> None:
-    result = dp.parse_execution_result({"stdout": "o", "stderr": "", "exit_code": 3})
+    result = cw.parse_execution_result({"stdout": "o", "stderr": "", "exit_code": 3})
     assert (result.stdout, result.exit_code, result.timed_out) == ("o", 3, False)
-    entries = dp.parse_file_entries(
+    entries = files_wire.parse_file_entries(
         [{"name": "a", "size": 1, "type": "file", "mod_time": 0.0}], "."
     )
     assert isinstance(entries[0], FileEntry)
-    assert dp.parse_exists({"path": "a", "exists": True}, "a") is True
+    assert files_wire.parse_exists({"path": "a", "exists": True}, "a") is True
     with pytest.raises(BrokerProtocolError, match="not JSON"):
         proto.parse_json(b"<html>", "list my sandboxes")
 
@@ -150,7 +152,7 @@ def test_retry_after_parsing() -> None:
 def test_retry_decisions() -> None:
     policy = retry.RetryPolicy(max_attempts=3, backoff_base=1, backoff_max=4, rand=lambda a, b: b)
     get = v1.get("x")
-    execute = dp.execute(ROUTER, "true", command_timeout=5)
+    execute = cw.execute(ROUTER, "true", command_timeout=5)
     assert policy.after_status(get, 1, 503, {}) == 1
     assert policy.after_status(get, 2, 502, {}) == 2
     assert policy.after_status(get, 3, 503, {}) is None  # bounded
@@ -227,7 +229,7 @@ def test_execute_rejects_a_timeout_that_is_not_a_finite_positive_number(limit: f
     """Never sent as 'inf'/'nan' (an X-Sandbox-Timeout the broker rejects, a JSON body with
     Infinity): the caller's own argument is named."""
     with pytest.raises(ValueError, match="command timeout must be a finite number of seconds"):
-        dp.execute(ROUTER, "echo hi", command_timeout=limit)
+        cw.execute(ROUTER, "echo hi", command_timeout=limit)
 
 
 @pytest.mark.parametrize("ready", [float("nan"), -1.0])
@@ -245,9 +247,9 @@ def test_create_rejects_a_ready_timeout_that_is_nan_or_negative(ready: float) ->
 def test_parse_output_truncated() -> None:
     """Absent (a runtime that never truncates) is False; only a JSON true is True."""
     base = {"stdout": "o", "stderr": "", "exit_code": 0}
-    assert dp.parse_execution_result(base).output_truncated is False
-    assert dp.parse_execution_result({**base, "output_truncated": True}).output_truncated
-    assert not dp.parse_execution_result({**base, "output_truncated": "no"}).output_truncated
+    assert cw.parse_execution_result(base).output_truncated is False
+    assert cw.parse_execution_result({**base, "output_truncated": True}).output_truncated
+    assert not cw.parse_execution_result({**base, "output_truncated": "no"}).output_truncated
 
 
 @pytest.mark.parametrize(("dialect", "field"), [("v1", "name"), ("rpc", "claim_name")])
@@ -286,13 +288,13 @@ def test_one_multipart_framing_and_one_length_rule_for_both_upload_endpoints() -
     """``/fs/write`` (the ``path`` field, then the file) and the legacy ``/upload`` (the file
     named by its destination) are framed by one builder, and their headers (the type, the
     length of a sized body, chunked for one of unknown size) come from one place."""
-    fs = dp.multipart_framing("file", boundary="b0", fields={"path": "d/a.txt"})
+    fs = multipart.multipart_framing("file", boundary="b0", fields={"path": "d/a.txt"})
     assert fs.prefix == (
         b'--b0\r\nContent-Disposition: form-data; name="path"\r\n\r\nd/a.txt\r\n'
         b'--b0\r\nContent-Disposition: form-data; name="file"; filename="file"\r\n'
         b"Content-Type: application/octet-stream\r\n\r\n"
     )
-    legacy = dp.multipart_framing("d/a.txt", boundary="b1")
+    legacy = multipart.multipart_framing("d/a.txt", boundary="b1")
     assert (
         legacy.prefix.count(b"Content-Disposition") == 1 and b'filename="d/a.txt"' in legacy.prefix
     )

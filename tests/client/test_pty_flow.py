@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx._driver import drive
-from k8s_agent_sandbox_awx.client.core import _command_flow as cf
 from k8s_agent_sandbox_awx.client.core import _pty_flow as pf
-from k8s_agent_sandbox_awx.client.wire import _dataplane as dp
+from k8s_agent_sandbox_awx.client.core._command_rules import SHELL
+from k8s_agent_sandbox_awx.client.core._command_start import RuntimeFeatures
+from k8s_agent_sandbox_awx.client.core._steps import Call, Step
+from k8s_agent_sandbox_awx.client.wire import _commands_wire as cw
 from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget
 from k8s_agent_sandbox_awx.errors import (
     BrokerError,
@@ -45,7 +47,7 @@ def test_the_start_body_asks_for_a_terminal_without_a_time_limit() -> None:
     }
     assert math.isinf(one.timeout) and uuid.UUID(one.request_id).version == 4
     assert two.body() == {
-        "command": [*cf.SHELL, "top"],
+        "command": [*SHELL, "top"],
         "timeout": 9.0,
         "request_id": two.request_id,
         "envs": {"A": "b"},
@@ -53,7 +55,7 @@ def test_the_start_body_asks_for_a_terminal_without_a_time_limit() -> None:
         "pty": {"cols": 80, "rows": 24},
     }
     assert plan(command=["vim", "f"]).argv == ["vim", "f"]
-    assert not dp.start_command(TARGET, one.body()).retryable
+    assert not cw.start_command(TARGET, one.body()).retryable
 
 
 def test_the_default_command_is_the_login_shell_decided_in_the_sandbox() -> None:
@@ -61,6 +63,25 @@ def test_the_default_command_is_the_login_shell_decided_in_the_sandbox() -> None
     script = pf.DEFAULT_COMMAND[2]
     assert 'exec "$SHELL" -l' in script and "exec bash -l" in script
     assert script.endswith("exec /bin/sh -l")
+
+
+def test_the_size_is_cols_and_rows_or_size_and_80_by_24_without() -> None:
+    """What both shells' ``pty.create`` plan, and the refusals both shells raise for a
+    terminal whose output an ``on_data`` of ``create`` reads."""
+
+    class PtySize:  # E2B's
+        cols, rows = 120, 40
+
+    assert plan(cols=None, rows=None).size == (80, 24)
+    assert plan(cols=100, rows=None).size == (100, 24)
+    assert plan(cols=None, rows=None, size=PtySize()).size == (120, 40)
+    with pytest.raises(TypeError, match="not both"):
+        plan(cols=100, rows=None, size=PtySize())
+    told = "This terminal's output goes to the on_data given to pty.create(); "
+    assert str(pf.other_on_data()) == told + "wait() takes no other on_data."
+    assert str(pf.not_iterable()) == told + "iterate a terminal created without on_data."
+    assert isinstance(pf.other_on_data(), ValueError)
+    assert isinstance(pf.not_iterable(), TypeError)
 
 
 @pytest.mark.parametrize(
@@ -128,8 +149,8 @@ def test_input_is_text_when_it_is_utf8_and_exact_bytes_otherwise() -> None:
     assert json.loads(resize.content or b"") == {"cols": 120, "rows": 40}
 
 
-def status(command_id: str, pty: tuple[int, int] | None) -> dp.CommandInfo:
-    return dp.CommandInfo(command_id, "running", None, ("sh",), pty=pty)
+def status(command_id: str, pty: tuple[int, int] | None) -> cw.CommandInfo:
+    return cw.CommandInfo(command_id, "running", None, ("sh",), pty=pty)
 
 
 def script(*answers: Any) -> tuple[list[str], Any]:
@@ -138,8 +159,8 @@ def script(*answers: Any) -> tuple[list[str], Any]:
     sent: list[str] = []
     pending = list(answers)
 
-    def perform(step: cf.Step) -> Any:
-        assert isinstance(step, cf.Call), step
+    def perform(step: Step) -> Any:
+        assert isinstance(step, Call), step
         sent.append(f"{step.spec.method} {step.spec.path}")
         answer = pending.pop(0)
         if isinstance(answer, BaseException):
@@ -151,7 +172,7 @@ def script(*answers: Any) -> tuple[list[str], Any]:
 
 def test_a_terminal_starts_and_its_status_shows_the_terminal() -> None:
     sent, perform = script("c1", status("c1", (80, 24)))
-    features = cf.RuntimeFeatures()
+    features = RuntimeFeatures()
     assert drive(pf.start(TARGET, plan(), features), perform) == "c1"
     assert sent == ["POST /commands", "GET /commands/c1"]
     assert features.managed is True
@@ -162,7 +183,7 @@ def test_a_runtime_that_ignores_the_option_has_its_command_killed() -> None:
     with pytest.raises(
         UnsupportedByRuntimeError, match="without a terminal; it was killed"
     ) as info:
-        drive(pf.start(TARGET, plan(), cf.RuntimeFeatures()), perform)
+        drive(pf.start(TARGET, plan(), RuntimeFeatures()), perform)
     assert sent == ["POST /commands", "GET /commands/c1", "POST /commands/c1/kill"]
     assert info.value.options == ("pty",)
 
@@ -171,7 +192,7 @@ def test_a_status_that_fails_after_the_start_kills_the_terminal() -> None:
     lost = BrokerUnavailableError("the broker went away")
     sent, perform = script("c1", lost, BrokerUnavailableError("still away"))
     with pytest.raises(BrokerUnavailableError) as info:
-        drive(pf.start(TARGET, plan(), cf.RuntimeFeatures()), perform)
+        drive(pf.start(TARGET, plan(), RuntimeFeatures()), perform)
     assert info.value is lost
     assert sent == ["POST /commands", "GET /commands/c1", "POST /commands/c1/kill"]
     assert "may still be running" in " ".join(getattr(info.value, "__notes__", []))
@@ -194,7 +215,7 @@ def test_a_status_that_fails_after_the_start_kills_the_terminal() -> None:
 )
 def test_a_runtime_without_terminals_is_unsupported(refusal: BrokerError, says: str) -> None:
     sent, perform = script(refusal)
-    features = cf.RuntimeFeatures()
+    features = RuntimeFeatures()
     with pytest.raises(UnsupportedByRuntimeError, match=re.escape(says)) as info:
         drive(pf.start(TARGET, plan(), features), perform)
     assert sent == ["POST /commands"]  # nothing started: nothing else sent
@@ -211,5 +232,5 @@ def test_another_refusal_of_the_start_is_raised_as_it_is() -> None:
     busy = BrokerError("429", status_code=429, detail="too many running commands")
     sent, perform = script(busy)
     with pytest.raises(BrokerError) as info:
-        drive(pf.start(TARGET, plan(), cf.RuntimeFeatures()), perform)
+        drive(pf.start(TARGET, plan(), RuntimeFeatures()), perform)
     assert info.value is busy and sent == ["POST /commands"]

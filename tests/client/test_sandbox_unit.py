@@ -26,7 +26,7 @@ from k8s_agent_sandbox_awx._upstream import (
     SandboxError,
     SandboxNotReadyError,
 )
-from k8s_agent_sandbox_awx.client.core._command_flow import SHELL
+from k8s_agent_sandbox_awx.client.core._command_rules import SHELL
 
 pytestmark = pytest.mark.upstream  # upstream-named API (claim_name, terminate, ...)
 

@@ -81,17 +81,17 @@ def test_events_stream_through_the_local_broker_sync_and_async(broker: Any) -> N
     """A managed command's NDJSON events, streamed through the broker over real HTTPS by the
     one exchange (auth, the dialect's data-plane headers), sync and async."""
     from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
-    from k8s_agent_sandbox_awx.client.wire._dataplane import _data
+    from k8s_agent_sandbox_awx.client.wire._dataplane import data_request
     from k8s_agent_sandbox_awx.client.wire._protocol import json_body
 
     env = broker.environ("kubernetes")
 
     def specs(target: Any) -> tuple[RequestSpec, Any]:
         start = json_body(
-            _data("POST", "/commands", "start a command", target),
+            data_request("POST", "/commands", "start a command", target),
             {"command": ["sh", "-c", "echo one; echo two >&2"], "timeout": 30},
         )
-        return start, lambda cid: _data(
+        return start, lambda cid: data_request(
             "GET", f"/commands/{cid}/events", "follow a command", target
         )
 
@@ -129,7 +129,9 @@ def run_echo_hi(start: httpx.Response) -> tuple[Any, list[str]]:
     """A foreground ``echo hi`` against a runtime that answers the start with ``start`` and
     GET events with :data:`EVENTS_HI`: its result and the requests sent."""
     from k8s_agent_sandbox_awx.client._commands import _Performer
-    from k8s_agent_sandbox_awx.client.core import _command_flow as cf
+    from k8s_agent_sandbox_awx.client.core import _command_ops as ops
+    from k8s_agent_sandbox_awx.client.core._command_rules import StartPlan
+    from k8s_agent_sandbox_awx.client.core._command_start import RuntimeFeatures
     from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget
 
     seen: list[str] = []
@@ -146,7 +148,7 @@ def run_echo_hi(start: httpx.Response) -> tuple[Any, list[str]]:
     )
     client._transport._sleep = lambda _s: None
     try:
-        op = cf.run(RouterTarget("sbx"), cf.StartPlan.make("echo hi", 5), cf.RuntimeFeatures())
+        op = ops.run(RouterTarget("sbx"), StartPlan.make("echo hi", 5), RuntimeFeatures())
         return _Performer(client._transport, None, None).drive(op), seen
     finally:
         client.close()

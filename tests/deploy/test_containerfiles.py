@@ -1,34 +1,33 @@
 """The two Containerfiles (issue 22, "An image definition" and "The sandbox runtime, as an
-image for SandboxTemplates").
+image for SandboxTemplates"; issue 28: the base a build argument, pins, any uid, dual-stack).
 
-No container engine runs on our CI machines, so the images are never built here. What is
-checked instead: each Containerfile is read (a pinned base, a numeric non-root user, the wheel
-CI builds, an exec-form entry point that names a command the package has), and the runtime's
-entry point is started exactly as its image starts it (its ENTRYPOINT, CMD, ENV and WORKDIR,
-with the addresses and directories mapped to the test's: 127.0.0.1 for 0.0.0.0, a free port
-for 8888, temporary folders for /app and /workspace) with nothing importable but the standard
-library, our package and python-multipart (what ``pip install --no-deps`` of the wheel plus
-python-multipart leaves in the image), then used: health, a managed command in /workspace,
-a file written and read there, the legacy endpoint.
+Read as text here (a pinned default base, a numeric non-root user, the wheel CI builds and the
+pins, an exec-form entry point that names a command the package has), and the runtime's entry
+point is started exactly as its image starts it (its ENTRYPOINT, CMD, ENV and WORKDIR, with the
+directories mapped to the test's: a free port for 8888, temporary folders for /app and
+/workspace) with nothing importable but the standard library, our package and
+python-multipart (what ``pip install --no-deps`` of the wheel plus python-multipart leaves in
+the image), then used: health on IPv4 and IPv6, a managed command in /workspace, a file written
+and read there, the legacy endpoint. CI also builds both images (.ci/images) and runs them as
+real containers (tests/kube/test_images.py and the Kubernetes tests' pods).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
 import os
 import re
-import signal
+import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+import tomllib
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from tests._support.deploy import (
     BROKER_CONTAINERFILE,
@@ -37,6 +36,7 @@ from tests._support.deploy import (
     Containerfile,
 )
 from tests._support.kube import free_ports
+from tests._support.runtime_image import as_the_image_starts, started
 
 BASE_IMAGE: Final = re.compile(r"^python:3\.12\.\d+-slim-bookworm$")
 DOCUMENTED_SERVE: Final = [
@@ -48,14 +48,33 @@ SECRETISH: Final = re.compile(r"TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL", re.IGNORE
 @pytest.mark.parametrize("path", [BROKER_CONTAINERFILE, RUNTIME_CONTAINERFILE],
                          ids=["broker", "runtime"])  # fmt: skip
 def test_the_image_is_pinned_non_root_and_built_from_the_ci_wheel(path: Path) -> None:
+    """The base is a build argument (CI builds on a Debian base of its own, .ci/images) whose
+    default is the published, pinned python image; pip's settings come in at build time only
+    (an ARG naming a mounted file, never an index written here); what pip installs is pinned
+    by deploy/image-constraints.txt."""
     image = Containerfile(path)
     [base] = image.all("FROM")  # one stage
-    assert BASE_IMAGE.match(base), f"{path}: FROM {base}: pin a python:3.12.N-slim-bookworm tag"
+    assert base == "${BASE}", f"{path}: FROM ${{BASE}} (the base is a build argument)"
+    assert image.instructions[0].keyword == "ARG", "ARG BASE comes before FROM"
+    default = image.instructions[0].arguments.partition("=")[2]
+    assert BASE_IMAGE.match(default), f"{path}: ARG BASE={default}: a python:3.12.N-slim tag"
     assert "@sha256:<" in path.read_text(), f"{path}: keep the digest placeholder comment"
+    for setting in ("PIP_CONFIG_FILE", "PIP_NO_INDEX"):  # an offline build: wheels in dist/
+        assert setting in image.all("ARG"), f"pip's settings at build time (ARG {setting})"
+        assert setting not in image.env(), "the build's pip settings stay out of the image"
     user, _, group = image.last("USER").partition(":")
     assert user.isdigit() and int(user) != 0, f"{path}: USER must be a numeric non-root uid"
-    assert group.isdigit() and int(group) != 0
-    assert image.last("COPY") == "dist/k8s_agent_sandbox_awx-*.whl /tmp/wheels/"
+    assert group.isdigit()  # group 0 is no privilege (OpenShift runs pods so)
+    assert image.all("COPY") == [
+        "deploy/image-constraints.txt /tmp/wheels/constraints.txt",
+        "dist/ /tmp/wheels/",  # the package's wheel, and any wheels of what it installs
+    ]
+    assert all("PIP_FIND_LINKS=/tmp/wheels python -m pip install" in i
+               for r in image.all("RUN") for i in r.split("&&") if "pip install" in i)  # fmt: skip
+    installs = [r for r in image.all("RUN") if "pip install" in r]
+    unpinned = [i for i in " ".join(installs).split("&&") if "pip install" in i
+                and "--no-deps" not in i and "-c /tmp/wheels/constraints.txt" not in i]  # fmt: skip
+    assert not unpinned, f"{path}: every pip install with dependencies is pinned: {unpinned}"
     assert any(f"--uid {user}" in run for run in image.all("RUN"))  # a passwd entry for it
     assert not [k for k in image.env() if SECRETISH.search(k)], "an image holds no credential"
     assert image.instructions[-1].keyword in ("ENTRYPOINT", "CMD")
@@ -101,71 +120,19 @@ def test_the_runtime_image_holds_only_the_runtime() -> None:
     assert "python-multipart" in install
     assert image.exec_form("ENTRYPOINT") == [
         "python",
-        "-P",  # /app is written by callers: never on the import path, even before main()
+        # isolated: no PYTHON* variable, no user site, never the working directory (/app, which
+        # callers write) on the import path, even before main()
+        "-I",
         "-m",
         "k8s_agent_sandbox_awx.broker.runtime",
     ]
-    assert image.exec_form("CMD") == ["--host", "0.0.0.0", "--port", "8888", "--base-dir", "/app"]
+    # every interface, IPv6 and IPv4 (dual-stack)
+    assert image.exec_form("CMD") == ["--host", "::", "--port", "8888", "--base-dir", "/app"]
     assert image.env()["SANDBOX_WORKSPACE_DIR"] == "/workspace"
     assert image.last("WORKDIR") == "/app"
 
 
 # ------------------------------------------------------------------------------ the runtime
-
-
-def minimal_site(folder: Path) -> Path:
-    """A folder with nothing but our package and python-multipart (links to them)."""
-    folder.mkdir()
-    (folder / "k8s_agent_sandbox_awx").symlink_to(REPO_ROOT / "src" / "k8s_agent_sandbox_awx")
-    spec = importlib.util.find_spec("python_multipart")
-    assert spec is not None and spec.submodule_search_locations
-    (folder / "python_multipart").symlink_to(next(iter(spec.submodule_search_locations)))
-    return folder
-
-
-def as_the_image_starts(tmp_path: Path, port: int) -> tuple[list[str], dict[str, str], Path]:
-    """argv, environment and working directory of the runtime's image, mapped to the test's
-    places: ``python`` -> this interpreter with ``-S`` (no site-packages: only the minimal
-    site is importable), 0.0.0.0 -> 127.0.0.1, 8888 -> ``port``, /app and /workspace ->
-    folders under ``tmp_path``."""
-    image = Containerfile(RUNTIME_CONTAINERFILE)
-    places = {"/app": tmp_path / "app", "/workspace": tmp_path / "workspace"}
-    for folder in places.values():
-        folder.mkdir()
-    mapped = {"0.0.0.0": "127.0.0.1", "8888": str(port), **{k: str(v) for k, v in places.items()}}
-    argv = [mapped.get(a, a) for a in image.exec_form("ENTRYPOINT") + image.exec_form("CMD")]
-    assert argv[0] == "python"
-    argv[:1] = [sys.executable, "-S"]
-    env = {k: mapped.get(v, v) for k, v in image.env().items()}
-    env.update(PATH=os.environ.get("PATH", "/usr/bin:/bin"), HOME=str(tmp_path),
-               PYTHONPATH=str(minimal_site(tmp_path / "site")))  # fmt: skip
-    return argv, env, places[image.last("WORKDIR")]
-
-
-@contextlib.contextmanager
-def started(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> Iterator[str]:
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            assert process.poll() is None, f"the runtime exited: {log.read_text()}"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"the runtime did not answer: {log.read_text()}"
-            time.sleep(0.05)
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)  # as the kubelet stops it
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
-            raise AssertionError("the runtime ignored SIGTERM") from None
-    assert process.returncode is not None
 
 
 def events(client: httpx.Client, command_id: str) -> list[dict[str, Any]]:
@@ -182,6 +149,9 @@ def test_the_runtime_runs_standalone_as_its_image_starts_it(tmp_path: Path) -> N
         httpx.Client(base_url=url, timeout=30) as client,
     ):
         assert client.get("/").json()["status"] == "ok"
+        if socket.has_ipv6:  # "::" is every interface, IPv6 as well as IPv4
+            ipv6 = url.replace("127.0.0.1", "[::1]")
+            assert httpx.get(f"{ipv6}/", timeout=5).json()["status"] == "ok"
         start = client.post("/commands", json={
             "command": ["sh", "-c", "printf made > made-by-command.txt; echo done"],
             "cwd": "/workspace",
@@ -215,3 +185,33 @@ def test_the_runtime_needs_nothing_but_our_package_and_python_multipart(tmp_path
         [argv[0], "-S", "-c", "import httpx"], env=env, cwd=cwd, capture_output=True, text=True
     )
     assert probe.returncode != 0 and "No module named 'httpx'" in probe.stderr
+
+
+# ------------------------------------------------------------------------------ the pins
+
+
+def image_pins() -> dict[str, str]:
+    """deploy/image-constraints.txt: normalised name -> version."""
+    pins: dict[str, str] = {}
+    for line in (REPO_ROOT / "deploy" / "image-constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, f"{line!r}: pin one exact version (name==version)"
+            assert "/" not in line and "@" not in line, f"{line!r}: a version, never an address"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_the_image_pins_are_within_pyprojects_ranges() -> None:
+    """Every dependency the images install (the core, the [broker] extra) is pinned, inside
+    the range pyproject.toml allows: the images install what the package declares."""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    pins = image_pins()
+    declared = project["dependencies"] + project["optional-dependencies"]["broker"]
+    for requirement in map(Requirement, declared):
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement}: not pinned in deploy/image-constraints.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (
+            f"{name}=={pins[name]} is outside pyproject.toml's {requirement}"
+        )

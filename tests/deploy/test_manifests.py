@@ -146,7 +146,7 @@ def test_the_probes_are_the_brokers_health_endpoints_over_https() -> None:
     port, _metrics = broker["ports"]
     assert port["name"] == "https"
     host, _, listen_port = config()["server"]["listen"].rpartition(":")
-    assert (host, int(listen_port)) == ("0.0.0.0", port["containerPort"])
+    assert (host, int(listen_port)) == ("[::]", port["containerPort"])  # IPv6 and IPv4
     service = find(BASE, "Service", "sandbox-broker")
     assert service["spec"]["selector"] == deployment()["spec"]["selector"]["matchLabels"]
     assert service["spec"]["ports"] == [
@@ -236,7 +236,8 @@ SCHEMA: Final[dict[str, set[str]]] = {
     "backend": {"kind", "kubernetes", "local"},
     "backend.kubernetes": {"connection", "kubeconfig_file", "context", "ready_timeout_seconds",
                            "data_plane", "router_url", "router_token_file", "router_ca_file",
-                           "runtime_port", "allow_loopback_pod_ips"},
+                           "runtime_port", "allow_loopback_pod_ips", "pod_label_domains",
+                           "router_pod_ip"},
 }  # fmt: skip
 
 
@@ -392,7 +393,9 @@ def template(name: str) -> dict[str, Any]:
 
 def test_our_runtimes_template_matches_its_image() -> None:
     """Port, base directory and workspace as deploy/runtime/Containerfile starts the
-    runtime; a /workspace volume; probes on GET /; non-root; no credential mounted."""
+    runtime; probes on GET /; non-root; no credential mounted; a read-only root with a
+    size-limited emptyDir at every place the runtime and its commands write (/workspace, the
+    base directory /app, /tmp and HOME): nothing grows the node's container layer."""
     image = Containerfile(RUNTIME_CONTAINERFILE)
     spec = template("awx-runtime")["spec"]["podTemplate"]["spec"]
     [runtime] = spec["containers"]
@@ -404,8 +407,14 @@ def test_our_runtimes_template_matches_its_image() -> None:
         assert runtime[probe]["httpGet"] == {"path": "/", "port": port}
     env = {e["name"]: e["value"] for e in runtime["env"]}
     assert env == {"SANDBOX_WORKSPACE_DIR": image.env()["SANDBOX_WORKSPACE_DIR"]}
-    [mount] = runtime["volumeMounts"]
-    assert mount["mountPath"] == env["SANDBOX_WORKSPACE_DIR"] == "/workspace"
+    assert runtime["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounted = {m["mountPath"]: volumes[m["name"]] for m in runtime["volumeMounts"]}
+    base_dir = runtime["args"][runtime["args"].index("--base-dir") + 1]
+    writable = {env["SANDBOX_WORKSPACE_DIR"], base_dir, "/tmp", image.env()["HOME"]}
+    assert set(mounted) == writable == {"/workspace", "/app", "/tmp", "/home/sandbox"}
+    for path, volume in mounted.items():
+        assert volume["emptyDir"]["sizeLimit"], f"{path}: an emptyDir with a sizeLimit"
     assert spec["automountServiceAccountToken"] is False
     uid = int(image.last("USER").partition(":")[0])
     assert spec["securityContext"]["runAsNonRoot"] is True

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests._support._oci import images_wait
+from tests._support._pod_containers import runtime_pods
 from tests._support.broker_server import Pki
 from tests._support.controller import StandInController
 from tests._support.kube import (
@@ -37,8 +39,9 @@ from tests._support.kube_broker import (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """While ``.ci/kube-tools --background`` is still building (a new machine: minutes), the
     time limit of each test that needs the binaries includes the wait for them: the first such
-    test waits in its setup, and pytest-timeout's limit (300 s) must not cut that short."""
-    wait = build_wait()
+    test waits in its setup, and pytest-timeout's limit (300 s) must not cut that short; the
+    same for a ``.ci/images --background`` still building (the tests that run the images)."""
+    wait = build_wait() + images_wait()
     if not wait or not config.pluginmanager.hasplugin("timeout"):
         return
     limit = wait + float(config.getini("timeout") or 300)
@@ -104,8 +107,10 @@ def identity(kube: KubeAPIServer, namespace: str, tmp_path: Path) -> BrokerIdent
 
 @pytest.fixture
 def python_pool(controller: StandInController, namespace: str) -> str:
-    """Template ``python`` and its warm pool ``python``, empty (claims start cold)."""
-    controller.create_template(namespace, "python")
+    """Template ``python`` and its warm pool ``python``, empty (claims start cold). Its pods
+    are the example template's (deploy/examples/awx-runtime.yaml): real containers of the
+    runtime image (``_pod_containers``; host processes only without the image, outside CI)."""
+    controller.create_template(namespace, "python", pod_spec=runtime_pods(controller))
     controller.create_warm_pool(namespace, "python", "python", replicas=0)
     return "python"
 

@@ -1,12 +1,14 @@
 """The API round trips of a create through the Kubernetes backend (issue 21's create -> ready
-benchmark, bench/bench_kubernetes.py (a)): a create with a new Idempotency-Key (the SDK sends
-one on every create) is the POST of the claim and the LIST that counts the quota, nothing
-before them; a repeat of it still replays the claim the first made.
+benchmark, bench/bench_kubernetes.py (a); issue 26's quota ledger): a create with a new
+Idempotency-Key (the SDK sends one on every create) is the write of the caller's quota ledger
+and the POST of the claim, nothing before them; the first create of a caller also reads the
+ledger (there is none), lists the caller's claims and creates the ledger; a replica whose copy
+of the ledger another replica changed reads it again (a 409, then a GET); a repeat still
+replays the claim the first made, without the ledger.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -15,51 +17,75 @@ import pytest
 from tests._support._api import CLAIM, collection
 from tests._support.controller import StandInController
 from tests._support.kube import KubeAPIServer
-from tests._support.kube_broker import Replica
-from tests.kube.test_broker_replicas import raw, token_for
+from tests._support.kube_broker import Replica, replica_client, token_for
 
 pytestmark = pytest.mark.slow
 
 
 def record_calls(replica: Replica) -> list[str]:
-    """The verbs of the API calls the replica's backend makes from now on, in order."""
+    """The API calls the replica's backend makes from now on, in order: the verb and the
+    resource (``create sandboxclaims``), a refused one with its status (``patch leases 409``)."""
     client = replica.backend.client
     request = client._request
-    verbs: list[str] = []
+    calls: list[str] = []
 
     async def recorded(call: Any) -> dict[str, Any]:
-        verbs.append(call.verb)
-        return await request(call)
+        what = f"{call.verb} {call.resource.plural}"
+        try:
+            answer = await request(call)
+        except Exception as exc:
+            calls.append(f"{what} {getattr(exc, 'status', '?')}")
+            raise
+        calls.append(what)
+        return answer
 
     client._request = recorded  # type: ignore[method-assign]
-    return verbs
+    return calls
 
 
-def test_a_create_with_a_new_key_is_one_post_and_the_quota_list(
+def test_a_create_with_a_new_key_is_the_ledgers_write_and_one_post(
     kube: KubeAPIServer,
     namespace: str,
     controller: StandInController,
     python_pool: str,
     replica_factory: Callable[..., Replica],
 ) -> None:
-    replica = replica_factory(max_sandboxes=3)
-    token = token_for(kube, namespace, replica)
-    verbs = record_calls(replica)
-    key, body = str(uuid.uuid4()), {"template": "python"}
-    with raw(replica, token) as client:
-        made = client.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": key})
-        assert made.status_code == 201, made.text
-        assert verbs == ["create", "list"]  # no look-up of the key before the POST
-        name = made.json()["name"]
-        del verbs[:]
-        again = client.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": key})
-        assert again.status_code == 200, again.text
-        assert again.headers["Idempotency-Replayed"] == "true"
-        assert again.json()["name"] == name
-        assert "list" not in verbs  # a replay counts no quota
-        other = client.post(
-            "/v1/sandboxes", json={**body, "labels": {"x": "1"}}, headers={"Idempotency-Key": key}
-        )
-        assert other.status_code == 409 and other.json()["code"] == "idempotency_conflict"
+    replica, other = replica_factory(max_sandboxes=3), replica_factory(max_sandboxes=3)
+    token = token_for(kube, namespace, replica, other)
+    calls, elsewhere = record_calls(replica), record_calls(other)
+    body = {"template": "python"}
+
+    def create(on: Replica, key: str, **extra: Any) -> Any:
+        with replica_client(on, token) as client:
+            return client.post(
+                "/v1/sandboxes", json={**body, **extra}, headers={"Idempotency-Key": key}
+            )
+
+    first = create(replica, "k1")
+    assert first.status_code == 201, first.text
+    # the caller's first create: no ledger yet; its claims listed once to make it
+    assert calls == ["get leases 404", "list sandboxclaims", "create leases",
+                     "create sandboxclaims"]  # fmt: skip
+    del calls[:]
+    second = create(replica, "k2")
+    assert second.status_code == 201, second.text
+    assert calls == ["patch leases", "create sandboxclaims"]  # no look-up before the POST
+    third = create(other, "k3")  # a replica without a copy of the ledger reads it first
+    assert third.status_code == 201, third.text
+    assert elsewhere == ["get leases", "patch leases", "create sandboxclaims"]
+    del calls[:]
+    refused = create(replica, "k4")  # its copy is stale now, and the ledger full
+    assert refused.status_code == 429, refused.text
+    assert calls[:3] == ["patch leases 409", "get leases", "list sandboxclaims"]
+    assert calls[3:] in ([], ["patch leases"])  # claims made marked so (0), once
+    del calls[:]
+    again = create(replica, "k1")
+    assert again.status_code == 200, again.text
+    assert again.headers["Idempotency-Replayed"] == "true"
+    assert again.json()["name"] == first.json()["name"]
+    assert not [c for c in calls if "leases" in c or c.startswith("list")]  # no quota counted
+    other_body = create(replica, "k1", labels={"x": "1"})
+    assert other_body.status_code == 409 and other_body.json()["code"] == "idempotency_conflict"
     items = kube.get(collection(CLAIM, namespace))["items"]
-    assert [c["metadata"]["name"] for c in items] == [name]
+    names = {first.json()["name"], second.json()["name"], third.json()["name"]}
+    assert {c["metadata"]["name"] for c in items} == names

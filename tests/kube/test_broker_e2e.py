@@ -12,32 +12,18 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 import pytest
 
 from k8s_agent_sandbox_awx import AsyncSandbox, Sandbox
-from tests._support._api import CLAIM, collection, path
-from tests._support.kube import KubeAPIServer, KubeError
-from tests._support.kube_broker import BROKER_SA, Replica, SdkReplica
+from tests._support._api import CLAIM, collection
+from tests._support.kube import KubeAPIServer
+from tests._support.kube_broker import BROKER_SA, Replica, SdkReplica, claim_of, shutdown_time
 
 pytestmark = pytest.mark.slow
 
 STAMP = "broker.agent-sandbox-awx.io/"
-
-
-def claim_of(kube: KubeAPIServer, namespace: str, name: str) -> dict[str, Any] | None:
-    try:
-        return kube.get(path(CLAIM, namespace, name))
-    except KubeError as exc:
-        if exc.status_code == 404:
-            return None
-        raise
-
-
-def shutdown_time(claim: dict[str, Any]) -> float:
-    return datetime.fromisoformat(claim["spec"]["lifecycle"]["shutdownTime"]).timestamp()
 
 
 def gone(kube: KubeAPIServer, namespace: str, name: str, timeout: float = 20.0) -> bool:

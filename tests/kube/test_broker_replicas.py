@@ -1,19 +1,18 @@
 """Two replicas of the Kubernetes-backed broker on one API server (tests/_support/kube_broker.py):
-every fact is in the claims, so either answers for a sandbox the other made, the quota holds
-across both, and a create whose replica died after making the claim is adopted by the caller's
-retry (the same Idempotency-Key) on the other replica.
+every fact is in the claims (and the callers' quota ledgers), so either answers for a sandbox
+the other made, the quota holds exactly across both (tests/kube/test_broker_quota_race.py
+races more), and a create whose replica died after making the claim is adopted by the
+caller's retry (the same Idempotency-Key) on the other replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import ssl
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx import Sandbox
-from tests._support._api import CLAIM, collection, path
+from tests._support._api import CLAIM, path
 from tests._support.controller import StandInController
 from tests._support.kube import KubeAPIServer
-from tests._support.kube_broker import Replica, sdk_environ
+from tests._support.kube_broker import Replica, claims_in, replica_client, sdk_environ, token_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,33 +35,6 @@ OWNER = "broker.agent-sandbox-awx.io/owner"
 def pair(replica_factory: Callable[..., Replica]) -> tuple[Replica, Replica]:
     """Two replicas of one configuration (each its own port and public URL)."""
     return replica_factory(max_sandboxes=2), replica_factory(max_sandboxes=2)
-
-
-def token_for(kube: KubeAPIServer, namespace: str, *replicas: Replica) -> str:
-    """One token of ``namespace``'s ServiceAccount ``agent`` for every replica's audience."""
-    with contextlib.suppress(Exception):
-        kube.create_service_account(namespace, "agent")
-    return kube.token_request(namespace, "agent", [r.url for r in replicas])
-
-
-@contextlib.contextmanager
-def raw(replica: Replica, token: str) -> Iterator[httpx.Client]:
-    """A plain HTTP client of ``replica``'s v1 API as the caller of ``token``."""
-    ca = replica.config.server.tls_cert_file.parent / "ca.pem"
-    with httpx.Client(
-        base_url=replica.url,
-        verify=ssl.create_default_context(cafile=str(ca)),
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=30,
-        trust_env=False,
-    ) as client:
-        yield client
-
-
-def claims(kube: KubeAPIServer, namespace: str) -> list[dict[str, Any]]:
-    """The namespace's claims that are not being deleted."""
-    items = kube.get(collection(CLAIM, namespace))["items"]
-    return [c for c in items if not c["metadata"].get("deletionTimestamp")]
 
 
 @pytest.mark.parametrize("protocol", ["v1", "rpc"])
@@ -100,28 +72,28 @@ def test_a_sandbox_made_on_one_replica_is_used_and_deleted_on_the_other(
             there.kill()
         finally:
             there.close_connection()
-        assert all(c["metadata"]["name"] != made.name for c in claims(kube, namespace))
+        assert all(c["metadata"]["name"] != made.name for c in claims_in(kube, namespace))
         assert not made.is_running()  # replica one sees it gone too
     finally:
         made.kill()
 
 
-def test_concurrent_creates_on_both_replicas_never_exceed_the_maximum(
+def test_concurrent_creates_on_both_replicas_admit_exactly_the_maximum(
     kube: KubeAPIServer,
     namespace: str,
     controller: StandInController,
     python_pool: str,
     pair: tuple[Replica, Replica],
 ) -> None:
-    """Six creates at once, three on each replica, for a caller allowed two: at most two
-    claims stay, every other create is 429 quota_exceeded naming the maximum, and once they
-    are all answered the caller can fill its quota, and no more."""
+    """Six creates at once, three on each replica, for a caller allowed two: two claims are
+    made, every other create is 429 quota_exceeded naming the maximum (before issue 26 they
+    could all be refused), and once they are all answered no create is admitted."""
     controller.pause()  # no pods: the claims stay Pending (they count as live)
     token = token_for(kube, namespace, *pair)
     start = threading.Barrier(6)
 
     def create(replica: Replica) -> httpx.Response:
-        with raw(replica, token) as client:
+        with replica_client(replica, token) as client:
             start.wait(10)
             return client.post(
                 "/v1/sandboxes",
@@ -133,20 +105,20 @@ def test_concurrent_creates_on_both_replicas_never_exceed_the_maximum(
         answers = list(pool.map(create, [*pair, *pair, *pair]))
     made = [a for a in answers if a.status_code == 201]
     refused = [a for a in answers if a.status_code != 201]
-    assert len(made) <= 2
+    assert len(made) == 2
     for answer in refused:
         assert answer.status_code == 429, answer.text
         body = answer.json()
         assert body["code"] == "quota_exceeded" and "(max_sandboxes = 2)" in body["detail"]
-    live = {c["metadata"]["name"] for c in claims(kube, namespace)}
+    live = {c["metadata"]["name"] for c in claims_in(kube, namespace)}
     assert live == {a.json()["name"] for a in made}
     statuses = []
     for replica in [*pair, *pair]:  # one after the other: up to two in all, then 429
-        with raw(replica, token) as client:
+        with replica_client(replica, token) as client:
             key = {"Idempotency-Key": str(uuid.uuid4())}
             statuses.append(client.post("/v1/sandboxes", json={}, headers=key).status_code)
     assert statuses == [201] * (2 - len(made)) + [429] * (2 + len(made))
-    assert len(claims(kube, namespace)) == 2
+    assert len(claims_in(kube, namespace)) == 2
 
 
 def test_a_create_whose_replica_died_is_adopted_by_the_retry_on_the_other(
@@ -170,22 +142,28 @@ def test_a_create_whose_replica_died_is_adopted_by_the_retry_on_the_other(
         reached.set()
         await asyncio.Event().wait()
 
-    one.backend._hold_quota = never_answer  # type: ignore[method-assign]
+    post = one.backend._post
+
+    async def post_then_never_answer(*args: Any) -> None:
+        await post(*args)  # the claim is made; its answer never comes
+        await never_answer()
+
+    one.backend._post = post_then_never_answer  # type: ignore[method-assign]
     key, body = str(uuid.uuid4()), {"template": "python", "labels": {"run": "1"}}
 
     def first_attempt() -> httpx.Response:
-        with raw(one, token) as client:
+        with replica_client(one, token) as client:
             return client.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": key})
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         attempt = pool.submit(first_attempt)
         assert reached.wait(30), "replica one did not make the claim"
-        [claim] = claims(kube, namespace)
+        [claim] = claims_in(kube, namespace)
         assert claim["metadata"]["labels"]["run"] == "1"
         one.kill()
         with pytest.raises(httpx.TransportError):
             attempt.result(30)
-    with raw(other, token) as client:
+    with replica_client(other, token) as client:
         again = client.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": key})
         assert again.status_code == 200, again.text
         assert again.headers["Idempotency-Replayed"] == "true"
@@ -201,7 +179,7 @@ def test_a_create_whose_replica_died_is_adopted_by_the_retry_on_the_other(
         changed = {**body, "labels": {"run": "2"}}
         conflict = client.post("/v1/sandboxes", json=changed, headers={"Idempotency-Key": key})
         assert conflict.status_code == 409 and conflict.json()["code"] == "idempotency_conflict"
-    assert [c["metadata"]["uid"] for c in claims(kube, namespace)] == [claim["metadata"]["uid"]]
+    assert [c["metadata"]["uid"] for c in claims_in(kube, namespace)] == [claim["metadata"]["uid"]]
     env = sdk_environ(kube, namespace, other, tmp_path / "token")
     adopted = Sandbox.connect(claim["metadata"]["name"], environ=env, ready_timeout=60)
     try:
@@ -209,6 +187,6 @@ def test_a_create_whose_replica_died_is_adopted_by_the_retry_on_the_other(
     finally:
         adopted.kill()
     deadline = time.monotonic() + 20
-    while claims(kube, namespace) and time.monotonic() < deadline:
+    while claims_in(kube, namespace) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert claims(kube, namespace) == []
+    assert claims_in(kube, namespace) == []

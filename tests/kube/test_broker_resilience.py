@@ -25,19 +25,15 @@ from k8s_agent_sandbox_awx.errors import (
 from tests._support._api import CLAIM, collection
 from tests._support.controller import StandInController
 from tests._support.kube import KubeAPIServer
-from tests._support.kube_broker import BrokerIdentity, Replica, SdkReplica, StandInRouter
+from tests._support.kube_broker import BrokerIdentity, Replica, SdkReplica, StandInRouter, claims_in
 
 pytestmark = pytest.mark.slow
-
-
-def claims(kube: KubeAPIServer, namespace: str) -> list[dict[str, Any]]:
-    return list(kube.get(collection(CLAIM, namespace))["items"])
 
 
 def the_claim(kube: KubeAPIServer, namespace: str, timeout: float = 30) -> dict[str, Any]:
     """The namespace's one claim, once it exists."""
     deadline = time.monotonic() + timeout
-    while not (found := claims(kube, namespace)):
+    while not (found := claims_in(kube, namespace, deleting=True)):
         assert time.monotonic() < deadline, "no claim was made"
         time.sleep(0.05)
     [claim] = found
@@ -79,7 +75,9 @@ def test_a_wait_for_ready_survives_an_api_server_restart(
     try:
         assert sandbox.name == claim["metadata"]["name"]
         assert sandbox.commands.run("echo after-restart").stdout == "after-restart\n"
-        assert [c["metadata"]["uid"] for c in claims(kube, namespace)] == [claim["metadata"]["uid"]]
+        assert [c["metadata"]["uid"] for c in claims_in(kube, namespace, deleting=True)] == [
+            claim["metadata"]["uid"]
+        ]
     finally:
         sandbox.kill()
 
@@ -108,7 +106,7 @@ def test_a_wait_for_ready_survives_an_expired_watch(
         sandbox = made.result(60)
     try:
         assert sandbox.commands.run("echo resumed").stdout == "resumed\n"
-        assert len(claims(kube, namespace)) == 1
+        assert len(claims_in(kube, namespace, deleting=True)) == 1
     finally:
         sandbox.kill()
 
@@ -131,7 +129,7 @@ def test_a_missing_warm_pool_is_the_sdks_warm_pool_not_found_error(
     assert raised.value.reason == "WarmPoolNotFound"
     assert "nowhere" in str(raised.value)
     deadline = time.monotonic() + 20
-    while [c for c in claims(kube, namespace) if not c["metadata"].get("deletionTimestamp")]:
+    while claims_in(kube, namespace):  # not being deleted yet
         assert time.monotonic() < deadline, "the failed claim was not deleted"
         time.sleep(0.05)
 
@@ -197,13 +195,14 @@ def test_the_router_data_plane_reaches_an_adopted_sandbox_with_the_brokers_token
     tmp_path: Path,
 ) -> None:
     """``data_plane = "router"``: the broker sends upstream's headers (X-Sandbox-ID = the
-    adopted Sandbox's name) and its own router token, re-read when the file changes; the
-    caller's token never reaches the router."""
+    adopted Sandbox's name, X-Sandbox-Pod-IP = its pod's IP: the template has no Service, so
+    upstream's router could not resolve the name, issue 28) and its own router token, re-read
+    when the file changes; the caller's token never reaches the router."""
     controller.create_template(namespace, "python")
     controller.create_warm_pool(namespace, "python", "python", replicas=1)
     router_token = tmp_path / "router-token"
     router_token.write_text("router-secret-1\n")
-    with StandInRouter(controller, router_token) as router:
+    with StandInRouter(controller, router_token, allow_loopback_pod_ip=True) as router:
         _, environ = sdk_replica(router=(router.url, router_token))
         caller_token = (tmp_path / "token").read_text().strip()
         sandbox = Sandbox.create(environ=environ, timeout=600)
@@ -215,6 +214,9 @@ def test_the_router_data_plane_reaches_an_adopted_sandbox_with_the_brokers_token
             assert {h["x-sandbox-id"] for h in router.seen} == {adopted}
             assert {h["x-sandbox-namespace"] for h in router.seen} == {namespace}
             assert {h["x-sandbox-port"] for h in router.seen} == {"8888"}
+            pod_ip = controller.pod_address(namespace, adopted)[0]
+            assert {h["x-sandbox-pod-ip"] for h in router.seen} == {pod_ip}
+            assert set(router.resolved) == {"pod-ip"}
             router_token.write_text("router-secret-2\n")  # rotated
             assert sandbox.files.exists("nothing-here") is False
             # upstream's router answers 502 "Could not connect" for a port that refuses
@@ -254,7 +256,9 @@ def test_a_broker_without_a_verb_is_not_ready_and_names_it(
     elsewhere = kube.create_namespace()
     verbs = ["get", "list", "create", "delete", "patch"]  # no watch
     rules = [{"apiGroups": ["extensions.agents.x-k8s.io"], "resources": ["sandboxclaims"],
-              "verbs": verbs}]  # fmt: skip
+              "verbs": verbs},
+             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+              "verbs": ["get", "create", "patch"]}]  # fmt: skip
     identity.bind(elsewhere, "sandbox-broker-partial", rules=rules)
     replica = replica_factory(namespace=elsewhere, ready=False)
     deadline = time.monotonic() + 20

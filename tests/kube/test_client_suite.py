@@ -17,19 +17,22 @@ broker has (fault injection, execution counts, token revocation, GitLab tokens, 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from k8s_agent_sandbox_awx import (
     AsyncSandbox,
+    BrokerError,
     BrokerPermissionError,
     BrokerWarmPoolNotFoundError,
     Sandbox,
 )
 from k8s_agent_sandbox_awx._upstream import SandboxNotFoundError, SandboxTemplateNotFoundError
-from tests._support import brokers
+from k8s_agent_sandbox_awx.errors import SandboxFileLimitError
+from tests._support import _pod_containers, brokers, programs
 from tests._support.kube import KubeAPIServer
 from tests._support.kube_suite import KubeSuite, kube_suite
 
@@ -51,6 +54,25 @@ pytestmark = pytest.mark.slow
 def suite(kube: KubeAPIServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeSuite]:
     with kube_suite(kube, tmp_path_factory.mktemp("client-suite")) as made:
         yield made
+
+
+@pytest.fixture(name="process_gone")
+def _process_gone(suite: KubeSuite) -> Callable[..., bool]:
+    """``process_gone(pid, within=10.0)`` for a command's pid: the pods are real containers,
+    and a pid a command reports is its container's (its PID namespace), not this host's."""
+    if suite.pod_spec is None:
+        return programs.process_gone  # host-process pods (no image): the host's pids
+    containers = suite.controller.kubelet.containers
+
+    def gone(pid: int, within: float = 10.0) -> bool:
+        deadline = time.monotonic() + within
+        while _pod_containers.alive_in(containers(), pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    return gone
 
 
 @pytest.fixture
@@ -161,7 +183,7 @@ test_async_cancelling_a_run_kills = (
 test_async_background_wait_kill_stdin = (
     async_commands.test_background_wait_kill_stdin_iteration_and_reattach
 )
-test_async_64_background_commands = async_commands.test_64_background_commands_waited_concurrently
+
 
 # ------------------------------------------------------------------------------ streams
 
@@ -174,7 +196,6 @@ test_truncated_command_output_is_flagged = e2e.test_truncated_command_output_is_
 
 test_every_file_operation = files.test_every_file_operation
 test_runtime_refusals_are_typed_errors = files.test_runtime_refusals_are_typed_errors
-test_a_file_over_the_read_limit = files.test_a_file_over_the_read_limit_is_read_through_download
 test_watch_dir_sees_a_file = files.test_watch_dir_sees_a_file_created_by_a_command
 test_remove_recursive_of_a_deep_tree = (
     files.test_remove_recursive_of_a_tree_deeper_than_the_recursion_limit
@@ -193,3 +214,41 @@ test_set_timeout_shortening = (
 )
 test_keepalive_never_fails_the_operation = lifetime.test_keepalive_never_fails_the_operation
 test_async_lifetime_set_timeout_and_keepalive = async_files.test_lifetime_set_timeout_and_keepalive
+
+
+# ------------------------------------------------------------------ the runtime's settings
+# A create's env is the environment of the sandbox's commands. On a local broker it may also
+# set the built-in runtime's own settings (its limits: the local tests above that raise them do
+# so); on Kubernetes they are the template's container env, never a create's (issue 26.2,
+# issue 28.2; docs/broker/kubernetes.md): here with the template ``tuned`` (kube_suite.TUNED).
+
+
+def test_the_runtime_settings_are_the_templates(broker: Any) -> None:
+    env = broker.environ("kubernetes")
+    with Sandbox.create(template="tuned", environ=env) as tuned:
+        handles = [tuned.commands.run("sleep 60", background=True) for _ in range(17)]
+        assert len([c for c in tuned.commands.list() if c.state == "running"]) == 17
+        for handle in handles:
+            handle.kill()
+    settings = {"SANDBOX_COMMAND_MAX_RUNNING": "64", "SANDBOX_FS_READ_MAX_BYTES": "1000"}
+    with Sandbox.create(environ=env, env=settings) as plain:
+        seen = plain.commands.run("echo $SANDBOX_COMMAND_MAX_RUNNING $SANDBOX_FS_READ_MAX_BYTES")
+        assert seen.stdout == "64 1000\n"  # the commands' environment
+        handles = [plain.commands.run("sleep 60", background=True) for _ in range(16)]
+        with pytest.raises(BrokerError, match=r"429.*16"):  # not the runtime's
+            plain.commands.run("true")
+        for handle in handles:
+            handle.kill()
+
+
+def test_a_file_over_the_templates_read_limit(files_broker: Any) -> None:
+    data = bytes(range(256)) * 20
+    for template, limited in (("tuned", True), ("python", False)):
+        env = {} if limited else {"SANDBOX_FS_READ_MAX_BYTES": "1000"}  # not the runtime's
+        with files._sandbox(files_broker, template=template, env=env) as sb:
+            sb.files.write("/workspace/big.bin", data)
+            if limited:
+                with pytest.raises(SandboxFileLimitError, match="SANDBOX_FS_READ_MAX_BYTES"):
+                    sb.files.read("/workspace/big.bin")
+            else:
+                assert sb.files.read("/workspace/big.bin") == data

@@ -51,6 +51,7 @@ SANDBOX_NAMESPACE: Final = "team-a"
 SERVICE_ACCOUNT: Final = "sandbox-broker"
 CLAIMS: Final = ("extensions.agents.x-k8s.io", "sandboxclaims")
 SANDBOXES: Final = ("agents.x-k8s.io", "sandboxes")
+LEASES: Final = ("coordination.k8s.io", "leases")
 DISCOVERY_PATHS: Final = ("/.well-known/openid-configuration", "/openid/v1/jwks")
 
 # (apiVersion, kind) -> (plural, namespaced) of every kind deploy/ holds
@@ -321,6 +322,7 @@ def broker(kube: KubeAPIServer) -> Iterator[Broker]:
 EXPECTED_RULES: Final = {
     *((*CLAIMS, verb) for verb in ("get", "list", "watch", "create", "delete", "patch")),
     *((*SANDBOXES, verb) for verb in ("get", "list", "watch")),
+    *((*LEASES, verb) for verb in ("get", "create", "patch")),  # the quota ledgers
 }
 
 
@@ -349,6 +351,9 @@ def test_the_broker_may_do_exactly_what_the_docs_list(broker: Broker) -> None:
         ("create", "", "pods", "exec"),
         ("create", "", "serviceaccounts", "token"),
         ("get", "", "configmaps", ""),
+        ("list", *LEASES, ""),  # the ledgers are read by name
+        ("delete", *LEASES, ""),
+        ("update", *LEASES, ""),
     ],
 )
 def test_what_the_broker_may_not_do(

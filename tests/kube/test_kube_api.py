@@ -767,11 +767,6 @@ async def test_kubeconfig_client_certificates_as_files_and_as_data(
 @pytest.mark.parametrize(
     ("user", "refused"),
     [
-        (
-            {"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "aws"}},
-            "users[me].user.exec configures an `exec` credential plugin",
-        ),
-        ({"auth-provider": {"name": "gcp"}}, "users[me].user.auth-provider configures"),
         ({"username": "u", "password": "p"}, "basic authentication"),
         ({"token": "t0ken-value-123", "as": "someone"}, "impersonation (`as`)"),
     ],

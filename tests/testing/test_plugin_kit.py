@@ -377,6 +377,23 @@ def test_check_cached_then_refreshed_fails_without_a_refresh(endpoint: ScriptedE
         check_cached_then_refreshed(once, endpoint, callers=1, timeout=0.3)
 
 
+def test_check_cached_then_refreshed_fails_for_a_token_served_past_its_exp(
+    endpoint: ScriptedEndpoint,
+) -> None:
+    """A cache that serves its token until a second after its ``exp`` before it fetches again:
+    the check names the rule (asked at or after its exp, the old token came back)."""
+    tokens = [unsigned_jwt({"aud": BROKER, "jti": f"n{i}"}, ttl=1) for i in range(2)]
+
+    def stale() -> str:
+        first_exp = unverified_claims(tokens[0])["exp"]
+        if not endpoint.requests or (len(endpoint.requests) == 1 and time.time() > first_exp + 1):
+            httpx.get(endpoint.origin, timeout=5.0)
+        return tokens[len(endpoint.requests) - 1]
+
+    with pytest.raises(AssertionError, match=r"returned the token after its exp"):
+        check_cached_then_refreshed(stale, endpoint, callers=1, timeout=4.0)
+
+
 def test_check_cached_then_refreshed_needs_an_unused_endpoint(endpoint: ScriptedEndpoint) -> None:
     httpx.get(endpoint.origin, timeout=5.0)
     with pytest.raises(AssertionError, match="asked before the check started"):

@@ -2,10 +2,10 @@
 
 One URL serves the issuers' documents (``/issuers/<name>/...``, the local broker's own
 issuers), the control plane in the dialects it is configured for (``/v1/...``:
-:mod:`._v1`; ``POST /rpc``: :mod:`._rpc`; both over :mod:`._claims`) and the data plane (any
-request that carries ``X-Sandbox-ID``: :mod:`._forward`). Every request passes the gate first
-(:mod:`._gate`). Everything runs on the broker's event loop; what the backend keeps
-(:mod:`.backends._interface`) is the only state.
+:mod:`.control._v1`; ``POST /rpc``: :mod:`.control._rpc`; both over :mod:`.control._claims`)
+and the data plane (any request that carries ``X-Sandbox-ID``: :mod:`.dataplane._forward`).
+Every request passes the gate first (:mod:`.common._gate`). Everything runs on the broker's
+event loop; what the backend keeps (:mod:`.backends._interface`) is the only state.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from ._claims import Claims
-from ._errors import ApiError
-from ._forward import Forward
-from ._gate import Gate, origin_form
-from ._observed import note_error
-from ._rpc import BACKEND_RETRY_AFTER, Rpc
-from ._v1 import V1
-from ._websocket import WebSocketForward, refuse
 from .backends._interface import Backend, BackendUnavailable
+from .common._errors import BACKEND_RETRY_AFTER, ApiError
+from .common._gate import Gate, origin_form
+from .common._observed import note_error
+from .control._claims import Claims
+from .control._rpc import Rpc
+from .control._v1 import V1
+from .dataplane._forward import Forward
+from .dataplane._websocket import WebSocketForward, refuse
+from .dataplane._ws_limits import WebSocketLimits
 from .identity._issuer import PublishedIssuer
 from .identity._rules import PolicySource
 from .identity._verify import TokenVerifier
@@ -55,7 +56,8 @@ def plane_of(scope: Scope, protocols: tuple[str, ...]) -> str:
 class BrokerApp:
     """The ASGI application of one broker: callers verified by ``verifier``, admitted by
     ``policies``, their sandboxes in ``backend``; the control-plane dialects of ``protocols``;
-    ``issuer_by_name``: the issuers whose documents it serves (the local broker's)."""
+    ``issuer_by_name``: the issuers whose documents it serves (the local broker's);
+    ``websocket_limits``: the bounds on the WebSockets it relays (default: the defaults)."""
 
     def __init__(
         self,
@@ -65,6 +67,7 @@ class BrokerApp:
         backend: Backend,
         protocols: tuple[str, ...] = PROTOCOLS,
         issuer_by_name: Callable[[str], PublishedIssuer | None] | None = None,
+        websocket_limits: WebSocketLimits | None = None,
     ) -> None:
         self.protocols = protocols
         self.backend = backend
@@ -75,7 +78,7 @@ class BrokerApp:
         self.v1 = V1(self.claims, self.gate)
         self.rpc = Rpc(self.claims, self.gate)
         self.forward = Forward(backend, self.gate, policies)
-        self.websocket = WebSocketForward(self.forward)
+        self.websocket = WebSocketForward(self.forward, websocket_limits)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -99,7 +102,7 @@ class BrokerApp:
             else:
                 raise self._no_route(request.method, scope["path"])
         except ApiError as exc:
-            note_error(exc.code, exc.detail)
+            note_error(exc.code, exc.logged)
             response = exc.response()
         except BackendUnavailable as exc:
             outage = ApiError(
@@ -116,16 +119,17 @@ class BrokerApp:
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A WebSocket handshake: proxied to a sandbox's port if it is a data-plane one
-        (:mod:`._websocket`), else ``404 not_found`` (no control-plane route takes
+        (:mod:`.dataplane._websocket`), else ``404 not_found`` (no control-plane route takes
         WebSockets)."""
         if plane_of(scope, self.protocols) == "data":
             await self.websocket.handle(scope, receive, send)
             return
+        only = "only a port request (X-Sandbox-ID, X-Sandbox-Port: your server's port) takes"
         no_route = ApiError(
             404,
             "not_found",
-            f"no WebSocket route at {scope['path'][:200]}: only a port request (X-Sandbox-ID, "
-            "X-Sandbox-Port: your server's port) takes WebSockets",
+            f"no WebSocket route at {scope['path'][:200]}: {only} WebSockets",
+            logged=f"no WebSocket route at this path: {only} WebSockets",
         )
         await refuse(send, no_route)
 
@@ -133,11 +137,12 @@ class BrokerApp:
         served = " and ".join(
             {"v1": "/v1/ (v1 dialect)", "rpc": "POST /rpc (rpc dialect)"}[p] for p in self.protocols
         )
+        where = f"this broker's control plane is {served}; data-plane requests carry X-Sandbox-ID"
         return ApiError(
             404,
             "not_found",
-            f"no route for {method} {path}: this broker's control plane is "
-            f"{served}; data-plane requests carry X-Sandbox-ID",
+            f"no route for {method} {path}: {where}",
+            logged=f"no route for this request: {where}",
         )
 
     def _issuer_document(self, path: str) -> Response:

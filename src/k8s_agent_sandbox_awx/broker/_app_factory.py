@@ -4,10 +4,12 @@
 backend ``[backend] kind`` chooses, with the configuration's issuers and policies
 (:func:`._identity_config.identity_from_config`) and its control-plane dialects:
 
-- ``local``: :class:`.backends._local_claims.LocalBackend` over
-  :class:`.backends._local.LocalProcessBackend` with ``[backend.local] templates`` (each
+- ``local``: :class:`.backends.local._backend.LocalBackend` over
+  :class:`.backends.local._processes.LocalProcessLauncher` with ``[backend.local] templates`` (each
   template is also a warm pool of its name; ``python-sandbox-warmpool`` is ``python``, as in
-  ``LocalBroker``). NO ISOLATION: host processes.
+  ``LocalBroker``): in bubblewrap where it works (``$AGENT_SANDBOX_LOCAL_ISOLATION``), with
+  every file the configuration names hidden from sandboxes (:func:`broker_files`), else host
+  processes with NO isolation; the start-up message says which.
 - ``kubernetes``: :class:`.backends.kubernetes._backend.KubernetesBackend` over the broker's
   own connection (in-cluster or a kubeconfig), which also reviews tokens for ``tokenreview``
   issuers.
@@ -16,8 +18,9 @@ At start (the ASGI lifespan) every issuer's keys are loaded (again every few sec
 that failed, then every ``jwks_cache_seconds``) and the backend started (Kubernetes: the RBAC
 check, then the claim cache); ``/readyz`` is ready once every issuer has had keys (or its API
 server answered) since start and the backend is ready (Kubernetes: the API server answered, the
-RBAC holds, the claims are listed). An issuer that loses its keys later is ``degraded`` (named
-in ``/readyz``'s body; its tokens ``503 issuer_unavailable``), not unready. At the end
+RBAC holds, the claims are listed; with the router data plane, the router answered once). An
+issuer that loses its keys later is ``degraded`` (named in ``/readyz``'s body; its tokens
+``503 issuer_unavailable``), not unready, and so is a router that stops answering. At the end
 everything is closed (the local backend deletes its sandboxes; a cluster's claims stay).
 """
 
@@ -26,20 +29,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Final
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
 
 from ._app import BrokerApp
 from ._identity_config import identity_from_config
-from ._relay import install_log_filter
-from ._rpc import DEFAULT_WARM_POOL
 from .backends._interface import Backend
-from .backends._local import RUNTIMES_DIR_PREFIX, LocalProcessBackend, sweep_dead_owners
-from .backends._local_claims import LocalBackend
 from .backends.kubernetes._api import KubeClient
 from .backends.kubernetes._api_config import KubeConfig, from_kubeconfig, in_cluster
 from .backends.kubernetes._backend import KubernetesBackend, KubernetesSettings
 from .backends.kubernetes._routes import RouteSettings
+from .backends.local._backend import LocalBackend
+from .backends.local._owned_dirs import RUNTIMES_DIR_PREFIX, sweep_dead_owners
+from .backends.local._processes import LocalProcessLauncher
 from .config import CALLER_NAMESPACE, BrokerConfig, KubernetesBackendConfig, LocalBackendConfig
+from .config._schema import AUDIT_STREAMS
+from .control._rpc import DEFAULT_WARM_POOL
+from .dataplane._relay import install_log_filter
+from .dataplane._ws_limits import WebSocketLimits
 from .server import ServedApp
 from .server._probes import Receive, Scope, Send
 
@@ -81,6 +89,7 @@ def kubernetes_backend(
         router_ca_file=settings.router_ca_file,
         runtime_port=settings.runtime_port,
         allow_loopback_pod_ips=settings.allow_loopback_pod_ips,
+        router_pod_ip=settings.router_pod_ip,
     )
     return KubernetesBackend(
         client,
@@ -91,12 +100,33 @@ def kubernetes_backend(
             ready_timeout_seconds=settings.ready_timeout_seconds,
             tokenreview=any(i.verification == "tokenreview" for i in config.issuers),
             identity=identity,
+            pod_label_domains=settings.pod_label_domains,
         ),
     )
 
 
-def local_backend(settings: LocalBackendConfig) -> LocalBackend:
-    """The local backend (host processes, NO isolation) with the configured templates."""
+def broker_files(config: BrokerConfig) -> list[str]:
+    """The files of ``config`` no sandbox may read: the configuration file itself, the TLS
+    pair, every token and kubeconfig file, the audit log. CA bundles are certificates, which
+    are public (hidden too when they sit with these)."""
+    files: list[Path | None] = [
+        config.path,
+        config.server.tls_cert_file,
+        config.server.tls_key_file,
+    ]
+    files += [issuer.token_file for issuer in config.issuers]
+    kube = config.backend.kubernetes
+    if kube is not None:
+        files += [kube.kubeconfig_file, kube.router_token_file]
+    destination = config.audit.destination
+    if isinstance(destination, Path) or destination not in AUDIT_STREAMS:
+        files.append(Path(destination))
+    return [str(path) for path in files if path is not None]
+
+
+def local_backend(settings: LocalBackendConfig, hide: Sequence[str] = ()) -> LocalBackend:
+    """The local backend with the configured templates: in bubblewrap where it works (``hide``:
+    the broker's files, :func:`broker_files`), else host processes."""
     sweep_dead_owners(RUNTIMES_DIR_PREFIX)  # of brokers whose process died
     templates: dict[str, str | tuple[str, ...] | None] = {
         name: None if command == "" else command for name, command in settings.templates.items()
@@ -104,7 +134,8 @@ def local_backend(settings: LocalBackendConfig) -> LocalBackend:
     warm_pools = {name: name for name in templates}
     if "python" in templates:
         warm_pools.setdefault(DEFAULT_WARM_POOL, "python")
-    return LocalBackend(LocalProcessBackend(), templates=templates, warm_pools=warm_pools)
+    runtimes = LocalProcessLauncher(hide=hide)
+    return LocalBackend(runtimes, templates=templates, warm_pools=warm_pools)
 
 
 class ConfiguredBroker:
@@ -114,6 +145,8 @@ class ConfiguredBroker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self.kube: KubernetesBackend | None = None
+        self.local: Any = None
+        """The local backend's runtimes (``describe_isolation``), with ``kind = "local"``."""
         backend: Backend
         if config.backend.kind == "kubernetes":
             assert config.backend.kubernetes is not None
@@ -122,13 +155,22 @@ class ConfiguredBroker:
             backend = self.kube = kubernetes_backend(config, client, identity)
             verifier, policies = identity_from_config(config, reviewer=client)
         else:
-            backend = local_backend(config.backend.local or LocalBackendConfig())
+            local = local_backend(
+                config.backend.local or LocalBackendConfig(), broker_files(config)
+            )
+            backend, self.local = local, local.runtimes
             verifier, policies = identity_from_config(config)
         self.verifier = verifier
+        server = config.server
         self.app = BrokerApp(
-            verifier=verifier, policies=policies, backend=backend,
-            protocols=config.server.protocols,
-        )  # fmt: skip
+            verifier=verifier,
+            policies=policies,
+            backend=backend,
+            protocols=server.protocols,
+            websocket_limits=WebSocketLimits(
+                server.websocket_max_per_caller, server.websocket_max_message_bytes
+            ),
+        )
         self._keys: asyncio.Task[None] | None = None
         install_log_filter()
 
@@ -158,9 +200,10 @@ class ConfiguredBroker:
         if self.kube is not None:
             self.kube.start()
         else:  # (logged once serving: the server's log handlers are in place by then)
+            describe = getattr(self.local, "describe_isolation", None)
+            isolation = describe() if describe is not None else "with a backend of its own"
             log.warning(
-                "the local backend runs sandboxes as host processes with NO isolation "
-                "(development and tests only)"
+                "the local backend runs sandboxes %s (development and tests only)", isolation
             )
         self._keys = asyncio.get_running_loop().create_task(self._load_keys())
 
@@ -200,10 +243,15 @@ class ConfiguredBroker:
 
     def degraded(self) -> dict[str, str]:
         """The issuers that had keys since start and cannot have them now (their tokens are
-        refused ``503 issuer_unavailable``; the others' callers go on)."""
+        refused ``503 issuer_unavailable``; the others' callers go on), and the router once it
+        answered since start and does not now (the data plane fails; the control plane goes
+        on)."""
         had_keys = self.verifier.had_keys()
         down = self._issuers_down()
-        return {f"issuer {name}": why for name, why in down.items() if had_keys[name]}
+        degraded = {f"issuer {name}": why for name, why in down.items() if had_keys[name]}
+        if self.kube is not None:
+            degraded.update(self.kube.degraded())
+        return degraded
 
     def _issuers_down(self) -> dict[str, str]:
         """``{NAME: why}`` of each issuer whose keys are not loaded now."""

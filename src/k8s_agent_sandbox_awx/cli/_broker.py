@@ -42,6 +42,16 @@ def broker_main(command: str, config_path: str) -> int:
     return _serve(config)
 
 
+def serving_line(url: str, config: BrokerConfig) -> str:
+    """What ``broker serve`` prints on standard output once it listens (operate.md quotes it)."""
+    policies = len(config.policies)
+    return (
+        f"{PROG} broker: serving {url} ({config.server.public_url}) for "
+        f"{len(config.issuers)} issuer(s), {policies} polic{'y' if policies == 1 else 'ies'}, "
+        f"backend {config.backend.kind}; SIGTERM or Ctrl-C stops it"
+    )
+
+
 def _about(config: BrokerConfig) -> dict[str, str]:
     """The facts of the broker's start-up message beside its addresses (none of them secret)."""
     about = {"public_url": config.server.public_url} if config.server.public_url else {}
@@ -62,13 +72,7 @@ def _serve(config: BrokerConfig) -> int:
     settings = config.server
 
     def started(url: str) -> None:
-        print(
-            f"{PROG} broker: serving {url} ({settings.public_url}) for "
-            f"{len(config.issuers)} issuer(s), {len(config.policies)} polic"
-            f"{'y' if len(config.policies) == 1 else 'ies'}, backend {config.backend.kind}; "
-            "SIGTERM or Ctrl-C stops it",
-            flush=True,
-        )
+        print(serving_line(url, config), flush=True)
 
     def metrics_started(url: str) -> None:
         print(f"{PROG} broker: metrics at {url}/metrics (plain HTTP)", flush=True)

@@ -1,5 +1,5 @@
-"""``agent-sandbox-awx``: whoami, doctor, run, shell, ls, kill, extend, files, broker (check, serve)
-(and dev/demo from the [local] extra).
+"""``agent-sandbox-awx``: whoami, doctor, explain, run, shell, ls, kill, extend, files, broker
+(check, serve), mcp (from the [mcp] extra) and dev/demo (from the [local] extra).
 
 Imports are deferred to the subcommand that needs them, so ``--help`` and ``--version`` are
 fast and never fail for a missing optional dependency. Errors print ``agent-sandbox-awx: error:``
@@ -12,21 +12,23 @@ import argparse
 import dataclasses
 import math
 import os
-import signal
 import sys
-import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _everyday, _port_forward
-from ._common import PROG, json_option, ready_timeout_option, template_option
+from . import _explain, _files, _hints, _kept, _mcp, _port_forward, _run
+from ._common import PROG, finish_subcommands, json_option, ready_timeout_option, template_option
 from ._common import CliError as _CliError
 from ._common import print_json as _print_json
 from ._common import seconds as _seconds
+from ._connect import INSECURE_FLAG
+from ._connect import client as _client
+from ._connect import settings as _settings
+from ._messages import cli_message
 
 if TYPE_CHECKING:
-    from ..client._client import BrokerSandboxClient
+    pass
 
 __all__ = ["main"]
 
@@ -34,17 +36,6 @@ __all__ = ["main"]
 _LOCAL_EXTRA = (
     'python3 -m pip install -e ".[local]" in a clone of the k8s-agent-sandbox-awx repository'
 )
-_INSECURE_FLAG = "--allow-insecure-http"
-CLEANUP_TIMEOUT = 30.0
-"""Seconds ``run`` may spend cleaning up after Ctrl-C (kill the command, delete the sandbox)."""
-RUN_TIMEOUT = 300.0
-"""``run``'s command time limit without ``--timeout`` (seconds: the runtime's default cap)."""
-CUT_TIMEOUT = 1.0
-LAST_DELETE_TIMEOUT = 5.0
-"""The request time limit of the one last delete, on new connections, of a sandbox whose
-cleanup hit :data:`CLEANUP_TIMEOUT` (not tried after a second Ctrl-C: the user wants out)."""
-"""Seconds each later cleanup step gets once the cleanup was cut (the time limit passed, or a
-second Ctrl-C): a step that cannot finish is cut again, so the CLI always exits."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,8 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     global_options(parser, None)
-    _subcommands(parser.add_subparsers(dest="command", metavar="COMMAND"))
-    _everyday.finish_subcommands(parser, global_options)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _subcommands(sub)
+    _mcp.add_parser(sub)
+    _explain.add_parser(sub)
+    finish_subcommands(parser, global_options)
     return parser
 
 
@@ -76,7 +70,7 @@ def global_options(parser: argparse.ArgumentParser, default: Any) -> None:
         "$AGENT_SANDBOX_CA_BUNDLE, else the system trust store)",
     )
     parser.add_argument(
-        _INSECURE_FLAG,
+        INSECURE_FLAG,
         action="store_true",
         default=default if default is not None else False,
         help="allow a plain http:// broker URL on this machine (127.0.0.1, ::1, localhost): "
@@ -95,28 +89,8 @@ def _subcommands(sub: Any) -> None:
     json_option(p)
     p = sub.add_parser("doctor", help="check configuration, credentials, TLS and the broker")
     json_option(p)
-    _everyday.create_subcommand(sub)
-    p = sub.add_parser(
-        "run",
-        help="create a sandbox, run one command, print its output, kill it "
-        "(--keep: keep it; --sandbox NAME: run in an existing one)",
-    )
-    template_option(p)
-    p.add_argument(
-        "--timeout",
-        type=_seconds(positive=False),
-        default=None,
-        help=f"command time limit in seconds (default {RUN_TIMEOUT:g}; 0: none, with --background)",
-    )
-    ready_timeout_option(p)
-    json_option(p, "print the result as JSON (--background: the command id)")
-    _everyday.run_options(p)
-    p.add_argument(
-        "cmd",
-        nargs=argparse.REMAINDER,
-        help="-- COMMAND [ARG...]: the program and its arguments, run without a shell "
-        "(for pipes, && and globs: -- sh -c 'a && b')",
-    )
+    _kept.create_subcommand(sub)
+    _run.add_parser(sub)
     p = sub.add_parser("ls", help="list my sandboxes")
     json_option(p)
     p.add_argument("--selector", help="label selector k1=v1,k2=v2")
@@ -146,7 +120,7 @@ def _subcommands(sub: Any) -> None:
         help="its new lifetime, from now (at most the policy's cap from its creation)",
     )
     _shell_subcommand(sub.add_parser("shell", help="an interactive terminal in a sandbox"))
-    _files_subcommands(sub.add_parser("files", help="the files of a sandbox: ls, get, put, rm"))
+    _files.add_parser(sub)
     _broker_subcommands(sub.add_parser("broker", help="the broker server: check, serve"))
     _port_forward.add_parser(sub)
     _local_subcommands(sub)
@@ -172,35 +146,6 @@ def _broker_subcommands(broker: argparse.ArgumentParser) -> None:
         p.add_argument("--config", required=True, metavar="FILE", help="the TOML file")
 
 
-_NAME_HELP = "the sandbox's name (from `ls`, `create` or `run --keep`)"
-_PATH_HELP = "a path in the sandbox: relative to /app, or /app/... or /workspace/..."
-
-
-def _files_subcommands(files: argparse.ArgumentParser) -> None:
-    sub = files.add_subparsers(dest="files_command", metavar="ACTION", required=True)
-    p = sub.add_parser("ls", help="list a directory (default: the sandbox's base, /app)")
-    p.add_argument("name", metavar="NAME", help=_NAME_HELP)
-    p.add_argument(
-        "path", nargs="?", default=".", metavar="PATH", help="the directory (default: /app)"
-    )
-    json_option(p, "print JSON (FileInfo objects)")
-    p = sub.add_parser("get", help="download a file (DEST '-': standard output)")
-    p.add_argument("name", metavar="NAME", help=_NAME_HELP)
-    p.add_argument("path", metavar="PATH", help=_PATH_HELP)
-    p.add_argument("dest", nargs="?", metavar="DEST", help="default: the file's name, here")
-    json_option(p, "print what was written as JSON")
-    p = sub.add_parser("put", help="upload a local file (atomic replace, parents created)")
-    p.add_argument("name", metavar="NAME", help=_NAME_HELP)
-    p.add_argument("local", metavar="LOCAL", help="the local file to upload")
-    p.add_argument("path", nargs="?", metavar="PATH", help="default: LOCAL's name, in /app")
-    json_option(p, "print the FileInfo as JSON")
-    p = sub.add_parser("rm", help="remove a file or directory (a missing one is fine)")
-    p.add_argument("name", metavar="NAME", help=_NAME_HELP)
-    p.add_argument("path", metavar="PATH", help=_PATH_HELP)
-    p.add_argument("-r", "--recursive", action="store_true", help="a directory and its contents")
-    json_option(p)
-
-
 def _shell_subcommand(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", metavar="NAME", help="the sandbox (or --new)")
     p.add_argument("--new", action="store_true", help="create a sandbox for the session")
@@ -210,43 +155,6 @@ def _shell_subcommand(p: argparse.ArgumentParser) -> None:
     p.usage = "%(prog)s [-h] [NAME | --new [--keep] [--template T]] [-- COMMAND [ARG...]]"
     p.epilog = "-- COMMAND [ARG...]: what the terminal runs (default: the sandbox's login shell)"
     p.set_defaults(cmd=[])  # the words after `--`: split off before parsing (see _split_command)
-
-
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The connection settings from the options (``None``: from the environment). The broker
-    URL is checked here first, so that the fixes its errors name are the CLI's (a flag, not a
-    keyword argument)."""
-    from ..client.http._config import ENV_ALIASES, ENV_BROKER_URL, ENV_CA_BUNDLE, check_broker_url
-    from ..errors import ConfigurationError
-
-    names = ENV_ALIASES["broker_url"]  # ours, then the original package's BROKER_URL
-    url = args.broker_url or next((os.environ[n] for n in names if os.environ.get(n)), None)
-    if not url:
-        raise ConfigurationError(
-            f"No broker URL: set the environment variable {ENV_BROKER_URL} to the broker's "
-            "https:// URL, or pass --broker-url URL."
-        )
-    url = check_broker_url(
-        url, allow_insecure_http=args.allow_insecure_http, insecure_option=_INSECURE_FLAG
-    )
-    ca_from = "--ca-bundle" if args.ca_bundle else ENV_CA_BUNDLE
-    if url.startswith("http://") and (args.ca_bundle or os.environ.get(ENV_CA_BUNDLE)):
-        fix = "leave out --ca-bundle" if args.ca_bundle else f"unset {ENV_CA_BUNDLE}"
-        raise ConfigurationError(
-            f"A CA bundle is set ({ca_from}) but the broker URL {url!r} is plain http://, where "
-            f"it would not be used: {fix}, or use the broker's https:// URL."
-        )
-    settings: dict[str, Any] = {"broker_url": args.broker_url, "ca_cert": args.ca_bundle}
-    if args.allow_insecure_http:
-        settings["allow_insecure_http"] = True
-    return settings
-
-
-def _client(args: argparse.Namespace) -> BrokerSandboxClient:
-    from ..client._client import BrokerSandboxClient
-
-    settings = {k: v for k, v in _settings(args).items() if v is not None}
-    return BrokerSandboxClient(**settings)
 
 
 # ------------------------------------------------------------------------------ subcommands
@@ -351,69 +259,6 @@ def _cmd_port_forward(args: argparse.Namespace) -> int:
     return _port_forward.run(args, _client)
 
 
-def _cmd_files(args: argparse.Namespace) -> int:
-    from ..client._client import Sandbox
-
-    client = _client(args)
-    try:
-        sandbox = Sandbox(client, client.get_info(args.name))
-        return _FILES[args.files_command](args, sandbox.files)
-    finally:
-        client.close()
-
-
-def _files_ls(args: argparse.Namespace, files: Any) -> int:
-    entries = files.list(args.path)
-    if args.json:
-        _print_json([entry.to_dict() for entry in entries])
-        return 0
-    for entry in entries:
-        mode = entry.mode or "-"
-        kind = {"directory": "d", "file": "-", "symlink": "l"}.get(entry.type, "?")
-        print(f"{kind} {mode:>5} {entry.size:>12}  {entry.name}{'/' if entry.is_dir else ''}")
-    return 0
-
-
-def _files_get(args: argparse.Namespace, files: Any) -> int:
-    if args.dest == "-":
-        written = files.read_to(args.path, sys.stdout.buffer)
-        sys.stdout.flush()
-        return 0
-    dest = args.dest or os.path.basename(args.path.rstrip("/")) or "download"
-    written = files.read_to(args.path, dest)
-    if args.json:
-        _print_json({"path": args.path, "destination": dest, "bytes": written})
-    else:
-        print(f"{args.path} -> {dest} ({written} bytes)")
-    return 0
-
-
-def _files_put(args: argparse.Namespace, files: Any) -> int:
-    info = files.write_from(args.path or os.path.basename(args.local), args.local)
-    if args.json:
-        _print_json(info.to_dict())
-    else:
-        print(f"{args.local} -> {info.path} ({info.size} bytes)")
-    return 0
-
-
-def _files_rm(args: argparse.Namespace, files: Any) -> int:
-    removed = files.remove(args.path, recursive=args.recursive)
-    if args.json:
-        _print_json({"path": args.path, "removed": removed})
-    else:
-        print(f"{args.path}: {'removed' if removed else 'did not exist'}")
-    return 0
-
-
-_FILES: dict[str, Callable[[argparse.Namespace, Any], int]] = {
-    "ls": _files_ls,
-    "get": _files_get,
-    "put": _files_put,
-    "rm": _files_rm,
-}
-
-
 def _cmd_shell(args: argparse.Namespace) -> int:
     from ..client._client import Sandbox
     from ._shell import ShellUsageError, interactive_shell, terminal_fds
@@ -455,7 +300,7 @@ def _cmd_kill(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"{name}: {'deleted' if existed else 'already gone'}")
             if not existed:
-                print(_everyday.kill_warning(name), file=sys.stderr)
+                print(_hints.kill_warning(name), file=sys.stderr)
     finally:
         client.close()
         if args.json:  # also after an error: the names handled so far
@@ -482,264 +327,17 @@ def _kill_command(args: argparse.Namespace) -> int:
     finally:
         client.close()
     if args.json:
-        _print_json({"name": name, "command_id": args.command_id, "state": result.state,
-                     "exit_code": result.exit_code})  # fmt: skip
+        _print_json(
+            {
+                "name": name,
+                "command_id": args.command_id,
+                "state": result.state,
+                "exit_code": result.exit_code,
+            }
+        )
     else:
         print(f"{name}: command {args.command_id} {result.state} (exit code {result.exit_code})")
     return 0
-
-
-class _CleanupCut(BaseException):
-    """The cleanup after Ctrl-C was cut short (not an ``Exception``: no cleanup step swallows
-    it)."""
-
-
-class _Interrupts:
-    """Ctrl-C during ``run`` (main thread, where ``signal.setitimer`` exists): the first one is a
-    ``KeyboardInterrupt`` (the command is killed, the sandbox deleted) and starts the cleanup's
-    time limit, :data:`CLEANUP_TIMEOUT`; when it passes, or at a second Ctrl-C,
-    :class:`_CleanupCut` is raised wherever the cleanup waits (a read, a lock an interrupted
-    library call left held), and every later step gets :data:`CUT_TIMEOUT`."""
-
-    def __init__(self) -> None:
-        self.interrupted = False
-        self.second = False
-        self.cut: str | None = None
-        self._saved: list[tuple[int, Any]] = []
-
-    def __enter__(self) -> _Interrupts:
-        if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
-            for signum, handler in ((signal.SIGALRM, self._alarm), (signal.SIGINT, self._sigint)):
-                self._saved.append((signum, signal.signal(signum, handler)))
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._saved:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            for signum, handler in reversed(self._saved):
-                signal.signal(signum, handler)
-
-    def limit(self, seconds: float) -> None:
-        """Cut what runs now after ``seconds`` (with the handlers installed)."""
-        if self._saved:
-            signal.setitimer(signal.ITIMER_REAL, seconds)
-
-    def _sigint(self, signum: int, frame: Any) -> None:
-        if not self.interrupted:
-            self.interrupted = True
-            signal.setitimer(signal.ITIMER_REAL, CLEANUP_TIMEOUT)
-            raise KeyboardInterrupt
-        self.second = True
-        self._cut_short("a second Ctrl-C stopped it")
-
-    def _alarm(self, signum: int, frame: Any) -> None:
-        if self.interrupted:
-            self._cut_short(f"it did not finish within {CLEANUP_TIMEOUT:g}s")
-
-    def _cut_short(self, why: str) -> None:
-        self.cut = self.cut or why
-        signal.setitimer(signal.ITIMER_REAL, CUT_TIMEOUT)
-        raise _CleanupCut(why)
-
-
-def _check_run_timeout(args: argparse.Namespace) -> None:
-    """``run``'s ``--timeout`` (default :data:`RUN_TIMEOUT`) and ``--background``, checked
-    before anything is sent: no time limit (``--timeout 0``) is for a background command, and
-    a background command needs a sandbox that stays (``--sandbox NAME`` or ``--keep``)."""
-    if args.timeout is None:
-        args.timeout = RUN_TIMEOUT
-    if args.background and args.sandbox is None and not args.keep:
-        raise _CliError(
-            "run: --background starts the command and returns, so the sandbox must stay: "
-            "add --sandbox NAME (an existing sandbox) or --keep (a new one, kept).",
-            2,
-        )
-    if args.timeout == 0 and not args.background:
-        raise _CliError(
-            "run: --timeout 0 (no time limit) is for --background: a foreground run waits for "
-            "its command. Pass --timeout SECONDS, or start it with --background --timeout 0 "
-            "(with --sandbox NAME or --keep).",
-            2,
-        )
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
-    if not cmd:
-        raise _CliError(f"run: no command given; use `{PROG} run -- COMMAND [ARG...]`.", 2)
-    _check_run_timeout(args)
-    streams = (
-        {} if args.json else {"on_stdout": _writer(sys.stdout), "on_stderr": _writer(sys.stderr)}
-    )
-    client = _client(args)
-    made: list[str] = []
-    interrupts = _Interrupts()
-    try:
-        with interrupts:
-            try:
-                try:
-                    return _run_in_sandbox(args, client, cmd, streams, made)
-                finally:
-                    if interrupts.cut is None:
-                        client.close()
-            except _CleanupCut:
-                if not made or interrupts.second:
-                    raise
-                interrupts.limit(2 * LAST_DELETE_TIMEOUT)  # cut too if it cannot finish
-                if not _last_delete(args, made[0]):
-                    raise
-        raise KeyboardInterrupt  # deleted after all: a plain interruption
-    except _CleanupCut as exc:
-        raise _CliError(_cut_message(interrupts.cut or str(exc), made), 130) from None
-
-
-def _last_delete(args: argparse.Namespace, name: str) -> bool:
-    """Delete sandbox ``name`` on new connections (the old ones may be stuck: a lock an
-    interrupted call left held), each request within :data:`LAST_DELETE_TIMEOUT`, not
-    retried; whether that worked."""
-    from ..client._client import BrokerSandboxClient
-
-    settings = {k: v for k, v in _settings(args).items() if v is not None}
-    try:
-        client = BrokerSandboxClient(
-            request_timeout=LAST_DELETE_TIMEOUT, max_attempts=1, **settings
-        )
-        try:
-            client.delete(name)
-        finally:
-            client.close()
-    except Exception as exc:
-        print(f"{PROG}: could not delete sandbox {name}: {exc}", file=sys.stderr)
-        return False
-    return True
-
-
-def _cut_message(why: str, made: list[str]) -> str:
-    """What may be left when the cleanup after Ctrl-C was cut short (``made``: the sandbox's
-    name, once it was created)."""
-    if made:
-        name = made[0]
-        left = (
-            f"sandbox {name} (and the command in it) may be left; delete it with "
-            f"`{PROG} kill {name}`"
-        )
-    else:
-        left = f"a sandbox being created may be left; check with `{PROG} ls`"
-    return f"interrupted; the cleanup was cut short ({why}): {left}."
-
-
-def _run_in_sandbox(
-    args: argparse.Namespace, client: Any, cmd: list[str], streams: dict[str, Any], made: list[str]
-) -> int:
-    """Create a sandbox (its name appended to ``made``), run ``cmd`` in it, delete it; with
-    ``--keep`` or ``--sandbox NAME`` the sandbox stays (and is not in ``made``)."""
-    if args.background:
-        return _everyday.run_kept(args, client, lambda sandbox: _start_in(args, sandbox, cmd))
-    if args.sandbox is not None or args.keep:
-        return _everyday.run_kept(
-            args,
-            client,
-            lambda sandbox: _run_done(
-                args, sandbox.name, cmd, _run_command(args, sandbox, cmd, streams)
-            ),
-        )
-    with client.create_sandbox(
-        template=args.template, sandbox_ready_timeout=args.ready_timeout
-    ) as sandbox:
-        made.append(sandbox.name)
-        result = _run_command(args, sandbox, cmd, streams)
-    return _run_done(args, sandbox.name, cmd, result)
-
-
-def _start_in(args: argparse.Namespace, sandbox: Any, cmd: list[str]) -> int:
-    """``run --background``: start ``cmd`` in ``sandbox`` and print its command id (``--json``:
-    the sandbox, the command id and its time limit, ``null``: none); it goes on running."""
-    handle = sandbox.commands.run(cmd, background=True, timeout=args.timeout)
-    limit = args.timeout or None
-    if args.json:
-        _print_json({"sandbox": sandbox.name, "command_id": handle.command_id, "timeout": limit})
-    else:
-        print(handle.command_id, flush=True)
-        until = "it exits or the sandbox ends" if limit is None else f"at most {limit:g}s"
-        print(
-            f"{PROG}: command {handle.command_id} runs in sandbox {sandbox.name} in the "
-            f"background (until {until}); `{PROG} kill {sandbox.name} --command "
-            f"{handle.command_id}` stops it, `{PROG} kill {sandbox.name}` ends it with the "
-            "sandbox.",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def _run_command(
-    args: argparse.Namespace, sandbox: Any, cmd: list[str], streams: dict[str, Any]
-) -> Any:
-    """Run ``cmd`` in ``sandbox``, its output streamed (``streams``); its result."""
-    from ..errors import CommandTimeoutError, UnsupportedByRuntimeError
-
-    try:  # an argv: no shell; Ctrl-C kills the command (then the sandbox, unless it is kept)
-        try:
-            return sandbox.commands.run(cmd, timeout=args.timeout, **streams)
-        except UnsupportedByRuntimeError:
-            if not streams:
-                raise
-            # an old runtime cannot stream (the command did not run): the output at
-            # the end instead
-            result = sandbox.commands.run(cmd, timeout=args.timeout)
-            _writer(sys.stdout)(result.stdout)
-            _writer(sys.stderr)(result.stderr)
-            return result
-    except CommandTimeoutError as exc:
-        if exc.result is not None and args.json:
-            _print_result(args, sandbox.name, exc.result)
-        if not args.json and exc.result is not None:
-            sys.stderr.write("\n" if exc.result.stderr[-1:] not in ("", "\n") else "")
-        raise _CliError(
-            f"the command ran longer than --timeout {args.timeout:g}s and was killed; "
-            "pass a larger --timeout.",
-            124,
-        ) from exc
-
-
-def _run_done(args: argparse.Namespace, name: str, cmd: list[str], result: Any) -> int:
-    """The end of ``run``: the result as JSON (``--json``), a hint for a shell command given
-    as one word; the command's exit code."""
-    if args.json:
-        _print_result(args, name, result)
-    hint = _everyday.shell_hint(cmd, int(result.exit_code))
-    if hint:
-        print(hint, file=sys.stderr)
-    return int(result.exit_code)
-
-
-def _writer(stream: Any) -> Any:
-    """A callback that prints output as it arrives."""
-
-    def write(text: str) -> None:
-        stream.write(text)
-        stream.flush()
-
-    return write
-
-
-def _print_result(args: argparse.Namespace, sandbox: str, result: Any) -> None:
-    """The command's output as it is (stdout, stderr), or with ``--json`` one JSON object."""
-    if args.json:
-        _print_json(
-            {
-                "sandbox": sandbox,
-                "exit_code": result.exit_code,
-                "stdout": result.stdout,
-                "stderr": result.stderr,
-                "timed_out": bool(result.timed_out),
-            }
-        )
-        return
-    sys.stdout.write(result.stdout)
-    sys.stdout.flush()
-    sys.stderr.write(result.stderr)
 
 
 def _cmd_local(name: str, argv: list[str]) -> int:
@@ -752,6 +350,10 @@ def _cmd_local(name: str, argv: list[str]) -> int:
         ) from exc
     function = _local.dev_main if name == "dev" else _local.demo_main
     return int(function(argv))
+
+
+def _cmd_mcp(args: argparse.Namespace) -> int:
+    return _mcp.run(args, _settings)
 
 
 def _cmd_broker(args: argparse.Namespace) -> int:
@@ -771,13 +373,15 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from ..client.http._config import BrokerConnectionConfig
     from ._doctor import run_doctor
 
-    report = run_doctor(lambda: BrokerConnectionConfig.from_env(**_settings(args)))
+    report = run_doctor(lambda: BrokerConnectionConfig.from_env(**_settings(args)), args)
     report.checks = [  # an audience mismatch names where the URL came from: the flag
-        dataclasses.replace(c, detail=_everyday.name_the_flag(c.detail, args))
-        for c in report.checks
+        dataclasses.replace(c, detail=_hints.name_the_flag(c.detail, args)) for c in report.checks
     ]
-    report.notes = [_everyday.name_the_flag(note, args) for note in report.notes]
-    report.local_isolation = _local_isolation()
+    report.notes = [_hints.name_the_flag(note, args) for note in report.notes]
+    from ._ci import ci_name
+
+    if ci_name() is None:  # a CI job runs no local sandboxes: the line would mean nothing there
+        report.local_isolation = _local_isolation()
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -832,15 +436,17 @@ def _main(argv: Sequence[str] | None) -> int:
         handler = {
             "whoami": _cmd_whoami,
             "doctor": _cmd_doctor,
-            "create": lambda a: _everyday.cmd_create(a, _client(a)),
-            "run": _cmd_run,
+            "explain": lambda a: _explain.run(a, _settings),
+            "create": lambda a: _kept.cmd_create(a, _client(a)),
+            "run": _run.cmd_run,
             "ls": _cmd_ls,
             "kill": _cmd_kill,
             "extend": _cmd_extend,
-            "files": _cmd_files,
+            "files": _files.cmd_files,
             "shell": _cmd_shell,
             "broker": _cmd_broker,
             "port-forward": _cmd_port_forward,
+            "mcp": _cmd_mcp,
         }[args.command]
     try:
         if handler is None:
@@ -855,11 +461,12 @@ def _main(argv: Sequence[str] | None) -> int:
     except Exception as exc:
         if args.debug or os.environ.get("AGENT_SANDBOX_DEBUG"):
             raise
-        first, *more = _lines(_everyday.name_the_flag(str(exc), args)) or [type(exc).__name__]
+        said = _hints.name_the_flag(cli_message(exc, args), args)  # flags, not keywords
+        first, *more = _lines(said) or [type(exc).__name__]
         for note in getattr(exc, "__notes__", ()):  # what else it says (a leftover to kill)
             more += _lines(str(note))
-        more += _everyday.error_hints(exc, args)
-        print(f"{PROG}: error: {type(exc).__name__}: {first}", file=sys.stderr)
+        more += _hints.error_hints(exc, args)
+        print(f"{PROG}: error: {first}", file=sys.stderr)
         for line in more:  # indented: no line of a message can pass for a line of its own
             print(f"  {line}", file=sys.stderr)
         return 1

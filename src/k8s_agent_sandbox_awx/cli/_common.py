@@ -1,6 +1,7 @@
 """What the CLI's modules share: its name, its explained failure, the seconds type of its
-options, the options several sub-commands take and its JSON printing (standard library only:
-``--help`` stays fast)."""
+options, the options several sub-commands take, the finish of every sub-command's parser
+(the global options after the command, a description) and its JSON printing (standard library
+only: ``--help`` stays fast)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 __all__ = [
     "PROG",
     "CliError",
+    "finish_subcommands",
     "json_option",
     "print_json",
     "ready_timeout_option",
@@ -75,3 +77,41 @@ def json_option(parser: argparse.ArgumentParser, help_text: str = "print JSON") 
 
 def print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True, default=str))
+
+
+_LOCAL_COMMANDS = ("dev", "demo")
+"""Sub-commands with a parser of their own (``cli/_local.py``): their options are theirs."""
+_SERVER_COMMANDS = ("broker", "check", "serve")
+"""The broker server's sub-commands: a client's options (``--broker-url``, ``--ca-bundle``)
+mean nothing to a server, so their ``--help`` does not list them (issue 30)."""
+
+
+def finish_subcommands(
+    parser: argparse.ArgumentParser, global_options: Callable[[argparse.ArgumentParser, Any], None]
+) -> None:
+    """Every sub-command (and theirs) takes the global options after its name too (unset
+    unless given there, so that ``--broker-url X ls`` keeps working), and gets its help line
+    as the description its ``--help`` starts with."""
+    for name, help_text, sub in _subparsers(parser):
+        if sub.description is None:
+            sub.description = _sentence(help_text)
+        if name not in _LOCAL_COMMANDS + _SERVER_COMMANDS:
+            global_options(sub, argparse.SUPPRESS)
+
+
+def _subparsers(
+    parser: argparse.ArgumentParser,
+) -> list[tuple[str, str, argparse.ArgumentParser]]:
+    """``(name, help, parser)`` of every sub-command below ``parser``, depth first."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help or "" for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                found.append((name, helps.get(name, ""), sub))
+                found += _subparsers(sub)
+    return found
+
+
+def _sentence(text: str) -> str:
+    return f"{text[:1].upper()}{text[1:]}." if text else text

@@ -7,6 +7,7 @@ Every decision reads a typed error or a typed field (``ProviderDecision.error``,
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import time
@@ -16,9 +17,10 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from .._local_dev import stopped_dev_at
 from .._upstream import SandboxNotFoundError
 from ..client._client import BrokerSandboxClient
-from ..client.http._config import BrokerConnectionConfig
+from ..client.http._config import NO_BROKER_URL_FIX, BrokerConnectionConfig
 from ..client.wire._dialect import WHOAMI
 from ..client.wire._protocol import redact_answer
 from ..credentials._chain import Explanation, explain
@@ -29,6 +31,8 @@ from ..credentials._credential_errors import (
 )
 from ..credentials._jwt import normalise_url
 from ..errors import BrokerAuthenticationError, BrokerTLSError, ConfigurationError, SandboxError
+from ._ci import ci_note, claim_text
+from ._messages import cli_message
 
 __all__ = ["Check", "DoctorReport", "check_broker", "check_credentials", "run_doctor"]
 
@@ -49,7 +53,9 @@ _CREDENTIAL_HINTS: tuple[tuple[type[Exception], str], ...] = (
         "as long as their job), and check this machine's clock.",
     ),
 )
-_NO_AUDIENCE = "audience check skipped: no broker URL (the token's audience must be the broker URL)"
+_NO_AUDIENCE = (
+    "audience check skipped: no usable broker URL (the token's audience must be the broker URL)"
+)
 
 
 @dataclass(frozen=True)
@@ -118,23 +124,21 @@ def _one_line(exc: BaseException) -> str:
 
 def run_doctor(
     config_from: Callable[[], BrokerConnectionConfig] = BrokerConnectionConfig.from_env,
+    args: argparse.Namespace | None = None,
 ) -> DoctorReport:
     """Check the configuration (``config_from()``: by default the environment), the
-    credentials and the broker."""
+    credentials and the broker; ``args``: the CLI's options (which settings are flags)."""
     report = DoctorReport()
     try:
         config = config_from()
     except (ConfigurationError, ValueError) as exc:
-        report.check(
-            "config",
-            False,
-            _one_line(exc),
-            "Set AGENT_SANDBOX_BROKER_URL (and AGENT_SANDBOX_CA_BUNDLE for a private CA).",
-        )
-        check_credentials(report, None)
+        unset = getattr(exc, "fix", None) is NO_BROKER_URL_FIX
+        said = getattr(exc, "what", "") if unset else cli_message(exc, args)
+        report.check("config", False, " ".join(said.split()), _config_hint(unset))
+        why = "without a broker URL" if unset else "as the configuration was refused (above)"
+        check_credentials(report, None, why)
         report.notes.append(
-            "skipped without a broker URL: audience, reachability, tls, clock skew and "
-            "authentication"
+            f"skipped {why}: audience, reachability, tls, clock skew and authentication"
         )
         return report
     report.check("config", True, f"broker URL {config.broker_url} (the token audience)")
@@ -156,6 +160,20 @@ def run_doctor(
     finally:
         client.close()
     return report
+
+
+def _config_hint(unset: bool) -> str:
+    """The next step for a configuration refused (its message says what to fix) or missing."""
+    if not unset:
+        return (
+            "Change the setting the message names; the checks that need the broker are "
+            "skipped until then."
+        )
+    return (
+        "For a broker on this machine, run `agent-sandbox-awx dev` and export the lines it "
+        "prints; for another broker, set AGENT_SANDBOX_BROKER_URL (or --broker-url) to its "
+        "https:// URL (and AGENT_SANDBOX_CA_BUNDLE for a private CA)."
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +204,9 @@ def _credential_hint(error: Exception | None) -> str:
     return "The error names the source and the fix; the details below list every provider."
 
 
-def check_credentials(report: DoctorReport, audience: str | None) -> None:
+def check_credentials(
+    report: DoctorReport, audience: str | None, why: str = "without a broker URL"
+) -> None:
     """The credential checks; ``audience`` ``None`` (no broker URL): the providers' decisions
     and the token's claims and expiry, the audience check skipped with a note."""
     explanation = _explain_without_audience() if audience is None else explain(audience)
@@ -198,7 +218,7 @@ def check_credentials(report: DoctorReport, audience: str | None) -> None:
     detail = (
         f"selected provider: {explanation.selected}"
         if explanation.selected
-        else f"{type(explanation.error).__name__}: {explanation.error}"
+        else str(explanation.error)  # the CLI shows no Python class (issue 30)
     )
     if not report.check("credentials", found, detail, _credential_hint(explanation.error)):
         return
@@ -208,16 +228,21 @@ def check_credentials(report: DoctorReport, audience: str | None) -> None:
         return
     for part in ("header", "payload"):
         for key, value in sorted(claims.get(part, {}).items()):
-            report.notes.append(f"{part}.{key} = {value!r}")
+            report.notes.append(claim_text(part, key, value))  # in CI: no personal claims
     report.notes.append("signature = <redacted>")
     payload = claims.get("payload", {})
-    _check_audience(report, payload.get("aud"), audience)
+    if note := ci_note(payload):
+        report.notes.append(note)
+    _check_audience(report, payload.get("aud"), audience, why)
     _check_expiry(report, payload.get("exp"))
 
 
-def _check_audience(report: DoctorReport, aud: Any, audience: str | None) -> None:
+def _check_audience(report: DoctorReport, aud: Any, audience: str | None, why: str) -> None:
     if audience is None:
-        report.notes.append(f"aud={aud!r}: {_NO_AUDIENCE}")
+        report.notes.append(
+            f"aud={aud!r}: audience check skipped {why} (the token's audience must be the "
+            "broker URL)"
+        )
         return
     auds = aud if isinstance(aud, list) else [aud]
     wanted = normalise_url(audience)  # the rule the SDK applies before sending a token
@@ -264,11 +289,14 @@ def check_broker(report: DoctorReport, client: BrokerSandboxClient, credentials_
         )
         return
     except SandboxError as exc:
+        dev = stopped_dev_at(url, client.connection_config.ca_cert)  # a stopped `dev`'s URL
         report.check(
             "reachability",
             False,
             _one_line(exc),
-            "Check the broker URL, DNS, proxies and that the broker is running.",
+            "Start `agent-sandbox-awx dev` again, as the message says."
+            if dev
+            else "Check the broker URL, DNS, proxies and that the broker is running.",
         )
         return
     spec = client.dialect.healthz().spec

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
 import sys
-import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
 from ..credentials._cache import clear_credential_cache
 from ..testing import EXTRA_HINT, IsolationUnavailable, isolation_warning, local_isolation
+from ._dev_issuers import add_options as add_issuer_options
+from ._dev_issuers import claims_of, identity_line, keep_token_rotated
+from ._dev_state import DevState, certificates, default_state_dir, port_error
 
 DEMO_CODE = """\
 from k8s_agent_sandbox_awx import Sandbox
@@ -85,8 +89,27 @@ def _dev_parser() -> argparse.ArgumentParser:
         "--ttl", type=int, default=3600, help="token lifetime in seconds; rotated at 80%%"
     )
     parser.add_argument(
-        "--token-file", default=None, help="where to keep the projected token (default: temp)"
+        "--token-file",
+        default=None,
+        help="where to keep the projected token (default: in the state directory, removed "
+        "when dev stops)",
     )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="the port on 127.0.0.1 (default: the last start's in this state directory when it "
+        "is free, else a free one); 0: a free one",
+    )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="where dev keeps its CA, server certificate, token file and record, so that the "
+        "exported lines survive a restart; one dev at a time (default: "
+        "${XDG_STATE_HOME:-~/.local/state}/k8s-agent-sandbox-awx/dev)",
+    )
+    add_issuer_options(parser)
     parser.add_argument(
         "--protocols",
         default="v1,rpc",
@@ -104,12 +127,12 @@ def dev_main(argv: list[str]) -> int:
     protocols = tuple(p.strip() for p in args.protocols.split(",") if p.strip())
     if not protocols or not set(protocols) <= {"v1", "rpc"}:
         parser.error(f"--protocols {args.protocols!r}: give v1, rpc or v1,rpc")
+    if args.port is not None and not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: give a port from 1 to 65535 (0: a free one)")
+    args.claims = claims_of(parser, args)
     local_broker = _import_broker()
-    token_dir = None
-    token_file = args.token_file
-    if token_file is None:
-        token_dir = tempfile.mkdtemp(prefix="agent-sandbox-dev-")
-        token_file = os.path.join(token_dir, "agent-sandbox-token")
+    state = DevState(args.state_dir or default_state_dir()).hold()
+    token_file = args.token_file or state.token_file
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -117,51 +140,94 @@ def dev_main(argv: list[str]) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
-        _serve(local_broker, args, protocols, token_file, stop)
+        _serve(local_broker, args, protocols, (state, token_file), stop)
     except (IsolationUnavailable, ValueError) as exc:  # --isolation bwrap without bwrap, ...
         raise SystemExit(f"agent-sandbox-awx dev: {exc}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if token_dir is not None:
-            import shutil
-
-            shutil.rmtree(token_dir, ignore_errors=True)
+        if args.token_file is None:  # its issuer's keys are gone: a token of no use
+            state.remove_token()
+        state.release()
     return 0
+
+
+@contextlib.contextmanager
+def _started(
+    local_broker: type, args: argparse.Namespace, protocols: Any, state: DevState
+) -> Iterator[Any]:
+    """The broker of the state directory's port and certificates, started (the port's
+    trouble said with the fix), its record written; stopped at the end."""
+    host = "127.0.0.1"
+    port = state.port(args.port, host)
+    broker = local_broker(
+        warn=False,
+        protocols=protocols,
+        isolation=args.isolation,
+        host=host,
+        port=port,
+        tls=certificates(state.directory, host),
+    )
+    try:
+        broker.start()
+    except OSError as exc:
+        said = port_error(exc, port, asked=args.port is not None)
+        if said is None:
+            raise
+        raise SystemExit(said) from None
+    try:
+        state.write_record(
+            url=broker.url,
+            port=int(broker.url.rsplit(":", 1)[1]),
+            ca_bundle=broker.ca_bundle,
+            token_file=os.path.abspath(args.token_file or state.token_file),
+        )
+        yield broker
+    finally:
+        broker.stop()
 
 
 def _serve(
     local_broker: type,
     args: argparse.Namespace,
     protocols: tuple[str, ...],
-    token_file: str,
+    files: tuple[DevState, str],
     stop: threading.Event,
 ) -> None:
     """Run the broker until ``stop`` is set or Ctrl-C, keeping the token file rotated."""
-    with local_broker(warn=False, protocols=protocols, isolation=args.isolation) as broker:
+    state, token_file = files
+    with _started(local_broker, args, protocols, state) as broker:
+        stop_rotating: Callable[[], None] = _nothing
         try:  # from here on Ctrl-C stops the broker quietly (even right after the exports)
-            _announce(broker, args, token_file)
+            stop_rotating = _announce(broker, args, token_file)
             while not stop.wait(0.5):
                 pass
         except KeyboardInterrupt:
             pass
+        finally:
+            stop_rotating()
         print("# stopping the local broker", file=sys.stderr, flush=True)
 
 
-def _announce(broker: Any, args: argparse.Namespace, token_file: str) -> None:
-    """The warning, the token file written (and kept rotated), the exports and the line that
-    says the broker is up."""
+def _nothing() -> None:
+    return None
+
+
+def _announce(broker: Any, args: argparse.Namespace, token_file: str) -> Callable[[], None]:
+    """The warning, the token file written (and kept rotated: what stops that is returned),
+    the exports and the line that says the broker is up."""
     _warn(broker)
-    broker.keep_projected_token_rotated(token_file, args.namespace, args.service_account, args.ttl)
+    stop_rotating = keep_token_rotated(broker, args, args.claims, token_file)
     print(f"export AGENT_SANDBOX_BROKER_URL={shlex.quote(broker.url)}")
     print(f"export AGENT_SANDBOX_CA_BUNDLE={shlex.quote(broker.ca_bundle)}")
     print(f"export AGENT_SANDBOX_TOKEN_FILE={shlex.quote(os.path.abspath(token_file))}")
     print(
         f"# local broker up in {broker.startup_seconds:.3f} s as "
-        f"system:serviceaccount:{args.namespace}:{args.service_account}, serving "
+        f"{identity_line(args, args.claims)}, serving "
         f"{' and '.join(broker.protocols)}; sandboxes' {_isolation_line(broker)}; the "
         "token file is rotated at 80% of its lifetime. Ctrl-C stops it.",
         flush=True,
     )
+    return stop_rotating
 
 
 def demo_main(argv: list[str]) -> int:

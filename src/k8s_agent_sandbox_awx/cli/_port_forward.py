@@ -3,7 +3,8 @@
 Prints the local URL (``http://127.0.0.1:N``, alone on standard output, so that a script can
 read it) and forwards every connection to it to port ``PORT`` of sandbox ``NAME`` through the
 broker (``sandbox.ports.forward``: HTTP and WebSockets, the token added per connection), until
-Ctrl-C (exit 0) or SIGTERM.
+Ctrl-C (exit 0) or SIGTERM. The forward's bounds hold (``client._port_forward``: at most
+``MAX_CONNECTIONS`` connections at once, ``HEAD_SECONDS`` for a request head).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def add_parser(sub: Any) -> None:
         "port-forward",
         help="reach a port of a sandbox on 127.0.0.1 (HTTP and WebSockets) until Ctrl-C",
         description="Forward 127.0.0.1:LOCAL_PORT to port PORT of sandbox NAME through the "
-        "broker. Prints the local URL; any client (a browser, curl) can use it without a token.",
+        "broker. Prints the local URL; any client (a browser, curl) can use it without a token. "
+        "At most 64 connections at once (one more: 503), 30 s to send a request head (then 408).",
     )
     p.add_argument("name", metavar="NAME", help="the sandbox (as `ls` shows it)")
     p.add_argument("port", metavar="PORT", type=_port, help="the port of a server in the sandbox")

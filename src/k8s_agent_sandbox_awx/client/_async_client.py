@@ -17,13 +17,15 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, Literal, Self, Unpack, overload
+from typing import Any, Literal, NoReturn, Self, Unpack, overload
 
 import httpx
 
 from .._upstream import ExecutionResult, SandboxNotFoundError
+from ._async_code import AsyncCode, AsyncRunsCode
 from ._async_commands import AsyncCommandHandle, AsyncCommands
 from ._async_files import AsyncFiles
+from ._async_ports import AsyncPorts
 from ._async_pty import AsyncPty
 from ._base import (
     ClassOrInstanceMethod,
@@ -39,7 +41,7 @@ from ._base import (
     make_client,
     timeout_seconds,
 )
-from ._ports import AsyncPorts
+from ._deleted import mark_deleted
 from .core import _flow as flow
 from .core import _options as opts
 from .http._async_transport import AsyncBrokerTransport
@@ -239,13 +241,14 @@ async def _kill_named(
         return await name.kill()
     target = kill_name(cls, name)
     client = make_client(AsyncBrokerSandboxClient, options, what="kill()", named=("name",))
+    mark_deleted(target)  # this process's readers of it end quietly (issue 30)
     try:
         return await client.delete(target)
     finally:
         await client.close()
 
 
-class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFiles]):
+class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFiles], AsyncRunsCode):
     """One sandbox behind the broker, for asyncio: the async counterpart of :class:`Sandbox`.
 
     ``await AsyncSandbox.create()`` (waits until Ready; a cancelled create deletes its claim),
@@ -270,6 +273,7 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         parts = self._commands_class(transport, target), AsyncFiles(transport, target)
         super().__init__(client, info, target, *parts, owns_client)
         self._pty = AsyncPty(transport, target)
+        self._code = AsyncCode(transport, target)
 
     @property
     def pty(self) -> AsyncPty:
@@ -285,6 +289,12 @@ class AsyncSandbox(SandboxBase[AsyncBrokerSandboxClient, AsyncCommands, AsyncFil
         "Ports")."""
         self._check_active()
         return AsyncPorts(self)
+
+    def get_host(self, port: int) -> NoReturn:
+        """E2B's ``sandbox.get_host(port)``: as ``sandbox.ports.get_host``, it always raises
+        :class:`~..errors.UnsupportedOperationError` naming what to use instead (a port is
+        reached through the broker: ``ports.forward``, ``ports.client``, ``ports.url``)."""
+        self.ports.get_host(port)
 
     async def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""

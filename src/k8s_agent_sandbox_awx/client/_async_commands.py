@@ -1,5 +1,5 @@
 """``AsyncSandbox.commands``: the async counterpart of ``_commands`` (the same operations of
-``_command_flow``, performed with the async transport; callbacks may be coroutine functions)."""
+``_command_ops``, performed with the async transport; callbacks may be coroutine functions)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,18 @@ from typing import Any, Literal, Unpack, overload
 from .._driver import adrive, aiterate
 from .._upstream import ExecutionResult
 from ._base import SandboxPart
-from .core import _command_flow as cf
+from ._deleted import ends_quietly
+from .core import _command_ops as ops
 from .core import _options as opts
-from .core._steps import Op
+from .core._command_handle import HandleBase, followed_elsewhere, output_callback, wait_seconds
+from .core._command_output import CommandEvent, wait_timed_out
+from .core._command_rules import check_callbacks, plan_run
+from .core._command_start import RuntimeFeatures
+from .core._steps import Emit, NextEvent, Op, OpenEvents, Sleep, Step
 from .http._async_transport import AsyncBrokerTransport
 from .http._exchange import only_call
-from .wire._dataplane import CommandInfo, DataTarget
+from .wire._commands_wire import CommandInfo
+from .wire._dataplane import DataTarget
 
 __all__ = ["AsyncCommandHandle", "AsyncCommands"]
 
@@ -39,20 +45,20 @@ class _AsyncPerformer:
         self._callbacks = on_stdout, on_stderr
         self._stream: AsyncGenerator[Any, None] | None = None
 
-    async def __call__(self, step: cf.Step) -> Any:
+    async def __call__(self, step: Step) -> Any:
         match step:
-            case cf.NextEvent():
+            case NextEvent():
                 assert self._stream is not None
                 return await anext(self._stream, None)
-            case cf.Emit(event):
-                callback = cf.output_callback(event, *self._callbacks)
+            case Emit(event):
+                callback = output_callback(event, *self._callbacks)
                 returned = None if callback is None else callback(event.data)
                 return await returned if inspect.isawaitable(returned) else returned
-            case cf.OpenEvents(spec, json_answer):
+            case OpenEvents(spec, json_answer):
                 await self.close()
                 self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
-            case cf.Sleep(seconds):
+            case Sleep(seconds):
                 return await asyncio.sleep(seconds)
             case _:
                 return await self._transport.call(only_call(step))
@@ -91,6 +97,8 @@ class _AsyncFollower:
             pass  # stopped: nothing to report
         except Exception as exc:  # kept for wait(), which raises it
             self.error = exc
+            if ends_quietly(handle._target, exc):  # this process deleted its sandbox
+                return
             logger.warning(
                 "stopped following the output of command %s: %s (wait() raises it)",
                 handle.command_id,
@@ -109,7 +117,7 @@ class _AsyncFollower:
         await asyncio.wait({self.task})
 
 
-class AsyncCommandHandle(cf.HandleBase):
+class AsyncCommandHandle(HandleBase):
     """A background command of an :class:`AsyncSandbox` (see ``CommandHandle``): ``await
     wait()``, ``await kill()``, ``await status()``, ``await send_stdin()``, ``await close()``
     and ``async for`` over its output events. Started with ``on_stdout``/``on_stderr``, a task
@@ -138,9 +146,9 @@ class AsyncCommandHandle(cf.HandleBase):
             result: ExecutionResult = await performer.drive(self._follow(timeout))
             return result
         if on_stdout is not None or on_stderr is not None:
-            raise cf.followed_elsewhere(self.command_id, "wait(on_stdout=..., on_stderr=...)")
-        if not await follower.join(None if timeout is None else cf.wait_seconds(timeout)):
-            raise cf.wait_timed_out(self.command_id, timeout)
+            raise followed_elsewhere(self.command_id, "wait(on_stdout=..., on_stderr=...)")
+        if not await follower.join(None if timeout is None else wait_seconds(timeout)):
+            raise wait_timed_out(self.command_id, timeout)
         if follower.error is not None or follower.result is None:
             self._follower = None  # raised once; a later wait follows the output itself
             if follower.error is not None:
@@ -151,7 +159,7 @@ class AsyncCommandHandle(cf.HandleBase):
     async def kill(self) -> ExecutionResult:
         """Kill the command's process group; its final result. Safe to repeat. The callbacks
         given at its start get its last output first (for up to 5 s)."""
-        result = await self._transport.call(cf.kill(self._target, self.command_id))
+        result = await self._transport.call(ops.kill(self._target, self.command_id))
         follower = self._follower
         if follower is not None and not await follower.join(STOP_WAIT):
             await follower.cancel()
@@ -165,18 +173,18 @@ class AsyncCommandHandle(cf.HandleBase):
             await follower.cancel()
 
     async def status(self) -> CommandInfo:
-        return await self._transport.call(cf.status(self._target, self.command_id))
+        return await self._transport.call(ops.status(self._target, self.command_id))
 
     async def send_stdin(self, data: str | bytes, *, eof: bool = False) -> None:
         """Write ``data`` to the command's stdin (``eof=True`` closes it). Never retried."""
-        await self._transport.call(cf.send_stdin(self._target, self.command_id, data, eof))
+        await self._transport.call(ops.send_stdin(self._target, self.command_id, data, eof))
 
-    async def __aiter__(self) -> AsyncIterator[cf.CommandEvent]:
+    async def __aiter__(self) -> AsyncIterator[CommandEvent]:
         if self._follower is not None:
-            raise cf.followed_elsewhere(self.command_id, "Iterating the handle")
+            raise followed_elsewhere(self.command_id, "Iterating the handle")
         performer = _AsyncPerformer(self._transport, None, None)
         try:
-            steps = aiterate(self._follow(None), performer, cf.Emit)
+            steps = aiterate(self._follow(None), performer, Emit)
             async with contextlib.aclosing(steps):
                 async for step in steps:
                     yield step.event
@@ -189,7 +197,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
 
     def __init__(self, transport: AsyncBrokerTransport, target: DataTarget) -> None:
         super().__init__(transport, target)
-        self._features = cf.RuntimeFeatures()
+        self._features = RuntimeFeatures()
         self._delivering: weakref.WeakSet[AsyncCommandHandle] = weakref.WeakSet()
         """Handles whose output a task delivers to callbacks (stopped with the sandbox)."""
 
@@ -233,13 +241,13 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
     ) -> ExecutionResult | AsyncCommandHandle:
         """Async ``Sandbox.commands.run`` (the same rules, results and errors). Cancelling the
         task of a foreground run kills the command; callbacks may be coroutine functions."""
-        plan = cf.plan_run(command, timeout, background, options)
+        plan = plan_run(command, timeout, background, options)
         if plan.background:
-            start = cf.start(self._target, plan.start, self._features)
+            start = ops.start(self._target, plan.start, self._features)
             command_id: str = await self._transport.run(start)
             return self._handle(command_id, plan.on_stdout, plan.on_stderr)
         performer = _AsyncPerformer(self._transport, plan.on_stdout, plan.on_stderr)
-        op = cf.run(
+        op = ops.run(
             self._target,
             plan.start,
             self._features,
@@ -260,7 +268,7 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
 
     async def get(self, command_id: str) -> AsyncCommandHandle:
         """Reattach to a command of this sandbox (see ``Commands.get``)."""
-        await self._transport.call(cf.status(self._target, command_id))
+        await self._transport.call(ops.status(self._target, command_id))
         return AsyncCommandHandle(self._transport, self._target, command_id)
 
     async def connect(
@@ -268,17 +276,17 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
     ) -> AsyncCommandHandle:
         """E2B's name for :meth:`get` (see ``Commands.connect``): with callbacks, a task
         delivers the command's output to them while it runs."""
-        cf.check_callbacks(on_stdout, on_stderr)
-        await self._transport.call(cf.status(self._target, command_id))
+        check_callbacks(on_stdout, on_stderr)
+        await self._transport.call(ops.status(self._target, command_id))
         return self._handle(command_id, on_stdout, on_stderr)
 
     async def kill(self, command_id: str) -> ExecutionResult:
         """Kill command ``command_id`` (see ``Commands.kill``): its final result."""
-        return await self._transport.call(cf.kill(self._target, command_id))
+        return await self._transport.call(ops.kill(self._target, command_id))
 
     async def send_stdin(self, command_id: str, data: str | bytes, *, eof: bool = False) -> None:
         """Write ``data`` to command ``command_id``'s stdin (see ``Commands.send_stdin``)."""
-        await self._transport.call(cf.send_stdin(self._target, command_id, data, eof))
+        await self._transport.call(ops.send_stdin(self._target, command_id, data, eof))
 
     def _halt_output(self) -> list[_AsyncFollower]:
         """Cancel every task that delivers a command's output to callbacks (the sandbox is
@@ -301,4 +309,4 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
 
     async def list(self) -> list[CommandInfo]:
         """The sandbox's commands, running and retained (oldest first)."""
-        return await self._transport.call(cf.list_commands(self._target))
+        return await self._transport.call(ops.list_commands(self._target))

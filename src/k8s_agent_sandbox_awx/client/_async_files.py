@@ -18,7 +18,7 @@ from .core import _fsapi as fsapi
 from .core._fsapi import FileInfo, WatchEvent
 from .core._steps import Op
 from .http._async_transport import AsyncBrokerTransport
-from .wire._dataplane import DownloadMeter
+from .wire._files_wire import DownloadMeter
 
 __all__ = ["AsyncFiles"]
 

@@ -15,10 +15,15 @@ from .._driver import aiterate
 from .._upstream import ExecutionResult
 from ._async_commands import _AsyncPerformer
 from ._base import SandboxPart
-from .core import _command_flow as cf
+from ._deleted import ends_quietly
+from .core import _command_ops as ops
 from .core import _pty_flow as pf
+from .core._command_handle import HandleBase
+from .core._command_start import RuntimeFeatures
+from .core._steps import Emit, Step
 from .http._async_transport import AsyncBrokerTransport
-from .wire._dataplane import CommandInfo, DataTarget
+from .wire._commands_wire import CommandInfo
+from .wire._dataplane import DataTarget
 
 __all__ = ["AsyncPty", "AsyncPtyHandle"]
 
@@ -34,8 +39,8 @@ class _AsyncPtyPerformer(_AsyncPerformer):
         super().__init__(transport, None, None)
         self._on_data = on_data
 
-    async def __call__(self, step: cf.Step) -> Any:
-        if isinstance(step, cf.Emit):
+    async def __call__(self, step: Step) -> Any:
+        if isinstance(step, Emit):
             event = step.event
             if self._on_data is None or not isinstance(event, pf.PtyEvent):
                 return None
@@ -44,7 +49,7 @@ class _AsyncPtyPerformer(_AsyncPerformer):
         return await super().__call__(step)
 
 
-class AsyncPtyHandle(cf.HandleBase):
+class AsyncPtyHandle(HandleBase):
     """A terminal of an :class:`AsyncSandbox` (see ``PtyHandle``): ``await send_stdin()``,
     ``await resize()``, ``await kill()``, ``await wait()``, ``async for`` over its output
     bytes; with ``on_data`` (at ``create``) a task hands it every output chunk from the
@@ -57,6 +62,9 @@ class AsyncPtyHandle(cf.HandleBase):
     ) -> None:
         super().__init__(transport, target, command_id)
         self._output = pf.PtyOutput(command_id)
+        self.pid = command_id
+        """E2B's name of the terminal's id (``pty.send_stdin(pid, ...)``): ``command_id``, a
+        string here, not a process id."""
         self._reader: asyncio.Task[ExecutionResult] | None = None
         if on_data is not None:
             performer = _AsyncPtyPerformer(transport, on_data)
@@ -69,7 +77,8 @@ class AsyncPtyHandle(cf.HandleBase):
         if task.cancelled():
             return
         exc = task.exception()  # retrieved: raised by wait()
-        if exc is not None and not self._transport.is_closed:  # closed: the reading ends
+        quiet = exc is not None and ends_quietly(self._target, exc)  # deleted by this process
+        if exc is not None and not self._transport.is_closed and not quiet:  # closed: ends
             logger.warning(
                 "the output of terminal %s is no longer read: %s: %s (wait() raises it)",
                 self.command_id,
@@ -87,7 +96,7 @@ class AsyncPtyHandle(cf.HandleBase):
 
     async def kill(self) -> ExecutionResult:
         """Kill the terminal's processes (its whole session); its final result."""
-        return await self._transport.call(cf.kill(self._target, self.command_id))
+        return await self._transport.call(ops.kill(self._target, self.command_id))
 
     async def status(self) -> CommandInfo:
         return await self._transport.call(pf.status(self._target, self.command_id))
@@ -106,10 +115,7 @@ class AsyncPtyHandle(cf.HandleBase):
             result: ExecutionResult = await performer.drive(self._follow(timeout))
             return result
         if on_data is not None:
-            raise ValueError(
-                "This terminal's output goes to the on_data given to pty.create(); wait() "
-                "takes no other on_data."
-            )
+            raise pf.other_on_data()
         try:
             return await asyncio.wait_for(asyncio.shield(self._reader), timeout)
         except TimeoutError:
@@ -130,13 +136,10 @@ class AsyncPtyHandle(cf.HandleBase):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._reader is not None:
-            raise TypeError(
-                "This terminal's output goes to the on_data given to pty.create(); iterate a "
-                "terminal created without on_data."
-            )
+            raise pf.not_iterable()
         performer = _AsyncPtyPerformer(self._transport, None)
         try:
-            steps = aiterate(self._follow(None), performer, cf.Emit)
+            steps = aiterate(self._follow(None), performer, Emit)
             async with contextlib.aclosing(steps):
                 async for step in steps:
                     if isinstance(step.event, pf.PtyEvent):
@@ -150,13 +153,14 @@ class AsyncPty(SandboxPart[AsyncBrokerTransport]):
 
     def __init__(self, transport: AsyncBrokerTransport, target: DataTarget) -> None:
         super().__init__(transport, target)
-        self._features = cf.RuntimeFeatures()
+        self._features = RuntimeFeatures()
 
     async def create(
         self,
-        cols: int = 80,
-        rows: int = 24,
+        cols: int | None = None,
+        rows: int | None = None,
         *,
+        size: Any = None,
         command: str | Sequence[str] | None = None,
         cwd: str | None = None,
         envs: dict[str, str] | None = None,
@@ -165,7 +169,7 @@ class AsyncPty(SandboxPart[AsyncBrokerTransport]):
     ) -> AsyncPtyHandle:
         """Async ``Sandbox.pty.create`` (the same rules and errors); ``on_data`` runs in a task
         of the running loop and may be a coroutine function."""
-        plan = pf.plan_pty(cols, rows, command, cwd, envs, timeout, on_data)
+        plan = pf.plan_pty(cols, rows, command, cwd, envs, timeout, on_data, size=size)
         command_id: str = await self._transport.run(pf.start(self._target, plan, self._features))
         return AsyncPtyHandle(self._transport, self._target, command_id, on_data)
 
@@ -175,3 +179,24 @@ class AsyncPty(SandboxPart[AsyncBrokerTransport]):
         if info.pty is None:
             raise pf.not_a_terminal(self._target, command_id)
         return AsyncPtyHandle(self._transport, self._target, command_id, on_data)
+
+    # E2B's spellings by id (``pid`` there: the handle's ``command_id`` here, a string)
+
+    async def send_stdin(self, command_id: str, data: bytes | str) -> None:
+        """E2B's ``pty.send_stdin(pid, data)``: ``AsyncPtyHandle.send_stdin`` of the terminal
+        ``command_id`` (its handle's ``command_id``, also ``.pid``)."""
+        await self._transport.call(pf.send_stdin(self._target, command_id, data))
+
+    async def resize(
+        self, command_id: str, size: Any = None, *, cols: int | None = None, rows: int | None = None
+    ) -> None:
+        """E2B's ``pty.resize(pid, size)``: ``AsyncPtyHandle.resize`` of the terminal
+        ``command_id``; ``size`` with ``cols`` and ``rows`` (E2B's ``PtySize``), or them."""
+        cols, rows = pf.sized(cols, rows, size)
+        await self._transport.call(pf.resize(self._target, command_id, cols, rows))
+
+    async def kill(self, command_id: str) -> ExecutionResult:
+        """E2B's ``pty.kill(pid)``: ``AsyncPtyHandle.kill`` of the terminal ``command_id``; its
+        final result (E2B answers a bool). Safe to repeat."""
+        result: ExecutionResult = await self._transport.call(ops.kill(self._target, command_id))
+        return result

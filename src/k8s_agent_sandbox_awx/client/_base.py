@@ -24,18 +24,14 @@ from ..credentials._chain import DefaultCredentials
 from ..errors import ConfigurationError, UnsupportedOperationError
 from .core import _fsapi as fsapi
 from .core._flow import SandboxSpec, spec_from_create
-from .core._options import (
-    ATTACH,
-    CREATE,
-    check_options,
-    unexpected_keywords,
-)
+from .core._options import ATTACH, CREATE, check_options, unexpected_keywords
 from .core._steps import Op
 from .http._config import BrokerConnectionConfig
 from .wire import _protocol as proto
-from .wire._dataplane import DataTarget, Keepalive, KeptAlive, check_max_bytes
+from .wire._dataplane import DataTarget, Keepalive, KeptAlive
 from .wire._dialect import Dialect, Lifetime
 from .wire._dialects import BrokerDialect
+from .wire._files_wire import check_max_bytes
 
 __all__ = [
     "ClassOrInstanceMethod",

@@ -7,7 +7,7 @@ import atexit
 import builtins
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Self, Unpack, overload
+from typing import Any, Literal, NoReturn, Self, Unpack, overload
 
 import httpx
 
@@ -27,7 +27,9 @@ from ._base import (
     make_client,
     timeout_seconds,
 )
+from ._code import Code, RunsCode
 from ._commands import CommandHandle, Commands
+from ._deleted import mark_deleted
 from ._files import Files
 from ._ports import Ports
 from ._pty import Pty
@@ -260,13 +262,14 @@ def _kill_named(cls: type[Sandbox], name: str | Sandbox, **options: Unpack[Conne
         return name.kill()
     target = kill_name(cls, name)
     client = make_client(BrokerSandboxClient, options, what="kill()", named=("name",))
+    mark_deleted(target)  # this process's readers of it end quietly (issue 30)
     try:
         return client.delete(target)
     finally:
         client.close()
 
 
-class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
+class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files], RunsCode):
     """One sandbox behind the broker.
 
     Get one with :meth:`create` (waits until Ready), :meth:`connect` (reattach by name) or
@@ -290,6 +293,7 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         commands, files = self._commands_class(transport, target), Files(transport, target)
         super().__init__(client, info, target, commands, files, owns_client)
         self._pty = Pty(transport, target)
+        self._code = Code(transport, target)
 
     @property
     def pty(self) -> Pty:
@@ -304,6 +308,12 @@ class Sandbox(SandboxBase[BrokerSandboxClient, Commands, Files]):
         "Ports")."""
         self._check_active()
         return Ports(self)
+
+    def get_host(self, port: int) -> NoReturn:
+        """E2B's ``sandbox.get_host(port)``: as ``sandbox.ports.get_host``, it always raises
+        :class:`~..errors.UnsupportedOperationError` naming what to use instead (a port is
+        reached through the broker: ``ports.forward``, ``ports.client``, ``ports.url``)."""
+        self.ports.get_host(port)
 
     def refresh(self) -> proto.SandboxInfo:
         """Fetch the current state from the broker."""

@@ -1,5 +1,5 @@
 """``sandbox.commands``: run commands in a sandbox (the managed-command data plane, or the
-legacy ``POST /execute`` on an old runtime). The decisions are in ``_command_flow``; this module
+legacy ``POST /execute`` on an old runtime). The decisions are in ``_command_ops``; this module
 performs its steps with the sync transport."""
 
 from __future__ import annotations
@@ -14,12 +14,18 @@ from typing import Any, Literal, Unpack, overload
 from .._driver import drive, iterate
 from .._upstream import ExecutionResult
 from ._base import SandboxPart
-from .core import _command_flow as cf
+from ._deleted import ends_quietly
+from .core import _command_ops as ops
 from .core import _options as opts
-from .core._steps import Op
+from .core._command_handle import HandleBase, followed_elsewhere, output_callback, wait_seconds
+from .core._command_output import CommandEvent, wait_timed_out
+from .core._command_rules import check_callbacks, plan_run
+from .core._command_start import RuntimeFeatures
+from .core._steps import Emit, NextEvent, Op, OpenEvents, Sleep, Step
 from .http._exchange import only_call
 from .http._transport import BrokerTransport
-from .wire._dataplane import CommandInfo, DataTarget
+from .wire._commands_wire import CommandInfo
+from .wire._dataplane import DataTarget
 
 __all__ = ["CommandHandle", "Commands"]
 
@@ -52,21 +58,21 @@ class _Performer:
         self._stream: Generator[Any, None, None] | None = None
         self._stop = stop
 
-    def __call__(self, step: cf.Step) -> Any:
+    def __call__(self, step: Step) -> Any:
         if self._stop is not None and self._stop.is_set():
             raise _Stopped
         match step:
-            case cf.NextEvent():
+            case NextEvent():
                 assert self._stream is not None
                 return next(self._stream, None)
-            case cf.Emit(event):
-                callback = cf.output_callback(event, *self._callbacks)
+            case Emit(event):
+                callback = output_callback(event, *self._callbacks)
                 return None if callback is None else callback(event.data)
-            case cf.OpenEvents(spec, json_answer):
+            case OpenEvents(spec, json_answer):
                 self.close()
                 self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
-            case cf.Sleep(seconds):
+            case Sleep(seconds):
                 return time.sleep(seconds)
             case _:
                 return self._transport.call(only_call(step))
@@ -108,6 +114,8 @@ class _Follower:
             pass
         except BaseException as exc:  # kept for wait(), which raises it
             self.error = exc
+            if ends_quietly(handle._target, exc):  # this process deleted its sandbox
+                return
             logger.warning(
                 "stopped following the output of command %s: %s (wait() raises it)",
                 handle.command_id,
@@ -124,7 +132,7 @@ class _Follower:
         self.stop.set()
 
 
-class CommandHandle(cf.HandleBase):
+class CommandHandle(HandleBase):
     """A background command (``commands.run(..., background=True)`` or ``commands.get(id)``).
 
     ``wait()`` follows its output to the end, ``kill()`` stops its whole process group,
@@ -161,9 +169,9 @@ class CommandHandle(cf.HandleBase):
             )
             return result
         if on_stdout is not None or on_stderr is not None:
-            raise cf.followed_elsewhere(self.command_id, "wait(on_stdout=..., on_stderr=...)")
-        if not follower.join(None if timeout is None else cf.wait_seconds(timeout)):
-            raise cf.wait_timed_out(self.command_id, timeout)
+            raise followed_elsewhere(self.command_id, "wait(on_stdout=..., on_stderr=...)")
+        if not follower.join(None if timeout is None else wait_seconds(timeout)):
+            raise wait_timed_out(self.command_id, timeout)
         return self._followed(follower)
 
     def _followed(self, follower: _Follower) -> ExecutionResult:
@@ -180,7 +188,7 @@ class CommandHandle(cf.HandleBase):
         """Kill the command's process group and return its final result (the output the runtime
         retained). Safe to repeat; a command that already ended keeps its result. The callbacks
         given at its start get its last output first (for up to 5 s)."""
-        result = self._transport.call(cf.kill(self._target, self.command_id))
+        result = self._transport.call(ops.kill(self._target, self.command_id))
         follower = self._follower
         if follower is not None and not follower.join(STOP_WAIT):
             follower.halt()
@@ -197,19 +205,19 @@ class CommandHandle(cf.HandleBase):
 
     def status(self) -> CommandInfo:
         """The command as the runtime reports it now (state, exit code, retained output)."""
-        return self._transport.call(cf.status(self._target, self.command_id))
+        return self._transport.call(ops.status(self._target, self.command_id))
 
     def send_stdin(self, data: str | bytes, *, eof: bool = False) -> None:
         """Write ``data`` (text, or UTF-8 bytes) to the command's stdin; ``eof=True`` closes it
         afterwards. Never retried (the data would be written twice)."""
-        self._transport.call(cf.send_stdin(self._target, self.command_id, data, eof))
+        self._transport.call(ops.send_stdin(self._target, self.command_id, data, eof))
 
-    def __iter__(self) -> Iterator[cf.CommandEvent]:
+    def __iter__(self) -> Iterator[CommandEvent]:
         if self._follower is not None:
-            raise cf.followed_elsewhere(self.command_id, "Iterating the handle")
+            raise followed_elsewhere(self.command_id, "Iterating the handle")
         performer = _Performer(self._transport, None, None)
         try:
-            for step in iterate(self._follow(None), performer, cf.Emit):
+            for step in iterate(self._follow(None), performer, Emit):
                 yield step.event
         finally:
             performer.close()
@@ -220,7 +228,7 @@ class Commands(SandboxPart[BrokerTransport]):
 
     def __init__(self, transport: BrokerTransport, target: DataTarget) -> None:
         super().__init__(transport, target)
-        self._features = cf.RuntimeFeatures()
+        self._features = RuntimeFeatures()
         self._delivering: weakref.WeakSet[CommandHandle] = weakref.WeakSet()
         """Handles whose output a thread delivers to callbacks (stopped with the sandbox)."""
 
@@ -283,14 +291,14 @@ class Commands(SandboxPart[BrokerTransport]):
         ``background`` and ``stdin`` raise :class:`UnsupportedByRuntimeError` there (nothing
         runs).
         """
-        plan = cf.plan_run(command, timeout, background, options)
+        plan = plan_run(command, timeout, background, options)
         if plan.background:
             command_id: str = self._transport.run(
-                cf.start(self._target, plan.start, self._features)
+                ops.start(self._target, plan.start, self._features)
             )
             return self._handle(command_id, plan.on_stdout, plan.on_stderr)
         performer = _Performer(self._transport, plan.on_stdout, plan.on_stderr)
-        op = cf.run(
+        op = ops.run(
             self._target,
             plan.start,
             self._features,
@@ -312,7 +320,7 @@ class Commands(SandboxPart[BrokerTransport]):
     def get(self, command_id: str) -> CommandHandle:
         """Reattach to a command of this sandbox (started here or by another process of the
         same caller): its handle, checked to exist. Reading it replays the retained output."""
-        self._transport.call(cf.status(self._target, command_id))
+        self._transport.call(ops.status(self._target, command_id))
         return CommandHandle(self._transport, self._target, command_id)
 
     def connect(
@@ -321,19 +329,19 @@ class Commands(SandboxPart[BrokerTransport]):
         """E2B's name for :meth:`get`: the handle of a running or retained command, checked to
         exist; with ``on_stdout``/``on_stderr`` its output (the retained output first) goes to
         them while it runs, as for ``run(..., background=True, on_stdout=...)``."""
-        cf.check_callbacks(on_stdout, on_stderr)
-        self._transport.call(cf.status(self._target, command_id))
+        check_callbacks(on_stdout, on_stderr)
+        self._transport.call(ops.status(self._target, command_id))
         return self._handle(command_id, on_stdout, on_stderr)
 
     def kill(self, command_id: str) -> ExecutionResult:
         """Kill command ``command_id``'s process group (E2B's ``commands.kill``; the same as
         ``get(command_id).kill()``): its final result. Safe to repeat."""
-        return self._transport.call(cf.kill(self._target, command_id))
+        return self._transport.call(ops.kill(self._target, command_id))
 
     def send_stdin(self, command_id: str, data: str | bytes, *, eof: bool = False) -> None:
         """Write ``data`` to command ``command_id``'s stdin (E2B's ``commands.send_stdin``; the
         same as ``get(command_id).send_stdin(data)``). Never retried."""
-        self._transport.call(cf.send_stdin(self._target, command_id, data, eof))
+        self._transport.call(ops.send_stdin(self._target, command_id, data, eof))
 
     def _halt_output(self) -> list[_Follower]:
         """Tell every thread that delivers a command's output to callbacks to stop (the sandbox
@@ -357,4 +365,4 @@ class Commands(SandboxPart[BrokerTransport]):
 
     def list(self) -> list[CommandInfo]:
         """The sandbox's commands, running and retained (oldest first), without their output."""
-        return self._transport.call(cf.list_commands(self._target))
+        return self._transport.call(ops.list_commands(self._target))

@@ -16,7 +16,7 @@ from .core import _fsapi as fsapi
 from .core._fsapi import FileInfo, WatchEvent
 from .core._steps import Op
 from .http._transport import BrokerTransport
-from .wire._dataplane import DownloadMeter
+from .wire._files_wire import DownloadMeter
 
 __all__ = ["BinaryWriter", "Files", "partial_file", "writer_or_path"]
 

@@ -11,37 +11,45 @@ as they are. The local client's own ``Authorization``, ``Cookie``, ``Proxy-*`` a
 
 Threads, also for :class:`AsyncPortForward` (the same forwarder behind an async context
 manager: the event loop is never blocked, and a slow or stuck local client holds only its own
-connection's threads). On exit the listener and every connection are shut down and every
-thread is joined: nothing is left behind. The token is never logged; a refusal the forwarder
-makes itself (the broker unreachable, a head it cannot read) is a plain-text ``502``/``400`` to
-the local client.
+connection's threads). Bounded: a local client has :data:`HEAD_SECONDS` from the accept to send
+its whole request head (then ``408``), and a forward holds at most :data:`MAX_CONNECTIONS`
+connections at once (one more is answered ``503`` at once), so at most ``1 + 2 x
+MAX_CONNECTIONS`` threads (the acceptor; per connection, one for each direction). On exit
+the listener and every connection are shut down and every thread is joined: nothing is left
+behind. The token is never logged; a refusal the forwarder makes itself (the broker
+unreachable, a head it cannot read or that came too late, too many connections) is a
+plain-text ``502``/``400``/``408``/``503`` to the local client.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import re
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from .http._exchange import client_settings
+from .http._client_settings import client_settings
 
-__all__ = ["AsyncPortForward", "ForwardTarget", "PortForward"]
+__all__ = ["ForwardTarget", "PortForward"]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.ports")
 
 MAX_HEAD = 64 * 1024
 """The largest request head (request line and headers) the forwarder reads."""
 HEAD_SECONDS = 30.0
-"""Seconds a local client has to send its request head."""
+"""Seconds a local client has, from the accept, to send its whole request head (one deadline,
+not one per read: a client trickling a byte at a time is answered ``408`` then)."""
+MAX_CONNECTIONS = 64
+"""Connections one forward serves at once (each holds two threads); one more is answered
+``503`` (each forwarded request has a connection of its own: ``Connection: close``)."""
 CONNECT_SECONDS = 10.0
 """Seconds to connect (and complete TLS) to the broker."""
 SEND_SECONDS = 300.0
@@ -85,14 +93,24 @@ class _Refusal(Exception):
         self.text = text
 
 
-def _read_head(conn: socket.socket) -> tuple[bytes, bytes]:
-    """The request head (without its blank line) and whatever of the body came with it."""
-    conn.settimeout(HEAD_SECONDS)
+def _read_head(conn: socket.socket, deadline: float) -> tuple[bytes, bytes]:
+    """The request head (without its blank line) and whatever of the body came with it, by
+    ``deadline`` (``time.monotonic()``; then ``408``)."""
     data = b""
     while b"\r\n\r\n" not in data:
         if len(data) > MAX_HEAD:
             raise _Refusal("431 Request Header Fields Too Large", "the request head is too large")
-        chunk = conn.recv(_CHUNK)
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            conn.settimeout(left)
+            chunk = conn.recv(_CHUNK)
+        except TimeoutError:
+            raise _Refusal(
+                "408 Request Timeout",
+                f"the request head did not arrive within {HEAD_SECONDS:g} s of the connection",
+            ) from None
         if not chunk:
             raise ConnectionError("the local client closed the connection")
         data += chunk
@@ -250,6 +268,7 @@ class PortForward:
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
+        self._serving = 0  # connections being served (at most MAX_CONNECTIONS)
         self._closed = False
         self._acceptor = threading.Thread(
             target=self._accept, name=f"port-forward-{self.port}", daemon=True
@@ -278,12 +297,19 @@ class PortForward:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            deadline = time.monotonic() + HEAD_SECONDS
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                self._sockets.add(conn)
-            self._start(self._serve, conn)
+                busy = self._serving >= MAX_CONNECTIONS
+                if not busy:
+                    self._serving += 1
+                    self._sockets.add(conn)
+            if busy:
+                _busy(conn)
+                continue
+            self._start(self._serve, conn, deadline)
 
     def _start(self, run: Callable[..., None], *args: Any) -> threading.Thread:
         name = f"port-forward-{self.port}-connection"
@@ -300,10 +326,10 @@ class PortForward:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, deadline: float) -> None:
         upstream: socket.socket | None = None
         try:
-            upstream = self._open(conn)
+            upstream = self._open(conn, deadline)
             if upstream is not None:
                 up = self._start(_pipe, conn, upstream)
                 _pipe(upstream, conn)
@@ -315,15 +341,17 @@ class PortForward:
                         self._sockets.discard(sock)
                     _shutdown(sock)
                     sock.close()
+            with self._lock:
+                self._serving -= 1
 
-    def _open(self, conn: socket.socket) -> socket.socket | None:
+    def _open(self, conn: socket.socket, deadline: float) -> socket.socket | None:
         """The broker connection for ``conn``, its rewritten head sent; ``None``: refused."""
         try:
-            head, rest = _read_head(conn)
+            head, rest = _read_head(conn, deadline)
         except _Refusal as refusal:
             _refuse(conn, refusal.status, refusal.text)
             return None
-        except OSError:  # the local client went away, or sent no head in time
+        except OSError:  # the local client went away
             return None
         try:
             rewritten, _ = rewrite_head(head, self._target, self._target.token())
@@ -382,40 +410,19 @@ def _refuse(conn: socket.socket, status: str, text: str) -> None:
         conn.sendall(head.encode() + body)
 
 
-class AsyncPortForward:
-    """:class:`PortForward` as an async context manager (``async with``): the same threads,
-    started and stopped off the event loop."""
-
-    def __init__(self, target: ForwardTarget, local_port: int = 0) -> None:
-        self._target = target
-        self._local_port = local_port
-        self._forward: PortForward | None = None
-
-    @property
-    def port(self) -> int:
-        return self._running().port
-
-    @property
-    def url(self) -> str:
-        return self._running().url
-
-    def _running(self) -> PortForward:
-        if self._forward is None:
-            raise RuntimeError("the port forward is not running: use it with 'async with'")
-        return self._forward
-
-    async def __aenter__(self) -> AsyncPortForward:
-        self._forward = PortForward(self._target, self._local_port)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        if self._forward is not None:
-            await asyncio.to_thread(self._forward.close)
+def _busy(conn: socket.socket) -> None:
+    """``503`` to a connection over :data:`MAX_CONNECTIONS` (from the acceptor: never blocks
+    it for long), then closed."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.recv(MAX_HEAD)  # what the client sent already (unread, the close would reset)
+    with contextlib.suppress(OSError):
+        conn.settimeout(1.0)
+        _refuse(
+            conn,
+            "503 Service Unavailable",
+            f"this forward serves at most {MAX_CONNECTIONS} connections at once and all are "
+            "busy; retry when one has ended (each request has a connection of its own)",
+        )
+    _shutdown(conn)
+    conn.close()

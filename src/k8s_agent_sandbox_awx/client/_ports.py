@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import httpx
 
+from .._fix import Fix, Say, attach
 from ..errors import (
     BrokerAuthenticationError,
     BrokerConflictError,
@@ -34,13 +35,13 @@ from ..errors import (
     PortNotListeningError,
     UnsupportedOperationError,
 )
-from .http._exchange import client_settings
+from .http._client_settings import client_settings
 
 if TYPE_CHECKING:
     from ..credentials._auth import CredentialSource
-    from ._port_forward import AsyncPortForward, PortForward
+    from ._port_forward import PortForward
 
-__all__ = ["AsyncPorts", "PortAuth", "Ports", "broker_refusal", "check_port"]
+__all__ = ["BROKER_ERROR_HEADER", "PortAuth", "Ports", "PortsBase", "broker_refusal", "check_port"]
 
 BROKER_ERROR_HEADER = "agent-sandbox-broker-error"
 """The mark of the broker's own answers (docs/broker-api.md, "Errors")."""
@@ -58,11 +59,34 @@ def check_port(port: object, runtime_port: int) -> int:
     if not 1 <= port <= 65535:
         raise ValueError(f"port {port} is not a TCP port: give one from 1 to 65535")
     if port == runtime_port:
-        raise ValueError(
-            f"port {port} is the sandbox runtime's own port, reserved for its API: use "
-            "sandbox.commands and sandbox.files for it, and another port for your server"
-        )
+        what = f"port {port} is the sandbox runtime's own port, reserved for its API:"
+        raise attach(ValueError(what), _RUNTIME_PORT_FIX)
     return port
+
+
+_RUNTIME_PORT_FIX = Fix(
+    Say(
+        "use sandbox.commands and sandbox.files for it, and another port for your server",
+        cli="use `agent-sandbox-awx run` and `agent-sandbox-awx files` for it, and forward "
+        "another port: the one your server listens on",
+    )
+)
+
+
+def _not_listening(port: int, sandbox: str, detail: str, status: int) -> tuple[str, Fix]:
+    """What a ``port_not_listening`` refusal says, and how to start a server in each surface."""
+    said = detail.partition(": start a server")[0]  # the broker's fact, not its advice
+    if not said.startswith("nothing listens"):
+        said = f"nothing listens on port {port} in sandbox {sandbox!r}"
+    what = f"Could not reach port {port}: {said} ({status} port_not_listening)."
+    return what, Fix(
+        "Start a server on it first, listening on 127.0.0.1 or 0.0.0.0: ",
+        Say(
+            "sandbox.commands.run(..., background=True, timeout=0)",
+            cli=f"`agent-sandbox-awx run --sandbox {sandbox} --background --timeout 0 -- CMD`",
+        ),
+        ".",
+    )
 
 
 class PortAuth(httpx.Auth):
@@ -136,7 +160,8 @@ def broker_refusal(response: httpx.Response, port: int, sandbox: str) -> BrokerE
     }
     message = f"Port {port} of sandbox {sandbox!r}: {detail} ({response.status_code} {code})"
     if code == "port_not_listening":
-        return PortNotListeningError(message, port=port, sandbox=sandbox, **common)
+        what, fix = _not_listening(port, sandbox, detail, response.status_code)
+        return PortNotListeningError(what, port=port, sandbox=sandbox, fix=fix, **common)
     if code == "port_not_allowed":
         return PortNotAllowedError(message, port=port, **common)
     kind = _BY_STATUS.get(response.status_code)
@@ -145,7 +170,7 @@ def broker_refusal(response: httpx.Response, port: int, sandbox: str) -> BrokerE
     return kind(message, **common)
 
 
-class _PortsBase:
+class PortsBase:
     """What both kinds of ``sandbox.ports`` share: the sandbox's broker, token and routing."""
 
     def __init__(self, sandbox: Any) -> None:
@@ -222,7 +247,7 @@ class _PortsBase:
         return settings
 
 
-class Ports(_PortsBase):
+class Ports(PortsBase):
     """``sandbox.ports`` of a :class:`~._client.Sandbox` (see the module docstring)."""
 
     def client(self, port: int, **options: Any) -> httpx.Client:
@@ -260,30 +285,3 @@ class Ports(_PortsBase):
         return ForwardTarget(
             self._config, self.headers(port), lambda: self._auth_source(), port, self._sandbox.name
         )
-
-
-class AsyncPorts(_PortsBase):
-    """``sandbox.ports`` of an :class:`~._async_client.AsyncSandbox`."""
-
-    def client(self, port: int, **options: Any) -> httpx.AsyncClient:
-        """An ``httpx.AsyncClient`` for ``port`` of this sandbox (see :meth:`Ports.client`)."""
-        port = self._checked(port)
-        name = self._sandbox.name
-
-        async def refused(response: httpx.Response) -> None:
-            if BROKER_ERROR_HEADER in response.headers:
-                await response.aread()
-                raise broker_refusal(response, port, name)
-
-        settings = self._settings(port, options)
-        return httpx.AsyncClient(**settings, event_hooks={"response": [refused]})
-
-    def forward(self, port: int, local_port: int = 0) -> AsyncPortForward:
-        """As :meth:`Ports.forward`, as an async context manager (``async with``)."""
-        from ._port_forward import AsyncPortForward, ForwardTarget
-
-        port = self._checked(port)
-        target = ForwardTarget(
-            self._config, self.headers(port), self._auth_source, port, self._sandbox.name
-        )
-        return AsyncPortForward(target, local_port)

@@ -1,6 +1,6 @@
 """``sandbox.pty``: terminals in a sandbox (a managed command on a pseudo-terminal). The
-decisions are in ``_pty_flow`` (and ``_command_flow``, whose start, follow and kill a terminal
-shares); this module performs their steps with the sync transport."""
+decisions are in ``_pty_flow`` (and the commands' ``core/_command_*``, whose start, follow and
+kill a terminal shares); this module performs their steps with the sync transport."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ from .._driver import iterate
 from .._upstream import ExecutionResult
 from ._base import SandboxPart
 from ._commands import _Performer
-from .core import _command_flow as cf
+from ._deleted import ends_quietly
+from .core import _command_ops as ops
 from .core import _pty_flow as pf
+from .core._command_handle import HandleBase
+from .core._command_start import RuntimeFeatures
+from .core._steps import Emit, Step
 from .http._transport import BrokerTransport
-from .wire._dataplane import CommandInfo, DataTarget
+from .wire._commands_wire import CommandInfo
+from .wire._dataplane import DataTarget
 
 __all__ = ["Pty", "PtyHandle"]
 
@@ -41,10 +46,10 @@ class _PtyPerformer(_Performer):
         self._on_data = on_data
         self._stop = stop
 
-    def __call__(self, step: cf.Step) -> Any:
+    def __call__(self, step: Step) -> Any:
         if self._stop is not None and self._stop.is_set():
             raise _Stopped
-        if isinstance(step, cf.Emit):
+        if isinstance(step, Emit):
             event = step.event
             if self._on_data is not None and isinstance(event, pf.PtyEvent):
                 return self._on_data(event.raw)
@@ -75,6 +80,8 @@ class _Reader:
             self.error = exc
             if self._handle._transport.is_closed:  # its sandbox was closed: the reading ends
                 return
+            if ends_quietly(self._handle._target, exc):  # this process deleted its sandbox
+                return
             logger.warning(
                 "the output of terminal %s is no longer read: %s: %s (wait() raises it)",
                 self._handle.command_id,
@@ -99,7 +106,7 @@ class _Reader:
         return self.result
 
 
-class PtyHandle(cf.HandleBase):
+class PtyHandle(HandleBase):
     """A terminal in the sandbox (``sandbox.pty.create()`` or ``sandbox.pty.connect(id)``).
 
     ``send_stdin()`` types into it (bytes or text: Ctrl-C is ``b"\\x03"``), ``resize()``
@@ -117,6 +124,9 @@ class PtyHandle(cf.HandleBase):
     ) -> None:
         super().__init__(transport, target, command_id)
         self._output = pf.PtyOutput(command_id)
+        self.pid = command_id
+        """E2B's name of the terminal's id (``pty.send_stdin(pid, ...)``): ``command_id``, a
+        string here, not a process id."""
         self._reader = None if on_data is None else _Reader(self, on_data)
 
     def send_stdin(self, data: bytes | str) -> None:
@@ -131,7 +141,7 @@ class PtyHandle(cf.HandleBase):
     def kill(self) -> ExecutionResult:
         """Kill the terminal's processes (its whole session); its final result. Safe to
         repeat."""
-        return self._transport.call(cf.kill(self._target, self.command_id))
+        return self._transport.call(ops.kill(self._target, self.command_id))
 
     def status(self) -> CommandInfo:
         """The command as the runtime reports it now (``pty``: its size)."""
@@ -144,10 +154,7 @@ class PtyHandle(cf.HandleBase):
         :class:`CommandWaitTimeoutError`; the terminal goes on."""
         if self._reader is not None:
             if on_data is not None:
-                raise ValueError(
-                    "This terminal's output goes to the on_data given to pty.create(); wait() "
-                    "takes no other on_data."
-                )
+                raise pf.other_on_data()
             return self._reader.join(self, timeout)
         result: ExecutionResult = _PtyPerformer(self._transport, on_data).drive(
             self._follow(timeout)
@@ -162,13 +169,10 @@ class PtyHandle(cf.HandleBase):
 
     def __iter__(self) -> Iterator[bytes]:
         if self._reader is not None:
-            raise TypeError(
-                "This terminal's output goes to the on_data given to pty.create(); iterate a "
-                "terminal created without on_data."
-            )
+            raise pf.not_iterable()
         performer = _PtyPerformer(self._transport, None)
         try:
-            for step in iterate(self._follow(None), performer, cf.Emit):
+            for step in iterate(self._follow(None), performer, Emit):
                 if isinstance(step.event, pf.PtyEvent):
                     yield step.event.raw
         finally:
@@ -180,13 +184,14 @@ class Pty(SandboxPart[BrokerTransport]):
 
     def __init__(self, transport: BrokerTransport, target: DataTarget) -> None:
         super().__init__(transport, target)
-        self._features = cf.RuntimeFeatures()
+        self._features = RuntimeFeatures()
 
     def create(
         self,
-        cols: int = 80,
-        rows: int = 24,
+        cols: int | None = None,
+        rows: int | None = None,
         *,
+        size: Any = None,
         command: str | Sequence[str] | None = None,
         cwd: str | None = None,
         envs: dict[str, str] | None = None,
@@ -199,7 +204,7 @@ class Pty(SandboxPart[BrokerTransport]):
         (bytes) as it arrives, from a thread; without it, iterate the handle. ``timeout``
         (seconds): the runtime kills it then; ``None``: no time limit. A runtime without
         terminals is :class:`UnsupportedByRuntimeError` (nothing runs)."""
-        plan = pf.plan_pty(cols, rows, command, cwd, envs, timeout, on_data)
+        plan = pf.plan_pty(cols, rows, command, cwd, envs, timeout, on_data, size=size)
         command_id: str = self._transport.run(pf.start(self._target, plan, self._features))
         return PtyHandle(self._transport, self._target, command_id, on_data)
 
@@ -210,3 +215,24 @@ class Pty(SandboxPart[BrokerTransport]):
         if info.pty is None:
             raise pf.not_a_terminal(self._target, command_id)
         return PtyHandle(self._transport, self._target, command_id, on_data)
+
+    # E2B's spellings by id (``pid`` there: the handle's ``command_id`` here, a string)
+
+    def send_stdin(self, command_id: str, data: bytes | str) -> None:
+        """E2B's ``pty.send_stdin(pid, data)``: ``PtyHandle.send_stdin`` of the terminal
+        ``command_id`` (its handle's ``command_id``, also ``.pid``)."""
+        self._transport.call(pf.send_stdin(self._target, command_id, data))
+
+    def resize(
+        self, command_id: str, size: Any = None, *, cols: int | None = None, rows: int | None = None
+    ) -> None:
+        """E2B's ``pty.resize(pid, size)``: ``PtyHandle.resize`` of the terminal
+        ``command_id``; ``size`` with ``cols`` and ``rows`` (E2B's ``PtySize``), or them."""
+        cols, rows = pf.sized(cols, rows, size)
+        self._transport.call(pf.resize(self._target, command_id, cols, rows))
+
+    def kill(self, command_id: str) -> ExecutionResult:
+        """E2B's ``pty.kill(pid)``: ``PtyHandle.kill`` of the terminal ``command_id``; its
+        final result (E2B answers a bool). Safe to repeat."""
+        result: ExecutionResult = self._transport.call(ops.kill(self._target, command_id))
+        return result

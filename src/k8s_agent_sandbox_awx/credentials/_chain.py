@@ -37,6 +37,7 @@ from .._driver import Steps, adrive, drive
 from . import _cache
 from ._auth import CredentialSource, ProviderGuard, accept_credential, plain_answer
 from ._bridge import aresult, in_thread
+from ._ci_fixes import fixes as ci_fixes
 from ._credential import Credential, CredentialRequest
 from ._credential_errors import (
     CredentialError,
@@ -44,7 +45,7 @@ from ._credential_errors import (
     MalformedTokenError,
     NoCredentialsError,
 )
-from ._jwt import DecodedToken, cache_deadline, decode_token
+from ._jwt import DecodedToken, cache_deadline, decode_token, normalise_url
 from ._plugins import (
     DISABLE_AUTOLOAD_ENV,
     LOAD_PLUGINS_ENV,
@@ -56,7 +57,7 @@ from ._plugins import (
     load_providers,
     warn_plugin,
 )
-from ._providers import DEFAULT_TOKEN_PATH, TOKEN_ENV, TOKEN_FILE_ENV
+from ._providers import DEFAULT_TOKEN_PATH, TOKEN_ENV
 
 __all__ = ["DefaultCredentials", "Explanation", "ProviderDecision", "explain"]
 
@@ -107,21 +108,16 @@ def _no_credentials(
     tried: Sequence[tuple[str, str]],
     problems: Iterable[PluginProblem],
     token_path: str,
+    environ: Mapping[str, str],
 ) -> NoCredentialsError:
-    lines = [f"No credential found for the broker {audience!r}. Providers tried, in order:"]
+    broker = f"the broker {audience!r}" if audience else "a broker (no broker URL is set)"
+    lines = [f"No credential found for {broker}. Providers tried, in order:"]
     lines += [f"  - {name}: {why}" for name, why in tried]
     failed = [p for p in problems if p.status == "failed to load"]
     if failed:
         lines.append("Plugins not used:")
         lines += [f"  - {p.name}: {p.detail}" for p in failed]
-    lines += [
-        "To fix it, do one of:",
-        f"  - set {TOKEN_ENV} to an OIDC token whose aud is {audience!r} (GitLab CI: id_tokens)",
-        f"  - set {TOKEN_FILE_ENV} to the path of such a token file",
-        f"  - mount a projected ServiceAccount token with audience {audience!r} at {token_path}",
-        "  - install a provider plugin for your platform",
-        "  - in Python: pass auth= explicitly",
-    ]
+    lines += ci_fixes(environ, audience, token_path)  # a GitLab job: its id_tokens
     return NoCredentialsError("\n".join(lines), tried=tried)
 
 
@@ -393,7 +389,7 @@ class DefaultCredentials:
             accepted = self._accept(provider, result, audience, key, record)
             if accepted is not None and record is None:
                 return provider, accepted, key
-        error = _no_credentials(audience, tried, registry.problems, self._token_path)
+        error = _no_credentials(audience, tried, registry.problems, self._token_path, self.environ)
         if record is None:
             raise error
         record.finish(registry.problems, error)
@@ -443,6 +439,23 @@ class DefaultCredentials:
         record = _Record()
         _run(self._consult(audience, record))
         return Explanation(audience, record.decisions, record.selected, record.claims, record.error)
+
+
+BROKER_URL_VARIABLES = ("AGENT_SANDBOX_BROKER_URL", "BROKER_URL")
+"""Where the broker URL is read from (ours, then the original package's), as the client does."""
+
+
+def broker_url_of(environ: Mapping[str, str]) -> str:
+    """The broker URL of ``environ`` in its normal form (the token audience), else a
+    ``ValueError`` saying where to set it."""
+    url = next((environ[n] for n in BROKER_URL_VARIABLES if environ.get(n)), None)
+    if url is None:
+        raise ValueError(
+            "explain() needs the broker URL (the audience a token must carry): pass it, "
+            "explain('https://sandbox-broker.example'), or set AGENT_SANDBOX_BROKER_URL "
+            "(`agent-sandbox-awx dev` prints it for a broker on this machine)."
+        )
+    return normalise_url(url)
 
 
 class _Record:
@@ -582,18 +595,22 @@ class Explanation:
 
 
 def explain(
-    audience: str,
+    audience: str | None = None,
     *,
     auth: CredentialSource | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Explanation:
-    """Report, for ``audience`` (the broker URL), what each credential provider decides.
+    """Report, for ``audience`` (the broker URL; default: the broker URL of ``environ``, as
+    everything else reads it: ``AGENT_SANDBOX_BROKER_URL``), what each credential provider
+    decides.
 
     Without ``auth``, the discovery chain for ``environ`` (default ``os.environ``) is explained:
     every provider is consulted, including those after the winner (reported as "shadowed"), and
     plugins that failed to load are listed. With ``auth=`` (explicit: the chain is bypassed),
     that one source is reported; ``environ`` is then ignored.
     """
+    if audience is None:
+        audience = broker_url_of(os.environ if environ is None else environ)
     if auth is None:
         auth = DefaultCredentials(environ)
     if isinstance(auth, DefaultCredentials):

@@ -18,7 +18,9 @@ import errno
 import functools
 import os
 from collections.abc import Mapping
+from typing import ClassVar
 
+from .._local_dev import stopped_dev_token
 from ._credential import Credential, CredentialRequest, ProviderInfo
 from ._credential_errors import (
     EmptyCredentialError,
@@ -191,8 +193,9 @@ def read_token_file(path: str, *, provider: str, source: str, missing_ok: bool) 
         if isinstance(exc, NotADirectoryError):
             raise _unreadable(path, source, provider, exc) from None
         raise UnreadableCredentialError(
-            f"The token file {path} ({source}) does not exist. Create it, point the setting at "
-            f"the right file, or remove the setting. {_PROJECTED_HOWTO}",
+            stopped_dev_token(path)  # the token of `agent-sandbox-awx dev`, stopped since
+            or f"The token file {path} ({source}) does not exist. Create it, point the setting "
+            f"at the right file, or remove the setting. {_PROJECTED_HOWTO}",
             provider=provider,
             source=source,
         ) from None
@@ -237,71 +240,79 @@ def _unreadable(path: str, source: str, provider: str, exc: OSError) -> Unreadab
     )
 
 
-class EnvTokenProvider:
+class _EnvSettingProvider:
+    """The shape of a provider found by an environment setting (the first of :attr:`envs`
+    set): its info, the check of the setting, its presence test; :meth:`_credential` makes
+    the credential of the value set."""
+
+    name: ClassVar[str]
+    file_backed: ClassVar[bool]
+    envs: ClassVar[tuple[str, ...]]
+    """The variables it reads, the first set wins."""
+    fix: ClassVar[str]
+    """What the error of a variable set but blank says to do."""
+    hint: ClassVar[str]
+    description: ClassVar[str]
+
+    @hookimpl
+    def agent_sandbox_provider_info(self) -> ProviderInfo:
+        return ProviderInfo(priority=0, hint=self.hint, description=self.description)
+
+    @hookimpl
+    def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
+        name, value = _provider_setting(request, self.envs, provider=self.name, fix=self.fix)
+        if value is None:
+            return None
+        return self._credential(name, value)
+
+    def _credential(self, name: str, value: str) -> Credential:
+        """The credential of ``value``, the setting of the variable ``name``."""
+        raise NotImplementedError
+
+    def present(self, environ: Mapping[str, str]) -> str | None:
+        """A cheap presence test (no read) used to log shadowed sources."""
+        name = _first_set(environ, self.envs)
+        return f"{name} is set" if name in environ else None
+
+
+class EnvTokenProvider(_EnvSettingProvider):
     """``AGENT_SANDBOX_TOKEN``: a token in the environment (GitLab CI ``id_tokens:``)."""
 
     name = ENV_TOKEN_PROVIDER
     file_backed = False
+    envs = TOKEN_ENVS
+    fix = "Set it to an OIDC token whose aud is the broker URL"
+    hint = (
+        f"set {TOKEN_ENV} to an OIDC token whose aud is the broker URL "
+        "(GitLab CI: 'id_tokens: AGENT_SANDBOX_TOKEN: aud: <broker URL>')"
+    )
+    description = "a token in the environment variable AGENT_SANDBOX_TOKEN"
 
-    @hookimpl
-    def agent_sandbox_provider_info(self) -> ProviderInfo:
-        return ProviderInfo(
-            priority=0,
-            hint=f"set {TOKEN_ENV} to an OIDC token whose aud is the broker URL "
-            "(GitLab CI: 'id_tokens: AGENT_SANDBOX_TOKEN: aud: <broker URL>')",
-            description="a token in the environment variable AGENT_SANDBOX_TOKEN",
-        )
-
-    @hookimpl
-    def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
-        name, value = _provider_setting(
-            request,
-            TOKEN_ENVS,
-            provider=self.name,
-            fix="Set it to an OIDC token whose aud is the broker URL",
-        )
-        if value is None:
-            return None
+    def _credential(self, name: str, value: str) -> Credential:
         token = check_token_text(value, provider=self.name, source=name)
         return Credential(token, self.name, file_backed=False, source=name)
 
-    def present(self, environ: Mapping[str, str]) -> str | None:
-        """A cheap presence test (no read) used to log shadowed sources."""
-        name = _first_set(environ, TOKEN_ENVS)
-        return f"{name} is set" if name in environ else None
 
-
-class TokenFileProvider:
+class TokenFileProvider(_EnvSettingProvider):
     """``AGENT_SANDBOX_TOKEN_FILE``: an explicit token path, re-read on every request."""
 
     name = TOKEN_FILE_PROVIDER
     file_backed = True
+    envs = TOKEN_FILE_ENVS
+    fix = "Set it to the path of a token file"
+    hint = (
+        f"set {TOKEN_FILE_ENV} to the path of a file holding an OIDC token whose aud "
+        "is the broker URL"
+    )
+    description = "a token file named by AGENT_SANDBOX_TOKEN_FILE"
 
-    @hookimpl
-    def agent_sandbox_provider_info(self) -> ProviderInfo:
-        return ProviderInfo(
-            priority=0,
-            hint=f"set {TOKEN_FILE_ENV} to the path of a file holding an OIDC token whose aud "
-            "is the broker URL",
-            description="a token file named by AGENT_SANDBOX_TOKEN_FILE",
-        )
-
-    @hookimpl
-    def agent_sandbox_get_credential(self, request: CredentialRequest) -> Credential | None:
-        name, path = _provider_setting(
-            request, TOKEN_FILE_ENVS, provider=self.name, fix="Set it to the path of a token file"
-        )
-        if path is None:
-            return None
+    def _credential(self, name: str, value: str) -> Credential:
+        path = value
         source = f"{name}={path}"
         text = read_token_file(path, provider=self.name, source=source, missing_ok=False)
         assert text is not None
         token = check_token_text(text, provider=self.name, source=source)
         return Credential(token, self.name, file_backed=True, source=path)
-
-    def present(self, environ: Mapping[str, str]) -> str | None:
-        name = _first_set(environ, TOKEN_FILE_ENVS)
-        return f"{name} is set" if name in environ else None
 
 
 class ProjectedTokenProvider:

@@ -3,8 +3,12 @@
 Install with the ``[local]`` extra. ``from k8s_agent_sandbox_awx.testing import LocalBroker``::
 
     with LocalBroker() as broker:
-        token = broker.issue_kubernetes_token("team-a", "agent")
+        token = broker.tokens.issue_kubernetes("team-a", "agent")
         ...
+
+``LocalBroker`` owns three parts: ``broker.tokens`` (``Tokens``: issuers and tokens),
+``broker.inspect`` (``Inspection``: its state, for assertions) and ``broker.faults``
+(``Faults``: failure injection).
 
 For testing a credential provider plugin (standard library only, no extra needed):
 ``ScriptedEndpoint`` (a scripted HTTP server on 127.0.0.1 standing in for a platform's token
@@ -30,18 +34,23 @@ from ._messages import EXTRA_HINT, NO_ISOLATION_WARNING
 
 _EXPORTS: dict[str, str] = {
     "LocalBroker": "._broker",
+    "Tokens": "._tokens",
+    "Inspection": "._inspection",
+    "Faults": "._faults",
     "Issuer": "._issuers",
     "Policy": "..broker.identity._policy",
     "Caller": "..broker.identity._policy",
     "caller_namespace": "..broker.identity._policy",
-    "SandboxBackend": "..broker.backends._runtimes",
-    "SandboxSpec": "..broker.backends._runtimes",
-    "RuntimeHandle": "..broker.backends._runtimes",
-    "RuntimeStartError": "..broker.backends._runtimes",
-    "LocalProcessBackend": "..broker.backends._local",
-    "DEFAULT_RUNTIME_COMMAND": "..broker.backends._local",
-    "IsolationUnavailable": "..broker.backends._isolation",
-    "Isolation": "..broker.backends._isolation",
+    "RuntimeLauncher": "..broker.backends.local._launcher",
+    "SandboxBackend": "..broker.backends.local._launcher",  # RuntimeLauncher's deprecated name
+    "SandboxSpec": "..broker.backends.local._launcher",
+    "RuntimeHandle": "..broker.backends.local._launcher",
+    "RuntimeStartError": "..broker.backends.local._launcher",
+    "LocalProcessLauncher": "..broker.backends.local._processes",
+    "LocalProcessBackend": "..broker.backends.local._processes",  # deprecated name (issue 27)
+    "DEFAULT_RUNTIME_COMMAND": "..broker.backends.local._processes",
+    "IsolationUnavailable": "..broker.backends.local._bubblewrap",
+    "Isolation": "..broker.backends.local._bubblewrap",
     "local_isolation": "._messages",
     "isolation_warning": "._messages",
     "BWRAP_ISOLATION_WARNING": "._messages",
@@ -68,19 +77,24 @@ __all__ = [
     "RESERVED_PREFIX",
     "SDK_VARIABLES",
     "Caller",
+    "Faults",
+    "Inspection",
     "Isolation",
     "IsolationUnavailable",
     "Issuer",
     "LocalBroker",
     "LocalProcessBackend",
+    "LocalProcessLauncher",
     "Policy",
     "RecordedRequest",
     "Reply",
     "RuntimeHandle",
+    "RuntimeLauncher",
     "RuntimeStartError",
     "SandboxBackend",
     "SandboxSpec",
     "ScriptedEndpoint",
+    "Tokens",
     "call_concurrently",
     "caller_namespace",
     "check_cached_then_refreshed",
@@ -109,14 +123,18 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..broker.backends._isolation import Isolation as Isolation
-    from ..broker.backends._isolation import IsolationUnavailable as IsolationUnavailable
-    from ..broker.backends._local import DEFAULT_RUNTIME_COMMAND as DEFAULT_RUNTIME_COMMAND
-    from ..broker.backends._local import LocalProcessBackend as LocalProcessBackend
-    from ..broker.backends._runtimes import RuntimeHandle as RuntimeHandle
-    from ..broker.backends._runtimes import RuntimeStartError as RuntimeStartError
-    from ..broker.backends._runtimes import SandboxBackend as SandboxBackend
-    from ..broker.backends._runtimes import SandboxSpec as SandboxSpec
+    from ..broker.backends.local._bubblewrap import Isolation as Isolation
+    from ..broker.backends.local._bubblewrap import IsolationUnavailable as IsolationUnavailable
+    from ..broker.backends.local._launcher import RuntimeHandle as RuntimeHandle
+    from ..broker.backends.local._launcher import RuntimeLauncher as RuntimeLauncher
+    from ..broker.backends.local._launcher import RuntimeStartError as RuntimeStartError
+    from ..broker.backends.local._launcher import SandboxBackend as SandboxBackend
+    from ..broker.backends.local._launcher import SandboxSpec as SandboxSpec
+    from ..broker.backends.local._processes import (
+        DEFAULT_RUNTIME_COMMAND as DEFAULT_RUNTIME_COMMAND,
+    )
+    from ..broker.backends.local._processes import LocalProcessBackend as LocalProcessBackend
+    from ..broker.backends.local._processes import LocalProcessLauncher as LocalProcessLauncher
     from ..broker.identity._policy import RESERVED_PREFIX as RESERVED_PREFIX
     from ..broker.identity._policy import Caller as Caller
     from ..broker.identity._policy import Policy as Policy
@@ -125,6 +143,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._endpoint import RecordedRequest as RecordedRequest
     from ._endpoint import Reply as Reply
     from ._endpoint import ScriptedEndpoint as ScriptedEndpoint
+    from ._faults import Faults as Faults
+    from ._inspection import Inspection as Inspection
     from ._issuers import Issuer as Issuer
     from ._messages import BWRAP_ISOLATION_WARNING as BWRAP_ISOLATION_WARNING
     from ._messages import isolation_warning as isolation_warning
@@ -135,3 +155,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._plugin_kit import check_entry_point as check_entry_point
     from ._plugin_kit import unsigned_jwt as unsigned_jwt
     from ._plugin_kit import unverified_claims as unverified_claims
+    from ._tokens import Tokens as Tokens

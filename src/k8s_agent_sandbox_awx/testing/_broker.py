@@ -5,67 +5,63 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import itertools
+import functools
 import logging
 import os
-import re
-import secrets
-import shutil
 import socket
 import ssl
-import tempfile
 import threading
 import time
-import uuid
-from collections.abc import Coroutine, Mapping, Sequence
-from datetime import UTC, datetime
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 import httpx
-import trustme
 import uvicorn
 
 from ..broker._app import PROTOCOLS, BrokerApp
-from ..broker._ports import ws_protocol
-from ..broker._relay import install_log_filter
-from ..broker._rpc import DEFAULT_WARM_POOL
-from ..broker._v1 import sandbox_json
-from ..broker.backends._isolation import ISOLATIONS, Isolation
-from ..broker.backends._local import (
-    RUNTIMES_DIR_PREFIX,
-    LocalProcessBackend,
-    owned_temp_dir,
-    release_owned_dir,
-    sweep_dead_owners,
-)
-from ..broker.backends._local_claims import (
+from ..broker.backends.local._backend import (
     DEFAULT_KEEP_DELETED,
     DEFAULT_KEEP_DELETED_SECONDS,
     LocalBackend,
 )
-from ..broker.backends._runtimes import SandboxBackend
+from ..broker.backends.local._bubblewrap import Isolation
+from ..broker.backends.local._launcher import RuntimeLauncher
+from ..broker.backends.local._owned_dirs import (
+    RUNTIMES_DIR_PREFIX,
+    owned_temp_dir,
+    release_owned_dir,
+    sweep_dead_owners,
+)
+from ..broker.backends.local._processes import LocalProcessLauncher
+from ..broker.dataplane._ports import ws_protocol
+from ..broker.dataplane._relay import install_log_filter
+from ..broker.dataplane._ws_limits import WebSocketLimits
 from ..broker.identity._policy import Policy, caller_namespace
 from ..broker.identity._revocations import Revocations
 from ..broker.identity._rules import IssuerPolicies
 from ..broker.identity._verify import TokenVerifier
 from ..broker.runtime._tree import remove_quietly
-from ._faults import CutRule, DropRule, FaultLayer, Faults, FaultyRuntimes, UnavailableRule
-from ._issuers import (
-    GITLAB_ATTRIBUTES,
-    AttributesRule,
-    ClaimsRule,
-    Issuer,
-    kubernetes_attributes,
+from ._broker_setup import (
+    all_warm_pools,
+    check_arguments,
+    listen,
+    make_certificates,
 )
+from ._faults import FaultLayer, FaultRules, Faults, FaultyRuntimes
+from ._inspection import Inspection
+from ._issuers import Issuer
 from ._messages import isolation_warning
+from ._tokens import NOT_RUNNING, Tokens
 
 if TYPE_CHECKING:
     from ..broker.observability._observer import Observer
 
 log = logging.getLogger("k8s_agent_sandbox_awx.testing")
 T = TypeVar("T")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+C = TypeVar("C")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 DEFAULT_KUBERNETES_POLICY = Policy(
     templates=("python",), namespace=caller_namespace, max_sandboxes=5, max_lifetime_seconds=3600
@@ -76,25 +72,74 @@ DEFAULT_GITLAB_POLICY = Policy(
 )
 
 
+def _delegate(
+    part: str, method: Callable[Concatenate[Any, P], R], doc: str
+) -> Callable[Concatenate[Any, P], R]:
+    """A method of the broker that calls ``method`` of its part ``part`` (looked up on the part
+    at each call), with that method's signature, and returns what it returns (nothing, for a
+    method annotated ``-> None``); its docstring names the method, then ``doc``.
+    :func:`_delegates_named` gives it the broker's own name."""
+    name = method.__name__
+    gives = method.__annotations__.get("return") not in ("None", None)
+
+    @functools.wraps(method)  # inspect.signature and help() follow __wrapped__: the same
+    def delegate(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        result: R = getattr(getattr(self, part), name)(*args, **kwargs)
+        return result if gives else cast(R, None)
+
+    delegate.__doc__ = f":meth:`{method.__qualname__}`: {doc}"
+    setattr(delegate, _DELEGATE, part)
+    return delegate
+
+
+_DELEGATE = "_delegates_to"
+
+
+def _delegates_named(cls: type[C]) -> type[C]:
+    """``cls`` with its :func:`_delegate` methods named as its own (``functools.wraps`` gave
+    them their part's method's name)."""
+    for name, value in vars(cls).items():
+        if getattr(value, _DELEGATE, None) is not None:
+            value.__name__, value.__qualname__ = name, f"{cls.__qualname__}.{name}"
+            value.__module__ = cls.__module__
+    return cls
+
+
+@_delegates_named
 class LocalBroker:
     """The local broker stack: OIDC issuers, the broker and local sandboxes, on 127.0.0.1.
 
     ``with LocalBroker() as broker:`` starts everything (HTTPS with a CA generated at start,
     one uvicorn server on a background thread) and stops and cleans up on exit.
 
+    The broker itself is its lifecycle (``start``, ``stop``, ``reset``, ``delete_all``) and its
+    properties (``url``, ``ca_bundle``, ...); the rest is in three parts it owns:
+
+    - ``broker.tokens`` (:class:`Tokens`): the issuers and their tokens (``issue_kubernetes``,
+      ``issue_gitlab``, ``write_projected``, ``environ``, ``add_issuer``, ``rotate_keys``,
+      ``revoke``, ...);
+    - ``broker.inspect`` (:class:`Inspection`): the state, for assertions (``claims``,
+      ``sandboxes``, ``execution_count``, ``runtime_pid``, ``sandbox_name``);
+    - ``broker.faults`` (:class:`Faults`): failure injection (``inject_unavailable``,
+      ``cut_event_streams``, ``crash_next_start``, ..., ``clear``).
+
+    The parts' methods are also the broker's own under their earlier names (for example
+    ``issue_kubernetes_token`` is ``tokens.issue_kubernetes``, ``clear_faults`` is
+    ``faults.clear``): those stay, as one-line delegates.
+
     Arguments (all keyword-only, all optional):
 
     - ``templates``: template name -> runtime command line (``None``: the backend default).
       Default ``{"python": None}``.
     - ``runtime_command``: the default runtime command line (see ``DEFAULT_RUNTIME_COMMAND``).
-    - ``backend``: a :class:`SandboxBackend` (default: :class:`LocalProcessBackend`).
+    - ``backend``: a :class:`RuntimeLauncher` (default: :class:`LocalProcessLauncher`).
     - ``kubernetes_policy`` / ``gitlab_policy``: the built-in providers' policies.
     - ``readiness_delay``: seconds a new sandbox stays ``Pending`` after its runtime is up.
     - ``skew_seconds``: clock skew allowed on ``exp``/``nbf``/``iat``; ``max_token_bytes``.
     - ``warn``: log the isolation warning at start (what a sandbox is and is not kept from).
     - ``isolation``: the default backend's, ``"auto"`` (bubblewrap when it works here, else
       none), ``"bwrap"`` or ``"none"``; default ``$AGENT_SANDBOX_LOCAL_ISOLATION``, else
-      ``"auto"`` (see :class:`LocalProcessBackend`; ``isolation_info`` says which is in force).
+      ``"auto"`` (see :class:`LocalProcessLauncher`; ``isolation_info`` says which is in force).
     - ``protocols``: the control-plane dialects served on the one URL, ``("v1", "rpc")`` by
       default; ``("rpc",)`` makes every ``/v1/...`` answer 404 and ``("v1",)`` makes ``/rpc``
       answer 404, so that each dialect can be tested alone. The data plane serves both.
@@ -106,6 +151,12 @@ class LocalBroker:
       (for ``claims(include_deleted=True)``, ``execution_count`` and create replays): the newest
       ``keep_deleted`` (default 1000), each for at most ``keep_deleted_seconds`` (default 3600)
       after its deletion; older ones are forgotten, so a long-running broker does not grow.
+    - ``port``: the TCP port on ``host`` (default 0: a free one chosen at start); a port that
+      is taken raises ``PortInUseError`` (an ``OSError``, ``errno.EADDRINUSE``).
+    - ``tls``: ``(ca_bundle, server_pem)``, the CA certificate clients trust and the server's
+      key and certificate chain (one PEM file), kept by the caller (``agent-sandbox-awx dev``
+      keeps them in its state directory, so that its exports survive a restart); default: a
+      CA made at start, in the temporary directory.
     - ``observer``: an :class:`~k8s_agent_sandbox_awx.broker.observability._observer.Observer`
       around the broker (its access log, audit log and metrics, as ``broker serve`` has them:
       docs/broker/operate.md); default none: the local broker stays quiet.
@@ -119,7 +170,7 @@ class LocalBroker:
         *,
         templates: Mapping[str, str | list[str] | None] | None = None,
         runtime_command: str | Sequence[str] | None = None,
-        backend: SandboxBackend | None = None,
+        backend: RuntimeLauncher | None = None,
         kubernetes_policy: Policy | None = None,
         gitlab_policy: Policy | None = None,
         readiness_delay: float = 0.0,
@@ -133,34 +184,26 @@ class LocalBroker:
         keep_deleted_seconds: float = DEFAULT_KEEP_DELETED_SECONDS,
         isolation: str | None = None,
         observer: Observer | None = None,
+        port: int = 0,
+        tls: tuple[str, str] | None = None,
     ) -> None:
-        _check_retention(keep_deleted, keep_deleted_seconds)
-        _check_isolation(isolation, backend)
-        _check_protocols(protocols)
+        check_arguments(
+            keep_deleted, keep_deleted_seconds, isolation, backend, protocols, port, tls
+        )
+        self._port, self._tls = port, tls
         self._templates: dict[str, str | list[str] | None] = dict(templates or {"python": None})
         self._runtime_command = runtime_command
         self._backend = backend
         self._isolation = isolation
-        self._kubernetes_policy = kubernetes_policy or DEFAULT_KUBERNETES_POLICY
-        self._gitlab_policy = gitlab_policy or DEFAULT_GITLAB_POLICY
-        self._faults = Faults(readiness_delay)
+        self._faults = FaultRules(readiness_delay)
         self._skew = skew_seconds
         self._max_token_bytes = max_token_bytes
         self._host = host
         self._warn = warn
         self._protocols = tuple(p for p in PROTOCOLS if p in protocols)
-        self._warm_pools = {name: name for name in self._templates}
-        if "python" in self._templates:
-            self._warm_pools[DEFAULT_WARM_POOL] = "python"
-        self._warm_pools.update(warm_pools or {})
+        self._warm_pools = all_warm_pools(self._templates, warm_pools)
         self._keep_deleted = keep_deleted
         self._keep_deleted_seconds = float(keep_deleted_seconds)
-        self._lock = threading.Lock()
-        self._issuers_by_url: dict[str, Issuer] = {}
-        self._issuers_by_name: dict[str, Issuer] = {}
-        self._uids: dict[tuple[str, ...], str] = {}
-        self._counter = itertools.count(1000)
-        self._rotators: list[tuple[threading.Event, threading.Thread]] = []
         self._tmp: str | None = None
         self._url: str | None = None
         self._ca_bundle: str | None = None
@@ -173,6 +216,14 @@ class LocalBroker:
         self._revocations = Revocations()
         self._observer = observer
         self.startup_seconds: float | None = None
+        # the parts (see the class docstring): issuers and tokens, the state, failure injection
+        self.tokens = Tokens(
+            kubernetes_policy=kubernetes_policy or DEFAULT_KUBERNETES_POLICY,
+            gitlab_policy=gitlab_policy or DEFAULT_GITLAB_POLICY,
+            revocations=self._revocations,
+        )
+        self.inspect = Inspection(self._require_store)
+        self.faults = Faults(self._faults, self.inspect.sandbox_name)
 
     def __repr__(self) -> str:
         return f"LocalBroker(url={self._url!r})"
@@ -196,11 +247,13 @@ class LocalBroker:
         started = time.perf_counter()
         sweep_dead_owners(_TMP_PREFIX, RUNTIMES_DIR_PREFIX)  # of brokers whose process died
         self._tmp = owned_temp_dir(_TMP_PREFIX)
-        sock, server_pem = self._listen_with_tls(self._tmp)
+        sock: socket.socket | None = None
         try:
+            sock, server_pem = self._listen_with_tls(self._tmp)
             self._app = self._make_app(self._tmp)
-        except BaseException:  # isolation="bwrap" without a working bwrap, for one
-            sock.close()
+        except BaseException:  # a port in use; isolation="bwrap" without a working bwrap, ...
+            if sock is not None:
+                sock.close()
             self._cleanup_files()
             raise
         if self._warn:
@@ -247,39 +300,19 @@ class LocalBroker:
         )
 
     def _listen_with_tls(self, tmp: str) -> tuple[socket.socket, str]:
-        """The listening socket (sets ``url``) and the server's certificate chain file, from a
-        CA generated now (written to ``ca_bundle``)."""
-        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self._host, 0))
-        sock.listen(1024)
-        port = sock.getsockname()[1]
-        self._url = f"https://{self._host}:{port}"
-        ca = trustme.CA()
-        server_cert = ca.issue_cert(self._host, "localhost")
-        self._ca_bundle = os.path.join(tmp, "ca.pem")
-        ca.cert_pem.write_to_path(self._ca_bundle)
-        server_pem = os.path.join(tmp, "server.pem")
-        server_cert.private_key_and_cert_chain_pem.write_to_path(server_pem)
-        os.chmod(server_pem, 0o600)
+        """The listening socket (sets ``url``) and the server's certificate chain file: the
+        caller's (``tls=``), or from a CA generated now (written to ``ca_bundle``)."""
+        sock = listen(self._host, self._port)
+        self._url = f"https://{self._host}:{sock.getsockname()[1]}"
+        self._ca_bundle, server_pem = self._tls or make_certificates(tmp, self._host)
         return sock, server_pem
 
     def _make_app(self, tmp: str) -> BrokerApp:
         """The built-in issuers, the backend and the ASGI application with both dialects."""
         assert self._url is not None and self._ca_bundle is not None
         self._jwks = _JwksClient(self._ca_bundle)
-        self._add_issuer(
-            "kubernetes",
-            provider="kubernetes",
-            policy=self._kubernetes_policy,
-            attributes=kubernetes_attributes,
-            audience_as_list=True,
-        )
-        self._add_issuer(
-            "gitlab", provider="gitlab", policy=self._gitlab_policy, attributes=GITLAB_ATTRIBUTES
-        )
-        runtimes = self._backend or LocalProcessBackend(
+        self.tokens.bind(self._url, self._ca_bundle, tmp, self._forget_keys)
+        runtimes = self._backend or LocalProcessLauncher(
             self._runtime_command,
             root_dir=os.path.join(tmp, "sandboxes"),
             isolation=self._isolation,
@@ -294,7 +327,7 @@ class LocalBroker:
         )
         verifier = TokenVerifier(
             audience=self._url,
-            issuers=self._issuer_snapshot,
+            issuers=self.tokens.snapshot,
             http=self._jwks.client,  # the local issuers' documents: this broker's own URL
             skew_seconds=self._skew,
             max_token_bytes=self._max_token_bytes,
@@ -302,17 +335,15 @@ class LocalBroker:
         )
         return BrokerApp(
             verifier=verifier,
-            policies=IssuerPolicies(self._issuer_snapshot),
+            policies=IssuerPolicies(self.tokens.snapshot),
             backend=self._store,
             protocols=self._protocols,
-            issuer_by_name=self._issuer_named,
+            issuer_by_name=self.tokens.named,
         )
 
     def stop(self) -> None:
         """Delete every sandbox, stop the runtimes and the server, remove the temp files."""
-        for event, _thread in self._rotators:
-            event.set()
-        self._rotators.clear()
+        self.tokens.stop_rotating()
         loop, thread, server, app = self._loop, self._thread, self._server, self._app
         if loop is not None and thread is not None and thread.is_alive() and app is not None:
             try:
@@ -352,18 +383,18 @@ class LocalBroker:
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         if self._loop is None or self._app is None:
             coro.close()
-            raise RuntimeError("the LocalBroker is not running: use 'with LocalBroker() as b:'")
+            raise RuntimeError(NOT_RUNNING)
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def _require_app(self) -> BrokerApp:
         if self._app is None or self._url is None:
-            raise RuntimeError("the LocalBroker is not running: use 'with LocalBroker() as b:'")
+            raise RuntimeError(NOT_RUNNING)
         return self._app
 
     def _require_store(self) -> LocalBackend:
         """The local backend: the sandboxes' records (``sandboxes``, ``history``)."""
         if self._store is None or self._url is None:
-            raise RuntimeError("the LocalBroker is not running: use 'with LocalBroker() as b:'")
+            raise RuntimeError(NOT_RUNNING)
         return self._store
 
     # -- basic properties ----------------------------------------------------------------------
@@ -406,328 +437,25 @@ class LocalBroker:
 
     @property
     def kubernetes(self) -> Issuer:
-        """The Kubernetes-like issuer (``<url>/issuers/kubernetes``)."""
-        return self._issuers_by_name["kubernetes"]
+        """The Kubernetes-like issuer (``<url>/issuers/kubernetes``); ``tokens.kubernetes``."""
+        return self.tokens.kubernetes
 
     @property
     def gitlab(self) -> Issuer:
-        """The GitLab-like issuer (``<url>/issuers/gitlab``)."""
-        return self._issuers_by_name["gitlab"]
+        """The GitLab-like issuer (``<url>/issuers/gitlab``); ``tokens.gitlab``."""
+        return self.tokens.gitlab
 
     @property
     def issuers(self) -> dict[str, Issuer]:
-        with self._lock:
-            return dict(self._issuers_by_name)
-
-    # -- issuers -------------------------------------------------------------------------------
-    def _issuer_snapshot(self) -> Mapping[str, Issuer]:
-        with self._lock:
-            return dict(self._issuers_by_url)
-
-    def _issuer_named(self, name: str) -> Issuer | None:
-        with self._lock:
-            return self._issuers_by_name.get(name)
+        """Every trusted issuer, by name; ``tokens.issuers``."""
+        return self.tokens.issuers
 
     def _forget_keys(self, issuer: Issuer) -> None:
         app = self._app
         if app is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(app.verifier.forget, issuer.url)
 
-    def _add_issuer(
-        self,
-        name: str,
-        *,
-        provider: str,
-        policy: Policy,
-        claims: ClaimsRule = None,
-        attributes: AttributesRule = None,
-        algorithm: str = "RS256",
-        audience_as_list: bool = False,
-    ) -> Issuer:
-        if not _DNS_LABEL.match(name):
-            raise ValueError(f"issuer name {name!r} must be a DNS-1123 label")
-        issuer = Issuer(
-            name,
-            f"{self.url}/issuers/{name}",
-            provider=provider,
-            policy=policy,
-            default_audience=self.url,
-            algorithm=algorithm,
-            claims=claims,
-            attributes=attributes,
-            audience_as_list=audience_as_list,
-            on_keys_changed=self._forget_keys,
-        )
-        with self._lock:
-            if name in self._issuers_by_name:
-                raise ValueError(f"an issuer named {name!r} already exists")
-            self._issuers_by_name[name] = issuer
-            self._issuers_by_url[issuer.url] = issuer
-        return issuer
-
-    def add_issuer(
-        self,
-        name: str,
-        *,
-        claims: ClaimsRule = None,
-        policy: Policy | None = None,
-        provider: str | None = None,
-        attributes: AttributesRule = None,
-        algorithm: str = "RS256",
-        audience_as_list: bool = False,
-    ) -> Issuer:
-        """Add and trust a custom issuer at ``<url>/issuers/<name>``.
-
-        - ``claims``: extra claims of every token it issues (a mapping, or a callable of the
-          subject returning one); ``issue_token(..., claims=...)`` adds more per token.
-        - ``policy``: its callers' :class:`Policy` (default: template ``python``, namespace
-          ``name``).
-        - ``provider``: the provider name the broker derives from this issuer (default ``name``).
-        - ``attributes``: the claim names that are the provider's key attributes (or a callable
-          of the claims); default: every non-registered scalar claim.
-        - ``algorithm``: ``RS256`` or ``ES256``; ``audience_as_list``: ``aud`` as a list.
-        """
-        self._require_app()
-        return self._add_issuer(
-            name,
-            provider=provider or name,
-            policy=policy or Policy(templates=("python",), namespace=name),
-            claims=claims,
-            attributes=attributes,
-            algorithm=algorithm,
-            audience_as_list=audience_as_list,
-        )
-
-    def _stable_uid(self, *key: str) -> str:
-        with self._lock:
-            return self._uids.setdefault(key, str(uuid.uuid4()))
-
-    def issue_kubernetes_token(
-        self,
-        namespace: str,
-        service_account: str,
-        audience: str | Sequence[str] | None = None,
-        ttl: int = 3600,
-        *,
-        pod_name: str | None = None,
-        claims: Mapping[str, Any] | None = None,
-    ) -> str:
-        """A projected ServiceAccount token (RS256) as the kubelet would mount it.
-
-        Claims: ``iss``, ``sub`` = ``system:serviceaccount:NS:NAME``, ``aud`` (a list; default
-        ``[broker.url]``), ``exp``, ``iat``, ``nbf`` (= ``iat``), ``jti`` and ``kubernetes.io``
-        ``{namespace, serviceaccount{name, uid}, pod{name, uid}}``; ``claims`` overrides any.
-        """
-        pod = pod_name or f"{service_account}-local"
-        info = {
-            "namespace": namespace,
-            "serviceaccount": {
-                "name": service_account,
-                "uid": self._stable_uid("sa", namespace, service_account),
-            },
-            "pod": {"name": pod, "uid": self._stable_uid("pod", namespace, pod)},
-        }
-        payload: dict[str, Any] = {"kubernetes.io": info}
-        payload.update(claims or {})
-        return self.kubernetes.issue_token(
-            f"system:serviceaccount:{namespace}:{service_account}",
-            payload,
-            audience=audience,
-            ttl=ttl,
-        )
-
-    def issue_gitlab_token(
-        self,
-        project_path: str,
-        ref: str = "main",
-        audience: str | Sequence[str] | None = None,
-        ttl: int = 3600,
-        *,
-        ref_type: str = "branch",
-        user_login: str = "local-developer",
-        claims: Mapping[str, Any] | None = None,
-    ) -> str:
-        """A GitLab CI ``id_tokens`` token (RS256).
-
-        ``sub`` = ``project_path:GROUP/PROJECT:ref_type:branch:ref:REF``; claims as GitLab sends
-        them (ids as strings, ``ref_protected`` "true"/"false"); ``aud`` a string (default the
-        broker URL); ``claims`` overrides any.
-        """
-        if "/" not in project_path:
-            raise ValueError(f"project_path {project_path!r} must be GROUP/PROJECT")
-        namespace_path = project_path.rsplit("/", 1)[0]
-        pipeline_id = str(next(self._counter))
-        payload: dict[str, Any] = {
-            "namespace_id": self._numeric_id("ns", namespace_path),
-            "namespace_path": namespace_path,
-            "project_id": self._numeric_id("project", project_path),
-            "project_path": project_path,
-            "user_id": self._numeric_id("user", user_login),
-            "user_login": user_login,
-            "user_email": f"{user_login}@example.invalid",
-            "pipeline_id": pipeline_id,
-            "pipeline_source": "push",
-            "job_id": str(next(self._counter)),
-            "ref": ref,
-            "ref_type": ref_type,
-            "ref_path": f"refs/{'heads' if ref_type == 'branch' else 'tags'}/{ref}",
-            "ref_protected": "true" if ref in ("main", "master") else "false",
-            "runner_id": self._numeric_id("runner", "local"),
-            "runner_environment": "self-hosted",
-            "sha": secrets.token_hex(20),
-        }
-        payload.update(claims or {})
-        return self.gitlab.issue_token(
-            f"project_path:{project_path}:ref_type:{ref_type}:ref:{ref}",
-            payload,
-            audience=audience,
-            ttl=ttl,
-        )
-
-    def _numeric_id(self, *key: str) -> str:
-        with self._lock:
-            value = self._uids.get(key)
-            if value is None:
-                value = self._uids[key] = str(next(self._counter))
-            return value
-
-    def rotate_keys(self, issuer: str = "kubernetes", *, retire_old: bool = False) -> str:
-        """Rotate ``issuer``'s signing key (see :meth:`Issuer.rotate_key`); returns the new kid."""
-        target = self._issuer_named(issuer)
-        if target is None:
-            raise KeyError(f"no issuer named {issuer!r}; known: {sorted(self.issuers)}")
-        return target.rotate_key(retire_old=retire_old)
-
-    def revoke_token(self, token: str) -> None:
-        """Reject ``token`` from now on (``401 token_revoked``), by ``jti`` and by digest."""
-        self._require_app()
-        self._revocations.revoke(token)
-
-    # -- token files and environment -----------------------------------------------------------
-    def write_projected_token(
-        self,
-        path: str | os.PathLike[str],
-        namespace: str = "default",
-        service_account: str = "default",
-        ttl: int = 3600,
-        *,
-        audience: str | Sequence[str] | None = None,
-    ) -> str:
-        """Write a Kubernetes token to ``path`` the way the kubelet does; returns the token.
-
-        The directory gets a timestamped data directory, an atomically swapped ``..data``
-        symlink and ``path`` as a symlink through ``..data``. Call again to rotate.
-        """
-        token = self.issue_kubernetes_token(namespace, service_account, audience, ttl)
-        write_kubelet_style(os.fspath(path), token)
-        return token
-
-    def keep_projected_token_rotated(
-        self,
-        path: str | os.PathLike[str],
-        namespace: str = "default",
-        service_account: str = "default",
-        ttl: int = 3600,
-    ) -> str:
-        """Write the token now and rewrite it at 80 % of its lifetime until :meth:`stop`."""
-        token = self.write_projected_token(path, namespace, service_account, ttl)
-        stop = threading.Event()
-
-        def rotate() -> None:
-            while not stop.wait(ttl * 0.8):
-                try:
-                    self.write_projected_token(path, namespace, service_account, ttl)
-                except Exception:
-                    log.exception("LocalBroker: rotating the projected token failed")
-
-        thread = threading.Thread(target=rotate, name="token-rotator", daemon=True)
-        thread.start()
-        self._rotators.append((stop, thread))
-        return token
-
-    def environ(
-        self,
-        kind: str = "kubernetes",
-        *,
-        namespace: str = "default",
-        service_account: str = "default",
-        project_path: str = "group/project",
-        ref: str = "main",
-        ttl: int = 3600,
-        token_file: str | os.PathLike[str] | None = None,
-    ) -> dict[str, str]:
-        """Environment variables that make ``Sandbox.create()`` work with zero arguments.
-
-        Always ``AGENT_SANDBOX_BROKER_URL`` and ``AGENT_SANDBOX_CA_BUNDLE``; for
-        ``kind="kubernetes"`` also ``AGENT_SANDBOX_TOKEN_FILE`` (a projected token written
-        kubelet-style, to ``token_file`` or a fresh temp path); for ``kind="gitlab"``
-        ``AGENT_SANDBOX_TOKEN`` (the id token, as a CI job would have it).
-        """
-        env = {"AGENT_SANDBOX_BROKER_URL": self.url, "AGENT_SANDBOX_CA_BUNDLE": self.ca_bundle}
-        if kind == "kubernetes":
-            if token_file is None:
-                assert self._tmp is not None
-                token_dir = tempfile.mkdtemp(prefix="token-", dir=self._tmp)
-                token_file = os.path.join(token_dir, "agent-sandbox-token")
-            self.write_projected_token(token_file, namespace, service_account, ttl)
-            env["AGENT_SANDBOX_TOKEN_FILE"] = os.fspath(token_file)
-        elif kind == "gitlab":
-            env["AGENT_SANDBOX_TOKEN"] = self.issue_gitlab_token(project_path, ref, ttl=ttl)
-        else:
-            raise ValueError(f"kind must be 'kubernetes' or 'gitlab', not {kind!r}")
-        return env
-
-    # -- state and faults ----------------------------------------------------------------------
-    def claims(self, *, include_deleted: bool = False) -> list[dict[str, Any]]:
-        """The SandboxClaim manifests the broker created (live ones; all with include_deleted)."""
-        store = self._require_store()
-        with store.lock:
-            store.prune_deleted()
-            records = list(store.history) if include_deleted else list(store.sandboxes.values())
-        return [r.manifest() for r in records]
-
-    def sandboxes(self) -> list[dict[str, Any]]:
-        """Every live sandbox as the API returns it (all owners)."""
-        store = self._require_store()
-        with store.lock:
-            return [sandbox_json(r.state()) for r in store.sandboxes.values()]
-
-    def sandbox_name(self, name: str) -> str:
-        """The sandbox ``name`` names: under ``/rpc`` the client's ``Sandbox.name`` is the
-        claim name create returned (``broker-…``), which this maps to the sandbox bound to it;
-        any other name is returned as it is. Every method here that takes a sandbox name (or
-        ``sandbox=``) accepts either."""
-        store = self._require_store()
-        with store.lock:
-            store.prune_deleted()
-            bound = next((r.name for r in store.history if r.claim_name == name), None)
-        return bound or name
-
-    def execution_count(self, name: str) -> int:
-        """How many command-running requests (``POST /execute``, ``POST /commands``) the broker
-        forwarded to sandbox ``name``: refused ones count too, as they reached the runtime."""
-        store = self._require_store()
-        name = self.sandbox_name(name)
-        with store.lock:
-            store.prune_deleted()
-            record = store.sandboxes.get(name) or next(
-                (r for r in store.history if r.name == name), None
-            )
-        if record is None:
-            raise KeyError(f"no sandbox named {name!r}")
-        return record.executions
-
-    def runtime_pid(self, name: str) -> int | None:
-        """The pid of sandbox ``name``'s runtime process (``None`` before it started)."""
-        store = self._require_store()
-        name = self.sandbox_name(name)
-        with store.lock:
-            record = store.sandboxes.get(name)
-        return record.handle.pid if record is not None and record.handle is not None else None
-
-    def _sandbox_or_none(self, name: str | None) -> str | None:
-        return None if name is None else self.sandbox_name(name)
-
+    # -- state changes -------------------------------------------------------------------------
     def delete_all(self) -> None:
         """Delete every sandbox now (all owners) and wait until their runtimes are gone."""
         self._call(self._require_store().delete_all())
@@ -735,90 +463,69 @@ class LocalBroker:
     def reset(self) -> None:
         """Delete every sandbox and clear every injected fault (the fixture calls it per test)."""
         self.delete_all()
-        self.clear_faults()
+        self.faults.clear()
 
-    def set_readiness_delay(self, seconds: float) -> None:
-        """New sandboxes stay ``Pending`` this long after their runtime is up (slow readiness)."""
-        with self._faults.lock:
-            self._faults.readiness_delay = seconds
-
-    def inject_unavailable(
-        self,
-        count: int = 1,
-        *,
-        retry_after: int = 1,
-        scope: str = "data",
-        path: str | None = None,
-        sandbox: str | None = None,
-    ) -> None:
-        """The next ``count`` matching requests get ``503 unavailable`` with ``Retry-After``.
-
-        ``scope``: ``"data"`` (data plane), ``"control"`` (``/v1`` except healthz) or ``"any"``;
-        ``path``: only requests whose path starts with it; ``sandbox``: only that sandbox.
-        """
-        if scope not in ("data", "control", "any"):
-            raise ValueError("scope must be 'data', 'control' or 'any'")
-        sandbox = self._sandbox_or_none(sandbox)
-        with self._faults.lock:
-            self._faults.unavailable.append(
-                UnavailableRule(count, retry_after, scope, path, sandbox)
-            )
-
-    def drop_connection_after_execute(self, count: int = 1, *, sandbox: str | None = None) -> None:
-        """The next ``count`` ``POST /execute`` or ``POST /commands``: the command starts, the
-        runtime answers, then the connection drops."""
-        sandbox = self._sandbox_or_none(sandbox)
-        with self._faults.lock:
-            self._faults.drops.append([count, sandbox])
-
-    def cut_event_streams(
-        self,
-        *,
-        after_events: int | None = None,
-        after_seconds: float | None = None,
-        sandbox: str | None = None,
-    ) -> None:
-        """From now on (until ``clear_faults``), every command event stream
-        (``GET /commands/{id}/events``) ends cleanly after ``after_events`` NDJSON lines
-        (heartbeats included) or ``after_seconds``, whichever comes first, at a line boundary,
-        as a proxy that times out would end it. ``sandbox``: only that sandbox's streams."""
-        if after_events is None and after_seconds is None:
-            raise ValueError("give after_events, after_seconds or both")
-        if after_events is not None and (isinstance(after_events, bool) or after_events < 1):
-            raise ValueError(f"after_events must be an integer >= 1, not {after_events!r}")
-        if after_seconds is not None and not after_seconds > 0:
-            raise ValueError(f"after_seconds must be a number > 0, not {after_seconds!r}")
-        sandbox = self._sandbox_or_none(sandbox)
-        with self._faults.lock:
-            self._faults.event_cuts.insert(0, CutRule(after_events, after_seconds, sandbox))
-
-    def drop_event_stream_mid_line(
-        self, count: int = 1, *, after_events: int = 0, sandbox: str | None = None
-    ) -> None:
-        """The next ``count`` command event streams that get that far: after ``after_events``
-        whole NDJSON lines the broker sends half of the next line, then drops the connection
-        (no end of the chunked body: the client sees a protocol error). ``sandbox``: only that
-        sandbox's streams."""
-        if isinstance(after_events, bool) or after_events < 0:
-            raise ValueError(f"after_events must be an integer >= 0, not {after_events!r}")
-        sandbox = self._sandbox_or_none(sandbox)
-        with self._faults.lock:
-            self._faults.event_drops.append(DropRule(count, after_events, sandbox))
-
-    def crash_next_start(self, count: int = 1) -> None:
-        """The next ``count`` sandboxes crash at startup: phase ``Failed``, reason
-        ``RuntimeCrashed`` under ``/v1``; condition ``Ready``/``False``/``crashed`` under
-        ``/rpc``."""
-        if count < 0:
-            raise ValueError("count must be >= 0")
-        with self._faults.lock:
-            self._faults.crashes = count
-
-    def clear_faults(self) -> None:
-        """Remove injected 503s, drops, start crashes, event-stream cuts and the readiness
-        delay."""
-        self._faults.clear()
-        self.set_readiness_delay(0.0)
+    # -- the parts' methods under their earlier names: one-line delegates ----------------------
+    add_issuer = _delegate(
+        "tokens", Tokens.add_issuer, "add and trust a custom issuer at ``<url>/issuers/<name>``."
+    )
+    issue_kubernetes_token = _delegate(
+        "tokens", Tokens.issue_kubernetes, "a projected ServiceAccount token (RS256)."
+    )
+    issue_gitlab_token = _delegate(
+        "tokens", Tokens.issue_gitlab, "a GitLab CI ``id_tokens`` token (RS256)."
+    )
+    rotate_keys = _delegate(
+        "tokens", Tokens.rotate_keys, "rotate ``issuer``'s signing key; returns the new kid."
+    )
+    revoke_token = _delegate(
+        "tokens", Tokens.revoke, "reject ``token`` from now on (``401 token_revoked``)."
+    )
+    write_projected_token = _delegate(
+        "tokens", Tokens.write_projected, "a Kubernetes token written as the kubelet does."
+    )
+    keep_projected_token_rotated = _delegate(
+        "tokens", Tokens.keep_projected_rotated, "written now, rewritten until :meth:`stop`."
+    )
+    environ = _delegate(
+        "tokens", Tokens.environ, "the variables a zero-argument ``Sandbox.create()`` needs."
+    )
+    claims = _delegate(
+        "inspect", Inspection.claims, "the SandboxClaim manifests the broker created."
+    )
+    sandboxes = _delegate(
+        "inspect", Inspection.sandboxes, "every live sandbox as the API returns it."
+    )
+    sandbox_name = _delegate(
+        "inspect", Inspection.sandbox_name, "the sandbox an ``/rpc`` claim name names."
+    )
+    execution_count = _delegate(
+        "inspect", Inspection.execution_count, "commands forwarded to sandbox ``name``."
+    )
+    runtime_pid = _delegate(
+        "inspect", Inspection.runtime_pid, "the pid of sandbox ``name``'s runtime process."
+    )
+    set_readiness_delay = _delegate(
+        "faults", Faults.set_readiness_delay, "new sandboxes stay ``Pending`` this long."
+    )
+    inject_unavailable = _delegate(
+        "faults", Faults.inject_unavailable, "the next ``count`` matching requests get 503."
+    )
+    drop_connection_after_execute = _delegate(
+        "faults", Faults.drop_connection_after_execute, "the command runs, its answer is lost."
+    )
+    cut_event_streams = _delegate(
+        "faults", Faults.cut_event_streams, "event streams end early, at a line boundary."
+    )
+    drop_event_stream_mid_line = _delegate(
+        "faults", Faults.drop_event_stream_mid_line, "half a line, then the connection drops."
+    )
+    crash_next_start = _delegate(
+        "faults", Faults.crash_next_start, "the next ``count`` sandboxes crash at startup."
+    )
+    clear_faults = _delegate(
+        "faults", Faults.clear, "remove every injected fault and the readiness delay."
+    )
 
 
 _TMP_PREFIX = "agent-sandbox-broker-"
@@ -848,14 +555,6 @@ class _JwksClient:
             self._http = None
 
 
-def _check_protocols(protocols: Sequence[str]) -> None:
-    if isinstance(protocols, str) or not protocols or not set(protocols) <= set(PROTOCOLS):
-        raise ValueError(
-            f"protocols={protocols!r}: give a non-empty sequence of {list(PROTOCOLS)}, "
-            'e.g. protocols=("rpc",)'
-        )
-
-
 def _uvicorn_config(app: Any, server_pem: str) -> uvicorn.Config:
     """The local broker's server: HTTPS with ``server_pem``, quiet (its own log filter)."""
     return uvicorn.Config(
@@ -867,66 +566,9 @@ def _uvicorn_config(app: Any, server_pem: str) -> uvicorn.Config:
         lifespan="off",
         http="h11",
         ws=ws_protocol(),
+        ws_max_size=WebSocketLimits().max_message_bytes,  # as the broker app's relay
         loop="asyncio",
         server_header=False,
         timeout_graceful_shutdown=2,
         timeout_keep_alive=30,
     )
-
-
-def _check_isolation(isolation: object, backend: object) -> None:
-    if isolation is None:
-        return
-    if isolation not in ISOLATIONS:
-        raise ValueError(
-            f"isolation={isolation!r}: give 'auto' (bubblewrap when it works here, else none), "
-            "'bwrap' or 'none'"
-        )
-    if backend is not None:
-        raise ValueError(
-            "isolation= is the default backend's: with backend=..., give the backend its own "
-            "(LocalProcessBackend(isolation=...))"
-        )
-
-
-def _check_retention(keep_deleted: object, keep_deleted_seconds: object) -> None:
-    if isinstance(keep_deleted, bool) or not isinstance(keep_deleted, int) or keep_deleted < 0:
-        raise ValueError(
-            f"keep_deleted={keep_deleted!r}: give the number of deleted sandboxes whose records "
-            f"are kept, an integer >= 0 (default {DEFAULT_KEEP_DELETED})"
-        )
-    if (
-        isinstance(keep_deleted_seconds, bool)
-        or not isinstance(keep_deleted_seconds, int | float)
-        or not keep_deleted_seconds >= 0
-    ):
-        raise ValueError(
-            f"keep_deleted_seconds={keep_deleted_seconds!r}: give the seconds a deleted "
-            f"sandbox's record is kept, a number >= 0 (default {DEFAULT_KEEP_DELETED_SECONDS:g}; "
-            "math.inf: no age limit)"
-        )
-
-
-def write_kubelet_style(path: str, token: str) -> None:
-    """Atomically (re)write ``path`` as the kubelet's projected volume does (``..data`` swap)."""
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    name = os.path.basename(path)
-    os.makedirs(directory, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("..%Y_%m_%d_%H_%M_%S.%f")
-    data_dir = tempfile.mkdtemp(prefix=stamp + "-", dir=directory)
-    with open(os.path.join(data_dir, name), "w") as fh:
-        fh.write(token)
-    os.chmod(os.path.join(data_dir, name), 0o600)
-    data_link = os.path.join(directory, "..data")
-    old_target = os.readlink(data_link) if os.path.islink(data_link) else None
-    tmp_link = os.path.join(directory, "..data_tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp_link)
-    os.symlink(os.path.basename(data_dir), tmp_link)
-    os.replace(tmp_link, data_link)
-    if not os.path.islink(path):
-        if os.path.exists(path):
-            os.unlink(path)
-        os.symlink(os.path.join("..data", name), path)
-    if old_target and old_target != os.path.basename(data_dir):
-        shutil.rmtree(os.path.join(directory, old_target), ignore_errors=True)

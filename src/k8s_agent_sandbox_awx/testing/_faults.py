@@ -1,8 +1,9 @@
 """Fault injection for the local broker: a layer around it, never a part of it.
 
-``LocalBroker``'s fault methods (``inject_unavailable``, ``drop_connection_after_execute``,
-``cut_event_streams``, ``drop_event_stream_mid_line``, ``crash_next_start``,
-``set_readiness_delay``) add rules to one :class:`Faults`, which two wrappers apply:
+:class:`Faults` (``LocalBroker.faults``: ``inject_unavailable``,
+``drop_connection_after_execute``, ``cut_event_streams``, ``drop_event_stream_mid_line``,
+``crash_next_start``, ``set_readiness_delay``, ``clear``) adds rules to one :class:`FaultRules`,
+which two wrappers apply:
 
 - :class:`FaultLayer`, an ASGI application around the broker's: the request-level faults. A
   ``503`` instead of the answer (before the broker acts: the request does nothing), the answer
@@ -12,7 +13,7 @@
   inside a line (the connection drops). It decides with the broker's own rules (its routing,
   its gate's checks of a data-plane request: a request the broker refuses is left alone) and
   tells the runtime's answers from the broker's by the broker's error header.
-- :class:`FaultyRuntimes`, a :class:`~..broker.backends._runtimes.SandboxBackend` around the
+- :class:`FaultyRuntimes`, a :class:`~..broker.backends.local._launcher.RuntimeLauncher` around the
   one the local backend runs runtimes with: the next starts crash, a started runtime is Ready
   only after the readiness delay (bound meanwhile, as a pod that is not ready yet).
 """
@@ -30,21 +31,22 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..broker._app import plane_of
-from ..broker._errors import BROKER_ERROR_HEADER_RAW, ApiError
-from ..broker._gate import data_request, origin_form
-from ..broker._observed import note_error
-from ..broker._relay import DroppedConnection
-from ..broker._rpc import plain_error
-from ..broker.backends._runtimes import (
+from ..broker.backends.local._launcher import (
     READY_METHOD,
     RuntimeHandle,
+    RuntimeLauncher,
     RuntimeStartError,
-    SandboxBackend,
     SandboxSpec,
 )
+from ..broker.common._errors import BROKER_ERROR_HEADER_RAW, ApiError
+from ..broker.common._gate import origin_form
+from ..broker.common._observed import note_error
+from ..broker.control._rpc import plain_error
+from ..broker.dataplane._data_request import data_request
+from ..broker.dataplane._relay import DroppedConnection
 
-EVENTS_PATH = re.compile(r"^/commands/[^/]+/events$")
-_COMMAND_PATHS = ("/execute", "/commands")
+EVENTS_PATH = re.compile(r"^/(commands|code/executions)/[^/]+/events$")
+_COMMAND_PATHS = ("/execute", "/commands", "/code/execute")
 
 
 # -- the rules ---------------------------------------------------------------------------------
@@ -85,8 +87,8 @@ class StreamPlan:
     """Consumes one use of the drop rule; ``False`` when another stream used it up meanwhile."""
 
 
-class Faults:
-    """Failure injection, set from any thread (see ``LocalBroker`` for the public methods)."""
+class FaultRules:
+    """The injected faults' rules, set from any thread (by :class:`Faults`, the public side)."""
 
     def __init__(self, readiness_delay: float = 0.0) -> None:
         self.lock = threading.Lock()
@@ -160,12 +162,118 @@ class Faults:
             self.crashes = 0
 
 
+# -- the public side: LocalBroker.faults -------------------------------------------------------
+class Faults:
+    """Failure injection into a running :class:`LocalBroker`: ``broker.faults``.
+
+    Each method adds a rule (thread-safe, from the test thread); :meth:`clear` removes them all
+    (the ``sandbox_broker`` fixture's ``reset`` does, after every test). ``sandbox=`` takes a
+    sandbox name or an ``/rpc`` claim name.
+    """
+
+    def __init__(self, rules: FaultRules, sandbox_name: Callable[[str], str]) -> None:
+        self._rules = rules
+        self._sandbox_name = sandbox_name  # an /rpc claim name -> its sandbox's name
+
+    def __repr__(self) -> str:
+        return "Faults()"
+
+    def _sandbox(self, name: str | None) -> str | None:
+        return None if name is None else self._sandbox_name(name)
+
+    def set_readiness_delay(self, seconds: float) -> None:
+        """New sandboxes stay ``Pending`` this long after their runtime is up (slow readiness)."""
+        with self._rules.lock:
+            self._rules.readiness_delay = seconds
+
+    def inject_unavailable(
+        self,
+        count: int = 1,
+        *,
+        retry_after: int = 1,
+        scope: str = "data",
+        path: str | None = None,
+        sandbox: str | None = None,
+    ) -> None:
+        """The next ``count`` matching requests get ``503 unavailable`` with ``Retry-After``.
+
+        ``scope``: ``"data"`` (data plane), ``"control"`` (``/v1`` except healthz) or ``"any"``;
+        ``path``: only requests whose path starts with it; ``sandbox``: only that sandbox.
+        """
+        if scope not in ("data", "control", "any"):
+            raise ValueError("scope must be 'data', 'control' or 'any'")
+        sandbox = self._sandbox(sandbox)
+        with self._rules.lock:
+            self._rules.unavailable.append(
+                UnavailableRule(count, retry_after, scope, path, sandbox)
+            )
+
+    def drop_connection_after_execute(self, count: int = 1, *, sandbox: str | None = None) -> None:
+        """The next ``count`` ``POST /execute``, ``POST /commands`` or ``POST /code/execute``:
+        the command (or code) starts, the runtime answers, then the connection drops."""
+        sandbox = self._sandbox(sandbox)
+        with self._rules.lock:
+            self._rules.drops.append([count, sandbox])
+
+    def cut_event_streams(
+        self,
+        *,
+        after_events: int | None = None,
+        after_seconds: float | None = None,
+        sandbox: str | None = None,
+    ) -> None:
+        """From now on (until :meth:`clear`), every command event stream
+        (``GET /commands/{id}/events``, and ``run_code``'s ``GET /code/executions/{id}/events``
+        and streamed start) ends cleanly after ``after_events`` NDJSON lines
+        (heartbeats included) or ``after_seconds``, whichever comes first, at a line boundary,
+        as a proxy that times out would end it (a streamed start the runtime answered whole is
+        relayed chunked, without its ``Content-Length``, so that the cut stays clean).
+        ``sandbox``: only that sandbox's streams."""
+        if after_events is None and after_seconds is None:
+            raise ValueError("give after_events, after_seconds or both")
+        if after_events is not None and (isinstance(after_events, bool) or after_events < 1):
+            raise ValueError(f"after_events must be an integer >= 1, not {after_events!r}")
+        if after_seconds is not None and not after_seconds > 0:
+            raise ValueError(f"after_seconds must be a number > 0, not {after_seconds!r}")
+        sandbox = self._sandbox(sandbox)
+        with self._rules.lock:
+            self._rules.event_cuts.insert(0, CutRule(after_events, after_seconds, sandbox))
+
+    def drop_event_stream_mid_line(
+        self, count: int = 1, *, after_events: int = 0, sandbox: str | None = None
+    ) -> None:
+        """The next ``count`` command event streams that get that far: after ``after_events``
+        whole NDJSON lines the broker sends half of the next line, then drops the connection
+        (no end of the chunked body: the client sees a protocol error). ``sandbox``: only that
+        sandbox's streams."""
+        if isinstance(after_events, bool) or after_events < 0:
+            raise ValueError(f"after_events must be an integer >= 0, not {after_events!r}")
+        sandbox = self._sandbox(sandbox)
+        with self._rules.lock:
+            self._rules.event_drops.append(DropRule(count, after_events, sandbox))
+
+    def crash_next_start(self, count: int = 1) -> None:
+        """The next ``count`` sandboxes crash at startup: phase ``Failed``, reason
+        ``RuntimeCrashed`` under ``/v1``; condition ``Ready``/``False``/``crashed`` under
+        ``/rpc``."""
+        if count < 0:
+            raise ValueError("count must be >= 0")
+        with self._rules.lock:
+            self._rules.crashes = count
+
+    def clear(self) -> None:
+        """Remove injected 503s, drops, start crashes, event-stream cuts and the readiness
+        delay."""
+        self._rules.clear()
+        self.set_readiness_delay(0.0)
+
+
 # -- the request-level faults: an ASGI layer ---------------------------------------------------
 class FaultLayer:
     """The broker's ASGI application ``app`` with the request-level faults of ``faults``
     (``protocols``: the dialects the broker serves, to route as it does)."""
 
-    def __init__(self, app: ASGIApp, faults: Faults, protocols: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, faults: FaultRules, protocols: tuple[str, ...]) -> None:
         self.app = app
         self.faults = faults
         self.protocols = protocols
@@ -210,7 +318,7 @@ class FaultLayer:
             return
         command = method == "POST" and path in _COMMAND_PATHS
         events = (method == "GET" and EVENTS_PATH.match(path)) or (
-            method == "POST" and path == "/commands"
+            method == "POST" and path in ("/commands", "/code/execute")
         )
         plan = self.faults.event_stream_plan(sandbox) if events else None
         if not command and plan is None:
@@ -297,8 +405,13 @@ class _Answer:
         if forwarded and self.lose():
             self.mode, self.held = "lose", message
             return
+        planned = forwarded and self.plan is not None and 200 <= message["status"] < 300 and ndjson
+        if planned:  # a cut ends it early and cleanly: chunked, whatever length it announced
+            kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"content-length"]
+            message = {**message, "headers": kept}
         await self.send(message)
-        if forwarded and self.plan is not None and 200 <= message["status"] < 300 and ndjson:
+        if planned:
+            assert self.plan is not None
             self.mode = "plan"
             seconds = self.plan.cut.after_seconds if self.plan.cut is not None else None
             if seconds is not None:
@@ -347,14 +460,14 @@ def _body(data: bytes, *, more: bool) -> Message:
     return {"type": "http.response.body", "body": data, "more_body": more}
 
 
-# -- the runtime-level faults: a SandboxBackend around the local backend's ---------------------
+# -- the runtime-level faults: a RuntimeLauncher around the local backend's ---------------------
 class FaultyRuntimes:
-    """The :class:`~..broker.backends._runtimes.SandboxBackend` ``inner`` with the faults of
+    """The :class:`~..broker.backends.local._launcher.RuntimeLauncher` ``inner`` with the faults of
     ``faults``: the next ``crash_next_start()`` starts fail (``RuntimeCrashed``, nothing
     started), and a started runtime is Ready only after the readiness delay (bound
     meanwhile)."""
 
-    def __init__(self, inner: SandboxBackend, faults: Faults) -> None:
+    def __init__(self, inner: RuntimeLauncher, faults: FaultRules) -> None:
         self.inner = inner
         self.faults = faults
 

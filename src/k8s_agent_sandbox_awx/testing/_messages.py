@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..broker.backends._isolation import Isolation
+    from ..broker.backends.local._bubblewrap import Isolation
 
 NO_ISOLATION_WARNING = (
     "local sandboxes are host processes with NO isolation: commands run as your user on this "
@@ -45,6 +45,6 @@ def local_isolation(isolation: str | None = None) -> Isolation:
     :class:`LocalBroker` made now would have it; ValueError for another value,
     IsolationUnavailable for ``"bwrap"`` without a working bwrap (``bwrap`` probed once per
     process)."""
-    from ..broker.backends._isolation import choose
+    from ..broker.backends.local._bubblewrap import choose
 
     return choose(isolation)

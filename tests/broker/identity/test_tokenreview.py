@@ -162,11 +162,13 @@ async def test_what_the_api_server_must_say(reviewer: Reviewer) -> None:
     reviewer.admit(someone_else, "system:serviceaccount:kube-system:admin")
     error = await rejected(verifier, someone_else)
     assert error.code == "bad_signature" and "but its sub is" in error.detail
+    assert "team-a" not in error.logged  # the logs get no claim of an unproven token
     wrong_pod = token(sa="d", pod="p-1")
     reviewer.admit(wrong_pod, "system:serviceaccount:team-a:d",
                    extra={"authentication.kubernetes.io/pod-name": ["p-2"]})  # fmt: skip
     error = await rejected(verifier, wrong_pod)
     assert "bound to authentication.kubernetes.io/pod-name ['p-2']" in error.detail
+    assert "p-1" in error.detail and "p-1" not in error.logged
     gone = token(sa="e", pod="p-3")
     reviewer.known[gone] = {"authenticated": False, "error": "[invalid bearer token, Token has "
                             "been invalidated]"}  # fmt: skip

@@ -4,7 +4,7 @@ plane goes. This is the contract a second backend implements.
 The broker's parts above the backend (the v1 and ``/rpc`` front-ends, the shared claims logic,
 the data-plane forward) talk to it only through :class:`Backend`; what a caller may do (policy,
 quotas' values, lifetimes' caps, scopes, attribution) is decided there, and the backend keeps
-and enforces the result. Two backends: the local one (:class:`._local_claims.LocalBackend`:
+and enforces the result. Two backends: the local one (:class:`.local._backend.LocalBackend`:
 records in memory, runtimes as host processes, expiry timers) and Kubernetes (claims in the API
 server, Ready from a watch, stateless replicas).
 
@@ -15,11 +15,15 @@ The rules every backend holds:
   broker's memory. A backend with several replicas keeps every fact (owner, idempotency key and
   request digest, lifetime, phase) where every replica sees it.
 - **Atomic:** :meth:`Backend.create` checks the owner's quota (``ClaimRequest.max_live``) and
-  makes the claim as one step, so that concurrent creates never leave the owner with more live
-  claims than the maximum (across replicas: for example create, then count, then delete the
-  surplus claim and raise :class:`QuotaExceeded`); a create with an :class:`Idempotency` makes at
-  most one claim per owner and key (for example a claim name derived from them), and a repeat
-  finds that claim (:meth:`Backend.replay`, or ``Created.replayed``).
+  makes the claim as one step: of concurrent creates of one owner who holds ``held`` live
+  claims, under any interleaving (across replicas too), exactly ``min(max_live - held,
+  creates)`` are admitted and the others raise :class:`QuotaExceeded` saying what the owner
+  holds once they are decided, leaving nothing behind (across replicas this needs one
+  serialization point every replica writes: the Kubernetes backend's per-owner ledger, written
+  with a resourceVersion precondition, ``kubernetes._quota``); a create with an
+  :class:`Idempotency` makes at most one claim per owner and key (for example a claim name
+  derived from them), and a repeat finds that claim (:meth:`Backend.replay`, or
+  ``Created.replayed``).
 - **Eventually consistent:** :meth:`Backend.list_owned` and the phase a claim shows may lag
   behind the last change (a watch, an informer cache); :meth:`Backend.get` and
   :meth:`Backend.wait_ready` reflect what the backend knows now, and a get may notice a runtime
@@ -52,7 +56,10 @@ from typing import Protocol
 
 import httpx
 
+from ._http11 import Http11Pool
+
 __all__ = [
+    "ENV_ANNOTATION",
     "IDEMPOTENCY_SECONDS",
     "RUNTIME_PORT",
     "Backend",
@@ -78,6 +85,12 @@ RUNTIME_PORT = 8888
 """The port a sandbox's runtime serves (upstream's python runtime), the data plane's default."""
 IDEMPOTENCY_SECONDS = 86400
 """How long a backend remembers a create's Idempotency-Key at least."""
+ENV_ANNOTATION = "broker.agent-sandbox-awx.io/env"
+"""The claim annotation that keeps a sandbox's environment (its create's ``env``, a JSON
+object): its commands' environment, which the broker hands the runtime with each command start
+(``runtime._env``); never a claim's ``spec.env``, which would be the pod's (both backends write
+it so; under the reserved prefix, which only the broker sets)."""
+
 PENDING, READY, FAILED, TERMINATING = "Pending", "Ready", "Failed", "Terminating"
 """The phases of a claim (see the module docstring)."""
 
@@ -224,18 +237,21 @@ class WarmPool:
 class Route:
     """Where one data-plane request to a Ready sandbox goes: ``http(s)://host:port`` plus the
     request's own target, over ``client`` (the backend's connections: it closes them when they
-    lead nowhere any more), with ``headers`` added (a router's: the sandbox's name, its namespace,
-    the broker's own credential; never the caller's token)."""
+    lead nowhere any more; a plain-HTTP runtime's are the broker's own,
+    :class:`._http11.Http11Pool`, any other route's an httpx client), with ``headers`` added (a
+    router's: the sandbox's name, its namespace, the broker's own credential; never the
+    caller's token)."""
 
     host: str
     port: int
-    client: httpx.AsyncClient = field(repr=False)
+    client: httpx.AsyncClient | Http11Pool = field(repr=False)
     scheme: str = "http"
     headers: Sequence[tuple[bytes, bytes]] = field(default=(), repr=False)
     count_command: Callable[[int], None] | None = field(default=None, repr=False)
     """Called with ``1`` before a command-running request (``POST /execute``, ``POST
-    /commands``) is sent, and with ``-1`` when it provably never reached the sandbox (the
-    connection failed): the local backend counts them per sandbox; ``None``: not counted."""
+    /commands``, ``POST /code/execute``) is sent, and with ``-1`` when it provably never reached
+    the sandbox (the connection failed): the local backend counts them per sandbox; ``None``:
+    not counted."""
     tls: ssl.SSLContext | None = field(default=None, repr=False)
     """For an ``https`` route: the TLS context ``client`` verifies the server with (the
     Kubernetes router's ``router_ca_file``); the broker's own connections that do not go
@@ -243,16 +259,23 @@ class Route:
     trust store."""
     via_router: bool = False
     """The route goes through a router (Kubernetes: ``backend.kubernetes.router_url``): a
-    connection that fails is the router's, not the sandbox port's (see ``broker._unreachable``)."""
+    connection that fails is the router's, not the sandbox port's (see
+    ``broker.dataplane._unreachable``)."""
+    methods: frozenset[str] | None = None
+    """The request methods the route can carry (a router's: upstream's Python router proxies
+    only GET, POST, PUT, DELETE and PATCH); ``None``: any. The broker refuses another method
+    before sending (``405 method_not_routed``)."""
 
 
 class QuotaExceeded(Exception):
-    """The owner already holds ``held`` live claims, the maximum (``ClaimRequest.max_live``)."""
+    """The owner already holds ``held`` live claims, the maximum (``ClaimRequest.max_live``);
+    ``pending`` of them are still being created (admitted, their claims not made yet)."""
 
-    def __init__(self, held: int, maximum: int) -> None:
+    def __init__(self, held: int, maximum: int, *, pending: int = 0) -> None:
         super().__init__(f"{held} live claims held, the maximum is {maximum}")
         self.held = held
         self.maximum = maximum
+        self.pending = pending
 
 
 class IdempotencyConflict(Exception):

@@ -80,10 +80,23 @@ def _kubernetes(table: Table) -> KubernetesBackendConfig:
         router_ca_file=table.path("router_ca_file", what="CA bundle (PEM)"),
         runtime_port=table.number("runtime_port", 8888, integer=True, minimum=1, maximum=65535),
         allow_loopback_pod_ips=table.boolean("allow_loopback_pod_ips", False),
+        router_pod_ip=table.boolean("router_pod_ip", True),
+        pod_label_domains=table.strings(
+            "pod_label_domains",
+            ("sandbox.users.io",),
+            example='["sandbox.users.io"] (the controller\'s allowed-label-domains)',
+            item=_label_domain,
+        ),
     )
     table.finish()
     _kubernetes_rules(table, config)
     return config
+
+
+def _label_domain(value: str) -> str | None:
+    if value != value.lower():
+        return "is not in lower case (agent-sandbox's controller lower-cases its domains)"
+    return _checks.dns_subdomain(value)
 
 
 def _kubernetes_rules(table: Table, config: KubernetesBackendConfig) -> None:
@@ -104,13 +117,16 @@ def _kubernetes_rules(table: Table, config: KubernetesBackendConfig) -> None:
                 'add router_url = "http://sandbox-router-svc.agent-sandbox-system.svc.'
                 'cluster.local:8080", or set data_plane = "pod"',
             )
-        _only_with(table, ("allow_loopback_pod_ips",), 'data_plane = "pod"')
         if config.router_url and config.router_url.lower().startswith("http://"):
             _only_with(table, ("router_ca_file",), "an https:// router_url")
     else:
         _only_with(
             table, ("router_url", "router_token_file", "router_ca_file"), 'data_plane = "router"'
         )
+        if table.given("router_pod_ip") and table.ok("router_pod_ip"):
+            table.problem(
+                "router_pod_ip", 'is only used with data_plane = "router"', "remove router_pod_ip"
+            )
 
 
 def _local(table: Table) -> LocalBackendConfig:

@@ -6,6 +6,7 @@ import ipaddress
 import re
 from urllib.parse import urlsplit
 
+from ..._urls import masked_url
 from ._reader import REQUIRED, Table, show
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -50,11 +51,9 @@ def name(table: Table, key: str, *, example: str) -> str:
 
 
 def _shown(raw: str) -> str:
-    """A URL for a message: user info (maybe a password) replaced by ``***``."""
-    if "@" not in raw:
-        return show(raw)
-    scheme, sep, rest = raw.partition("://")
-    return show(f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if sep else "***")
+    """A URL for a message: its user info, query and fragment (maybe a password or a token:
+    ``?private_token=...``) shown as ``***``."""
+    return show(masked_url(raw))
 
 
 def url_problem(raw: str, schemes: tuple[str, ...]) -> str | None:

@@ -15,7 +15,7 @@ from ._observability import audit as _audit
 from ._observability import logging as _logging
 from ._observability import metrics as _metrics
 from ._policies import policy as _policy
-from ._reader import Context, Table
+from ._reader import Context, Table, show
 from ._schema import (
     CALLER_NAMESPACE,
     BackendConfig,
@@ -150,7 +150,7 @@ def _unique(root: Table, tables: str, values: list[str], key: str) -> None:
         if value in seen:
             root.problem(
                 f"{tables}[{index}].{key}",
-                f"{value!r} is also the {key} of {tables}[{seen[value]}]",
+                f"{show(value)} is also the {key} of {tables}[{seen[value]}]",
                 f"give each [[{tables}]] table its own {key}",
             )
         seen.setdefault(value, index)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from ..._urls import masked_url
 from ._errors import Problem
 
 REQUIRED: Final[Any] = object()
@@ -40,15 +41,29 @@ _TYPE_NAMES: Final = {
 }
 
 
+def _bound(value: float) -> str:
+    """A bound as written in a file: ``67108864``, not ``6.71089e+07``."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 def type_name(value: object) -> str:
     """What TOML calls the type of ``value`` (``a string``, ``an array``, ...)."""
     return _TYPE_NAMES.get(type(value), "a date or time")
 
 
 def show(value: object) -> str:
-    """A (non-secret) value for a message, at most 80 characters."""
-    text = repr(value)
+    """A (non-secret) value for a message, at most 80 characters; a URL in it (a string with
+    ``://``, alone or in a list) without its user info, query and fragment (``masked_url``)."""
+    text = repr(_masked(value))
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _masked(value: object) -> object:
+    if isinstance(value, str):
+        return masked_url(value) if "://" in value else value
+    if isinstance(value, list | tuple):
+        return type(value)(_masked(v) for v in value)
+    return value
 
 
 def looks_secret(value: str) -> bool:
@@ -174,8 +189,8 @@ class Table:
             return default
         low_ok = value > minimum if above else value >= minimum
         if not math.isfinite(value) or not low_ok or (maximum is not None and value > maximum):
-            bound = f"> {minimum:g}" if above else f">= {minimum:g}"
-            bound += f" and <= {maximum:g}" if maximum is not None else ""
+            bound = f"> {_bound(minimum)}" if above else f">= {_bound(minimum)}"
+            bound += f" and <= {_bound(maximum)}" if maximum is not None else ""
             self.problem(name, f"{show(value)} is out of range", f"give {what} {bound}")
             return default
         return value if integer else float(value)

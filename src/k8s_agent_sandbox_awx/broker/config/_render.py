@@ -1,5 +1,7 @@
 """The effective configuration as TOML (``broker check``): defaults filled in and marked, files
-shown by path only (the renderer never opens one). The output loads back to the same values."""
+shown by path only (the renderer never opens one), URLs without user info, query or fragment
+(shown as ``***``: they may hold a credential). The output loads back to the same values (a URL
+key never holds those parts; an audience may, and is then shown masked)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..._urls import masked_url
 from ._checks import dotted
 from ._schema import BrokerConfig
 
@@ -26,7 +29,8 @@ def render_config(config: BrokerConfig) -> str:
     """``config`` as a TOML document that :func:`load_config` reads back to equal values."""
     lines = [
         f"# The effective broker configuration of {config.path}",
-        "# (defaults filled in and marked; secrets and keys are shown as their files' paths)",
+        "# (defaults filled in and marked; secrets and keys are shown as their files' paths, a",
+        "# URL's user info, query and fragment as ***)",
         "",
         "[server]",
     ]
@@ -62,6 +66,11 @@ def _fields(value: Any, skip: Iterable[str] = ()) -> list[tuple[str, Any]]:
     ]
 
 
+_URL_KEYS = frozenset({"public_url", "url", "jwks_url", "router_url", "audiences"})
+"""Keys whose values are URLs (audiences: usually): shown without user info, query or fragment
+(``masked_url``), which may hold a credential."""
+
+
 def _pairs(config: BrokerConfig, prefix: str, pairs: list[tuple[str, Any]]) -> list[str]:
     lines = []
     for key, value in pairs:
@@ -69,8 +78,18 @@ def _pairs(config: BrokerConfig, prefix: str, pairs: list[tuple[str, Any]]) -> l
         if value is None:
             lines.append(f"# {key}: {_NOT_SET.get(key, 'not set')}")
         else:
+            if key in _URL_KEYS:
+                value = _masked(value)
             lines.append(f"{dotted(key)} = {_toml(value)}{mark}")
     return lines
+
+
+def _masked(value: Any) -> Any:
+    if isinstance(value, str):
+        return masked_url(value)
+    if isinstance(value, tuple | list):
+        return type(value)(_masked(v) for v in value)
+    return value
 
 
 def _toml(value: Any) -> str:

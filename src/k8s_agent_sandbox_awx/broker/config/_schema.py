@@ -29,6 +29,12 @@ PROTOCOLS: Final = ("v1", "rpc")
 LOG_LEVELS: Final = ("critical", "error", "warning", "info", "debug", "trace")
 
 LOG_FORMATS: Final = ("json", "text")
+REQUEST_HEAD_SECONDS: Final = 10.0
+"""The default of ``[server] request_head_seconds``."""
+WEBSOCKET_MAX_PER_CALLER: Final = 16
+"""The default of ``[server] websocket_max_per_caller``."""
+WEBSOCKET_MAX_MESSAGE_BYTES: Final = 1024 * 1024
+"""The default of ``[server] websocket_max_message_bytes`` (``websockets``' own default)."""
 """``[logging] format``: the access, audit and diagnostic lines as JSON objects or as text."""
 
 AUDIT_STREAMS: Final = ("stdout", "stderr")
@@ -60,6 +66,17 @@ class ServerSettings:
     protocols: tuple[str, ...] = PROTOCOLS
     shutdown_grace_seconds: float = 30.0
     keep_alive_seconds: float = 30.0
+    """An idle connection (nothing of a request sent: before its first request too) is closed
+    after this."""
+    request_head_seconds: float = REQUEST_HEAD_SECONDS
+    """The TLS handshake, and a request's head from its first byte, must complete within this
+    (a begun head is then answered 408)."""
+    websocket_max_per_caller: int = WEBSOCKET_MAX_PER_CALLER
+    """WebSockets one caller (issuer and subject) holds open through this broker at once; one
+    more is refused ``429 websocket_limit``."""
+    websocket_max_message_bytes: int = WEBSOCKET_MAX_MESSAGE_BYTES
+    """The largest WebSocket message relayed, either way (a larger one closes the WebSocket
+    with 1009); what the relay holds per WebSocket is a few messages of this size."""
     log_level: str = "info"
     access_log: bool = True
 
@@ -134,6 +151,10 @@ class KubernetesBackendConfig:
     router_ca_file: Path | None = None
     runtime_port: int = 8888
     allow_loopback_pod_ips: bool = False
+    router_pod_ip: bool = True
+    """Send the claim's pod IP to the router (X-Sandbox-Pod-IP)."""
+    pod_label_domains: tuple[str, ...] = ("sandbox.users.io",)
+    """agent-sandbox's controller's allowed pod label domains (its allowed-label-domains)."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,14 @@ from pathlib import Path
 from ... import _urls
 from . import _checks
 from ._reader import Table
-from ._schema import LOG_LEVELS, PROTOCOLS, ServerSettings
+from ._schema import (
+    LOG_LEVELS,
+    PROTOCOLS,
+    REQUEST_HEAD_SECONDS,
+    WEBSOCKET_MAX_MESSAGE_BYTES,
+    WEBSOCKET_MAX_PER_CALLER,
+    ServerSettings,
+)
 
 
 def server(table: Table) -> ServerSettings:
@@ -37,6 +44,23 @@ def server(table: Table) -> ServerSettings:
         ),
         shutdown_grace_seconds=table.number("shutdown_grace_seconds", 30.0),
         keep_alive_seconds=table.number("keep_alive_seconds", 30.0, above=True),
+        request_head_seconds=table.number(
+            "request_head_seconds", REQUEST_HEAD_SECONDS, above=True, maximum=300.0
+        ),
+        websocket_max_per_caller=table.number(
+            "websocket_max_per_caller",
+            WEBSOCKET_MAX_PER_CALLER,
+            minimum=1,
+            maximum=10_000,
+            integer=True,
+        ),
+        websocket_max_message_bytes=table.number(
+            "websocket_max_message_bytes",
+            WEBSOCKET_MAX_MESSAGE_BYTES,
+            minimum=1024,
+            maximum=64 * 1024 * 1024,
+            integer=True,
+        ),
         log_level=table.string("log_level", "info", example='"info"', choices=LOG_LEVELS),
         access_log=table.boolean("access_log", True),
     )

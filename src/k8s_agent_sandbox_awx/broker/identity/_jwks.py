@@ -11,16 +11,23 @@ Decisions (docs/broker/identity.md, "Keys"):
   own origin or when ``ca_file`` pins the trust to a private CA (whatever presents a
   certificate of that CA is the issuer's own deployment): never to a public host the
   discovery document names. It never appears in a message or a log record.
-- Cache: keys are fresh for ``jwks_cache_seconds``, then refreshed on the next use. A
+- One deadline per fetch: ``timeout_seconds`` for the whole of it (discovery and JWKS, from
+  the first byte sent to the last received), not per read: a server that trickles a byte at a
+  time fails the fetch at that deadline.
+- Cache: keys are fresh for ``jwks_cache_seconds``, then refreshed on the next use, in the
+  background: while a refresh is under way (slow) or backing off (failing), a token whose
+  ``kid`` is among the last good keys is verified with them at once. A
   refresh that fails keeps the last good keys (logged once per failure streak, retried with
   an exponential backoff from 1 s up to ``jwks_min_refetch_seconds``), for at most
   ``keep_stale_seconds`` after they were fetched; then they are dropped and verification
   fails until a fetch succeeds.
 - An unknown ``kid`` refetches at most once per ``jwks_min_refetch_seconds`` (measured
   between such refetches): a flood of forged kids costs one fetch per interval. An unknown
-  kid seen while a fetch is under way waits for that fetch (the burst of a rotation).
+  kid seen while a fetch is under way waits for that fetch (the burst of a rotation), at
+  most until its deadline.
 - Single flight: concurrent verifications share one fetch; a verification whose key is
-  cached and fresh never waits for a fetch.
+  cached (fresh or stale within the bound) never waits for a fetch; only a verification with
+  no keys at all, or with an unknown kid, does.
 - Keys are filtered to the pinned algorithms: ``use: enc`` keys, and keys whose ``alg`` or
   ``kty``/``crv`` fits none of them, are ignored.
 """
@@ -41,6 +48,8 @@ from urllib.parse import urlsplit
 import httpx
 import jwt
 
+from ..._urls import masked_url
+from ._in_cluster import jwks_hint
 from ._settings import IssuerSettings
 
 __all__ = ["KeySet", "KeysUnavailable"]
@@ -57,6 +66,7 @@ _KEY_TYPES: Final[Mapping[str, tuple[str, str | None]]] = {
     "ES512": ("EC", "P-521"),
     "EdDSA": ("OKP", "Ed25519"),
 }
+_WHOLE_FETCH: Final = "timeout_seconds, one deadline for the whole fetch"
 _TIMEOUT_PHASES: Final[Mapping[type[Exception], str]] = {
     httpx.ConnectTimeout: "no connection",
     httpx.ReadTimeout: "no answer",
@@ -149,6 +159,9 @@ class KeySet:
         """Whether keys were ever fetched (a later failure is then an outage, not a
         misconfiguration)."""
         self._inflight: asyncio.Task[bool] | None = None
+        self._phase: tuple[str, str, int | None] = ("discovery document", settings.url, None)
+        """What the fetch under way waits for: (what, url, body bytes received or ``None``
+        before the answer's head), for the message of a fetch past its deadline."""
         self._retry_at = float("-inf")
         self._backoff = 0.0
         self._last_kid_refetch = float("-inf")
@@ -167,6 +180,17 @@ class KeySet:
         """Keys are loaded (fresh, or last good ones still within the stale bound)."""
         loaded = self._loaded
         return loaded is not None and self._clock() - loaded.at < self.settings.keep_stale_seconds
+
+    @property
+    def refreshing(self) -> bool:
+        """A fetch is under way."""
+        return self._inflight is not None and not self._inflight.done()
+
+    async def settled(self) -> None:
+        """Wait for the fetch under way, if any (it ends by its deadline)."""
+        task = self._inflight
+        if task is not None and not task.done():
+            await asyncio.shield(task)
 
     @property
     def retry_in(self) -> float:
@@ -214,34 +238,42 @@ class KeySet:
         loaded = self._loaded
         assert loaded is not None
         key = loaded.keys.get(kid)
-        if key is None and not tried:
+        if key is None and self.refreshing:
+            await self._fetch_once()  # join the fetch under way (a rotation's burst)
+            key = (self._loaded or loaded).keys.get(kid)
+        elif key is None and not tried:
             now = self._clock()
-            interval = self.settings.jwks_min_refetch_seconds
-            if self._inflight is not None and not self._inflight.done():
-                await self._fetch_once()  # join the fetch under way (a rotation's burst)
-            elif now - self._last_kid_refetch >= interval and now >= self._retry_at:
-                self._last_kid_refetch = now
-                self.kid_refetches += 1
-                await self._fetch_once()
-            else:
+            if now - self._last_kid_refetch < self.settings.jwks_min_refetch_seconds or (
+                now < self._retry_at
+            ):
                 self.rate_limited += 1
                 return None
+            self._last_kid_refetch = now
+            self.kid_refetches += 1
+            await self._fetch_once()
             key = (self._loaded or loaded).keys.get(kid)
         return None if key is None else key.jwk_for(alg)
 
     async def _current(self) -> bool:
-        """Make sure keys are loaded and, if a fetch may be tried, fresh; whether this call
-        tried a fetch (or could not, in a backoff): then an unknown kid does not refetch."""
+        """Make sure keys are loaded (waiting for a fetch only when there are none) and, if a
+        fetch may be tried, refreshed (in the background when stale keys are at hand); whether
+        this call waited for a fetch: then an unknown kid does not refetch."""
         now = self._clock()
         loaded = self._loaded
         if loaded is not None and now - loaded.at >= self.settings.keep_stale_seconds:
             log.warning(
                 "issuer %r: its last good keys are %.0f s old and could not be refreshed "
                 "(%s); dropped them: its tokens fail until a fetch succeeds",
-                self.settings.name, now - loaded.at, self.last_error,
-            )  # fmt: skip
+                self.settings.name,
+                now - loaded.at,
+                self.last_error,
+            )
             self._loaded = loaded = None
         if loaded is not None and now - loaded.at < self.settings.jwks_cache_seconds:
+            return False
+        if loaded is not None:  # stale: refreshed in the background, the last good keys serve
+            if now >= self._retry_at:
+                self._start_fetch()
             return False
         if now >= self._retry_at:
             await self._fetch_once()
@@ -264,17 +296,31 @@ class KeySet:
 
     async def _fetch_once(self) -> bool:
         """One fetch shared by every concurrent caller; whether it succeeded."""
+        return await asyncio.shield(self._start_fetch())
+
+    def _start_fetch(self) -> asyncio.Task[bool]:
+        """The fetch under way, started if there is none (it ends by its deadline)."""
         task = self._inflight
         if task is None or task.done():
             task = asyncio.get_running_loop().create_task(self._fetch_and_store())
+            task.add_done_callback(_log_unexpected)
             self._inflight = task
-        return await asyncio.shield(task)
+        return task
 
     async def _fetch_and_store(self) -> bool:
+        deadline = self.settings.timeout_seconds
         try:
-            keys, ignored = await self._fetch()
+            async with asyncio.timeout(deadline):
+                keys, ignored = await self._fetch()
         except KeysUnavailable as exc:
             self._failed(str(exc))
+            return False
+        except TimeoutError:
+            what, url, received = self._phase
+            got = "no answer" if received is None else f"{received} bytes of its answer"
+            self._failed(
+                f"the {what} at {url} timed out: {got} within {deadline:g} s ({_WHOLE_FETCH})"
+            )
             return False
         previous = self._loaded
         self._loaded = _Loaded(keys, self._clock(), ignored)
@@ -289,6 +335,8 @@ class KeySet:
         return True
 
     def _failed(self, reason: str) -> None:
+        if hint := jwks_hint(self.settings.url, self.settings.jwks_url):
+            reason = f"{reason}; {hint}"  # in /readyz and the log: the fix, in config words
         first = self.last_error is None
         self.failures += 1
         self.last_error = reason
@@ -381,6 +429,7 @@ class KeySet:
         # (application/jwk-set+json)
         headers = self._authorization() if send_token else {}
         limit = self.settings.max_document_bytes
+        self._phase = (what, url, None)
         try:
             async with client.stream("GET", url, headers=headers) as response:
                 self._check_status(response, url, what, sent_token="Authorization" in headers)
@@ -388,15 +437,17 @@ class KeySet:
                 if declared.isdigit() and int(declared) > limit:
                     raise KeysUnavailable(_too_large(what, url, limit))
                 body = bytearray()
+                self._phase = (what, url, 0)
                 async for chunk in response.aiter_bytes():
                     body += chunk
+                    self._phase = (what, url, len(body))
                     if len(body) > limit:
                         raise KeysUnavailable(_too_large(what, url, limit))
         except httpx.TimeoutException as exc:
             phase = _TIMEOUT_PHASES.get(type(exc), "timed out")
             raise KeysUnavailable(
                 f"the {what} at {url} timed out: {phase} within "
-                f"{self.settings.timeout_seconds:g} s (timeout_seconds)"
+                f"{self.settings.timeout_seconds:g} s ({_WHOLE_FETCH})"
             ) from None
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise KeysUnavailable(_transport_failure(what, url, exc)) from None
@@ -411,7 +462,8 @@ class KeySet:
         if 300 <= status < 400:
             raise KeysUnavailable(
                 f"the {what} at {url} answered {status} (a redirect to "
-                f"{response.headers.get('location')!r}); redirects are never followed: "
+                f"{masked_url(response.headers.get('location') or '')!r}); redirects are never "
+                "followed: "
                 "configure the final URL"
             )
         if status in (401, 403) and not sent_token:
@@ -428,6 +480,13 @@ class KeySet:
                 "and keys (Kubernetes: ClusterRole system:service-account-issuer-discovery)"
             )
         raise KeysUnavailable(f"the {what} at {url} answered {status}")
+
+
+def _log_unexpected(task: asyncio.Task[bool]) -> None:
+    """A fetch's failure is stored by the fetch itself; anything else it raised is a bug: logged
+    (never left for the garbage collector to report)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("a key fetch failed unexpectedly", exc_info=exc)
 
 
 def _same_origin(url: str, other: str) -> bool:

@@ -15,14 +15,15 @@ RESERVED_PREFIX = "broker.agent-sandbox-awx.io/"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 SCOPES = ("commands", "files")
-"""The data-plane action scopes of the local broker: ``commands`` (``POST /execute`` and the
-managed ``commands`` endpoints) and ``files`` (``/upload``, ``/download``, ``/list``,
+"""The data-plane action scopes of the local broker: ``commands`` (``POST /execute``, the
+managed ``commands`` endpoints and ``run_code``'s ``code/``) and ``files`` (``/upload``,
+``/download``, ``/list``,
 ``/exists`` and the ``fs/`` endpoints). A ``/rpc`` create may request a subset; see
 docs/local-broker.md."""
 
 
 _SCOPE_ROUTES = {
-    **dict.fromkeys(("execute", "commands"), "commands"),
+    **dict.fromkeys(("execute", "commands", "code"), "commands"),
     **dict.fromkeys(("upload", "download", "list", "exists", "fs"), "files"),
 }
 
@@ -85,8 +86,8 @@ class Policy:
       ``/rpc`` create that requests scopes gets ``allowed ∩ requested`` (``403`` when that is
       empty); without a request, and for every ``/v1`` sandbox, it gets all of them.
     - ``ports``: the ports of their sandboxes they may reach through the broker (ports and
-      ``"LOW-HIGH"`` ranges, :mod:`._ports`; default every unprivileged port, ``()`` none). A
-      port request also needs the ``commands`` scope (docs/broker-api.md, "Ports").
+      ``"LOW-HIGH"`` ranges, :mod:`..dataplane._ports`; default every unprivileged port, ``()``
+      none). A port request also needs the ``commands`` scope (docs/broker-api.md, "Ports").
     - ``network``: its callers' sandboxes may use the network (default ``True``). ``False``:
       local sandboxes get a network of their own (loopback only; it needs isolated sandboxes,
       bubblewrap: without it they fail to start, ``NetworkNotIsolated``); the Kubernetes

@@ -21,6 +21,7 @@ __all__ = [
     "claim_at",
     "claim_text",
     "kubernetes_attributes",
+    "spelled_twice",
 ]
 
 GITLAB_ATTRIBUTES: Final = (
@@ -83,6 +84,61 @@ def _lookup(value: Any, parts: Sequence[str]) -> Any:
     return MISSING
 
 
+def spelled_twice(claims: Mapping[str, Any]) -> str | None:
+    """The dotted name of a claim ``claims`` holds under two spellings with different values,
+    else ``None``: ``{"kubernetes.io.namespace": "a", "kubernetes.io": {"namespace": "b"}}``
+    holds ``kubernetes.io.namespace`` twice (a key with dots, and the nested claim). A policy
+    that matched one spelling while the attributes read the other would admit the caller by one
+    value and place its sandboxes by another, so the verifier refuses such a token.
+
+    One walk of the claims: each claim is keyed by a hash chained over its name's dot-separated
+    parts (both spellings give the same chain), and only claims whose chains meet are compared
+    (their names and their values as :func:`claim_text`)."""
+    seen: dict[int, list[tuple[int, Any]]] = {}
+    names: list[tuple[int, str]] = [(-1, "")]  # node -> (its parent node, its key)
+    stack: list[tuple[Mapping[str, Any], int, int]] = [(claims, 0, 0)]
+    while stack:
+        mapping, chain, parent = stack.pop()
+        for key, value in mapping.items():
+            node_chain = chain
+            for part in str(key).split("."):
+                node_chain = hash((node_chain, part))
+            names.append((parent, str(key)))
+            node = len(names) - 1
+            seen.setdefault(node_chain, []).append((node, value))
+            if isinstance(value, Mapping):
+                stack.append((value, node_chain, node))
+    for group in seen.values():
+        if len(group) > 1:
+            doubled = _different(group, names)
+            if doubled is not None:
+                return doubled
+    return None
+
+
+def _different(group: list[tuple[int, Any]], names: list[tuple[int, str]]) -> str | None:
+    """The name of the claims in ``group`` (nodes whose chains met) when two of them are one
+    name and differ in value."""
+
+    def spelled(node: int) -> str:
+        keys: list[str] = []
+        while node > 0:
+            node, key = names[node]
+            keys.append(key)
+        return ".".join(reversed(keys))
+
+    by_name: dict[str, str] = {}
+    for node, value in group:
+        name = spelled(node)
+        try:
+            text = claim_text(value)
+        except RecursionError:  # too deep to compare: not the same value
+            return name
+        if by_name.setdefault(name, text) != text:
+            return name
+    return None
+
+
 def claim_text(value: Any) -> str:
     """A claim as text: a string as it is, anything else as its compact JSON (``true``,
     ``42``, ``["a","b"]``)."""
@@ -91,20 +147,23 @@ def claim_text(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+_KUBERNETES_ATTRIBUTES: Final = (
+    ("namespace", "kubernetes.io.namespace"),
+    ("service_account", "kubernetes.io.serviceaccount.name"),
+    ("pod", "kubernetes.io.pod.name"),
+)
+
+
 def kubernetes_attributes(claims: Mapping[str, Any]) -> dict[str, Any]:
     """A projected ServiceAccount token's ``kubernetes.io`` claim: ``namespace``,
-    ``service_account`` and (for a pod-bound token) ``pod``."""
-    info = claims.get("kubernetes.io")
-    info = info if isinstance(info, dict) else {}
+    ``service_account`` and (for a pod-bound token) ``pod``, each read by :func:`claim_at`,
+    as a policy's ``claims`` read them (``{caller.namespace}`` is the namespace a policy's
+    ``kubernetes.io.namespace`` matched)."""
     attributes: dict[str, Any] = {}
-    if isinstance(info.get("namespace"), str):
-        attributes["namespace"] = info["namespace"]
-    sa = info.get("serviceaccount")
-    if isinstance(sa, dict) and isinstance(sa.get("name"), str):
-        attributes["service_account"] = sa["name"]
-    pod = info.get("pod")
-    if isinstance(pod, dict) and isinstance(pod.get("name"), str):
-        attributes["pod"] = pod["name"]
+    for attribute, name in _KUBERNETES_ATTRIBUTES:
+        value = claim_at(claims, name)  # the lookup policies use: one value for both
+        if isinstance(value, str):
+            attributes[attribute] = value
     return attributes
 
 

@@ -7,16 +7,20 @@ __all__ = ["IssuerUnavailable", "TokenRejected", "short"]
 
 
 class TokenRejected(Exception):
-    """A 401: ``code`` is one of the broker API's 401 codes; ``detail`` never holds the token.
+    """A 401: ``code`` is one of the broker API's 401 codes; ``detail`` never holds the token;
+    ``logged`` (default: ``detail``) is what the logs get.
     ``identity``: the ``(iss, sub)`` the token proved when its signature verified and a claim
     rule refused it after (expired, wrong audience, revoked); ``None`` when nothing was proven
     (malformed, forged, unknown issuer), so that a refusal is never attributed to an identity
     a forger named."""
 
-    def __init__(self, code: str, detail: str) -> None:
+    def __init__(self, code: str, detail: str, *, logged: str | None = None) -> None:
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail
+        self.logged = detail if logged is None else logged
+        """The reason the audit log gets: ``detail`` without the token's own claims where the
+        detail quotes them (a forged token's ``iss`` or ``kid`` is the caller's text)."""
         self.identity: tuple[str, str] | None = None
 
 

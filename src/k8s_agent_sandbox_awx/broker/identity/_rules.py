@@ -187,11 +187,15 @@ class PolicySet:
             shown = getattr(namespace, "__name__", "rule")
             namespace = CALLER_NAMESPACE if namespace is caller_namespace else f"<{shown}>"
         rule = PolicyRule(
-            name, name, policy.templates, namespace,
+            name,
+            name,
+            policy.templates,
+            namespace,
             max_sandboxes=policy.max_sandboxes,
-            max_lifetime_seconds=policy.max_lifetime_seconds, scopes=policy.scopes,
+            max_lifetime_seconds=policy.max_lifetime_seconds,
+            scopes=policy.scopes,
             ports=policy.ports,
-        )  # fmt: skip
+        )
         rules._rules = (_Compiled(rule, issuer_url, policy),)
         rules._names = {issuer_url: name}
         return rules

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 from urllib.parse import urlsplit
 
+from ..._urls import masked_url
+
 __all__ = [
     "ALLOWED_ALGORITHMS",
     "DEFAULT_STALE_FACTOR",
@@ -125,7 +127,8 @@ class IssuerSettings:
         if not isinstance(self.name, str) or not _LABEL.match(self.name):
             self._fail("name", "must be a DNS-1123 label (a-z, 0-9, '-'), e.g. 'cluster'")
         if not _https(self.url):
-            self._fail("url", f"{self.url!r} must be an https:// URL: exactly the tokens' iss")
+            shown = masked_url(self.url) if isinstance(self.url, str) else self.url
+            self._fail("url", f"{shown!r} must be an https:// URL: exactly the tokens' iss")
         if not isinstance(self.provider, str) or not self.provider.strip():
             self._fail("provider", "must name the provider (kubernetes, gitlab, ...)")
         for field in ("audiences", "attributes"):
@@ -150,7 +153,8 @@ class IssuerSettings:
 
     def _check_keys(self) -> None:
         if self.jwks_url is not None and not _https(self.jwks_url):
-            self._fail("jwks_url", f"{self.jwks_url!r} must be an https:// URL")
+            shown = masked_url(self.jwks_url) if isinstance(self.jwks_url, str) else self.jwks_url
+            self._fail("jwks_url", f"{shown!r} must be an https:// URL")
         if self.verification == "jwks" and self.jwks_url is None and not self.discovery:
             self._fail(
                 "discovery", "is off and no jwks_url is given: set jwks_url or discovery = true"

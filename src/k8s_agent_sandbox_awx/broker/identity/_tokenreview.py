@@ -214,18 +214,21 @@ def reviewed_claims(
             f"{list(verdict.audiences)}, none of {list(accepted)}; request a token with one",
         )
     if verdict.username != payload.get("sub"):
+        as_who = f"the Kubernetes API server reviewed the token as {short(verdict.username)}"
         raise TokenRejected(
             "bad_signature",
-            f"the Kubernetes API server reviewed the token as {short(verdict.username)}, "
-            f"but its sub is {short(payload.get('sub'))}",
+            f"{as_who}, but its sub is {short(payload.get('sub'))}",
+            logged=f"{as_who}, but its sub is another",
         )
     bound = ((_POD_NAME, "kubernetes.io.pod.name"), (_POD_UID, "kubernetes.io.pod.uid"))
     for extra, claim in bound:
         reviewed, carried = verdict.extra.get(extra), claim_at(payload, claim)
         if reviewed is not None and (len(reviewed) != 1 or reviewed[0] != carried):
+            bound_to = f"the Kubernetes API server reviewed the token as bound to {extra} "
+            bound_to += f"{list(reviewed)}"
             raise TokenRejected(
                 "bad_signature",
-                f"the Kubernetes API server reviewed the token as bound to {extra} "
-                f"{list(reviewed)}, but its {claim} is {short(carried)}",
+                f"{bound_to}, but its {claim} is {short(carried)}",
+                logged=f"{bound_to}, but its {claim} is another",
             )
     return dict(payload)

@@ -167,6 +167,8 @@ class IssuerTrust:
                 "bad_signature",
                 f"issuer {iss!r} publishes no key with kid {short(kid, 60)} "
                 "(rotated away or forged)",
+                logged=f"issuer {iss!r} publishes no key with the token's kid (rotated away or "
+                "forged)",
             )
         if key.algorithm_name != alg:
             raise TokenRejected(

@@ -12,37 +12,59 @@ import base64
 import binascii
 import hashlib
 import json
+import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Final, Generic, NoReturn, TypeVar
 
 import httpx
 
 from ..._urls import normalise_url
 from ._issuer import VerifiableIssuer
 from ._policy import Caller
+from ._providers import spelled_twice
 from ._rejection import TokenRejected
 from ._rejection import short as _short
 from ._settings import ALLOWED_ALGORITHMS, IssuerSettings
 from ._tokenreview import TokenReviewer
 from ._trust import IssuerTrust
 
-__all__ = ["ALLOWED_ALGORITHMS", "TokenRejected", "TokenVerifier", "VerifiedTokens"]
+__all__ = ["ALLOWED_ALGORITHMS", "Proven", "TokenRejected", "TokenVerifier", "VerifiedTokens"]
 
 
 def token_fingerprint(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+MAX_NUMERIC_DATE: Final = 253402300799
+"""The latest NumericDate a time claim may hold: 9999-12-31T23:59:59Z (the last second a
+date can name; a later one, an infinity or NaN is ``token_malformed``, never a 500)."""
+
+
+def _not_json(constant: str) -> NoReturn:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: JSON, but no number a claim can mean
+        raise ValueError(f"{text[:20]} is out of range")
+    return value
+
+
 def _b64json(segment: str, what: str) -> dict[str, Any]:
     try:
         raw = base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
-        value = json.loads(raw)
+        # NaN and Infinity are not JSON (RFC 8259), nor a number too large for a float
+        value = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
     except (binascii.Error, ValueError, RecursionError) as exc:  # too deeply nested JSON
         raise TokenRejected(
-            "token_malformed", f"the token's {what} is not base64url-encoded JSON"
+            "token_malformed",
+            f"the token's {what} is not base64url-encoded JSON (NaN, Infinity and numbers "
+            "beyond a double's range are not JSON)",
         ) from exc
     if not isinstance(value, dict):
         raise TokenRejected("token_malformed", f"the token's {what} is not a JSON object")
@@ -60,9 +82,9 @@ class VerifiedTokens(Generic[T]):
     different string with the same claims, or a forged signature, is a miss. An entry lives
     until the token's ``exp`` and at most ``max_age`` seconds (the JWKS cache time, so a key
     that leaves the JWKS unannounced stops being trusted as soon as a refetch could notice);
-    at most ``max_entries`` entries, least recently used first out. Thread-safe. Only the
-    signature is cached: the caller still applies the claim rules (expiry, audience,
-    revocation) on every use.
+    at most ``max_entries`` entries, least recently used first out. Thread-safe. What depends
+    on time is not the memo's to decide: the verifier keeps a token's verdict here (a
+    :class:`Proven`) and checks its time claims and revocation again on every use.
     """
 
     def __init__(
@@ -123,6 +145,22 @@ class VerifiedTokens(Generic[T]):
                 del self._entries[key]
 
 
+@dataclass(frozen=True, slots=True)
+class Proven(Generic[I]):
+    """What a verified token proved, as the memo keeps it: everything that does not depend on
+    time (the signature, the issuer, the audience, the subject, the claims' spellings, the
+    caller's attributes), decided once for the exact token and the ``issuer`` object it was
+    decided with. A hit counts only if that object is still the trusted one (a reloaded or
+    replaced issuer is another object: its rules decide anew); the time claims (``times``) and
+    the revocation list are checked again at every use. Every request of the token gets the
+    same ``caller``: a frozen :class:`Caller` whose attributes and claims nothing writes to."""
+
+    claims: dict[str, Any]
+    issuer: I
+    caller: Caller
+    times: dict[str, float]
+
+
 class TokenVerifier(Generic[I]):
     """Verifies bearer tokens of the trusted issuers: each issuer's ``IssuerTrust`` (its JWKS,
     fetched over HTTPS and cached, or TokenReview) and the claim rules with its settings.
@@ -153,9 +191,7 @@ class TokenVerifier(Generic[I]):
         self._is_revoked = is_revoked
         self._trust: dict[str, tuple[I, IssuerTrust]] = {}
         self._fetches_before = 0  # of the key sets replaced since (an issuer object changed)
-        self.verified: VerifiedTokens[tuple[dict[str, Any], I]] = VerifiedTokens(
-            max_age=jwks_cache_seconds
-        )
+        self.verified: VerifiedTokens[Proven[I]] = VerifiedTokens(max_age=jwks_cache_seconds)
         self._forgotten = 0  # bumped by forget(): a verification begun before is not cached
 
     @property
@@ -233,8 +269,8 @@ class TokenVerifier(Generic[I]):
                 f"the token is {len(token)} bytes; the limit is {self.max_token_bytes} bytes",
             )
         seen = self.verified.get(token)
-        if seen is not None and self._issuers().get(seen[1].url) is seen[1]:  # still trusted
-            return self._proven(seen[0], seen[1], token), seen[1]
+        if seen is not None and self._issuers().get(seen.issuer.url) is seen.issuer:
+            return self._still_valid(seen, token), seen.issuer  # the same, still trusted issuer
         forgotten = self._forgotten
         parts = token.split(".")
         if len(parts) != 3:
@@ -245,10 +281,11 @@ class TokenVerifier(Generic[I]):
         header = _b64json(parts[0], "header")
         alg = header.get("alg")
         if alg not in ALLOWED_ALGORITHMS:
+            allowed = f"allowed: {', '.join(sorted(ALLOWED_ALGORITHMS))}"
             raise TokenRejected(
                 "algorithm_not_allowed",
-                f"algorithm {_short(alg)} is not allowed; allowed: "
-                f"{', '.join(sorted(ALLOWED_ALGORITHMS))}",
+                f"algorithm {_short(alg)} is not allowed; {allowed}",
+                logged=f"the token's algorithm (its header's 'alg') is not allowed; {allowed}",
             )
         unverified = _b64json(parts[1], "payload")
         iss = unverified.get("iss")
@@ -256,10 +293,11 @@ class TokenVerifier(Generic[I]):
             raise TokenRejected("missing_claim", "the token has no 'iss' (issuer) claim")
         issuer = self._issuers().get(iss)
         if issuer is None:
+            fix = "use a token from a trusted issuer"
             raise TokenRejected(
                 "unknown_issuer",
-                f"issuer {_short(iss)} is not trusted by this broker; use a token from a trusted "
-                "issuer",
+                f"issuer {_short(iss)} is not trusted by this broker; {fix}",
+                logged=f"the token's issuer ('iss') is not trusted by this broker; {fix}",
             )
         trust = self.trust_for(issuer)
         if not trust.memoizable:  # the claim rules first: no review of an expired token
@@ -268,7 +306,8 @@ class TokenVerifier(Generic[I]):
         caller = self._proven(claims, issuer, token)
         if trust.memoizable and forgotten == self._forgotten:  # no key retired meanwhile
             until = min(caller.expires_at, time.time() + issuer.settings.jwks_cache_seconds)
-            self.verified.put(token, (claims, issuer), issuer_url=issuer.url, exp=until)
+            proven = Proven(claims, issuer, caller, _numeric_dates(claims))
+            self.verified.put(token, proven, issuer_url=issuer.url, exp=until)
         return caller, issuer
 
     def _proven(self, claims: Mapping[str, Any], issuer: I, token: str) -> Caller:
@@ -277,9 +316,20 @@ class TokenVerifier(Generic[I]):
         try:
             return self._check_claims(claims, issuer, token)
         except TokenRejected as exc:
-            sub = claims.get("sub")
-            exc.identity = (issuer.url, sub) if isinstance(sub, str) and sub else None
+            exc.identity = _identity(claims, issuer)
             raise
+
+    def _still_valid(self, seen: Proven[I], token: str) -> Caller:
+        """A memoized token's caller, once what depends on time holds again now: its
+        ``exp``, ``nbf`` and ``iat`` against the clock, and the revocation list."""
+        try:
+            self._check_times(seen.times, seen.issuer.settings)
+            if self._is_revoked is not None and self._is_revoked(seen.claims, token):
+                raise TokenRejected("token_revoked", "the token was revoked; get a fresh token")
+        except TokenRejected as exc:
+            exc.identity = _identity(seen.claims, seen.issuer)
+            raise
+        return seen.caller
 
     def counters(self) -> dict[str, dict[str, Any]]:
         """By issuer name, for metrics: ``verification``, ``ready`` and the counters of its key
@@ -312,29 +362,56 @@ class TokenVerifier(Generic[I]):
         )  # the client's rule: a trailing slash or a default port is the same URL
         matched = [a for a in accepted if normalise_url(a) in given]
         if not matched:
-            wanted = f"this broker's URL {self.audience!r}" if not settings.audiences else (
-                f"any audience issuer {settings.name!r} is accepted for: {list(accepted)}"
-            )  # fmt: skip
+            wanted = (
+                f"this broker's URL {self.audience!r}"
+                if not settings.audiences
+                else (f"any audience issuer {settings.name!r} is accepted for: {list(accepted)}")
+            )
+            fix = "request a token with that audience"
             raise TokenRejected(
                 "audience_mismatch",
-                f"the token's audience {_short(aud)} does not contain {wanted}; request a "
-                "token with that audience",
+                f"the token's audience {_short(aud)} does not contain {wanted}; {fix}",
+                logged=f"the token's audience ('aud') does not contain {wanted}; {fix}",
             )
         return matched[0]
 
     def _check_claims(self, claims: Mapping[str, Any], issuer: I, token: str) -> Caller:
         settings = issuer.settings
         audience = self._audience(claims, settings)
+        times = _numeric_dates(claims)
+        self._check_times(times, settings)
+        sub = claims.get("sub")
+        if not isinstance(sub, str) or not sub:
+            raise TokenRejected("missing_claim", "the token has no 'sub' (subject) claim")
+        doubled = spelled_twice(claims)
+        if doubled is not None:
+            why = (
+                "is spelled two ways (a key with dots and a nested claim) with different "
+                "values; a policy and the caller's attributes would read different ones: use a "
+                "token with one spelling"
+            )
+            raise TokenRejected(
+                "token_malformed",
+                f"the token's claim {_short(doubled, 80)} {why}",
+                logged=f"a claim of the token {why}",
+            )
+        if self._is_revoked is not None and self._is_revoked(claims, token):
+            raise TokenRejected("token_revoked", "the token was revoked; get a fresh token")
+        return Caller(
+            provider=issuer.provider,
+            issuer=issuer.url,
+            subject=sub,
+            audience=audience,
+            expires_at=int(times["exp"]),
+            attributes=issuer.attributes_from(claims),
+            claims=dict(claims),
+        )
+
+    def _check_times(self, times: Mapping[str, float], settings: IssuerSettings) -> None:
+        """The time claims against the clock now, with the issuer's (else the broker's) skew:
+        ``exp`` present and not past, ``nbf`` and ``iat`` not ahead."""
         skew = self.skew if settings.clock_skew_seconds is None else settings.clock_skew_seconds
         now = time.time()
-        times: dict[str, float] = {}
-        for name in ("exp", "nbf", "iat"):
-            value = claims.get(name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TokenRejected("token_malformed", f"claim {name!r} must be a NumericDate")
-            times[name] = float(value)
         if "exp" not in times:
             raise TokenRejected("missing_claim", "the token has no 'exp' (expiry) claim")
         if now > times["exp"] + skew:
@@ -355,17 +432,29 @@ class TokenVerifier(Generic[I]):
                 f"the token was issued {int(times['iat'] - now)} s in the future (iat; allowed "
                 f"skew {skew:g} s); check the clocks",
             )
-        sub = claims.get("sub")
-        if not isinstance(sub, str) or not sub:
-            raise TokenRejected("missing_claim", "the token has no 'sub' (subject) claim")
-        if self._is_revoked is not None and self._is_revoked(claims, token):
-            raise TokenRejected("token_revoked", "the token was revoked; get a fresh token")
-        return Caller(
-            provider=issuer.provider,
-            issuer=issuer.url,
-            subject=sub,
-            audience=audience,
-            expires_at=int(times["exp"]),
-            attributes=issuer.attributes_from(claims),
-            claims=dict(claims),
-        )
+
+
+def _identity(claims: Mapping[str, Any], issuer: VerifiableIssuer) -> tuple[str, str] | None:
+    """The ``(issuer, subject)`` verified claims prove, for a refusal's audit line."""
+    sub = claims.get("sub")
+    return (issuer.url, sub) if isinstance(sub, str) and sub else None
+
+
+def _numeric_dates(claims: Mapping[str, Any]) -> dict[str, float]:
+    """The time claims the token has (``exp``, ``nbf``, ``iat``): each a finite number of
+    seconds from 0 to :data:`MAX_NUMERIC_DATE` (a fraction allowed), else ``token_malformed``
+    (a string, a boolean, NaN, an infinity, a negative date or one past year 9999)."""
+    times: dict[str, float] = {}
+    for name in ("exp", "nbf", "iat"):
+        value = claims.get(name)
+        if value is None:
+            continue
+        number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+        if number is None or not 0 <= number <= MAX_NUMERIC_DATE or not math.isfinite(number):
+            rule = (
+                f"claim {name!r} must be a NumericDate: a number of seconds since 1970 from 0 "
+                f"to {MAX_NUMERIC_DATE} (9999-12-31T23:59:59Z)"
+            )
+            raise TokenRejected("token_malformed", f"{rule}, not {_short(value, 40)}", logged=rule)
+        times[name] = float(number)
+    return times

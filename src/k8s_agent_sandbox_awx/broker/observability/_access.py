@@ -1,11 +1,11 @@
 """The observing layer: one broker request followed from its first byte to its last.
 
 :class:`Observed` wraps the broker's ASGI app. For each HTTP request it opens an
-:class:`.._observed.Exchange` (the parts below note who, what and which sandbox into it), takes
-the client's ``X-Request-Id`` when it is a sane token (else makes one) and echoes it in the
-answer, counts the body bytes each way, and once the answer ended (a stream: at its last byte,
-or when a peer went away) hands the record to its sinks: the access log (:func:`access_record`),
-the audit log (:mod:`._audit`) and the metrics (:mod:`._metrics`).
+:class:`..common._observed.Exchange` (the parts below note who, what and which sandbox into
+it), takes the client's ``X-Request-Id`` when it is a sane token (else makes one) and echoes it
+in the answer, counts the body bytes each way, and once the answer ended (a stream: at its last
+byte, or when a peer went away) hands the record to its sinks: the access log
+(:func:`access_record`), the audit log (:mod:`._audit`) and the metrics (:mod:`._metrics`).
 
 How an answer ended (``end``): ``complete``; ``client_gone`` (the client went away first);
 ``upstream_broke`` (the sandbox's answer broke off mid-stream: the broker dropped the client's
@@ -16,28 +16,27 @@ returned without finishing the answer).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from starlette.datastructures import Headers
-
 from .._app import plane_of
-from .._metadata import DNS_LABEL
-from .._observed import Exchange, close_exchange, open_exchange
-from .._relay import DroppedConnection
-from .._route_names import (
+from ..backends._interface import RUNTIME_PORT
+from ..common._metadata import DNS_LABEL
+from ..common._observed import Exchange, close_exchange, open_exchange
+from ..common._route_names import (
     PORT_ROUTE,
     UNMATCHED,
     WEBSOCKET_ROUTE,
     data_route,
     issuer_route,
+    logged_method,
     v1_route,
 )
-from ..backends._interface import RUNTIME_PORT
+from ..dataplane._relay import DroppedConnection
 from ._lines import LineWriter, timestamp
 
 __all__ = ["REQUEST_ID_HEADER", "Counts", "Observed", "access_record"]
@@ -93,7 +92,18 @@ def request_id(scope: Scope) -> str:
             if _SANE_REQUEST_ID.fullmatch(text):
                 return text
             break
-    return uuid.uuid4().hex
+    return new_request_id()
+
+
+_UUID4_CLEAR: Final = ~((0xF000 << 64) | (0xC000 << 48))
+_UUID4_SET: Final = (0x4000 << 64) | (0x8000 << 48)
+
+
+def new_request_id() -> str:
+    """A random UUID (version 4) as 32 hex digits: ``uuid.uuid4().hex``, from the same 16
+    bytes of ``os.urandom``, without making a ``UUID`` object for it."""
+    number = int.from_bytes(os.urandom(16)) & _UUID4_CLEAR | _UUID4_SET
+    return f"{number:032x}"
 
 
 def _name_or_none(value: str | None) -> str | None:
@@ -109,6 +119,19 @@ def _port_request(value: str | None) -> int | None:
     return port if 1 <= port <= 65535 and port != RUNTIME_PORT else None
 
 
+def _data_headers(scope: Scope) -> tuple[str | None, str | None]:
+    """The first ``X-Sandbox-Port`` and ``X-Sandbox-ID`` of a request (``None``: absent), as
+    ``starlette.datastructures.Headers(scope=scope).get`` reads them, in one pass."""
+    port: str | None = None
+    sandbox: str | None = None
+    for name, value in scope["headers"]:
+        if name == b"x-sandbox-port" and port is None:
+            port = value.decode("latin-1")
+        elif name == b"x-sandbox-id" and sandbox is None:
+            sandbox = value.decode("latin-1")
+    return port, sandbox
+
+
 def classify(exchange: Exchange, scope: Scope, protocols: tuple[str, ...]) -> None:
     """The plane, the route template and the sandbox a request names, from its path and
     headers (the ``/rpc`` op is noted by the front-end once it read the body)."""
@@ -116,13 +139,13 @@ def classify(exchange: Exchange, scope: Scope, protocols: tuple[str, ...]) -> No
     plane = plane_of(scope, protocols)
     exchange.plane = plane
     if plane == "data":
-        headers = Headers(scope=scope)
-        exchange.port = _port_request(headers.get("x-sandbox-port"))
+        port, sandbox = _data_headers(scope)
+        exchange.port = _port_request(port)
         if scope["type"] == "websocket":
             exchange.route = WEBSOCKET_ROUTE
         else:
             exchange.route = PORT_ROUTE if exchange.port is not None else data_route(path)
-        exchange.sandbox = _name_or_none(headers.get("x-sandbox-id"))
+        exchange.sandbox = _name_or_none(sandbox)
     elif plane == "v1":
         exchange.route = v1_route(path)
         if "{name}" in exchange.route:
@@ -143,7 +166,7 @@ def access_record(exchange: Exchange, counts: Counts, duration: float) -> dict[s
         "time": timestamp(),
         "log": "access",
         "request_id": exchange.request_id,
-        "method": exchange.method,
+        "method": logged_method(exchange.method),
         "route": exchange.route,
         "plane": exchange.plane or None,
         "status": counts.status,

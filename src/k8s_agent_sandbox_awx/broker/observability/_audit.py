@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from .._observed import Exchange
-from .._route_names import action_of
+from ..common._observed import Exchange
+from ..common._route_names import action_of
 from ._access import Counts
 from ._lines import LineWriter, timestamp
 

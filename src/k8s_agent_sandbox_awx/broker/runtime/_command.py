@@ -71,16 +71,7 @@ class Limits:
         """Limits from ``SANDBOX_COMMAND_*`` variables; a bad value is a ``ValueError``."""
 
         def number(name: str, default: float, kind: type[int] | type[float]) -> Any:
-            raw = environ.get(name)
-            if not raw:
-                return default
-            try:
-                value = kind(raw)
-            except ValueError:
-                value = 0
-            if value <= 0:
-                raise ValueError(f"{name}={raw!r}: must be a positive {kind.__name__}")
-            return value
+            return positive_number(environ, name, default, kind)
 
         limits = cls(
             output_bytes=number("SANDBOX_COMMAND_OUTPUT_LIMIT_BYTES", cls.output_bytes, int),
@@ -108,6 +99,23 @@ class Limits:
                 f"SANDBOX_COMMAND_MAX_RUNNING={limits.max_running}"
             )
         return limits
+
+
+def positive_number(
+    environ: Mapping[str, str], name: str, default: float, kind: type[int] | type[float]
+) -> Any:
+    """The runtime's setting ``name`` (``default`` when unset): a number of ``kind`` above 0,
+    else a ``ValueError`` naming the variable and the rule."""
+    raw = environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: must be a positive {kind.__name__}")
+    return value
 
 
 def _timestamp(ts: float | None) -> str | None:

@@ -32,9 +32,10 @@ import urllib.parse
 from typing import Any
 
 from . import _process
+from ._env import command_environment, sandbox_environment
 from ._http import CHUNK_SIZE, Exchange, body_chunks, read_json, send_file, send_json
 from ._multipart import FileWriter, PartFile, boundary_of, read_form
-from ._paths import PathChanged, Refusal, Roots, open_legacy_dirs, resolve_legacy
+from ._paths import READ_ONLY, PathChanged, Refusal, Roots, open_legacy_dirs, resolve_legacy
 
 OUTPUT_CAP = 1024 * 1024
 """Bytes of a command's stdout, and of its stderr, that the runtime keeps (the rest is read and
@@ -71,11 +72,19 @@ def execute(exchange: Exchange) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         send_json(exchange, 400, {"detail": "field 'timeout_seconds' must be a positive number"})
         return
-    send_json(exchange, 200, run_command(command, float(timeout), exchange.base_dir))
+    try:
+        env = command_environment(os.environ, sandbox_environment(exchange.headers), {})
+    except ValueError as exc:
+        send_json(exchange, 400, {"detail": str(exc)})
+        return
+    send_json(exchange, 200, run_command(command, float(timeout), exchange.base_dir, env))
 
 
-def run_command(command: str, timeout: float, cwd: str) -> dict[str, Any]:
-    """Run ``command`` without a shell; the result as the runtime returns it."""
+def run_command(
+    command: str, timeout: float, cwd: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``command`` without a shell (in the environment ``env``; ``None``: the runtime's);
+    the result as the runtime returns it."""
     try:
         argv = shlex.split(command)
     except ValueError as exc:
@@ -86,6 +95,7 @@ def run_command(command: str, timeout: float, cwd: str) -> dict[str, Any]:
         proc = subprocess.Popen(
             argv,
             cwd=cwd,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -224,6 +234,8 @@ def _os_refusal(exc: OSError, relative: str, kind: str) -> Refusal:
         return Refusal(404, f"{relative!r} is not a {kind}")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return Refusal(403, f"{relative!r} is not accessible to the runtime (permission denied)")
+    if exc.errno == errno.EROFS:
+        return Refusal(403, f"{relative!r} {READ_ONLY}")
     return Refusal(500, f"{relative!r} failed: {exc.strerror or exc}")
 
 
@@ -415,6 +427,8 @@ def _upload_failure(exc: Exception) -> Refusal:
     """The refusal an exception raised while a chunk of an upload was parsed means."""
     if isinstance(exc, Refusal):
         return exc
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return Refusal(403, f"the upload's destination {READ_ONLY}")
     if isinstance(exc, ValueError | OSError):
         return Refusal(400, f"malformed upload: {exc}")
     raise exc

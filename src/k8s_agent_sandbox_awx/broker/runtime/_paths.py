@@ -31,7 +31,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 WORKSPACE_ENV = "SANDBOX_WORKSPACE_DIR"
 MAX_PATH_CHARS = 4096
@@ -316,6 +316,13 @@ def _check_text(raw: Any, field: str) -> None:
         ) from None
 
 
+READ_ONLY: Final = (
+    "is on a read-only file system (a pod with readOnlyRootFilesystem writes only to its"
+    " volumes: mount an emptyDir there)"
+)
+"""Why a write on a read-only file system is refused (the file API and the legacy endpoints)."""
+
+
 def refusal(exc: OSError, target: SandboxPath, what: str = "") -> FsError:
     """An OSError on ``target`` as the file API refusal it means."""
     shown = what or target.display
@@ -328,8 +335,11 @@ def refusal(exc: OSError, target: SandboxPath, what: str = "") -> FsError:
         errno.ELOOP: "symlink_not_followed",
         errno.EACCES: "permission_denied",
         errno.EPERM: "permission_denied",
+        errno.EROFS: "permission_denied",  # a read-only root: the caller's to fix, not a fault
         errno.ENAMETOOLONG: "path_invalid",
     }.get(exc.errno or 0, "io_error")
+    if exc.errno == errno.EROFS:
+        return FsError(code, f"{shown} {READ_ONLY}", target.given)
     reason = {
         "path_not_found": "does not exist",
         "not_a_directory": "is not a directory (or a directory on its way is a file)",

@@ -3,8 +3,8 @@
 One runtime serves one sandbox (``python -m k8s_agent_sandbox_awx.broker.runtime``, see
 :mod:`._main`), speaking the protocol of upstream's python runtime plus the deployed runtimes'
 extensions: ``GET /`` (health), the legacy endpoints (:mod:`._legacy`), the file API
-(:mod:`._file_api`) and managed commands (:mod:`._commands`). ``ThreadingHTTPServer``: one
-thread per connection, HTTP/1.1 keep-alive.
+(:mod:`._file_api`), managed commands (:mod:`._commands`) and code contexts (:mod:`._code`).
+``ThreadingHTTPServer``: one thread per connection, HTTP/1.1 keep-alive.
 
 NO ISOLATION: commands run as host processes with the user's privileges. Development and tests
 only.
@@ -13,15 +13,17 @@ only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import socket
 import socketserver
 import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from . import _commands, _file_api, _legacy, _process
+from . import _code, _commands, _file_api, _legacy, _process
 from ._command import Limits
 from ._http import Exchange, drain, send_json
 from ._paths import Roots
@@ -30,6 +32,7 @@ Endpoint = Callable[["Handler"], None]
 
 _process.at_exit(_legacy.kill_running)  # what runs dies with the runtime
 _process.at_exit(_commands.kill_all)
+_process.at_exit(_code.kill_all)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -42,6 +45,7 @@ class Handler(BaseHTTPRequestHandler):
     base_dir: str = "/"
     exec_timeout: float = _legacy.DEFAULT_EXEC_TIMEOUT
     commands: _commands.CommandManager
+    code: _code.CodeManager
     fs_roots: Roots
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -76,6 +80,14 @@ def _commands_post(handler: Handler) -> None:
     handler.commands.handle(handler, "POST")
 
 
+def _code_get(handler: Handler) -> None:
+    handler.code.handle(handler, "GET")
+
+
+def _code_post(handler: Handler) -> None:
+    handler.code.handle(handler, "POST")
+
+
 EXACT: dict[tuple[str, str], Endpoint] = {
     ("GET", "/"): _health,
     ("GET", "/list"): _legacy.list_endpoint,
@@ -93,6 +105,8 @@ PREFIXES: list[tuple[str, str, Endpoint]] = [
     ("GET", "/exists/", _legacy.exists_endpoint),
     ("GET", "/commands/", _commands_get),
     ("POST", "/commands/", _commands_post),
+    ("GET", "/code/", _code_get),
+    ("POST", "/code/", _code_post),
 ]
 """The routes by method and the start of the path (its rest is the endpoint's argument)."""
 
@@ -108,11 +122,21 @@ def route(method: str, path: str) -> Endpoint | None:
     return None
 
 
+LISTEN_BACKLOG = 128
+"""Connections the listening socket queues before they are accepted (socketserver's default,
+5, overflowed when a caller followed 64 commands at once: a Unix socket then refuses more)."""
+
+
 class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     """:class:`ThreadingHTTPServer` on a Unix socket (an isolated sandbox's runtime: the broker
     reaches it through a socket file, whatever the sandbox's network)."""
 
     daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+
+
+class _TCPServer(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG
 
 
 def serve(
@@ -136,8 +160,7 @@ def serve(
             os.unlink(unix_socket)  # a socket left by an earlier runtime of this sandbox
         server = UnixHTTPServer(unix_socket, handler)
     else:
-        tcp = ThreadingHTTPServer((host, port), handler)
-        tcp.daemon_threads = True
+        tcp = tcp_server(host, port, handler)
         if port_file:
             report_port(port_file, int(tcp.server_address[1]))
         server = tcp
@@ -147,12 +170,48 @@ def serve(
         _process.run_cleanups()
 
 
+class DualStackHTTPServer(_TCPServer):
+    """:class:`ThreadingHTTPServer` on ``::`` that takes IPv4 too (``IPV6_V6ONLY`` off), as
+    every interface of a pod, whatever its cluster's IP families."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+class IPv6HTTPServer(_TCPServer):
+    address_family = socket.AF_INET6
+
+
+def tcp_server(host: str, port: int, handler: type[Handler]) -> ThreadingHTTPServer:
+    """The listening server for ``--host``: ``::`` (the image's default) is every interface,
+    IPv6 and IPv4, and falls back to ``0.0.0.0`` on a system without IPv6; another IPv6
+    address (``::1``) is IPv6 only; anything else (``0.0.0.0``, ``127.0.0.1``) IPv4."""
+    server: ThreadingHTTPServer
+    if host == "::":
+        try:
+            server = DualStackHTTPServer((host, port), handler)
+        except OSError as exc:
+            if exc.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                raise
+            server = _TCPServer(("0.0.0.0", port), handler)  # noqa: S104 (no IPv6)
+    elif ":" in host:
+        server = IPv6HTTPServer((host, port), handler)
+    else:
+        server = _TCPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
 def _handler_class(base_dir: str, *, tcp: bool) -> type[Handler]:
     """The request handler of one runtime: its base directory, limits, commands and roots."""
     exec_timeout = float(
         os.environ.get("SANDBOX_EXEC_TIMEOUT_SECONDS") or _legacy.DEFAULT_EXEC_TIMEOUT
     )
     commands = _commands.CommandManager(base_dir, Limits.from_environ(os.environ, exec_timeout))
+    code = _code.CodeManager(base_dir, _code.CodeLimits.from_environ(os.environ, exec_timeout))
     return type(
         "Handler",
         (Handler,),
@@ -160,6 +219,7 @@ def _handler_class(base_dir: str, *, tcp: bool) -> type[Handler]:
             "base_dir": base_dir,
             "exec_timeout": exec_timeout,
             "commands": commands,
+            "code": code,
             "fs_roots": Roots.of(base_dir),  # the file API's roots, as they are at start
             "disable_nagle_algorithm": tcp,  # TCP_NODELAY: not an option of a Unix socket
         },

@@ -6,6 +6,9 @@
   for every connection, a streaming response included, then cancels what is left), then return,
   so that the process exits 0. A second signal closes what is left at once.
 - ``/healthz`` and ``/readyz`` in front of the app (``_probes``).
+- Deadlines for connections that have not completed a request (``_http``): the TLS handshake
+  and a request's head ``request_head_seconds``, an idle connection ``keep_alive_seconds``
+  (before its first request too); a malformed request costs one warning, no traceback.
 - One start-up message once both listeners accept connections (``Started broker process
   [PID]``: the API address, the metrics address, and what the caller adds, e.g. the backend and
   the configuration file), in place of uvicorn's "Started server process" line; the metrics
@@ -33,7 +36,8 @@ from typing import Any, Final
 import uvicorn
 
 from ..config import MetricsSettings, ServerSettings
-from ._logs import JsonFormatter
+from ._http import deadline_protocol, handshake_deadline
+from ._logs import TEXT_LOGGING, JsonFormatter, TextFormatter
 from ._probes import ASGIApp, ReadinessCheck, with_probes
 from ._tls import ReloadingCertificate
 from ._ws import ws_protocol
@@ -130,9 +134,15 @@ def bind(host: str, port: int, key: str = "server.listen") -> socket.socket:
 class _Server(uvicorn.Server):
     """uvicorn's server, with the broker's signal handling and a started callback."""
 
-    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_started: Callable[[], None] | None,
+        handshake_seconds: float,
+    ) -> None:
         super().__init__(config)
         self._on_started = on_started
+        self._handshake_seconds = handshake_seconds
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -169,10 +179,15 @@ class _Server(uvicorn.Server):
                 await reaper
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
+        with handshake_deadline(asyncio.get_running_loop(), self._handshake_seconds):
+            await super().startup(sockets=sockets)
         if self.started and self._on_started is not None:
             self._on_started()
 
+
+WS_PING_SECONDS: Final = 20.0
+"""How often the broker pings a caller's WebSocket, and how long it waits for the pong before
+it closes the WebSocket (uvicorn's defaults)."""
 
 CLOSE_WAIT: Final = 1.0
 """Seconds a connection with nothing left to send may wait for its peer's TLS close during
@@ -231,11 +246,16 @@ def _uvicorn_config(
         # the broker writes its own access log (broker.observability; access_log toggles it)
         access_log=False,
         # JSON: the broker's handler on uvicorn's loggers (_configure_logging), not uvicorn's
-        log_config=None if log_format == "json" else uvicorn.config.LOGGING_CONFIG,
+        log_config=None if log_format == "json" else TEXT_LOGGING,  # its lines escaped too
         lifespan="auto",
         interface="asgi3",
-        http="h11",
+        http=deadline_protocol(settings.request_head_seconds),
         ws=ws_protocol(),
+        # a caller's WebSocket messages: at most this (1009 over it); pings every 20 s, a
+        # caller that answers none for 20 s is closed (uvicorn's defaults, made explicit)
+        ws_max_size=settings.websocket_max_message_bytes,
+        ws_ping_interval=WS_PING_SECONDS,
+        ws_ping_timeout=WS_PING_SECONDS,
         loop="asyncio",
         server_header=False,
         proxy_headers=False,  # the client address is the peer's: no forwarded header trusted
@@ -292,13 +312,15 @@ async def run_server(
         if on_started is not None:
             on_started(url)
 
-    server = _Server(config, started)
+    server = _Server(config, started, settings.request_head_seconds)
     watcher = asyncio.create_task(certificate.watch(settings.tls_reload_seconds))
     side = None
     with _one_start_line():
         try:
             if metrics_listener is not None and served.metrics is not None:
-                side = await _start_metrics(served.metrics, metrics_listener)
+                side = await _start_metrics(
+                    served.metrics, metrics_listener, settings.request_head_seconds
+                )
                 if on_metrics_started is not None:
                     on_metrics_started(_url("http", metrics_listener))
             await server.serve(sockets=[listener])
@@ -311,7 +333,7 @@ async def run_server(
 
 
 async def _start_metrics(
-    app: ASGIApp, listener: socket.socket
+    app: ASGIApp, listener: socket.socket, head_seconds: float
 ) -> tuple[_MetricsServer, asyncio.Task[None]]:
     config = uvicorn.Config(
         app,
@@ -320,7 +342,7 @@ async def _start_metrics(
         access_log=False,
         lifespan="off",
         interface="asgi3",
-        http="h11",
+        http=deadline_protocol(head_seconds),
         ws="none",
         loop="asyncio",
         server_header=False,
@@ -354,9 +376,10 @@ async def _stop_metrics(
 
 
 def _configure_logging(level: str, log_format: str = "text") -> None:
-    """The broker's own messages on standard error, at ``level``: text (uvicorn configures
-    its own loggers the same way), or JSON lines (``"log": "broker"``) for the broker's and
-    uvicorn's loggers alike."""
+    """The broker's own messages on standard error, at ``level``: text (``TextFormatter``;
+    uvicorn's loggers get it too, through ``TEXT_LOGGING``), or JSON lines (``"log":
+    "broker"``) for the broker's and uvicorn's loggers alike. Either way a value a message
+    quotes cannot end its line or forge another."""
     numeric = _TRACE if level == "trace" else level.upper()
     names = (
         ("k8s_agent_sandbox_awx", "uvicorn") if log_format == "json" else ("k8s_agent_sandbox_awx",)
@@ -365,11 +388,7 @@ def _configure_logging(level: str, log_format: str = "text") -> None:
         logger = logging.getLogger(name)
         if not logger.handlers:
             handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(
-                JsonFormatter()
-                if log_format == "json"
-                else logging.Formatter("%(levelname)s:     %(message)s")
-            )
+            handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
             logger.addHandler(handler)
         logger.setLevel(numeric)
         if log_format == "json":

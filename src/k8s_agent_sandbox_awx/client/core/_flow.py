@@ -171,7 +171,9 @@ def _sandbox_spec(options: Mapping[str, Any], given: Given) -> SandboxSpec:
     names = [f.name for f in dataclasses.fields(SandboxSpec)]
     spec = SandboxSpec(**{name: options.get(name) for name in names})
     for name in ("labels", "annotations", "envs", "pod_labels", "pod_annotations"):
-        proto.str_mapping(given.get(name, name), getattr(spec, name))
+        value = proto.str_mapping(given.get(name, name), getattr(spec, name))
+        if name != "envs":
+            proto.check_reserved_metadata(given.get(name, name), name, value)
     spec = dataclasses.replace(spec, scopes=proto.scope_names(spec.scopes))
     ready_timeout(spec, None)
     return spec

@@ -32,6 +32,8 @@ from ...errors import (
     SandboxFileLimitError,
 )
 from ..wire import _dataplane as dp
+from ..wire import _files_wire as files_wire
+from ..wire import _multipart as multipart
 from ..wire import _protocol as proto
 from . import _upload as up
 from ._steps import Call, Learned, Op, learning
@@ -183,7 +185,7 @@ def _learns(
 def fs_path(path: str) -> str:
     """A path for the file API: the runtime's rules apply; the client refuses control
     characters and an empty path."""
-    dp.refuse_control_characters(path)
+    files_wire.refuse_control_characters(path)
     if not path:
         raise ValueError(
             "The sandbox path is empty; name a file, e.g. 'data.txt' (relative to /app), "
@@ -199,10 +201,10 @@ def legacy_path(path: str, *, allow_root: bool = False, allow_unsafe: bool = Fal
     elif path == "/workspace" or path.startswith("/workspace/"):
         raise FileAPIUnsupportedError(
             f"The sandbox path {path!r} is in /workspace, which the runtime's legacy endpoints "
-            f"cannot reach: this needs {dp.FILE_API_REQUIREMENT}.",
+            f"cannot reach: this needs {files_wire.FILE_API_REQUIREMENT}.",
             sandbox_path=path,
         )
-    return dp.validate_sandbox_path(path, allow_root=allow_root, allow_unsafe=allow_unsafe)
+    return files_wire.validate_sandbox_path(path, allow_root=allow_root, allow_unsafe=allow_unsafe)
 
 
 def _timed(spec: proto.RequestSpec, timeout: float | None) -> proto.RequestSpec:
@@ -251,7 +253,7 @@ def _info_list(directory: str) -> Callable[[Any, str], list[FileInfo]]:
 def _unsupported(what: str, path: str) -> FileAPIUnsupportedError:
     return FileAPIUnsupportedError(
         f"Could not {what}: the sandbox runtime has no file API (/fs/*), and this operation has "
-        f"no legacy equivalent; it needs {dp.FILE_API_REQUIREMENT}.",
+        f"no legacy equivalent; it needs {files_wire.FILE_API_REQUIREMENT}.",
         sandbox_path=path,
     )
 
@@ -299,7 +301,7 @@ def read(
 
     def legacy() -> Call[Opened]:
         src = legacy_path(path, allow_unsafe=allow_unsafe)
-        return _opened(_timed(dp.download(api.target, src), timeout), stream)
+        return _opened(_timed(files_wire.download(api.target, src), timeout), stream)
 
     try:
         return (yield from _either(api.has_fs, call, legacy, path))
@@ -351,7 +353,7 @@ def write(
     stream is sent once: while it is unknown whether the runtime has the file API, it is asked
     first (``GET /fs/exists``)."""
     what = f"write {fs_path(path)!r}"
-    framing = dp.multipart_framing("file", fields={"path": path})
+    framing = multipart.multipart_framing("file", fields={"path": path})
     body = up.plan_body(framing, content, allow_async=allow_async)
     has_fs = api.has_fs
     if has_fs is None and not body.replayable:
@@ -367,8 +369,8 @@ def write(
 
     def legacy() -> Call[FileInfo]:
         dest = legacy_path(path, allow_unsafe=allow_unsafe)
-        legacy_body = dataclasses.replace(body, framing=dp.multipart_framing(dest))
-        legacy_spec = up.finish_spec(dp.upload(api.target, dest), legacy_body, timeout)
+        legacy_body = dataclasses.replace(body, framing=multipart.multipart_framing(dest))
+        legacy_spec = up.finish_spec(files_wire.upload(api.target, dest), legacy_body, timeout)
         return Call(legacy_spec, _legacy_written(dest), body=legacy_body)
 
     parse = _json(lambda obj, w: parse_info(obj, w), what)
@@ -399,7 +401,9 @@ def list_dir(api: FileAPI, path: str, timeout: float | None) -> Op[list[FileInfo
 
     def legacy() -> Call[list[FileInfo]]:
         src = legacy_path(path, allow_root=True)
-        return Call(_timed(dp.list_files(api.target, src), timeout), _json(_info_list(path), what))
+        return Call(
+            _timed(files_wire.list_files(api.target, src), timeout), _json(_info_list(path), what)
+        )
 
     return (yield from _either(api.has_fs, call, legacy, path))
 
@@ -413,7 +417,7 @@ def exists(api: FileAPI, path: str, timeout: float | None) -> Op[bool]:
 
     def legacy() -> Call[bool]:
         src = legacy_path(path, allow_root=True)
-        return Call(_timed(dp.exists(api.target, src), timeout), parse)
+        return Call(_timed(files_wire.exists(api.target, src), timeout), parse)
 
     return (yield from _either(api.has_fs, call, legacy, path))
 

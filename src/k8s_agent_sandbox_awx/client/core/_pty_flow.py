@@ -4,10 +4,11 @@ A terminal is a managed command with extras (``docs/broker-api.md#terminals-pty`
 carries ``"pty": {"cols", "rows"}``, its output is the command's event stream (with its cursor,
 so a terminal survives a reconnect) read as bytes (:class:`PtyOutput`: ``data_base64`` when
 the runtime sent the exact bytes, else the text encoded), its input is the stdin endpoint with
-bytes, and it is resized with ``POST /commands/{id}/resize``. The operations here reuse
-``_command_flow``'s: the start (sent once, an interrupted one looked up by its request id and
-killed), the follow loop, the kill. A runtime without terminals is found out at the start and
-is an :class:`~...errors.UnsupportedByRuntimeError` naming the feature; nothing is left running.
+bytes, and it is resized with ``POST /commands/{id}/resize``. The operations here reuse the
+commands': the start (``_command_start``: sent once, an interrupted one looked up by its request
+id and killed), the follow loop (``_command_output``), the kill (``_command_ops``). A runtime
+without terminals is found out at the start and is an
+:class:`~...errors.UnsupportedByRuntimeError` naming the feature; nothing is left running.
 """
 
 from __future__ import annotations
@@ -22,10 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import errors
+from ..wire import _commands_wire as cw
 from ..wire import _dataplane as dp
 from ..wire import _protocol as proto
-from . import _command_flow as cf
-from ._steps import Call, Op, learning
+from ..wire import _stdin_wire as stdin_wire
+from . import _command_ops as ops
+from ._command_output import CommandEvent, CommandOutput
+from ._command_rules import StartPlan, check_cwd, check_envs, check_timeout, command_argv
+from ._command_start import RuntimeFeatures, send_start
+from ._steps import Call, Op, discard_answer, learning
 
 __all__ = [
     "DEFAULT_COMMAND",
@@ -33,9 +39,12 @@ __all__ = [
     "PtyEvent",
     "PtyOutput",
     "PtyPlan",
+    "not_iterable",
+    "other_on_data",
     "plan_pty",
     "resize",
     "send_stdin",
+    "sized",
     "start",
 ]
 
@@ -54,13 +63,13 @@ set and executable, else bash, else ``/bin/sh``), decided in the sandbox by one 
 
 
 @dataclass(frozen=True)
-class PtyEvent(cf.CommandEvent):
+class PtyEvent(CommandEvent):
     """An output event of a terminal: ``raw`` holds its bytes exactly."""
 
     raw: bytes = b""
 
 
-class PtyOutput(cf.CommandOutput):
+class PtyOutput(CommandOutput):
     """The reader's side of a terminal's event stream: the cursor and its checks (as a
     command's), each output event's bytes, and no collected output (a terminal's output is
     what its reader is handed)."""
@@ -68,7 +77,7 @@ class PtyOutput(cf.CommandOutput):
     def __init__(self, command_id: str) -> None:
         super().__init__(command_id, collect=False)
 
-    def accept(self, value: Any) -> cf.CommandEvent | None:
+    def accept(self, value: Any) -> CommandEvent | None:
         event = super().accept(value)
         if event is None or event.type == "exit":
             return event
@@ -104,8 +113,20 @@ def check_size(cols: Any, rows: Any) -> tuple[int, int]:
     return cols, rows
 
 
+def sized(cols: Any, rows: Any, size: Any) -> tuple[Any, Any]:
+    """``(cols, rows)``, or those of ``size`` (E2B's ``PtySize(rows=..., cols=...)``: any
+    object with ``cols`` and ``rows``) when it is given; both ways at once is a ``TypeError``."""
+    if size is None:
+        return cols, rows
+    if cols is not None or rows is not None:
+        raise TypeError("give the terminal's size as cols and rows, or as size=, not both.")
+    if not (hasattr(size, "cols") and hasattr(size, "rows")):
+        raise TypeError(f"size must have cols and rows (as E2B's PtySize), got {size!r}.")
+    return size.cols, size.rows
+
+
 @dataclass(frozen=True)
-class PtyPlan(cf.StartPlan):
+class PtyPlan(StartPlan):
     """A terminal checked and ready to start: a managed command's start with ``"pty"``
     (``timeout`` infinite: no time limit, the field left out)."""
 
@@ -128,23 +149,40 @@ def plan_pty(
     envs: Mapping[str, str] | None,
     timeout: float | None,
     on_data: Callable[[bytes], Any] | None,
+    size: Any = None,
 ) -> PtyPlan:
     """``pty.create``'s arguments, checked before anything is sent (a string command runs
-    through bash as ``commands.run``'s does; ``None``: the login shell)."""
-    size = check_size(cols, rows)
+    through bash as ``commands.run``'s does; ``None``: the login shell; the size as ``cols``
+    and ``rows`` or as ``size``, see :func:`sized`; 80 x 24 without either)."""
+    cols, rows = sized(cols, rows, size)
+    checked = check_size(80 if cols is None else cols, 24 if rows is None else rows)
     if on_data is not None and not callable(on_data):
         raise TypeError(f"on_data must be callable, got {type(on_data).__name__}.")
-    argv = list(DEFAULT_COMMAND) if command is None else cf.command_argv(command, None)
-    limit = math.inf if timeout is None else cf._check_timeout(timeout)
-    plan = cf.StartPlan(argv, limit, cf._check_envs(envs), cf._check_cwd(cwd), stdin=True)
-    return PtyPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}, size=size)
+    argv = list(DEFAULT_COMMAND) if command is None else command_argv(command, None)
+    limit = math.inf if timeout is None else check_timeout(timeout)
+    plan = StartPlan(argv, limit, check_envs(envs), check_cwd(cwd), stdin=True)
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    return PtyPlan(**fields, size=checked)
+
+
+_READ_BY_ON_DATA = "This terminal's output goes to the on_data given to pty.create(); "
+
+
+def other_on_data() -> ValueError:
+    """The error of ``wait(on_data=...)`` on a terminal whose ``create`` had an ``on_data``."""
+    return ValueError(_READ_BY_ON_DATA + "wait() takes no other on_data.")
+
+
+def not_iterable() -> TypeError:
+    """The error of iterating a terminal whose ``create`` had an ``on_data``."""
+    return TypeError(_READ_BY_ON_DATA + "iterate a terminal created without on_data.")
 
 
 # --------------------------------------------------------------------------------------------
 # Operations
 
 
-def start(target: dp.DataTarget, plan: PtyPlan, features: cf.RuntimeFeatures) -> Op[str]:
+def start(target: dp.DataTarget, plan: PtyPlan, features: RuntimeFeatures) -> Op[str]:
     """Start a terminal: ``POST /commands`` with its ``pty`` (sent once: an interrupted start
     is looked up by its request id and killed, as a command's), then its status, which must
     show the terminal; returns the command id. A runtime without terminals (it refused the
@@ -157,7 +195,7 @@ def _start(target: dp.DataTarget, plan: PtyPlan, managed: bool | None) -> Op[str
     if managed is False:
         raise _unsupported(target, "it has no managed commands (POST /commands answered 404)")
     try:
-        command_id = yield from cf._start(target, plan, stream=False)  # the one start
+        command_id = yield from send_start(target, plan, stream=False)  # the one start
     except errors.BrokerError as exc:
         if _refuses_pty(exc):
             raise _unsupported(target, f"it refused the option ({exc.detail})") from None
@@ -165,18 +203,18 @@ def _start(target: dp.DataTarget, plan: PtyPlan, managed: bool | None) -> Op[str
     if command_id is None:
         raise _unsupported(target, "it has no managed commands (POST /commands answered 404)")
     try:
-        info: dp.CommandInfo = yield cf.status(target, command_id)
+        info: cw.CommandInfo = yield ops.status(target, command_id)
     except GeneratorExit:
         raise
     except BaseException as exc:  # nobody holds the terminal yet: it must not run unseen
-        failed = yield from cf._kill_quietly(target, command_id)
-        cf._note_unkilled(exc, target, command_id, failed)
+        failed = yield from ops.kill_quietly(target, command_id)
+        ops.note_unkilled(exc, target, command_id, failed)
         raise
     if info.pty is None:  # a runtime that ignores fields it does not know
-        failed = yield from cf._kill_quietly(target, command_id)
+        failed = yield from ops.kill_quietly(target, command_id)
         why = "it was killed" if failed is None else "it could not be killed: see the note"
         unsupported = _unsupported(target, f"it started the command without a terminal; {why}")
-        cf._note_unkilled(unsupported, target, command_id, failed)
+        ops.note_unkilled(unsupported, target, command_id, failed)
         raise unsupported
     return command_id
 
@@ -201,7 +239,7 @@ def _unsupported(target: dp.DataTarget, why: str) -> errors.UnsupportedByRuntime
 def resize(target: dp.DataTarget, command_id: str, cols: Any, rows: Any) -> Call[None]:
     """``POST /commands/{id}/resize`` (retried: an absolute size)."""
     size = check_size(cols, rows)
-    return Call(dp.resize_command(target, command_id, *size), cf._ignore)
+    return Call(cw.resize_command(target, command_id, *size), discard_answer)
 
 
 def send_stdin(
@@ -216,12 +254,14 @@ def send_stdin(
             data = data.decode("utf-8")
     elif not isinstance(data, str):
         raise TypeError(f"stdin data must be bytes or str, got {type(data).__name__}.")
-    spec = dp.command_stdin(target, command_id, data, False)  # refuses a body over the limit
-    return Call(spec, cf._ignore, fail=dp.stdin_refusal(spec))
+    spec = stdin_wire.command_stdin(
+        target, command_id, data, False
+    )  # refuses a body over the limit
+    return Call(spec, discard_answer, fail=stdin_wire.stdin_refusal(spec))
 
 
-def status(target: dp.DataTarget, command_id: str) -> Call[dp.CommandInfo]:
-    return cf.status(target, command_id)
+def status(target: dp.DataTarget, command_id: str) -> Call[cw.CommandInfo]:
+    return ops.status(target, command_id)
 
 
 def not_a_terminal(target: dp.DataTarget, command_id: str) -> ValueError:

@@ -31,6 +31,7 @@ from ..wire import _protocol as proto
 from ..wire._protocol import Call
 
 __all__ = [
+    "NEXT_EVENT",
     "Call",
     "Emit",
     "Learned",
@@ -39,6 +40,7 @@ __all__ = [
     "OpenEvents",
     "Sleep",
     "Step",
+    "discard_answer",
     "learning",
 ]
 
@@ -82,6 +84,15 @@ class Learned:
 
     feature: str
     present: bool
+
+
+NEXT_EVENT = NextEvent()
+"""The one :class:`NextEvent` step (it carries nothing)."""
+
+
+def discard_answer(reply: proto.Reply) -> None:
+    """The answer reader of a :class:`Call` whose answer says no more than its success."""
+    return None
 
 
 Step = Call[Any] | OpenEvents | NextEvent | Emit[Any] | Sleep | Learned

@@ -1,7 +1,7 @@
 """Streamed upload bodies, without I/O: what ``files.write`` sends and whether it can be sent
 again.
 
-A body is multipart framing (``_dataplane.multipart_framing``, the one framing: the legacy
+A body is multipart framing (``_multipart.multipart_framing``, the one framing: the legacy
 ``/upload``'s single ``file`` part, or ``/fs/write``'s ``path`` field then ``file`` part) around
 the content, which is bytes, a binary reader (``read(n)``), an iterator of bytes or (async
 client only) an async iterable of bytes. The transports turn an :class:`UploadBody` into their
@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from ...errors import BrokerError
 from ..wire import _protocol as proto
-from ..wire._dataplane import Multipart
+from ..wire._multipart import Multipart
 
 __all__ = [
     "CHUNK_SIZE",

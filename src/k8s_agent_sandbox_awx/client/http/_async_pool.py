@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 
 from . import _pool
+from ._client_settings import CookielessAsyncClient, client_settings
 from ._config import BrokerConnectionConfig
-from ._exchange import client_settings
 
 __all__ = ["AsyncLease", "close_idle"]
 
@@ -32,7 +32,7 @@ class _AsyncPool:
     def __init__(self, key: _pool.PoolKey, settings: dict[str, Any]) -> None:
         self.key = key
         limits = _pool._shared_limits(settings)
-        self.client = httpx.AsyncClient(**{**settings, "limits": limits})
+        self.client = CookielessAsyncClient(**{**settings, "limits": limits})
         self.users = 0
         self.timer: asyncio.TimerHandle | None = None
         self.abandoned = False
@@ -171,9 +171,9 @@ class _Releasing(httpx.AsyncByteStream):
         self._stream = stream
         self._done = done
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._stream:
-            yield chunk
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        chunks: AsyncIterator[bytes] = aiter(self._stream)  # no generator in between
+        return chunks
 
     async def aclose(self) -> None:
         try:
@@ -199,7 +199,7 @@ class AsyncLease:
         self._room: asyncio.Semaphore | None = None
         self.closed = False
         if http_transport is not None:
-            self._own = httpx.AsyncClient(transport=http_transport, **client_settings(config))
+            self._own = CookielessAsyncClient(transport=http_transport, **client_settings(config))
         else:
             self._key = _pool.pool_key(config)
             self._settings = _pool.prepared_settings(self._key, config)  # its errors: now

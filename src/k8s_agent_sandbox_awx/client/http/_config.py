@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
+from ..._fix import ENV, Fix, Setting, sourced
 from ..._upstream import SandboxDirectConnectionConfig
 from ...credentials._jwt import normalise_url
 from ...errors import ConfigurationError, InvalidSettingError
@@ -36,6 +37,13 @@ ENV_CA_BUNDLE = "AGENT_SANDBOX_CA_BUNDLE"
 ENV_TEMPLATE = "AGENT_SANDBOX_TEMPLATE"
 ENV_TRUST_ENV_PROXIES = "AGENT_SANDBOX_TRUST_ENV_PROXIES"
 ENV_TTL = "AGENT_SANDBOX_TTL_SECONDS"
+NO_BROKER_URL_FIX = Fix(
+    "Set ",
+    Setting("broker_url", or_env=True),
+    " to the broker's https:// URL; for a broker on this machine, `agent-sandbox-awx dev` "
+    "starts one and prints the lines to export.",
+)
+"""What to do without a broker URL, in the user's surface (``broker_url=``, ``--broker-url``)."""
 ENV_KEEPALIVE = "AGENT_SANDBOX_KEEPALIVE_TTL_SECONDS"
 ENV_BROKER_PROTOCOL = "AGENT_SANDBOX_BROKER_PROTOCOL"
 ENV_WARMPOOL = "AGENT_SANDBOX_WARMPOOL"
@@ -95,18 +103,18 @@ def check_broker_url(
     *,
     allow_insecure_http: bool = False,
     insecure_option: str = "allow_insecure_http=True",
+    setting: Setting | None = None,
 ) -> str:
     """Check a broker URL and return its normal form (``_jwt.normalise_url``, the one URL rule:
     scheme and host lower-cased, default port and trailing slash dropped).
 
     The result is the only origin the client sends a token to, and the credential audience.
-    ``insecure_option``: how the caller allows http:// where it is (the CLI: its flag).
+    ``insecure_option``: how the caller allows http:// where it is (the CLI: its flag);
+    ``setting``: where the URL was set, as a refusal's fix names it (default: both ways).
     """
+    named = setting or Setting("broker_url", or_env=True)
     if not isinstance(url, str) or not url.strip():
-        raise ConfigurationError(
-            f"The broker URL is empty. Set {ENV_BROKER_URL} (or pass broker_url=) to the broker's "
-            "https:// URL, e.g. https://sandbox-broker.example."
-        )
+        raise ConfigurationError("The broker URL is empty.", fix=_set_url(named))
     raw = url.strip()
     shown = redact_url(raw, typed=True)  # the only form of the URL that messages show
     _refuse_odd_characters(raw, shown)
@@ -116,13 +124,15 @@ def check_broker_url(
     except ValueError as exc:
         # urlsplit quotes what it took for the port: with user info, maybe part of a password
         why = "its host or port does not parse" if "@" in raw else str(exc)
-        raise ConfigurationError(f"The broker URL {shown!r} is not a valid URL: {why}.") from None
+        raise ConfigurationError(
+            f"The broker URL {shown!r} is not a valid URL: {why}.", fix=_set_url(named)
+        ) from None
     scheme = parts.scheme.lower()
     host = parts.hostname or ""
     if scheme not in ("https", "http") or not host:
         raise ConfigurationError(
-            f"The broker URL {shown!r} must be an absolute https:// URL with a host, "
-            "e.g. https://sandbox-broker.example."
+            f"The broker URL {shown!r} must be an absolute https:// URL with a host.",
+            fix=_set_url(named),
         )
     _refuse_bad_labels(host, shown)
     if parts.username is not None or parts.password is not None:
@@ -148,6 +158,64 @@ def check_broker_url(
             )
     del port  # parsed above only to refuse a bad one
     return normalise_url(raw)  # the one URL rule (also for token audiences)
+
+
+def unreadable_ca_bundle(ca: str, *, from_env: bool) -> ConfigurationError:
+    """A CA bundle that is not a file: its path named, where it was set (``from_env``: the
+    variable, else ``ca_cert=``/``--ca-bundle``); PEM text set instead of a path (a CI
+    variable of the wrong type) is said so, never shown."""
+    setting = Setting("ca_bundle", source=ENV if from_env else None)
+    if _of_a_stopped_local_broker(ca):
+        return ConfigurationError(
+            f"The local broker from `agent-sandbox-awx dev` is no longer running: its CA "
+            f"bundle {ca!r} went with it.",
+            fix=Fix(
+                "Start it again (`agent-sandbox-awx dev`) and export the lines it prints: its "
+                "URL and CA bundle are new each time (or unset ",
+                setting,
+                " and AGENT_SANDBOX_BROKER_URL to use another broker).",
+            ),
+        )
+    if "-----BEGIN" in ca:
+        return ConfigurationError(
+            f"The CA bundle holds PEM text ({len(ca)} characters), not the path of a file.",
+            fix=Fix(
+                "Set ",
+                setting,
+                " to the path of a PEM file: in GitLab CI make the variable of type File (its "
+                "value is then a path); in GitHub Actions write the secret to a file "
+                "(printf '%s' \"$CA_PEM\" > ca.pem) and set the variable to that path.",
+            ),
+        )
+    return ConfigurationError(
+        f"The CA bundle {ca!r} is not a readable file.",
+        fix=Fix(
+            "Point ",
+            setting,
+            " at the PEM file of the CA that signed the broker's certificate, or unset it to "
+            "use the system trust store.",
+        ),
+    )
+
+
+LOCAL_BROKER_DIR_PREFIX = "agent-sandbox-broker-"
+"""The name a local broker's (``agent-sandbox-awx dev``'s) temporary directory starts with;
+its CA bundle is ``ca.pem`` in it, removed when the broker stops."""
+
+
+def _of_a_stopped_local_broker(ca: str) -> bool:
+    directory, name = os.path.split(ca)
+    return (
+        name == "ca.pem"
+        and os.path.basename(directory).startswith(LOCAL_BROKER_DIR_PREFIX)
+        and not os.path.exists(directory)
+    )
+
+
+def _set_url(setting: Setting) -> Fix:
+    return Fix(
+        "Set ", setting, " to the broker's https:// URL, e.g. https://sandbox-broker.example."
+    )
 
 
 def _refuse_odd_characters(raw: str, shown: str) -> None:
@@ -232,10 +300,7 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
         data = dict(data)
         broker = data.get("broker_url") or data.get("api_url")
         if not broker:
-            raise ConfigurationError(
-                f"No broker URL: set {ENV_BROKER_URL} to the broker's https:// URL "
-                "(or pass broker_url=)."
-            )
+            raise ConfigurationError("No broker URL.", fix=NO_BROKER_URL_FIX)
         insecure = bool(data.get("allow_insecure_http", False))
         normalized = check_broker_url(str(broker), allow_insecure_http=insecure)
         api_url = data.get("api_url")
@@ -331,19 +396,16 @@ class BrokerConnectionConfig(SandboxDirectConnectionConfig):
                 values[setting] = _env_seconds(env, name)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if not values.get("broker_url") and not values.get("api_url"):
-            raise ConfigurationError(
-                f"No broker URL: set the environment variable {ENV_BROKER_URL} to the broker's "
-                "https:// URL (or pass broker_url=)."
-            )
+            raise ConfigurationError("No broker URL.", fix=NO_BROKER_URL_FIX)
         ca = values.get("ca_cert")
         if ca and not os.path.isfile(ca):
-            source = f"{ENV_CA_BUNDLE}" if "ca_cert" not in overrides else "ca_cert"
-            raise ConfigurationError(
-                f"The CA bundle {ca!r} (from {source}) is not a readable file. Point it at the PEM "
-                "file of the CA that signed the broker's certificate, or unset it to use the "
-                "system trust store."
-            )
-        return cls(**values)
+            raise unreadable_ca_bundle(str(ca), from_env=overrides.get("ca_cert") is None)
+        try:
+            return cls(**values)
+        except ConfigurationError as exc:
+            if overrides.get("broker_url") is None:  # the URL the user set is a variable
+                raise sourced(exc, "broker_url", ENV) from exc.__cause__
+            raise
 
 
 class SandboxBrokerConnectionConfig(BrokerConnectionConfig):

@@ -8,37 +8,29 @@ timeouts and maps failures to typed errors through the dialect. It is a generato
 steps (:class:`Send`, :class:`GetCredential`, :class:`Sleep`, :class:`Read`,
 :class:`ReadError`, :class:`Close`, and :class:`Within` for a bounded side request) run by
 ``_driver``; ``_transport`` and ``_async_transport``
-perform them with ``httpx.Client`` / ``httpx.AsyncClient``. Also here: the client settings
-(TLS, redirects, headers) and the bookkeeping of streamed bodies (upload framing, download
-limits, capped error bodies).
+perform them with ``httpx.Client`` / ``httpx.AsyncClient``. Also here: the bookkeeping of
+streamed bodies (upload framing, download limits, capped error bodies); the client's settings
+(TLS, redirects, headers, proxies) are ``_client_settings``.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
+import functools
 import logging
-import os
 import ssl
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
 import httpx
 
-from ..._cookies import NoCookies
 from ..._driver import Steps
-from ..._version import __version__
+from ..._fix import Fix, Setting
+from ..._local_dev import stopped_dev_at
 from ...credentials._credential import Credential
-from ...errors import (
-    BrokerError,
-    BrokerTLSError,
-    BrokerUnavailableError,
-    ConfigurationError,
-    SandboxFailedError,
-)
+from ...errors import BrokerError, BrokerTLSError, BrokerUnavailableError, SandboxFailedError
 from ...errors import RequestTimeoutError as _RequestTimeoutError
 from ..core._retry import RetryPolicy, SingleAttempt
 from ..core._steps import Sleep, Step
@@ -47,6 +39,7 @@ from ..wire import _protocol as proto
 from ..wire._dataplane import DataTarget, Keepalive, KeptAlive
 from ..wire._dialect import Dialect
 from ..wire._dialects import BrokerDialect
+from ._client_settings import retry_policy
 from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 
 __all__ = [
@@ -61,9 +54,7 @@ __all__ = [
     "Sleep",
     "UploadBody",
     "Within",
-    "client_settings",
     "only_call",
-    "retry_policy",
 ]
 
 logger = logging.getLogger("k8s_agent_sandbox_awx.transport")
@@ -95,106 +86,10 @@ def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
     return (url.scheme, url.host, url.port)
 
 
-# --------------------------------------------------------------------------------------------
-# Client settings
-
-
-def _ssl_context(config: BrokerConnectionConfig) -> ssl.SSLContext:
-    try:
-        context = ssl.create_default_context(cafile=config.ca_cert)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigurationError(
-            f"Could not load the CA bundle {config.ca_cert!r} ({exc}). Point ca_cert (or "
-            "AGENT_SANDBOX_CA_BUNDLE) at a readable PEM file with the broker's CA certificate."
-        ) from exc
-    if config.client_cert:
-        cert, key = config.client_cert
-        try:
-            context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigurationError(
-                f"Could not load the client certificate {cert!r} with key {key!r} ({exc}). "
-                "client_cert must be (certificate PEM path, private key PEM path)."
-            ) from exc
-    return context
-
-
-_PROXY_SCHEMES = frozenset({"http", "https", "socks5", "socks5h"})
-
-
-def _check_env_proxies() -> None:
-    """Refuse, with a typed error naming the variable, a proxy from the environment that httpx
-    cannot use: it would fail when the client is built (a raw ``ImportError`` for a SOCKS proxy
-    without ``socksio``, a raw ``ValueError`` for another scheme), whatever the broker."""
-    found = urllib.request.getproxies()
-    if "*" in (host.strip() for host in found.get("no", "").split(",")):
-        return  # NO_PROXY=*: httpx uses no proxy at all
-    for key in ("https", "all", "http"):  # the variables httpx reads (it mounts all of them)
-        value = found.get(key)
-        if not value:
-            continue
-        names = [n for n in (f"{key}_proxy", f"{key.upper()}_PROXY") if os.environ.get(n)]
-        name = names[0] if names else f"{key.upper()}_PROXY"
-        scheme = value.partition("://")[0].lower() if "://" in value else "http"
-        if scheme not in _PROXY_SCHEMES:
-            problem = f"its scheme {scheme}:// is not a proxy scheme (http, https, socks5)"
-        elif scheme.startswith("socks") and importlib.util.find_spec("socksio") is None:
-            problem = "a SOCKS proxy needs the socksio package: pip install 'httpx[socks]'"
-        else:
-            continue
-        shown = proto.redact_url(value, typed=True)
-        raise ConfigurationError(
-            f"The proxy {name}={shown!r} from the environment cannot be used: {problem}. "
-            f"Fix or unset {name}, or set {ENV_TRUST_ENV_PROXIES}=0 to reach the broker "
-            "without the environment's proxies."
-        )
-
-
-def _check_url(config: BrokerConnectionConfig) -> None:
-    """The broker URL as the HTTP client reads it: a host that is no valid internationalised
-    domain name (``xn--zz``) would fail at the first request, as a raw ``idna`` error."""
-    try:
-        problem = "" if httpx.URL(config.broker_url).host else "no host"  # decodes an IDNA host
-    except (httpx.InvalidURL, UnicodeError) as exc:
-        problem = str(exc) or type(exc).__name__
-    if problem:
-        shown = proto.redact_url(config.broker_url, typed=True)
-        raise ConfigurationError(
-            f"The broker URL {shown!r} cannot be used for HTTP ({problem}); set "
-            "AGENT_SANDBOX_BROKER_URL (or broker_url=, --broker-url) to the broker's https:// "
-            "URL."
-        )
-
-
-def client_settings(config: BrokerConnectionConfig) -> dict[str, Any]:
-    """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: TLS, never
-    following redirects, the request timeout and the User-Agent (the broker URL checked)."""
-    _check_url(config)
-    verify: ssl.SSLContext | bool = True
-    if config.broker_url.startswith("https://"):
-        verify = _ssl_context(config)
-    if config.use_env_proxies:
-        _check_env_proxies()
-    return {
-        "follow_redirects": False,
-        "trust_env": config.use_env_proxies,  # httpx reads nothing else from it here
-        "verify": verify,
-        "timeout": httpx.Timeout(config.request_timeout),
-        "limits": httpx.Limits(
-            max_connections=config.max_connections,
-            max_keepalive_connections=config.max_keepalive_connections,
-        ),
-        "headers": {"User-Agent": f"k8s-agent-sandbox-awx/{__version__}", **config.extra_headers},
-        "cookies": NoCookies(),
-    }
-
-
-def retry_policy(config: BrokerConnectionConfig) -> RetryPolicy:
-    return RetryPolicy(
-        max_attempts=config.max_attempts,
-        backoff_base=config.backoff_base,
-        backoff_max=config.backoff_max,
-    )
+@functools.lru_cache(maxsize=64)
+def _audience_origin(audience: str) -> tuple[str, str, int | None]:
+    """The origin of the audience (the broker URL), parsed once, not at every request."""
+    return _origin(httpx.URL(audience))
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,7 +260,7 @@ class Exchange:
 
     def _check_origin(self, request: httpx.Request) -> None:
         audience = self.config.audience
-        if _origin(request.url) != _origin(httpx.URL(audience)):
+        if _origin(request.url) != _audience_origin(audience):
             raise BrokerError(
                 f"Refusing to send the token to {request.url.scheme}://{request.url.host}: it is "
                 f"not the broker's origin ({audience}). Tokens only go to the broker."
@@ -504,11 +399,14 @@ class Exchange:
         return BrokerTLSError(
             f"Could not {spec.what}: the TLS certificate of the broker {self.config.broker_url} "
             f"did not verify against {ca} ({self._reason(exc)}). Not retried: retrying cannot "
-            "help. Set "
-            "AGENT_SANDBOX_CA_BUNDLE (or ca_cert=) to the PEM file of the CA that signed the "
-            "broker's certificate; if that is the right CA, check this machine's clock (a "
-            "certificate is only valid between its dates) and that the broker URL names a host "
-            "of the certificate.",
+            "help.",
+            fix=Fix(
+                "Set ",
+                Setting("ca_bundle", or_env=True),
+                " to the PEM file of the CA that signed the broker's certificate; if that is "
+                "the right CA, check this machine's clock (a certificate is only valid between "
+                "its dates) and that the broker URL names a host of the certificate.",
+            ),
             method=spec.method,
             path=spec.path,
             request_sent=False,
@@ -519,10 +417,16 @@ class Exchange:
         broker = self.config.broker_url
         if isinstance(exc, httpx.ConnectError):
             reason = self._reason(exc)
-            hint = "Check the broker URL, that the broker is running, and the CA bundle."
-            msg = f"Could not {spec.what}: cannot connect to the broker {broker}: {reason}."
+            # what the user must fix first: the broker is not there (not the step that met it)
+            msg = f"Cannot connect to the broker at {broker}: {reason} (to {spec.what})."
+            dev = stopped_dev_at(broker, self.config.ca_cert)  # `agent-sandbox-awx dev`'s URL
+            check = Fix("Check ", Setting("broker_url", or_env=True), " and that the broker runs.")
             return BrokerUnavailableError(
-                f"{msg} {hint}", method=spec.method, path=spec.path, request_sent=self.reached
+                f"{msg} {dev}" if dev else msg,
+                fix=None if dev else check,
+                method=spec.method,
+                path=spec.path,
+                request_sent=self.reached,
             )
         if isinstance(exc, httpx.ProxyError):
             return BrokerUnavailableError(
@@ -531,6 +435,23 @@ class Exchange:
                 "HTTPS_PROXY (or https_proxy, ALL_PROXY): check its address and credentials, or "
                 f"list the broker's host in NO_PROXY, or set {ENV_TRUST_ENV_PROXIES}=0 to connect "
                 "directly.",
+                method=spec.method,
+                path=spec.path,
+                request_sent=self.reached,
+            )
+        if broker.startswith("http://") and isinstance(exc, httpx.RemoteProtocolError):
+            https = "https://" + broker[len("http://") :]
+            return BrokerUnavailableError(
+                f"Could not {spec.what}: the server at {broker} closed the connection without "
+                f"an HTTP answer ({self._reason(exc)}): it may speak HTTPS, which a plain "
+                "http:// URL does not; retrying the same URL cannot help.",
+                fix=Fix(
+                    "Use its https:// URL: ",
+                    Setting("broker_url", https),
+                    " (with the CA bundle that signed its certificate: ",
+                    Setting("ca_bundle"),
+                    ").",
+                ),
                 method=spec.method,
                 path=spec.path,
                 request_sent=self.reached,

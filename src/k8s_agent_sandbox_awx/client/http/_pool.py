@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 
 from ..._cookies import NoCookies
+from ._client_settings import CookielessClient, client_settings
 from ._config import BrokerConnectionConfig
-from ._exchange import client_settings
 
 __all__ = [
     "LINGER_SECONDS",
@@ -177,7 +177,7 @@ def prepared_settings(key: PoolKey, config: BrokerConnectionConfig) -> dict[str,
 class _Pool:
     def __init__(self, key: PoolKey, settings: dict[str, Any]) -> None:
         self.key = key
-        self.client = httpx.Client(**{**settings, "limits": _shared_limits(settings)})
+        self.client = CookielessClient(**{**settings, "limits": _shared_limits(settings)})
         self.users = 0
         self.timer: threading.Timer | None = None
 
@@ -319,7 +319,7 @@ class Lease:
         self._generation = -1
         self.closed = False
         if http_transport is not None:
-            self._own = httpx.Client(transport=http_transport, **client_settings(config))
+            self._own = CookielessClient(transport=http_transport, **client_settings(config))
         else:
             self._bind()
 

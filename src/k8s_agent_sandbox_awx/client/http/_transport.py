@@ -23,8 +23,8 @@ from ...errors import BrokerError, SandboxFailedError
 from ..core._retry import RetryPolicy
 from ..core._steps import Op
 from ..wire import _protocol as proto
-from ..wire._dataplane import DownloadMeter
 from ..wire._dialects import BrokerDialect
+from ..wire._files_wire import DownloadMeter
 from ._config import BrokerConnectionConfig
 from ._exchange import (
     CHUNK_SIZE,

@@ -17,7 +17,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from ...errors import BrokerError, UnsupportedOperationError
 from ._dataplane import DataTarget
@@ -33,6 +33,7 @@ __all__ = [
     "WHOAMI",
     "CreateRequest",
     "Dialect",
+    "ErrorFromResponse",
     "Lifetime",
     "default_lifetime_marked",
 ]
@@ -93,6 +94,21 @@ class Lifetime:
     capped: bool = False
     info: SandboxInfo | None = None
     """The sandbox's new state, when the dialect's answer carries it (v1)."""
+
+
+class ErrorFromResponse(Protocol):
+    """How a dialect reads an error answer: the typed error, its message saying what to do."""
+
+    def __call__(
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        body: bytes,
+        *,
+        spec: RequestSpec,
+        retried_auth: bool = False,
+        secrets: Iterable[str] = (),
+    ) -> BrokerError: ...
 
 
 class Dialect(ABC):
@@ -187,7 +203,10 @@ class Dialect(ABC):
 
     # -- errors and the data plane ---------------------------------------------------------
 
-    @abstractmethod
+    error_from_response: ClassVar[ErrorFromResponse]
+    """The dialect's reading of an error answer (its module's ``error_from_response``, set as
+    a ``staticmethod``), which :meth:`error` calls."""
+
     def error(
         self,
         status: int,
@@ -200,6 +219,9 @@ class Dialect(ABC):
     ) -> BrokerError:
         """The typed error for an error answer (its message says what to do); everything taken
         from the answer is redacted, ``secrets`` (the token sent) included."""
+        return self.error_from_response(
+            status, headers, body, spec=spec, retried_auth=retried_auth, secrets=secrets
+        )
 
     @abstractmethod
     def token_rejected(

@@ -30,6 +30,7 @@ from ._protocol import (
     RequestSpec,
     RouterTarget,
     SandboxInfo,
+    check_reserved_metadata,
     json_body,
     json_object,
     protocol_error,
@@ -100,6 +101,8 @@ def lifecycle(seconds: int, now: datetime | None = None) -> dict[str, str]:
 
 
 def create(request: CreateRequest) -> RequestSpec:
+    for name in ("labels", "annotations", "pod_labels", "pod_annotations"):
+        check_reserved_metadata(name, name, str_mapping(name, getattr(request, name)))
     labels = {CREATED_BY_LABEL: CREATED_BY, **str_mapping("labels", request.labels)}
     scopes = scope_names(request.scopes)
     fields = {
@@ -262,6 +265,7 @@ class RpcDialect(Dialect):
     name = "rpc"
     features = frozenset({LIFETIME})  # no list, no whoami, no replay, no sandbox env
     created_name_field = "claim_name"
+    error_from_response = staticmethod(error_from_response)
 
     def healthz(self) -> Call[Reply]:
         # No health op: any answer of the endpoint (405 to a GET) shows the broker is there.
@@ -322,20 +326,6 @@ class RpcDialect(Dialect):
         fields = {"claim_name": _claim(name), "lifecycle": lifecycle(seconds)}
         spec = _op("extend", f"extend sandbox {name!r}", fields, retryable=True)
         return Call(spec, lambda reply: parse_lifetime(reply, spec.what))
-
-    def error(
-        self,
-        status: int,
-        headers: Mapping[str, str],
-        body: bytes,
-        *,
-        spec: RequestSpec,
-        retried_auth: bool = False,
-        secrets: Iterable[str] = (),
-    ) -> BrokerError:
-        return error_from_response(
-            status, headers, body, spec=spec, retried_auth=retried_auth, secrets=secrets
-        )
 
     def token_rejected(
         self,

@@ -24,8 +24,9 @@ from ...errors import (
     BrokerUnavailableError,
     BrokerWarmPoolNotFoundError,
     LifetimeExceedsPolicyError,
+    ReservedMetadataError,
 )
-from ._dataplane import MAX_COMMAND_TIMEOUT, is_runtime_answer, runtime_error
+from ._commands_wire import MAX_COMMAND_TIMEOUT
 from ._dialect import CreateRequest, Dialect, Lifetime, default_lifetime_marked
 from ._protocol import (
     Call,
@@ -33,6 +34,7 @@ from ._protocol import (
     RequestSpec,
     RouterTarget,
     SandboxInfo,
+    check_reserved_metadata,
     json_body,
     json_object,
     parse_json,
@@ -44,6 +46,8 @@ from ._protocol import (
     selector_text,
     str_mapping,
 )
+from ._refusals import broker_fix
+from ._runtime_errors import is_runtime_answer, runtime_error
 
 __all__ = [
     "API",
@@ -59,6 +63,10 @@ API = "/v1"
 MAX_WAIT_SECONDS = 60.0
 """The broker's upper bound for one long-poll ``?wait=ready&timeout=``."""
 RESERVED_PREFIX = "broker.agent-sandbox-awx.io/"
+MAX_ENV_BYTES = 8192
+"""The largest ``env=`` of a create, as compact JSON in UTF-8: the broker hands it to the
+sandbox's runtime in one header with each command start (= the broker's
+``runtime._env.MAX_ENV_BYTES``; a test holds them equal)."""
 
 # --------------------------------------------------------------------------------------------
 # Requests
@@ -91,13 +99,8 @@ def create(
         raise ValueError("An Idempotency-Key must be 1-255 printable ASCII characters.")
     labels, annotations = str_mapping("labels", labels), str_mapping("annotations", annotations)
     env = str_mapping("env", env)
-    for kind, meta in (("label", labels), ("annotation", annotations)):
-        for key in meta:
-            if key.startswith(RESERVED_PREFIX):
-                raise ValueError(
-                    f"The {kind} key {key!r} is reserved for the broker's attribution stamps "
-                    f"(prefix {RESERVED_PREFIX}); choose another key."
-                )
+    check_reserved_metadata("labels", "labels", labels)
+    check_reserved_metadata("annotations", "annotations", annotations)
     if lifetime_seconds is not None and lifetime_seconds <= 0:
         raise ValueError(f"lifetime_seconds must be positive, got {lifetime_seconds}.")
     body: dict[str, Any] = {}
@@ -110,6 +113,7 @@ def create(
     if lifetime_seconds is not None:
         body["lifetime_seconds"] = lifetime_seconds
     if env:
+        _check_env_size(env)
         body["env"] = dict(env)
     spec = RequestSpec(
         "POST",
@@ -119,6 +123,24 @@ def create(
         retryable=True,  # the key makes a retried create return the same sandbox
     )
     return json_body(spec, body)
+
+
+def _check_env_size(env: Mapping[str, str]) -> None:
+    """Refuse an ``env=`` over :data:`MAX_ENV_BYTES` before anything is sent (never naming a
+    value: they may be secrets)."""
+    try:
+        size = len(json.dumps(dict(env), separators=(",", ":"), ensure_ascii=False).encode())
+    except UnicodeEncodeError:
+        raise ValueError(
+            "env= holds text that is not UTF-8 (a lone surrogate), which no environment can "
+            "carry: remove it."
+        ) from None
+    if size > MAX_ENV_BYTES:
+        raise ValueError(
+            f"env= is {size} bytes as JSON, more than the {MAX_ENV_BYTES} a sandbox's "
+            "environment may hold (it is sent to the runtime with each command): pass large "
+            "values as files (sandbox.files.write) instead."
+        )
 
 
 def get(
@@ -274,8 +296,9 @@ _HINTS: dict[str, str] = {
     "whoami` for your policy or ask the broker's operator.",
     "template_not_allowed": "Choose a template your policy allows (`agent-sandbox-awx whoami` "
     "lists them).",
-    "reserved_metadata": f"Remove labels/annotations under {RESERVED_PREFIX}; the broker sets "
-    "them.",
+    "reserved_metadata": f"Remove the labels/annotations under {RESERVED_PREFIX} (the broker "
+    "sets them) and agents.x-k8s.io/ (upstream's controller reads them), subdomains included; "
+    "use keys under a prefix of your own, e.g. 'example.com/...'.",
     "lifetime_exceeds_policy": "Ask for a shorter timeout (timeout= or "
     "AGENT_SANDBOX_TTL_SECONDS): the policy caps a sandbox's lifetime from its creation "
     "(`agent-sandbox-awx whoami` shows max_lifetime_seconds); with neither set, the SDK's "
@@ -376,6 +399,8 @@ def _error_class(status: int, code: str | None) -> type[BrokerError]:
         return BrokerTemplateNotFoundError
     if code == "lifetime_exceeds_policy":
         return LifetimeExceedsPolicyError
+    if code == "reserved_metadata":
+        return ReservedMetadataError
     cls = _STATUS_CLASSES.get(status, BrokerError)
     if status >= 500 and cls is BrokerError:
         return BrokerUnavailableError
@@ -437,8 +462,11 @@ def error_from_response(
     if retry_after and status in (429, 503):
         extra += f" (Retry-After: {redact_answer(retry_after, secrets)})"
     label = f"{status} {code}" if code else str(status)
+    fix = broker_fix(code, spec.path)  # a setting to change: named as the user's surface does
     return cls(
-        f"Could not {spec.what} ({request}): the broker answered {label}: {reason}{extra}. {hint}",
+        f"Could not {spec.what} ({request}): the broker answered {label}: {reason}{extra}."
+        + ("" if fix else f" {hint}"),
+        fix=fix,
         **common,
     )
 
@@ -482,6 +510,7 @@ class V1Dialect(Dialect):
     """The broker API v1 (every optional operation)."""
 
     name = "v1"
+    error_from_response = staticmethod(error_from_response)
 
     def healthz(self) -> Call[Reply]:
         return Call(healthz(), raw)
@@ -550,20 +579,6 @@ class V1Dialect(Dialect):
             return Lifetime(info.expires_at, info=info)
 
         return Call(spec, parse)
-
-    def error(
-        self,
-        status: int,
-        headers: Mapping[str, str],
-        body: bytes,
-        *,
-        spec: RequestSpec,
-        retried_auth: bool = False,
-        secrets: Iterable[str] = (),
-    ) -> BrokerError:
-        return error_from_response(
-            status, headers, body, spec=spec, retried_auth=retried_auth, secrets=secrets
-        )
 
     def token_rejected(
         self,

@@ -4,7 +4,7 @@ The value types (:class:`RequestSpec`, :class:`SandboxInfo`, :class:`RouterTarge
 bodies and parsing, NDJSON, redaction. Whether an attempt is retried is decided by the one
 ``RetryPolicy`` (``client/core/_retry.py``).
 What one broker protocol decides lives in its dialect (``_dialect_v1``); what the sandbox
-runtime endpoints decide lives in ``_dataplane``.
+runtime endpoints decide lives in ``_dataplane`` and the modules of its endpoints.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from typing import Any, Generic, Protocol, TypeVar
 
 from ...credentials._jwt import redact
-from ...errors import BrokerProtocolError, BrokerUnavailableError
+from ...errors import BrokerProtocolError, BrokerUnavailableError, ReservedMetadataError
 
 __all__ = [
     "Call",
@@ -29,6 +29,7 @@ __all__ = [
     "RequestSpec",
     "RouterTarget",
     "SandboxInfo",
+    "check_reserved_metadata",
     "json_body",
     "json_object",
     "new_idempotency_key",
@@ -86,9 +87,10 @@ class SandboxInfo:
 
     @property
     def metadata(self) -> Mapping[str, str]:
-        """E2B's name for :attr:`annotations` (what ``Sandbox.create(metadata=)`` sets; the
-        broker adds its own, under its reserved prefix)."""
-        return self.annotations
+        """E2B's ``metadata``: the caller's own annotations (what ``Sandbox.create(metadata=)``
+        set), apart from the broker's attribution stamps and upstream's keys, which
+        :attr:`annotations` has too (who made the sandbox is :attr:`owner`)."""
+        return {k: v for k, v in self.annotations.items() if reserved_prefix(k) is None}
 
     def seconds_left(self, now: float | None = None) -> float | None:
         """Seconds until the broker deletes the sandbox (``None``: no end time known)."""
@@ -243,6 +245,58 @@ def str_mapping(argument: str, value: Mapping[str, str] | None) -> dict[str, str
                 f"{type(item).__name__}: convert it with str()."
             )
     return dict(value)
+
+
+BROKER_DOMAIN = "broker.agent-sandbox-awx.io"
+"""The broker's attribution stamps (``RESERVED_PREFIX`` = this and ``/``)."""
+UPSTREAM_DOMAIN = "agents.x-k8s.io"
+"""Upstream's own metadata keys, which its controller reads and writes."""
+UPSTREAM_CLIENT_LABELS = frozenset({UPSTREAM_DOMAIN + "/created-by"})
+"""The keys under :data:`UPSTREAM_DOMAIN` a caller may set: the label upstream's own client
+marks its claims with (the ``/rpc`` dialect sends it; the controller does not act on it)."""
+_WHOSE = {
+    BROKER_DOMAIN: "the broker writes keys there itself (who made the sandbox), so no caller "
+    "can forge them",
+    UPSTREAM_DOMAIN: "upstream's agent-sandbox controller reads keys there (on a claim, "
+    f"{UPSTREAM_DOMAIN}/sandbox-name names a Sandbox to adopt), so only the broker and the "
+    "controller set them",
+}
+
+
+def reserved_prefix(key: str, *, claim_label: bool = False) -> str | None:
+    """The reserved prefix (``domain/``) that metadata key ``key`` is under: the broker's or
+    upstream's domain or a subdomain of one (``None``: the caller's key). ``claim_label``:
+    ``key`` is a claim's label, where upstream's client label is allowed."""
+    domain, slash, _ = key.partition("/")
+    if not slash or (claim_label and key in UPSTREAM_CLIENT_LABELS):
+        return None
+    domain = domain.lower()
+    for reserved in (BROKER_DOMAIN, UPSTREAM_DOMAIN):
+        if domain == reserved or domain.endswith("." + reserved):
+            return domain + "/"
+    return None
+
+
+def check_reserved_metadata(argument: str, field: str, value: Mapping[str, str]) -> None:
+    """Refuse (:class:`ReservedMetadataError`, before anything is sent) a key of ``value`` under
+    a reserved prefix; ``field``: ``labels``, ``annotations``, ``pod_labels`` or
+    ``pod_annotations``; ``argument``: the keyword it was given as (``metadata=``)."""
+    what = ("pod " if field.startswith("pod_") else "") + field.removeprefix("pod_")[:-1]
+    for key in value:
+        prefix = reserved_prefix(key, claim_label=field == "labels")
+        if prefix is None:
+            continue
+        owner = BROKER_DOMAIN if prefix.rstrip("/").endswith(BROKER_DOMAIN) else UPSTREAM_DOMAIN
+        name = key.rpartition("/")[2] or "name"
+        raise ReservedMetadataError(
+            f"The {what} key {key!r} ({argument}=) is under the reserved prefix {prefix!r} "
+            f"({owner}/ and its subdomains): {_WHOSE[owner]}. Nothing was sent. Use a key "
+            f"under a prefix of your own, e.g. 'example.com/{name}'.",
+            key=key,
+            field=argument,
+            prefix=prefix,
+            request_sent=False,
+        )
 
 
 def scope_names(scopes: Iterable[str] | None) -> tuple[str, ...] | None:

@@ -10,10 +10,12 @@ Three ways to get one, all through the one checking constructor ``connection()``
   file: the cluster's ``server``, ``certificate-authority(-data)``,
   ``insecure-skip-tls-verify`` (refused unless ``allow_insecure``), the user's ``token``,
   ``tokenFile`` (read again for every request; it wins over ``token``, as in client-go),
-  ``client-certificate(-data)`` + ``client-key(-data)``. A user with ``exec`` or
-  ``auth-provider`` (or basic auth, or impersonation) is refused, naming the file, the user and
-  what to do instead. A kubeconfig in JSON needs nothing more; YAML (what kubectl writes) needs
-  PyYAML, which the ``[broker]`` extra installs.
+  ``client-certificate(-data)`` + ``client-key(-data)``, an ``exec`` credential plugin
+  (``client.authentication.k8s.io/v1`` or ``v1beta1``: ``_api_exec``, what EKS, GKE and AKS
+  kubeconfigs use). A user with ``auth-provider`` (removed from kubectl in 1.26) is refused
+  naming the exec plugin that replaces it; basic auth and impersonation are refused too, naming
+  the file, the user and what to do instead. A kubeconfig in JSON needs nothing more; YAML
+  (what kubectl writes) needs PyYAML, which the ``[broker]`` extra installs.
 - ``connection(server, ...)`` directly.
 
 Every problem is a ``KubeConfigError`` naming the file (or variable) and key, the rule and the
@@ -35,10 +37,13 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+from ...._urls import masked_url
 from ._api_errors import KubeConfigError
+from ._api_exec import ExecCredential, cluster_info, exec_plugin
 
 __all__ = [
     "DEFAULT_SERVICE_ACCOUNT_DIR",
+    "ExecCredential",
     "KubeConfig",
     "StaticToken",
     "TokenFile",
@@ -53,9 +58,13 @@ BROKER_EXTRA: Final = (
     "k8s-agent-sandbox-awx repository"
 )
 
+AUTH_PROVIDER_FIX: Final = (
+    "auth-provider plugins were removed from kubectl and client-go (1.26): use the exec "
+    "credential plugin that replaces it (GKE: gke-gcloud-auth-plugin, then `gcloud container "
+    "clusters get-credentials` writes an exec user; Azure: `kubelogin convert-kubeconfig`; "
+    "OIDC: an exec plugin such as kubelogin's oidc-login)"
+)
 _REFUSED_USER_KEYS: Final[Mapping[str, str]] = {
-    "exec": "an `exec` credential plugin",
-    "auth-provider": "an `auth-provider` plugin",
     "username": "basic authentication (`username`/`password`)",
     "password": "basic authentication (`username`/`password`)",
     "as": "impersonation (`as`)",
@@ -132,7 +141,7 @@ class TokenFile:
         return f"TokenFile({str(self.path)!r})"
 
 
-TokenSource = StaticToken | TokenFile
+TokenSource = StaticToken | TokenFile | ExecCredential
 
 
 # ------------------------------------------------------------------------------ the settings
@@ -198,38 +207,54 @@ def connection(
             "(insecure-skip-tls-verify): a bearer token sent that way can be stolen; give "
             "the cluster's CA (certificate-authority or certificate-authority-data) instead, "
             "or allow it explicitly (allow_insecure=True) for a throwaway test cluster",
-            source=source, key="insecure-skip-tls-verify",
-        )  # fmt: skip
+            source=source,
+            key="insecure-skip-tls-verify",
+        )
     context = _ssl_context(ca_file, ca_data, insecure=insecure, source=source)
     if client_certificate is not None:
         _load_client_certificate(context, client_certificate, source=source)
     return KubeConfig(
-        server=server, ssl_context=context, token=token, namespace=namespace, source=source,
-        client_certificate=client_certificate is not None, insecure=insecure,
-    )  # fmt: skip
+        server=server,
+        ssl_context=context,
+        token=token,
+        namespace=namespace,
+        source=source,
+        client_certificate=client_certificate is not None,
+        insecure=insecure,
+    )
+
+
+def _shown(server: object) -> str:
+    """The server address for a message: its user info, query and fragment masked."""
+    return repr(masked_url(server) if isinstance(server, str) else server)
 
 
 def _check_server(server: str, *, source: str, allow_insecure: bool) -> str:
     parts = urlsplit(server.strip()) if isinstance(server, str) else None
     if parts is None or parts.scheme not in ("https", "http") or not parts.hostname:
         raise KubeConfigError(
-            f"{source}: the API server address {server!r} is not an https:// URL with a host: "
+            f"{source}: the API server address {_shown(server)} is not an https:// URL with a "
+            "host: "
             "give it as https://HOST[:PORT]",
-            source=source, key="server",
-        )  # fmt: skip
+            source=source,
+            key="server",
+        )
     if parts.scheme == "http" and not allow_insecure:
         raise KubeConfigError(
-            f"{source}: the API server address {server!r} is plain http: tokens would cross "
+            f"{source}: the API server address {_shown(server)} is plain http: tokens would "
+            "cross "
             "the network in the clear; use the server's https:// address (or allow it "
             "explicitly, allow_insecure=True, for a throwaway test cluster)",
-            source=source, key="server",
-        )  # fmt: skip
+            source=source,
+            key="server",
+        )
     if parts.query or parts.fragment or parts.username or parts.password:
         raise KubeConfigError(
             f"{source}: the API server address must have no user, query or fragment: "
             "give it as https://HOST[:PORT][/PATH]",
-            source=source, key="server",
-        )  # fmt: skip
+            source=source,
+            key="server",
+        )
     return server.strip().rstrip("/")
 
 
@@ -276,8 +301,9 @@ def _load_client_certificate(
             raise KubeConfigError(
                 f"{source}: a client certificate needs both the certificate and its key "
                 "(client-certificate[-data] and client-key[-data]): give the missing one",
-                source=source, key="client-key" if key_path is None else "client-certificate",
-            )  # fmt: skip
+                source=source,
+                key="client-key" if key_path is None else "client-certificate",
+            )
         try:
             context.load_cert_chain(str(cert_path), str(key_path))
         except (OSError, ssl.SSLError) as exc:
@@ -338,8 +364,9 @@ def in_cluster(
         )
     namespace = _pod_namespace(folder / "namespace")
     server = f"https://{f'[{host}]' if ':' in host else host}:{port}"
-    return connection(server, ca_file=ca_file, token=token, namespace=namespace or None,
-                      source=source)  # fmt: skip
+    return connection(
+        server, ca_file=ca_file, token=token, namespace=namespace or None, source=source
+    )
 
 
 def _pod_namespace(file: Path) -> str | None:
@@ -374,10 +401,13 @@ def from_kubeconfig(
         else {}
     )
     namespace = ctx.get("namespace")
+    server = _string(cluster, "server", file, f"clusters[{cluster_name}].cluster", required=True)
+    tls = _cluster_tls(cluster, file, cluster_name)
+    info = cluster_info(cluster, server, _ca_bytes(tls), bool(tls["insecure"]))
     return connection(
-        _string(cluster, "server", file, f"clusters[{cluster_name}].cluster", required=True),
-        **_cluster_tls(cluster, file, cluster_name),
-        token=_user_token(user, file, str(user_name), source),
+        server,
+        **tls,
+        token=_user_token(user, file, str(user_name), source, info),
         client_certificate=_user_certificate(user, file, str(user_name)),
         allow_insecure=allow_insecure,
         namespace=namespace if isinstance(namespace, str) and namespace else "default",
@@ -452,14 +482,18 @@ def _context(
     ]
     if not isinstance(name, str) or not name:
         raise _bad(
-            file, "current-context", "is not set",
+            file,
+            "current-context",
+            "is not set",
             f"name the context to use (its contexts: {', '.join(names) or 'none'})",
-        )  # fmt: skip
+        )
     if name not in names:
         raise _bad(
-            file, f"contexts[{name}]", "does not exist",
+            file,
+            f"contexts[{name}]",
+            "does not exist",
             f"name one of its contexts: {', '.join(names) or 'it has none'}",
-        )  # fmt: skip
+        )
     return name, _named(document, file, "contexts", "context", name)
 
 
@@ -496,9 +530,11 @@ def _path(mapping: Mapping[str, Any], key: str, file: Path, where: str) -> Path 
     resolved = (file.parent / value) if not os.path.isabs(value) else Path(value)
     if not resolved.is_file():
         raise _bad(
-            file, f"{where}.{key}", f"names {resolved}, which is not a file",
+            file,
+            f"{where}.{key}",
+            f"names {resolved}, which is not a file",
             "give the path of an existing file (relative to the kubeconfig's folder)",
-        )  # fmt: skip
+        )
     return resolved
 
 
@@ -514,18 +550,29 @@ def _data(mapping: Mapping[str, Any], key: str, file: Path, where: str) -> bytes
         ) from None
 
 
-def _refuse(mapping: Mapping[str, Any], refused: Mapping[str, str], file: Path, where: str,
-            fix: str) -> None:  # fmt: skip
+def _refuse(
+    mapping: Mapping[str, Any], refused: Mapping[str, str], file: Path, where: str, fix: str
+) -> None:
     for key, what in refused.items():
         if mapping.get(key) not in (None, "", [], {}):
-            raise _bad(file, f"{where}.{key}", f"configures {what}, which this client does "
-                       "not support", fix)  # fmt: skip
+            raise _bad(
+                file,
+                f"{where}.{key}",
+                f"configures {what}, which this client does not support",
+                fix,
+            )
 
 
 def _cluster_tls(cluster: Mapping[str, Any], file: Path, name: str) -> dict[str, Any]:
     where = f"clusters[{name}].cluster"
-    _refuse(cluster, _REFUSED_CLUSTER_KEYS, file, where, "remove it (the client connects "
-            "directly to `server`, checking its certificate against the CA)")  # fmt: skip
+    _refuse(
+        cluster,
+        _REFUSED_CLUSTER_KEYS,
+        file,
+        where,
+        "remove it (the client connects "
+        "directly to `server`, checking its certificate against the CA)",
+    )
     insecure = cluster.get("insecure-skip-tls-verify", False)
     if not isinstance(insecure, bool):
         raise _bad(file, f"{where}.insecure-skip-tls-verify", "must be true or false")
@@ -536,18 +583,59 @@ def _cluster_tls(cluster: Mapping[str, Any], file: Path, name: str) -> dict[str,
     }
 
 
-def _user_token(user: Mapping[str, Any], file: Path, name: str, source: str) -> TokenSource | None:
+def _ca_bytes(tls: Mapping[str, Any]) -> bytes | None:
+    """The cluster's CA in PEM (for an exec plugin's ``provideClusterInfo``)."""
+    if tls["ca_data"] is not None:
+        return bytes(tls["ca_data"])
+    try:
+        return Path(tls["ca_file"]).read_bytes() if tls["ca_file"] is not None else None
+    except OSError:
+        return None  # said when the CA is loaded
+
+
+def _user_token(
+    user: Mapping[str, Any], file: Path, name: str, source: str, cluster: Mapping[str, Any]
+) -> TokenSource | None:
     where = f"users[{name}].user"
-    _refuse(user, _REFUSED_USER_KEYS, file, where, (
-        f"give user {name!r} a token file instead (tokenFile: a file holding a ServiceAccount "
-        "token, e.g. from `kubectl create token SERVICEACCOUNT`), or run the broker in the "
-        "cluster with its own ServiceAccount (in-cluster configuration)"
-    ))  # fmt: skip
+    if user.get("auth-provider") not in (None, "", {}):
+        raise _bad(file, f"{where}.auth-provider", "is not supported", AUTH_PROVIDER_FIX)
+    _refuse(
+        user,
+        _REFUSED_USER_KEYS,
+        file,
+        where,
+        (
+            f"give user {name!r} a token file instead (tokenFile: a file holding a ServiceAccount "
+            "token, e.g. from `kubectl create token SERVICEACCOUNT`), or run the broker in the "
+            "cluster with its own ServiceAccount (in-cluster configuration)"
+        ),
+    )
+    if user.get("exec") not in (None, {}):
+        return _exec_user(user, file, where, source, cluster)
     token_file = _path(user, "tokenFile", file, where)
     if token_file is not None:
         return TokenFile(token_file, source=f"{where}.tokenFile of {source}")
     token = _string(user, "token", file, where)
     return StaticToken(token, source=f"{where}.token of {source}") if token else None
+
+
+def _exec_user(
+    user: Mapping[str, Any], file: Path, where: str, source: str, cluster: Mapping[str, Any]
+) -> ExecCredential:
+    spec = user["exec"]
+    if not isinstance(spec, Mapping):
+        raise _bad(file, f"{where}.exec", "is not a mapping", "write it as kubectl does")
+    for key in ("token", "tokenFile"):
+        if user.get(key) not in (None, ""):
+            raise _bad(file, f"{where}.{key}", "is given with exec", "keep one of the two")
+    plugin = exec_plugin(
+        spec,
+        where=f"kubeconfig {file}: {where}.exec",
+        folder=file.parent,
+        cluster=cluster,
+        source=str(file),
+    )
+    return ExecCredential(plugin, source=f"{where}.exec of {source}")
 
 
 def _user_certificate(user: Mapping[str, Any], file: Path, name: str) -> ClientCertificate | None:
@@ -562,6 +650,10 @@ def _user_certificate(user: Mapping[str, Any], file: Path, name: str) -> ClientC
     has_key = cert.key_file is not None or cert.key_data is not None
     if has_cert != has_key:
         missing = "client-key" if has_cert else "client-certificate"
-        raise _bad(file, f"{where}.{missing}[-data]", "is missing",
-                   "a client certificate needs both the certificate and its key")  # fmt: skip
+        raise _bad(
+            file,
+            f"{where}.{missing}[-data]",
+            "is missing",
+            "a client certificate needs both the certificate and its key",
+        )
     return cert if has_cert else None

@@ -99,9 +99,13 @@ class MissingPermissions(Forbidden):
     def __init__(self, text: str, *, missing: Sequence[tuple[str, str, str | None]]) -> None:
         verb, resource, namespace = missing[0] if missing else ("", "", None)
         super().__init__(
-            text, status=403, reason="Forbidden", verb=verb, resource=resource,
+            text,
+            status=403,
+            reason="Forbidden",
+            verb=verb,
+            resource=resource,
             namespace=namespace,
-        )  # fmt: skip
+        )
         self.missing = tuple(missing)
 
 

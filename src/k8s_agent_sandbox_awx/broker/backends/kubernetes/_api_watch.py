@@ -40,9 +40,14 @@ class Watch:
     (``WatchExpired`` for 410: list again)."""
 
     def __init__(
-        self, start: Callable[[], Awaitable[httpx.Response]], *, what: str, resource: str,
-        namespace: str | None, since: str | None,
-    ) -> None:  # fmt: skip
+        self,
+        start: Callable[[], Awaitable[httpx.Response]],
+        *,
+        what: str,
+        resource: str,
+        namespace: str | None,
+        since: str | None,
+    ) -> None:
         """``start`` sends the watch request (with its retries and read timeout) and returns
         the answer unread; ``what`` describes it for messages (``watch sandboxclaims... NS``)."""
         self._send, self._what = start, what
@@ -55,8 +60,7 @@ class Watch:
         self.events = 0
 
     def __repr__(self) -> str:
-        return (f"Watch({self._what}, resource_version={self.resource_version!r}, "
-                f"end={self.end})")  # fmt: skip
+        return f"Watch({self._what}, resource_version={self.resource_version!r}, end={self.end})"
 
     async def __aenter__(self) -> Watch:
         await self._start()
@@ -76,9 +80,13 @@ class Watch:
             if exc.status == 410:
                 raise WatchExpired(
                     f"{exc}: list again, then watch from the list's resourceVersion",
-                    status=410, reason=exc.reason, message=exc.message, verb="watch",
-                    resource=exc.resource, namespace=exc.namespace,
-                ) from None  # fmt: skip
+                    status=410,
+                    reason=exc.reason,
+                    message=exc.message,
+                    verb="watch",
+                    resource=exc.resource,
+                    namespace=exc.namespace,
+                ) from None
             raise
         self._lines = self._response.aiter_lines()
 
@@ -123,9 +131,11 @@ class Watch:
             await self._stop(WatchEnd.ERROR, "a line that is not a watch event")
             raise KubeError(
                 f"{self._what}: the API server sent a line that is not a watch event",
-                reason="InvalidResponse", verb="watch", resource=self._resource,
+                reason="InvalidResponse",
+                verb="watch",
+                resource=self._resource,
                 namespace=self._namespace,
-            ) from None  # fmt: skip
+            ) from None
         if kind == "ERROR":
             await self._stop(WatchEnd.ERROR, str(obj.get("message", "")))
             raise self._error_event(obj)
@@ -142,13 +152,18 @@ class Watch:
         reason, message = str(status.get("reason") or ""), str(status.get("message") or "")
         text = f"{self._what} from resourceVersion {self.resource_version}: " + (
             f"ERROR event {code} {reason}: {message}"
-        )  # fmt: skip
+        )
         kwargs: dict[str, Any] = dict(
-            status=code, reason=reason, message=message, verb="watch",
-            resource=self._resource, namespace=self._namespace,
-        )  # fmt: skip
+            status=code,
+            reason=reason,
+            message=message,
+            verb="watch",
+            resource=self._resource,
+            namespace=self._namespace,
+        )
         if code == 410:
-            return WatchExpired(text + ": list again, then watch from the list's resourceVersion",
-                                **kwargs)  # fmt: skip
+            return WatchExpired(
+                text + ": list again, then watch from the list's resourceVersion", **kwargs
+            )
         cls, extra = error_for_status(code, status)
         return cls(text, **kwargs, **extra)

@@ -6,15 +6,16 @@
 derived (the claim cache, :mod:`._informer`) and rebuilt at start. The rules
 (docs/broker/kubernetes.md):
 
-- **create**: the claim is made, then the owner's claims are counted with a fresh list; when
-  the owner now holds more than the maximum, the new claim is deleted again and the create is
-  ``QuotaExceeded`` unless every claim counted created after it (a later creationTimestamp)
-  — a claim created in the same second counts as earlier, so that two replicas that create
-  at once never both keep theirs (a tie broken by name could). A keyed create's name is
-  derived from the caller and the key: ``AlreadyExists`` from another replica's (or a killed
-  replica's) create is read and replayed when owner and request digest match (so the look-up
-  of a key before the create, :meth:`KubernetesBackend.replay`, asks the API server only when
-  the claim cache knows that name: a new key's create is the POST and the LIST, no more);
+- **create**: the claim's name is reserved in the owner's quota ledger first (:mod:`._quota`:
+  a Lease written with a resourceVersion precondition, the one serialization point of all
+  replicas; ``QuotaExceeded`` when the owner holds the maximum), then the claim is POSTed
+  (answered within the reservation's time; a refused POST releases the reservation). A keyed
+  create's name is derived from the caller and the key: ``AlreadyExists`` from another
+  replica's (or a killed replica's) create is read and replayed when owner and request digest
+  match (so the look-up of a key before the create, :meth:`KubernetesBackend.replay`, asks the
+  API server only when the claim cache knows that name: a new key's create is the ledger's
+  write and the POST, plus a GET of the ledger when this replica's copy is not current, and
+  the LIST of the owner's claims only when the ledger is full or missing);
 - **ready**: a wait follows the claim cache's events for that claim (its watch resumes after
   a ``410`` or an API server restart without losing the wait), never polls;
 - **extend**: a merge patch of ``spec.lifecycle.shutdownTime`` with a resourceVersion
@@ -23,6 +24,8 @@ derived (the claim cache, :mod:`._informer`) and rebuilt at start. The rules
 
 At start (:meth:`KubernetesBackend.start`) the broker's RBAC is checked with access reviews
 and the cache is filled; until both succeed :meth:`KubernetesBackend.readiness` names why not.
+With the router data plane the router is asked too (:mod:`._router_probe`): not ready until
+it answered once, :meth:`KubernetesBackend.degraded` while it does not answer after that.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,12 +52,11 @@ from .._interface import (
     Idempotency,
     IdempotencyConflict,
     Owner,
-    QuotaExceeded,
     Route,
     WarmPool,
     rfc3339,
 )
-from ._api import SANDBOX_CLAIMS, TOKEN_REVIEWS, Access, KubeClient
+from ._api import LEASES, SANDBOX_CLAIMS, TOKEN_REVIEWS, Access, KubeClient
 from ._api_errors import (
     AlreadyExists,
     Conflict,
@@ -73,6 +76,9 @@ from ._claims import (
     state_of,
 )
 from ._informer import ClaimCache
+from ._pod_metadata import DEFAULT_LABEL_DOMAINS, check_pod_metadata
+from ._quota import LEASE_VERBS, ClaimListed, QuotaLedger, Reservation
+from ._router_probe import RouterProbe
 from ._routes import Routes, RouteSettings
 
 __all__ = ["CLAIM_VERBS", "KubernetesBackend", "KubernetesSettings", "needed_access"]
@@ -80,9 +86,12 @@ __all__ = ["CLAIM_VERBS", "KubernetesBackend", "KubernetesSettings", "needed_acc
 log = logging.getLogger("k8s_agent_sandbox_awx.broker.kubernetes")
 
 CLAIM_VERBS: Final = ("get", "list", "watch", "create", "delete", "patch")
-"""What the broker does with SandboxClaims (docs/broker/kubernetes.md, "RBAC")."""
+"""What the broker does with SandboxClaims (docs/broker/kubernetes.md, "RBAC"); with Leases:
+:data:`._quota.LEASE_VERBS` (the quota ledgers)."""
 EXTEND_ATTEMPTS: Final = 5
 NAME_ATTEMPTS: Final = 5
+PRUNE_SECONDS: Final = 30.0
+"""How often (at most, at a data-plane request) the pods' pools no claim leads to are closed."""
 
 
 @dataclass(frozen=True)
@@ -101,12 +110,16 @@ class KubernetesSettings:
     """An issuer verifies by TokenReview: the broker also needs ``create tokenreviews``."""
     identity: str = "the broker's ServiceAccount"
     """Who the broker is in messages about its RBAC."""
+    pod_label_domains: tuple[str, ...] = DEFAULT_LABEL_DOMAINS
+    """The controller's allowed pod label domains (a create's pod labels are checked against
+    them before the claim is made: ``_pod_metadata``)."""
 
 
 def needed_access(settings: KubernetesSettings) -> list[Access]:
     """The permissions the broker needs (each checked at start)."""
     scopes: Sequence[str | None] = settings.namespaces or (None,)
     needed = [Access(v, SANDBOX_CLAIMS, namespace=ns) for ns in scopes for v in CLAIM_VERBS]
+    needed += [Access(v, LEASES, namespace=ns) for ns in scopes for v in LEASE_VERBS]
     if settings.tokenreview:
         needed.append(Access("create", TOKEN_REVIEWS))
     return needed
@@ -124,9 +137,16 @@ class KubernetesBackend:
         self.client = client
         self.settings = settings
         self.cache = ClaimCache(client, settings.namespaces)
+        self.quota = QuotaLedger(client, self._liveness, self.cache)
         self.routes = Routes(settings.routes)
+        self.router = (
+            RouterProbe(settings.routes, self.routes.http)
+            if settings.routes.data_plane == "router"
+            else None
+        )
         self._problem: str | None = "the broker's RBAC has not been checked yet"
         self._starting: asyncio.Task[None] | None = None
+        self._prune_at = time.monotonic() + PRUNE_SECONDS
 
     def __repr__(self) -> str:
         return f"KubernetesBackend({self.client!r}, namespaces={self.settings.namespaces!r})"
@@ -137,6 +157,8 @@ class KubernetesBackend:
         """Begin: check the RBAC (again until it passes), then fill the claim cache."""
         if self._starting is None:
             self._starting = asyncio.get_running_loop().create_task(self._start())
+        if self.router is not None:
+            self.router.start()
 
     async def _start(self) -> None:
         delay = 0.5
@@ -163,7 +185,26 @@ class KubernetesBackend:
         """What is not ready (``{}``: the API server answered, the RBAC holds, the claims
         are listed and watched)."""
         problem = self._problem or self.cache.problem
-        return {"kubernetes": problem} if problem else {}
+        not_ready = {"kubernetes": problem} if problem else {}
+        router = self.router
+        if router is not None and not router.answered_once and router.problem:
+            not_ready["router"] = router.problem
+        return not_ready
+
+    def degraded(self) -> dict[str, str]:
+        """What does not serve now without making the replica unready: the router, after it
+        answered once (every replica sees it: :mod:`._router_probe`)."""
+        router = self.router
+        if router is not None and router.answered_once and router.problem:
+            return {"router": router.problem}
+        return {}
+
+    def upstream_ready(self) -> dict[str, bool]:
+        """By upstream (``kubernetes``, ``router``): whether it serves now (the metrics)."""
+        ready = {"kubernetes": not (self._problem or self.cache.problem)}
+        if self.router is not None:
+            ready["router"] = self.router.problem is None
+        return ready
 
     async def close(self) -> None:
         """Stop watching and close the connections; the claims stay in the cluster."""
@@ -171,6 +212,8 @@ class KubernetesBackend:
             self._starting.cancel()
             await asyncio.gather(self._starting, return_exceptions=True)
         await self.cache.close()
+        if self.router is not None:
+            await self.router.close()
         await self.routes.close()
         await self.client.aclose()
 
@@ -226,7 +269,7 @@ class KubernetesBackend:
         if where is None:
             return None
         obj = self.cache.get(where, name) or self.cache.by_sandbox(where, name)
-        state = None if obj is None else state_of(obj)
+        state = None if obj is None else self.cache.state(obj)  # parsed once per version
         return state if state is not None and state.phase == READY and state.bound else None
 
     async def find_claim(
@@ -246,9 +289,10 @@ class KubernetesBackend:
         """The owner's claims in ``namespace``, listed now (a consistent read)."""
         try:
             listing = await self.client.list_all(
-                SANDBOX_CLAIMS, namespace=namespace,
+                SANDBOX_CLAIMS,
+                namespace=namespace,
                 label_selector=f"{OWNER_LABEL}={owner_hash(owner)}",
-            )  # fmt: skip
+            )
         except KubeError as exc:
             raise _unavailable(f"list the caller's claims in {namespace}", exc) from None
         return [o for o in listing.items if _owned_by(o, owner)]
@@ -275,24 +319,54 @@ class KubernetesBackend:
         return _replayed(state, owner, idempotency)
 
     async def create(self, request: ClaimRequest) -> Created:
+        check_pod_metadata(request.pod_metadata, self.settings.pod_label_domains)
         if request.idempotency is not None:
             name = keyed_name(request.owner, request.idempotency.key)
-            made = await self._create_keyed(request, name, request.idempotency)
-            if made.replayed:
-                return made
-        elif request.claim_name is not None:
-            made = Created(await self._create_named(request, request.claim_name))
-        else:
-            made = Created(await self._create_random(request))
-        assert isinstance(made.state, KubeClaimState)
-        await self._hold_quota(request, made.state)
-        return made
+            return await self._create_keyed(request, name, request.idempotency)
+        if request.claim_name is not None:
+            return Created(await self._create_named(request, request.claim_name))
+        return Created(await self._create_random(request))
 
-    async def _post(self, request: ClaimRequest, name: str) -> KubeClaimState:
-        """POST the claim (``AlreadyExists`` and ``Unavailable`` to the caller)."""
-        obj = claim_object(request, name)
+    async def _made(self, request: ClaimRequest, name: str) -> KubeClaimState:
+        """Reserve ``name`` in the owner's quota ledger (QuotaExceeded), then POST the claim.
+        A POST the API server refused releases the reservation (but ``AlreadyExists`` of a
+        keyed name: that claim is the key's); one whose outcome is unknown (``Unavailable``,
+        a cancelled request) keeps it: it lapses, or is found made."""
+        reservation = await self.quota.reserve(
+            request.owner, request.namespace, name, request.max_live
+        )
         try:
-            created = await self.client.create(SANDBOX_CLAIMS, obj, namespace=request.namespace)
+            return await self._post(request, name, reservation)
+        except Unavailable:
+            raise
+        except AlreadyExists:
+            if request.idempotency is None:
+                await self.quota.release(reservation)
+            raise
+        except (ClaimInvalid, KubeError):
+            await self.quota.release(reservation)
+            raise
+
+    async def _post(
+        self, request: ClaimRequest, name: str, reservation: Reservation
+    ) -> KubeClaimState:
+        """POST the claim, answered within its reservation's time (``AlreadyExists`` and
+        ``Unavailable`` to the caller; no answer in time is ``Unavailable``)."""
+        obj = claim_object(request, name, reservation.until)
+        seconds = reservation.post_timeout()
+        post = self.client.create(
+            SANDBOX_CLAIMS, obj, namespace=request.namespace, server_timeout=seconds
+        )
+        try:
+            created = await asyncio.wait_for(post, seconds)
+        except TimeoutError:
+            raise Unavailable(
+                f"create claim {request.namespace}/{name}: no answer within {seconds:.0f} s",
+                verb="create",
+                resource=str(SANDBOX_CLAIMS),
+                namespace=request.namespace,
+                name=name,
+            ) from None
         except Invalid as exc:
             raise ClaimInvalid(f"the API server refused the claim: {exc.message or exc}") from None
         return state_of(created)
@@ -300,17 +374,24 @@ class KubernetesBackend:
     async def _create_keyed(
         self, request: ClaimRequest, name: str, idempotency: Idempotency
     ) -> Created:
-        """The keyed claim, made now or (made before by any replica) replayed."""
+        """The keyed claim, made now or (made before by any replica) replayed, also when the
+        owner is full (ClaimListed: that claim takes no new slot)."""
+        full: ClaimListed | None = None
         try:
-            return Created(await self._post(request, name))
+            return Created(await self._made(request, name))
+        except ClaimListed as exc:
+            full = exc
         except AlreadyExists:
             pass
         except Unavailable as exc:  # it may have been made: its name tells
-            log.warning("create of claim %s/%s unanswered (%s); reading it", request.namespace,
-                        name, exc)  # fmt: skip
+            log.warning(
+                "create of claim %s/%s unanswered (%s); reading it", request.namespace, name, exc
+            )
         except KubeError as exc:
             raise _unavailable(f"create claim {request.namespace}/{name}", exc) from None
         found = await self._read(request.namespace, name)
+        if found is None and full is not None:
+            raise full  # gone since it was listed: the owner is full
         if found is None:
             raise BackendUnavailable(
                 f"the Kubernetes API server did not create claim {request.namespace}/{name}; "
@@ -320,7 +401,7 @@ class KubernetesBackend:
 
     async def _create_named(self, request: ClaimRequest, name: str) -> KubeClaimState:
         try:
-            return await self._post(request, name)
+            return await self._made(request, name)
         except AlreadyExists:
             raise ClaimNameTaken(name) from None
         except KubeError as exc:
@@ -330,43 +411,17 @@ class KubernetesBackend:
         for _ in range(NAME_ATTEMPTS):
             name = random_name()
             try:
-                return await self._post(request, name)
+                return await self._made(request, name)
             except AlreadyExists:
                 continue
             except KubeError as exc:
                 raise _unavailable(f"create claim {request.namespace}/{name}", exc) from None
         raise BackendUnavailable(f"{NAME_ATTEMPTS} random claim names were all taken")
 
-    async def _hold_quota(self, request: ClaimRequest, mine: KubeClaimState) -> None:
-        """Count the owner's live claims now; over the maximum, delete ``mine`` again and
-        raise QuotaExceeded (see the module docstring for the order)."""
-        try:
-            owned = await self._owned_objects(request.owner, request.namespace)
-        except BackendUnavailable:
-            await self._withdraw(mine, "its quota could not be counted")
-            raise
-        others = [s for s in map(state_of, owned) if s.uid != mine.uid and s.live]
-        earlier = [s for s in others if s.server_created_at <= mine.server_created_at]
-        if len(earlier) < request.max_live:
-            return
-        await self._withdraw(mine, "its owner holds the maximum")
-        raise QuotaExceeded(len(others), request.max_live)
-
-    async def _withdraw(self, state: KubeClaimState, why: str) -> None:
-        """Delete a claim just made, since ``why``."""
-        try:
-            await self.client.delete(
-                SANDBOX_CLAIMS, state.name, namespace=state.namespace, uid=state.uid
-            )
-        except (NotFound, Conflict):
-            return
-        except KubeError as exc:
-            log.error("claim %s/%s, made although %s, could not be deleted again (%s): it "
-                      "expires at %s", state.namespace, state.name, why, exc,
-                      rfc3339(state.expires_at))  # fmt: skip
-            raise _unavailable(
-                f"delete claim {state.namespace}/{state.name} ({why})", exc
-            ) from None
+    async def _liveness(self, owner: Owner, namespace: str) -> dict[str, bool]:
+        """The owner's claims in ``namespace``, listed now: whether each is live (the quota
+        ledger's reconcile)."""
+        return {s.name: s.live for s in map(state_of, await self._owned_objects(owner, namespace))}
 
     # ---------------------------------------------------------------------- changes
 
@@ -400,9 +455,12 @@ class KubernetesBackend:
                 return None
             try:
                 patched = await self.client.merge_patch(
-                    SANDBOX_CLAIMS, name, patch, namespace=state.namespace,
+                    SANDBOX_CLAIMS,
+                    name,
+                    patch,
+                    namespace=state.namespace,
                     resource_version=state.resource_version,
-                )  # fmt: skip
+                )
             except Conflict:
                 continue  # changed since it was read (the controller's status): again
             except NotFound:
@@ -450,7 +508,7 @@ class KubernetesBackend:
 
     def active_by_namespace(self) -> Mapping[str, int]:
         """Live claims per namespace, from the claim cache (no I/O; lags like the cache)."""
-        live = (s.namespace for s in map(state_of, self.cache.objects()) if s.live)
+        live = (s.namespace for s in map(self.cache.state, self.cache.objects()) if s.live)
         return dict(Counter(live))
 
     # ---------------------------------------------------------------------- data plane
@@ -458,6 +516,9 @@ class KubernetesBackend:
     async def route(self, state: ClaimState, port: int) -> Route:
         if not isinstance(state, KubeClaimState):
             raise TypeError(f"not a claim of this backend: {state!r}")
+        if time.monotonic() >= self._prune_at:  # the pools of deleted sandboxes' pods
+            self._prune_at = time.monotonic() + PRUNE_SECONDS
+            self.routes.prune(s.pod_ips for s in map(self.cache.state, self.cache.objects()))
         return self.routes.route(state, port)
 
 

@@ -8,11 +8,16 @@ Every fact the broker keeps about a sandbox is in its claim (docs/broker/kuberne
   base32 characters; an ``/rpc`` claim has the name its front-end chose (``broker-…``);
 - **the owner**: the annotations ``issuer``, ``subject``, ``provider``, ``created-at`` and
   ``attr.<name>`` under :data:`RESERVED_PREFIX` (the broker's stamps, made by its claims
-  logic), and the label :data:`OWNER_LABEL` = the first 40 hex characters of
+  logic: :mod:`.._stamps`), and the label :data:`OWNER_LABEL` = the first 40 hex characters of
   sha256(issuer NUL subject) (label values are at most 63 characters) to list them by;
 - **the request**: ``request-digest`` (an idempotent create's body, to tell a repeat from a
   conflict), ``template``, ``scopes``, ``metadata`` (which labels and annotations are the
-  caller's, so that the controller's own are not shown as theirs);
+  caller's, so that the controller's own are not shown as theirs), ``reservation`` (the
+  deadline of the quota ledger's reservation it was made under, :mod:`._quota`), ``env`` (the
+  create's ``env`` as a JSON object: its commands' environment, which the broker hands the
+  runtime with each command start; never ``spec.env``, which upstream's controller would put
+  in the pod, so in the runtime's own environment, and which would make every such claim a
+  cold start);
 - **the lifetime**: ``spec.lifecycle`` ``{shutdownTime, shutdownPolicy: Delete}``: the
   controller deletes the claim at its expiry; an extension patches ``shutdownTime``.
 
@@ -34,6 +39,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from .._interface import (
+    ENV_ANNOTATION,
     FAILED,
     PENDING,
     READY,
@@ -42,6 +48,15 @@ from .._interface import (
     ClaimState,
     Owner,
     rfc3339,
+)
+from .._stamps import (
+    CREATED_AT,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    RESERVED_PREFIX,
+    RPC_CLAIM,
+    SCOPES,
+    stamped_owner,
 )
 
 __all__ = [
@@ -54,28 +69,22 @@ __all__ = [
     "keyed_name",
     "owner_hash",
     "random_name",
+    "reservation_token",
     "state_of",
 ]
 
-RESERVED_PREFIX: Final = "broker.agent-sandbox-awx.io/"
-"""The broker's own metadata keys (= ``identity._policy.RESERVED_PREFIX``: the layers below the
-broker cannot import each other, so it is written twice; a test holds them equal)."""
 OWNER_LABEL: Final = RESERVED_PREFIX + "owner"
-MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
-MANAGED_BY: Final = "agent-sandbox-awx-broker"
 MANAGED_BY_SELECTOR: Final = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
 """The label selector of every claim the broker made (its informer lists and watches these)."""
 
-ISSUER: Final = RESERVED_PREFIX + "issuer"
-SUBJECT: Final = RESERVED_PREFIX + "subject"
-PROVIDER: Final = RESERVED_PREFIX + "provider"
-CREATED_AT: Final = RESERVED_PREFIX + "created-at"
 DIGEST: Final = RESERVED_PREFIX + "request-digest"
 TEMPLATE: Final = RESERVED_PREFIX + "template"
-SCOPES: Final = RESERVED_PREFIX + "scopes"
-RPC_CLAIM: Final = RESERVED_PREFIX + "rpc-claim"
 METADATA: Final = RESERVED_PREFIX + "metadata"
-BOOKKEEPING: Final = frozenset({DIGEST, METADATA})
+RESERVATION: Final = RESERVED_PREFIX + "reservation"
+"""The deadline of the quota ledger's reservation the claim was made under (``._quota``): a
+ledger entry with that deadline is this claim's, made."""
+ENV: Final = ENV_ANNOTATION  # RESERVED_PREFIX + "env"
+BOOKKEEPING: Final = frozenset({DIGEST, METADATA, RESERVATION, ENV})
 """Annotations the broker reads itself and does not show among a sandbox's stamps."""
 
 CLAIM_EXPIRED: Final = "ClaimExpired"
@@ -131,6 +140,11 @@ def keyed_name(owner: Owner, key: str) -> str:
     return "sbx-" + encoded[:20].lower()
 
 
+def reservation_token(until: float) -> str:
+    """The ``reservation`` annotation of a claim made under a reservation until ``until``."""
+    return str(round(until))
+
+
 def random_name() -> str:
     """A claim name for a create without a key (another is drawn when it is taken)."""
     return "sbx-" + "".join(secrets.choice(_BASE32_LOWER) for _ in range(10))
@@ -139,9 +153,11 @@ def random_name() -> str:
 # ------------------------------------------------------------------------------ writing
 
 
-def claim_object(request: ClaimRequest, name: str) -> dict[str, Any]:
+def claim_object(
+    request: ClaimRequest, name: str, reservation: float | None = None
+) -> dict[str, Any]:
     """The SandboxClaim ``request`` stands for, named ``name`` (``request.claim_name`` for an
-    ``/rpc`` claim)."""
+    ``/rpc`` claim), made under the quota ledger's reservation of deadline ``reservation``."""
     if request.failure is not None:  # only a backend that resolves pools itself makes these
         raise ValueError(
             f"a Kubernetes claim cannot be made Failed ({request.failure[0]}): the controller "
@@ -154,6 +170,8 @@ def claim_object(request: ClaimRequest, name: str) -> dict[str, Any]:
     annotations[METADATA] = json.dumps(keys, separators=(",", ":"))
     if request.idempotency is not None:
         annotations[DIGEST] = request.idempotency.digest
+    if reservation is not None:
+        annotations[RESERVATION] = reservation_token(reservation)
     labels = {**request.labels, OWNER_LABEL: owner_hash(request.owner)}
     labels[MANAGED_BY_LABEL] = MANAGED_BY
     spec: dict[str, Any] = {
@@ -163,8 +181,8 @@ def claim_object(request: ClaimRequest, name: str) -> dict[str, Any]:
             "shutdownPolicy": "Delete",
         },
     }
-    if request.env:
-        spec["env"] = [{"name": k, "value": v} for k, v in request.env.items()]
+    if request.env:  # the commands' environment: never spec.env, which is the pod's
+        annotations[ENV] = json.dumps(dict(request.env), separators=(",", ":"))
     if request.pod_metadata:
         spec["additionalPodMetadata"] = {k: dict(v) for k, v in request.pod_metadata.items()}
     metadata = {"name": name, "namespace": request.namespace, "labels": labels}
@@ -214,6 +232,27 @@ def _phase(
     return PENDING, reason, message
 
 
+def _env(annotations: Mapping[str, str], spec: Mapping[str, Any]) -> dict[str, str]:
+    """The sandbox's environment: the :data:`ENV` annotation (a claim of an older broker: its
+    ``spec.env``, which its pod also holds)."""
+    try:
+        env = json.loads(annotations[ENV]) if ENV in annotations else None
+    except ValueError:
+        env = None
+    if isinstance(env, dict):
+        return {str(k): str(v) for k, v in env.items()}
+    return {str(e.get("name")): str(e.get("value", "")) for e in spec.get("env") or ()}
+
+
+def _started_at(ready: Mapping[str, Any], created: float) -> float:
+    """When the claim's sandbox became Ready for it: its ``Ready`` condition's
+    ``lastTransitionTime``, but never before the claim was made. The controller forwards the
+    Sandbox's own condition (sandboxclaim_controller.go ``computeReadyCondition``), so a Sandbox
+    adopted from a warm pool brings the time it warmed up, before the claim existed: the
+    sandbox became the caller's when the claim was made (adoption is at once)."""
+    return max(parse_time(ready.get("lastTransitionTime")) or created, created)
+
+
 def _user_keys(annotations: Mapping[str, str]) -> tuple[set[str], set[str]]:
     try:
         keys = json.loads(annotations.get(METADATA, "{}"))
@@ -241,9 +280,7 @@ def state_of(obj: Mapping[str, Any], now: float | None = None) -> KubeClaimState
         name=name,
         namespace=str(meta.get("namespace", "")),
         template=annotations.get(TEMPLATE) or str((spec.get("warmPoolRef") or {}).get("name")),
-        owner=Owner(
-            annotations.get(ISSUER, ""), annotations.get(SUBJECT, ""), annotations.get(PROVIDER, "")
-        ),
+        owner=stamped_owner(annotations),
         labels={k: v for k, v in labels.items() if k in user_labels},
         annotations={k: v for k, v in annotations.items() if k in user_annotations},
         stamps={
@@ -251,14 +288,14 @@ def state_of(obj: Mapping[str, Any], now: float | None = None) -> KubeClaimState
             for k, v in annotations.items()
             if k.startswith(RESERVED_PREFIX) and k not in BOOKKEEPING
         },
-        env={str(e.get("name")): str(e.get("value", "")) for e in spec.get("env") or ()},
+        env=_env(annotations, spec),
         created_at=created,
         expires_at=expires,
         phase=phase,
         reason=reason,
         message=message,
-        transition_at=parse_time(ready.get("lastTransitionTime")) or server_created,
-        started_at=parse_time(ready.get("lastTransitionTime")) if phase == READY else None,
+        transition_at=max(parse_time(ready.get("lastTransitionTime")) or 0.0, server_created),
+        started_at=_started_at(ready, created) if phase == READY else None,
         bound=bool(sandbox.get("name")),
         scopes=frozenset(s for s in annotations.get(SCOPES, "").split(",") if s),
         uid=str(meta.get("uid", "")),

@@ -7,6 +7,11 @@ its next event of that claim (:meth:`ClaimCache.changed`) instead of polling or 
 per waiting request. A watch that ends (its timeout, a dropped connection, an API server
 restart) is resumed from the last resourceVersion seen; one the server answers ``410`` is listed
 again; failures are retried with a backoff and shown by :attr:`ClaimCache.problem` (readiness).
+
+What it keeps of a claim is what the broker reads: the object without ``metadata.managedFields``
+(the API server's field ownership, several KiB per claim that no decision reads), and its
+:func:`._claims.state_of` parsed once per version of the claim (:meth:`ClaimCache.state`), not
+once per data-plane request.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Final
 
+from .._stamps import RPC_CLAIM
 from ._api import SANDBOX_CLAIMS, KubeClient
 from ._api_errors import KubeError, WatchExpired
-from ._claims import MANAGED_BY_SELECTOR, RPC_CLAIM
+from ._claims import MANAGED_BY_SELECTOR, RESERVATION, KubeClaimState, state_of
 
 __all__ = ["ClaimCache"]
 
@@ -30,6 +38,8 @@ Key = tuple[str, str]
 
 WATCH_SECONDS: Final = 300
 """A watch's timeoutSeconds: the server ends it then, and it is resumed."""
+GONE_MEMORY: Final = 4096
+"""How many claims gone the cache remembers (:meth:`ClaimCache.made`)."""
 BACKOFF_FIRST: Final = 0.2
 BACKOFF_MAX: Final = 5.0
 
@@ -49,7 +59,9 @@ class ClaimCache:
         self._scopes: tuple[str | None, ...] = (None,) if namespaces is None else tuple(namespaces)
         self._watch_seconds = watch_seconds
         self._objects: dict[Key, dict[str, Any]] = {}
+        self._states: dict[Key, KubeClaimState] = {}  # state_of of the object held, memoized
         self._by_sandbox: dict[Key, str] = {}  # (namespace, Sandbox name) -> /rpc claim name
+        self._gone: OrderedDict[Key, str | None] = OrderedDict()  # -> its reservation
         self._waiters: dict[Key, list[asyncio.Future[dict[str, Any] | None]]] = {}
         self._synced: set[str | None] = set()
         self._problems: dict[str | None, str] = {}
@@ -83,6 +95,23 @@ class ClaimCache:
     def get(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._objects.get((namespace, name))
 
+    def state(self, obj: dict[str, Any]) -> KubeClaimState:
+        """:func:`._claims.state_of` of ``obj``: of an object the cache holds, the state parsed
+        when it was first asked for (the cache replaces the object at every change of the
+        claim, which drops it), until the claim's expiry, past which it is parsed again as of
+        now (Terminating); of any other object, parsed now."""
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        if self._objects.get(key) is not obj:
+            return state_of(obj)
+        now = time.time()
+        state = self._states.get(key)
+        if state is None or now >= state.expires_at:
+            state = state_of(obj, now)
+            if now < state.expires_at:
+                self._states[key] = state
+        return state
+
     def objects(self) -> list[dict[str, Any]]:
         """Every claim the cache holds."""
         return list(self._objects.values())
@@ -96,6 +125,19 @@ class ClaimCache:
         pool's name)."""
         claim = self._by_sandbox.get((namespace, sandbox))
         return None if claim is None else self._objects.get((namespace, claim))
+
+    def made(self, namespace: str, name: str, reservation: str) -> bool:
+        """The cache holds a claim made under that quota reservation (its ``reservation``
+        annotation): the reservation became that claim (``._quota``)."""
+        obj = self._objects.get((namespace, name))
+        return obj is not None and _reservation(obj) == reservation
+
+    def gone(self, namespace: str, name: str, reservation: str) -> bool:
+        """The cache saw a claim made under that quota reservation go (deleted, or missing
+        from a fresh list; the last :data:`GONE_MEMORY` claims gone) and holds none of that
+        name since: that reservation's claim was made and is gone (``._quota``)."""
+        key = (namespace, name)
+        return key not in self._objects and self._gone.get(key) == reservation
 
     def changed(self, namespace: str, name: str) -> asyncio.Future[dict[str, Any] | None]:
         """A future resolved at the next change of the claim: its object, or ``None`` once it
@@ -117,9 +159,12 @@ class ClaimCache:
 
     def _put(self, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
+        meta.pop("managedFields", None)  # the API server's field ownership: never read here
         key = (str(meta.get("namespace", "")), str(meta.get("name", "")))
         self._unindex(key)
+        self._states.pop(key, None)
         self._objects[key] = obj
+        self._gone.pop(key, None)
         sandbox = ((obj.get("status") or {}).get("sandbox") or {}).get("name")
         if sandbox and RPC_CLAIM in (meta.get("annotations") or {}):
             self._by_sandbox[(key[0], str(sandbox))] = key[1]
@@ -127,7 +172,12 @@ class ClaimCache:
 
     def _remove(self, key: Key) -> None:
         self._unindex(key)
-        if self._objects.pop(key, None) is not None:
+        self._states.pop(key, None)
+        old = self._objects.pop(key, None)
+        if old is not None:
+            self._gone[key] = _reservation(old)
+            while len(self._gone) > GONE_MEMORY:
+                self._gone.popitem(last=False)
             self._notify(key, None)
 
     def _unindex(self, key: Key) -> None:
@@ -214,9 +264,12 @@ class ClaimCache:
     async def _watch(self, scope: str | None, version: str) -> str:
         """One watch from ``version``; the version to resume from when it ends."""
         watch = self._client.watch(
-            SANDBOX_CLAIMS, namespace=scope, resource_version=version,
-            label_selector=MANAGED_BY_SELECTOR, timeout_seconds=self._watch_seconds,
-        )  # fmt: skip
+            SANDBOX_CLAIMS,
+            namespace=scope,
+            resource_version=version,
+            label_selector=MANAGED_BY_SELECTOR,
+            timeout_seconds=self._watch_seconds,
+        )
         self._watches[scope] = watch
         try:
             async with watch as events:
@@ -230,3 +283,9 @@ class ClaimCache:
         finally:
             self._watches.pop(scope, None)
         return watch.resource_version or version
+
+
+def _reservation(obj: dict[str, Any]) -> str | None:
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    value = annotations.get(RESERVATION)
+    return value if isinstance(value, str) else None

@@ -1,0 +1,170 @@
+"""The HTTP client's settings, from a :class:`BrokerConnectionConfig` (no I/O): TLS (the CA
+bundle, a client certificate), never following redirects, the named timeouts and connection
+limits, the User-Agent, no cookies, the environment's proxies checked before the client is
+built, and the one :class:`RetryPolicy`. The sync and the async pools (``_pool``,
+``_async_pool``) and the port forwards build their ``httpx`` clients from
+:func:`client_settings`; the pools' clients are :class:`CookielessClient` /
+:class:`CookielessAsyncClient`, which skip httpx's cookie work on every request.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import ssl
+import urllib.request
+from typing import Any
+
+import httpx
+
+from ..._cookies import NoCookies
+from ..._version import __version__
+from ...errors import ConfigurationError
+from ..core._retry import RetryPolicy
+from ..wire import _protocol as proto
+from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
+
+__all__ = ["CookielessAsyncClient", "CookielessClient", "client_settings", "retry_policy"]
+
+
+def _ssl_context(config: BrokerConnectionConfig) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context(cafile=config.ca_cert)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigurationError(
+            f"Could not load the CA bundle {config.ca_cert!r} ({exc}). Point ca_cert (or "
+            "AGENT_SANDBOX_CA_BUNDLE) at a readable PEM file with the broker's CA certificate."
+        ) from exc
+    if config.client_cert:
+        cert, key = config.client_cert
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigurationError(
+                f"Could not load the client certificate {cert!r} with key {key!r} ({exc}). "
+                "client_cert must be (certificate PEM path, private key PEM path)."
+            ) from exc
+    return context
+
+
+_PROXY_SCHEMES = frozenset({"http", "https", "socks5", "socks5h"})
+
+
+def _check_env_proxies() -> None:
+    """Refuse, with a typed error naming the variable, a proxy from the environment that httpx
+    cannot use: it would fail when the client is built (a raw ``ImportError`` for a SOCKS proxy
+    without ``socksio``, a raw ``ValueError`` for another scheme), whatever the broker."""
+    found = urllib.request.getproxies()
+    if "*" in (host.strip() for host in found.get("no", "").split(",")):
+        return  # NO_PROXY=*: httpx uses no proxy at all
+    for key in ("https", "all", "http"):  # the variables httpx reads (it mounts all of them)
+        value = found.get(key)
+        if not value:
+            continue
+        names = [n for n in (f"{key}_proxy", f"{key.upper()}_PROXY") if os.environ.get(n)]
+        name = names[0] if names else f"{key.upper()}_PROXY"
+        scheme = value.partition("://")[0].lower() if "://" in value else "http"
+        if scheme not in _PROXY_SCHEMES:
+            problem = f"its scheme {scheme}:// is not a proxy scheme (http, https, socks5)"
+        elif scheme.startswith("socks") and importlib.util.find_spec("socksio") is None:
+            problem = "a SOCKS proxy needs the socksio package: pip install 'httpx[socks]'"
+        else:
+            continue
+        shown = proto.redact_url(value, typed=True)
+        raise ConfigurationError(
+            f"The proxy {name}={shown!r} from the environment cannot be used: {problem}. "
+            f"Fix or unset {name}, or set {ENV_TRUST_ENV_PROXIES}=0 to reach the broker "
+            "without the environment's proxies."
+        )
+
+
+def _check_url(config: BrokerConnectionConfig) -> None:
+    """The broker URL as the HTTP client reads it: a host that is no valid internationalised
+    domain name (``xn--zz``) would fail at the first request, as a raw ``idna`` error."""
+    try:
+        problem = "" if httpx.URL(config.broker_url).host else "no host"  # decodes an IDNA host
+    except (httpx.InvalidURL, UnicodeError) as exc:
+        problem = str(exc) or type(exc).__name__
+    if problem:
+        shown = proto.redact_url(config.broker_url, typed=True)
+        raise ConfigurationError(
+            f"The broker URL {shown!r} cannot be used for HTTP ({problem}); set "
+            "AGENT_SANDBOX_BROKER_URL (or broker_url=, --broker-url) to the broker's https:// "
+            "URL."
+        )
+
+
+def client_settings(config: BrokerConnectionConfig) -> dict[str, Any]:
+    """Keyword arguments for ``httpx.Client``/``httpx.AsyncClient``: TLS, never
+    following redirects, the request timeout and the User-Agent (the broker URL checked)."""
+    _check_url(config)
+    verify: ssl.SSLContext | bool = True
+    if config.broker_url.startswith("https://"):
+        verify = _ssl_context(config)
+    if config.use_env_proxies:
+        _check_env_proxies()
+    return {
+        "follow_redirects": False,
+        "trust_env": config.use_env_proxies,  # httpx reads nothing else from it here
+        "verify": verify,
+        "timeout": httpx.Timeout(config.request_timeout),
+        "limits": httpx.Limits(
+            max_connections=config.max_connections,
+            max_keepalive_connections=config.max_keepalive_connections,
+        ),
+        "headers": {"User-Agent": f"k8s-agent-sandbox-awx/{__version__}", **config.extra_headers},
+        "cookies": NoCookies(),
+    }
+
+
+class _NoCookieStore(httpx.Cookies):
+    """The cookies of a client that keeps none. httpx hands every answer to its client's
+    ``cookies.extract_cookies`` (which builds a ``urllib`` request of it, its URL and every
+    header copied, before asking the jar: about 25 µs per call even with a jar that keeps
+    nothing) and adds its cookies to every request it builds: here neither happens."""
+
+    def __init__(self) -> None:
+        super().__init__(NoCookies())
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
+
+    def set_cookie_header(self, request: httpx.Request) -> None:
+        return None
+
+
+_NO_COOKIES = _NoCookieStore()
+"""Shared: it holds nothing and never will (its jar stores no cookie, even one set by hand)."""
+
+
+class CookielessClient(httpx.Client):
+    """An ``httpx.Client`` without cookies (:class:`_NoCookieStore`): a ``Set-Cookie`` is never
+    parsed, stored or sent back, and no cookie work is done per request."""
+
+    @property
+    def cookies(self) -> httpx.Cookies:
+        return _NO_COOKIES
+
+    @cookies.setter
+    def cookies(self, cookies: Any) -> None:
+        return None  # keeps none
+
+
+class CookielessAsyncClient(httpx.AsyncClient):
+    """:class:`CookielessClient` for asyncio."""
+
+    @property
+    def cookies(self) -> httpx.Cookies:
+        return _NO_COOKIES
+
+    @cookies.setter
+    def cookies(self, cookies: Any) -> None:
+        return None  # keeps none
+
+
+def retry_policy(config: BrokerConnectionConfig) -> RetryPolicy:
+    return RetryPolicy(
+        max_attempts=config.max_attempts,
+        backoff_base=config.backoff_base,
+        backoff_max=config.backoff_max,
+    )
