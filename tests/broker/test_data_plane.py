@@ -171,7 +171,14 @@ def test_dead_runtime_is_unreachable(broker: LocalBroker, alice: Any) -> None:
     time.sleep(0.1)
     resp = alice.http.get("/", headers=alice.data_headers(sandbox))
     assert resp.status_code in (409, 502)
-    state = alice.http.get(f"/v1/sandboxes/{sandbox['name']}").json()
+    # The exit reaches the broker as the fork server's report, a moment after the kill (in
+    # bubblewrap, once bwrap has seen its child die): the state follows within seconds.
+    deadline = time.monotonic() + 10
+    while True:
+        state = alice.http.get(f"/v1/sandboxes/{sandbox['name']}").json()
+        if state["phase"] != "Ready" or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert state["phase"] == "Failed"
     assert state["reason"] == "RuntimeExited"
 
