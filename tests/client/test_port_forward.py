@@ -86,6 +86,25 @@ def test_websocket_echo_through_the_forward(sandbox: Any, app_port: int) -> None
         second.sock.close()
 
 
+def test_websocket_traffic_both_ways_at_once_through_the_forward(
+    sandbox: Any, app_port: int
+) -> None:
+    """Frames sent from one thread while another reads the echoes: the forwarder's two threads
+    read and write the broker connection's TLS at once (each direction 3 MiB, more than the
+    socket buffers hold, so each waits on the other)."""
+    frames = [bytes([n]) * 32 * 1024 for n in range(96)]
+    with sandbox.ports.forward(app_port) as forward:
+        ws = ws_client.connect("127.0.0.1", forward.port, "/ws")
+        assert ws.head.startswith(b"HTTP/1.1 101"), ws.head
+        sender = threading.Thread(target=lambda: [ws.send(2, frame) for frame in frames])
+        sender.start()
+        echoed = [ws.recv() for _ in frames]
+        sender.join(30)
+        assert echoed == [(2, frame) for frame in frames]
+        ws.close(1000)
+        ws.sock.close()
+
+
 def test_websocket_to_nothing_listening_is_refused(sandbox: Any) -> None:
     with sandbox.ports.forward(free_port()) as forward:
         ws = ws_client.connect("127.0.0.1", forward.port, "/ws")

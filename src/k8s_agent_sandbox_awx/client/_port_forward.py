@@ -14,7 +14,8 @@ manager: the event loop is never blocked, and a slow or stuck local client holds
 connection's threads). Bounded: a local client has :data:`HEAD_SECONDS` from the accept to send
 its whole request head (then ``408``), and a forward holds at most :data:`MAX_CONNECTIONS`
 connections at once (one more is answered ``503`` at once), so at most ``1 + 2 x
-MAX_CONNECTIONS`` threads (the acceptor; per connection, one for each direction). On exit
+MAX_CONNECTIONS`` threads (the acceptor; per connection, one for each direction; the two share
+the broker connection's TLS state only through :class:`~._tls_stream.TlsStream`). On exit
 the listener and every connection are shut down and every thread is joined: nothing is left
 behind. The token is never logged; a refusal the forwarder makes itself (the broker
 unreachable, a head it cannot read or that came too late, too many connections) is a
@@ -33,9 +34,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from ._tls_stream import TlsStream
 from .http._client_settings import client_settings
 
 __all__ = ["ForwardTarget", "PortForward"]
@@ -206,8 +208,10 @@ def _host_name(host: bytes) -> str:
     return text.rpartition(":")[0] if ":" in text else text
 
 
-def _connect(config: Any) -> socket.socket:
-    """A connection to the broker (TLS with the broker's CA settings for ``https://``)."""
+def _connect(config: Any) -> _Stream:
+    """A connection to the broker (TLS with the broker's CA settings for ``https://``): a
+    :class:`TlsStream`, whose TLS state the forwarder's two threads may share (an
+    :class:`ssl.SSLSocket` read in one thread and written in another is not safe)."""
     url = urlsplit(config.broker_url)
     secure = url.scheme == "https"
     host = url.hostname or "127.0.0.1"
@@ -218,24 +222,39 @@ def _connect(config: Any) -> socket.socket:
     verify = client_settings(config)["verify"]
     context = verify if isinstance(verify, ssl.SSLContext) else ssl.create_default_context()
     try:
-        tls = context.wrap_socket(sock, server_hostname=host)
+        tls = TlsStream(sock, context, server_hostname=host)
+        tls.handshake()
     except BaseException:
         sock.close()
         raise
-    tls.settimeout(None)
+    sock.settimeout(None)
     return tls
 
 
-def _send_timeout(sock: socket.socket) -> None:
-    """A write to ``sock`` blocks at most :data:`SEND_SECONDS` (then it fails: the peer
+class _Stream(Protocol):
+    """What the forwarder pipes: a socket, or a :class:`TlsStream`."""
+
+    def recv(self, size: int, /) -> bytes: ...
+
+    def sendall(self, data: bytes, /) -> None: ...
+
+    def shutdown(self, how: int, /) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _send_timeout(stream: _Stream) -> None:
+    """A write to ``stream`` blocks at most :data:`SEND_SECONDS` (then it fails: the peer
     stopped reading), while reads wait as long as the peer is quiet (a WebSocket may be)."""
+    sock = stream.raw if isinstance(stream, TlsStream) else stream
     seconds = int(SEND_SECONDS)
     value = seconds.to_bytes(8, "little") + (0).to_bytes(8, "little")  # struct timeval
-    with contextlib.suppress(OSError):  # a system without it: writes block as before
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):  # a system without it: writes block as before
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
-def _pipe(source: socket.socket, sink: socket.socket) -> None:
+def _pipe(source: _Stream, sink: _Stream) -> None:
     """Copy ``source`` to ``sink`` until either ends; then shut both down."""
     try:
         while chunk := source.recv(_CHUNK):
@@ -247,7 +266,7 @@ def _pipe(source: socket.socket, sink: socket.socket) -> None:
             _shutdown(sock)
 
 
-def _shutdown(sock: socket.socket) -> None:
+def _shutdown(sock: _Stream) -> None:
     with contextlib.suppress(OSError, ValueError):
         sock.shutdown(socket.SHUT_RDWR)
 
@@ -266,7 +285,7 @@ class PortForward:
         self.port: int = self._listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._lock = threading.Lock()
-        self._sockets: set[socket.socket] = set()
+        self._sockets: set[_Stream] = set()
         self._threads: set[threading.Thread] = set()
         self._serving = 0  # connections being served (at most MAX_CONNECTIONS)
         self._closed = False
@@ -327,7 +346,7 @@ class PortForward:
                 self._threads.discard(threading.current_thread())
 
     def _serve(self, conn: socket.socket, deadline: float) -> None:
-        upstream: socket.socket | None = None
+        upstream: _Stream | None = None
         try:
             upstream = self._open(conn, deadline)
             if upstream is not None:
@@ -344,7 +363,7 @@ class PortForward:
             with self._lock:
                 self._serving -= 1
 
-    def _open(self, conn: socket.socket, deadline: float) -> socket.socket | None:
+    def _open(self, conn: socket.socket, deadline: float) -> _Stream | None:
         """The broker connection for ``conn``, its rewritten head sent; ``None``: refused."""
         try:
             head, rest = _read_head(conn, deadline)
