@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import collections
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -319,14 +319,23 @@ def test_a_watch_ends_when_its_root_is_replaced(
 
 
 # -- item 6: legacy endpoints and a symbolic link swapped in -----------------------------------
-def _swapping(stop: threading.Event, steps: Iterator[None]) -> threading.Thread:
-    def run() -> None:
-        while not stop.is_set():
-            next(steps)
+class _Swapping:
+    """``steps`` taken without end in a process of its own (forked), until :meth:`stop`: a
+    thread of the test's process would hold the GIL that the in-process broker needs, and the
+    requests raced against the swaps would each wait for it (2000 took 45-55 s so)."""
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    def __init__(self, steps: Iterator[None]) -> None:
+        def run() -> None:
+            while True:
+                next(steps)
+
+        self._process = multiprocessing.get_context("fork").Process(target=run, daemon=True)
+        self._process.start()
+
+    def stop(self) -> None:
+        self._process.kill()
+        self._process.join(5)
+        assert self._process.exitcode == -9, "the swaps ended before the requests did"
 
 
 def _file_or_link(base: str, outside: Path) -> Iterator[None]:
@@ -348,16 +357,14 @@ def test_legacy_download_never_serves_a_file_outside(
 ) -> None:
     outside = _outside(tmp_path)
     base = os.path.realpath(_handle(broker, sandbox).base_dir)
-    stop = threading.Event()
-    thread = _swapping(stop, _file_or_link(base, outside))
+    swapping = _Swapping(_file_or_link(base, outside))
     seen: collections.Counter[tuple[int, bytes]] = collections.Counter()
     try:
         for _ in range(2000):
             resp = alice.http.get("/download/x", headers=alice.data_headers(sandbox))
             seen[(resp.status_code, resp.content if resp.status_code == 200 else b"")] += 1
     finally:
-        stop.set()
-        thread.join(5)
+        swapping.stop()
     assert seen[(200, b"outside")] == 0, seen
     assert {status for status, _ in seen} <= {200, 403, 404}, seen
     assert seen[(200, b"INSIDE")] > 0, seen
@@ -387,8 +394,7 @@ def test_legacy_upload_never_writes_outside(
 ) -> None:
     outside = _outside(tmp_path)
     base = os.path.realpath(_handle(broker, sandbox).base_dir)
-    stop = threading.Event()
-    thread = _swapping(stop, _dir_or_link(base, outside))
+    swapping = _Swapping(_dir_or_link(base, outside))
     statuses: collections.Counter[int] = collections.Counter()
     written_outside = 0
     try:
@@ -402,8 +408,7 @@ def test_legacy_upload_never_writes_outside(
                 for name in set(os.listdir(outside / "sub")) - {"f"}:
                     os.unlink(outside / "sub" / name)
     finally:
-        stop.set()
-        thread.join(5)
+        swapping.stop()
     assert written_outside == 0, statuses
     assert set(statuses) <= {200, 403, 409}, statuses
     assert statuses[200] > 0, statuses

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -271,9 +272,32 @@ class Broker:
         self.token = ""
 
     def grant(self, *components: str) -> None:
-        for obj in relocate(render(BROKER, [COMPONENTS / c for c in components]), self.names):
+        objects = relocate(render(BROKER, [COMPONENTS / c for c in components]), self.names)
+        for obj in objects:
             self.kube.apply(obj)
         self.token = self.kube.token_request(self.namespace, SERVICE_ACCOUNT)
+        self._wait_for_bindings(objects)
+
+    def _wait_for_bindings(self, objects: list[dict[str, Any]]) -> None:
+        """Wait until the API server's authorizer sees every binding applied: it decides from
+        caches its watches fill, a moment after the write (CI saw a grant not yet in force).
+        One rule of each binding's role is asked for until it is allowed (10 s at most)."""
+        roles = {(o["kind"], o["metadata"]["name"]): o for o in objects if "rules" in o}
+        for binding in (o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+            ref = binding["roleRef"]
+            role = roles.get((ref["kind"], ref["name"]))
+            rules = (role or {}).get("rules", [])
+            named = [r for r in rules if r.get("resources") and not r.get("resourceNames")]
+            rule = named[0] if named else None
+            if rule is None:
+                continue
+            namespace = binding["metadata"].get("namespace", "")
+            resource, _, sub = rule["resources"][0].partition("/")
+            asked = (rule["verbs"][0], rule["apiGroups"][0], resource, namespace, sub)
+            deadline = time.monotonic() + 10
+            while not self.may(*asked):
+                assert time.monotonic() < deadline, f"{binding['metadata']} not in force: {asked}"
+                time.sleep(0.05)
 
     def may(self, verb: str, group: str, resource: str, namespace: str = "",
             subresource: str = "") -> bool:  # fmt: skip
