@@ -6,8 +6,11 @@ only: ``--help`` stays fast)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +23,7 @@ __all__ = [
     "ready_timeout_option",
     "seconds",
     "template_option",
+    "write_private",
 ]
 
 PROG = "agent-sandbox-awx"
@@ -115,3 +119,19 @@ def _subparsers(
 
 def _sentence(text: str) -> str:
     return f"{text[:1].upper()}{text[1:]}." if text else text
+
+
+def write_private(path: str, data: bytes, *, prefix: str = ".staged-") -> None:
+    """Replace ``path`` with ``data`` atomically (a reader never sees half of it), the file 0600
+    from its creation (``mkstemp``); its folder is made if missing."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, staged = tempfile.mkstemp(prefix=prefix, dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(staged, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        raise

@@ -6,13 +6,12 @@ token is rewritten at 80 % of its lifetime, as the Kubernetes one is."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from ._common import write_private
 
 __all__ = ["ISSUERS", "add_options", "claims_of", "identity_line", "keep_token_rotated"]
 
@@ -63,21 +62,6 @@ def _gitlab_token(broker: Any, claims: dict[str, str], ttl: int) -> str:
     return token
 
 
-def _write(path: str, token: str) -> None:
-    """Replace ``path`` with ``token`` atomically (a reader never sees half a token), 0600."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, staged = tempfile.mkstemp(prefix=".token-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token)
-        os.replace(staged, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(staged)
-        raise
-
-
 def keep_token_rotated(
     broker: Any, args: argparse.Namespace, claims: dict[str, str], token_file: str
 ) -> Callable[[], None]:
@@ -88,13 +72,18 @@ def keep_token_rotated(
             token_file, args.namespace, args.service_account, args.ttl
         )
         return lambda: None
-    _write(token_file, _gitlab_token(broker, claims, args.ttl))
+
+    def write() -> None:
+        token = _gitlab_token(broker, claims, args.ttl)
+        write_private(token_file, token.encode(), prefix=".token-")
+
+    write()
     stop = threading.Event()
 
     def rotate() -> None:
         while not stop.wait(args.ttl * 0.8):
             try:
-                _write(token_file, _gitlab_token(broker, claims, args.ttl))
+                write()
             except Exception:
                 log.exception("dev: rotating the GitLab token failed")
 

@@ -11,7 +11,6 @@ The directory is 0700, the key files 0600; no key is ever printed.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
 import ipaddress
@@ -22,6 +21,7 @@ import tempfile
 from typing import Any
 
 from .._local_dev import RECORD, default_state_dir, read_record
+from ._common import write_private
 
 __all__ = ["DevState", "certificates", "default_state_dir", "port_error"]
 
@@ -116,7 +116,7 @@ class DevState:
 
     def write_record(self, **fields: Any) -> None:
         """The record (``dev.json``, 0600, replaced whole) of this start."""
-        _write_private(
+        write_private(
             os.path.join(self.directory, RECORD),
             json.dumps({"pid": os.getpid(), **fields}, indent=2).encode(),
         )
@@ -165,19 +165,6 @@ def _still_fit(ca_pem: str, server_pem: str, host: str) -> bool:
             for c in (ca, leaf)
         )
     )
-
-
-def _write_private(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically, the file 0600 from its creation."""
-    fd, staged = tempfile.mkstemp(prefix=".staged-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(staged, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(staged)
-        raise
 
 
 def port_error(exc: OSError, port: int, asked: bool) -> str | None:
