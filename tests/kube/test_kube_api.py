@@ -31,18 +31,7 @@ import pytest
 import pytest_asyncio
 import yaml  # type: ignore[import-untyped]
 
-from k8s_agent_sandbox_awx.broker.backends.kubernetes._api import (
-    CONFIG_MAPS,
-    NAMESPACES,
-    SANDBOX_CLAIMS,
-    USER_AGENT,
-    Access,
-    KubeClient,
-    Resource,
-    Retry,
-    Timeouts,
-    WatchEnd,
-)
+from k8s_agent_sandbox_awx.broker.backends.kubernetes._api import USER_AGENT, KubeClient, WatchEnd
 from k8s_agent_sandbox_awx.broker.backends.kubernetes._api_config import (
     KubeConfig,
     StaticToken,
@@ -66,6 +55,15 @@ from k8s_agent_sandbox_awx.broker.backends.kubernetes._api_errors import (
     Unauthorized,
     Unavailable,
     WatchExpired,
+)
+from k8s_agent_sandbox_awx.broker.backends.kubernetes._api_types import (
+    CONFIG_MAPS,
+    NAMESPACES,
+    SANDBOX_CLAIMS,
+    Access,
+    Resource,
+    Retry,
+    Timeouts,
 )
 from tests._support.kube import KubeAPIServer
 from tests._support.scripted_https import Reply, ScriptedHTTPS, Seen, status

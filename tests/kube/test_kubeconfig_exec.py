@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from k8s_agent_sandbox_awx import Sandbox
-from k8s_agent_sandbox_awx.broker.backends.kubernetes._api import NAMESPACES, KubeClient
+from k8s_agent_sandbox_awx.broker.backends.kubernetes._api import KubeClient
 from k8s_agent_sandbox_awx.broker.backends.kubernetes._api_config import (
     ExecCredential,
     from_kubeconfig,
@@ -32,6 +32,7 @@ from k8s_agent_sandbox_awx.broker.backends.kubernetes._api_errors import (
     KubeConfigError,
     Unauthorized,
 )
+from k8s_agent_sandbox_awx.broker.backends.kubernetes._api_types import NAMESPACES
 from tests._support.kube import KubeAPIServer
 from tests._support.kube_broker import BrokerIdentity, SdkReplica
 

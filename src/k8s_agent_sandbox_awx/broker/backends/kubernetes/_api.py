@@ -13,7 +13,7 @@ preconditions), ``watch`` (an async iterator of ``(type, object)``), ``token_rev
 ``access_review`` and ``require_access`` (the start-up check naming each missing verb).
 Next to it: ``_api_config`` (where the API is, how to authenticate), ``_api_errors`` (the typed
 errors), ``_api_watch`` (the watch iterator), ``_api_types`` (resource types, settings, answers,
-permissions: re-exported here) and ``_api_request`` (one request, the bearer token, what a
+permissions: import them from there) and ``_api_request`` (one request, the bearer token, what a
 failure says). They import nothing else of the package but ``_version``.
 
 Decisions (docs/architecture.md, "The broker's Kubernetes API client"):
@@ -71,10 +71,6 @@ from ._api_request import (
     unauthorized_hint,
 )
 from ._api_types import (
-    CONFIG_MAPS,
-    LEASES,
-    NAMESPACES,
-    SANDBOX_CLAIMS,
     SELF_SUBJECT_ACCESS_REVIEWS,
     TOKEN_REVIEWS,
     Access,
@@ -86,24 +82,7 @@ from ._api_types import (
 )
 from ._api_watch import Watch, WatchEnd
 
-__all__ = [
-    "CONFIG_MAPS",
-    "LEASES",
-    "NAMESPACES",
-    "SANDBOX_CLAIMS",
-    "SELF_SUBJECT_ACCESS_REVIEWS",
-    "TOKEN_REVIEWS",
-    "USER_AGENT",
-    "Access",
-    "AccessReview",
-    "KubeClient",
-    "ObjectList",
-    "Resource",
-    "Retry",
-    "Timeouts",
-    "Watch",
-    "WatchEnd",
-]
+__all__ = ["USER_AGENT", "KubeClient", "Watch", "WatchEnd"]
 
 USER_AGENT: Final = f"k8s-agent-sandbox-awx/{__version__} (broker)"
 DEFAULT_FIELD_MANAGER: Final = "agent-sandbox-awx"

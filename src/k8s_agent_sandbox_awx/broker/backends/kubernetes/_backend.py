@@ -56,7 +56,7 @@ from .._interface import (
     WarmPool,
     rfc3339,
 )
-from ._api import LEASES, SANDBOX_CLAIMS, TOKEN_REVIEWS, Access, KubeClient
+from ._api import KubeClient
 from ._api_errors import (
     AlreadyExists,
     Conflict,
@@ -66,6 +66,7 @@ from ._api_errors import (
     NotFound,
     Unavailable,
 )
+from ._api_types import LEASES, SANDBOX_CLAIMS, TOKEN_REVIEWS, Access
 from ._claims import (
     OWNER_LABEL,
     KubeClaimState,

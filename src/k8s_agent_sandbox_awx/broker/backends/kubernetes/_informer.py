@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from .._stamps import RPC_CLAIM
-from ._api import SANDBOX_CLAIMS, KubeClient
+from ._api import KubeClient
 from ._api_errors import KubeError, WatchExpired
+from ._api_types import SANDBOX_CLAIMS
 from ._claims import MANAGED_BY_SELECTOR, RESERVATION, KubeClaimState, state_of
 
 __all__ = ["ClaimCache"]

@@ -53,8 +53,9 @@ from cachetools import LRUCache
 
 from .._interface import BackendUnavailable, Owner, QuotaExceeded
 from .._stamps import ISSUER, MANAGED_BY, MANAGED_BY_LABEL, SUBJECT
-from ._api import LEASES, KubeClient
+from ._api import KubeClient
 from ._api_errors import AlreadyExists, Conflict, KubeError, NotFound
+from ._api_types import LEASES
 from ._claims import OWNER_LABEL, owner_hash, reservation_token
 
 __all__ = [
