@@ -175,11 +175,12 @@ def watch_streams(monkeypatch: pytest.MonkeyPatch, sandbox: Any) -> list[str]:
     ``GET /commands/{id}/events``."""
     transport = sandbox.commands._transport
     opened: list[str] = []
-    events = transport.events
+    name = "open_events" if hasattr(transport, "open_events") else "events"  # async: opened
+    events = getattr(transport, name)
 
     def counting(spec: Any, **options: Any) -> Any:
         opened.append(spec.params.get("after", spec.method))
         return events(spec, **options)
 
-    monkeypatch.setattr(transport, "events", counting)
+    monkeypatch.setattr(transport, name, counting)
     return opened

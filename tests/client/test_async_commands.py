@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import pytest
 
 from k8s_agent_sandbox_awx import AsyncCommandHandle, AsyncSandbox
+from k8s_agent_sandbox_awx.client.http._exchange import Answered
 from k8s_agent_sandbox_awx.client.wire._dialect import SANDBOX_ENV
 from k8s_agent_sandbox_awx.client.wire._dialects import get_dialect
 from k8s_agent_sandbox_awx.errors import (
@@ -318,15 +319,19 @@ class StreamRequests:
     """Wraps an async transport's ``events``: the cursor (``after``) of every event-stream
     request and the failures (dropped connections) the client saw while reading them."""
 
-    def __init__(self, events: Any) -> None:
-        self._events = events
+    def __init__(self, open_events: Any) -> None:
+        self._open_events = open_events
         self.cursors: list[int] = []
         self.failures: list[Exception] = []
 
-    async def __call__(self, spec: Any, **options: Any) -> AsyncIterator[Any]:
+    async def __call__(self, spec: Any, **options: Any) -> Any:
         self.cursors.append(int(spec.params.get("after", 0)))  # a streamed start: from 0
+        opened = await self._open_events(spec, **options)
+        return opened if isinstance(opened, Answered) else self._values(opened)
+
+    async def _values(self, values: AsyncIterator[Any]) -> AsyncIterator[Any]:
         try:
-            async for value in self._events(spec, **options):
+            async for value in values:
                 yield value
         except Exception as exc:
             self.failures.append(exc)
@@ -344,8 +349,8 @@ def test_a_long_stream_cut_every_50_events_and_dropped_mid_line_loses_and_repeat
         async with await create(broker) as sandbox:
             broker.cut_event_streams(after_events=50, sandbox=sandbox.name)
             inject = mid_line_drops(broker, sandbox.name)
-            streams = StreamRequests(sandbox.commands._transport.events)
-            monkeypatch.setattr(sandbox.commands._transport, "events", streams)
+            streams = StreamRequests(sandbox.commands._transport.open_events)
+            monkeypatch.setattr(sandbox.commands._transport, "open_events", streams)
             chunks: list[str] = []
 
             async def on_stdout(text: str) -> None:
@@ -415,13 +420,13 @@ def test_an_async_run_without_callbacks_prefers_its_answer_whole(
         async with await create(broker) as sandbox:
             transport = sandbox.commands._transport
             seen: list[str | None] = []
-            events = transport.events
+            open_events = transport.open_events
 
             def recording(spec: Any, **options: Any) -> Any:
                 seen.append((spec.headers or {}).get("Prefer"))
-                return events(spec, **options)
+                return open_events(spec, **options)
 
-            monkeypatch.setattr(transport, "events", recording)
+            monkeypatch.setattr(transport, "open_events", recording)
             quiet = await sandbox.commands.run(["sh", "-c", "echo quiet; exit 2"])
             live = await sandbox.commands.run(["echo", "live"], on_stdout=lambda text: None)
             assert (quiet.stdout, quiet.exit_code, live.stdout) == ("quiet\n", 2, "live\n")

@@ -12,8 +12,13 @@ import httpx
 import pytest
 
 from k8s_agent_sandbox_awx import AsyncBrokerSandboxClient, BrokerSandboxClient, OIDCTokenAuth
+from k8s_agent_sandbox_awx.client.http._exchange import Answered
 from k8s_agent_sandbox_awx.client.wire._protocol import NdjsonDecoder, RequestSpec
-from k8s_agent_sandbox_awx.errors import BrokerNotFoundError, BrokerProtocolError
+from k8s_agent_sandbox_awx.errors import (
+    BrokerNotFoundError,
+    BrokerProtocolError,
+    BrokerUnavailableError,
+)
 
 BROKER = "https://broker.test"
 CHUNKS = [b'{"seq": 1, "data": "a"}\n{"se', b'q": 2, "data": "b"}\n', b"\n", b'{"seq": 3}']
@@ -73,6 +78,62 @@ def test_events_stream_async() -> None:
             await client.close()
 
     assert asyncio.run(main()) == EVENTS
+
+
+class BreaksAfterTwoLines(httpx.AsyncByteStream):
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield CHUNKS[0]
+        yield CHUNKS[1]
+        raise httpx.ReadError("connection reset")
+
+
+def whole(request: httpx.Request) -> httpx.Response:
+    """An answer with a ``Content-Length`` (what ``Prefer: no-live-output`` gets), whole or
+    broken after two lines."""
+    body = b"".join(CHUNKS)
+    headers = {"Content-Type": "application/x-ndjson", "Content-Length": str(len(body))}
+    if request.url.path == "/broken":
+        return httpx.Response(200, stream=BreaksAfterTwoLines(), headers=headers)
+    return httpx.Response(200, stream=Chunks(), headers=headers)
+
+
+def test_an_answer_with_a_content_length_is_read_whole_its_break_after_its_values() -> None:
+    """``open_events`` reads such an answer at once (an ``Answered``, no stream to close); a
+    read that breaks gives the values that arrived first, then the typed error, as the stream
+    does; a chunked answer is the stream."""
+
+    async def main() -> None:
+        client = AsyncBrokerSandboxClient(
+            broker_url=BROKER,
+            auth=OIDCTokenAuth("opaque"),
+            http_transport=httpx.MockTransport(whole),
+        )
+        transport = client._transport
+        try:
+            answered = await transport.open_events(RequestSpec("GET", "/e", "x"))
+            assert isinstance(answered, Answered)
+            assert [answered.next() for _ in range(4)] == [*EVENTS, None]
+            broken = await transport.open_events(RequestSpec("GET", "/broken", "x"))
+            assert isinstance(broken, Answered)
+            assert [broken.next(), broken.next()] == EVENTS[:2]
+            with pytest.raises(BrokerUnavailableError):
+                broken.next()
+            assert broken.next() is None  # raised once
+        finally:
+            await client.close()
+        streamed = AsyncBrokerSandboxClient(
+            broker_url=BROKER,
+            auth=OIDCTokenAuth("opaque"),
+            http_transport=httpx.MockTransport(answer),
+        )
+        try:
+            values = await streamed._transport.open_events(RequestSpec("GET", "/e", "x"))
+            assert not isinstance(values, Answered)
+            assert [e async for e in values] == EVENTS
+        finally:
+            await streamed.close()
+
+    asyncio.run(main())
 
 
 @pytest.mark.e2e

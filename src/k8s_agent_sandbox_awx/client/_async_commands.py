@@ -21,9 +21,9 @@ from .core._command_handle import HandleBase, followed_elsewhere, output_callbac
 from .core._command_output import CommandEvent, wait_timed_out
 from .core._command_rules import check_callbacks, plan_run
 from .core._command_start import RuntimeFeatures
-from .core._steps import Emit, NextEvent, Op, OpenEvents, Sleep, Step
+from .core._steps import Emit, Learned, NextEvent, Op, OpenEvents, Sleep, Step
 from .http._async_transport import AsyncBrokerTransport
-from .http._exchange import only_call
+from .http._exchange import Answered, only_call
 from .wire._commands_wire import CommandInfo
 from .wire._dataplane import DataTarget
 
@@ -40,33 +40,54 @@ it before the task is cancelled."""
 class _AsyncPerformer:
     """Performs the steps of a command operation with the async transport."""
 
-    def __init__(self, transport: AsyncBrokerTransport, on_stdout: Callback, on_stderr: Callback):
+    def __init__(
+        self,
+        transport: AsyncBrokerTransport,
+        on_stdout: Callback,
+        on_stderr: Callback,
+        record: Callable[[Learned], None] | None = None,
+    ):
         self._transport = transport
         self._callbacks = on_stdout, on_stderr
-        self._stream: AsyncGenerator[Any, None] | None = None
+        self._record = record
+        """Keeps what the operation learns (``ops.foreground``'s :class:`Learned` steps)."""
+        self._opening: OpenEvents | None = None
+        """The stream asked for, sent at its first :class:`NextEvent`."""
+        self._stream: AsyncGenerator[Any, None] | Answered | None = None
 
     async def __call__(self, step: Step) -> Any:
         match step:
             case NextEvent():
-                assert self._stream is not None
-                return await anext(self._stream, None)
+                stream = self._stream
+                if stream is None:
+                    stream = self._stream = await self._open()
+                if type(stream) is Answered:  # read whole: no await per value
+                    return stream.next()
+                return await anext(stream, None)  # type: ignore[arg-type]
             case Emit(event):
                 callback = output_callback(event, *self._callbacks)
                 returned = None if callback is None else callback(event.data)
                 return await returned if inspect.isawaitable(returned) else returned
-            case OpenEvents(spec, json_answer):
+            case OpenEvents():
                 await self.close()
-                self._stream = self._transport.events(spec, json_answer=json_answer)
+                self._opening = step
                 return None
+            case Learned() if self._record is not None:
+                return self._record(step)
             case Sleep(seconds):
                 return await asyncio.sleep(seconds)
             case _:
                 return await self._transport.call(only_call(step))
 
+    async def _open(self) -> AsyncGenerator[Any, None] | Answered:
+        opening, self._opening = self._opening, None
+        assert opening is not None
+        return await self._transport.open_events(opening.spec, json_answer=opening.json_answer)
+
     async def close(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            await stream.aclose()
+        stream, self._stream, self._opening = self._stream, None, None
+        if stream is not None and type(stream) is not Answered:
+            await stream.aclose()  # type: ignore[union-attr]
 
     async def drive(self, op: Op[Any]) -> Any:
         try:
@@ -246,14 +267,11 @@ class AsyncCommands(SandboxPart[AsyncBrokerTransport]):
             start = ops.start(self._target, plan.start, self._features)
             command_id: str = await self._transport.run(start)
             return self._handle(command_id, plan.on_stdout, plan.on_stderr)
-        performer = _AsyncPerformer(self._transport, plan.on_stdout, plan.on_stderr)
-        op = ops.run(
-            self._target,
-            plan.start,
-            self._features,
-            raise_on_timeout=plan.raise_on_timeout,
-            live=plan.live,
+        features = self._features
+        performer = _AsyncPerformer(
+            self._transport, plan.on_stdout, plan.on_stderr, features.record
         )
+        op = ops.foreground(self._target, plan.start, features, plan.raise_on_timeout, plan.live)
         result: ExecutionResult = await performer.drive(op)
         return result
 

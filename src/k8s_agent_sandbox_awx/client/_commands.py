@@ -21,7 +21,7 @@ from .core._command_handle import HandleBase, followed_elsewhere, output_callbac
 from .core._command_output import CommandEvent, wait_timed_out
 from .core._command_rules import check_callbacks, plan_run
 from .core._command_start import RuntimeFeatures
-from .core._steps import Emit, NextEvent, Op, OpenEvents, Sleep, Step
+from .core._steps import Emit, Learned, NextEvent, Op, OpenEvents, Sleep, Step
 from .http._exchange import only_call
 from .http._transport import BrokerTransport
 from .wire._commands_wire import CommandInfo
@@ -57,6 +57,8 @@ class _Performer:
         self._callbacks = on_stdout, on_stderr
         self._stream: Generator[Any, None, None] | None = None
         self._stop = stop
+        self.record: Callable[[Learned], None] | None = None
+        """Keeps what the operation learns (``ops.foreground``'s :class:`Learned` steps)."""
 
     def __call__(self, step: Step) -> Any:
         if self._stop is not None and self._stop.is_set():
@@ -72,6 +74,8 @@ class _Performer:
                 self.close()
                 self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
+            case Learned() if self.record is not None:
+                return self.record(step)
             case Sleep(seconds):
                 return time.sleep(seconds)
             case _:
@@ -297,14 +301,10 @@ class Commands(SandboxPart[BrokerTransport]):
                 ops.start(self._target, plan.start, self._features)
             )
             return self._handle(command_id, plan.on_stdout, plan.on_stderr)
+        features = self._features
         performer = _Performer(self._transport, plan.on_stdout, plan.on_stderr)
-        op = ops.run(
-            self._target,
-            plan.start,
-            self._features,
-            raise_on_timeout=plan.raise_on_timeout,
-            live=plan.live,
-        )
+        performer.record = features.record
+        op = ops.foreground(self._target, plan.start, features, plan.raise_on_timeout, plan.live)
         result: ExecutionResult = performer.drive(op)
         return result
 

@@ -33,6 +33,7 @@ from ._command_start import RuntimeFeatures, legacy_unsupported, send_start
 from ._steps import Call, Op, discard_answer, learning
 
 __all__ = [
+    "foreground",
     "kill",
     "kill_quietly",
     "list_commands",
@@ -122,8 +123,23 @@ def run(
 ) -> Op[Any]:
     """A foreground ``commands.run`` (:func:`_run_foreground`); what its answers tell of the
     runtime is kept in ``features``."""
-    op = _run_foreground(target, plan, features.managed, raise_on_timeout, live, clock)
-    return learning(op, features.record)
+    return learning(
+        foreground(target, plan, features, raise_on_timeout, live, clock), features.record
+    )
+
+
+def foreground(
+    target: dp.DataTarget,
+    plan: StartPlan,
+    features: RuntimeFeatures,
+    raise_on_timeout: bool = True,
+    live: tuple[str, ...] = (),
+    clock: Callable[[], float] = time.monotonic,
+) -> Op[Any]:
+    """:func:`run` without the ``learning`` wrapper: its :class:`~._steps.Learned` steps are
+    for the performer to hand to ``features.record`` (the commands shells do: one generator
+    fewer between the driver and the operation at every step)."""
+    return _run_foreground(target, plan, features.managed, raise_on_timeout, live, clock)
 
 
 def _run_foreground(

@@ -282,9 +282,10 @@ def plan_run(
     command: Any, timeout: float | None, background: bool, options: opts.RunOptions
 ) -> RunPlan:
     """Check ``commands.run``'s arguments before anything is sent."""
-    named = ("command", "timeout", "background")
-    opts.check_options("commands.run()", options, opts.RunOptions, named, where=opts.RUN)
-    options = opts.run_spelling(options)  # upstream's env= is envs=
+    if options:  # none given (the usual call): nothing to check or rename
+        named = ("command", "timeout", "background")
+        opts.check_options("commands.run()", options, opts.RunOptions, named, where=opts.RUN)
+        options = opts.run_spelling(options)  # upstream's env= is envs=
     background = bool(background)
     on_stdout, on_stderr = options.get("on_stdout"), options.get("on_stderr")
     check_callbacks(on_stdout, on_stderr)  # with background=True: followed while it runs

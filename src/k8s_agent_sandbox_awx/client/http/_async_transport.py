@@ -218,8 +218,41 @@ class AsyncBrokerTransport(ex.TransportBase):
         """The answer to ``spec`` as a stream of NDJSON values (see ``BrokerTransport.events``;
         ``contextlib.aclosing`` to stop early)."""
         response = await self.send(spec, stream=True)
-        content_type = response.headers.get("content-type")
-        decoder = proto.event_decoder(spec.what, content_type, json_answer)
+        async with contextlib.aclosing(self._events(response, spec, json_answer)) as values:
+            async for value in values:
+                yield value
+
+    async def open_events(
+        self, spec: proto.RequestSpec, *, json_answer: bool = False
+    ) -> ex.Answered | AsyncGenerator[Any, None]:
+        """The answer to ``spec`` as NDJSON values (see :meth:`events`), sent now: an answer
+        with a ``Content-Length`` (the streamed start of a run without callbacks, answered
+        whole at the exit: ``Prefer: no-live-output``) read and decoded at once into an
+        :class:`~._exchange.Answered`; any other (chunked: live output) the :meth:`events`
+        stream of it, its values as their lines complete."""
+        response = await self.send(spec, stream=True)
+        if "content-length" not in response.headers:
+            return self._events(response, spec, json_answer)
+        decoder = proto.event_decoder(spec.what, response.headers.get("content-type"), json_answer)
+        meter = DownloadMeter(spec, spec.path, None)
+        values: list[Any] = []
+        try:
+            try:
+                async for chunk in response.aiter_bytes():
+                    values += decoder.feed(meter.count(chunk))
+            except httpx.TransportError as exc:
+                raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
+            finally:
+                await response.aclose()
+            values += decoder.end()
+        except Exception as exc:  # raised after the values before it, as the stream does
+            return ex.Answered(values, exc)
+        return ex.Answered(values)
+
+    async def _events(
+        self, response: httpx.Response, spec: proto.RequestSpec, json_answer: bool
+    ) -> AsyncGenerator[Any, None]:
+        decoder = proto.event_decoder(spec.what, response.headers.get("content-type"), json_answer)
         meter = DownloadMeter(spec, spec.path, None)
         async with contextlib.aclosing(self.chunks(response, meter, None)) as chunks:
             async for chunk in chunks:

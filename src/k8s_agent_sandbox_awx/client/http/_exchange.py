@@ -44,6 +44,7 @@ from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 
 __all__ = [
     "CHUNK_SIZE",
+    "Answered",
     "CappedBody",
     "Close",
     "Exchange",
@@ -469,6 +470,28 @@ class Exchange:
             path=spec.path,
             request_sent=self.reached,
         )
+
+
+class Answered:
+    """An event stream's answer read whole (``open_events``): its values in order, then
+    ``error`` (the break that ended the read early: raised after the values that arrived
+    before it) or the end (``None``)."""
+
+    __slots__ = ("_error", "_values")
+
+    def __init__(self, values: list[Any], error: BaseException | None = None) -> None:
+        self._values = values
+        self._values.reverse()
+        self._error = error
+
+    def next(self) -> Any:
+        """The next value; ``None`` at the end; the break once the values are out."""
+        if self._values:
+            return self._values.pop()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return None
 
 
 class CappedBody:

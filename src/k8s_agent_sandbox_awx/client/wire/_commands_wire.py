@@ -141,19 +141,19 @@ def start_command(
     runtime without it answers ``{"command_id"}`` as usual. ``whole`` (with ``stream``): no
     output is shown live, the answer may come whole at the exit (:data:`PREFER_WHOLE`)."""
     if not stream:
-        return json_body(_data("POST", "/commands", "start a command", target), dict(body))
+        return _data("POST", "/commands", "start a command", target, json=dict(body))
     headers = {"Accept": STREAMED_START_ACCEPT}
     if whole:
         headers["Prefer"] = PREFER_WHOLE
-    spec = _data(
+    return _data(
         "POST",
         "/commands",
         "start a command",
         target,
         headers=headers,
         read_timeout=EVENTS_DURATION + EVENTS_READ_MARGIN,
+        json=dict(body),
     )
-    return json_body(spec, dict(body))
 
 
 def command_status(target: DataTarget, command_id: str) -> RequestSpec:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ._protocol import Call, RequestSpec, rfc3339_seconds
+from ._protocol import Call, RequestSpec, compact_json, rfc3339_seconds
 
 __all__ = [
     "DataTarget",
@@ -120,15 +120,23 @@ def data_request(
     read_timeout: float | None = None,
     retryable: bool | None = None,
     params: Mapping[str, str] | None = None,
+    json: Any = None,
 ) -> RequestSpec:
     """A data-plane request to ``target`` (``GET``s are retryable unless ``retryable`` says;
-    ``subject``: the sandbox path it is about)."""
+    ``subject``: the sandbox path it is about; ``json``: its body, compact JSON, as
+    :func:`~._protocol.json_body` makes it, without a second spec)."""
+    merged = {**target.headers(), **(headers or {})}
+    content = None
+    if json is not None:
+        content = compact_json(json)
+        merged["Content-Type"] = "application/json"
     return RequestSpec(
         method,
         endpoint,
         what,
         params=dict(params or {}),
-        headers={**target.headers(), **(headers or {})},
+        headers=merged,
+        content=content,
         retryable=method == "GET" if retryable is None else retryable,
         read_timeout=read_timeout,
         data_plane=True,

@@ -30,6 +30,7 @@ __all__ = [
     "RouterTarget",
     "SandboxInfo",
     "check_reserved_metadata",
+    "compact_json",
     "json_body",
     "json_object",
     "new_idempotency_key",
@@ -212,11 +213,15 @@ class Call(Generic[T]):
     stream: bool = False
 
 
+def compact_json(body: Any) -> bytes:
+    """``body`` as compact JSON (the bodies the client sends)."""
+    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+
+
 def json_body(spec: RequestSpec, body: Any) -> RequestSpec:
     """``spec`` with ``body`` as its compact JSON body."""
-    content = json.dumps(body, separators=(",", ":")).encode("utf-8")
     headers = {**spec.headers, "Content-Type": "application/json"}
-    return dataclasses.replace(spec, content=content, headers=headers)
+    return dataclasses.replace(spec, content=compact_json(body), headers=headers)
 
 
 def new_idempotency_key() -> str:
