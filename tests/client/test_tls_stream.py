@@ -10,6 +10,7 @@ import os
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ def _client(ca: trustme.CA, port: int) -> TlsStream:
     ca.configure_trust(context)
     raw = socket.create_connection(("127.0.0.1", port), 10)
     stream = TlsStream(raw, context, server_hostname="127.0.0.1")
-    stream.handshake()
+    stream.handshake(10)
     raw.settimeout(30)
     return stream
 
@@ -155,6 +156,57 @@ def test_the_forwarder_connects_to_an_https_broker_with_a_tls_stream(
         assert not isinstance(upstream.raw, ssl.SSLSocket)
         upstream.sendall(b"ping")
         assert upstream.recv(10) == b"ping"
+    finally:
+        upstream.shutdown(socket.SHUT_RDWR)
+        upstream.close()
+
+
+def test_a_trickled_handshake_is_cut_off_at_its_deadline(ca: trustme.CA) -> None:
+    """One deadline for the whole handshake: a peer that answers a byte now and then (each
+    read within any per-read timeout) is cut off once the handshake's seconds are over."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)  # the ClientHello
+            record = b"\x16\x03\x03\x40\x00" + b"\x00" * 40  # a 16 KiB record's start
+            for byte in record:  # one byte every 0.1 s, until the client has gone
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+                time.sleep(0.1)
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    raw = socket.create_connection(("127.0.0.1", port), 10)
+    stream = TlsStream(raw, context, server_hostname="127.0.0.1")
+    started = time.monotonic()
+    with pytest.raises((TimeoutError, ssl.SSLError)) as failed:
+        stream.handshake(1.0)
+    assert isinstance(failed.value, TimeoutError), failed.value
+    assert time.monotonic() - started < 3
+    stream.close()
+    thread.join(10)
+    listener.close()
+
+
+def test_the_forwarder_refuses_renegotiation(ca: trustme.CA, serve: Any, tmp_path: Path) -> None:
+    """A TLS 1.2 renegotiation would make a write wait for the reading thread: the forwarder's
+    context refuses it."""
+    bundle = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+    config = BrokerConnectionConfig(
+        broker_url=f"https://127.0.0.1:{serve(_echo)}", ca_cert=str(bundle)
+    )
+    upstream = _port_forward._connect(config)
+    try:
+        assert isinstance(upstream, TlsStream)
+        assert upstream._tls.context.options & ssl.OP_NO_RENEGOTIATION
     finally:
         upstream.shutdown(socket.SHUT_RDWR)
         upstream.close()

@@ -53,7 +53,7 @@ MAX_CONNECTIONS = 64
 """Connections one forward serves at once (each holds two threads); one more is answered
 ``503`` (each forwarded request has a connection of its own: ``Connection: close``)."""
 CONNECT_SECONDS = 10.0
-"""Seconds to connect (and complete TLS) to the broker."""
+"""Seconds to connect to the broker, and then again to complete TLS (each one deadline)."""
 SEND_SECONDS = 300.0
 """Seconds one write to a peer may block (a peer that stops reading is cut off then)."""
 _CHUNK = 64 * 1024
@@ -221,9 +221,12 @@ def _connect(config: Any) -> _Stream:
         return sock
     verify = client_settings(config)["verify"]
     context = verify if isinstance(verify, ssl.SSLContext) else ssl.create_default_context()
+    # A renegotiation (TLS 1.2) would make a write wait for the reader's thread: refused (it
+    # is also refused for the client's other connections on this context; TLS 1.3 has none).
+    context.options |= ssl.OP_NO_RENEGOTIATION
     try:
         tls = TlsStream(sock, context, server_hostname=host)
-        tls.handshake()
+        tls.handshake(CONNECT_SECONDS)
     except BaseException:
         sock.close()
         raise

@@ -21,6 +21,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 
 __all__ = ["TlsStream"]
 
@@ -45,19 +46,30 @@ class TlsStream:
         self._state = threading.Lock()  # the SSLObject and both buffers
         self._sending = threading.Lock()  # the socket's writes, in the buffer's order
 
-    def handshake(self) -> None:
-        """Complete the TLS handshake (bounded by ``raw``'s timeout for each read)."""
+    def handshake(self, seconds: float) -> None:
+        """Complete the TLS handshake within ``seconds`` in all (one deadline, not one per read:
+        a peer that trickles its handshake is cut off then, :class:`TimeoutError`)."""
+        deadline = time.monotonic() + seconds
         while True:
             try:
                 with self._state:
                     self._tls.do_handshake()
             except ssl.SSLWantReadError:
+                self._until(deadline)
                 self._flush()
+                self._until(deadline)
                 if not self._fill():
                     raise ConnectionError("the broker closed the connection during TLS") from None
                 continue
+            self._until(deadline)
             self._flush()
             return
+
+    def _until(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the TLS handshake with the broker did not complete in time")
+        self.raw.settimeout(left)
 
     def recv(self, size: int, /) -> bytes:
         """At most ``size`` bytes of plaintext, waiting for the peer if none is buffered."""
