@@ -105,6 +105,27 @@ def test_websocket_traffic_both_ways_at_once_through_the_forward(
         ws.sock.close()
 
 
+def test_a_client_that_half_closes_after_its_request_gets_the_answer(
+    sandbox: Any, app_port: int
+) -> None:
+    """``nc -N`` and ``printf ... | nc -q`` send the request, then shut their sending side: the
+    end of the request is not the end of the answer."""
+    with sandbox.ports.forward(app_port) as forward:
+        client = socket.create_connection(("127.0.0.1", forward.port), 30)
+        body = b"half" * 1000
+        client.sendall(
+            b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+        client.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+        client.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert answer.endswith(body)
+
+
 def test_websocket_to_nothing_listening_is_refused(sandbox: Any) -> None:
     with sandbox.ports.forward(free_port()) as forward:
         ws = ws_client.connect("127.0.0.1", forward.port, "/ws")

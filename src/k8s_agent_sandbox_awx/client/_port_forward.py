@@ -6,8 +6,11 @@ broker: the forwarder reads the request head (at most :data:`MAX_HEAD` bytes), r
 connection; the router headers; ``Connection: close``, unless the request is an upgrade such as
 a WebSocket handshake) and then pipes bytes both ways, unparsed: request and response bodies
 stream as they come, and after a ``101 Switching Protocols`` the WebSocket frames flow through
-as they are. The local client's own ``Authorization``, ``Cookie``, ``Proxy-*`` and
-``X-Sandbox-*`` headers are dropped (the broker would strip the first two anyway).
+as they are. A local client that shuts its sending side after the request (``nc -N``) still
+gets the answer: a request's end leaves the connection to the answer's (an upgrade's end, or
+any failure, ends both directions). The local client's own ``Authorization``, ``Cookie``,
+``Proxy-*`` and ``X-Sandbox-*`` headers are dropped (the broker would strip the first two
+anyway).
 
 Threads, also for :class:`AsyncPortForward` (the same forwarder behind an async context
 manager: the event loop is never blocked, and a slow or stuck local client holds only its own
@@ -257,16 +260,19 @@ def _send_timeout(stream: _Stream) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
-def _pipe(source: _Stream, sink: _Stream) -> None:
-    """Copy ``source`` to ``sink`` until either ends; then shut both down."""
+def _pipe(source: _Stream, sink: _Stream, keep_on_end: bool = False) -> None:
+    """Copy ``source`` to ``sink`` until either ends; then shut both down. ``keep_on_end``:
+    at ``source``'s clean end, leave both open (the other direction goes on: a local client
+    that half-closes after its request still gets the answer); a failure still ends both."""
     try:
         while chunk := source.recv(_CHUNK):
             sink.sendall(chunk)
+        if keep_on_end:
+            return
     except (OSError, ValueError):
         pass
-    finally:
-        for sock in (source, sink):
-            _shutdown(sock)
+    for sock in (source, sink):
+        _shutdown(sock)
 
 
 def _shutdown(sock: _Stream) -> None:
@@ -351,9 +357,11 @@ class PortForward:
     def _serve(self, conn: socket.socket, deadline: float) -> None:
         upstream: _Stream | None = None
         try:
-            upstream = self._open(conn, deadline)
+            upstream, upgrade = self._open(conn, deadline)
             if upstream is not None:
-                up = self._start(_pipe, conn, upstream)
+                # A request's end (not an upgrade's) leaves the answer to come: the broker was
+                # sent "Connection: close" and ends the connection after its answer.
+                up = self._start(_pipe, conn, upstream, not upgrade)
                 _pipe(upstream, conn)
                 up.join()
         finally:
@@ -366,40 +374,41 @@ class PortForward:
             with self._lock:
                 self._serving -= 1
 
-    def _open(self, conn: socket.socket, deadline: float) -> _Stream | None:
-        """The broker connection for ``conn``, its rewritten head sent; ``None``: refused."""
+    def _open(self, conn: socket.socket, deadline: float) -> tuple[_Stream | None, bool]:
+        """The broker connection for ``conn``, its rewritten head sent (``None``: refused),
+        and whether the request is an upgrade (a WebSocket's)."""
         try:
             head, rest = _read_head(conn, deadline)
         except _Refusal as refusal:
             _refuse(conn, refusal.status, refusal.text)
-            return None
+            return None, False
         except OSError:  # the local client went away
-            return None
+            return None, False
         try:
-            rewritten, _ = rewrite_head(head, self._target, self._target.token())
+            rewritten, upgrade = rewrite_head(head, self._target, self._target.token())
             upstream = _connect(self._target.config)
         except _Refusal as refusal:
             _refuse(conn, refusal.status, refusal.text)
-            return None
+            return None, False
         except Exception as exc:  # no token (its error never holds one), no broker
             what = f"{type(exc).__name__}: {str(exc)[:300]}"
             logger.warning("port forward %s: cannot forward a connection (%s)", self.url, what)
             _refuse(conn, "502 Bad Gateway", f"cannot reach the broker ({what})")
-            return None
+            return None, False
         with self._lock:
             closed = self._closed
             if not closed:
                 self._sockets.add(upstream)
         if closed:
             upstream.close()
-            return None
+            return None, False
         for sock in (conn, upstream):
             _send_timeout(sock)
         try:
             upstream.sendall(rewritten + rest)
         except OSError:
             _refuse(conn, "502 Bad Gateway", "the connection to the broker broke")
-        return upstream  # closed by the caller either way
+        return upstream, upgrade  # closed by the caller either way
 
     def close(self) -> None:
         """Stop listening, end every forwarded connection and join every thread."""
