@@ -52,12 +52,13 @@ class _Performer:
         on_stdout: Callback,
         on_stderr: Callback,
         stop: threading.Event | None = None,
+        record: Callable[[Learned], None] | None = None,
     ):
         self._transport = transport
         self._callbacks = on_stdout, on_stderr
         self._stream: Generator[Any, None, None] | None = None
         self._stop = stop
-        self.record: Callable[[Learned], None] | None = None
+        self._record = record
         """Keeps what the operation learns (``ops.foreground``'s :class:`Learned` steps)."""
 
     def __call__(self, step: Step) -> Any:
@@ -74,8 +75,8 @@ class _Performer:
                 self.close()
                 self._stream = self._transport.events(spec, json_answer=json_answer)
                 return None
-            case Learned() if self.record is not None:
-                return self.record(step)
+            case Learned() if self._record is not None:
+                return self._record(step)
             case Sleep(seconds):
                 return time.sleep(seconds)
             case _:
@@ -302,8 +303,9 @@ class Commands(SandboxPart[BrokerTransport]):
             )
             return self._handle(command_id, plan.on_stdout, plan.on_stderr)
         features = self._features
-        performer = _Performer(self._transport, plan.on_stdout, plan.on_stderr)
-        performer.record = features.record
+        performer = _Performer(
+            self._transport, plan.on_stdout, plan.on_stderr, record=features.record
+        )
         op = ops.foreground(self._target, plan.start, features, plan.raise_on_timeout, plan.live)
         result: ExecutionResult = performer.drive(op)
         return result
