@@ -16,6 +16,9 @@ like upstream's, but no controller: nothing would ever answer a ``SandboxClaim``
 - kube-scheduler and a kubelet whose Pods are local sandbox runtimes, each on its own loopback
   address and the same port, like pod IPs (see ``_kubelet``).
 
+``real_node=True`` leaves the last two to real components (``real_node.py``): the controller
+then plays agent-sandbox's controllers only.
+
 It watches SandboxClaims, Sandboxes, SandboxWarmPools, SandboxTemplates and Pods in the given
 namespaces (or all), lists again after a ``410`` or when the API server went away and came back,
 and reconciles with one worker thread. Knobs for tests: ``ready_delay`` (a pod's readiness after
@@ -124,8 +127,10 @@ class StandInController:
         allowed_label_domains: Sequence[str] = rules.DEFAULT_ALLOWED_LABEL_DOMAINS,
         observability_annotations: bool = True,
         warm_pool_eviction: bool = True,
+        real_node: bool = False,
     ) -> None:
         self.kube, self.port = kube, port
+        self.real_node = real_node
         self.namespaces = list(namespaces) if namespaces is not None else None
         self.timings: dict[str, ClaimTiming] = {}
         self.errors: list[str] = []
@@ -384,7 +389,8 @@ class StandInController:
             return self
         self._started = True
         try:
-            self.kubelet.start()
+            if not self.real_node:
+                self.kubelet.start()
             self._worker.start()
             for name, kind, handler in self._watched():
                 scopes: list[str | None] = [None] if self.namespaces is None else [*self.namespaces]
@@ -499,8 +505,9 @@ class StandInController:
                 self._queue.add(("claim", namespace, claim["metadata"]["name"]))
 
     def _on_pod(self, kind: str, pod: dict[str, Any], old: dict[str, Any] | None) -> None:
-        self.kubelet.on_pod(kind, pod, old)
-        if kind != "DELETED":
+        if not self.real_node:
+            self.kubelet.on_pod(kind, pod, old)
+        if kind != "DELETED" and not self.real_node:
             self._finalizers(POD, pod)
         owner = rules.controller_of(pod)
         if (
@@ -552,6 +559,8 @@ class StandInController:
                 "finalize": lambda ns, name, kind: collector.finalize(kind, ns, name),
                 "sweep": lambda _ns: collector.sweep(),
             }
+            if self.real_node:  # a real kube-controller-manager collects garbage
+                handlers.update(gc=lambda *_: None, finalize=lambda *_: None, sweep=lambda *_: None)
             while not self._stopping.is_set():
                 key = self._queue.get(self._may_run, timeout=0.1)
                 if key is not None:

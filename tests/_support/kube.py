@@ -67,6 +67,8 @@ KINDS: Final[Mapping[tuple[str, str], tuple[str, bool]]] = {
     ("v1", "Secret"): ("secrets", True),
     ("v1", "ConfigMap"): ("configmaps", True),
     ("v1", "Pod"): ("pods", True),
+    ("v1", "Service"): ("services", True),
+    ("v1", "Endpoints"): ("endpoints", True),
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): ("clusterroles", False),
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): ("clusterrolebindings", False),
     ("rbac.authorization.k8s.io/v1", "Role"): ("roles", True),
@@ -277,6 +279,23 @@ class KubeError(Exception):
 
 
 @dataclass(frozen=True)
+class ServerAddress:
+    """Where the API server listens and what it says of itself. The default: 127.0.0.1 on a
+    free port, its own URL as the service-account issuer, no endpoints for the ``kubernetes``
+    Service. ``tests/_support/real_node.py`` gives a node's address instead (the pods reach it
+    through the ``kubernetes`` Service, by IP and by name)."""
+
+    bind: str = "127.0.0.1"
+    port: int | None = None  # None: a free port
+    advertise: str = "127.0.0.1"
+    names: tuple[str, ...] = ("127.0.0.1", "localhost")  # the serving certificate's
+    issuer: str | None = None  # None: the server's own URL
+    endpoint_reconciler: str = "none"  # "lease": the kubernetes Service's endpoints kept
+    kubelet_client: bool = False  # a client certificate for the kubelets (logs, exec)
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class _Pki:
     ca_file: Path
     cert_file: Path
@@ -286,11 +305,11 @@ class _Pki:
     authority: Any = None  # the trustme.CA: it also signs client certificates
 
 
-def _make_pki(folder: Path) -> _Pki:
+def _make_pki(folder: Path, names: Sequence[str]) -> _Pki:
     import trustme
 
     ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert = ca.issue_cert(*names)
     paths = _Pki(
         ca_file=folder / "ca.pem",
         cert_file=folder / "server.pem",
@@ -334,8 +353,11 @@ class KubeAPIServer:
     server's own URL, so its discovery document is at ``issuer + /.well-known/...``),
     ``api_audience`` (the server's own audience) and REST helpers acting as the admin."""
 
-    def __init__(self, tools: KubeTools, *, workdir: Path | None = None) -> None:
+    def __init__(
+        self, tools: KubeTools, *, workdir: Path | None = None, address: ServerAddress | None = None
+    ) -> None:
         self.tools = tools
+        self.address = address or ServerAddress()
         self._own_workdir = workdir is None
         if workdir is None:  # and remove those of sessions that were killed
             sweep_dead_owners(_TMP_PREFIX)
@@ -343,8 +365,9 @@ class KubeAPIServer:
         self.workdir = workdir
         self.admin_token = secrets.token_urlsafe(32)
         self.port, *self._etcd_ports = free_ports(3)  # the API server, etcd client, peer
-        self.url = f"https://127.0.0.1:{self.port}"
-        self.issuer = self.url
+        self.port = self.address.port or self.port
+        self.url = f"https://{self.address.advertise}:{self.port}"
+        self.issuer = self.address.issuer or self.url
         self.api_audience = "https://kubernetes.default.svc"
         self.ca_file = self.workdir / "pki" / "ca.pem"
         self._etcd: _Process | None = None
@@ -372,7 +395,7 @@ class KubeAPIServer:
         started = time.perf_counter()
         try:
             (self.workdir / "pki").mkdir(parents=True, exist_ok=True)
-            self._pki = _make_pki(self.workdir / "pki")
+            self._pki = _make_pki(self.workdir / "pki", self.address.names)
             (self.workdir / "tokens.csv").write_text(
                 f"{self.admin_token},{ADMIN_USER},{ADMIN_USER},system:masters\n"
             )
@@ -452,8 +475,9 @@ class KubeAPIServer:
         assert pki is not None, "start() makes the PKI first"
         return [
             str(self.tools.kube_apiserver), f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1", f"--secure-port={self.port}",
-            "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+            f"--bind-address={self.address.bind}", f"--secure-port={self.port}",
+            f"--advertise-address={self.address.advertise}",
+            f"--endpoint-reconciler-type={self.address.endpoint_reconciler}",
             f"--tls-cert-file={pki.cert_file}", f"--tls-private-key-file={pki.key_file}",
             f"--token-auth-file={self.workdir / 'tokens.csv'}",
             f"--client-ca-file={pki.ca_file}",  # client certificates: client_certificate()
@@ -465,7 +489,15 @@ class KubeAPIServer:
             "--service-cluster-ip-range=10.96.0.0/24",
             "--enable-priority-and-fairness=false", "--profiling=false",
             "--cert-dir", str(self.workdir / "apiserver-certs"), "--v=1",
+            *self._kubelet_client_args(), *self.address.extra_args,
         ]  # fmt: skip
+
+    def _kubelet_client_args(self) -> list[str]:
+        if not self.address.kubelet_client:
+            return []
+        cert, key = self.client_certificate("kube-apiserver-kubelet-client", "system:masters")
+        return [f"--kubelet-client-certificate={cert}", f"--kubelet-client-key={key}",
+                "--kubelet-preferred-address-types=InternalIP"]  # fmt: skip
 
     def _start_apiserver(self) -> None:
         self._apiserver = _Process("kube-apiserver", self._apiserver_argv(),
@@ -612,12 +644,20 @@ class KubeAPIServer:
 
     # ---------------------------------------------------------------------- identities
 
+    @property
+    def service_account_key_file(self) -> Path:
+        """The service-account signing key (kube-controller-manager's token controller)."""
+        if self._pki is None:
+            raise RuntimeError("service_account_key_file: the API server is not running")
+        return self._pki.sa_key_file
+
     def client_certificate(self, user: str, group: str | None = None) -> tuple[Path, Path]:
         """A client certificate the API server accepts (``--client-ca-file`` is the test
         CA): the user is its CN, the group its O. Returns (certificate file, key file)."""
         if self._pki is None:
             raise RuntimeError("client_certificate(): the API server is not running")
-        cert = self._pki.authority.issue_cert(user, common_name=user, organization_name=group)
+        identity = user if ":" not in user else user.replace(":", "-") + ".invalid"  # a SAN
+        cert = self._pki.authority.issue_cert(identity, common_name=user, organization_name=group)
         folder = self.workdir / "client-certs"
         folder.mkdir(exist_ok=True)
         cert_file, key_file = folder / f"{user}.pem", folder / f"{user}-key.pem"

@@ -180,15 +180,17 @@ class StandInRouter:
         proxy_timeout: float = DEFAULT_PROXY_TIMEOUT,
         allow_loopback_pod_ip: bool = False,
         cluster_domain: str = "cluster.local",
+        host: str = "127.0.0.1",
     ) -> None:
         self.kube: KubeAPIServer = controller.kube
+        self.host = host
         self.token_file = token_file
         self.proxy_timeout = proxy_timeout
         self.allow_loopback_pod_ip = allow_loopback_pod_ip
         self.dns = ClusterDns(self.kube, cluster_domain)
         self.cluster_domain = cluster_domain
         [self.port] = free_ports(1)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.seen: list[dict[str, str]] = []
         self.raw: list[list[tuple[str, str]]] = []
         self.resolved: list[str] = []
@@ -199,7 +201,7 @@ class StandInRouter:
         self._http: httpx.AsyncClient | None = None
 
     def __enter__(self) -> StandInRouter:
-        config = uvicorn.Config(self._asgi, host="127.0.0.1", port=self.port, lifespan="off",
+        config = uvicorn.Config(self._asgi, host=self.host, port=self.port, lifespan="off",
                                 log_level="critical", access_log=False, http="h11",
                                 ws="none", loop="asyncio", interface="asgi3")  # fmt: skip
         server = self._server = uvicorn.Server(config)
