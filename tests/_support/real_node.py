@@ -47,6 +47,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -76,6 +77,7 @@ PAUSE_IMAGE: Final = "localhost/k8s-agent-sandbox-awx/pause:1"
 ENV_NODE: Final = "AGENT_SANDBOX_TEST_KUBE_NODE"
 _PRIVATE_MOUNTS: Final = ("/var/log", "/var/lib/cni", "/run/netns", "/run/containerd")
 _CHAIN: Final = "AWX-SERVICES"
+WORKDIR_PREFIX: Final = "k8s-awx-node-"  # the scenario's work folder (an owned temp dir)
 _REJECT: Final = "AWX-SERVICES-REJECT"  # Services without endpoints (the filter table's)
 
 
@@ -140,6 +142,61 @@ def run_in_namespace(argv: Sequence[str], **kwargs: Any) -> subprocess.Completed
     wrapped = ["unshare", "--net", "--mount", "--propagation", "private", "--fork",
                "--kill-child", "--", *argv]  # fmt: skip
     return subprocess.run(wrapped, capture_output=True, text=True, check=False, **kwargs)
+
+
+def sweep_leftovers() -> list[int]:
+    """What a killed scenario left running: containerd's shims of a node whose work folder's
+    owner is gone (they outlive containerd on purpose), and every container process under
+    containerd's cgroups (``k8s.io``) when no scenario lives. SIGKILLed; their pids."""
+    import fcntl
+
+    from k8s_agent_sandbox_awx.broker.backends.local._owned_dirs import OWNER_FILE
+
+    def owner_lives(folder: Path) -> bool:
+        try:
+            fd = os.open(folder / OWNER_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    folders = list(Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"))
+    if any(owner_lives(folder) for folder in folders):
+        return []  # a scenario runs: its node is its own business
+    victims = [int(p) for p in _shim_pids()]
+    for procs in Path("/sys/fs/cgroup").glob("*/k8s.io/*/cgroup.procs"):
+        with contextlib.suppress(OSError, ValueError):
+            victims += [int(line) for line in procs.read_text().split()]
+    for pid in set(victims):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, 9)
+    deadline = time.monotonic() + 5
+    for cgroup in sorted(Path("/sys/fs/cgroup").glob("*/k8s.io/*"), reverse=True):
+        while cgroup.is_dir() and time.monotonic() < deadline:
+            try:
+                cgroup.rmdir()  # empty once its processes are reaped
+            except OSError:
+                time.sleep(0.05)
+    return sorted(set(victims))
+
+
+def _shim_pids() -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if argv[0].endswith(b"containerd-shim-runc-v2") and any(
+                f"/{WORKDIR_PREFIX}".encode() in arg for arg in argv
+            ):
+                found.append(proc.name)
+    return found
 
 
 def _run(*argv: str, input: str | None = None) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -26,17 +27,22 @@ from typing import Any, Final
 
 import httpx
 
-from k8s_agent_sandbox_awx.broker.backends.local._owned_dirs import owned_temp_dir
+from k8s_agent_sandbox_awx.broker.backends.local._owned_dirs import (
+    owned_temp_dir,
+    sweep_dead_owners,
+)
 from tests._support._oci import find_image
 from tests._support.controller import StandInController
 from tests._support.deploy import REPO_ROOT
 from tests._support.kube import KubeAPIServer, find_kube_tools
 from tests._support.real_node import (
     NODE_IP,
+    WORKDIR_PREFIX,
     Node,
     api_server_address,
     find_node_tools,
     prepare_namespace,
+    sweep_leftovers,
 )
 from tests._support.stand_in_router import StandInRouter
 
@@ -48,24 +54,132 @@ ROUTER_NS: Final = "agent-sandbox-system"
 
 
 class Kubectl:
-    """kubectl with the admin's kubeconfig, from the repository's root (as the guide)."""
+    """kubectl with the admin's kubeconfig, from the repository's root (as the guide); where
+    no kubectl is installed, ``_kubectl_in_python`` carries out the same commands (the
+    subset this scenario uses) through the API, and the report says so."""
 
-    def __init__(self, kubeconfig: Path, workdir: Path, log: list[dict[str, Any]]) -> None:
-        self.kubeconfig, self.workdir, self.log = kubeconfig, workdir, log
+    def __init__(self, kube: KubeAPIServer, kubeconfig: Path, workdir: Path,
+                 log: list[dict[str, Any]]) -> None:  # fmt: skip
+        self.kube, self.kubeconfig, self.workdir, self.log = kube, kubeconfig, workdir, log
+        # AGENT_SANDBOX_TEST_KUBECTL: another kubectl, or "" for the stand-in
+        self.binary = os.environ.get("AGENT_SANDBOX_TEST_KUBECTL", shutil.which("kubectl") or "")
 
     def __call__(self, *args: str, timeout: float = 240) -> str:
-        argv = ["kubectl", f"--kubeconfig={self.kubeconfig}",
-                f"--cache-dir={self.workdir / 'kube-cache'}", *args]  # fmt: skip
         started = time.perf_counter()
-        done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=timeout, check=False)  # fmt: skip
-        self.log.append({"command": "kubectl " + " ".join(args), "rc": done.returncode,
+        if not self.binary:
+            rc, out, err = _kubectl_in_python(self.kube, list(args))
+        else:
+            argv = [self.binary, f"--kubeconfig={self.kubeconfig}",
+                    f"--cache-dir={self.workdir / 'kube-cache'}", *args]  # fmt: skip
+            done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True,
+                                  timeout=timeout, check=False)  # fmt: skip
+            rc, out, err = done.returncode, done.stdout, done.stderr
+        self.log.append({"command": "kubectl " + " ".join(args), "rc": rc,
+                         "by": self.binary or "python", "stdout": out[-2000:],
                          "seconds": round(time.perf_counter() - started, 2),
-                         "stdout": done.stdout[-2000:], "stderr": done.stderr[-2000:]})  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)} failed ({done.returncode}):\n"
-                               f"{done.stdout[-2000:]}{done.stderr[-3000:]}")  # fmt: skip
-        return done.stdout
+                         "stderr": err[-2000:]})  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(
+                f"kubectl {' '.join(args)} failed ({rc}):\n{out[-2000:]}{err[-3000:]}"
+            )
+        return out
+
+
+def _kubectl_in_python(kube: KubeAPIServer, args: list[str]) -> tuple[int, str, str]:
+    """The commands of this scenario, as kubectl carries them out (no kubectl here)."""
+    import yaml  # type: ignore[import-untyped]
+
+    from tests._support.deploy import render
+
+    namespace = args[args.index("-n") + 1] if "-n" in args else None
+    words = [a for i, a in enumerate(args) if a != "-n" and (i == 0 or args[i - 1] != "-n")]
+    flags = dict(w[2:].split("=", 1) for w in words if w.startswith("--") and "=" in w)
+    verb, *rest = [w for w in words if not w.startswith("-")]
+    if verb == "kustomize":
+        return 0, yaml.safe_dump_all(render(REPO_ROOT / rest[0])), ""
+    if verb == "apply":
+        source = args[args.index("-f") + 1] if "-f" in args else args[args.index("-k") + 1]
+        path = Path(source) if Path(source).is_absolute() else REPO_ROOT / source
+        objects = render(path) if "-k" in args else list(yaml.safe_load_all(path.read_text()))
+        for obj in objects:
+            _server_side_apply(kube, obj)
+        return 0, "".join(f"{o['kind'].lower()}/{o['metadata']['name']} serverside-applied\n"
+                          for o in objects), ""  # fmt: skip
+    if verb == "create":
+        return 0, _create(kube, namespace, rest, flags), ""
+    if verb in ("rollout", "wait"):
+        _wait_until(kube, namespace, verb, rest[-1], float(flags["timeout"].rstrip("s")))
+        return 0, f"{rest[-1]} done\n", ""
+    if verb == "logs":
+        selector = args[args.index("-l") + 1] if "-l" in args else f"job-name={rest[0][4:]}"
+        return 0, _logs(kube, namespace, selector, "--prefix" in args), ""
+    return 1, "", f"this stand-in for kubectl knows no {args!r}"
+
+
+def _server_side_apply(kube: KubeAPIServer, obj: dict[str, Any]) -> None:
+    from tests._support.kube import path_of_obj
+
+    kube.request("PATCH", path_of_obj(obj), params={"fieldManager": "kubectl"},
+                 content=json.dumps(obj),
+                 headers={"Content-Type": "application/apply-patch+yaml"})  # fmt: skip
+
+
+def _create(kube: KubeAPIServer, namespace: str | None, rest: list[str],
+            flags: dict[str, str]) -> str:  # fmt: skip
+    import base64
+
+    def b64(path: str) -> str:
+        return base64.b64encode(Path(path).read_bytes()).decode()
+
+    kind, *names = rest
+    meta = {"name": names[-1]}
+    if kind == "namespace":
+        kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": meta})
+        return f"namespace/{names[-1]} created\n"
+    key, _, source = flags.get("from-file", "=").partition("=")
+    if kind == "configmap":
+        body = {"kind": "ConfigMap", "data": {key: Path(source).read_text()}}
+    elif names[0] == "tls":
+        body = {"kind": "Secret", "type": "kubernetes.io/tls",
+                "data": {"tls.crt": b64(flags["cert"]), "tls.key": b64(flags["key"])}}  # fmt: skip
+    else:
+        body = {"kind": "Secret", "type": "Opaque", "data": {key: b64(source)}}
+    kube.create({"apiVersion": "v1", "metadata": meta, **body}, namespace)
+    return f"{kind}/{names[-1]} created\n"
+
+
+def _wait_until(kube: KubeAPIServer, namespace: str | None, verb: str, target: str,
+                timeout: float) -> None:  # fmt: skip
+    kind, _, name = target.partition("/")
+    group = "apps" if kind == "deployment" else "batch"
+    url = f"/apis/{group}/v1/namespaces/{namespace}/{kind}s/{name}"
+
+    def done() -> bool:
+        obj = kube.get(url)
+        status, spec = obj.get("status") or {}, obj.get("spec") or {}
+        if verb == "rollout":
+            want = spec.get("replicas", 1)
+            return bool(status.get("observedGeneration", 0) >= obj["metadata"]["generation"]
+                        and status.get("updatedReplicas") == want
+                        and status.get("availableReplicas") == want)  # fmt: skip
+        return any(c.get("type") == "Complete" and c.get("status") == "True"
+                   for c in status.get("conditions") or [])  # fmt: skip
+
+    kube.wait_for(done, what=f"{verb} {target}", timeout=timeout)
+
+
+def _logs(kube: KubeAPIServer, namespace: str | None, selector: str, prefix: bool) -> str:
+    pods = kube.admin.get(f"/api/v1/namespaces/{namespace}/pods",
+                          params={"labelSelector": selector}).json()["items"]  # fmt: skip
+    out = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        for container in pod["spec"]["containers"]:
+            text = kube.admin.get(f"/api/v1/namespaces/{namespace}/pods/{name}/log",
+                                  params={"container": container["name"]}).text  # fmt: skip
+            tag = f"[pod/{name}/{container['name']}] " if prefix else ""
+            out += [tag + line + "\n" for line in text.splitlines()]
+    return "".join(out)
 
 
 def _secrets(kubectl: Kubectl, workdir: Path, router_token: Path) -> Path:
@@ -221,7 +335,9 @@ def _afterwards(kubectl: Kubectl, kube: KubeAPIServer, report: dict[str, Any],
 
 
 def run(report: dict[str, Any]) -> None:
-    workdir = Path(owned_temp_dir("k8s-awx-node-"))
+    report["swept"] = sweep_leftovers()  # a killed run's shims and containers
+    sweep_dead_owners(WORKDIR_PREFIX)
+    workdir = Path(owned_temp_dir(WORKDIR_PREFIX))
     report["workdir"] = str(workdir)  # the test removes it, once the namespaces are gone
     os.chmod(workdir, 0o755)
     prepare_namespace(workdir)
@@ -237,7 +353,8 @@ def run(report: dict[str, Any]) -> None:
                 round(node.import_image(broker.rootfs, dict(broker.config), BROKER_IMAGE), 2),
                 round(node.import_image(runtime.rootfs, dict(runtime.config), RUNTIME_IMAGE), 2),
             ]
-            kubectl = Kubectl(node.admin_kubeconfig(), workdir, report.setdefault("kubectl", []))
+            kubectl = Kubectl(kube, node.admin_kubeconfig(), workdir,
+                              report.setdefault("kubectl", []))  # fmt: skip
             controller = StandInController(kube, real_node=True)
             token_dir = workdir / "router"
             token_dir.mkdir()

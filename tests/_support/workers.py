@@ -17,6 +17,7 @@ import tempfile
 from typing import Any
 
 GROUPS = {
+    "tests/kube/test_real_node.py": "real-node",  # its own cluster: beside the kube group
     "tests/kube/": "kube",
     "tests/client/test_large_files.py": "large-files",
     "tests/client/test_async_large_files.py": "large-files",

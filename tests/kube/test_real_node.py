@@ -22,10 +22,16 @@ from typing import Any
 
 import pytest
 
+from k8s_agent_sandbox_awx.broker.backends.local._owned_dirs import sweep_dead_owners
 from tests._support import _oci
 from tests._support.deploy import REPO_ROOT
 from tests._support.kube import KubeToolsMissing, find_kube_tools, kube_required
-from tests._support.real_node import find_node_tools, run_in_namespace
+from tests._support.real_node import (
+    WORKDIR_PREFIX,
+    find_node_tools,
+    run_in_namespace,
+    sweep_leftovers,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -54,8 +60,11 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     argv = [sys.executable, "-m", "tests._support.real_node_scenario", str(out)]
     done = run_in_namespace(argv, cwd=REPO_ROOT, timeout=840)
     found: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {}
+    swept = sweep_leftovers()  # a scenario killed by its timeout leaves containerd's shims
+    sweep_dead_owners(WORKDIR_PREFIX)  # and its work folder
     if found.get("workdir"):  # the namespaces are gone: only the folders are left
         shutil.rmtree(found["workdir"], ignore_errors=True)
+    assert done.returncode != 0 or not swept, f"the scenario left processes running: {swept}"
     if done.returncode != 0 or found.get("error"):
         pytest.fail(
             f"the scenario failed ({done.returncode}):\n{found.get('error', '')}\n"
