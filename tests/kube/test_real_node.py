@@ -25,7 +25,7 @@ import pytest
 from k8s_agent_sandbox_awx.broker.backends.local._owned_dirs import sweep_dead_owners
 from tests._support import _oci
 from tests._support.deploy import REPO_ROOT
-from tests._support.kube import KubeToolsMissing, find_kube_tools, kube_required
+from tests._support.kube import KubeToolsMissing, build_wait, find_kube_tools, kube_required
 from tests._support.real_node import (
     WORKDIR_PREFIX,
     find_node_tools,
@@ -33,7 +33,8 @@ from tests._support.real_node import (
     sweep_leftovers,
 )
 
-pytestmark = pytest.mark.timeout(900)
+# the scenario's own bound, plus the wait for a background .ci/kube-tools or .ci/images build
+pytestmark = pytest.mark.timeout(900 + build_wait() + _oci.images_wait())
 
 
 def _parts_or_skip() -> None:
