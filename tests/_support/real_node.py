@@ -59,6 +59,7 @@ from tests._support.kube import (
     KubeAPIServer,
     KubeToolsMissing,
     ServerAddress,
+    _die_with_parent,
     _Process,
     _tail,
     cache_root,
@@ -141,7 +142,8 @@ def run_in_namespace(argv: Sequence[str], **kwargs: Any) -> subprocess.Completed
     parent; what it printed."""
     wrapped = ["unshare", "--net", "--mount", "--propagation", "private", "--fork",
                "--kill-child", "--", *argv]  # fmt: skip
-    return subprocess.run(wrapped, capture_output=True, text=True, check=False, **kwargs)
+    return subprocess.run(wrapped, capture_output=True, text=True, check=False,
+                          preexec_fn=_die_with_parent, **kwargs)  # fmt: skip
 
 
 def sweep_leftovers() -> list[int]:
@@ -168,25 +170,53 @@ def sweep_leftovers() -> list[int]:
     folders = list(Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"))
     if any(owner_lives(folder) for folder in folders):
         return []  # a scenario runs: its node is its own business
-    victims = [int(p) for p in _shim_pids()]
-    for procs in Path("/sys/fs/cgroup").glob("*/k8s.io/*/cgroup.procs"):
-        with contextlib.suppress(OSError, ValueError):
-            victims += [int(line) for line in procs.read_text().split()]
-    for pid in set(victims):
+    shims = _shim_pids()
+    victims = sorted(shims | _descendants(shims))  # a shim is its containers' subreaper
+    cgroups = {c for pid in victims for c in _container_cgroups(pid)}
+    for pid in victims:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, 9)
     deadline = time.monotonic() + 5
-    for cgroup in sorted(Path("/sys/fs/cgroup").glob("*/k8s.io/*"), reverse=True):
+    for cgroup in sorted(cgroups, key=lambda c: len(c.parts), reverse=True):
         while cgroup.is_dir() and time.monotonic() < deadline:
             try:
                 cgroup.rmdir()  # empty once its processes are reaped
             except OSError:
                 time.sleep(0.05)
-    return sorted(set(victims))
+    return victims
 
 
-def _shim_pids() -> list[str]:
+def _descendants(roots: set[int]) -> set[int]:
+    parents: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if proc.name.isdigit():
+                stat = (proc / "stat").read_text()
+                parents[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = set(roots)
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _container_cgroups(pid: int) -> list[Path]:
+    """The cgroups (v1 hierarchies or v2) of ``pid`` under containerd's ``k8s.io``."""
     found = []
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "/k8s.io/" not in path + "/":
+                continue
+            for controller in controllers.split(",") if controllers else [""]:
+                base = Path("/sys/fs/cgroup") / controller.removeprefix("name=")
+                found.append(base / path.lstrip("/"))
+    return found
+
+
+def _shim_pids() -> set[int]:
+    found = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -195,7 +225,7 @@ def _shim_pids() -> list[str]:
             if argv[0].endswith(b"containerd-shim-runc-v2") and any(
                 f"/{WORKDIR_PREFIX}".encode() in arg for arg in argv
             ):
-                found.append(proc.name)
+                found.add(int(proc.name))
     return found
 
 
@@ -356,8 +386,8 @@ class Node:
             process.stop(grace=5)
         self.proxy.stop()
         self.dns.stop()
-        for parent in Path("/sys/fs/cgroup").glob("*/k8s.io"):  # containerd's, empty now
-            with contextlib.suppress(OSError):
+        for parent in [*Path("/sys/fs/cgroup").glob("*/k8s.io"), Path("/sys/fs/cgroup/k8s.io")]:
+            with contextlib.suppress(OSError):  # containerd's (v1 or v2); only if empty now
                 parent.rmdir()
 
     def logs(self) -> str:
@@ -560,7 +590,8 @@ class _Poller:
 
     def __init__(self, kube: KubeAPIServer) -> None:
         self.kube = kube
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # the last 20 failed refreshes (each tried again)
+        self.failing: str | None = None  # the last refresh's error, None once one succeeds
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=type(self).__name__)
 
@@ -580,8 +611,10 @@ class _Poller:
         while not self._stopping.wait(self.interval):
             try:
                 self.refresh()
+                self.failing = None
             except Exception as exc:  # kept for the scenario's report, tried again
-                self.errors.append(repr(exc))
+                self.failing = repr(exc)
+                self.errors.append(self.failing)
                 del self.errors[:-20]
 
     def _services(self) -> list[dict[str, Any]]:

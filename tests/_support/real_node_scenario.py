@@ -372,7 +372,13 @@ def run(report: dict[str, Any]) -> None:
                     _afterwards(kubectl, kube, report, secret_values)
                 report["pods"] = _pods(kube)
                 report["controller_errors"] = controller.errors
-            report["proxy_errors"], report["dns_errors"] = node.proxy.errors, node.dns.errors
+                # the stand-ins' state at the end (a refresh that failed once, under load,
+                # was tried again: kept in *_errors for the report, not a failure)
+                report["proxy_failing"], report["dns_failing"] = (
+                    node.proxy.failing,
+                    node.dns.failing,
+                )
+                report["proxy_errors"], report["dns_errors"] = node.proxy.errors, node.dns.errors
 
 
 def main() -> int:
