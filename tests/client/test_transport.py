@@ -147,6 +147,46 @@ def test_the_async_client_does_no_cookie_work_per_answer(monkeypatch: pytest.Mon
     assert "Cookie" not in sent.headers and not kept
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "params", "headers", "content"),
+    [
+        ("GET", "/v1/sandboxes", None, {}, None),
+        ("GET", "/commands/c1/events", {"after": "3"}, {"X-Sandbox-ID": "s"}, None),
+        ("POST", "/commands", None, {"Accept": "application/x-ndjson", "user-agent": "x"}, b"{}"),
+        ("DELETE", "/v1/sandboxes/s?x=1", {"y": "2"}, {"ACCEPT": "a", "Accept": "b"}, None),
+        ("PUT", "/files/a%20b", None, {"Content-Type": "application/octet-stream"}, b"\x00"),
+    ],
+)
+def test_a_pool_client_builds_the_request_httpx_would(
+    method: str, path: str, params: Any, headers: dict[str, str], content: bytes | None
+) -> None:
+    from k8s_agent_sandbox_awx.client.http._client_settings import (
+        CookielessAsyncClient,
+        CookielessClient,
+        build_request,
+    )
+
+    timeout = httpx.Timeout(30.0, read=35.0)
+    url = "https://broker.test:8443" + path
+    for client in (
+        CookielessClient(headers={"User-Agent": "ua", "X-Extra": "e"}),
+        CookielessAsyncClient(headers={"User-Agent": "ua"}),
+    ):
+        built = build_request(
+            client, method, url, params=params, headers=headers, content=content, timeout=timeout
+        )
+        expected = client.build_request(
+            method, url, params=params, headers=headers, content=content, timeout=timeout
+        )
+        assert (built.method, built.url, built.headers.raw, built.extensions) == (
+            expected.method,
+            expected.url,
+            expected.headers.raw,
+            expected.extensions,
+        )
+        assert built.content == expected.content
+
+
 def test_redirect_is_not_followed(make_client: Any, fake: Any) -> None:
     fake.route("GET", "/v1/sandboxes")(
         lambda r: httpx.Response(307, headers={"Location": "https://other.example/v1/sandboxes"})

@@ -362,6 +362,26 @@ async def test_selected_file_provider_that_disappears_async(tmp_path: Path, mint
         await creds.aget_credential(BROKER)
 
 
+@pytest.mark.asyncio
+async def test_selected_file_provider_is_read_and_checked_at_every_request_async(
+    tmp_path: Path, mint, clock
+) -> None:
+    path = tmp_path / "file"
+    path.write_text(mint(sub="first"))
+    creds = chain({"AGENT_SANDBOX_TOKEN_FILE": str(path)}, str(tmp_path / "proj"))
+    first = await creds.aget_credential(BROKER)
+    path.write_text(mint(sub="second"))
+    second = await creds.aget_credential(BROKER)
+    assert first.token != second.token == creds.get_credential(BROKER).token
+    assert second.file_backed and second.provider == "agent-sandbox-token-file"
+    path.write_text(mint(aud=OTHER))
+    with pytest.raises(AudienceMismatchError):
+        await creds.aget_credential(BROKER)
+    path.write_text(mint(now=0, ttl=1))
+    with pytest.raises(TokenExpiredError):
+        await creds.aget_credential(BROKER)
+
+
 # --- plugins -----------------------------------------------------------------------------
 
 

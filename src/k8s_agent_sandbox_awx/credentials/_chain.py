@@ -225,6 +225,9 @@ class DefaultCredentials:
     # -- per request ------------------------------------------------------------------------
 
     def get_credential(self, audience: str) -> Credential:
+        read = self._read_inline(audience)
+        if read is not None:
+            return self._read_file(read, audience)
         plan = self._plan(audience)
         if plan.key is None:
             return _run(plan.steps())[0]
@@ -238,6 +241,9 @@ class DefaultCredentials:
         first discovery loads the plugins (imports entry points) in a helper thread, in the one
         task that runs it (the others wait for its result without a thread).
         """
+        read = self._read_inline(audience)
+        if read is not None:
+            return self._read_file(read, audience)
         plan = self._plan(audience)
         if plan.key is None:
             return (await _arun(plan.steps()))[0]
@@ -248,6 +254,22 @@ class DefaultCredentials:
         if self._registry is None:
             await aresult(in_thread(self.registry))
         return await _arun(steps())
+
+    def _read_inline(self, audience: str) -> ProviderEntry | None:
+        """The selected provider when it is a built-in file source (re-read on every request,
+        inline on both paths: :meth:`ProviderEntry.call` and ``acall`` both call its hook
+        directly), so that a request reads the file without the driver of the steps."""
+        selection = self._selected.get(audience)
+        if selection is None or not selection.file_backed:
+            return None
+        provider = selection.provider
+        return provider if provider.builtin and provider.get_credential is not None else None
+
+    def _read_file(self, provider: ProviderEntry, audience: str) -> Credential:
+        """:meth:`_fetch` of a built-in file source, without its steps: the same guard, read
+        and checks."""
+        request = self._request(audience)
+        return self._checked(provider, request, _perform((provider, request)), audience)[0]
 
     def invalidate(self, audience: str) -> None:
         """Drop the cached credential of the selected provider for ``audience`` (after a 401).
@@ -289,7 +311,13 @@ class DefaultCredentials:
 
     def _fetch(self, provider: ProviderEntry, audience: str) -> Discovery[_cache.Fetched]:
         request = self._request(audience)
-        result = yield provider, request
+        return self._checked(provider, request, (yield provider, request), audience)
+
+    def _checked(
+        self, provider: ProviderEntry, request: CredentialRequest, result: object, audience: str
+    ) -> _cache.Fetched:
+        """The selected provider's answer to ``request``, checked (an answer in time, a
+        credential that passes :func:`accept_credential`), with its cache deadline."""
         if isinstance(result, TimedOut):
             raise CredentialSourceError(
                 f"The credential provider {provider.name!r} was selected for {audience!r} but "

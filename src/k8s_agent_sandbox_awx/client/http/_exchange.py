@@ -39,7 +39,7 @@ from ..wire import _protocol as proto
 from ..wire._dataplane import DataTarget, Keepalive, KeptAlive
 from ..wire._dialect import Dialect
 from ..wire._dialects import BrokerDialect
-from ._client_settings import retry_policy
+from ._client_settings import build_request, retry_policy
 from ._config import ENV_TRUST_ENV_PROXIES, BrokerConnectionConfig
 
 __all__ = [
@@ -281,7 +281,8 @@ class Exchange:
                 f"Could not {spec.what}: the upload stream was consumed and cannot be sent "
                 "again; pass bytes or a seekable file to allow a retry."
             )
-        request = self._client.build_request(
+        request = build_request(
+            self._client,
             spec.method,
             self.config.broker_url + spec.path,
             params=spec.params or None,
