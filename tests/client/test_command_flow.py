@@ -26,7 +26,15 @@ from k8s_agent_sandbox_awx.client.core._command_rules import (
     command_argv,
 )
 from k8s_agent_sandbox_awx.client.core._command_start import RuntimeFeatures
-from k8s_agent_sandbox_awx.client.core._steps import Call, Emit, NextEvent, OpenEvents, Sleep, Step
+from k8s_agent_sandbox_awx.client.core._steps import (
+    Call,
+    Emit,
+    NextEvent,
+    OpenEvents,
+    Sleep,
+    Step,
+    learning,
+)
 from k8s_agent_sandbox_awx.client.wire import _commands_wire as cw
 from k8s_agent_sandbox_awx.client.wire import _stdin_wire as stdin_wire
 from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget
@@ -40,6 +48,11 @@ from k8s_agent_sandbox_awx.errors import (
 )
 
 TARGET = RouterTarget("sbx")
+
+
+def _run_op(target: Any, plan: Any, features: Any, **options: Any) -> Any:
+    """A foreground run as the commands shells drive it: its findings kept in ``features``."""
+    return learning(ops.foreground(target, plan, features, **options), features.record)
 
 
 def test_argv_rules() -> None:
@@ -251,7 +264,7 @@ def test_a_foreground_run_without_an_exit_in_time_is_killed() -> None:
 
     plan = StartPlan.make("sleep 999", 30)
     with pytest.raises(CommandTimeoutError, match="killed") as info:
-        drive(ops.run(TARGET, plan, RuntimeFeatures(), clock=lambda: now[0]), perform)
+        drive(_run_op(TARGET, plan, RuntimeFeatures(), clock=lambda: now[0]), perform)
     assert sent == [("POST", "/commands", False), ("POST", "/commands/c1/kill", True)]
     assert info.value.result is not None and info.value.result.command_id == "c1"
     # the ways out it names exist: a background command without a time limit, or a terminal
@@ -284,7 +297,7 @@ def test_a_failed_wait_whose_kill_fails_says_the_command_may_still_run(wait_erro
     plan = StartPlan.make("sleep 999", 30)
     expected = CommandTimeoutError if wait_error == "no exit in time" else KeyboardInterrupt
     with pytest.raises(expected) as info:
-        drive(ops.run(TARGET, plan, RuntimeFeatures(), clock=lambda: now[0]), perform)
+        drive(_run_op(TARGET, plan, RuntimeFeatures(), clock=lambda: now[0]), perform)
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "Command 'c1' may still be running in sandbox 'sbx'" in notes
     assert "(BrokerUnavailableError)" in notes and "not-a-secret" not in notes
@@ -324,7 +337,7 @@ def test_a_failed_wait_in_a_deleted_sandbox_does_not_say_the_command_may_still_r
 
     plan = StartPlan.make("sleep 999", 30)
     with pytest.raises(cls, match="Could not follow the output") as info:
-        drive(ops.run(TARGET, plan, RuntimeFeatures(), clock=lambda: 0.0), perform)
+        drive(_run_op(TARGET, plan, RuntimeFeatures(), clock=lambda: 0.0), perform)
     assert "may still be running" not in " ".join(getattr(info.value, "__notes__", []))
 
 
@@ -359,7 +372,7 @@ def test_an_unanswered_start_kills_only_the_command_its_request_id_started(
         return None
 
     features = RuntimeFeatures()
-    op = ops.start(TARGET, plan, features) if background else ops.run(TARGET, plan, features)
+    op = ops.start(TARGET, plan, features) if background else _run_op(TARGET, plan, features)
     with pytest.raises(BrokerUnavailableError) as info:
         drive(op, perform)
     lookup = ("GET", "/commands", {"request_id": plan.request_id}, False)
@@ -393,7 +406,7 @@ def test_a_start_that_was_answered_or_never_sent_is_not_looked_up(refusal: Excep
 
     plan = StartPlan.make("sleep 999", 30)
     with pytest.raises(type(refusal)):
-        drive(ops.run(TARGET, plan, RuntimeFeatures()), perform)
+        drive(_run_op(TARGET, plan, RuntimeFeatures()), perform)
     assert sent == ["POST /commands"]
 
 
@@ -412,7 +425,7 @@ def _start_failing_with(error: Exception) -> list[str]:
 
     plan = StartPlan.make("sleep 999", 30)
     with pytest.raises(type(error)):
-        drive(ops.run(TARGET, plan, RuntimeFeatures()), perform)
+        drive(_run_op(TARGET, plan, RuntimeFeatures()), perform)
     return sent
 
 
@@ -459,7 +472,7 @@ def test_a_start_answered_without_a_command_id_says_the_command_may_run(first: A
 
     plan = StartPlan.make("sleep 999", 30)
     with pytest.raises(BrokerProtocolError) as info:
-        drive(ops.run(TARGET, plan, RuntimeFeatures()), perform)
+        drive(_run_op(TARGET, plan, RuntimeFeatures()), perform)
     assert sent == ["POST /commands"]
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "may have started" in notes and "commands.list()" in notes

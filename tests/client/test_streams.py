@@ -193,6 +193,7 @@ def run_echo_hi(start: httpx.Response) -> tuple[Any, list[str]]:
     from k8s_agent_sandbox_awx.client.core import _command_ops as ops
     from k8s_agent_sandbox_awx.client.core._command_rules import StartPlan
     from k8s_agent_sandbox_awx.client.core._command_start import RuntimeFeatures
+    from k8s_agent_sandbox_awx.client.core._steps import learning
     from k8s_agent_sandbox_awx.client.wire._protocol import RouterTarget
 
     seen: list[str] = []
@@ -209,7 +210,11 @@ def run_echo_hi(start: httpx.Response) -> tuple[Any, list[str]]:
     )
     client._transport._sleep = lambda _s: None
     try:
-        op = ops.run(RouterTarget("sbx"), StartPlan.make("echo hi", 5), RuntimeFeatures())
+        features = RuntimeFeatures()
+        op = learning(
+            ops.foreground(RouterTarget("sbx"), StartPlan.make("echo hi", 5), features),
+            features.record,
+        )
         return _Performer(client._transport, None, None).drive(op), seen
     finally:
         client.close()

@@ -38,7 +38,6 @@ __all__ = [
     "kill_quietly",
     "list_commands",
     "note_unkilled",
-    "run",
     "send_stdin",
     "start",
     "status",
@@ -112,22 +111,6 @@ def _no_limit_unsupported(target: dp.DataTarget, why: str) -> errors.Unsupported
     )
 
 
-def run(
-    target: dp.DataTarget,
-    plan: StartPlan,
-    features: RuntimeFeatures,
-    *,
-    raise_on_timeout: bool = True,
-    live: tuple[str, ...] = (),
-    clock: Callable[[], float] = time.monotonic,
-) -> Op[Any]:
-    """A foreground ``commands.run`` (:func:`_run_foreground`); what its answers tell of the
-    runtime is kept in ``features``."""
-    return learning(
-        foreground(target, plan, features, raise_on_timeout, live, clock), features.record
-    )
-
-
 def foreground(
     target: dp.DataTarget,
     plan: StartPlan,
@@ -136,9 +119,10 @@ def foreground(
     live: tuple[str, ...] = (),
     clock: Callable[[], float] = time.monotonic,
 ) -> Op[Any]:
-    """:func:`run` without the ``learning`` wrapper: its :class:`~._steps.Learned` steps are
-    for the performer to hand to ``features.record`` (the commands shells do: one generator
-    fewer between the driver and the operation at every step)."""
+    """A foreground ``commands.run`` (:func:`_run_foreground`). Its :class:`~._steps.Learned`
+    steps are for the performer to hand to ``features.record`` (the commands shells do), not
+    wrapped by ``learning``: one generator fewer between the driver and the operation at every
+    step."""
     return _run_foreground(target, plan, features.managed, raise_on_timeout, live, clock)
 
 

@@ -273,7 +273,7 @@ class RunPlan:
     @property
     def live(self) -> tuple[str, ...]:
         """The output callbacks given (a legacy runtime cannot stream: see
-        :func:`~._command_ops.run`)."""
+        :func:`~._command_ops.foreground`)."""
         given = (("on_stdout", self.on_stdout), ("on_stderr", self.on_stderr))
         return tuple(name for name, callback in given if callback is not None)
 

@@ -35,7 +35,7 @@ MANAGED_COMMANDS = "managed_commands"
 class RuntimeFeatures:
     """What one sandbox's runtime was found to have or lack, kept by its ``commands``: the
     operations yield what they find out (:class:`~._steps.Learned`), and :meth:`record` keeps
-    it (:func:`~._command_ops.start` and :func:`~._command_ops.run` hand it over)."""
+    it (:func:`~._command_ops.start` and :func:`~._command_ops.foreground` hand it over)."""
 
     managed: bool | None = None
     """``False`` once ``POST /commands`` answered the legacy runtime's 404 (no code, its
