@@ -40,7 +40,9 @@ own kubelet, scheduler and garbage collector off: the real ones do that work).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import io
 import ipaddress
 import json
 import os
@@ -330,8 +332,6 @@ def _sha256(path: Path) -> str:
 
 
 def _add_bytes(archive: tarfile.TarFile, name: str, data: bytes) -> None:
-    import io
-
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = len(data), 0o644, 0
     archive.addfile(info, io.BytesIO(data))
@@ -348,8 +348,9 @@ class Node:
         self.kube, self.tools, self.workdir = kube, tools, workdir
         self.socket = workdir / "containerd" / "containerd.sock"
         self.processes: list[_Process] = []
-        self.dns = ClusterDns(kube, workdir / "dns", tools.dnsmasq)
-        self.proxy = ServiceProxy(kube)
+        self.dns = ClusterDns(workdir / "dns", tools.dnsmasq)
+        self.proxy = ServiceProxy()
+        self.services = ServiceWatch(kube, self.proxy, self.dns)
 
     def __enter__(self) -> Node:
         try:
@@ -364,12 +365,12 @@ class Node:
 
     def start(self) -> None:
         self.dns.start()
-        self.proxy.start()
+        self.services.start()
         self._start_containerd()
         self.import_archive(self._pause_archive())
         self._grant_nodes()
         self._start("kube-controller-manager", self._controller_manager_argv())
-        self._start("kube-scheduler", self._scheduler_argv())
+        self._start("kube-scheduler", self._control_plane_argv(self.tools.kube_scheduler, 10259))
         self._start("kubelet", self._kubelet_argv())
         self.kube.wait_for(self._node_ready, what=f"node {NODE_NAME} Ready", timeout=90)
 
@@ -384,7 +385,7 @@ class Node:
                 self._remove_pods()
         for process in reversed(self.processes):
             process.stop(grace=5)
-        self.proxy.stop()
+        self.services.stop()
         self.dns.stop()
         for parent in [*Path("/sys/fs/cgroup").glob("*/k8s.io"), Path("/sys/fs/cgroup/k8s.io")]:
             with contextlib.suppress(OSError):  # containerd's (v1 or v2); only if empty now
@@ -453,7 +454,9 @@ class Node:
         path.chmod(0o600)
         return path
 
+    @functools.cached_property
     def admin_kubeconfig(self) -> Path:
+        """The admin's kubeconfig (written once): the control plane's and kubectl's."""
         return self._kubeconfig("admin", {"token": self.kube.admin_token})
 
     def _grant_nodes(self) -> None:
@@ -466,25 +469,24 @@ class Node:
                           "name": "system:nodes"}],
         })  # fmt: skip
 
-    def _controller_manager_argv(self) -> list[str]:
-        config = str(self.admin_kubeconfig())
+    def _control_plane_argv(self, binary: Path, secure_port: int) -> list[str]:
+        """What kube-controller-manager and kube-scheduler share: the admin's kubeconfig for
+        the API and for checking their own callers, no leader election, no insecure port,
+        the secure one on loopback."""
+        config = self.admin_kubeconfig
         return [
-            str(self.tools.kube_controller_manager), f"--kubeconfig={config}",
-            f"--authentication-kubeconfig={config}", f"--authorization-kubeconfig={config}",
-            "--controllers=*", "--leader-elect=false", "--port=0",
-            "--bind-address=127.0.0.1", "--secure-port=10257",
-            f"--service-account-private-key-file={self.kube.service_account_key_file}",
-            f"--root-ca-file={self.kube.ca_file}", "--use-service-account-credentials=false",
-            f"--service-cluster-ip-range={SERVICE_RANGE}", "--v=1",
+            str(binary), f"--kubeconfig={config}", f"--authentication-kubeconfig={config}",
+            f"--authorization-kubeconfig={config}", "--leader-elect=false", "--port=0",
+            "--bind-address=127.0.0.1", f"--secure-port={secure_port}", "--v=1",
         ]  # fmt: skip
 
-    def _scheduler_argv(self) -> list[str]:
-        config = str(self.admin_kubeconfig())
+    def _controller_manager_argv(self) -> list[str]:
         return [
-            str(self.tools.kube_scheduler), f"--kubeconfig={config}",
-            f"--authentication-kubeconfig={config}", f"--authorization-kubeconfig={config}",
-            "--leader-elect=false", "--port=0", "--bind-address=127.0.0.1",
-            "--secure-port=10259", "--v=1",
+            *self._control_plane_argv(self.tools.kube_controller_manager, 10257),
+            "--controllers=*",
+            f"--service-account-private-key-file={self.kube.service_account_key_file}",
+            f"--root-ca-file={self.kube.ca_file}", "--use-service-account-credentials=false",
+            f"--service-cluster-ip-range={SERVICE_RANGE}",
         ]  # fmt: skip
 
     def _kubelet_argv(self) -> list[str]:
@@ -583,20 +585,43 @@ def _kubelet_config(ca_file: Path, resolv: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the stand-ins
 
 
-class _Poller:
-    """A thread that calls ``refresh`` every ``interval`` seconds until ``stop``."""
+Services = list[dict[str, Any]]
+Endpoints = dict[tuple[str, str], dict[str, Any]]
+
+
+class _Consumer:
+    """What the Services and Endpoints are turned into (``apply``), with its failures: the
+    last 20 (each tried again at the next refresh) and the last one's, None once one worked."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.failing: str | None = None
+
+    def apply(self, services: Services, endpoints: Endpoints) -> None:
+        raise NotImplementedError
+
+    def failed(self, exc: Exception) -> None:
+        self.failing = repr(exc)
+        self.errors.append(self.failing)
+        del self.errors[:-20]
+
+
+class ServiceWatch:
+    """One thread that lists the Services and Endpoints every ``interval`` seconds and hands
+    them to each consumer (the stand-in kube-proxy and DNS); ``start`` applies them once
+    first, and raises if that fails."""
 
     interval = 0.5
 
-    def __init__(self, kube: KubeAPIServer) -> None:
-        self.kube = kube
-        self.errors: list[str] = []  # the last 20 failed refreshes (each tried again)
-        self.failing: str | None = None  # the last refresh's error, None once one succeeds
+    def __init__(self, kube: KubeAPIServer, *consumers: _Consumer) -> None:
+        self.kube, self.consumers = kube, consumers
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=type(self).__name__)
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="service-watch")
 
     def start(self) -> None:
-        self.refresh()
+        services, endpoints = self._list()
+        for consumer in self.consumers:
+            consumer.apply(services, endpoints)
         self._thread.start()
 
     def stop(self) -> None:
@@ -604,25 +629,25 @@ class _Poller:
         if self._thread.is_alive():
             self._thread.join(10)
 
-    def refresh(self) -> None:
-        raise NotImplementedError
-
     def _loop(self) -> None:
         while not self._stopping.wait(self.interval):
             try:
-                self.refresh()
-                self.failing = None
+                services, endpoints = self._list()
             except Exception as exc:  # kept for the scenario's report, tried again
-                self.failing = repr(exc)
-                self.errors.append(self.failing)
-                del self.errors[:-20]
+                for consumer in self.consumers:
+                    consumer.failed(exc)
+                continue
+            for consumer in self.consumers:
+                try:
+                    consumer.apply(services, endpoints)
+                    consumer.failing = None
+                except Exception as exc:
+                    consumer.failed(exc)
 
-    def _services(self) -> list[dict[str, Any]]:
-        return list(self.kube.get("/api/v1/services").get("items") or [])
-
-    def _endpoints(self) -> dict[tuple[str, str], dict[str, Any]]:
+    def _list(self) -> tuple[Services, Endpoints]:
+        services = list(self.kube.get("/api/v1/services").get("items") or [])
         items = self.kube.get("/api/v1/endpoints").get("items") or []
-        return {(e["metadata"]["namespace"], e["metadata"]["name"]): e for e in items}
+        return services, {(e["metadata"]["namespace"], e["metadata"]["name"]): e for e in items}
 
 
 def _ready_addresses(
@@ -643,19 +668,18 @@ def _ready_addresses(
     return found
 
 
-class ServiceProxy(_Poller):
+class ServiceProxy(_Consumer):
     """kube-proxy's iptables mode, for this node: each Service's ``clusterIP:port`` (TCP and
     UDP) DNATed to one of its ready endpoints at random (``statistic --mode random``, as
     kube-proxy's per-endpoint probabilities), rewritten whenever Services or Endpoints change."""
 
-    def __init__(self, kube: KubeAPIServer) -> None:
-        super().__init__(kube)
+    def __init__(self) -> None:
+        super().__init__()
         self._last = ""
 
-    def refresh(self) -> None:
-        endpoints = self._endpoints()
+    def apply(self, services: Services, endpoints: Endpoints) -> None:
         nat, reject = [f"-F {_CHAIN}"], [f"-F {_REJECT}"]
-        for service in self._services():
+        for service in services:
             spec = service.get("spec") or {}
             ip = spec.get("clusterIP")
             if not ip or ip == "None":
@@ -688,14 +712,14 @@ def _dnat_rules(match: str, targets: Sequence[tuple[str, int]]) -> list[str]:
     return rules
 
 
-class ClusterDns(_Poller):
+class ClusterDns(_Consumer):
     """CoreDNS's ``kubernetes`` plugin, for this cluster, through dnsmasq on ``NODE_IP:53``:
     ``<service>.<namespace>.svc.cluster.local`` answers the ClusterIP, or for a headless
     Service its ready endpoints' IPs; any other name under ``cluster.local`` is NXDOMAIN, and
     nothing is forwarded outside."""
 
-    def __init__(self, kube: KubeAPIServer, folder: Path, dnsmasq: str) -> None:
-        super().__init__(kube)
+    def __init__(self, folder: Path, dnsmasq: str) -> None:
+        super().__init__()
         self.folder, self.dnsmasq = folder, dnsmasq
         self.log = folder.parent / "dnsmasq.log"
         self._process: _Process | None = None
@@ -710,17 +734,14 @@ class ClusterDns(_Poller):
             f"--hostsdir={self.folder / 'hosts'}", f"--local=/{CLUSTER_DOMAIN}/",
             "--local-ttl=1", "--cache-size=0",
         ], self.log)  # fmt: skip
-        super().start()
 
     def stop(self) -> None:
-        super().stop()
         if self._process is not None:
             self._process.stop(grace=2)
 
-    def refresh(self) -> None:
-        endpoints = self._endpoints()
+    def apply(self, services: Services, endpoints: Endpoints) -> None:
         lines = []
-        for service in self._services():
+        for service in services:
             namespace, name = service["metadata"]["namespace"], service["metadata"]["name"]
             ip = (service.get("spec") or {}).get("clusterIP")
             if ip and ip != "None":
@@ -737,7 +758,3 @@ class ClusterDns(_Poller):
             temporary.write_text(text)
             os.replace(temporary, target)
             self._last = text
-
-    def resolve(self, name: str) -> list[str]:
-        fqdn = name if name.endswith(CLUSTER_DOMAIN) else f"{name}.{CLUSTER_DOMAIN}"
-        return [line.split()[0] for line in self._last.splitlines() if line.split()[1:] == [fqdn]]

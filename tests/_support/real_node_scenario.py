@@ -283,18 +283,16 @@ def _client_job(kubectl: Kubectl, report: dict[str, Any]) -> None:
 
 def _sdk_session(kube: KubeAPIServer, ca_crt: Path, workdir: Path, report: dict[str, Any]) -> None:
     """A caller of the scenario's own, with the SDK, through the broker's Service."""
-    from k8s_agent_sandbox_awx import Sandbox
+    from k8s_agent_sandbox_awx import KubernetesAuth, Sandbox
 
     token = kube.token_request("team-a", "sandbox-user", BROKER_URL)
     token_file = workdir / "caller-token"
     token_file.write_text(token)
     os.environ.update(AGENT_SANDBOX_BROKER_URL=BROKER_URL, AGENT_SANDBOX_CA_BUNDLE=str(ca_crt),
                       AGENT_SANDBOX_TEMPLATE="awx-runtime-warmpool")  # fmt: skip
-    from k8s_agent_sandbox_awx import KubernetesAuth
-
     seen: dict[str, Any] = {}
     with Sandbox.create(auth=KubernetesAuth(str(token_file))) as sandbox:
-        seen["claim"] = sandbox.sandbox_id if hasattr(sandbox, "sandbox_id") else None
+        seen["claim"] = sandbox.sandbox_id
         result = sandbox.commands.run("id -u; id -g; pwd; echo $HOME")
         seen["identity"] = result.stdout.split()
         denied = sandbox.commands.run("touch /etc/awx-probe 2>&1; echo rc=$?")
@@ -353,7 +351,7 @@ def run(report: dict[str, Any]) -> None:
                 round(node.import_image(broker.rootfs, dict(broker.config), BROKER_IMAGE), 2),
                 round(node.import_image(runtime.rootfs, dict(runtime.config), RUNTIME_IMAGE), 2),
             ]
-            kubectl = Kubectl(kube, node.admin_kubeconfig(), workdir,
+            kubectl = Kubectl(kube, node.admin_kubeconfig, workdir,
                               report.setdefault("kubectl", []))  # fmt: skip
             controller = StandInController(kube, real_node=True)
             token_dir = workdir / "router"
