@@ -56,7 +56,9 @@ class Tty:
             preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
         )
         self.screen = Screen()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.after: list[Any] | None = None  # the terminal's attributes once the CLI is gone
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         with contextlib.suppress(OSError):  # EIO: every writer of the pty is gone
@@ -67,18 +69,31 @@ class Tty:
         os.write(self.master, data)
 
     def exit_code(self, within: float = 30) -> int:
+        """The CLI's exit code, once it has exited and ``screen`` holds all it wrote: the
+        terminal's attributes are kept in ``after``, then this side of the pty is closed so
+        the reader reads to the end (EIO) instead of racing the exit."""
         try:
-            return self.proc.wait(within)
+            code = self.proc.wait(within)
         except subprocess.TimeoutExpired:
             self.proc.send_signal(signal.SIGABRT)  # its threads' stacks, on the screen
             self.proc.wait(10)
             pytest.fail(f"the CLI did not exit within {within}s: {bytes(self.screen.data)!r}")
+        self.after = termios.tcgetattr(self.slave)
+        self._close_slave()
+        self._reader.join(10)
+        assert not self._reader.is_alive(), "the pty still has a writer after the CLI exited"
+        return code
+
+    def _close_slave(self) -> None:
+        if self.slave >= 0:
+            os.close(self.slave)
+            self.slave = -1
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        os.close(self.slave)
+        self._close_slave()
         os.close(self.master)
 
 
@@ -115,7 +130,7 @@ def test_shell_new_follows_the_terminal_and_exits_with_the_remote_code(
     [sandbox] = broker.sandboxes()
     term.type(b"exit 3\r")
     assert term.exit_code() == 3
-    assert termios.tcgetattr(term.slave) == term.before  # the local terminal restored
+    assert term.after == term.before  # the local terminal restored
     assert broker.sandboxes() == []  # --new: deleted at the end
     del sandbox
 
@@ -127,7 +142,7 @@ def test_shell_name_keeps_the_sandbox_and_runs_a_given_command(broker: Any, tty:
         term.screen.expect(rb"hi\r\n")
         term.type(b"7\r")
         assert term.exit_code() == 7
-        assert termios.tcgetattr(term.slave) == term.before
+        assert term.after == term.before
         assert sandbox.is_running() and sandbox.commands.run("cat greeting").stdout == "hi\n"
 
         kept = tty("--new", "--keep", "--", "sh", "-c", "exit 0")
@@ -143,7 +158,7 @@ def test_an_error_mid_session_restores_the_terminal(broker: Any, tty: Any) -> No
         term.screen.expect(rb"\rstarted\r\n")
         sandbox.kill()  # the sandbox goes away under the session
         assert term.exit_code(60) != 0
-        assert termios.tcgetattr(term.slave) == term.before
+        assert term.after == term.before
         assert b"error" in term.screen.data
 
 
@@ -157,7 +172,7 @@ def test_a_signal_to_the_cli_restores_the_terminal_and_kills_the_remote_one(
         term.screen.expect(rb"\rstarted\r\n")
         term.proc.send_signal(signum)
         assert term.exit_code() == 128 + signum
-        assert termios.tcgetattr(term.slave) == term.before
+        assert term.after == term.before
         [remote] = sandbox.commands.list()
         assert remote.pty is not None and remote.state == "cancelled"
         assert sandbox.is_running()  # shell NAME leaves the sandbox
