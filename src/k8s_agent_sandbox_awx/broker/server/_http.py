@@ -1,5 +1,7 @@
-"""The broker's HTTP/1.1 connections: uvicorn's h11 protocol, with deadlines for a connection
-that has not completed a request, and one warning for a malformed request.
+"""The broker's HTTP/1.1 connections: uvicorn's httptools protocol (llhttp, the parser of
+Node.js, in C: about half the CPU per request of uvicorn's h11 protocol, docs/performance.md),
+with deadlines and a size limit for a connection that has not completed a request's head, and
+one warning for a malformed request.
 
 - **Idle** (nothing of a request sent yet): ``keep_alive_seconds``, before a connection's first
   request as between requests (uvicorn arms its keep-alive timer only after a response, so a
@@ -8,10 +10,13 @@ that has not completed a request, and one warning for a malformed request.
   byte; a head begun and not ended then is answered ``408`` and the connection closed (uvicorn
   has no such deadline: a byte now and then cancelled the only timer there was). The TLS
   handshake has the same deadline (:func:`handshake_deadline`; asyncio's default is 60 s).
-- **A malformed request** whose app is already running (a broken chunked body, read after
-  the head): the app reads a disconnect and its answer goes nowhere, the client gets uvicorn's
-  ``400`` and its one warning ("Invalid HTTP request received."); before, the app's answer
-  after that ``400`` failed in h11 and was logged at ERROR with a traceback, on demand.
+- **A request's head, its size**: at most :data:`MAX_HEAD_BYTES`, the request line and the
+  headers (h11's limit, which the broker had before); a longer one is answered ``431`` and the
+  connection closed (llhttp sets no limit, and httptools holds a header's value until it ends).
+- **A malformed request** (llhttp refuses it: both framings, a broken chunked body, a bad
+  header, a method it does not know): uvicorn's ``400`` and its one warning ("Invalid HTTP
+  request received."), the connection closed; an app already running for it reads a
+  disconnect and its answer goes nowhere; one whose answer had begun just loses the connection.
 
 A request being answered (its body read, a long stream sent) has no deadline here: the app's
 own timeouts apply.
@@ -24,28 +29,38 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, Final
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..config import ServerSettings
 
-__all__ = ["deadline_protocol", "handshake_deadline"]
+__all__ = ["MAX_HEAD_BYTES", "deadline_protocol", "handshake_deadline"]
 
-_TIMED_OUT: Final = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+MAX_HEAD_BYTES: Final = 16 * 1024
+"""The most a request's line and headers may take (as h11's default, which served before)."""
+
+_REFUSED: Final = (
+    b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
     b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
 )
 
 
-class _DeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol with the deadlines of the module (``head_seconds``: set on the
-    subclass :func:`deadline_protocol` makes)."""
+class _HeadTooLarge(Exception):
+    """Raised in a parser callback: the head passed :data:`MAX_HEAD_BYTES`."""
+
+
+class _DeadlineHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the deadlines and the limit of the module
+    (``head_seconds``: set on the subclass :func:`deadline_protocol` makes)."""
 
     head_seconds: float = ServerSettings.request_head_seconds
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._in_head = False  # between a request's first byte and its head's end
+        self._given = 0  # this head's URL and headers, as the callbacks get them
+        self._fed = 0  # the chunks fed that began and ended inside this head
+        self._too_large = False
         # idle until a request's first byte: uvicorn's keep-alive timer (data cancels it)
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
@@ -61,14 +76,44 @@ class _DeadlineH11(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._head_timer is None and self._between_requests():
             self._head_timer = self.loop.call_later(self.head_seconds, self._head_timed_out)
-        before = self.cycle
+        inside = self._in_head
         super().data_received(data)
-        if self.cycle is not before:  # a request's head arrived: its app answers it
-            self._stop_head_timer()
+        if inside and self._in_head and not self.transport.is_closing():
+            # a chunk that began and ended inside a head is all head: what llhttp holds of a
+            # value that has not ended counts too, not only what the callbacks were given
+            self._fed += len(data)
+            if self._fed > MAX_HEAD_BYTES:
+                self._too_large = True
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("")
 
-    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+    # the parser's callbacks: a head's size (its URL and headers), and its end
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._given, self._fed = True, 0, 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._stop_head_timer()  # the head arrived: its app answers it
+        super().on_headers_complete()
+
+    def _count(self, size: int) -> None:
+        self._given += size
+        if self._given > MAX_HEAD_BYTES:
+            self._too_large = True
+            raise _HeadTooLarge  # the parser stops; uvicorn warns and calls send_400_response
+
+    def handle_websocket_upgrade(self) -> None:
         self._stop_head_timer()  # the head arrived; the WebSocket protocol owns the connection
-        super().handle_websocket_upgrade(event)
+        super().handle_websocket_upgrade()
 
     def _stop_head_timer(self) -> None:
         timer = getattr(self, "_head_timer", None)
@@ -80,12 +125,15 @@ class _DeadlineH11(H11Protocol):
         self._head_timer = None
         if self.transport.is_closing() or not self._between_requests():
             return
-        if self.conn.our_state is h11.IDLE and self.conn.their_state is h11.IDLE:
-            text = (
-                f"the request head did not arrive within {self.head_seconds:g} s "
-                "(request_head_seconds)\n"
-            ).encode()
-            self.transport.write(_TIMED_OUT % (len(text), text))
+        text = (
+            f"the request head did not arrive within {self.head_seconds:g} s "
+            "(request_head_seconds)\n"
+        )
+        self._refuse(b"408 Request Timeout", text)
+
+    def _refuse(self, status: bytes, text: str) -> None:
+        body = text.encode()
+        self.transport.write(_REFUSED % (status, len(body), body))
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
@@ -94,16 +142,20 @@ class _DeadlineH11(H11Protocol):
             # its app runs: it reads a disconnect, and its answer goes nowhere
             cycle.disconnected = True
             cycle.message_event.set()
-        try:
-            super().send_400_response(msg)
-        except h11.LocalProtocolError:  # an answer began already: the connection just ends
-            self.transport.close()
+            if cycle.response_started:  # an answer began already: the connection just ends
+                self.transport.close()
+                return
+        if self._too_large:
+            text = f"the request head is over {MAX_HEAD_BYTES} bytes (its line and headers)\n"
+            self._refuse(b"431 Request Header Fields Too Large", text)
+            return
+        super().send_400_response(msg)
 
 
-def deadline_protocol(head_seconds: float) -> type[H11Protocol]:
+def deadline_protocol(head_seconds: float) -> type[HttpToolsProtocol]:
     """uvicorn's ``http=`` protocol class with the module's deadlines, ``head_seconds`` for a
     request's head (the idle deadline is the server's ``timeout_keep_alive``)."""
-    return type("BrokerH11Protocol", (_DeadlineH11,), {"head_seconds": head_seconds})
+    return type("BrokerHttpProtocol", (_DeadlineHttpTools,), {"head_seconds": head_seconds})
 
 
 @contextlib.contextmanager
