@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 from typing import Any, Final
+from urllib.parse import unquote
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -103,7 +104,15 @@ class _DeadlineHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._stop_head_timer()  # the head arrived: its app answers it
-        super().on_headers_complete()
+        target = self.url
+        sent = _as_sent(target)  # before the app's task exists: a bad target is uvicorn's 400
+        self.url = b"/"  # what uvicorn parses; the scope gets the target as it came (below)
+        try:
+            super().on_headers_complete()
+        finally:
+            self.url = target
+        if "raw_path" in self.scope:  # an HTTP request (not a WebSocket's upgrade)
+            self.scope.update(sent)  # type: ignore[typeddict-item]
 
     def _count(self, size: int) -> None:
         self._given += size
@@ -150,6 +159,15 @@ class _DeadlineHttpTools(HttpToolsProtocol):
             self._refuse(b"431 Request Header Fields Too Large", text)
             return
         super().send_400_response(msg)
+
+
+def _as_sent(target: bytes) -> dict[str, Any]:
+    """The scope's path, raw path and query from the request target exactly as it came, as
+    uvicorn's h11 protocol made them: httptools' URL parser takes the path out of an absolute
+    target (``http://host:port/path``) and drops a fragment, so the request gate could no
+    longer refuse what is not origin-form (it must never become the forward's authority)."""
+    raw_path, _, query = target.partition(b"?")
+    return {"raw_path": raw_path, "path": unquote(raw_path.decode("ascii")), "query_string": query}
 
 
 def deadline_protocol(head_seconds: float) -> type[HttpToolsProtocol]:
