@@ -6,12 +6,15 @@ import base64
 import contextlib
 import json
 import os
+import re
 import signal
 import ssl
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +140,43 @@ def test_cli_demo_console_script() -> None:
     if not script.exists():  # pragma: no cover - not installed as a console script
         pytest.skip("the agent-sandbox-awx console script is not installed")
     proc = subprocess.run([str(script), "demo"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "42" in proc.stdout.splitlines()
+
+
+# What [broker] installs and [local] does not, as the modules they import: `demo` and `dev` must
+# run without them (the release check's fresh environment has [local] only). PyYAML and
+# prometheus-client are in [broker] too, but upstream's client brings them to every install.
+_BROKER_ONLY = {"httptools": "httptools"}
+_WITH_UPSTREAM = {"pyyaml": "kubernetes", "prometheus-client": "k8s-agent-sandbox"}
+
+_BLOCKED_DEMO = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"{{name}} is not installed (a [broker]-only dependency)")
+sys.meta_path.insert(0, Refuse())
+from k8s_agent_sandbox_awx.cli._cli import main
+sys.exit(main(["demo"]))
+"""
+
+
+def _extra(pyproject: dict[str, Any], name: str) -> set[str]:
+    specs = pyproject["project"]["optional-dependencies"][name]
+    return {re.split(r"[<>=!~\[ ;]", spec, maxsplit=1)[0].lower() for spec in specs}
+
+
+def test_demo_runs_with_the_local_extra_alone() -> None:
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert _extra(pyproject, "broker") - _extra(pyproject, "local") == {
+        *_BROKER_ONLY,
+        *_WITH_UPSTREAM,
+    }
+    for dist, needed_by in _WITH_UPSTREAM.items():
+        assert any(r.lower().startswith(dist) for r in metadata.requires(needed_by) or [])
+    code = _BLOCKED_DEMO.format(blocked=set(_BROKER_ONLY.values()))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "42" in proc.stdout.splitlines()
 
