@@ -155,6 +155,12 @@ def test_the_async_client_does_no_cookie_work_per_answer(monkeypatch: pytest.Mon
         ("POST", "/commands", None, {"Accept": "application/x-ndjson", "user-agent": "x"}, b"{}"),
         ("DELETE", "/v1/sandboxes/s?x=1", {"y": "2"}, {"ACCEPT": "a", "Accept": "b"}, None),
         ("PUT", "/files/a%20b", None, {"Content-Type": "application/octet-stream"}, b"\x00"),
+        ("POST", "/v1/sandboxes/s/extend", None, {}, None),
+        ("PATCH", "/x", None, {"X-Sandbox-ID": "s"}, b""),
+        ("POST", "/commands", None, {"content-length": "2", "HOST": "h.test"}, b"{}"),
+        ("PUT", "/files/f", None, {"Transfer-Encoding": "chunked"}, None),
+        ("POST", "/files/f", None, {"Transfer-Encoding": "chunked"}, b"ab"),
+        ("GET", "/v1/healthz", None, {"x-extra": "mine"}, b""),
     ],
 )
 def test_a_pool_client_builds_the_request_httpx_would(
@@ -170,6 +176,8 @@ def test_a_pool_client_builds_the_request_httpx_would(
     url = "https://broker.test:8443" + path
     for client in (
         CookielessClient(headers={"User-Agent": "ua", "X-Extra": "e"}),
+        CookielessClient(headers=[("X-Twice", "1"), ("x-twice", "2")]),
+        CookielessAsyncClient(headers={"Host": "default.test", "Content-Length": "9"}),
         CookielessAsyncClient(headers={"User-Agent": "ua"}),
     ):
         built = build_request(
@@ -185,6 +193,7 @@ def test_a_pool_client_builds_the_request_httpx_would(
             expected.extensions,
         )
         assert built.content == expected.content
+        assert list(built.stream) == list(expected.stream)  # type: ignore[arg-type]
 
 
 def test_redirect_is_not_followed(make_client: Any, fake: Any) -> None:

