@@ -307,3 +307,16 @@ def test_one_multipart_framing_and_one_length_rule_for_both_upload_endpoints() -
             "Content-Type": framing.content_type,
             "Transfer-Encoding": "chunked",
         }
+
+
+def test_an_idempotency_key_is_a_random_uuid4_as_text() -> None:
+    import uuid
+
+    keys = {proto.new_idempotency_key() for _ in range(20000)}
+    assert len(keys) == 20000
+    variants = set()
+    for key in keys:
+        parsed = uuid.UUID(key)
+        assert (parsed.version, parsed.variant, str(parsed)) == (4, uuid.RFC_4122, key)
+        variants.add(key[19])
+    assert variants == set("89ab")  # the variant's random bit is random

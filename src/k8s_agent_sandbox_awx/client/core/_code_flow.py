@@ -19,7 +19,6 @@ import functools
 import logging
 import math
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +91,7 @@ class CodePlan:
     """Seconds; ``None``: the runtime's default (:data:`DEFAULT_TIMEOUT`); ``math.inf``: none."""
     envs: dict[str, str] | None
     callbacks: Mapping[str, Callable[[Any], Any] | None] = field(default_factory=dict)
-    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    request_id: str = field(default_factory=proto.new_idempotency_key)
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"code": self.code, "language": self.language}

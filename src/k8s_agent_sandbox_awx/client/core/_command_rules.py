@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 import posixpath
 import shlex
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..wire import _commands_wire as cw
+from ..wire._protocol import new_idempotency_key
 from . import _options as opts
 
 __all__ = [
@@ -203,7 +203,7 @@ class StartPlan:
     envs: dict[str, str] | None = None
     cwd: str | None = None
     stdin: bool = False
-    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    request_id: str = field(default_factory=new_idempotency_key)
 
     @classmethod
     def make(

