@@ -224,14 +224,13 @@ def test_a_start_cancelled_before_its_command_id_is_found_and_killed(
 
     async def main() -> None:
         async with await create(broker) as sandbox:
-            transport = sandbox.commands._transport
-            perform = transport.perform
+            lease = sandbox.commands._transport._http  # what sends each request
+            send = lease.send
             answered = asyncio.Event()
 
-            async def held_back(step: Any) -> Any:
-                response = await perform(step)
-                request = getattr(step, "request", None)
-                if request is None or (request.method, request.url.path) != ("POST", "/commands"):
+            async def held_back(request: Any) -> Any:
+                response = await send(request)
+                if (request.method, request.url.path) != ("POST", "/commands"):
                     return response
                 answered.set()
                 try:
@@ -240,13 +239,13 @@ def test_a_start_cancelled_before_its_command_id_is_found_and_killed(
                     await response.aclose()
                 return response
 
-            transport.perform = held_back  # type: ignore[method-assign]
+            lease.send = held_back  # type: ignore[method-assign]
             task = asyncio.create_task(sandbox.commands.run("exec sleep 60", background=background))
             await answered.wait()
             task.cancel()
             with pytest.raises(asyncio.CancelledError) as info:
                 await task
-            del transport.perform
+            del lease.send
             [started] = [
                 c for c in await sandbox.commands.list() if c.command[-1] == "exec sleep 60"
             ]

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from ..._driver import adrive
+from ..._driver import Stepper, adrive
 from ...credentials._auth import CredentialSource
 from ...errors import BrokerError, SandboxFailedError
 from ..core._retry import RetryPolicy
@@ -140,9 +140,23 @@ class AsyncBrokerTransport(ex.TransportBase):
         body: httpx.AsyncByteStream | None = None,
         authenticate: bool = True,
     ) -> httpx.Response:
-        """Send ``spec`` (see ``BrokerTransport.send``)."""
-        steps = self.exchange(spec, stream=stream, body=body, authenticate=authenticate)
-        return await adrive(steps, self.perform)
+        """Send ``spec`` (see ``BrokerTransport.send``). The exchange's two usual steps (the
+        credential, the send) are performed here, the others by :meth:`perform`: what
+        ``adrive(steps, self.perform)`` does, without a coroutine per step."""
+        stepper = Stepper(self.exchange(spec, stream=stream, body=body, authenticate=authenticate))
+        while (step := stepper.advance()) is not None:
+            try:
+                kind = type(step)
+                if kind is ex.Send:
+                    stepper.reply = await self._http.send(step.request)  # type: ignore[union-attr]
+                elif kind is ex.GetCredential:
+                    audience = step.audience  # type: ignore[union-attr]
+                    stepper.reply = self.primed() or await self.auth.aget_credential(audience)
+                else:
+                    stepper.reply = await self.perform(step)
+            except BaseException as exc:  # thrown into the exchange, which decides
+                stepper.error = exc
+        return stepper.result
 
     async def call(self, call: proto.Call[T], sent: list[str] | None = None) -> T:
         """Send one call and parse its answer; a cleanup call completes even if cancelled."""
