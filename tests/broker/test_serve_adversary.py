@@ -140,12 +140,14 @@ def test_a_deep_pipeline_is_answered_up_to_the_limit_then_closed(served: ServedB
     rest is dropped (before: every one queued at once, a scope each)."""
     one = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
     with tls_connect(served) as sock:
-        sock.sendall(one * (65536 // len(one)))
+        with contextlib.suppress(OSError):  # the broker may close before the last is sent
+            sock.sendall(one * (65536 // len(one)))
         answers = read_until_closed(sock)
     codes = statuses(answers)
     assert codes and set(codes) == {200}, answers[-300:]
-    assert len(codes) <= MAX_PIPELINED + 1, len(codes)
-    assert answers.rpartition(b"HTTP/1.1 200")[2].count(b"connection: close") == 1
+    assert len(codes) <= MAX_PIPELINED + 1, (len(codes), answers[-300:])
+    last = answers.rpartition(b"HTTP/1.1 200")[2]
+    assert last.count(b"connection: close") == 1, (len(codes), answers[-300:])
     with tls_connect(served) as sock:  # and the broker serves on
         sock.sendall(one.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
         assert statuses(read_until_closed(sock)) == [200]
