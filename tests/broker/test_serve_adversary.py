@@ -18,7 +18,8 @@ What a review found, each checked here on the wire:
   head: a few pipelined requests were refused 431.
 - **A caller that leaves with a request pipelined**: uvicorn told only the newest request's
   app (not the one answering) that its caller was gone, so a streamed answer went on being
-  relayed from the sandbox to nobody.
+  relayed from the sandbox to nobody. And a WebSocket handshake pipelined behind a request
+  was answered before it (uvicorn handed the connection to its WebSocket protocol at once).
 - **uvicorn's WebSocket lines** (``"WebSocket /path?query" [accepted]``, and each refusal's
   status) carried the target and its query string into the broker's messages.
 
@@ -41,7 +42,6 @@ import pytest
 
 from k8s_agent_sandbox_awx import Sandbox
 from tests._support.served_broker import ServedBroker, served_broker
-from tests._support.ws_peers import Server
 
 pytest.importorskip("uvicorn", reason="needs the [broker] extra")
 
@@ -188,42 +188,59 @@ class Streamer:
             self.ended.set()
 
 
-HANDSHAKE = (
-    "GET /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-    "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n{head}\r\n"
-)
-
-
-@pytest.mark.parametrize("behind", ["request", "websocket"])
 def test_a_caller_that_leaves_with_a_request_pipelined_ends_its_stream(
-    served: ServedBroker, server: Server, behind: str
+    served: ServedBroker,
 ) -> None:
-    """A streamed answer (a port request), a request pipelined behind it (or a WebSocket
-    handshake, which uvicorn hands to its WebSocket protocol at once, under the answer), then
-    the caller vanishes: the stream ends (the broker closes its connection to the sandbox's
-    server). Before, with a request behind it, the stream was relayed to nobody until it ended
-    (the WebSocket's case was not)."""
+    """A streamed answer (a port request), a request pipelined behind it, then the caller
+    vanishes: the stream ends (the broker closes its connection to the sandbox's server).
+    Before, it was relayed to nobody until it ended."""
     streamer = Streamer()
     try:
         with Sandbox.create(environ=served.environ()) as sandbox:
             token = {"Authorization": f"Bearer {served.token()}"}
             head = _head({**sandbox.ports.headers(streamer.port), **token})
-            then = (
-                b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
-                if behind == "request"
-                else HANDSHAKE.format(
-                    head=_head({**sandbox.ports.headers(server.port), **token})
-                ).encode()
-            )
             sock = tls_connect(served)
-            sock.sendall(f"GET /stream HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + then)
+            sock.sendall(
+                f"GET /stream HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode()
+                + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"  # waits behind the stream
+            )
             assert streamer.started.wait(WATCHDOG)
-            assert sock.recv(65536)  # an answer began (the WebSocket's may come first)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
             time.sleep(1)  # the stream relayed for a while
             # the caller vanishes (a reset, as a crash or a network failure makes it)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             sock.close()
             assert streamer.ended.wait(WATCHDOG), "the stream still relayed to nobody"
+    finally:
+        streamer.ended.set()
+        streamer.listener.close()
+
+
+HANDSHAKE = (
+    "GET /v1/x HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+)
+
+
+def test_a_websocket_handshake_pipelined_behind_a_request_is_refused(
+    served: ServedBroker,
+) -> None:
+    """uvicorn handed the connection to its WebSocket protocol as soon as the handshake was
+    parsed, so its answer came before the answer of the request sent first (a streamed port
+    answer here): the caller, or a proxy that pipelines, would take one for the other. Now
+    the handshake is a malformed request: 400, the connection closed."""
+    streamer = Streamer()
+    try:
+        with Sandbox.create(environ=served.environ()) as sandbox:
+            token = {"Authorization": f"Bearer {served.token()}"}
+            head = _head({**sandbox.ports.headers(streamer.port), **token})
+            with tls_connect(served) as sock:
+                sock.sendall(
+                    f"GET /stream HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + HANDSHAKE.encode()
+                )
+                answers = read_until_closed(sock, timeout=5)
+            assert statuses(answers)[:1] == [400], answers[:300]
+            assert b"not_found" not in answers, answers[:300]  # the WebSocket's answer
     finally:
         streamer.ended.set()
         streamer.listener.close()

@@ -20,7 +20,9 @@ one warning for a malformed request.
   answered; one more, and the last of them is the connection's last answer, what follows is
   not read (llhttp parses all a read brings, and uvicorn held each with its scope: a few MiB
   of pipelined requests held GiB). A caller that leaves is seen gone by the request being
-  answered, not only by the newest one pipelined (uvicorn's).
+  answered, not only by the newest one pipelined (uvicorn's). A WebSocket handshake pipelined
+  behind a request not yet answered is a malformed request (uvicorn switched the connection
+  to its WebSocket protocol at once, which answered before that request).
 - **A malformed request** (llhttp refuses it: both framings, a broken chunked body, a bad
   header, a method it does not know): uvicorn's ``400`` and its one warning ("Invalid HTTP
   request received."), the connection closed; an app already running for it reads a

@@ -148,6 +148,12 @@ class DeadlineHttpTools(HttpToolsProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         self._stop_head_timer()  # the head arrived; the WebSocket protocol owns the connection
+        if not self._between_requests():
+            # pipelined behind a request not answered yet: uvicorn would hand the connection to
+            # its WebSocket protocol at once, whose answer then came before that request's
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("")
+            return
         super().handle_websocket_upgrade()
 
     def _stop_head_timer(self) -> None:
