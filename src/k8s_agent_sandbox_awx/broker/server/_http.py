@@ -13,6 +13,16 @@ one warning for a malformed request.
 - **A request's head, its size**: at most :data:`MAX_HEAD_BYTES`, the request line and the
   headers (h11's limit, which the broker had before); a longer one is answered ``431`` and the
   connection closed (llhttp sets no limit, and httptools holds a header's value until it ends).
+- **A request's trailers** (after a chunked body's last chunk): at most
+  :data:`MAX_HEAD_BYTES` too (``431``), and never among the request's headers (uvicorn added
+  them to its headers: a token in a trailer authenticated; h11 dropped them).
+- **Pipelined requests**: at most :data:`._limits.MAX_PIPELINED` waiting behind the one being
+  answered; one more, and the last of them is the connection's last answer, what follows is
+  not read (llhttp parses all a read brings, and uvicorn held each with its scope: a few MiB
+  of pipelined requests held GiB). A caller that leaves is seen gone by the request being
+  answered, not only by the newest one pipelined (uvicorn's). A WebSocket handshake pipelined
+  behind a request not yet answered is a malformed request (uvicorn switched the connection
+  to its WebSocket protocol at once, which answered before that request).
 - **A malformed request** (llhttp refuses it: both framings, a broken chunked body, a bad
   header, a method it does not know): uvicorn's ``400`` and its one warning ("Invalid HTTP
   request received."), the connection closed; an app already running for it reads a

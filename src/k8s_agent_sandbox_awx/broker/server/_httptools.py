@@ -10,10 +10,11 @@ import asyncio
 from typing import Any, Final
 from urllib.parse import unquote
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn._types import ASGI3Application
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from ..config import ServerSettings
-from ._limits import MAX_HEAD_BYTES
+from ._limits import MAX_HEAD_BYTES, MAX_PIPELINED
 
 __all__ = ["DeadlineHttpTools"]
 
@@ -24,11 +25,15 @@ _REFUSED: Final = (
 
 
 class _HeadTooLarge(Exception):
-    """Raised in a parser callback: the head passed :data:`MAX_HEAD_BYTES`."""
+    """Raised in a parser callback: the head (or the trailers) passed :data:`MAX_HEAD_BYTES`."""
+
+
+class _TooManyPipelined(Exception):
+    """Raised in a parser callback: :data:`MAX_PIPELINED` requests wait already."""
 
 
 class DeadlineHttpTools(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the deadlines and the limit of the module
+    """uvicorn's httptools protocol with the deadlines and the limits of the module
     (``head_seconds``: set on the subclass :func:`deadline_protocol` makes)."""
 
     head_seconds: float = ServerSettings.request_head_seconds
@@ -37,9 +42,13 @@ class DeadlineHttpTools(HttpToolsProtocol):
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._in_head = False  # between a request's first byte and its head's end
-        self._given = 0  # this head's URL and headers, as the callbacks get them
-        self._fed = 0  # the chunks fed that began and ended inside this head
+        self._in_body = False  # between its head's end and its message's end
+        self._given = 0  # this head's URL and headers (or its trailers), as the callbacks get them
+        self._fed = 0  # the reads fed that began and ended inside this head, or its framing
+        self._progress = 0  # the parser's messages begun and body data given, counted
         self._too_large = False
+        self._overflowed = False  # MAX_PIPELINED reached: nothing more is read
+        self._running: RequestResponseCycle | None = None  # the request being answered
         # idle until a request's first byte: uvicorn's keep-alive timer (data cancels it)
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
@@ -47,29 +56,36 @@ class DeadlineHttpTools(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        self._cut_off()  # uvicorn tells the newest request only, not the one being answered
         super().connection_lost(exc)
 
     def _between_requests(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
 
     def data_received(self, data: bytes) -> None:
+        if self._overflowed:
+            return  # the parser stopped at the pipeline's limit: what follows is dropped
         if self._head_timer is None and self._between_requests():
             self._head_timer = self.loop.call_later(self.head_seconds, self._head_timed_out)
-        inside = self._in_head
+        progress, in_head, in_body = self._progress, self._in_head, self._in_body
         super().data_received(data)
-        if inside and self._in_head and not self.transport.is_closing():
-            # a chunk that began and ended inside a head is all head: what llhttp holds of a
-            # value that has not ended counts too, not only what the callbacks were given
+        if self._progress != progress or self.transport.is_closing():
+            return  # a message began (a pipelined one) or body data came: not all head
+        if (in_head and self._in_head) or (in_body and self._in_body):
+            # a read that began and ended inside one head (or inside a chunked body's framing
+            # and trailers, no data in it) is all that: what llhttp holds of a name or a value
+            # that has not ended counts too, not only what the callbacks were given
             self._fed += len(data)
             if self._fed > MAX_HEAD_BYTES:
                 self._too_large = True
                 self.logger.warning("Invalid HTTP request received.")
                 self.send_400_response("")
 
-    # the parser's callbacks: a head's size (its URL and headers), and its end
+    # the parser's callbacks: a head's size (its URL and headers), its end, a trailer's size
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._given, self._fed = True, 0, 0
+        self._progress += 1
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -77,11 +93,19 @@ class DeadlineHttpTools(HttpToolsProtocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value) + 4)  # ": " and CRLF
-        super().on_header(name, value)
+        if self._in_head:
+            super().on_header(name, value)
+        # else a trailer (after a chunked body's last chunk): counted, and never one of the
+        # request's headers (RFC 9110, 6.5.1; uvicorn would append it to them, h11 dropped it)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._stop_head_timer()  # the head arrived: its app answers it
+        if len(self.pipeline) >= MAX_PIPELINED:
+            self._overflowed = True  # the parser stops here; send_400_response keeps quiet
+            self.cycle.keep_alive = False  # the last one waiting is the connection's last answer
+            raise _TooManyPipelined
+        self._in_body, self._given, self._fed = True, 0, 0
         target = self.url
         sent = _as_sent(target)  # before the app's task exists: a bad target is uvicorn's 400
         self.url = b"/"  # what uvicorn parses; the scope gets the target as it came (below)
@@ -92,14 +116,44 @@ class DeadlineHttpTools(HttpToolsProtocol):
         if "raw_path" in self.scope:  # an HTTP request (not a WebSocket's upgrade)
             self.scope.update(sent)  # type: ignore[typeddict-item]
 
+    def on_body(self, body: bytes) -> None:
+        self._fed = 0
+        self._progress += 1
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()
+
     def _count(self, size: int) -> None:
         self._given += size
         if self._given > MAX_HEAD_BYTES:
             self._too_large = True
             raise _HeadTooLarge  # the parser stops; uvicorn warns and calls send_400_response
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        self._running = cycle  # with requests pipelined, self.cycle is the newest of them
+        super()._start_asgi_task(cycle, app)
+
+    def _cut_off(self) -> bool:
+        """The caller is gone (or will be): the app answering and the newest request's read a
+        disconnect, their answers go nowhere. Whether an answer had begun."""
+        began = False
+        for cycle in (getattr(self, "_running", None), self.cycle):
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+                began = began or cycle.response_started
+        return began
+
     def handle_websocket_upgrade(self) -> None:
         self._stop_head_timer()  # the head arrived; the WebSocket protocol owns the connection
+        if not self._between_requests():
+            # pipelined behind a request not answered yet: uvicorn would hand the connection to
+            # its WebSocket protocol at once, whose answer then came before that request's
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("")
+            return
         super().handle_websocket_upgrade()
 
     def _stop_head_timer(self) -> None:
@@ -124,16 +178,17 @@ class DeadlineHttpTools(HttpToolsProtocol):
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            # its app runs: it reads a disconnect, and its answer goes nowhere
-            cycle.disconnected = True
-            cycle.message_event.set()
-            if cycle.response_started:  # an answer began already: the connection just ends
-                self.transport.close()
-                return
+        if self._overflowed:
+            return  # not malformed: the requests waiting are answered, then the connection ends
+        if self._cut_off():  # an answer began already: the connection just ends
+            self.transport.close()
+            return
         if self._too_large:
-            text = f"the request head is over {MAX_HEAD_BYTES} bytes (its line and headers)\n"
+            text = (
+                f"the request's trailers are over {MAX_HEAD_BYTES} bytes\n"
+                if self._in_body
+                else f"the request head is over {MAX_HEAD_BYTES} bytes (its line and headers)\n"
+            )
             self._refuse(b"431 Request Header Fields Too Large", text)
             return
         super().send_400_response(msg)

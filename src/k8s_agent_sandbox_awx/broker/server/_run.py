@@ -54,6 +54,10 @@ log = logging.getLogger("k8s_agent_sandbox_awx.broker.server")
 _TRACE = 5  # uvicorn's "trace" level
 
 _UVICORN_START: Final = "Started server process [%d]"  # uvicorn's line, replaced by the broker's
+_UVICORN_WEBSOCKET: Final = '%s - "WebSocket %s"'
+"""How uvicorn's line for each WebSocket handshake begins (then ``[accepted]``, ``403`` or the
+status of a refusal): its target with the query string, which no broker message carries (the
+access log records the handshake)."""
 _in_metrics_server: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "_in_metrics_server", default=False
 )
@@ -61,11 +65,14 @@ _in_metrics_server: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 class _OneStartLine(logging.Filter):
     """On uvicorn's ``uvicorn.error`` logger while ``broker serve`` runs: drops uvicorn's
-    "Started server process" (the broker writes its own start message) and the metrics
-    listener's informational lifecycle lines (they repeat the API server's)."""
+    "Started server process" (the broker writes its own start message), its line for each
+    WebSocket handshake (:data:`_UVICORN_WEBSOCKET`) and the metrics listener's informational
+    lifecycle lines (they repeat the API server's)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg == _UVICORN_START:
+            return False
+        if isinstance(record.msg, str) and record.msg.startswith(_UVICORN_WEBSOCKET):
             return False
         return not (_in_metrics_server.get() and record.levelno <= logging.INFO)
 
