@@ -268,3 +268,32 @@ def test_a_websocket_handshake_logs_no_target(served: ServedBroker) -> None:
     time.sleep(0.5)  # what the broker logs after its answer
     logged = repr(served.messages()[before:]) + "".join(served.served.stdout)
     assert "HIDDEN" not in logged, logged[-2000:]
+
+
+def test_the_uvicorn_hooks_the_protocol_overrides_exist() -> None:
+    """The subclass overrides these of uvicorn's httptools protocol: one missing (a uvicorn
+    outside the [broker] extra's range) would silently drop a limit, not fail."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from k8s_agent_sandbox_awx.broker.server._httptools import DeadlineHttpTools
+
+    overridden = {
+        name
+        for name, value in vars(DeadlineHttpTools).items()
+        if callable(value) and not name.startswith("__") and name in dir(HttpToolsProtocol)
+    }
+    expected = {
+        "connection_made",
+        "connection_lost",
+        "data_received",
+        "on_message_begin",
+        "on_url",
+        "on_header",
+        "on_headers_complete",
+        "on_body",
+        "on_message_complete",
+        "_start_asgi_task",
+        "handle_websocket_upgrade",
+        "send_400_response",
+    }
+    assert overridden == expected
