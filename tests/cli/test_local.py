@@ -147,7 +147,7 @@ def test_cli_demo_console_script() -> None:
 # What [broker] installs and [local] does not, as the modules they import: `demo` and `dev` must
 # run without them (the release check's fresh environment has [local] only). PyYAML and
 # prometheus-client are in [broker] too, but upstream's client brings them to every install.
-_BROKER_ONLY = {"httptools": "httptools", "uvloop": "uvloop"}
+_BROKER_ONLY = {"httptools": "httptools"}
 _WITH_UPSTREAM = {"pyyaml": "kubernetes", "prometheus-client": "k8s-agent-sandbox"}
 
 _BLOCKED_DEMO = """

@@ -18,9 +18,6 @@
   connections (``gc.freeze``): the modules, configuration and clients made at start-up are
   then skipped by every full collection, which here took 12-19 ms with them, a pause of every
   request in flight (docs/performance.md, "Concurrency").
-- ``serve`` runs on uvloop's event loop where ``uvloop`` can be imported (the ``[broker]``
-  extra installs it: the loop's own work and TLS in C, docs/performance.md, "uvloop"), else on
-  asyncio's own, with one message saying so.
 """
 
 from __future__ import annotations
@@ -425,27 +422,14 @@ def serve(
         if on_started is not None:
             on_started(url)
 
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(
-            run_server(
-                served,
-                settings,
-                on_started=started,
-                metrics=metrics,
-                on_metrics_started=on_metrics_started,
-                log_format=log_format,
-                about=about,
-            )
+    asyncio.run(
+        run_server(
+            served,
+            settings,
+            on_started=started,
+            metrics=metrics,
+            on_metrics_started=on_metrics_started,
+            log_format=log_format,
+            about=about,
         )
-
-
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """``broker serve``'s event loop: uvloop's where it can be imported (a subclass of its
-    loop: :func:`._http.handshake_deadline` sets ``create_server`` on the loop itself, which
-    uvloop's own class, compiled, does not allow), else ``None`` (asyncio's own, said once)."""
-    try:
-        import uvloop
-    except ImportError:
-        log.info("uvloop is not installed: serving on asyncio's own event loop")
-        return None
-    return type("BrokerLoop", (uvloop.Loop,), {})
+    )
