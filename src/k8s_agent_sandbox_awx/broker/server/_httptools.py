@@ -15,7 +15,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ..config import ServerSettings
 from ._limits import MAX_HEAD_BYTES
 
-__all__ = ["DeadlineHttpTools", "HeadHeld"]
+__all__ = ["DeadlineHttpTools"]
 
 _REFUSED: Final = (
     b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -91,9 +91,6 @@ class DeadlineHttpTools(HttpToolsProtocol):
             self.url = target
         if "raw_path" in self.scope:  # an HTTP request (not a WebSocket's upgrade)
             self.scope.update(sent)  # type: ignore[typeddict-item]
-            cycle = self.cycle
-            if cycle is not None and cycle.scope is self.scope:  # this request's own cycle
-                cycle.transport = HeadHeld(self.transport, self.loop)  # type: ignore[assignment]
 
     def _count(self, size: int) -> None:
         self._given += size
@@ -149,47 +146,3 @@ def _as_sent(target: bytes) -> dict[str, Any]:
     longer refuse what is not origin-form (it must never become the forward's authority)."""
     raw_path, _, query = target.partition(b"?")
     return {"raw_path": raw_path, "path": unquote(raw_path.decode("ascii")), "query_string": query}
-
-
-_CONTINUE: Final = b"HTTP/1.1 100 "
-
-
-class HeadHeld:
-    """A request's transport as its answer writes it: the answer's head is held until the
-    answer's first body write (or the end of the event loop's turn, whichever comes first)
-    and sent with it, so that a small answer is one TLS record and one ``send``, not two (the
-    client reads it at once). Nothing else changes: the order of the bytes, a ``100
-    Continue`` (never held), what a close sends first (the head held, if any)."""
-
-    __slots__ = ("_held", "_loop", "_transport", "_waiting")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: bytes | None = None
-        self._waiting = True  # for the answer's head (the first write that is no 100 Continue)
-
-    def write(self, data: bytes) -> None:
-        held = self._held
-        if held is not None:
-            self._held = None
-            self._transport.write(held + data)
-        elif self._waiting and not data.startswith(_CONTINUE):
-            self._waiting = False
-            self._held = data
-            self._loop.call_soon(self.flush)
-        else:
-            self._transport.write(data)
-
-    def flush(self) -> None:
-        """Send the head held, if any (the answer's body did not follow in this turn)."""
-        held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
