@@ -71,18 +71,19 @@ PHASES = {
     "route (the backend's address and client)": ("route^", "route$"),
     "request built (headers, URL, body)": ("route", "send"),
     "send -> answer's head (pooled connection, the runtime's own work)": ("send^", "send$"),
-    "head checks, response start": ("send", "pump"),
-    "body relayed": ("pump^", "pump$"),
+    "head checks, response start (and a whole body)": ("send", "pump"),
+    "body relayed (when not whole)": ("pump^", "pump$"),
     "answer closed": ("pump", "handle$"),
     "the forward -> ASGI app's end (access log, metrics)": ("handle", "app$"),
 }
 
 
 def _emit(marks: dict[str, tuple[float, float, float, float]]) -> None:
-    if not {"app", "handle", "authenticate", "lookup", "ready", "route", "send", "pump"} <= set(
-        marks
-    ):
+    if not {"app", "handle", "authenticate", "lookup", "ready", "route", "send"} <= set(marks):
         return  # refused before the forward: not a forwarded request
+    if "pump" not in marks:  # a whole body sent with no relay: "response start" has it all
+        end = marks["handle"][2:4]
+        marks["pump"] = (*end, *end)
     line = {name: _span(marks, a, b) for name, (a, b) in PHASES.items()}
     line["total in the ASGI app"] = _span(marks, "app^", "app$")
     os.write(_fd, (json.dumps(line) + "\n").encode())

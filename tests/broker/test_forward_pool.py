@@ -445,3 +445,80 @@ def test_a_reset_connection_is_a_read_error() -> None:
             assert pool.connections == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("answer", "body"),
+    [
+        (OK, b"ok"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n1\r\n!\r\n0\r\n\r\n",
+         b"ok!"),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", b""),
+    ],
+)  # fmt: skip
+def test_a_body_that_came_with_its_head_is_whole_and_its_connection_reused(
+    answer: bytes, body: bytes
+) -> None:
+    """``whole_body``: the answer written in one piece is given whole (no relay needed), and
+    its connection goes back to the pool, as after a body read to its end."""
+
+    async def main() -> None:
+        async with await _serving(lambda s: _answering(s, answer)) as server:
+            pool = server.pool()
+            for _ in range(2):
+                got = await pool.send(b"GET", b"/", [], None, TIMEOUT)
+                assert got.whole_body() == body
+                await got.aclose()
+            assert (server.connections, pool.connections) == (1, 1)
+
+    asyncio.run(main())
+
+
+def test_a_body_still_on_its_way_is_not_whole_and_streams_from_what_was_parsed() -> None:
+    """The head and part of the body arrived: ``whole_body`` is ``None`` and loses nothing;
+    the body streams whole, and the connection is reused."""
+    go_on = asyncio.Event()
+
+    def handler_of(server: list[_Server]) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            server[0].requests.append(await _request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nabc")
+            await writer.drain()
+            await go_on.wait()
+            writer.write(b"def")
+            await _request(reader)
+            writer.write(OK)
+
+        return handler
+
+    async def main() -> None:
+        async with await _serving(handler_of) as server:
+            pool = server.pool()
+            got = await pool.send(b"GET", b"/", [], None, TIMEOUT)
+            await asyncio.sleep(0.05)  # "abc" arrives (with the head, or after it)
+            assert got.whole_body() is None
+            go_on.set()
+            assert b"".join([chunk async for chunk in got.aiter_raw()]) == b"abcdef"
+            assert await _get(pool) == (200, b"ok")
+            assert server.connections == 1
+
+    asyncio.run(main())
+
+
+def test_a_malformed_body_that_came_with_its_head_fails_as_it_streams() -> None:
+    """A broken chunked body already received: ``whole_body`` is ``None`` and the body's read
+    fails as it would have (``RemoteProtocolError``), the connection closed."""
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\nzz\r\n"
+
+    async def main() -> None:
+        async with await _serving(lambda s: _answering(s, answer)) as server:
+            pool = server.pool()
+            got = await pool.send(b"GET", b"/", [], None, TIMEOUT)
+            assert got.whole_body() is None
+            chunks: list[bytes] = []
+            with pytest.raises(httpx.RemoteProtocolError):
+                async for chunk in got.aiter_raw():
+                    chunks.append(chunk)
+            assert chunks == [b"ok"] and pool.connections == 0
+
+    asyncio.run(main())

@@ -60,7 +60,8 @@ stream of them never lets the read timeout fire."""
 
 RequestBody = bytes | AsyncIterator[bytes] | None
 """A request's body: ``None`` (a method without one: no framing header), bytes (sent with a
-``Content-Length`` unless empty), or chunks (chunked unless the headers give a length)."""
+``Content-Length`` unless empty, or the headers give one), or chunks (chunked unless the
+headers give a length)."""
 
 
 class _WriteFailed(Exception):
@@ -236,7 +237,8 @@ class _Headers:
 
 class Http11Answer:
     """An answer whose head was read; its body streams from :meth:`aiter_raw` (transfer
-    coding removed, content coding kept: what ``httpx.Response.aiter_raw`` gives)."""
+    coding removed, content coding kept: what ``httpx.Response.aiter_raw`` gives), or is
+    :meth:`whole_body` when it all came with the head."""
 
     def __init__(
         self, connection: _Connection, status: int, headers: _Headers, read: float | None
@@ -245,12 +247,44 @@ class Http11Answer:
         self.headers = headers
         self._connection: _Connection | None = connection
         self._read_timeout = read
+        self._parsed: list[bytes] = []
+        """The body's chunks :meth:`whole_body` parsed, not yet given (:meth:`aiter_raw`)."""
+        self._failed: httpx.RemoteProtocolError | None = None
+
+    def whole_body(self) -> bytes | None:
+        """The whole body, if all of it was received already (with the head, as a rule): the
+        connection then goes back to the pool, as at the end of :meth:`aiter_raw`. Else
+        ``None``, and nothing is lost: :meth:`aiter_raw` gives the body (what this parsed
+        first), and fails as it would have (a malformed body)."""
+        connection = self._connection
+        if connection is None or self._failed is not None:
+            return None
+        while True:
+            try:
+                event = connection.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._failed = httpx.RemoteProtocolError(str(exc))
+                return None
+            if isinstance(event, h11.Data):
+                self._parsed.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                body = b"".join(self._parsed)
+                self._parsed.clear()
+                self._connection = None
+                connection.pool._release(connection)
+                return body
+            else:  # NEED_DATA (or PAUSED: aiter_raw refuses it)
+                return None
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         connection = self._connection
         if connection is None:
             raise httpx.StreamClosed()
         try:
+            while self._parsed:
+                yield self._parsed.pop(0)
+            if self._failed is not None:
+                raise self._failed
             while True:
                 event = await connection.next_event(self._read_timeout)
                 if isinstance(event, h11.Data):
@@ -416,10 +450,11 @@ async def _send_request(
     server may answer before it read the whole request (a ``413``); if none comes, the
     exchange fails as one whose request may have been sent."""
     state = connection.h11
+    framed = any(k == b"content-length" for k, _ in headers)
     if isinstance(body, bytes):
-        if body or method in (b"POST", b"PUT", b"PATCH"):
+        if not framed and (body or method in (b"POST", b"PUT", b"PATCH")):
             headers.append((b"content-length", b"%d" % len(body)))
-    elif body is not None and not any(k == b"content-length" for k, _ in headers):
+    elif body is not None and not framed:
         headers.append((b"transfer-encoding", b"chunked"))
     try:
         head = state.send(h11.Request(method=method, target=target, headers=headers)) or b""

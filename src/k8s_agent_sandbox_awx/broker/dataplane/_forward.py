@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 from starlette.datastructures import Headers
-from starlette.requests import HTTPConnection, Request
-from starlette.types import Send
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
+from starlette.types import Message, Send
 
-from ..backends._http11 import Http11Pool
+from ..backends._http11 import Http11Answer, Http11Pool
 from ..backends._interface import READY, Backend, ClaimGone, ClaimState, Route, Unroutable
 from ..common._errors import ApiError
 from ..common._gate import Gate
@@ -166,7 +166,7 @@ class Forward:
         headers.extend(route.headers)
         if command and state.env:  # the sandbox's environment: its commands', never the runtime's
             headers.append((SANDBOX_ENV_HEADER, encode_env(state.env).encode("ascii")))
-        content = _forwarded_body(request, headers)
+        content = await _forwarded_body(request, headers)
         timeout = httpx.Timeout(connect=5.0, read=data.timeout, write=300.0, pool=10.0)
         sending = _sender(route, url, request.method, target, headers, content, timeout)
         port = data.port if data.port_request else None
@@ -176,12 +176,15 @@ class Forward:
             if refused is not None:
                 raise refused
             chunks = await router_not_connected(response, route, state.name, port)
-            what = request_named(request.method, target.path, data.port_request)
-            deleting = self._deleting(state.name, state.namespace)
-            relay = Relay(request.receive, send, state.name, what, deleting)
+            whole = response.whole_body() if isinstance(response, Http11Answer) else None
             start = {"status": response.status_code, "headers": answer_headers(response)}
             await send({"type": "http.response.start", **start})
-            await relay.pump(chunks)
+            if whole is not None:  # all here: nothing to relay as it comes
+                await send({"type": "http.response.body", "body": whole, "more_body": False})
+                return
+            what = request_named(request.method, target.path, data.port_request)
+            deleting = self._deleting(state.name, state.namespace)
+            await Relay(request.receive, send, state.name, what, deleting).pump(chunks)
         finally:
             await response.aclose()
 
@@ -228,11 +231,13 @@ def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes
     ]
 
 
-def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) -> Any:
+async def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) -> Any:
     """The body the router forwards, framed by the router, never by the client's own framing
     headers (``headers``: the forwarded ones, without them): none for a method without a body;
     a client's chunked body is sent chunked; a body the client sent with a ``Content-Length``
-    (which the server read it by) with that length; no framing at all: empty."""
+    (which the server read it by) with that length; no framing at all: empty. A body whose
+    whole arrived with the request's head (a command's JSON, as a rule) is bytes, sent in one
+    write with the head; a longer one streams as it comes."""
     if request.method in BODYLESS:
         return None
     if "transfer-encoding" not in request.headers:
@@ -240,13 +245,23 @@ def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) -> Any
         if length is None:
             return b""
         headers.append((b"content-length", str(int(length)).encode()))
+    first = await request.receive()
+    if first["type"] == "http.request" and not first.get("more_body", False):
+        return bytes(first.get("body", b""))
+    return _body_from(request, first)
 
-    async def body() -> AsyncIterator[bytes]:
-        async for chunk in request.stream():
-            if chunk:
-                yield chunk
 
-    return body()
+async def _body_from(request: Request, message: Message) -> AsyncIterator[bytes]:
+    """The rest of the request's body as it arrives, from its first ``message``."""
+    while True:
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
+        message = await request.receive()
 
 
 def _httpx_url(route: Route, target: Target) -> httpx.URL:

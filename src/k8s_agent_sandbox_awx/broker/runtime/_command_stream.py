@@ -16,7 +16,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from ._command import Command, Limits, _Follower, _line
-from ._http import Exchange, start_ndjson
+from ._http import Exchange, send_whole, start_ndjson
 
 BATCH_BYTES = 256 * 1024
 
@@ -115,8 +115,7 @@ def _send_whole(handler: Exchange, data: bytes, sending: Sending) -> None:
         handler.send_header("Cache-Control", "no-store")
         handler.send_header("Content-Length", str(len(data)))
         handler.send_header("Preference-Applied", PREFER_WHOLE)
-        handler.end_headers()
-        handler.wfile.write(data)
+        send_whole(handler, data)
     except OSError:  # the reader went away, or did not read within the stream's time
         handler.close_connection = True
     finally:

@@ -112,8 +112,22 @@ def send_json(exchange: Exchange, status: int, payload: Any, *, close: bool = Fa
     exchange.send_header("Content-Length", str(len(data)))
     if exchange.close_connection:
         exchange.send_header("Connection", "close")
-    exchange.end_headers()
-    exchange.wfile.write(data)
+    send_whole(exchange, data)
+
+
+def send_whole(exchange: Exchange, data: bytes) -> None:
+    """End the answer's head and send ``data``, its whole body, in one write: one segment, so
+    that a reader (the broker) gets the answer in one read, not its head and then its body
+    (``end_headers`` writes the head on its own)."""
+    held = getattr(exchange, "_headers_buffer", None)
+    if not isinstance(held, list) or getattr(exchange, "request_version", "") == "HTTP/0.9":
+        exchange.end_headers()
+        exchange.wfile.write(data)
+        return
+    held.append(b"\r\n")  # what end_headers adds, then what it writes (flush_headers)
+    held.append(data)
+    exchange.wfile.write(b"".join(held))
+    held.clear()
 
 
 def send_file(exchange: Exchange, fh: BinaryIO, size: int) -> None:
