@@ -98,7 +98,10 @@ def serve(
     env = {"AGENT_SANDBOX_LOCAL_ISOLATION": "none"}
     if src is not None:
         env["PYTHONPATH"] = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])
-    served = Served.start([*cli, "broker", "serve", "--config", str(conf)], env=env)
+    # its output (an access line per request) to files: read by a thread here, it competed
+    # with the timed calls for this process's GIL (paths B and C only)
+    argv = [*cli, "broker", "serve", "--config", str(conf)]
+    served = Served.start(argv, env=env, logs=cluster.folder / f"{name}-output")
     cluster.stack.callback(served.stop)
     served.url = served.wait_started(60)
     deadline = time.monotonic() + 30

@@ -106,9 +106,22 @@ class Served:
     stdout: list[str] = field(default_factory=list)
     stderr: list[str] = field(default_factory=list)
     url: str = ""
+    logs: Path | None = None
+    """Where the output goes instead (``stdout.log``, ``stderr.log``), unread until asked."""
 
     @classmethod
-    def start(cls, argv: list[str], *, env: dict[str, str] | None = None) -> Served:
+    def start(
+        cls, argv: list[str], *, env: dict[str, str] | None = None, logs: Path | None = None
+    ) -> Served:
+        """``logs``: the output written to files there, not read by threads of this process
+        (a benchmark's: an access line per request read here would compete for its GIL)."""
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            with open(logs / "stdout.log", "w") as out, open(logs / "stderr.log", "w") as err:
+                process = subprocess.Popen(
+                    argv, stdout=out, stderr=err, text=True, env={**os.environ, **(env or {})}
+                )
+            return cls(process, logs=logs)
         process = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -122,10 +135,15 @@ class Served:
             threading.Thread(target=_collect, args=(stream, into), daemon=True).start()
         return served
 
+    def _lines(self, name: str) -> list[str]:
+        if self.logs is None:
+            return list(self.stdout if name == "stdout" else self.stderr)
+        return (self.logs / f"{name}.log").read_text().splitlines(keepends=True)
+
     def wait_started(self, timeout: float = 20.0) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for line in list(self.stdout):
+            for line in self._lines("stdout"):
                 if " serving https://" in line:
                     self.url = line.split(" serving ", 1)[1].split()[0]
                     return self.url
@@ -140,7 +158,7 @@ class Served:
         return int(self.url.rsplit(":", 1)[1])
 
     def output(self) -> str:
-        return "".join(self.stdout) + "".join(self.stderr)
+        return "".join(self._lines("stdout")) + "".join(self._lines("stderr"))
 
     def terminate(self) -> float:
         """SIGTERM; the time it was sent (``time.monotonic``)."""
