@@ -288,11 +288,12 @@ def test_an_answer_head_past_the_limit_is_refused_not_buffered() -> None:
     asyncio.run(main())
 
 
-def _pod_forward(port: int) -> tuple[object, object]:
+def _pod_forward(port: int, settings: RouteSettings | None = None) -> tuple[object, object]:
     """The data plane's forward as the broker answers it (its errors as JSON), over the
     Kubernetes pod data plane to a stand-in pod at 127.0.0.1:``port`` (the runtime's port),
-    for a caller who owns ``claim-1``; and its routes (to close)."""
-    settings = RouteSettings(data_plane="pod", runtime_port=port, allow_loopback_pod_ips=True)
+    for a caller who owns ``claim-1`` (``settings``: other routes); and its routes (to close)."""
+    if settings is None:
+        settings = RouteSettings(data_plane="pod", runtime_port=port, allow_loopback_pod_ips=True)
     routes = Routes(settings)
     state = KubeClaimState(
         name="claim-1", namespace="team-a", template="python", owner=Owner("i", "s", "p"),

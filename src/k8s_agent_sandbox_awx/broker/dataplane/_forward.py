@@ -237,7 +237,8 @@ async def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) 
     a client's chunked body is sent chunked; a body the client sent with a ``Content-Length``
     (which the server read it by) with that length; no framing at all: empty. A body whose
     whole arrived with the request's head (a command's JSON, as a rule) is bytes, sent in one
-    write with the head; a longer one streams as it comes."""
+    write with the head; a longer one streams as it comes. A caller gone before its body's
+    first message is :class:`ClientDisconnect` here, before a connection is made."""
     if request.method in BODYLESS:
         return None
     if "transfer-encoding" not in request.headers:
@@ -246,7 +247,9 @@ async def _forwarded_body(request: Request, headers: list[tuple[bytes, bytes]]) 
             return b""
         headers.append((b"content-length", str(int(length)).encode()))
     first = await request.receive()
-    if first["type"] == "http.request" and not first.get("more_body", False):
+    if first["type"] == "http.disconnect":  # gone before its body: nothing is sent, or counted
+        raise ClientDisconnect()
+    if not first.get("more_body", False):
         return bytes(first.get("body", b""))
     return _body_from(request, first)
 
