@@ -12,7 +12,10 @@ a caller gone before it).
   chunk that came with its head, drops the caller's connection (never a complete answer); a
   body past a ``HEAD``'s answer is neither relayed nor left on a reused connection; ``1xx``
   answers before a whole one are skipped; a caller's duplicate ``Content-Length`` reaches the
-  runtime as one header; and the access log counts a whole answer's bytes.
+  runtime as one header; the access log counts a whole answer's bytes; a router's own
+  "could not connect" ``502`` that came whole is still the broker's ``sandbox_unreachable`` up
+  to ``MAX_ROUTER_ANSWER`` bytes (relayed past it); a caller gone mid-body closes the
+  runtime's connection, none kept.
 """
 
 from __future__ import annotations
@@ -327,6 +330,40 @@ def test_a_routers_not_connected_answer_that_came_whole_is_still_the_brokers(siz
                 assert mapped is (size <= MAX_ROUTER_ANSWER), body[:200]
                 assert mapped or len(body) == size
                 assert not mapped or b"could not connect" in body, body
+            finally:
+                await routes.close()  # type: ignore[attr-defined]
+
+    with _bounded(10):
+        asyncio.run(main())
+
+
+def test_a_caller_gone_mid_body_closes_the_runtimes_connection() -> None:
+    """The caller declared 20 bytes, sent 2, and left: the runtime's connection is closed (its
+    request never ends: nothing runs), none is kept in the pool. (Held.)"""
+    got: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.append(await reader.readuntil(b"\r\n\r\n"))
+        got.append(await reader.read())  # to the end: the broker closed the connection
+
+    async def main() -> None:
+        async with _Server(handler) as server:
+            app, routes = _pod_forward(server.port)
+            messages = [
+                {"type": "http.request", "body": b"{}", "more_body": True},
+                {"type": "http.disconnect"},
+            ]
+            try:
+                with pytest.raises(ClientDisconnect):
+                    length = [(b"content-length", b"20")]
+                    await _drive(app, "POST", "/execute", length, messages)  # type: ignore[arg-type]
+                for _ in range(50):
+                    if len(got) == 2:
+                        break
+                    await asyncio.sleep(0.02)
+                assert b"\r\ncontent-length: 20\r\n" in got[0] and got[1:] == [b"{}"]
+                pools = routes._pods.values()  # type: ignore[attr-defined]
+                assert [pool.connections for pool, _ in pools] == [0]
             finally:
                 await routes.close()  # type: ignore[attr-defined]
 
