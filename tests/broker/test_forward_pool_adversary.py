@@ -32,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -325,6 +326,18 @@ def _pod_forward(port: int, settings: RouteSettings | None = None) -> tuple[obje
     return app, routes
 
 
+@contextlib.asynccontextmanager
+async def pod_forwarding(
+    port: int, settings: RouteSettings | None = None
+) -> AsyncIterator[tuple[Any, Any]]:
+    """:func:`_pod_forward`'s app and routes, the routes closed at the end."""
+    app, routes = _pod_forward(port, settings)
+    try:
+        yield app, routes
+    finally:
+        await routes.close()  # type: ignore[attr-defined]
+
+
 def test_the_forward_refuses_connect_and_answers_endless_1xx_with_its_502() -> None:
     """Through the forward (pod data plane): ``CONNECT`` (a tunnel, which the data plane does
     not open; a ``2xx`` relayed to it made the broker's own server fail with a traceback) is
@@ -344,10 +357,9 @@ def test_the_forward_refuses_connect_and_answers_endless_1xx_with_its_502() -> N
             await asyncio.sleep(5)
 
         async with _Server(hostile) as server:
-            app, routes = _pod_forward(server.port)
-            transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
-            headers = {"X-Sandbox-ID": "claim-1", "X-Sandbox-Namespace": "team-a"}
-            try:
+            async with pod_forwarding(server.port) as (app, _):
+                transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+                headers = {"X-Sandbox-ID": "claim-1", "X-Sandbox-Namespace": "team-a"}
                 async with httpx.AsyncClient(transport=transport, base_url="http://b") as http:
                     answer = await http.request("CONNECT", "/", headers=headers)
                     assert answer.status_code == 400, answer.text
@@ -359,8 +371,6 @@ def test_the_forward_refuses_connect_and_answers_endless_1xx_with_its_502() -> N
                     assert answer.json()["code"] == "sandbox_answer_lost", answer.text
                     answer = await http.get("/health", headers=headers)
                     assert (answer.status_code, answer.text) == (200, "ok")
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     with _bounded(10):
         asyncio.run(main())

@@ -21,6 +21,7 @@ a caller gone before it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,7 +37,7 @@ from k8s_agent_sandbox_awx.broker.dataplane._unreachable import (
 )
 from k8s_agent_sandbox_awx.broker.observability._access import Observed
 from tests._support.loopback_runtime import LoopbackRuntime as _Server
-from tests.broker.test_forward_pool_adversary import _bounded, _pod_forward
+from tests.broker.test_forward_pool_adversary import _bounded, pod_forwarding
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -129,8 +130,7 @@ def test_a_caller_gone_before_its_body_sends_nothing_to_the_sandbox() -> None:
 
     async def main() -> None:
         async with await _serving(_runtime(lambda _: OK)) as server:
-            app, routes = _pod_forward(server.port)
-            try:
+            async with pod_forwarding(server.port) as (app, _):
                 with pytest.raises(ClientDisconnect):
                     await _drive(
                         app,  # type: ignore[arg-type]
@@ -141,8 +141,6 @@ def test_a_caller_gone_before_its_body_sends_nothing_to_the_sandbox() -> None:
                     )
                 await asyncio.sleep(0.1)
                 assert (server.connections, server.requests) == (0, [])
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     with _bounded(10):
         asyncio.run(main())
@@ -156,15 +154,12 @@ def test_a_caller_gone_before_its_body_sends_nothing_to_the_sandbox() -> None:
 def test_bytes_after_a_whole_answer_close_its_connection(after: bytes) -> None:
     async def main() -> None:
         async with await _serving(_runtime(lambda _: OK, after)) as server:
-            app, routes = _pod_forward(server.port)
-            try:
+            async with pod_forwarding(server.port) as (app, _):
                 for path in ("/first", "/second"):
                     got = await _drive(app, "GET", path, [], [])  # type: ignore[arg-type]
                     assert got == (200, b"ok", True)
                     await asyncio.sleep(0.05)
                 assert server.connections == 2 and len(server.requests) == 2
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     with _bounded(10):
         asyncio.run(main())
@@ -187,14 +182,11 @@ def test_a_broken_answer_that_came_with_its_head_is_never_complete(answer: bytes
             writer.close()
 
         async with _Server(handler) as server:
-            app, routes = _pod_forward(server.port)
-            try:
+            async with pod_forwarding(server.port) as (app, routes):
                 with pytest.raises(DroppedConnection):
                     await _drive(app, "GET", "/download/a", [], [])  # type: ignore[arg-type]
                 pools = routes._pods.values()  # type: ignore[attr-defined]
                 assert [pool.connections for pool, _ in pools] == [0]
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     with _bounded(10):
         asyncio.run(main())
@@ -208,16 +200,13 @@ def test_a_body_after_a_head_answer_is_not_relayed_nor_kept() -> None:
 
     async def main() -> None:
         async with await _serving(_runtime(answer)) as server:
-            app, routes = _pod_forward(server.port)
-            try:
+            async with pod_forwarding(server.port) as (app, _):
                 got = await _drive(app, "HEAD", "/download/a", [], [])  # type: ignore[arg-type]
                 assert got == (200, b"", True)
                 await asyncio.sleep(0.05)
                 got = await _drive(app, "GET", "/download/a", [], [])  # type: ignore[arg-type]
                 assert got == (200, b"ok", True)
                 assert server.connections == 2
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     with _bounded(10):
         asyncio.run(main())
@@ -228,8 +217,7 @@ def test_informational_answers_before_a_whole_one_are_skipped_and_it_is_kept() -
 
     async def main() -> None:
         async with await _serving(_runtime(lambda _: early + OK)) as server:
-            app, routes = _pod_forward(server.port)
-            try:
+            async with pod_forwarding(server.port) as (app, _):
                 for _ in range(2):
                     body = _whole(b'{"command": "true"}')
                     length = [(b"content-length", b"19")]
@@ -237,8 +225,6 @@ def test_informational_answers_before_a_whole_one_are_skipped_and_it_is_kept() -
                     assert got == (200, b"ok", True)
                 assert server.connections == 1
                 assert all(r.endswith(b'{"command": "true"}') for r in server.requests)
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     with _bounded(10):
         asyncio.run(main())
@@ -247,8 +233,7 @@ def test_informational_answers_before_a_whole_one_are_skipped_and_it_is_kept() -
 def test_a_callers_duplicate_content_length_reaches_the_runtime_once() -> None:
     async def main() -> None:
         async with await _serving(_runtime(lambda _: OK)) as server:
-            app, routes = _pod_forward(server.port)
-            try:
+            async with pod_forwarding(server.port) as (app, _):
                 twice = [(b"content-length", b"2"), (b"Content-Length", b"2")]
                 got = await _drive(app, "POST", "/execute", twice, _whole(b"{}"))  # type: ignore[arg-type]
                 assert got == (200, b"ok", True)
@@ -259,8 +244,6 @@ def test_a_callers_duplicate_content_length_reaches_the_runtime_once() -> None:
                     if line.lower().startswith(b"content-length")
                 ]
                 assert lengths == [b"content-length: 2"] and request.endswith(b"\r\n\r\n{}")
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     with _bounded(10):
         asyncio.run(main())
@@ -277,15 +260,12 @@ def test_the_access_log_counts_a_whole_answers_bytes() -> None:
 
     async def main() -> None:
         async with await _serving(_runtime(lambda _: OK)) as server:
-            app, routes = _pod_forward(server.port)
-            observed = Observed(app, access=Lines())  # type: ignore[arg-type]
-            try:
+            async with pod_forwarding(server.port) as (app, _):
+                observed = Observed(app, access=Lines())  # type: ignore[arg-type]
                 got = await _drive(
                     observed, "POST", "/execute", [(b"content-length", b"2")], _whole(b"{}")
                 )  # type: ignore[arg-type]
                 assert got == (200, b"ok", True)
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     asyncio.run(main())
     [line] = lines
@@ -294,10 +274,10 @@ def test_the_access_log_counts_a_whole_answers_bytes() -> None:
     ), line  # fmt: skip
 
 
-def _router_forward(port: int) -> tuple[object, object]:
-    """:func:`_pod_forward`'s forward through an ``http://`` router at 127.0.0.1:``port``."""
+def router_forwarding(port: int) -> contextlib.AbstractAsyncContextManager[tuple[Any, Any]]:
+    """:func:`pod_forwarding` through an ``http://`` router at 127.0.0.1:``port``."""
     router = f"http://127.0.0.1:{port}"
-    return _pod_forward(
+    return pod_forwarding(
         port, RouteSettings(data_plane="router", router_url=router, allow_loopback_pod_ips=True)
     )
 
@@ -321,8 +301,7 @@ def test_a_routers_not_connected_answer_that_came_whole_is_still_the_brokers(siz
 
     async def main() -> None:
         async with await _serving(_runtime(answer)) as server:
-            app, routes = _router_forward(server.port)
-            try:
+            async with router_forwarding(server.port) as (app, _):
                 status, body, ended = await _drive(app, "GET", "/download/a", [], [])  # type: ignore[arg-type]
                 assert (status, ended) == (502, True)
                 assert len(server.requests) == 1
@@ -330,8 +309,6 @@ def test_a_routers_not_connected_answer_that_came_whole_is_still_the_brokers(siz
                 assert mapped is (size <= MAX_ROUTER_ANSWER), body[:200]
                 assert mapped or len(body) == size
                 assert not mapped or b"could not connect" in body, body
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     with _bounded(10):
         asyncio.run(main())
@@ -348,12 +325,11 @@ def test_a_caller_gone_mid_body_closes_the_runtimes_connection() -> None:
 
     async def main() -> None:
         async with _Server(handler) as server:
-            app, routes = _pod_forward(server.port)
-            messages = [
-                {"type": "http.request", "body": b"{}", "more_body": True},
-                {"type": "http.disconnect"},
-            ]
-            try:
+            async with pod_forwarding(server.port) as (app, routes):
+                messages = [
+                    {"type": "http.request", "body": b"{}", "more_body": True},
+                    {"type": "http.disconnect"},
+                ]
                 with pytest.raises(ClientDisconnect):
                     length = [(b"content-length", b"20")]
                     await _drive(app, "POST", "/execute", length, messages)  # type: ignore[arg-type]
@@ -364,8 +340,6 @@ def test_a_caller_gone_mid_body_closes_the_runtimes_connection() -> None:
                 assert b"\r\ncontent-length: 20\r\n" in got[0] and got[1:] == [b"{}"]
                 pools = routes._pods.values()  # type: ignore[attr-defined]
                 assert [pool.connections for pool, _ in pools] == [0]
-            finally:
-                await routes.close()  # type: ignore[attr-defined]
 
     with _bounded(10):
         asyncio.run(main())
