@@ -270,8 +270,7 @@ class Http11Answer:
             elif isinstance(event, h11.EndOfMessage):
                 body = b"".join(self._parsed)
                 self._parsed.clear()
-                self._connection = None
-                connection.pool._release(connection)
+                self._ended(connection)
                 return body
             else:  # NEED_DATA (or PAUSED: aiter_raw refuses it)
                 return None
@@ -295,6 +294,10 @@ class Http11Answer:
         except BaseException:
             self._close()
             raise
+        self._ended(connection)
+
+    def _ended(self, connection: _Connection) -> None:
+        """The answer was read whole: its connection goes back to the pool."""
         self._connection = None
         connection.pool._release(connection)
 

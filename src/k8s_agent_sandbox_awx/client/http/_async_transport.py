@@ -251,13 +251,8 @@ class AsyncBrokerTransport(ex.TransportBase):
         meter = DownloadMeter(spec, spec.path, None)
         values: list[Any] = []
         try:
-            try:  # :meth:`chunks`, inline: one generator fewer per answer
-                async for chunk in response.aiter_bytes(None):
-                    values += decoder.feed(meter.count(chunk))
-            except httpx.TransportError as exc:
-                raise meter.error(exc, timed_out=isinstance(exc, httpx.TimeoutException)) from exc
-            finally:
-                await response.aclose()
+            async for chunk in self.chunks(response, meter, None):  # one generator per answer
+                values += decoder.feed(chunk)
             values += decoder.end()
         except Exception as exc:  # raised after the values before it, as the stream does
             return ex.Answered(values, exc)
