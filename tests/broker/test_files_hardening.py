@@ -445,6 +445,7 @@ path, kind = sys.argv[1:]
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 replaced = made = 0
+print("ready", flush=True)
 while not stop.is_set():
     try:
         if kind == "file":
@@ -471,7 +472,8 @@ print(replaced, made)
 """
 """Create ``path`` (a file or a directory, exclusively) and remove it again, as fast as it can in
 a process of its own, until its stdin closes; then print how many times its creation was no
-longer there when it came to remove it (someone replaced it), and how many it made."""
+longer there when it came to remove it (someone replaced it), and how many it made. It prints
+``ready`` first, once it runs: on a loaded machine its start can outlast hundreds of moves."""
 
 
 @pytest.mark.slow
@@ -491,7 +493,12 @@ def test_move_without_overwrite_never_replaces_a_destination_made_meanwhile(
     lost, odd = 0, []
     remove = os.unlink if kind == "file" else os.rmdir
     try:
-        for _ in range(400):  # the old code lost a destination 10-18 % of the time
+        assert creator.stdout is not None and creator.stdout.readline() == "ready\n"
+        # the old code lost a destination 10-18 % of the time; at least 400 moves, and on until
+        # the creator has won the race at least once (a 400), so that the race did happen
+        for done in range(4000):
+            if done >= 400 and outcomes[400] > 0:
+                break
             if kind == "file":
                 Path(base, "src").write_bytes(b"mine")
             else:
