@@ -30,6 +30,7 @@ percent-encoded) is refused, never rewritten.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -45,6 +46,10 @@ _ESCAPE = re.compile(r"%(.?.?)")
 _HEX = re.compile(r"^[0-9A-Fa-f]{2}$")
 _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 _SHOWN = 120
+MEMO_SIZE = 1024
+"""How many checked targets (those of at most :data:`MEMO_TARGET` bytes) are remembered: a
+client sends the same few (``/execute``, ``/files?path=...``) again and again."""
+MEMO_TARGET = 256
 
 
 class NonNormalTarget(ValueError):
@@ -76,7 +81,23 @@ class Target:
 
 def checked_target(raw: bytes) -> Target:
     """``raw`` (an origin-form target: path, then ``?`` and the query) if it is in normal
-    form; else :class:`NonNormalTarget`."""
+    form; else :class:`NonNormalTarget`. The answer for a short ``raw`` is remembered (a
+    refusal is not: it is checked again each time)."""
+    if len(raw) <= MEMO_TARGET:
+        return _remembered_checked(raw)
+    return _checked(raw)
+
+
+def port_target(raw: bytes) -> Target:
+    """``raw`` (origin-form) as a port request's target: forwarded byte for byte, so refused
+    (:class:`NonNormalTarget`) only when the router's httpx would send it changed (remembered
+    as :func:`checked_target`'s)."""
+    if len(raw) <= MEMO_TARGET:
+        return _remembered_port(raw)
+    return _port(raw)
+
+
+def _checked(raw: bytes) -> Target:
     path = raw.partition(b"?")[0].decode("ascii")
     _check_characters(path)
     segments = [] if path == "/" else path[1:].split("/")
@@ -102,9 +123,7 @@ def checked_target(raw: bytes) -> Target:
     return Target(raw, path)
 
 
-def port_target(raw: bytes) -> Target:
-    """``raw`` (origin-form) as a port request's target: forwarded byte for byte, so refused
-    (:class:`NonNormalTarget`) only when the router's httpx would send it changed."""
+def _port(raw: bytes) -> Target:
     path = raw.partition(b"?")[0].decode("ascii")
     segments = path.split("/")
     if "." in segments or ".." in segments:
@@ -123,6 +142,10 @@ def port_target(raw: bytes) -> Target:
             port=True,
         )
     return Target(raw, path)
+
+
+_remembered_checked = functools.lru_cache(maxsize=MEMO_SIZE)(_checked)
+_remembered_port = functools.lru_cache(maxsize=MEMO_SIZE)(_port)
 
 
 def _forwarded(raw: bytes) -> bytes:
