@@ -20,6 +20,7 @@ DEFAULT_DATA_PLANE_TIMEOUT = 300.0
 """Seconds the router waits for a sandbox's answer when the request names no
 X-Sandbox-Timeout."""
 _PORT = re.compile(r"^[0-9]{1,5}$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 """Data-plane methods without a request body (one sent with them is refused)."""
 
@@ -49,7 +50,7 @@ def data_request(request: Request) -> DataRequest:
     (:func:`._target.port_target`)."""
     _check_method(request)
     sandbox_id, namespace, port, timeout = router_headers(request)
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in request.url.path):
+    if _CONTROL.search(request.scope["path"]):  # the whole decoded path ("%3F" included)
         raise ApiError(
             400, "invalid_path", "the path contains control characters (after URL decoding)"
         )
