@@ -41,6 +41,7 @@ from ._unreachable import connect_failure, router_not_connected
 _NOT_FORWARDED = (b"authorization", b"host", b"cookie", b"content-length")
 """Never forwarded (besides the hop-by-hop ones): the caller's credentials, the router's own
 host, and the caller's framing (the router frames the body: :func:`_forwarded_body`)."""
+_DROPPED = frozenset({name.encode("ascii") for name in HOP_BY_HOP}.union(_NOT_FORWARDED))
 _COMMAND_PATHS = ("/execute", "/commands", "/code/execute")
 """The requests that run something (a ``POST``): counted (``Route.count_command``), and given
 the sandbox's environment."""
@@ -225,9 +226,7 @@ def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes
     return [
         (k, v)
         for k, v in raw
-        if k.decode("latin-1").lower() not in HOP_BY_HOP
-        and k.lower() not in _NOT_FORWARDED
-        and not k.lower().startswith(b"x-sandbox-")
+        if (name := k.lower()) not in _DROPPED and not name.startswith(b"x-sandbox-")
     ]
 
 
