@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    return workers.make_scheduler(config, log)  # --dist loadgroup: tests/kube on one worker
+    return workers.make_scheduler(config, log)  # --dist loadgroup: tests/kube on two workers
 
 
 CI_VARIABLES = ("CI", "GITLAB_CI", "GITHUB_ACTIONS")

@@ -217,6 +217,7 @@ LAYERS: dict[str, set[str]] = {
         *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),
         *("client", "broker.runtime", "broker.identity", "broker.backends", "broker"),
         *("broker.common", "broker.control", "broker.dataplane"),
+        "broker.server",  # the local broker's server: uvicorn's, with the broker's fresh Date
     },
     "mcp": {
         *("shared", "credentials", "errors", "client.wire", "client.core", "client.http"),

@@ -10,7 +10,10 @@
   stand-in's loopback pod IPs allowed, or the router).
 - ``Replica``: the app ``broker serve`` builds (``app_factory``) under uvicorn over HTTPS on its
   own thread and event loop; ``kill()`` drops every connection at once without an answer and
-  stops it without its shutdown (a replica that died), ``stop()`` stops it gracefully.
+  stops it without its shutdown (a replica that died), ``stop()`` stops it gracefully, with
+  ``broker serve``'s own shutdown (``_run._Server``: a connection whose last answer ended and
+  that only waits for its peer's TLS close is dropped after ``CLOSE_WAIT``; uvicorn's waited
+  the whole ``timeout_graceful_shutdown`` for an idle keep-alive client, 2 s of each stop).
 - ``StandInRouter``: upstream's Python router (``tests/_support/stand_in_router.py``): it finds
   a pod by X-Sandbox-Pod-IP or by the Sandbox's headless Service, as upstream's does.
 - The callers' side: ``sdk_environ`` (the SDK's environment for a replica), ``token_for`` (one
@@ -40,7 +43,7 @@ from k8s_agent_sandbox_awx.broker._app_factory import ConfiguredBroker, app_fact
 from k8s_agent_sandbox_awx.broker.backends.kubernetes._backend import KubernetesBackend
 from k8s_agent_sandbox_awx.broker.config import load_config
 from k8s_agent_sandbox_awx.broker.server._probes import with_probes
-from k8s_agent_sandbox_awx.broker.server._run import bind
+from k8s_agent_sandbox_awx.broker.server._run import _Server, bind
 from tests._support._api import CLAIM, collection, path
 from tests._support.broker_server import Pki
 from tests._support.deploy import BROKER, find, render
@@ -218,7 +221,7 @@ class Replica:
             access_log=False, http="h11", ws="none", loop="asyncio",
             timeout_graceful_shutdown=2, server_header=False,
         )  # fmt: skip
-        server = self._server = uvicorn.Server(config)
+        server = self._server = _Server(config, None, settings.request_head_seconds)
 
         def run() -> None:
             asyncio.set_event_loop(self._loop)

@@ -1,5 +1,5 @@
 """pytest-xdist workers side by side: each its own temporary directory; the Kubernetes tests on
-one worker.
+two workers.
 
 A local broker sweeps the temporary directory for dead brokers' leftovers as it starts, and some
 tests count what is left in it; with workers sharing one directory, one worker's broker would
@@ -17,15 +17,23 @@ import tempfile
 from typing import Any
 
 GROUPS = {
-    "tests/kube/test_real_node.py": "real-node",  # its own cluster: beside the kube group
+    "tests/kube/test_real_node.py": "real-node",  # its own cluster: beside the kube groups
+    # the Kubernetes tests in two groups of about equal time (353 s in all on an idle machine:
+    # these four files 175 s, the others 177 s); one group held one worker for 361 s, two
+    # thirds of CI's whole pytest phase (540 s) on an idle machine already
+    "tests/kube/test_client_suite.py": "kube-2",
+    "tests/kube/test_controller.py": "kube-2",
+    "tests/kube/test_router_data_plane.py": "kube-2",
+    "tests/kube/test_kube_api.py": "kube-2",
     "tests/kube/": "kube",
     "tests/client/test_large_files.py": "large-files",
     "tests/client/test_async_large_files.py": "large-files",
 }
 """Test path -> group: under ``--dist loadgroup`` a group's tests run on one worker, one after
 the other. The Kubernetes tests share ONE API server per process (~4.5 s to start and ~380 MB
-each); the large-file round trips each keep a core busy, and three at once only slow each other
-(and every other worker) down."""
+each): two groups, two API servers (one took the run's longest worker); the large-file round
+trips each keep a core busy, and three at once only slow each other (and every other worker)
+down."""
 
 _ENV = "AGENT_SANDBOX_TEST_WORKER_TMPDIR"
 _MADE: list[str] = []  # the directory this process made (a child pytest inherits only _ENV)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
 from k8s_agent_sandbox_awx.broker.backends._interface import PENDING, READY, TERMINATING, Unroutable
+from k8s_agent_sandbox_awx.broker.backends.kubernetes import _informer, _routes
 from k8s_agent_sandbox_awx.broker.backends.kubernetes._api import KubeClient
 from k8s_agent_sandbox_awx.broker.backends.kubernetes._claims import state_of
 from k8s_agent_sandbox_awx.broker.backends.kubernetes._informer import ClaimCache
@@ -80,7 +82,7 @@ def test_an_expired_claim_is_terminating_although_the_cache_saw_it_ready(
     held = cache.get("team-a", "sbx-one")
     assert held is not None
     assert cache.state(held).phase == READY
-    monkeypatch.setattr(time, "time", lambda: now + 31)
+    monkeypatch.setattr(_informer, "time", SimpleNamespace(time=lambda: now + 31))  # its own
     late = cache.state(held)
     assert late.phase == TERMINATING and late.reason == "Expired"
     assert cache.state(held).phase == TERMINATING  # never memoized back to Ready
@@ -153,9 +155,12 @@ def test_each_pod_has_a_pool_of_its_own_and_a_gone_pods_pool_is_closed(
         assert other.client is not first.client
         assert routes.route(cache.state(one), 3000).client is routes.ports_http  # a port's
         now = time.monotonic()
-        monkeypatch.setattr(time, "monotonic", lambda: now + 30)
+        # the module's clock only: a patch of time.monotonic held every timer the process's event
+        # loops armed meanwhile (the session broker's Date for 61 s; tests/testing/
+        # test_local_broker_clocks.py)
+        monkeypatch.setattr(_routes, "time", SimpleNamespace(monotonic=lambda: now + 30))
         assert routes.prune([cache.state(one).pod_ips]) == 0  # sbx-two's pool: used 30 s ago
-        monkeypatch.setattr(time, "monotonic", lambda: now + 61)
+        monkeypatch.setattr(_routes, "time", SimpleNamespace(monotonic=lambda: now + 61))
         assert routes.prune([cache.state(one).pod_ips]) == 1  # now idle, and no claim's
         await asyncio.gather(*routes._closing)  # the close, in its own task
         assert other.client.is_closed and not first.client.is_closed

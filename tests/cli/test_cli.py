@@ -269,6 +269,51 @@ def test_doctor_reports_an_unusable_date_header(date: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("dated", "ok", "shown"),
+    [
+        (0.0, True, "+0.0s"),  # dated as asked: the 70 s the answer took are no skew
+        (69.6, True, "+0.0s"),  # dated as it left (12:01:09 is up to 12:01:10)
+        (-120.0, False, "+119.0s"),  # dated 2 minutes before it was asked
+        (200.0, False, "-130.0s"),  # after it arrived
+    ],
+)
+def test_doctor_counts_as_skew_only_a_date_outside_the_request(
+    dated: float, ok: bool, shown: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker dates its answer between the ask and the answer, in whole seconds: only a
+    Date outside that is skew (the doctor took the time after the answer as the broker's:
+    an answer that took 70 s was 70 s of skew)."""
+    from email.utils import formatdate
+
+    import httpx
+
+    from k8s_agent_sandbox_awx import BrokerSandboxClient, OIDCTokenAuth
+    from k8s_agent_sandbox_awx.cli import _doctor
+    from k8s_agent_sandbox_awx.client.http._config import BrokerConnectionConfig
+
+    asked = 1_700_000_000.0
+    clock = iter([asked, asked + 70.0])  # the ask, then the answer 70 s later
+    monkeypatch.setattr(_doctor, "_now", lambda: next(clock))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        date = formatdate(asked + dated, usegmt=True)
+        return httpx.Response(200, json={"status": "ok"}, headers={"Date": date})
+
+    client = BrokerSandboxClient(
+        BrokerConnectionConfig(broker_url="https://broker.test"),
+        auth=OIDCTokenAuth("opaque"),
+        http_transport=httpx.MockTransport(handler),
+    )
+    doc = _doctor.DoctorReport()
+    try:
+        _doctor.check_broker(doc, client, credentials_ok=False)
+    finally:
+        client.close()
+    skew = next(c for c in doc.checks if c.name == "clock skew")
+    assert (skew.ok, skew.detail.split()[0]) == (ok, shown), skew
+
+
+@pytest.mark.parametrize(
     ("args", "flag"),
     [
         (["--timeout", "-1"], "--timeout"),

@@ -13,7 +13,6 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -276,6 +275,7 @@ def _check_expiry(report: DoctorReport, exp: Any) -> None:
 def check_broker(report: DoctorReport, client: BrokerSandboxClient, credentials_ok: bool) -> None:
     """Reachability, TLS, clock skew and (if the credentials passed) authentication."""
     url = client.broker_url
+    asked = _now()
     try:
         reply = client.healthz()
     except BrokerTLSError as exc:
@@ -309,12 +309,19 @@ def check_broker(report: DoctorReport, client: BrokerSandboxClient, credentials_
         report.check("tls", True, f"certificate verified against {ca}")
     else:
         report.check("tls", False, "plain http:// (loopback only)", "Use https:// outside tests.")
-    _check_clock(report, reply.headers.get("date"))
+    _check_clock(report, reply.headers.get("date"), asked, _now())
     if credentials_ok:
         _check_authentication(report, client)
 
 
-def _check_clock(report: DoctorReport, date: str | None) -> None:
+def _now() -> float:
+    return time.time()
+
+
+def _check_clock(report: DoctorReport, date: str | None, asked: float, answered: float) -> None:
+    """The broker dated its answer between ``asked`` and ``answered`` (this machine's clock), in
+    whole seconds (a Date of 12:00:00 is any time up to 12:00:01): the skew is how far outside
+    that its Date is, so that a slow answer is not counted as skew, nor the second cut off."""
     if not date:
         report.check("clock skew", False, "the broker sent no Date header", "Upgrade the broker.")
         return
@@ -331,7 +338,8 @@ def _check_clock(report: DoctorReport, date: str | None) -> None:
             "clocks by hand.",
         )
         return
-    skew = (datetime.now(UTC) - broker_time).total_seconds()
+    dated = broker_time.timestamp()
+    skew = asked - (dated + 1) if asked > dated + 1 else min(0.0, answered - dated)
     report.check(
         "clock skew",
         abs(skew) <= 60,

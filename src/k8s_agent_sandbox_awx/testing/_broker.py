@@ -42,6 +42,7 @@ from ..broker.identity._revocations import Revocations
 from ..broker.identity._rules import IssuerPolicies
 from ..broker.identity._verify import TokenVerifier
 from ..broker.runtime._tree import remove_quietly
+from ..broker.server._dates import FreshDateServer, monotonic_clock
 from ._broker_setup import (
     all_warm_pools,
     check_arguments,
@@ -262,8 +263,8 @@ class LocalBroker:
         served: Any = FaultLayer(self._app, self._faults, self._protocols)  # faults around it
         if self._observer is not None:  # and the observer around both: it sees what clients see
             served = self._observer.wrap_broker(self._app, served)
-        self._server = uvicorn.Server(_uvicorn_config(served, server_pem))
-        loop = asyncio.new_event_loop()
+        self._server = FreshDateServer(_uvicorn_config(served, server_pem))
+        loop = _OwnClockLoop()
         self._loop = loop
         server = self._server
         failure: list[BaseException] = []
@@ -553,6 +554,17 @@ class _JwksClient:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+
+class _OwnClockLoop(asyncio.SelectorEventLoop):
+    """The local broker's event loop, its timers on the monotonic clock the process had at
+    import: it runs in its caller's test process, where a test that patched ``time.monotonic``
+    (asyncio's clock) held every timer the loop armed meanwhile for as far as the patch jumped
+    (uvicorn's tick among them, so that answers kept the Date of before the patch: 62 s
+    later, ``doctor`` failed its clock-skew check)."""
+
+    def time(self) -> float:
+        return monotonic_clock()
 
 
 def _uvicorn_config(app: Any, server_pem: str) -> uvicorn.Config:

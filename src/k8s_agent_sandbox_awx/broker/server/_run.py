@@ -41,6 +41,7 @@ from typing import Any, Final
 import uvicorn
 
 from ..config import MetricsSettings, ServerSettings
+from ._dates import FreshDateServer
 from ._http import deadline_protocol, handshake_deadline
 from ._logs import TEXT_LOGGING, JsonFormatter, TextFormatter
 from ._probes import ASGIApp, ReadinessCheck, with_probes
@@ -143,8 +144,9 @@ def bind(host: str, port: int, key: str = "server.listen") -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, with the broker's signal handling and a started callback."""
+class _Server(FreshDateServer):
+    """uvicorn's server (its ``Date`` re-made at every tick), with the broker's signal
+    handling and a started callback."""
 
     def __init__(
         self,
@@ -233,7 +235,7 @@ async def _close_finished(connections: set[Any]) -> None:
                 transport.abort()
 
 
-class _MetricsServer(uvicorn.Server):
+class _MetricsServer(FreshDateServer):
     """The metrics listener: plain HTTP, stopped with the broker (it handles no signal)."""
 
     def __init__(self, config: uvicorn.Config) -> None:
