@@ -23,14 +23,14 @@ answers do not depend on which client carried the request (``dataplane._forward.
 
 A kept-alive connection is reused only when both sides completed the exchange (the request
 written whole, the answer read to its end) and neither asked to close (``Connection: close``,
-an HTTP/1.0 answer, a body that ends at the close), and only while it is idle and the server has neither closed it nor sent
-anything (checked again on the socket itself before reuse, as httpcore does); a connection that
-fails after it was chosen is never retried on another: the request may have reached the server
-(a command never runs twice). A connection is closed on any error, on cancellation, when its
-answer is closed before its end, and once it has been idle for the pool's ``idle_seconds``
-(not only when a later request finds it expired). Reading stops while :data:`READ_BUFFER`
-bytes wait for the consumer, writing waits while the socket's buffer is full: memory stays
-bounded whatever pace either peer keeps.
+an HTTP/1.0 answer, a body that ends at the close), and only while it is idle and the server
+has neither closed it nor sent anything (checked again on the socket itself before reuse, as
+httpcore does); a connection that fails after it was chosen is never retried on another: the
+request may have reached the server (a command never runs twice). A connection is closed on
+any error, on cancellation, when its answer is closed before its end, and once it has been
+idle for the pool's ``idle_seconds`` (not only when a later request finds it expired). Reading
+stops while :data:`READ_BUFFER` bytes wait for the consumer, writing waits while the socket's
+buffer is full: memory stays bounded whatever pace either peer keeps.
 
 A hostile runtime (the sandbox's owner's code) gets no more: a ``2xx`` to a ``CONNECT`` (a
 tunnel) is ``RemoteProtocolError``, as are a ``101`` (no upgrade is ever asked), more than
@@ -38,7 +38,7 @@ tunnel) is ``RemoteProtocolError``, as are a ``101`` (no upgrade is ever asked),
 :mod:`._h1` refuses; a ``Content-Length`` beside ``Transfer-Encoding`` is removed from the
 answer's headers (its body is read chunked); bytes past an answer's end close its connection;
 a body cut short by the server's close (even within a chunk's size line) is
-``RemoteProtocolError``, never a loop.
+``RemoteProtocolError``.
 """
 
 from __future__ import annotations
@@ -384,10 +384,12 @@ class Http11Pool:
         timeouts: httpx.Timeout,
     ) -> Http11Answer:
         """Send the request (``target`` exactly as given; a ``Host`` header is added) and read
-        its answer's head; the body is the answer's (:class:`Http11Answer`)."""
+        its answer's head; the body is the answer's (:class:`Http11Answer`). A request HTTP
+        does not allow (:func:`._h1.request_head`) is refused before a connection is chosen."""
+        head = request_head(method, target, self.host_line, headers, body)
         connection = self._idle_connection() or await self._connect(timeouts.connect)
         try:
-            await _send_request(connection, method, target, headers, body, timeouts.write)
+            await _send_request(connection, method, head, body, timeouts.write)
             return await _read_head(connection, timeouts.read)
         except BaseException:
             connection.abort()
@@ -461,16 +463,16 @@ class Http11Pool:
 async def _send_request(
     connection: _Connection,
     method: bytes,
-    target: bytes,
-    headers: Sequence[tuple[bytes, bytes]],
+    request: tuple[bytes, int | None, bool],
     body: RequestBody,
     within: float | None,
 ) -> None:
-    """Write the request (its framing as httpx frames it: :func:`._h1.request_head`). A write
+    """Write the request (``request``: :func:`._h1.request_head`'s head, framing and close;
+    the framing as httpx frames it). A write
     that fails (the server closed early) ends the sending and the answer is read all the
     same, as httpcore does: a server may answer before it read the whole request (a
     ``413``); if none comes, the exchange fails as one whose request may have been sent."""
-    head, framing, close = request_head(method, target, connection.pool.host_line, headers, body)
+    head, framing, close = request
     connection.method = method
     connection.keep_alive = not close
     try:
