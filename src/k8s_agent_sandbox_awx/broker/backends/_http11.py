@@ -102,8 +102,7 @@ class _Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         """Why the connection was lost (``None``: closed cleanly, or not lost)."""
         self.idle_since: float | None = None
-        self.expiry: asyncio.TimerHandle | None = None
-        """Closes the connection when its idle time is over (while it is idle)."""
+        """When the connection went idle in the pool (``None``: in use, or closed)."""
         self._reading: asyncio.Future[None] | None = None
         self._writing: asyncio.Future[None] | None = None
         self._reading_paused = False
@@ -160,11 +159,6 @@ class _Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return False
         return self._poll is None or not self._poll.poll(0)
-
-    def stop_expiry(self) -> None:
-        if self.expiry is not None:
-            self.expiry.cancel()
-            self.expiry = None
 
     def abort(self) -> None:
         if self.transport is not None:
@@ -353,8 +347,12 @@ class Http11Pool:
             self.host_header += b":%d" % port
         self.host_line = b"host: %s\r\n" % self.host_header
         self._idle: list[_Connection] = []
+        """The idle connections, the longest idle first."""
         self._open: set[_Connection] = set()
         self._closed = False
+        self._sweep: asyncio.TimerHandle | None = None
+        """Closes the idle connections whose idle time is over, when the first one's is (one
+        timer for the pool, not one per release: :meth:`_expire`)."""
 
     def __repr__(self) -> str:
         where = self.uds or f"{self.host}:{self.port}"
@@ -372,6 +370,9 @@ class Http11Pool:
     async def aclose(self) -> None:
         """Close every connection (idle or in use) and refuse new requests."""
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for connection in list(self._open):
             connection.abort()
 
@@ -399,7 +400,6 @@ class Http11Pool:
         deadline = time.monotonic() - self.idle_seconds
         while self._idle:
             connection = self._idle.pop()
-            connection.stop_expiry()
             since = connection.idle_since
             if since is not None and since >= deadline and connection.usable():
                 connection.idle_since = None
@@ -445,15 +445,27 @@ class Http11Pool:
         connection.sent = connection.keep_alive = False
         connection.idle_since = time.monotonic()
         if connection.usable():
-            loop = asyncio.get_running_loop()
-            connection.expiry = loop.call_later(self.idle_seconds, connection.abort)
             self._idle.append(connection)
+            if self._sweep is None:
+                loop = asyncio.get_running_loop()
+                self._sweep = loop.call_later(self.idle_seconds, self._expire)
         else:
             connection.abort()
 
+    def _expire(self) -> None:
+        """Close the idle connections whose idle time is over; again when the next one's is."""
+        self._sweep = None
+        now = time.monotonic()
+        while self._idle:
+            since = self._idle[0].idle_since
+            if since is not None and since + self.idle_seconds > now:
+                wait = since + self.idle_seconds - now
+                self._sweep = asyncio.get_running_loop().call_later(wait, self._expire)
+                return
+            self._idle.pop(0).abort()
+
     def _forget(self, connection: _Connection) -> None:
         self._open.discard(connection)
-        connection.stop_expiry()
         if connection.idle_since is not None:
             connection.idle_since = None
             if connection in self._idle:
@@ -537,7 +549,7 @@ async def _head(connection: _Connection, within: float | None) -> Http11Answer:
         connection.take()
         head = parser.head()
         while head is None:
-            await connection.fill(within)
+            await connection.fill(None)  # the head's deadline bounds the wait (_read_head)
             if parser.closed:
                 raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
             head = parser.head()
