@@ -52,7 +52,6 @@ _NAMES = re.compile(rb"%s(?::%s)*" % (_TOKEN, _TOKEN))
 """Header names joined by ``:`` (which no token holds): all tokens, in one match."""
 _BAD_VALUE = re.compile(rb"[\x00\r\n]")
 _TARGET = re.compile(rb"[\x21-\x7e]+")
-_FRAMING_NAMES = (b":content-length:", b":transfer-encoding:", b":connection:")
 _DIGITS = re.compile(rb"[0-9]{1,20}")
 _MAX_LENGTH_DIGITS: Final = 20
 
@@ -98,7 +97,11 @@ def request_head(
         if _BAD_VALUE.search(b"".join([value for _, value in headers])) is not None:
             raise httpx.LocalProtocolError("Illegal header value (CR, LF or NUL)")
         lowered = b":%s:" % names.lower()
-        if any(special in lowered for special in _FRAMING_NAMES):
+        if (
+            b":content-length:" in lowered
+            or b":transfer-encoding:" in lowered
+            or (b":connection:" in lowered)
+        ):
             headers, length, chunked, close = _framing_headers(headers)
         block = b"".join([b"%s: %s\r\n" % header for header in headers])
     if chunked:
@@ -158,6 +161,8 @@ def _tokens(value: bytes) -> list[bytes]:
 
 def _content_length(value: bytes, error: type[httpx.ProtocolError]) -> int:
     """A ``Content-Length`` value as h11 reads it: comma-separated equal values of digits."""
+    if value.isdigit() and len(value) <= _MAX_LENGTH_DIGITS:  # the rule (ASCII digits only)
+        return int(value)
     lengths = {part.strip(b" \t") for part in value.split(b",")}
     if len(lengths) != 1:
         raise error("conflicting Content-Length headers")
@@ -215,7 +220,8 @@ def parse_head(head: bytes) -> Head:
     code = int(status)
     if code < 100:
         raise _refused(f"illegal status code {code}")
-    headers, length, chunked, close = parse_fields(lines[1:])
+    folded = b"\n " in head or b"\n\t" in head
+    headers, length, chunked, close = parse_fields(lines[1:], folded)
     return Head(code, headers, not close and version >= b"1.1", length, chunked)
 
 
@@ -228,11 +234,12 @@ def _lines(section: bytes) -> list[bytes]:
 
 
 def parse_fields(
-    lines: list[bytes],
+    lines: list[bytes], folded: bool = True
 ) -> tuple[list[tuple[bytes, bytes]], int | None, bool, bool]:
-    """Header lines (obsolete folding joined): the headers, their ``Content-Length``, whether
-    ``Transfer-Encoding: chunked`` is given, and whether ``Connection`` asks to close."""
-    if any(line[:1] in (b" ", b"\t") for line in lines):
+    """Header lines (obsolete folding joined, unless ``folded`` says that no line starts with
+    a blank): the headers, their ``Content-Length``, whether ``Transfer-Encoding: chunked``
+    is given, and whether ``Connection`` asks to close."""
+    if folded:
         lines = _unfolded(lines)
     headers: list[tuple[bytes, bytes]] = []
     length: int | None = None
