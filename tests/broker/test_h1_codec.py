@@ -21,6 +21,7 @@ from k8s_agent_sandbox_awx.broker.backends._h1 import (
     body_framing,
     request_head,
 )
+from k8s_agent_sandbox_awx.broker.backends._http11 import READ_BUFFER
 from tests._support.loopback_runtime import LoopbackRuntime
 
 HOST = b"host: runtime\r\n"
@@ -387,3 +388,33 @@ def test_the_request_goes_out_framed_and_a_refused_one_not_at_all() -> None:
         b"\r\n5\r\nhello\r\n7\r\n, world\r\n0\r\n\r\n" % port
     )
     assert connections == 1  # the refused request was refused before a connection was made
+
+
+def test_an_endless_chunked_answer_to_a_slow_reader_is_not_buffered() -> None:
+    """Small chunks without end to a reader that keeps taking one now and then: what waits in
+    the broker stays within its read buffer (and a read), however many the reader took (the
+    parser's buffer is refilled only when it holds no whole chunk)."""
+
+    async def main() -> int:
+        async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            while True:
+                writer.write(b"100\r\n" + b"c" * 256 + b"\r\n")
+                await writer.drain()
+
+        held = 0
+        async with LoopbackRuntime(endless) as server:
+            pool = server.pool()
+            answer = await pool.send(b"GET", b"/", [], None, TIMEOUT)
+            chunks = answer.aiter_raw()
+            for _ in range(300):
+                await chunks.__anext__()
+                await asyncio.sleep(0.001)
+                (connection,) = pool._open
+                held = max(held, len(connection.received) + len(connection.parser.buffer))
+            await answer.aclose()
+        return held
+
+    held = asyncio.run(main())
+    assert held <= READ_BUFFER + 256 * 1024, held

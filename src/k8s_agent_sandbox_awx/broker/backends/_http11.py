@@ -209,9 +209,13 @@ class _Connection(asyncio.Protocol):
         self.parser.closed = True
 
     def next_body(self) -> bytes | None:
-        """:meth:`.Parser.body` of what was received so far."""
-        self.take()
-        return self.parser.body()
+        """:meth:`.Parser.body` of what was received so far; what waits in :attr:`received`
+        is moved to the parser only when it needs more (else a slow reader of small chunks
+        would let the parser's buffer grow by a read per chunk taken)."""
+        part = self.parser.body()
+        if part is None and self.take():
+            part = self.parser.body()
+        return part
 
 
 async def _within(
@@ -546,7 +550,6 @@ async def _head(connection: _Connection, within: float | None) -> Http11Answer:
     intermediary."""
     parser = connection.parser
     for _ in range(MAX_INFORMATIONAL + 1):
-        connection.take()
         head = parser.head()
         while head is None:
             await connection.fill(None)  # the head's deadline bounds the wait (_read_head)
