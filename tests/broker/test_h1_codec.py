@@ -2,7 +2,10 @@
 request's head as bytes (what it refuses before anything is sent), and the answer's parser on
 its edge cases (obsolete folding, status lines, chunk sizes and extensions, trailers, the head's
 bound, ``Content-Length`` and ``Transfer-Encoding``, HTTP/1.0, the answers without a body), then
-a few of them through the pool (``backends._http11``) on loopback.
+a few of them through the pool (``backends._http11``) on loopback. Found while writing them: the
+first version of the pool moved every received byte to the parser at each body read, so a
+slow reader of an endless answer of small chunks let the parser's buffer grow by a read per
+chunk (78 MB in the last test); bytes are now moved only when the parser needs more.
 """
 
 from __future__ import annotations
@@ -153,10 +156,11 @@ def test_conflicting_content_lengths_are_refused(lengths: list[bytes]) -> None:
 
 def test_equal_content_lengths_are_one_and_leading_zeros_are_read_as_decimal() -> None:
     head, body, rest = _answer(
-        b"HTTP/1.1 200 OK\r\nContent-Length: 005\r\ncontent-length: 5, 5\r\n\r\nhello!"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 005\r\ncontent-length: 005, 005\r\n\r\nhello!"
     )
-    assert head.headers == [(b"Content-Length", b"5")] and head.length == 5
+    assert head.headers == [(b"Content-Length", b"005")] and head.length == 5
     assert (body, rest) == (b"hello", b"!")
+    _refused(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 05\r\n\r\nhello", "conflict")
 
 
 @pytest.mark.parametrize("coding", [b"gzip, chunked", b"chunked, gzip", b"gzip", b"identity"])
@@ -247,9 +251,10 @@ def test_the_request_head_host_first_and_the_framing_httpx_gives() -> None:
     assert b"content-length" not in head and framing == 0
     head, framing, _ = request_head(b"PUT", b"/x", HOST, [], _chunks())
     assert head.endswith(b"\r\ntransfer-encoding: chunked\r\n\r\n") and framing == CHUNKED
-    given = [(b"Content-Length", b"7"), (b"content-length", b"7")]
+    given = [(b"Content-Length", b"7, 7"), (b"content-length", b"7")]
     head, framing, _ = request_head(b"PUT", b"/x", HOST, given, _chunks())
-    assert head.count(b"ength: 7") == 1 and framing == 7 and b"chunked" not in head
+    assert b"\r\nContent-Length: 7\r\n" in head and head.count(b"ength:") == 1
+    assert framing == 7 and b"chunked" not in head
     _, _, close = request_head(b"GET", b"/", HOST, [(b"Connection", b"Keep-Alive, close")], None)
     assert close
 

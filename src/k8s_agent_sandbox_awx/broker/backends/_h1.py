@@ -127,17 +127,17 @@ def _framing_headers(
     that length, whether ``Transfer-Encoding: chunked`` frames the body, and whether
     ``Connection`` asks to close."""
     kept: list[tuple[bytes, bytes]] = []
-    length: int | None = None
+    length: bytes | None = None
     chunked = close = False
     for name, value in headers:
         low = name.lower()
         if low == b"content-length":
-            declared = _content_length(value, httpx.LocalProtocolError)
+            value = _content_length(value, httpx.LocalProtocolError)
             if length is not None:
-                if declared != length:
+                if value != length:
                     raise httpx.LocalProtocolError("conflicting Content-Length headers")
                 continue
-            length = declared
+            length = value
         elif low == b"transfer-encoding":
             if chunked or value.strip(b" \t").lower() != b"chunked":
                 raise httpx.LocalProtocolError("Only Transfer-Encoding: chunked is supported")
@@ -147,7 +147,7 @@ def _framing_headers(
         kept.append((name, value))
     if chunked and length is not None:
         raise httpx.LocalProtocolError("Content-Length and Transfer-Encoding both frame the body")
-    return kept, length, chunked, close
+    return kept, None if length is None else int(length), chunked, close
 
 
 def frame_chunk(data: bytes, framing: int | None) -> bytes:
@@ -159,17 +159,18 @@ def _tokens(value: bytes) -> list[bytes]:
     return [part.strip(b" \t").lower() for part in value.split(b",")]
 
 
-def _content_length(value: bytes, error: type[httpx.ProtocolError]) -> int:
-    """A ``Content-Length`` value as h11 reads it: comma-separated equal values of digits."""
+def _content_length(value: bytes, error: type[httpx.ProtocolError]) -> bytes:
+    """A ``Content-Length`` value as h11 reads it: comma-separated equal values of digits
+    (equal as written: ``5, 05`` conflict), the one value returned."""
     if value.isdigit() and len(value) <= _MAX_LENGTH_DIGITS:  # the rule (ASCII digits only)
-        return int(value)
+        return value
     lengths = {part.strip(b" \t") for part in value.split(b",")}
     if len(lengths) != 1:
         raise error("conflicting Content-Length headers")
     (only,) = lengths
     if _DIGITS.fullmatch(only) is None:
         raise error("bad Content-Length")
-    return int(only)
+    return only
 
 
 # ------------------------------------------------------------------------------ the answer
@@ -242,7 +243,7 @@ def parse_fields(
     if folded:
         lines = _unfolded(lines)
     headers: list[tuple[bytes, bytes]] = []
-    length: int | None = None
+    length: bytes | None = None
     chunked = close = False
     for line in lines:
         field = _HEADER_LINE.fullmatch(line)
@@ -251,12 +252,12 @@ def parse_fields(
         name, value = field.group(1, 2)
         low = name.lower()
         if low == b"content-length":
-            declared = _content_length(value, httpx.RemoteProtocolError)
+            value = _content_length(value, httpx.RemoteProtocolError)
             if length is not None:
-                if declared != length:
+                if value != length:
                     raise _refused("conflicting Content-Length headers")
                 continue
-            length, value = declared, b"%d" % declared
+            length = value
         elif low == b"transfer-encoding":
             value = value.lower()
             if chunked or value != b"chunked":
@@ -265,7 +266,7 @@ def parse_fields(
         elif low == b"connection":
             close = close or b"close" in _tokens(value)
         headers.append((name, value))
-    return headers, length, chunked, close
+    return headers, None if length is None else int(length), chunked, close
 
 
 def _unfolded(lines: list[bytes]) -> list[bytes]:
