@@ -257,6 +257,8 @@ def test_the_request_head_host_first_and_the_framing_httpx_gives() -> None:
     assert framing == 7 and b"chunked" not in head
     _, _, close = request_head(b"GET", b"/", HOST, [(b"Connection", b"Keep-Alive, close")], None)
     assert close
+    odd = [(b"x-a", b"a\tb \x80\x01")]  # h11 took these: tabs and spaces within, obs-text, CTLs
+    assert b"\r\nx-a: a\tb \x80\x01\r\n" in request_head(b"GET", b"/", HOST, odd, None)[0]
 
 
 def _chunks() -> object:
@@ -280,6 +282,14 @@ def _chunks() -> object:
         (b"GET", b"/", [(b"x a", b"b")], "name"),
         (b"GET", b"/", [(b"", b"b")], "name"),
         (b"GET", b"/", [(b"x-a:", b"b")], "name"),
+        (b"GET", b"/", [(b"x-a:x-b", b"b")], "name"),
+        (b"GET", b"/", [(b"x-a", b"b"), (b"x-b:x-c", b"d")], "name"),
+        (b"GET", b"/", [(b"x-a", b" b")], "value"),
+        (b"GET", b"/", [(b"x-a", b"b\t")], "value"),
+        (b"GET", b"/", [(b"x-a", b"b\x0cc")], "value"),
+        (b"GET", b"/", [(b"x-a", b"b"), (b"x-b", b"c\nd")], "value"),
+        (b"POST", b"/", [(b"content-length", b"4")], "length"),
+        (b"POST", b"/", [(b"content-length", b"1, 1"), (b"content-length", b"1")], "length"),
         (b"GET", b"/", [(b"x-a\r\nx-b", b"b")], "name"),
         (b"GET", b"/", [(b"x-a", b"b"), (b"x\x00", b"b")], "name"),
         (b"GET", b"/", [(b"content-length", b"-1")], "Content-Length"),
@@ -291,8 +301,9 @@ def _chunks() -> object:
 def test_a_request_part_http_does_not_allow_is_refused(
     method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], match: str
 ) -> None:
+    body = b"abc" if method == b"POST" else None
     with pytest.raises(httpx.LocalProtocolError, match=match):
-        request_head(method, target, HOST, headers, None)
+        request_head(method, target, HOST, headers, body)
 
 
 # ------------------------------------------------------------------------------ the pool

@@ -3,16 +3,20 @@ written straight into bytes (:func:`request_head`), and an answer parsed by a sm
 parser (:class:`Parser`: a head, then a body by its framing). It replaces h11 there: the same
 exchanges, a fraction of the CPU (h11 builds and validates an event object per step).
 
-The request's parts are checked before anything is written: the method a token, the target
-visible ASCII, every header name a token and no value with CR, LF or NUL (the forward's
-headers are the broker server's parse of the caller's, already checked; these checks are
-what keeps a header from becoming two), one ``Content-Length`` (digits), and
-``Transfer-Encoding`` only ``chunked``. The answer is read as h11 read it (RFC 9112): a status
-line ``HTTP/d.d NNN [reason]``, header lines (``name: value``; obsolete line folding joined
-with a space; lines may end in a bare LF), the head at most :data:`MAX_HEAD` bytes;
-``Content-Length`` one value of digits (equal duplicates merged); ``Transfer-Encoding`` only
-``chunked`` (anything else, ``gzip, chunked`` among them, is refused: the broker does not undo
-transfer codings); chunk sizes hex (at most 20 digits), chunk extensions and trailers read and
+The request's parts are checked before anything is written, by h11's rules: the method a
+token, the target visible ASCII, every header name a token and every value visible
+characters with spaces and tabs only within (no CR, LF or NUL: what keeps a header from
+becoming two; the forward's headers are the broker server's parse of the caller's, checked
+already, so all names are matched at once and all values at once), one ``Content-Length``
+(digits; equal duplicates sent once), ``Transfer-Encoding`` only ``chunked`` and not beside a
+``Content-Length``, a whole body of the length declared.
+
+The answer is read as h11 read it (RFC 9112): a status line ``HTTP/d.d NNN [reason]``, header
+lines (``name: value``; obsolete line folding joined with a space; lines may end in a bare
+LF), the head at most :data:`MAX_HEAD` bytes; ``Content-Length`` one value of digits
+(duplicates equal as written merged); ``Transfer-Encoding`` only ``chunked`` (anything else,
+``gzip, chunked`` among them, is refused: the broker does not undo transfer codings); chunk
+sizes hex (at most 20 digits), chunk extensions and trailers read and
 dropped; no body after ``HEAD``, ``204`` and ``304``; without framing, the body runs to the
 connection's close. Every failure is httpx's (``RemoteProtocolError`` for the answer,
 ``LocalProtocolError`` for the request), with no header value in its message (a route's
@@ -49,13 +53,16 @@ UNTIL_CLOSE: Final = -2
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9a-zA-Z]+"
 _METHOD = re.compile(_TOKEN)
 _NAMES = re.compile(rb"%s(?::%s)*" % (_TOKEN, _TOKEN))
-"""Header names joined by ``:`` (which no token holds): all tokens, in one match."""
-_BAD_VALUE = re.compile(rb"[\x00\r\n]")
+"""Header names joined by ``:`` (which no token holds: a name with one adds a ``:``, which the
+count of them finds): all tokens, in one match."""
+_FIELD_VALUE = rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?"
+_VALUES = re.compile(rb"%s(?:\n%s)*" % (_FIELD_VALUE, _FIELD_VALUE))
+"""Header values joined by LF (which no value may hold: counted too), each h11's
+``field-value``: in one match."""
 _TARGET = re.compile(rb"[\x21-\x7e]+")
 _DIGITS = re.compile(rb"[0-9]{1,20}")
 _MAX_LENGTH_DIGITS: Final = 20
 
-_FIELD_VALUE = rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?"
 _HEADER_LINE = re.compile(rb"(%s):[ \t]*(%s)[ \t]*" % (_TOKEN, _FIELD_VALUE))
 _STATUS_LINE = re.compile(rb"HTTP/([0-9]\.[0-9]) ([0-9]{3})(?: (?:[ \t]|[^\x00\s])*)?")
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*\r\n")
@@ -77,37 +84,24 @@ def request_head(
     headers: Sequence[tuple[bytes, bytes]],
     body: object,
 ) -> tuple[bytes, int | None, bool]:
-    """The request's head (``host_line``, ``host: ...\\r\\n``, first), the framing of its body
+    """The request's head (``host_line``, ``host: ...\r\n``, first), the framing of its body
     (a declared length, :data:`CHUNKED`, or ``None``: no body) and whether the request asks to
     close the connection. ``body`` is bytes, ``None`` or chunks: the framing httpx gives
     (a ``Content-Length`` for bytes unless empty outside ``POST``/``PUT``/``PATCH``, chunked
     for chunks) unless ``headers`` frame it. ``httpx.LocalProtocolError``: a part that HTTP
-    does not allow, or would make the head say something else."""
+    does not allow, or would make the head say something else (a whole body of another
+    length than the one declared among them)."""
     if _METHOD.fullmatch(method) is None:
         raise httpx.LocalProtocolError("Illegal method characters")
     if _TARGET.fullmatch(target) is None:
         raise httpx.LocalProtocolError("Illegal target characters")
-    block = b""
-    length: int | None = None
-    chunked = close = False
-    if headers:
-        names = b":".join([name for name, _ in headers])
-        if _NAMES.fullmatch(names) is None:
-            raise httpx.LocalProtocolError("Illegal header name")
-        if _BAD_VALUE.search(b"".join([value for _, value in headers])) is not None:
-            raise httpx.LocalProtocolError("Illegal header value (CR, LF or NUL)")
-        lowered = b":%s:" % names.lower()
-        if (
-            b":content-length:" in lowered
-            or b":transfer-encoding:" in lowered
-            or (b":connection:" in lowered)
-        ):
-            headers, length, chunked, close = _framing_headers(headers)
-        block = b"".join([b"%s: %s\r\n" % header for header in headers])
+    block, length, chunked, close = _header_block(headers) if headers else (b"", None, False, False)
     if chunked:
         framing: int | None = CHUNKED
     elif length is not None:
         framing = length
+        if (body is None or isinstance(body, bytes)) and len(body or b"") != length:
+            raise httpx.LocalProtocolError("a whole body of another length than declared")
     elif isinstance(body, bytes):
         framing = len(body)
         if body or method in (b"POST", b"PUT", b"PATCH"):
@@ -118,6 +112,27 @@ def request_head(
     else:
         framing = None
     return b"%s %s HTTP/1.1\r\n%s%s\r\n" % (method, target, host_line, block), framing, close
+
+
+def _header_block(
+    headers: Sequence[tuple[bytes, bytes]],
+) -> tuple[bytes, int | None, bool, bool]:
+    """The header lines of ``headers`` (not empty), checked in one match for all names and
+    one for all values (h11's rules: a token; visible characters, spaces and tabs within,
+    none at either end), then their framing (:func:`_framing_headers`)."""
+    names = b":".join([name for name, _ in headers])
+    if _NAMES.fullmatch(names) is None or names.count(b":") != len(headers) - 1:
+        raise httpx.LocalProtocolError("Illegal header name")
+    values = b"\n".join([value for _, value in headers])
+    if _VALUES.fullmatch(values) is None or values.count(b"\n") != len(headers) - 1:
+        raise httpx.LocalProtocolError("Illegal header value")
+    length: int | None = None
+    chunked = close = False
+    lowered = b":%s:" % names.lower()
+    framing_names = (b":content-length:", b":transfer-encoding:", b":connection:")
+    if framing_names[0] in lowered or framing_names[1] in lowered or framing_names[2] in lowered:
+        headers, length, chunked, close = _framing_headers(headers)
+    return b"".join([b"%s: %s\r\n" % header for header in headers]), length, chunked, close
 
 
 def _framing_headers(

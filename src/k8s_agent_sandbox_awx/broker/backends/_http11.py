@@ -492,9 +492,8 @@ async def _send_request(
     connection.method = method
     connection.keep_alive = not close
     try:
-        if body is None or isinstance(body, bytes):
+        if body is None or isinstance(body, bytes):  # its length checked (request_head)
             data = body or b""
-            _check_length(framing, len(data), len(data))
             if data and framing == CHUNKED:
                 data = frame_chunk(data, framing) + _LAST_CHUNK
             elif framing == CHUNKED:
