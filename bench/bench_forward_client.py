@@ -12,7 +12,8 @@ the wall time per request:
   ``send(stream=True)``, the body read raw, the response closed;
 - the client's transport alone (``AsyncHTTPTransport.handle_async_request``: no client layer);
 - the way the forward sends to a plain-HTTP runtime: the broker's own pool
-  (``backends._http11.Http11Pool``: h11 over an asyncio protocol), the body read raw;
+  (``backends._http11.Http11Pool``: its own codec, ``backends._h1``, over an asyncio
+  protocol), the body read raw;
 - asyncio streams with the request written in two writes (its head, then its body: as
   httpcore writes them) and in one write, the answer read by its ``Content-Length``.
 

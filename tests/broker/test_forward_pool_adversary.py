@@ -423,7 +423,7 @@ def test_an_endless_chunked_answer_to_a_reader_that_stops_is_not_buffered() -> N
             await chunks.__anext__()
             await asyncio.sleep(0.5)
             (connection,) = pool._open
-            held = len(connection.received) + len(connection.h11.trailing_data[0])
+            held = len(connection.received) + len(connection.parser.buffer)
             assert held <= _http11.READ_BUFFER + 256 * 1024, held
             await answer.aclose()
             assert pool.connections == 0

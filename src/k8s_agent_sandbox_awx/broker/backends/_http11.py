@@ -1,9 +1,12 @@
-"""The broker's own HTTP/1.1 connections to a plain-HTTP runtime: the request framed and the
-answer parsed by h11 (httpx's own parser, through httpcore: no new dependency) over an asyncio
-protocol, with a small keep-alive pool per runtime (:class:`Http11Pool`).
+"""The broker's own HTTP/1.1 connections to a plain-HTTP runtime: the request's head written
+straight into bytes and the answer parsed by a small strict parser of our own (:mod:`._h1`,
+pure Python: the ``[local]`` extra has no C parser) over an asyncio protocol, with a small
+keep-alive pool per runtime (:class:`Http11Pool`).
 
 Why: httpx and httpcore cost about 400-500 us of CPU per forwarded request in their own layers
-(bench/bench_forward_client.py); the same exchange framed here costs a fraction of it. Used for
+(bench/bench_forward_client.py); the same exchange framed here costs a fraction of it (h11,
+which framed it before, took about a quarter of the broker's CPU per request: an event object
+built and validated per step). Used for
 every plain-HTTP route to a runtime: a pod's (the pod data plane), the local backend's, and an
 ``http://`` Kubernetes router's; an ``https://`` router and port requests (a user's server: a
 new connection each) keep httpx.
@@ -18,21 +21,24 @@ answers do not depend on which client carried the request (``dataplane._forward.
   (the read timeout bounds an answer's head whole, and each read of its body);
 - ``RemoteProtocolError``, ``ReadError``, ``LocalProtocolError``: the request may have been sent.
 
-A kept-alive connection is reused only when h11 says both sides completed the exchange and
-neither asked to close, and only while it is idle and the server has neither closed it nor sent
-anything (checked again on the socket itself before reuse, as httpcore does); a connection that
-fails after it was chosen is never retried on another: the request may have reached the server
-(a command never runs twice). A connection is closed on any error, on cancellation, when its
-answer is closed before its end, and once it has been idle for the pool's ``idle_seconds``
-(not only when a later request finds it expired). Reading stops while :data:`READ_BUFFER`
-bytes wait for the consumer, writing waits while the socket's buffer is full: memory stays
-bounded whatever pace either peer keeps.
+A kept-alive connection is reused only when both sides completed the exchange (the request
+written whole, the answer read to its end) and neither asked to close (``Connection: close``,
+an HTTP/1.0 answer, a body that ends at the close), and only while it is idle and the server
+has neither closed it nor sent anything (checked again on the socket itself before reuse, as
+httpcore does); a connection that fails after it was chosen is never retried on another: the
+request may have reached the server (a command never runs twice). A connection is closed on
+any error, on cancellation, when its answer is closed before its end, and once it has been
+idle for the pool's ``idle_seconds`` (not only when a later request finds it expired). Reading
+stops while :data:`READ_BUFFER` bytes wait for the consumer, writing waits while the socket's
+buffer is full: memory stays bounded whatever pace either peer keeps.
 
 A hostile runtime (the sandbox's owner's code) gets no more: a ``2xx`` to a ``CONNECT`` (a
-tunnel, after which h11 parses nothing: the body loop would spin on ``h11.PAUSED``) is
-``RemoteProtocolError``, as are more than :data:`MAX_INFORMATIONAL` ``1xx`` answers; a
-``Content-Length`` beside ``Transfer-Encoding`` is removed from the answer's headers (its body
-is read chunked); bytes past an answer's end close its connection.
+tunnel) is ``RemoteProtocolError``, as are a ``101`` (no upgrade is ever asked), more than
+:data:`MAX_INFORMATIONAL` ``1xx`` answers, a head over :data:`MAX_HEAD` bytes and anything
+:mod:`._h1` refuses; a ``Content-Length`` beside ``Transfer-Encoding`` is removed from the
+answer's headers (its body is read chunked); bytes past an answer's end close its connection;
+a body cut short by the server's close (even within a chunk's size line) is
+``RemoteProtocolError``.
 """
 
 from __future__ import annotations
@@ -44,15 +50,23 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Final, cast
 
-import h11
 import httpx
 
-__all__ = ["Http11Answer", "Http11Pool", "RequestBody"]
+from ._h1 import (
+    CHUNKED,
+    MAX_HEAD,
+    UNTIL_CLOSE,
+    Head,
+    Parser,
+    body_framing,
+    frame_chunk,
+    request_head,
+)
+
+__all__ = ["MAX_HEAD", "Http11Answer", "Http11Pool", "RequestBody"]
 
 READ_BUFFER: Final = 64 * 1024
 """Bytes received and not yet taken by the reader past which the socket is no longer read."""
-MAX_HEAD: Final = 100 * 1024
-"""The largest answer head accepted (httpcore's ``MAX_INCOMPLETE_EVENT_SIZE``)."""
 MAX_INFORMATIONAL: Final = 16
 """The most informational answers (``100 Continue``, ``103 Early Hints``) skipped before an
 answer's final head; past them the exchange fails (``RemoteProtocolError``): an endless
@@ -69,11 +83,18 @@ class _WriteFailed(Exception):
 
 
 class _Connection(asyncio.Protocol):
-    """One connection: h11's state, what was received and not yet parsed, the waiters."""
+    """One connection: what was received (:attr:`received`, then the parser's buffer), the
+    exchange's state, the waiters."""
 
     def __init__(self, pool: Http11Pool) -> None:
         self.pool = pool
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        self.parser = Parser()
+        self.method = b""
+        """The current request's method (a ``HEAD``'s answer has no body)."""
+        self.sent = False
+        """The current request was written whole."""
+        self.keep_alive = False
+        """Neither the current request nor its answer asked to close the connection."""
         self.transport: asyncio.Transport | None = None
         self.received = bytearray()
         self.eof = False
@@ -81,8 +102,7 @@ class _Connection(asyncio.Protocol):
         self.error: BaseException | None = None
         """Why the connection was lost (``None``: closed cleanly, or not lost)."""
         self.idle_since: float | None = None
-        self.expiry: asyncio.TimerHandle | None = None
-        """Closes the connection when its idle time is over (while it is idle)."""
+        """When the connection went idle in the pool (``None``: in use, or closed)."""
         self._reading: asyncio.Future[None] | None = None
         self._writing: asyncio.Future[None] | None = None
         self._reading_paused = False
@@ -134,14 +154,11 @@ class _Connection(asyncio.Protocol):
     def usable(self) -> bool:
         """Whether this idle connection may carry a request: open, nothing received since its
         last answer, and its socket has nothing to read (a close not seen by the loop yet)."""
-        if self.eof or self.received or self.transport is None or self.transport.is_closing():
+        if self.eof or self.received or self.parser.buffer:
+            return False
+        if self.transport is None or self.transport.is_closing():
             return False
         return self._poll is None or not self._poll.poll(0)
-
-    def stop_expiry(self) -> None:
-        if self.expiry is not None:
-            self.expiry.cancel()
-            self.expiry = None
 
     def abort(self) -> None:
         if self.transport is not None:
@@ -159,41 +176,46 @@ class _Connection(asyncio.Protocol):
             if self.closed:
                 raise _WriteFailed()
 
-    async def read(self, within: float | None) -> bytes:
-        """What was received since the last read (``b""``: the server closed its side;
-        ``httpx.ReadError``: the connection failed, ``httpx.ReadTimeout``: nothing came)."""
+    def take(self) -> bool:
+        """Move what was received to the parser's buffer (``False``: nothing was there)."""
+        received = self.received
+        if not received:
+            return False
+        parser = self.parser
+        if parser.buffer:
+            parser.buffer += received
+            received.clear()
+        else:  # no copy: the buffers swap
+            self.received, parser.buffer = parser.buffer, received
+        if self._reading_paused and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        return True
+
+    async def fill(self, within: float | None) -> None:
+        """Wait for more of the answer and give it to the parser (``parser.closed``: the
+        server closed its side; ``httpx.ReadError``: the connection failed,
+        ``httpx.ReadTimeout``: nothing came)."""
         if not self.received and not self.eof:
             self._reading = asyncio.get_running_loop().create_future()
             try:
                 await _within(self._reading, within, httpx.ReadTimeout)
             finally:
                 self._reading = None
-        if self.received:
-            data = bytes(self.received)
-            self.received.clear()
-            if self._reading_paused and self.transport is not None:
-                self._reading_paused = False
-                self.transport.resume_reading()
-            return data
+        if self.take():
+            return
         if self.error is not None:  # reset, or another failure of the socket
             raise httpx.ReadError(str(self.error) or type(self.error).__name__) from self.error
-        return b""
+        self.parser.closed = True
 
-    async def next_event(self, within: float | None) -> object:
-        """h11's next event of the answer, reading as it needs (errors as httpcore's)."""
-        while True:
-            try:
-                event = self.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise httpx.RemoteProtocolError(str(exc)) from exc
-            if event is h11.PAUSED:  # a switch of protocols: no HTTP answer follows
-                raise httpx.RemoteProtocolError("the server switched protocols")
-            if event is not h11.NEED_DATA:
-                return event
-            data = await self.read(within)
-            if not data and self.h11.their_state is h11.SEND_RESPONSE:
-                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
-            self.h11.receive_data(data)
+    def next_body(self) -> bytes | None:
+        """:meth:`.Parser.body` of what was received so far; what waits in :attr:`received`
+        is moved to the parser only when it needs more (else a slow reader of small chunks
+        would let the parser's buffer grow by a read per chunk taken)."""
+        part = self.parser.body()
+        if part is None and self.take():
+            part = self.parser.body()
+        return part
 
 
 async def _within(
@@ -259,21 +281,18 @@ class Http11Answer:
         connection = self._connection
         if connection is None or self._failed is not None:
             return None
-        while True:
-            try:
-                event = connection.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                self._failed = httpx.RemoteProtocolError(str(exc))
-                return None
-            if isinstance(event, h11.Data):
-                self._parsed.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                body = b"".join(self._parsed)
-                self._parsed.clear()
-                self._ended(connection)
-                return body
-            else:  # NEED_DATA (or PAUSED: aiter_raw refuses it)
-                return None
+        parsed = self._parsed
+        try:
+            while (part := connection.next_body()) is not None:
+                if not part:
+                    body = b"".join(parsed) if len(parsed) != 1 else parsed[0]
+                    parsed.clear()
+                    self._ended(connection)
+                    return body
+                parsed.append(part)
+        except httpx.RemoteProtocolError as exc:
+            self._failed = exc
+        return None
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         connection = self._connection
@@ -286,10 +305,12 @@ class Http11Answer:
             if self._failed is not None:
                 raise self._failed
             while True:
-                event = await connection.next_event(self._read_timeout)
-                if isinstance(event, h11.Data):
-                    yield bytes(event.data)
-                elif isinstance(event, h11.EndOfMessage):
+                part = connection.next_body()
+                if part is None:
+                    await connection.fill(self._read_timeout)
+                elif part:
+                    yield part
+                else:
                     break
         except BaseException:
             self._close()
@@ -328,9 +349,14 @@ class Http11Pool:
         self.host_header = (f"[{host}]" if ":" in host else host).encode("ascii")
         if port != 80:
             self.host_header += b":%d" % port
+        self.host_line = b"host: %s\r\n" % self.host_header
         self._idle: list[_Connection] = []
+        """The idle connections, the longest idle first."""
         self._open: set[_Connection] = set()
         self._closed = False
+        self._sweep: asyncio.TimerHandle | None = None
+        """Closes the idle connections whose idle time is over, when the first one's is (one
+        timer for the pool, not one per release: :meth:`_expire`)."""
 
     def __repr__(self) -> str:
         where = self.uds or f"{self.host}:{self.port}"
@@ -348,6 +374,9 @@ class Http11Pool:
     async def aclose(self) -> None:
         """Close every connection (idle or in use) and refuse new requests."""
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for connection in list(self._open):
             connection.abort()
 
@@ -360,17 +389,12 @@ class Http11Pool:
         timeouts: httpx.Timeout,
     ) -> Http11Answer:
         """Send the request (``target`` exactly as given; a ``Host`` header is added) and read
-        its answer's head; the body is the answer's (:class:`Http11Answer`)."""
+        its answer's head; the body is the answer's (:class:`Http11Answer`). A request HTTP
+        does not allow (:func:`._h1.request_head`) is refused before a connection is chosen."""
+        head = request_head(method, target, self.host_line, headers, body)
         connection = self._idle_connection() or await self._connect(timeouts.connect)
         try:
-            await _send_request(
-                connection,
-                method,
-                target,
-                [(b"host", self.host_header), *headers],
-                body,
-                timeouts.write,
-            )
+            await _send_request(connection, method, head, body, timeouts.write)
             return await _read_head(connection, timeouts.read)
         except BaseException:
             connection.abort()
@@ -380,7 +404,6 @@ class Http11Pool:
         deadline = time.monotonic() - self.idle_seconds
         while self._idle:
             connection = self._idle.pop()
-            connection.stop_expiry()
             since = connection.idle_since
             if since is not None and since >= deadline and connection.usable():
                 connection.idle_since = None
@@ -412,29 +435,41 @@ class Http11Pool:
         return connection
 
     def _release(self, connection: _Connection) -> None:
-        """An exchange ended cleanly: keep ``connection`` for the next one if h11 allows."""
-        state = connection.h11
+        """An exchange ended cleanly: keep ``connection`` for the next one if both sides
+        completed it, neither asked to close, and nothing came past the answer's end."""
         if (
             self._closed
-            or state.our_state is not h11.DONE
-            or state.their_state is not h11.DONE
-            or state.trailing_data[0]
+            or not connection.sent
+            or not connection.keep_alive
+            or not connection.parser.done
             or len(self._idle) >= self.keep
         ):
             connection.abort()
             return
-        state.start_next_cycle()
+        connection.sent = connection.keep_alive = False
         connection.idle_since = time.monotonic()
         if connection.usable():
-            loop = asyncio.get_running_loop()
-            connection.expiry = loop.call_later(self.idle_seconds, connection.abort)
             self._idle.append(connection)
+            if self._sweep is None:
+                loop = asyncio.get_running_loop()
+                self._sweep = loop.call_later(self.idle_seconds, self._expire)
         else:
             connection.abort()
 
+    def _expire(self) -> None:
+        """Close the idle connections whose idle time is over; again when the next one's is."""
+        self._sweep = None
+        now = time.monotonic()
+        while self._idle:
+            since = self._idle[0].idle_since
+            if since is not None and since + self.idle_seconds > now:
+                wait = since + self.idle_seconds - now
+                self._sweep = asyncio.get_running_loop().call_later(wait, self._expire)
+                return
+            self._idle.pop(0).abort()
+
     def _forget(self, connection: _Connection) -> None:
         self._open.discard(connection)
-        connection.stop_expiry()
         if connection.idle_since is not None:
             connection.idle_since = None
             if connection in self._idle:
@@ -444,37 +479,54 @@ class Http11Pool:
 async def _send_request(
     connection: _Connection,
     method: bytes,
-    target: bytes,
-    headers: list[tuple[bytes, bytes]],
+    request: tuple[bytes, int | None, bool],
     body: RequestBody,
     within: float | None,
 ) -> None:
-    """Write the request (its framing as httpx frames it). A write that fails (the server
-    closed early) ends the sending and the answer is read all the same, as httpcore does: a
-    server may answer before it read the whole request (a ``413``); if none comes, the
-    exchange fails as one whose request may have been sent."""
-    state = connection.h11
-    framed = any(k == b"content-length" for k, _ in headers)
-    if isinstance(body, bytes):
-        if not framed and (body or method in (b"POST", b"PUT", b"PATCH")):
-            headers.append((b"content-length", b"%d" % len(body)))
-    elif body is not None and not framed:
-        headers.append((b"transfer-encoding", b"chunked"))
+    """Write the request (``request``: :func:`._h1.request_head`'s head, framing and close;
+    the framing as httpx frames it). A write
+    that fails (the server closed early) ends the sending and the answer is read all the
+    same, as httpcore does: a server may answer before it read the whole request (a
+    ``413``); if none comes, the exchange fails as one whose request may have been sent."""
+    head, framing, close = request
+    connection.method = method
+    connection.keep_alive = not close
     try:
-        head = state.send(h11.Request(method=method, target=target, headers=headers)) or b""
-        if isinstance(body, bytes) or body is None:
-            data = state.send(h11.Data(data=body)) or b"" if body else b""
-            await connection.write(head + data + (state.send(h11.EndOfMessage()) or b""), within)
-            return
-        await connection.write(head, within)
-        async for chunk in body:
-            if chunk:
-                await connection.write(state.send(h11.Data(data=chunk)) or b"", within)
-        await connection.write(state.send(h11.EndOfMessage()) or b"", within)
-    except h11.LocalProtocolError as exc:
-        raise httpx.LocalProtocolError(str(exc)) from exc
+        if body is None or isinstance(body, bytes):  # its length checked (request_head)
+            data = body or b""
+            if data and framing == CHUNKED:
+                data = frame_chunk(data, framing) + _LAST_CHUNK
+            elif framing == CHUNKED:
+                data = _LAST_CHUNK
+            await connection.write(head + data, within)
+        else:
+            await connection.write(head, within)
+            sent = 0
+            async for chunk in body:
+                if chunk:
+                    sent += len(chunk)
+                    _check_length(framing, sent, None)
+                    await connection.write(frame_chunk(chunk, framing), within)
+            _check_length(framing, sent, sent)
+            if framing == CHUNKED:
+                await connection.write(_LAST_CHUNK, within)
+        connection.sent = True
     except _WriteFailed:
         pass  # the answer is read all the same (see above)
+
+
+_LAST_CHUNK: Final = b"0\r\n\r\n"
+
+
+def _check_length(framing: int | None, sent: int, total: int | None) -> None:
+    """``httpx.LocalProtocolError`` if a body's ``sent`` bytes pass the declared length
+    (``framing``), or its ``total`` (at its end) falls short of it."""
+    if framing is None or framing < 0:
+        return
+    if sent > framing:
+        raise httpx.LocalProtocolError("Too much data for declared Content-Length")
+    if total is not None and total < framing:
+        raise httpx.LocalProtocolError("Too little data for declared Content-Length")
 
 
 async def _read_head(connection: _Connection, within: float | None) -> Http11Answer:
@@ -489,26 +541,40 @@ async def _read_head(connection: _Connection, within: float | None) -> Http11Ans
 
 
 async def _head(connection: _Connection, within: float | None) -> Http11Answer:
-    """The answer's head: a final answer, or a ``101`` (which the forward refuses); the other
-    informational answers (``100 Continue``, ``103 Early Hints``) are skipped, as httpcore
-    skips them, but at most :data:`MAX_INFORMATIONAL`. A ``2xx`` to a ``CONNECT`` (a tunnel:
-    h11 parses nothing after it) is refused; a ``Content-Length`` beside ``Transfer-Encoding``
+    """The answer's final head; the informational answers (``100 Continue``, ``103 Early
+    Hints``) are skipped, as httpcore skips them, but at most :data:`MAX_INFORMATIONAL`; a
+    ``101`` (no upgrade was asked: the forward does not pass ``Upgrade``) and a ``2xx`` to a
+    ``CONNECT`` (a tunnel) are refused. A ``Content-Length`` beside ``Transfer-Encoding``
     (the body is read chunked) is removed, as RFC 9112 (section 6.3) asks of an
     intermediary."""
+    parser = connection.parser
     for _ in range(MAX_INFORMATIONAL + 1):
-        event = await connection.next_event(within)
-        if isinstance(event, h11.Response) or (
-            isinstance(event, h11.InformationalResponse) and event.status_code == 101
-        ):
-            if connection.h11.their_state is h11.SWITCHED_PROTOCOL:
-                raise httpx.RemoteProtocolError("the server opened a CONNECT tunnel")
-            raw = event.headers.raw_items()
-            if any(k.lower() == b"transfer-encoding" for k, _ in raw):
-                raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
-            return Http11Answer(connection, event.status_code, _Headers(raw), within)
+        head = parser.head()
+        while head is None:
+            await connection.fill(None)  # the head's deadline bounds the wait (_read_head)
+            if parser.closed:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            head = parser.head()
+        if head.status >= 200:
+            return _answer(connection, head, within)
+        if head.status == 101:
+            raise httpx.RemoteProtocolError("the server switched protocols (101)")
     raise httpx.RemoteProtocolError(
         f"the server sent more than {MAX_INFORMATIONAL} informational answers (1xx)"
     )
+
+
+def _answer(connection: _Connection, head: Head, within: float | None) -> Http11Answer:
+    """The answer of the final ``head``, its body's framing set."""
+    if connection.method == b"CONNECT" and 200 <= head.status < 300:
+        raise httpx.RemoteProtocolError("the server opened a CONNECT tunnel")
+    framing = body_framing(connection.method, head)
+    connection.parser.begin(framing)
+    connection.keep_alive = connection.keep_alive and head.keep_alive and framing != UNTIL_CLOSE
+    raw = head.headers
+    if head.chunked and head.length is not None:
+        raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
+    return Http11Answer(connection, head.status, _Headers(raw), within)
 
 
 UNIX_BACKLOG_WAIT: Final = (0.001, 0.05)
