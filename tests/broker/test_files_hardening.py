@@ -671,6 +671,7 @@ def test_the_hard_link_move_never_replaces_a_destination_made_meanwhile(
     )
     moved = lost = 0
     try:
+        assert creator.stdout is not None and creator.stdout.readline() == "ready\n"
         for _ in range(3000):
             Path(app, "src").write_bytes(b"mine")
             try:
