@@ -484,10 +484,10 @@ async def _send_request(
     within: float | None,
 ) -> None:
     """Write the request (``request``: :func:`._h1.request_head`'s head, framing and close;
-    the framing as httpx frames it). A write
-    that fails (the server closed early) ends the sending and the answer is read all the
-    same, as httpcore does: a server may answer before it read the whole request (a
-    ``413``); if none comes, the exchange fails as one whose request may have been sent."""
+    the framing as httpx frames it). A write that fails (the server closed early) ends the
+    sending and the answer is read all the same, as httpcore does: a server may answer before
+    it read the whole request (a ``413``); if none comes, the exchange fails as one whose
+    request may have been sent."""
     head, framing, close = request
     connection.method = method
     connection.keep_alive = not close
