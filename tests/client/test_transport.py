@@ -196,6 +196,38 @@ def test_a_pool_client_builds_the_request_httpx_would(
         assert list(built.stream) == list(expected.stream)  # type: ignore[arg-type]
 
 
+def test_a_pool_client_request_follows_its_client_headers_as_they_change() -> None:
+    # the normalised headers are kept per kind of request: never those of the client's headers
+    # before they changed, nor another request's Content-Length
+    from k8s_agent_sandbox_awx.client.http._client_settings import (
+        CookielessAsyncClient,
+        build_request,
+    )
+
+    client = CookielessAsyncClient(headers={"User-Agent": "ua"})
+    timeout = httpx.Timeout(5.0)
+
+    def both(headers: dict[str, str], content: bytes | None) -> tuple[Any, Any]:
+        url = "https://broker.test/commands"
+        built = build_request(
+            client, "POST", url, params=None, headers=headers, content=content, timeout=timeout
+        )
+        expected = client.build_request(
+            "POST", url, headers=headers, content=content, timeout=timeout
+        )
+        return built.headers.raw, expected.headers.raw
+
+    for content in (b"{}", b"{}", b"[1,2]", None, b"{}"):
+        built, expected = both({"X-Sandbox-ID": "s"}, content)
+        assert built == expected
+    client.headers["User-Agent"] = "changed"
+    client.headers["X-New"] = "n"
+    built, expected = both({"X-Sandbox-ID": "s"}, b"{}")
+    assert built == expected and (b"X-New", b"n") in built
+    client.headers = {"Only": "this"}  # type: ignore[assignment]
+    assert both({}, b"{}")[0] == both({}, b"{}")[1]
+
+
 @pytest.mark.parametrize(
     ("status", "headers"),
     [
