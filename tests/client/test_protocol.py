@@ -320,3 +320,21 @@ def test_an_idempotency_key_is_a_random_uuid4_as_text() -> None:
         assert (parsed.version, parsed.variant, str(parsed)) == (4, uuid.RFC_4122, key)
         variants.add(key[19])
     assert variants == set("89ab")  # the variant's random bit is random
+
+
+def test_compact_json_is_json_dumps_with_compact_separators() -> None:
+    bodies = [
+        {"command": ["true"], "timeout": 60.0, "request_id": "r", "stdin": False},
+        {"text": 'é \u2028 \x00 "quoted"', "nested": {"a": [1, 2.5, None, True]}, "n": 10**20},
+        [],
+        "plain",
+        {"inf": float("inf")},
+    ]
+    for body in bodies:
+        assert proto.compact_json(body) == json.dumps(body, separators=(",", ":")).encode()
+    with pytest.raises(TypeError):
+        proto.compact_json({"bytes": b"x"})
+    circular: list[object] = []
+    circular.append(circular)
+    with pytest.raises(ValueError, match="Circular"):
+        proto.compact_json(circular)

@@ -196,6 +196,130 @@ def test_a_pool_client_builds_the_request_httpx_would(
         assert list(built.stream) == list(expected.stream)  # type: ignore[arg-type]
 
 
+def test_a_pool_client_request_follows_its_client_headers_as_they_change() -> None:
+    # the normalised headers are kept per kind of request: never those of the client's headers
+    # before they changed, nor another request's Content-Length
+    from k8s_agent_sandbox_awx.client.http._client_settings import (
+        CookielessAsyncClient,
+        build_request,
+    )
+
+    client = CookielessAsyncClient(headers={"User-Agent": "ua"})
+    timeout = httpx.Timeout(5.0)
+
+    def both(headers: dict[str, str], content: bytes | None) -> tuple[Any, Any]:
+        url = "https://broker.test/commands"
+        built = build_request(
+            client, "POST", url, params=None, headers=headers, content=content, timeout=timeout
+        )
+        expected = client.build_request(
+            "POST", url, headers=headers, content=content, timeout=timeout
+        )
+        return built.headers.raw, expected.headers.raw
+
+    for content in (b"{}", b"{}", b"[1,2]", None, b"{}"):
+        built, expected = both({"X-Sandbox-ID": "s"}, content)
+        assert built == expected
+    client.headers["User-Agent"] = "changed"
+    client.headers["X-New"] = "n"
+    built, expected = both({"X-Sandbox-ID": "s"}, b"{}")
+    assert built == expected and (b"X-New", b"n") in built
+    client.headers = {"Only": "this"}  # type: ignore[assignment]
+    assert both({}, b"{}")[0] == both({}, b"{}")[1]
+
+
+@pytest.mark.parametrize(
+    ("status", "headers"),
+    [
+        (200, {"Content-Type": "application/json"}),
+        (307, {"Location": "https://other.example/v1/x"}),
+        (302, {"Location": "/v1/elsewhere"}),
+        (404, {}),
+    ],
+)
+def test_a_pool_client_sends_streamed_as_httpx_send_does(
+    status: int, headers: dict[str, str]
+) -> None:
+    # send_streamed skips httpx's auth and redirect layers, which the pool's clients do not use:
+    # the answer is the one send(request, stream=True) gives (a redirect's next_request too)
+    from k8s_agent_sandbox_awx.client.http._client_settings import CookielessAsyncClient
+
+    class Body(httpx.AsyncByteStream):  # read from the transport, as a network answer is
+        async def __aiter__(self) -> Any:
+            yield b'{"a": 1}'
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, headers=headers, stream=Body())
+
+    async def both(http: CookielessAsyncClient) -> list[Any]:
+        seen = []
+        for send in (http.send_streamed, lambda r: http.send(r, stream=True)):
+            request = http.build_request("GET", "https://broker.test/v1/x", timeout=5.0)
+            response = await send(request)
+            body = await response.aread()
+            await response.aclose()
+            following = response.next_request
+            seen.append(
+                (
+                    response.status_code,
+                    response.headers.raw,
+                    body,
+                    response.request is request,
+                    response.history,
+                    response.elapsed.total_seconds() >= 0,
+                    None if following is None else (following.method, str(following.url)),
+                )
+            )
+        return seen
+
+    async def main() -> None:
+        async with CookielessAsyncClient(transport=httpx.MockTransport(answer)) as http:
+            direct, through_send = await both(http)
+            assert direct == through_send
+            assert (direct[-1] is None) == (status not in (302, 307))
+
+    asyncio.run(main())
+
+
+def test_send_streamed_goes_through_send_when_the_client_has_what_send_does() -> None:
+    from k8s_agent_sandbox_awx.client.http._client_settings import CookielessAsyncClient
+
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if len(seen) % 2:
+            return httpx.Response(307, headers={"Location": "/next"})
+        return httpx.Response(200)
+
+    hooked: list[str] = []
+
+    async def hook(request: httpx.Request) -> None:
+        hooked.append(request.url.path)
+
+    async def main() -> None:
+        transport = httpx.MockTransport(answer)
+        async with CookielessAsyncClient(transport=transport, auth=("u", "p")) as http:
+            await http.send_streamed(http.build_request("GET", "https://b.test/a"))
+            assert seen[-1].headers["Authorization"].startswith("Basic ")
+        async with CookielessAsyncClient(transport=transport) as http:
+            await http.send_streamed(http.build_request("GET", "https://u:p@b.test/a"))
+            assert seen[-1].headers["Authorization"].startswith("Basic ")
+        async with CookielessAsyncClient(transport=transport, follow_redirects=True) as http:
+            followed = await http.send_streamed(http.build_request("GET", "https://b.test/a"))
+            assert followed.status_code == 200 and len(followed.history) == 1
+        hooks = {"request": [hook]}
+        async with CookielessAsyncClient(transport=transport, event_hooks=hooks) as http:
+            await http.send_streamed(http.build_request("GET", "https://b.test/h"))
+            assert hooked == ["/h"]
+        http = CookielessAsyncClient(transport=transport)
+        await http.aclose()
+        with pytest.raises(RuntimeError, match="closed"):
+            await http.send_streamed(http.build_request("GET", "https://b.test/a"))
+
+    asyncio.run(main())
+
+
 def test_redirect_is_not_followed(make_client: Any, fake: Any) -> None:
     fake.route("GET", "/v1/sandboxes")(
         lambda r: httpx.Response(307, headers={"Location": "https://other.example/v1/sandboxes"})

@@ -11,7 +11,7 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Unpack, overload
 
-from .._driver import adrive, aiterate
+from .._driver import Stepper, aiterate
 from .._upstream import ExecutionResult
 from ._base import SandboxPart
 from ._deleted import ends_quietly
@@ -90,8 +90,26 @@ class _AsyncPerformer:
             await stream.aclose()  # type: ignore[union-attr]
 
     async def drive(self, op: Op[Any]) -> Any:
+        """Run ``op`` (what ``adrive(op, self)`` does): the steps that need no await (the next
+        value of an answer read whole, what the operation learned, the stream asked for when
+        none is open) are answered here, without a coroutine per step."""
+        stepper = Stepper(op)
         try:
-            return await adrive(op, self)
+            while (step := stepper.advance()) is not None:
+                try:
+                    kind, stream = type(step), self._stream
+                    if kind is NextEvent and type(stream) is Answered:
+                        stepper.reply = stream.next()
+                    elif kind is Learned and self._record is not None:
+                        stepper.reply = self._record(step)  # type: ignore[arg-type]
+                    elif kind is OpenEvents and (stream is None or type(stream) is Answered):
+                        self._stream, self._opening = None, step  # type: ignore[assignment]
+                        stepper.reply = None
+                    else:
+                        stepper.reply = await self(step)
+                except BaseException as exc:  # thrown into the operation, which decides
+                    stepper.error = exc
+            return stepper.result
         finally:
             await self.close()
 

@@ -267,9 +267,15 @@ class DefaultCredentials:
 
     def _read_file(self, provider: ProviderEntry, audience: str) -> Credential:
         """:meth:`_fetch` of a built-in file source, without its steps: the same guard, read
-        and checks."""
+        and checks (no cache deadline: a file is never cached). A built-in's answer is a plain
+        :class:`Credential` already (``plain_answer`` copies a plugin's, whose code must not
+        run later), so it is checked as it is."""
         request = self._request(audience)
-        return self._checked(provider, request, _perform((provider, request)), audience)[0]
+        with _guard(provider, request) as guard:
+            answer = provider.call(request)
+        if guard.error is not None:
+            guard.reraise()
+        return self._accepted(provider, request, answer, audience, _cache.now())[0]
 
     def invalidate(self, audience: str) -> None:
         """Drop the cached credential of the selected provider for ``audience`` (after a 401).
@@ -316,8 +322,22 @@ class DefaultCredentials:
     def _checked(
         self, provider: ProviderEntry, request: CredentialRequest, result: object, audience: str
     ) -> _cache.Fetched:
-        """The selected provider's answer to ``request``, checked (an answer in time, a
-        credential that passes :func:`accept_credential`), with its cache deadline."""
+        """The selected provider's answer to ``request``, checked (:meth:`_accepted`), with
+        its cache deadline."""
+        now = _cache.now()
+        credential, decoded = self._accepted(provider, request, result, audience, now)
+        return credential, cache_deadline(decoded, now)
+
+    @staticmethod
+    def _accepted(
+        provider: ProviderEntry,
+        request: CredentialRequest,
+        result: object,
+        audience: str,
+        now: float,
+    ) -> tuple[Credential, DecodedToken | None]:
+        """The selected provider's answer to ``request``, checked at ``now``: an answer in
+        time, a credential that passes :func:`accept_credential`."""
         if isinstance(result, TimedOut):
             raise CredentialSourceError(
                 f"The credential provider {provider.name!r} was selected for {audience!r} but "
@@ -334,11 +354,7 @@ class DefaultCredentials:
                 "create a new credential source.",
                 provider=provider.name,
             )
-        now = _cache.now()
-        credential, decoded = accept_credential(
-            result, provider=provider.name, audience=audience, now=now
-        )
-        return credential, cache_deadline(decoded, now)
+        return accept_credential(result, provider=provider.name, audience=audience, now=now)
 
     # -- discovery --------------------------------------------------------------------------
 

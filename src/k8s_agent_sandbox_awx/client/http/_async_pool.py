@@ -191,7 +191,7 @@ class AsyncLease:
         self, config: BrokerConnectionConfig, http_transport: httpx.AsyncBaseTransport | None
     ) -> None:
         self._config = config
-        self._own: httpx.AsyncClient | None = None
+        self._own: CookielessAsyncClient | None = None
         self._pool: _AsyncPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._generation = -1
@@ -209,7 +209,7 @@ class AsyncLease:
         return f"<async lease of {self._pool or 'its own client'} ({state})>"
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> CookielessAsyncClient:
         """The HTTP client of the running loop the requests go through (and are built by)."""
         if self._own is not None:
             return self._own
@@ -235,10 +235,10 @@ class AsyncLease:
             raise RuntimeError(_pool.CLOSED)
         client = self.client
         if self._own is not None:
-            return await client.send(request, stream=True)
+            return await client.send_streamed(request)
         await self._wait_for_room(request)
         try:
-            response = await client.send(request, stream=True)
+            response = await client.send_streamed(request)
         except BaseException:
             self._give_back(self._room)
             raise

@@ -213,9 +213,14 @@ class Call(Generic[T]):
     stream: bool = False
 
 
+_COMPACT: Final = json.JSONEncoder(separators=(",", ":"))
+"""``json.dumps(..., separators=(",", ":"))``'s encoder, made once (``dumps`` makes one per
+call when given ``separators``; an encoder keeps no state between calls)."""
+
+
 def compact_json(body: Any) -> bytes:
     """``body`` as compact JSON (the bodies the client sends)."""
-    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+    return _COMPACT.encode(body).encode("utf-8")
 
 
 def json_body(spec: RequestSpec, body: Any) -> RequestSpec:
