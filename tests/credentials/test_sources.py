@@ -449,3 +449,37 @@ def test_the_file_actually_opened_is_checked_not_only_the_path(
     # A harmless file next to it is read as usual.
     (link.parent / "good").write_text("opaque-token")
     assert read_token_file(str(link.parent / "good"), provider="p", source="s", missing_ok=False)
+
+
+def test_the_opened_file_is_checked_once_until_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mint: Any
+) -> None:
+    """The file found outside the automount directories is known again by its ``fstat`` (no
+    ``readlink`` at every read); a new file (a rotation, a re-pointed link) or other automount
+    directories are checked again, and a file that has become forbidden is refused."""
+    from k8s_agent_sandbox_awx.credentials import _providers
+
+    resolved: list[int] = []
+    real = _providers._opened_path
+    monkeypatch.setattr(
+        _providers, "_opened_path", lambda fd, path: resolved.append(fd) or real(fd, path)
+    )
+    good = tmp_path / "good" / "token"
+    good.parent.mkdir()
+    good.write_text(mint())
+    for _ in range(3):
+        assert read_token_file(str(good), provider="p", source="s", missing_ok=False)
+    assert len(resolved) == 1
+    replacement = tmp_path / "good" / "new"
+    replacement.write_text(mint(sub="rotated"))
+    os.replace(replacement, good)  # a new file at the same path: checked again
+    assert read_token_file(str(good), provider="p", source="s", missing_ok=False)
+    assert len(resolved) == 2
+    forbidden = (frozenset({str(good.parent)}), (str(good.parent) + os.sep,))
+    monkeypatch.setattr(_providers, "_forbidden_dirs", lambda: forbidden)
+    monkeypatch.setattr(_providers, "_under_forbidden_dir", lambda c: c.startswith(forbidden[1]))
+    link = tmp_path / "link"
+    os.symlink(good, link)  # the path looks harmless; the same file is now in a forbidden dir
+    with pytest.raises(ForbiddenTokenSourceError, match="automounted ServiceAccount"):
+        read_token_file(str(link), provider="p", source="s", missing_ok=False)
+    assert len(resolved) == 3

@@ -18,7 +18,7 @@ import errno
 import functools
 import os
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from .._local_dev import stopped_dev_token
 from ._credential import Credential, CredentialRequest, ProviderInfo
@@ -154,6 +154,33 @@ def _opened_path(fd: int, path: str) -> str:
         return os.path.realpath(path)
 
 
+_OUTSIDE: dict[tuple[int, int, int, int], object] = {}
+"""Files found outside the automount directories by :func:`_opened_path`: their identity
+(device, inode, change and modification times in ns) -> the :func:`_forbidden_dirs` they were
+checked against. An open fd whose file has that identity is that very file (its inode cannot be
+another file's while the times match), where it was when it was checked."""
+_OUTSIDE_MAX: Final = 64
+
+
+def _opened_outside(fd: int, path: str) -> bool:
+    """Whether the file behind ``fd`` (opened from ``path``) is outside the automount
+    directories: :func:`_opened_path` checked (a ``readlink`` of ``/proc/self/fd/N``, 10 µs
+    or more between two requests' network I/O) unless ``fstat`` finds the file that check
+    passed last (the kubelet's rotation writes a new file: checked once per rotation; the
+    directories changed: checked again)."""
+    forbidden = _forbidden_dirs()
+    st = os.fstat(fd)
+    identity = (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_mtime_ns)
+    if _OUTSIDE.get(identity) is forbidden:
+        return True
+    if _under_forbidden_dir(_opened_path(fd, path)):
+        return False
+    if len(_OUTSIDE) >= _OUTSIDE_MAX:
+        _OUTSIDE.clear()
+    _OUTSIDE[identity] = forbidden
+    return True
+
+
 def check_not_automounted(path: str, *, provider: str, source: str) -> None:
     """Refuse a path in (or resolving into) the automounted ServiceAccount token directory.
 
@@ -182,7 +209,8 @@ def read_token_file(path: str, *, provider: str, source: str, missing_ok: bool) 
     timestamped directory is current, so a rotation is seen on the next read. The automount
     rule (:func:`check_not_automounted`) is checked before each read, where the path resolves
     now: the literal path before opening, and the file actually opened right after (so a symlink
-    re-pointed into the automount directory is refused, without a ``realpath`` on every read).
+    re-pointed into the automount directory is refused, without a ``realpath`` on every read;
+    the file that passed that check last is known again by its ``fstat``: :func:`_opened_outside`).
     """
     if _under_forbidden_dir(os.path.abspath(path)):  # abspath normalises too
         raise _forbidden(path, provider=provider, source=source)
@@ -205,7 +233,7 @@ def read_token_file(path: str, *, provider: str, source: str, missing_ok: bool) 
         check_not_automounted(path, provider=provider, source=source)
         raise _unreadable(path, source, provider, exc) from None
     try:
-        if _under_forbidden_dir(_opened_path(fd, path)):
+        if not _opened_outside(fd, path):
             raise _forbidden(path, provider=provider, source=source)
         data = os.read(fd, MAX_TOKEN_CHARS + 2)
     except OSError as exc:
