@@ -531,3 +531,23 @@ def test_ctrl_c_right_after_a_flight_is_registered_does_not_hang_the_next_fetch(
     thread.join(20)  # a bound for a deadlock, not a speed check
     assert not thread.is_alive(), "the fetch after Ctrl-C waits for a flight that never ends"
     assert outcome == ["interrupted", token] and len(calls) == 1
+
+
+def test_a_file_source_read_again_is_checked_again(tmp_path, mint, projected, clock) -> None:
+    """An unchanged file gives the same credential (its text and audience passed already) until
+    the token expires; a changed file's token is checked afresh."""
+    first = mint(ttl=600)
+    stable = projected(tmp_path, first, 1)
+    creds = chain({"AGENT_SANDBOX_LOAD_PLUGINS": ""}, str(stable))
+    assert creds.get_credential(BROKER).token == first  # discovery: the provider selected
+    credential = creds.get_credential(BROKER)  # the file read again, checked
+    assert credential.token == first
+    assert creds.get_credential(BROKER) is credential
+    projected(tmp_path, mint(aud="https://other.example", ttl=600), 2)
+    with pytest.raises(AudienceMismatchError):
+        creds.get_credential(BROKER)
+    projected(tmp_path, first, 3)
+    assert creds.get_credential(BROKER) is credential  # the same answer as accepted before
+    clock.advance(700)
+    with pytest.raises(TokenExpiredError):
+        creds.get_credential(BROKER)

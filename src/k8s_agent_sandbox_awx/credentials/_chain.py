@@ -45,7 +45,7 @@ from ._credential_errors import (
     MalformedTokenError,
     NoCredentialsError,
 )
-from ._jwt import DecodedToken, cache_deadline, decode_token, normalise_url
+from ._jwt import CLOCK_SKEW_SECONDS, DecodedToken, cache_deadline, decode_token, normalise_url
 from ._plugins import (
     DISABLE_AUTOLOAD_ENV,
     LOAD_PLUGINS_ENV,
@@ -119,6 +119,24 @@ def _no_credentials(
         lines += [f"  - {p.name}: {p.detail}" for p in failed]
     lines += ci_fixes(environ, audience, token_path)  # a GitLab job: its id_tokens
     return NoCredentialsError("\n".join(lines), tried=tried)
+
+
+def _same_answer(before: Credential, answer: object) -> bool:
+    """Whether a provider's ``answer`` is a :class:`Credential` with the same fields as
+    ``before`` (``Credential`` compares by identity)."""
+    return (
+        type(answer) is Credential
+        and answer.token == before.token
+        and answer.provider == before.provider
+        and answer.source == before.source
+        and answer.file_backed == before.file_backed
+    )
+
+
+def _unexpired(decoded: DecodedToken | None, now: float) -> bool:
+    """Whether a token accepted before is still within its ``exp`` at ``now`` (the one check of
+    :func:`check_credential` that changes with time)."""
+    return decoded is None or decoded.exp is None or now <= decoded.exp + CLOCK_SKEW_SECONDS
 
 
 def _guard(provider: ProviderEntry, request: CredentialRequest) -> ProviderGuard:
@@ -196,6 +214,10 @@ class DefaultCredentials:
         ``os.environ`` (they consult the same providers), its own for a custom one."""
         self._registry: ProviderRegistry | None = None
         self._selected: dict[str, _Selection] = {}
+        self._last_read: dict[str, tuple[Credential, Credential, DecodedToken | None]] = {}
+        """Per audience, a built-in file source's last answer (the file re-read, the text as
+        read), the credential it was accepted as and its decoded token: an equal answer is the
+        same credential (the checks are of its text and the audience), unless it has expired."""
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -269,13 +291,21 @@ class DefaultCredentials:
         """:meth:`_fetch` of a built-in file source, without its steps: the same guard, read
         and checks (no cache deadline: a file is never cached). A built-in's answer is a plain
         :class:`Credential` already (``plain_answer`` copies a plugin's, whose code must not
-        run later), so it is checked as it is."""
+        run later), so it is checked as it is; an answer with the same fields as the last one
+        accepted (the file unchanged) is that credential, its expiry checked again."""
         request = self._request(audience)
         with _guard(provider, request) as guard:
             answer = provider.call(request)
         if guard.error is not None:
             guard.reraise()
-        return self._accepted(provider, request, answer, audience, _cache.now())[0]
+        now = _cache.now()
+        last = self._last_read.get(audience)
+        if last is not None and _same_answer(last[0], answer) and _unexpired(last[2], now):
+            return last[1]  # the same answer as the last read: the same checks passed
+        accepted, decoded = self._accepted(provider, request, answer, audience, now)
+        if isinstance(answer, Credential):  # it is, once accepted
+            self._last_read[audience] = (answer, accepted, decoded)
+        return accepted
 
     def invalidate(self, audience: str) -> None:
         """Drop the cached credential of the selected provider for ``audience`` (after a 401).
