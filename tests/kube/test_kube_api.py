@@ -468,9 +468,16 @@ async def test_an_api_server_restart_during_a_watch_and_a_list(
         assert events.end is WatchEnd.DROPPED, events.detail
         assert time.monotonic() - started < 5
         assert events.resource_version == since
-        with pytest.raises(Unavailable, match="did not answer") as down:
+        with pytest.raises(Unavailable) as down:
             await impatient.list(SANDBOX_CLAIMS, namespace=namespace)
-        assert down.value.status == 0 and down.value.verb == "list"
+        # down (no answer) or, when the restart was quicker than this list on a loaded
+        # machine, up again but still starting (503 "server is starting"): typed either way
+        assert down.value.verb == "list"
+        assert down.value.status in (0, 503), down.value
+        if down.value.status == 0:
+            assert "did not answer" in str(down.value)
+        else:
+            assert "server is starting" in str(down.value)
         listed = await client.list(SANDBOX_CLAIMS, namespace=namespace)  # rides it out
         assert [i["metadata"]["name"] for i in listed.items] == ["before"]
         assert await restarting < 60
