@@ -162,6 +162,31 @@ def test_an_error_mid_session_restores_the_terminal(broker: Any, tty: Any) -> No
         assert b"error" in term.screen.data
 
 
+class _Ended:
+    name = "sbx-gone"
+
+    def __init__(self, running: bool) -> None:
+        self.running, self.asked = running, 0
+
+    def is_running(self) -> bool:
+        self.asked += 1
+        return self.running
+
+
+def test_a_program_killed_with_its_sandbox_is_an_error_naming_the_sandbox() -> None:
+    """The runtime may report the terminal's program killed (137) before its sandbox is gone:
+    the session's end then says why, not a bare 137 (the race of the test above)."""
+    from k8s_agent_sandbox_awx.cli._shell import _exit_code
+    from k8s_agent_sandbox_awx.errors import SandboxNotFoundError
+
+    with pytest.raises(SandboxNotFoundError, match=r"sandbox 'sbx-gone' ended during the session"):
+        _exit_code(_Ended(running=False), 137)
+    alive = _Ended(running=True)
+    assert _exit_code(alive, 137) == 137  # `kill -9 $$` in a sandbox that lives on
+    quiet = _Ended(running=False)
+    assert _exit_code(quiet, 3) == 3 and quiet.asked == 0  # a plain exit asks nothing
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_cli_restores_the_terminal_and_kills_the_remote_one(
     broker: Any, tty: Any, signum: int

@@ -22,6 +22,9 @@ import threading
 import tty
 from typing import Any
 
+from ..errors import SandboxNotFoundError
+from ._common import PROG
+
 __all__ = ["ShellUsageError", "interactive_shell"]
 
 READ_SIZE = 65536
@@ -124,6 +127,19 @@ def _exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _exit_code(sandbox: Any, code: int) -> int:
+    """The remote program's exit code; :class:`SandboxNotFoundError` when a signal ended it
+    because the sandbox itself ended (deleted, or its lifetime ran out): the runtime may report
+    the program's end before the sandbox is gone, and a bare ``137`` would say nothing."""
+    if (code >= 128 or code < 0) and not sandbox.is_running():
+        raise SandboxNotFoundError(
+            f"sandbox {sandbox.name!r} ended during the session (deleted, or its lifetime ran "
+            f"out), and the terminal's program with it (exit code {code}); check with "
+            f"`{PROG} ls`, and start a new one with `{PROG} shell --new`"
+        )
+    return code
+
+
 def interactive_shell(sandbox: Any, fd_in: int, fd_out: int, command: Any = None) -> int:
     """Open a terminal of the local one's size in ``sandbox`` running ``command`` (default:
     the sandbox's login shell), attach the local terminal to it until it ends; its exit code."""
@@ -145,7 +161,7 @@ def interactive_shell(sandbox: Any, fd_in: int, fd_out: int, command: Any = None
             raise session.error
         if not session.ended.is_set():  # the local terminal hung up: as at SIGHUP
             raise SystemExit(128 + signal.SIGHUP)
-        return int(term.wait().exit_code)
+        return _exit_code(sandbox, int(term.wait().exit_code))
     except BaseException:
         with contextlib.suppress(Exception):  # the error in hand says more than this
             if term.status().running:
