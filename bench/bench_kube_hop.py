@@ -30,6 +30,13 @@ Then ``--breakdown`` calls of upstream's client (path B) through two more ``brok
 processes of the same configurations with a per-phase clock (bench/_timed_hop.py), interleaved:
 per phase the median wall and broker-thread CPU time, Kubernetes against local.
 
+``--async``: on each backend four more paths, ``aA`` to ``aD``, the same with the async clients
+(upstream's ``AsyncSandbox``, its ``[async]`` extra; our ``AsyncSandbox`` and async transport),
+one event loop on the calling thread, ``run_until_complete`` per call: the broker is another
+process here, so the client thread's CPU is the client's alone (bench/bench_paths.py runs its
+broker on a thread of its own process, where a system call of the client's may hand the GIL to
+the broker's thread).
+
 ``--baseline-src ../main/src``: two more brokers (and two more timed ones) run that tree's
 package, their paths interleaved with these: the same figures for both, and this broker's CPU
 per request against the baseline's, measured in the same run.
@@ -38,6 +45,7 @@ per request against the baseline's, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import ssl
@@ -45,16 +53,22 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-from _upstream import upstream_paths
+from _upstream import upstream_async_sandbox, upstream_paths
 from bench_kubernetes import Cluster
 
-from k8s_agent_sandbox_awx import BrokerSandboxClient, Sandbox
+from k8s_agent_sandbox_awx import (
+    AsyncBrokerSandboxClient,
+    AsyncSandbox,
+    BrokerSandboxClient,
+    Sandbox,
+)
+from k8s_agent_sandbox_awx.client._async_commands import AsyncCommands
 from k8s_agent_sandbox_awx.client._commands import Commands
 from tests._support.broker_server import CLI, Served
 from tests._support.kube import free_ports
@@ -144,7 +158,12 @@ class Paths:
     """The four paths (A-D) of one backend, on one sandbox of ``broker``."""
 
     def __init__(
-        self, cluster: Cluster, stack: contextlib.ExitStack, label: str, broker: Served
+        self,
+        cluster: Cluster,
+        stack: contextlib.ExitStack,
+        label: str,
+        broker: Served,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.label, self.broker = label, broker
         env = cluster.environ(broker.url)
@@ -191,6 +210,73 @@ class Paths:
             "D": ("our client -> runtime (HTTP)", lambda: ours_direct.run(["true"]), False),
         }
         self.upstream_via_broker = self.runs["B"][1]
+        if loop is not None:
+            self._add_async(cluster, stack, loop, env, token, runtime, ours.sandbox_id)
+
+    def _add_async(
+        self,
+        cluster: Cluster,
+        stack: contextlib.ExitStack,
+        loop: asyncio.AbstractEventLoop,
+        env: dict[str, str],
+        token: str,
+        runtime: str,
+        name: str,
+    ) -> None:
+        """Paths aA-aD: the async clients on ``loop``, the same sandbox."""
+        ours = loop.run_until_complete(AsyncSandbox.connect(name, environ=env))
+        router = ours.info.router
+        up_direct, up_broker = upstream_paths(
+            router.sandbox_id,
+            router.namespace,
+            runtime,
+            self.broker.url,
+            token,
+            cluster.ca,
+            upstream_async_sandbox,
+        )
+        direct_client = AsyncBrokerSandboxClient(
+            broker_url=runtime,
+            allow_insecure_http=True,
+            environ={
+                "AGENT_SANDBOX_TOKEN": cluster.kube.token_request(cluster.ns, "agent", runtime),
+                "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
+            },
+        )
+        for close in (
+            ours.close_connection,
+            up_direct.close_connection,
+            up_broker.close_connection,
+            direct_client.close,
+        ):
+            stack.callback(lambda close=close: loop.run_until_complete(close()))
+        ours_direct = AsyncCommands(direct_client._transport, router)
+
+        def on_loop(call: Callable[[], Coroutine[Any, Any, Any]]) -> Callable[[], Any]:
+            return lambda: loop.run_until_complete(call())
+
+        self.runs |= {
+            "aA": (
+                "async upstream client -> runtime (HTTP)",
+                on_loop(lambda: up_direct.commands.run("true")),
+                False,
+            ),
+            "aB": (
+                "async upstream client -> broker -> runtime",
+                on_loop(lambda: up_broker.commands.run("true")),
+                True,
+            ),
+            "aC": (
+                "async our client -> broker -> runtime",
+                on_loop(lambda: ours.commands.run(["true"])),
+                True,
+            ),
+            "aD": (
+                "async our client -> runtime (HTTP)",
+                on_loop(lambda: ours_direct.run(["true"])),
+                False,
+            ),
+        }
 
 
 def _interleave(paths: list[Paths], n: int, rounds: int, warmup: int) -> dict[str, Any]:
@@ -232,9 +318,10 @@ def _report(paths: list[Paths], got: dict[str, Any]) -> None:
         for key, (label, _, via) in p.runs.items():
             name = f"{p.label} {key}"
             b = f"{broker[name] / len(wall[name]) * 1e6:.0f} µs" if via else "-"
+            base = f"{p.label} {key[:-1]}A"  # aB's baseline: aA
             print(
                 f"| {p.label} | {key} | {label} | {med[name] * 1e3:.2f} ms | "
-                f"{_p(wall[name], 0.9) * 1e3:.2f} ms | {med[name] / med[p.label + ' A']:.2f}x | "
+                f"{_p(wall[name], 0.9) * 1e3:.2f} ms | {med[name] / med[base]:.2f}x | "
                 f"{ccpu[name] * 1e6:.0f} µs | {b} |"
             )
     print()
@@ -249,11 +336,14 @@ def _report(paths: list[Paths], got: dict[str, Any]) -> None:
             f"request {broker[f'{k} B'] / len(wall[f'{k} B']) * 1e6:.0f} µs (B), "
             f"{broker[f'{k} C'] / len(wall[f'{k} C']) * 1e6:.0f} µs (C)"
         )
-        print(
-            f"{k}: our client's CPU / upstream's: via the broker C / B "
-            f"{ccpu[f'{k} C'] / ccpu[f'{k} B']:.2f}x, direct D / A "
-            f"{ccpu[f'{k} D'] / ccpu[f'{k} A']:.2f}x (goal <= 1.0x)"
-        )
+        for a in ("", "a") if f"{k} aA" in ccpu else ("",):
+            print(
+                f"{k}: {'async: ' if a else ''}our client's CPU / upstream's: via the broker "
+                f"{a}C / {a}B {ccpu[f'{k} {a}C'] / ccpu[f'{k} {a}B']:.2f}x "
+                f"({(ccpu[f'{k} {a}C'] - ccpu[f'{k} {a}B']) * 1e6:+.0f} µs), direct {a}D / {a}A "
+                f"{ccpu[f'{k} {a}D'] / ccpu[f'{k} {a}A']:.2f}x "
+                f"({(ccpu[f'{k} {a}D'] - ccpu[f'{k} {a}A']) * 1e6:+.0f} µs) (goal <= 1.0x)"
+            )
     for p in paths:
         base = p.label.removesuffix("-before")
         if base == p.label or not any(q.label == base for q in paths):
@@ -323,6 +413,12 @@ def main() -> None:
         help="another tree's src folder (main's): two more brokers run it, interleaved with "
         "these (labels kube-before, local-before), and the ratios of the two are printed",
     )
+    parser.add_argument(
+        "--async",
+        dest="with_async",
+        action="store_true",
+        help="the async clients' paths too (aA-aD; upstream's needs k8s-agent-sandbox[async])",
+    )
     args = parser.parse_args()
     os.environ["AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     with contextlib.ExitStack() as stack:
@@ -335,7 +431,11 @@ def main() -> None:
         if base:
             brokers["kube-before"] = serve(cluster, "kube-before", "kubernetes", src=base)
             brokers["local-before"] = serve(cluster, "local-before", "local", src=base)
-        paths = [Paths(cluster, stack, label, b) for label, b in brokers.items()]
+        loop = None
+        if args.with_async:
+            loop = asyncio.new_event_loop()
+            stack.callback(loop.close)  # after the clients' closes (registered later)
+        paths = [Paths(cluster, stack, label, b, loop) for label, b in brokers.items()]
         load = os.getloadavg()
         when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
         got = _interleave(paths, args.n, args.rounds, args.warmup)
