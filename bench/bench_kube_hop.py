@@ -243,13 +243,14 @@ class Paths:
                 "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
             },
         )
-        for close in (
+        closes: list[Callable[[], Coroutine[Any, Any, Any]]] = [
             ours.close_connection,
             up_direct.close_connection,
             up_broker.close_connection,
             direct_client.close,
-        ):
-            stack.callback(lambda close=close: loop.run_until_complete(close()))
+        ]
+        for close in closes:
+            stack.callback(loop.run_until_complete, close())
         ours_direct = AsyncCommands(direct_client._transport, router)
 
         def on_loop(call: Callable[[], Coroutine[Any, Any, Any]]) -> Callable[[], Any]:

@@ -22,7 +22,7 @@ import threading
 import tty
 from typing import Any
 
-from ..errors import SandboxNotFoundError
+from .._upstream import SandboxNotFoundError
 from ._common import PROG
 
 __all__ = ["ShellUsageError", "interactive_shell"]
