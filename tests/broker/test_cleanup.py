@@ -242,3 +242,50 @@ def test_router_connections_to_a_runtime_close_with_its_sandbox(
 
         assert _settled(not_failed) is False
     assert _settled(lambda: _sockets_to_port(handle.port)) == []
+
+
+class _SlowStops(LocalProcessLauncher):
+    """The real launcher, its stops counted and held 0.5 s before they begin (so that a second
+    termination surely comes while the first is under way), and its group signals recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.terminations: list[str] = []
+
+    async def _terminate(self, handle: Any, *, remove: bool = True) -> None:
+        import asyncio
+
+        self.terminations.append(handle.name)
+        await asyncio.sleep(0.5)
+        await super()._terminate(handle, remove=remove)
+
+
+def test_a_sandbox_deleted_twice_at_once_is_stopped_once(api: Any) -> None:
+    """The API's delete and the test kit's ``reset`` (``delete_all``) at once: one stop of the
+    runtime, which the second waits for. Two stops each signalled the group, the second after
+    the first had forgotten its exit: a SIGKILL to a group number that may be another's, and a
+    3 s wait for an exit report that never came (every test's teardown took 3 s)."""
+    launcher = _SlowStops()
+    with LocalBroker(backend=launcher, warn=False) as b:
+        client = api(b.issue_kubernetes_token("team-a", "alice"), b)
+        sandbox = client.ready()
+        name = sandbox["name"]
+        handle = b._require_store().sandboxes[name].handle
+        assert client.http.delete(f"/v1/sandboxes/{name}").status_code == 202
+        b.reset()  # during the first stop's 0.5 s hold
+        assert launcher.terminations == [name]
+        assert b.sandboxes() == []
+        b._call(launcher.stop(handle))  # a stop of a runtime already stopped: nothing to do
+        assert launcher.terminations == [name]
+
+        other = client.ready()["name"]  # the launcher alone, stopped twice at once
+        handle = b._require_store().sandboxes[other].handle
+
+        async def twice() -> None:
+            import asyncio
+
+            await asyncio.gather(launcher.stop(handle), launcher.stop(handle))
+
+        b._call(twice())
+        assert launcher.terminations == [name, other]
+        assert handle.pid is not None and _wait_dead([handle.pid]) == []

@@ -108,6 +108,8 @@ class SandboxRecord:
     keep-alive connection to an exited runtime is left behind (CLOSE_WAIT)."""
     ports_http: httpx.AsyncClient | None = None
     """The router's connections to the sandbox's other ports (port requests), closed with it."""
+    ending: asyncio.Future[None] | None = None
+    """The sandbox's one termination, once begun (``LocalBackend._terminate``)."""
 
     def set_phase(self, phase: str, reason: str | None = None, message: str | None = None) -> None:
         self.phase, self.reason, self.message = phase, reason, message
@@ -360,6 +362,16 @@ class LocalBackend:
         )
 
     async def _terminate(self, record: SandboxRecord, reason: str) -> None:
+        """End the sandbox: its runtime stopped, its record deleted. One termination per
+        sandbox: a second caller (an expiry during a delete, ``delete_all`` during either)
+        waits for the first one's end. Two at once each stopped the runtime: the second found
+        the exit the first had already forgotten, sent SIGKILL to the group that had exited
+        and waited 3 s for an exit report that never came."""
+        if record.ending is None:
+            record.ending = asyncio.ensure_future(self._end(record, reason))
+        await asyncio.shield(record.ending)
+
+    async def _end(self, record: SandboxRecord, reason: str) -> None:
         if record.deleted:
             return
         if record.phase != TERMINATING:

@@ -77,7 +77,8 @@ class RuntimeLauncher(Protocol):
         ...
 
     async def stop(self, handle: RuntimeHandle) -> None:
-        """Stop the runtime and remove everything it left behind."""
+        """Stop the runtime and remove everything it left behind. The local backend calls it
+        once per runtime (a second deletion of a sandbox waits for the first one's stop)."""
         ...
 
     def is_alive(self, handle: RuntimeHandle) -> bool: ...

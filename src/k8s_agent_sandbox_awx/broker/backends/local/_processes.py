@@ -130,6 +130,7 @@ class LocalProcessLauncher:
         )
         self._own_forks: dict[str, ForkServer] = {}  # sandbox name -> its own fork server
         self._handles: dict[str, RuntimeHandle] = {}
+        self._stopping: dict[str, asyncio.Future[None]] = {}
         self._http: httpx.AsyncClient | None = None
 
     def _client(self) -> httpx.AsyncClient:
@@ -391,7 +392,17 @@ class LocalProcessLauncher:
             await fork.close()
 
     async def stop(self, handle: RuntimeHandle) -> None:
-        await self._terminate(handle)
+        """Stop ``handle``'s runtime once: a stop while one is under way waits for it, and a
+        stop of a runtime already stopped returns (its exit is forgotten by then, and its
+        process group's number may be another's: never signalled again)."""
+        stopping = self._stopping.get(handle.name)
+        if stopping is None:
+            if self._handles.get(handle.name) is not handle:
+                return
+            stopping = asyncio.ensure_future(self._terminate(handle))
+            self._stopping[handle.name] = stopping
+            stopping.add_done_callback(lambda _: self._stopping.pop(handle.name, None))
+        await asyncio.shield(stopping)
 
     async def close(self) -> None:
         await asyncio.gather(*(self._terminate(h) for h in list(self._handles.values())))
