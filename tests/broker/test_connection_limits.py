@@ -276,6 +276,9 @@ def test_a_request_head_is_at_most_16_kib(tmp_path: Path) -> None:
             assert b"over 16384 bytes" in answer
             assert sent < 64 * 1024, sent  # refused soon after the limit, not at the end
         with tls_connect(broker) as sock:
-            sock.sendall(large_body)
+            # the app answers before reading the body, and the connection ends with the answer:
+            # a send still under way may meet the close, and the answer is read then (as httpx)
+            with contextlib.suppress(OSError):
+                sock.sendall(large_body)
             assert read_answer(sock).startswith(b"HTTP/1.1 401")  # no token: the app's answer
         assert get(broker, "/readyz")[0] == 200
