@@ -44,10 +44,16 @@ def running_port_app() -> Iterator[int]:
         process.wait()
 
 
+class PortTaken(Exception):
+    """``port_app.py`` could not listen on its port: another process took it first."""
+
+
 def start_in_sandbox(sandbox: Any, port: int, *, wait_seconds: float = 15) -> Any:
     """``port_app.py`` started in ``sandbox`` (a background command: its handle is returned)
     on ``port``, once it answers through the broker (``PortNotListeningError`` past
-    ``wait_seconds``)."""
+    ``wait_seconds``). The answer must be port_app's own: a port chosen free may be taken by
+    another process (another test's runtime) before port_app binds it, which then exits and
+    the other process answers (``PortTaken``)."""
     from k8s_agent_sandbox_awx.errors import PortNotListeningError
 
     handle = sandbox.commands.run([sys.executable, APP, str(port)], timeout=300, background=True)
@@ -55,19 +61,30 @@ def start_in_sandbox(sandbox: Any, port: int, *, wait_seconds: float = 15) -> An
     with sandbox.ports.client(port) as client:
         while True:
             try:
-                client.get("/headers")
-                return handle
+                answer = client.get("/headers")
             except PortNotListeningError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+                continue
+            if answer.status_code == 200 and "headers" in answer.json():
+                return handle
+            handle.kill()
+            raise PortTaken(f"port {port} answered {answer.status_code}: not port_app.py")
 
 
 @contextlib.contextmanager
 def served_in_sandbox(sandbox: Any) -> Iterator[int]:
-    """``port_app.py`` serving in ``sandbox`` on a free port (yielded) until the block ends."""
-    port = free_port()
-    handle = start_in_sandbox(sandbox, port)
+    """``port_app.py`` serving in ``sandbox`` on a free port (yielded) until the block ends (a
+    port taken before port_app bound it: another free port, up to five times)."""
+    for attempt in range(5):
+        port = free_port()
+        try:
+            handle = start_in_sandbox(sandbox, port)
+            break
+        except PortTaken:
+            if attempt == 4:
+                raise
     try:
         yield port
     finally:

@@ -405,7 +405,7 @@ class LocalProcessLauncher:
         await asyncio.shield(stopping)
 
     async def close(self) -> None:
-        await asyncio.gather(*(self._terminate(h) for h in list(self._handles.values())))
+        await asyncio.gather(*(self.stop(h) for h in list(self._handles.values())))
         await asyncio.gather(*(self._close_own_fork(name) for name in list(self._own_forks)))
         if self._fork is not None:
             await self._fork.close()
