@@ -34,7 +34,9 @@ reservation deadline (epoch seconds; ``0``: the claim was seen made and live). T
 
 A replica keeps the last version of each ledger it read or wrote (:data:`MEMO_SIZE` ledgers):
 a create tries its write on that version first, so on one replica a create costs the ledger's
-write and the claim's POST; a version another replica changed since costs a 409 and a GET.
+write and the claim's POST; a version another replica changed since costs a 409 and a GET. A
+replica makes one reservation at a time per ledger (the claims' POSTs are not held), so that
+one owner's concurrent creates on one replica do not conflict with each other.
 """
 
 from __future__ import annotations
@@ -181,6 +183,11 @@ class QuotaLedger:
         self.cache = cache
         self.reservation_seconds = RESERVATION_SECONDS
         self._memo: LRUCache[tuple[str, str], Ledger] = LRUCache(MEMO_SIZE)
+        self._turns: LRUCache[tuple[str, str], asyncio.Lock] = LRUCache(MEMO_SIZE)
+        """One reservation at a time per ledger on this replica: a create waits for the one
+        before it, then writes on the version that one wrote (no 409 between them). Only
+        other replicas' writes conflict; a lock evicted while held costs a conflict, never
+        the quota (the writes keep their precondition)."""
 
     def __repr__(self) -> str:
         return f"QuotaLedger(ledgers={len(self._memo)})"
@@ -189,6 +196,18 @@ class QuotaLedger:
         """A slot for ``claim`` in ``owner``'s ledger; QuotaExceeded when the owner holds
         ``maximum`` others (live, or being created)."""
         name = ledger_name(owner)
+        async with self._turn(namespace, name):
+            return await self._reserve(owner, namespace, name, claim, maximum)
+
+    def _turn(self, namespace: str, name: str) -> asyncio.Lock:
+        turn = self._turns.get((namespace, name))
+        if turn is None:
+            turn = self._turns[(namespace, name)] = asyncio.Lock()
+        return turn
+
+    async def _reserve(
+        self, owner: Owner, namespace: str, name: str, claim: str, maximum: int
+    ) -> Reservation:
         for attempt in range(ATTEMPTS):
             ledger = self._memo.get((namespace, name)) if attempt == 0 else None
             if ledger is None:
@@ -258,13 +277,14 @@ class QuotaLedger:
         if not reservation.added:
             return
         why = f"the ledger changed {ATTEMPTS} times"
-        for _ in range(ATTEMPTS):
-            try:
-                if await self._unreserve(reservation):
-                    return
-            except BackendUnavailable as exc:
-                why = exc.detail
-                break
+        async with self._turn(reservation.namespace, reservation.ledger):
+            for _ in range(ATTEMPTS):
+                try:
+                    if await self._unreserve(reservation):
+                        return
+                except BackendUnavailable as exc:
+                    why = exc.detail
+                    break
         left = max(0, round(reservation.until - time.time()))
         log.warning(
             "the reservation of claim %s/%s in quota ledger %s could not be released "
