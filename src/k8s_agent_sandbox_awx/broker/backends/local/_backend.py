@@ -216,6 +216,7 @@ class LocalBackend:
         self._deleted: deque[SandboxRecord] = deque()  # in the order they were deleted
         self.idempotency: dict[tuple[str, str, str], tuple[str, str, float]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._endings: set[asyncio.Future[None]] = set()  # the terminations under way
 
     # -- templates -----------------------------------------------------------------------------
     async def templates(self) -> Sequence[str]:
@@ -369,6 +370,8 @@ class LocalBackend:
         and waited 3 s for an exit report that never came."""
         if record.ending is None:
             record.ending = asyncio.ensure_future(self._end(record, reason))
+            self._endings.add(record.ending)
+            record.ending.add_done_callback(self._endings.discard)
         await asyncio.shield(record.ending)
 
     async def _end(self, record: SandboxRecord, reason: str) -> None:
@@ -553,6 +556,7 @@ class LocalBackend:
 
     async def close(self) -> None:
         await self.delete_all()
+        await asyncio.gather(*self._endings, return_exceptions=True)  # ones begun before
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
