@@ -154,6 +154,15 @@ def local_runtime_url(broker: Served, name: str) -> str:
     raise AssertionError(f"no runtime process of sandbox {name!r} under the local broker")
 
 
+def _direct_env(cluster: Cluster, runtime: str) -> dict[str, str]:
+    """Our transport's environment straight to ``runtime``: a token whose audience is that
+    address (the runtime ignores it), no plugins."""
+    return {
+        "AGENT_SANDBOX_TOKEN": cluster.kube.token_request(cluster.ns, "agent", runtime),
+        "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+
+
 class Paths:
     """The four paths (A-D) of one backend, on one sandbox of ``broker``."""
 
@@ -182,10 +191,7 @@ class Paths:
         direct_client = BrokerSandboxClient(
             broker_url=runtime,
             allow_insecure_http=True,
-            environ={
-                "AGENT_SANDBOX_TOKEN": cluster.kube.token_request(cluster.ns, "agent", runtime),
-                "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
-            },
+            environ=_direct_env(cluster, runtime),
         )
         stack.callback(direct_client.close)
         stack.callback(up_direct.close_connection)
@@ -238,10 +244,7 @@ class Paths:
         direct_client = AsyncBrokerSandboxClient(
             broker_url=runtime,
             allow_insecure_http=True,
-            environ={
-                "AGENT_SANDBOX_TOKEN": cluster.kube.token_request(cluster.ns, "agent", runtime),
-                "AGENT_SANDBOX_DISABLE_PLUGIN_AUTOLOAD": "1",
-            },
+            environ=_direct_env(cluster, runtime),
         )
         closes: list[Callable[[], Coroutine[Any, Any, Any]]] = [
             ours.close_connection,

@@ -67,10 +67,18 @@ def start_in_sandbox(sandbox: Any, port: int, *, wait_seconds: float = 15) -> An
                     raise
                 time.sleep(0.05)
                 continue
-            if answer.status_code == 200 and "headers" in answer.json():
+            if answer.status_code == 200 and _is_port_app(answer):
                 return handle
             handle.kill()
             raise PortTaken(f"port {port} answered {answer.status_code}: not port_app.py")
+
+
+def _is_port_app(answer: Any) -> bool:
+    """Whether a ``GET /headers`` answer is port_app.py's (its JSON echo of the request)."""
+    try:
+        return isinstance(body := answer.json(), dict) and "headers" in body
+    except ValueError:
+        return False
 
 
 @contextlib.contextmanager

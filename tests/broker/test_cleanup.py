@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -245,16 +246,14 @@ def test_router_connections_to_a_runtime_close_with_its_sandbox(
 
 
 class _SlowStops(LocalProcessLauncher):
-    """The real launcher, its stops counted and held 0.5 s before they begin (so that a second
-    termination surely comes while the first is under way), and its group signals recorded."""
+    """The real launcher, its runtimes' terminations counted and held 0.5 s before they begin
+    (so that a second deletion surely comes while the first is under way)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.terminations: list[str] = []
 
     async def _terminate(self, handle: Any, *, remove: bool = True) -> None:
-        import asyncio
-
         self.terminations.append(handle.name)
         await asyncio.sleep(0.5)
         await super()._terminate(handle, remove=remove)
@@ -282,8 +281,6 @@ def test_a_sandbox_deleted_twice_at_once_is_stopped_once(api: Any) -> None:
         handle = b._require_store().sandboxes[other].handle
 
         async def twice() -> None:
-            import asyncio
-
             await asyncio.gather(launcher.stop(handle), launcher.stop(handle))
 
         b._call(twice())

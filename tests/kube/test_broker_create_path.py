@@ -43,6 +43,14 @@ def record_calls(replica: Replica) -> list[str]:
     return calls
 
 
+def create(on: Replica, token: str, key: str, **body: Any) -> Any:
+    """``POST /v1/sandboxes`` of template ``python`` (and ``body``) on ``on``, with ``key``."""
+    with replica_client(on, token) as client:
+        return client.post(
+            "/v1/sandboxes", json={"template": "python", **body}, headers={"Idempotency-Key": key}
+        )
+
+
 def test_a_create_with_a_new_key_is_the_ledgers_write_and_one_post(
     kube: KubeAPIServer,
     namespace: str,
@@ -53,38 +61,30 @@ def test_a_create_with_a_new_key_is_the_ledgers_write_and_one_post(
     replica, other = replica_factory(max_sandboxes=3), replica_factory(max_sandboxes=3)
     token = token_for(kube, namespace, replica, other)
     calls, elsewhere = record_calls(replica), record_calls(other)
-    body = {"template": "python"}
-
-    def create(on: Replica, key: str, **extra: Any) -> Any:
-        with replica_client(on, token) as client:
-            return client.post(
-                "/v1/sandboxes", json={**body, **extra}, headers={"Idempotency-Key": key}
-            )
-
-    first = create(replica, "k1")
+    first = create(replica, token, "k1")
     assert first.status_code == 201, first.text
     # the caller's first create: no ledger yet; its claims listed once to make it
     assert calls == ["get leases 404", "list sandboxclaims", "create leases",
                      "create sandboxclaims"]  # fmt: skip
     del calls[:]
-    second = create(replica, "k2")
+    second = create(replica, token, "k2")
     assert second.status_code == 201, second.text
     assert calls == ["patch leases", "create sandboxclaims"]  # no look-up before the POST
-    third = create(other, "k3")  # a replica without a copy of the ledger reads it first
+    third = create(other, token, "k3")  # a replica without a copy of the ledger reads it first
     assert third.status_code == 201, third.text
     assert elsewhere == ["get leases", "patch leases", "create sandboxclaims"]
     del calls[:]
-    refused = create(replica, "k4")  # its copy is stale now, and the ledger full
+    refused = create(replica, token, "k4")  # its copy is stale now, and the ledger full
     assert refused.status_code == 429, refused.text
     assert calls[:3] == ["patch leases 409", "get leases", "list sandboxclaims"]
     assert calls[3:] in ([], ["patch leases"])  # claims made marked so (0), once
     del calls[:]
-    again = create(replica, "k1")
+    again = create(replica, token, "k1")
     assert again.status_code == 200, again.text
     assert again.headers["Idempotency-Replayed"] == "true"
     assert again.json()["name"] == first.json()["name"]
     assert not [c for c in calls if "leases" in c or c.startswith("list")]  # no quota counted
-    other_body = create(replica, "k1", labels={"x": "1"})
+    other_body = create(replica, token, "k1", labels={"x": "1"})
     assert other_body.status_code == 409 and other_body.json()["code"] == "idempotency_conflict"
     items = kube.get(collection(CLAIM, namespace))["items"]
     names = {first.json()["name"], second.json()["name"], third.json()["name"]}
@@ -108,16 +108,11 @@ def test_one_callers_concurrent_creates_on_one_replica_do_not_conflict(
     replica = replica_factory(max_sandboxes=10)
     token = token_for(kube, namespace, replica)
     calls = record_calls(replica)
-
-    def create(key: str) -> Any:
-        with replica_client(replica, token) as client:
-            return client.post(
-                "/v1/sandboxes", json={"template": "python"}, headers={"Idempotency-Key": key}
-            )
-
-    assert create("first").status_code == 201  # the ledger made
+    assert create(replica, token, "first").status_code == 201  # the ledger made
     del calls[:]
     with ThreadPoolExecutor(6) as pool:
-        answers = list(pool.map(create, [f"k{i}" for i in range(6)]))
+        answers = list(
+            pool.map(lambda key: create(replica, token, key), [f"k{i}" for i in range(6)])
+        )
     assert [a.status_code for a in answers] == [201] * 6, [a.text for a in answers]
     assert sorted(calls) == sorted(["patch leases"] * 6 + ["create sandboxclaims"] * 6), calls
