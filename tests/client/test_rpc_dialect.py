@@ -312,17 +312,23 @@ def test_concurrent_first_uses_send_one_probe(creds: Any, real_detection: None) 
     answer = script.__call__
     lock = threading.Lock()
 
+    started = threading.Barrier(6)  # every caller begins before the first probe can answer
+
     def slow_probe(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/healthz":
             time.sleep(0.2)  # every caller arrives while the first one probes
         with lock:
             return answer(request)
 
+    def delete(client: Any) -> None:
+        started.wait(30)  # a pool thread started late (a loaded machine) came after the answer:
+        client.delete("broker-abc")  # a guessed dialect is not remembered, so it probed again
+
     clients = [_client(script, creds) for _ in range(6)]
     for client in clients:
         client._transport._http._transport = httpx.MockTransport(slow_probe)
     with ThreadPoolExecutor(6) as pool:
-        list(pool.map(lambda c: c.delete("broker-abc"), clients))
+        list(pool.map(delete, clients))
     assert script.ops().count("/v1/healthz") == 1
     for client in clients:
         client.close()
