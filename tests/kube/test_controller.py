@@ -639,6 +639,12 @@ def test_the_controller_survives_an_api_server_restart(
     kube.wait_for(lambda: not answers(url), what="the first pod gone")
 
 
+def _all_bound(kube: KubeAPIServer, namespace: str, at_least: int) -> bool:
+    """Whether ``namespace`` has ``at_least`` pods, each bound to a node."""
+    pods = kube.get(collection(POD, namespace))["items"]
+    return len(pods) >= at_least and all(p["spec"].get("nodeName") for p in pods)
+
+
 def test_stop_leaves_no_process_and_no_folder(kube: KubeAPIServer, namespace: str) -> None:
     """``stop()`` is bounded, kills every pod's processes (even one a command left in a
     session of its own) and removes the work folder; the API objects stay (another stand-in,
@@ -649,6 +655,9 @@ def test_stop_leaves_no_process_and_no_folder(kube: KubeAPIServer, namespace: st
         stand_in.create_warm_pool(namespace, "python", "python", replicas=1)
         name = new_claim(kube, namespace)
         sandbox = stand_in.wait_for_claim(namespace, name)["status"]["sandbox"]["name"]
+        # the pool's refill pod bound to this node before it stops (else the next node binds
+        # it, as a scheduler does, and runs it: a pod of its own, not one of the old node's)
+        kube.wait_for(lambda: _all_bound(kube, namespace, 2), what="the pool's refill bound")
         pids = [*stand_in.kubelet.processes(), escape(stand_in.pod_url(namespace, name))]
         assert len(pids) >= 3 and all(alive(p) for p in pids)
     finally:
