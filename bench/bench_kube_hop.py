@@ -18,11 +18,16 @@ argv without a shell: ours runs a string through bash, two more execs, about 1.2
   B  upstream's client -> the broker (HTTPS, ``Authorization: Bearer``) -> the runtime
   C  our client (``Sandbox.commands.run``) -> the broker -> the runtime
   D  our client's transport -> the runtime directly (``allow_insecure_http``)
+  F  upstream's client -> a relay that does nothing (bench/_floor_proxy.py: HTTPS, the same
+     certificate, no checks) -> the runtime: the floor of any process in the middle on this
+     machine, so that B / F is what the broker's own work adds above it
+  G  our client's transport -> that relay -> the runtime (C's floor: C / G)
 
 The eight paths are interleaved (``--rounds`` rounds, each ``n / rounds`` calls per path, the
 order rotating). Per call: wall time, the calling thread's CPU time (the client's own work:
 ``time.thread_time``; the client is synchronous, its work is on that thread) and, per batch,
-the broker process's CPU time over its calls (all its threads' ``schedstat`` run time, ns).
+the CPU time of the process in the middle (the broker's, the relay's) over its calls (all its
+threads' ``schedstat`` run time, ns).
 Goals (issue 29): the Kubernetes hop (B - A) <= the local hop + 10 %; B / A <= 1.3 on both;
 our client's CPU per call <= upstream's (C vs B, D vs A).
 
@@ -50,6 +55,7 @@ import contextlib
 import os
 import ssl
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +81,7 @@ from tests._support.kube import free_ports
 from tests._support.kube_broker import write_config
 
 TIMED_HOP = Path(__file__).with_name("_timed_hop.py")
+FLOOR_PROXY = Path(__file__).with_name("_floor_proxy.py")
 LOCAL_RUNTIME = (
     "{python} -m k8s_agent_sandbox_awx.broker.runtime --host {host} --port {port} "
     "--base-dir {base_dir}"
@@ -163,6 +170,22 @@ def _direct_env(cluster: Cluster, runtime: str) -> dict[str, str]:
     }
 
 
+def floor_proxy(
+    cluster: Cluster, stack: contextlib.ExitStack, runtime: str
+) -> tuple[str, subprocess.Popen[str]]:
+    """A relay that does nothing (bench/_floor_proxy.py) in its own process, HTTPS with the
+    brokers' certificate, in front of the ``runtime`` URL: its URL and its process."""
+    host, port = runtime.removeprefix("http://").rsplit(":", 1)
+    [listen] = free_ports(1)
+    argv = [sys.executable, str(FLOOR_PROXY), str(cluster.pki.cert_file)]
+    argv += [str(cluster.pki.key_file), str(listen), host, port]
+    proxy = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    stack.callback(proxy.wait, 30)
+    stack.callback(proxy.terminate)
+    assert proxy.stdout is not None and proxy.stdout.readline().strip() == "ready"
+    return f"https://127.0.0.1:{listen}", proxy
+
+
 class Paths:
     """The four paths (A-D) of one backend, on one sandbox of ``broker``."""
 
@@ -188,32 +211,59 @@ class Paths:
         up_direct, up_broker = upstream_paths(
             router.sandbox_id, router.namespace, runtime, broker.url, token, cluster.ca
         )
+        relay_url, relay = floor_proxy(cluster, stack, runtime)
+        _, up_floor = upstream_paths(
+            router.sandbox_id,
+            router.namespace,
+            runtime,
+            relay_url,
+            token,
+            cluster.ca,
+        )
         direct_client = BrokerSandboxClient(
             broker_url=runtime,
             allow_insecure_http=True,
             environ=_direct_env(cluster, runtime),
         )
+        relay_client = BrokerSandboxClient(
+            broker_url=relay_url,
+            environ=_direct_env(cluster, relay_url) | {"AGENT_SANDBOX_CA_BUNDLE": cluster.ca},
+        )
         stack.callback(direct_client.close)
+        stack.callback(relay_client.close)
         stack.callback(up_direct.close_connection)
         stack.callback(up_broker.close_connection)
+        stack.callback(up_floor.close_connection)
         ours_direct = Commands(direct_client._transport, router)
-        self.runs: dict[str, tuple[str, Callable[[], Any], bool]] = {
+        ours_relayed = Commands(relay_client._transport, router)
+        # per path: what it is, the call, the process in the middle whose CPU is counted
+        self.runs: dict[str, tuple[str, Callable[[], Any], int | None]] = {
             "A": (
                 "upstream client -> runtime (HTTP)",
                 lambda: up_direct.commands.run("true"),
-                False,
+                None,
             ),
             "B": (
                 "upstream client -> broker (HTTPS) -> runtime",
                 lambda: up_broker.commands.run("true"),
-                True,
+                broker.process.pid,
             ),
             "C": (
                 "our client -> broker (HTTPS) -> runtime",
                 lambda: ours.commands.run(["true"]),
-                True,
+                broker.process.pid,
             ),
-            "D": ("our client -> runtime (HTTP)", lambda: ours_direct.run(["true"]), False),
+            "D": ("our client -> runtime (HTTP)", lambda: ours_direct.run(["true"]), None),
+            "F": (
+                "upstream client -> a relay that does nothing (HTTPS) -> runtime",
+                lambda: up_floor.commands.run("true"),
+                relay.pid,
+            ),
+            "G": (
+                "our client -> a relay that does nothing (HTTPS) -> runtime",
+                lambda: ours_relayed.run(["true"]),
+                relay.pid,
+            ),
         }
         self.upstream_via_broker = self.runs["B"][1]
         if loop is not None:
@@ -263,22 +313,22 @@ class Paths:
             "aA": (
                 "async upstream client -> runtime (HTTP)",
                 on_loop(lambda: up_direct.commands.run("true")),
-                False,
+                None,
             ),
             "aB": (
                 "async upstream client -> broker -> runtime",
                 on_loop(lambda: up_broker.commands.run("true")),
-                True,
+                self.broker.process.pid,
             ),
             "aC": (
                 "async our client -> broker -> runtime",
                 on_loop(lambda: ours.commands.run(["true"])),
-                True,
+                self.broker.process.pid,
             ),
             "aD": (
                 "async our client -> runtime (HTTP)",
                 on_loop(lambda: ours_direct.run(["true"])),
-                False,
+                None,
             ),
         }
 
@@ -297,13 +347,15 @@ def _interleave(paths: list[Paths], n: int, rounds: int, warmup: int) -> dict[st
     for r in range(rounds):
         for p, key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             name, call = f"{p.label} {key}", p.runs[key][1]
-            before = process_cpu(p.broker.process.pid)
+            middle = p.runs[key][2]
+            before = process_cpu(middle) if middle else 0.0
             for _ in range(per_round):
                 c, t = time.thread_time(), time.perf_counter()
                 call()
                 wall[name].append(time.perf_counter() - t)
                 cpu[name].append(time.thread_time() - c)
-            broker_cpu[name] += process_cpu(p.broker.process.pid) - before
+            if middle:
+                broker_cpu[name] += process_cpu(middle) - before
     return {"wall": wall, "cpu": cpu, "broker": broker_cpu}
 
 
@@ -316,15 +368,16 @@ def _report(paths: list[Paths], got: dict[str, Any]) -> None:
     wall, cpu, broker = got["wall"], got["cpu"], got["broker"]
     med = {k: statistics.median(v) for k, v in wall.items()}
     ccpu = {k: statistics.median(v) for k, v in cpu.items()}
-    print("| backend | path | | median | p90 | vs A | client CPU | broker CPU |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| backend | path | | p25 | median | p75 | p90 | vs A | client CPU | middle's CPU |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for p in paths:
-        for key, (label, _, via) in p.runs.items():
+        for key, (label, _, middle) in p.runs.items():
             name = f"{p.label} {key}"
-            b = f"{broker[name] / len(wall[name]) * 1e6:.0f} µs" if via else "-"
+            b = f"{broker[name] / len(wall[name]) * 1e6:.0f} µs" if middle else "-"
             base = f"{p.label} {key[:-1]}A"  # aB's baseline: aA
             print(
-                f"| {p.label} | {key} | {label} | {med[name] * 1e3:.2f} ms | "
+                f"| {p.label} | {key} | {label} | {_p(wall[name], 0.25) * 1e3:.2f} ms | "
+                f"{med[name] * 1e3:.2f} ms | {_p(wall[name], 0.75) * 1e3:.2f} ms | "
                 f"{_p(wall[name], 0.9) * 1e3:.2f} ms | {med[name] / med[base]:.2f}x | "
                 f"{ccpu[name] * 1e6:.0f} µs | {b} |"
             )
@@ -340,6 +393,14 @@ def _report(paths: list[Paths], got: dict[str, Any]) -> None:
             f"request {broker[f'{k} B'] / len(wall[f'{k} B']) * 1e6:.0f} µs (B), "
             f"{broker[f'{k} C'] / len(wall[f'{k} C']) * 1e6:.0f} µs (C)"
         )
+        for via, relayed, direct in (("B", "F", "A"), ("C", "G", "D")):
+            v, r, d = (f"{k} {x}" for x in (via, relayed, direct))
+            print(
+                f"{k}: a relay that does nothing / direct: {relayed} / {direct} "
+                f"{med[r] / med[d]:.2f}x; the broker / that relay: {via} / {relayed} "
+                f"{med[v] / med[r]:.2f}x ({(med[v] - med[r]) * 1e3:+.2f} ms); the relay's CPU "
+                f"per request {broker[r] / len(wall[r]) * 1e6:.0f} µs"
+            )
         for a in ("", "a") if f"{k} aA" in ccpu else ("",):
             print(
                 f"{k}: {'async: ' if a else ''}our client's CPU / upstream's: via the broker "
