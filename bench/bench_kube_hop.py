@@ -23,7 +23,7 @@ argv without a shell: ours runs a string through bash, two more execs, about 1.2
      machine, so that B / F is what the broker's own work adds above it
   G  our client's transport -> that relay -> the runtime (C's floor: C / G)
 
-The eight paths are interleaved (``--rounds`` rounds, each ``n / rounds`` calls per path, the
+The paths are interleaved (``--rounds`` rounds, each ``n / rounds`` calls per path, the
 order rotating). Per call: wall time, the calling thread's CPU time (the client's own work:
 ``time.thread_time``; the client is synchronous, its work is on that thread) and, per batch,
 the CPU time of the process in the middle (the broker's, the relay's) over its calls (all its
@@ -187,7 +187,7 @@ def floor_proxy(
 
 
 class Paths:
-    """The four paths (A-D) of one backend, on one sandbox of ``broker``."""
+    """The paths (A-D, F, G) of one backend, on one sandbox of ``broker``."""
 
     def __init__(
         self,
